@@ -1,0 +1,618 @@
+"""The BERT model: config, encoder and pretraining heads, exact to Google's reference.
+
+This module owns the network and nothing else: `BertConfig` (a frozen dataclass with the fields of
+Google's `bert_config.json` plus our performance options), the embeddings, self-attention,
+feed-forward, the encoder over L layers (optionally through `nn.scan` and `nn.remat`), the pooler,
+and the pretraining heads (masked LM tied to the word embeddings, next-sentence prediction).
+
+Numerics: parameters are created in `param_dtype` (float32); matmuls run in the compute `dtype`
+(bfloat16 on accelerators); LayerNorm, the attention softmax and all logits are float32.
+
+Every parameter carries logical axis names (see `bert_jax.sharding` for the rule table); without a
+mesh the names are inert and the model runs unsharded.
+
+This module must not import tensorflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "gelu_new", "relu")
+ATTENTION_IMPLS = ("einsum", "dot_product")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Model hyper-parameters.
+
+    The first block of fields is Google's `bert_config.json` (same names, same meaning, except that
+    `hidden_act="gelu"` here means the exact erf GELU as in HuggingFace; Google's TF1 "gelu" is our
+    `"gelu_tanh"`, and `from_json_file` maps it when it reads a Google file). The second block is ours.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    # --- ours ---
+    dtype: str = "float32"  # compute dtype of matmuls and activations ("bfloat16" on accelerators)
+    param_dtype: str = "float32"  # storage dtype of parameters
+    layer_norm_eps: float = 1e-12
+    scan_layers: bool = False  # nn.scan over layers: compile time flat in depth
+    remat_policy: str = "none"  # none | full | dots | dots_no_batch (what each layer saves for backprop)
+    attention_impl: str = "einsum"  # einsum (float32 softmax) | dot_product (jax.nn.dot_product_attention)
+    vocab_pad_multiple: int = 128  # pad the MLM decoder matmul's vocab dim (parameters keep the real size)
+    causal_attention: bool = False  # left-to-right encoder (the paper's Table 5 "LTR" ablation)
+
+    def __post_init__(self):
+        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size", "max_position_embeddings", "type_vocab_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"BertConfig.{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"BertConfig.hidden_size ({self.hidden_size}) must be divisible by "
+                f"BertConfig.num_attention_heads ({self.num_attention_heads})")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"BertConfig.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"BertConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"BertConfig.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"BertConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"BertConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.vocab_pad_multiple < 1:
+            raise ValueError(f"BertConfig.vocab_pad_multiple must be >= 1, got {self.vocab_pad_multiple}")
+
+    # --- derived ---
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.vocab_pad_multiple
+        return -(-self.vocab_size // m) * m
+
+    def replace(self, **changes) -> "BertConfig":
+        return dataclasses.replace(self, **changes)
+
+    # --- files ---
+    @classmethod
+    def from_dict(cls, d: dict, *, google_format: bool = False, **overrides) -> "BertConfig":
+        """Builds a config from a dict of hyper-parameters; unknown keys are ignored.
+
+        Args:
+          d: Google's `bert_config.json`, HF's `config.json` or our own `to_dict()`, parsed.
+          google_format: read `hidden_act="gelu"` in Google's TF1 meaning (the tanh approximation,
+            our `"gelu_tanh"`) instead of ours and HF's (exact erf).
+          **overrides: fields applied last (dtype, scan_layers, ...).
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: d[k] for k in names if k in d}
+        if google_format and kwargs.get("hidden_act") == "gelu":
+            kwargs["hidden_act"] = "gelu_tanh"
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json_file(cls, path, *, google_format: Optional[bool] = None, **overrides) -> "BertConfig":
+        """Reads Google's `bert_config.json`, HF's `config.json` or ours (extra keys ignored).
+
+        `google_format=None` tells them apart: HF's files carry `model_type`, ours carry
+        `"bert_jax": true`; anything else is Google's, whose `"gelu"` is the tanh approximation.
+        """
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: expected a JSON object of model hyper-parameters")
+        if google_format is None:
+            google_format = not ("model_type" in d or d.get("bert_jax", False))
+        try:
+            return cls.from_dict(d, google_format=google_format, **overrides)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    def to_dict(self) -> dict:
+        """Our fields in our meaning, marked so that `from_json_file` reads them back exactly."""
+        return {**dataclasses.asdict(self), "bert_jax": True}
+
+    def to_json_file(self, path) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def activation_fn(name: str) -> Callable[[Array], Array]:
+    """`gelu` is the exact erf form (HF); `gelu_tanh`/`gelu_new` the tanh form (Google TF1's "gelu")."""
+    if name == "gelu":
+        return functools.partial(jax.nn.gelu, approximate=False)
+    if name in ("gelu_tanh", "gelu_new"):
+        return functools.partial(jax.nn.gelu, approximate=True)
+    if name == "relu":
+        return jax.nn.relu
+    raise ValueError(f"unknown hidden_act {name!r}; expected one of {ACTIVATIONS}")
+
+
+def _kernel_init(config: BertConfig, names: tuple):
+    # Google: tf.truncated_normal_initializer(stddev=initializer_range), cut at 2 stddev.
+    return nn.with_logical_partitioning(
+        nn.initializers.truncated_normal(stddev=config.initializer_range), names)
+
+
+def _zeros(names: tuple):
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+def _ones(names: tuple):
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm computed in float32 whatever the compute dtype; output cast back to `dtype`.
+
+    Two-pass variance (mean of squared deviations), as in Google's `tf.nn.moments`, rather than
+    E[x^2] - E[x]^2, which loses precision when the mean is large.
+    """
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        scale = self.param("scale", _ones(("embed",)), (x.shape[-1],), cfg.params_dtype)
+        bias = self.param("bias", _zeros(("embed",)), (x.shape[-1],), cfg.params_dtype)
+        x = x.astype(jnp.float32)
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + cfg.layer_norm_eps)
+        y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+        return y.astype(cfg.compute_dtype)
+
+
+def _dense(config: BertConfig, features, names: tuple, name: str, axis=-1):
+    return nn.DenseGeneral(
+        features=features,
+        axis=axis,
+        dtype=config.compute_dtype,
+        param_dtype=config.params_dtype,
+        kernel_init=_kernel_init(config, names),
+        bias_init=_zeros(names[-1:] if isinstance(features, int) else names[-len(features):]),
+        name=name,
+    )
+
+
+class Embeddings(nn.Module):
+    """Word + learned position + token-type (segment) embeddings, LayerNorm, dropout."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, input_ids: Array, segment_ids: Array, position_ids: Array,
+                 deterministic: bool) -> Array:
+        cfg = self.config
+        word = self.param("word_embeddings", _kernel_init(cfg, ("vocab", "embed")),
+                          (cfg.vocab_size, cfg.hidden_size), cfg.params_dtype)
+        position = self.param("position_embeddings", _kernel_init(cfg, ("position", "embed")),
+                              (cfg.max_position_embeddings, cfg.hidden_size), cfg.params_dtype)
+        token_type = self.param("token_type_embeddings", _kernel_init(cfg, ("type_vocab", "embed")),
+                                (cfg.type_vocab_size, cfg.hidden_size), cfg.params_dtype)
+        # Gathers: [batch, length, hidden] each.
+        x = (jnp.take(word, input_ids, axis=0) + jnp.take(position, position_ids, axis=0)
+             + jnp.take(token_type, segment_ids, axis=0))
+        x = LayerNorm(cfg, name="LayerNorm")(x)
+        x = nn.Dropout(rate=cfg.hidden_dropout_prob)(x, deterministic=deterministic)
+        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+def make_attention_mask(input_mask: Array, pack_ids: Optional[Array] = None,
+                        causal: bool = False) -> Array:
+    """Boolean attention mask `[batch, 1, query, key]`.
+
+    Args:
+      input_mask: `[batch, length]`, 1 for real tokens and 0 for padding. As in Google's reference,
+        masking is on keys only: a padding query still attends to the real keys.
+      pack_ids: optional `[batch, length]` id of the packed sequence each token belongs to
+        (1, 2, ... and 0 for padding). Tokens attend only within their own sequence.
+      causal: also forbid attending to later positions (left-to-right model).
+    """
+    keys = input_mask.astype(bool)[:, None, None, :]  # [batch, 1, 1, key]
+    mask = keys
+    if pack_ids is not None:
+        same = pack_ids[:, :, None] == pack_ids[:, None, :]  # [batch, query, key]
+        mask = jnp.logical_and(mask, same[:, None, :, :])
+    if causal:
+        length = input_mask.shape[-1]
+        tril = jnp.tril(jnp.ones((length, length), dtype=bool))  # [query, key]
+        mask = jnp.logical_and(mask, tril[None, None])
+    return mask
+
+
+def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
+              dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
+    """Scaled dot-product attention with a boolean mask; the softmax runs in float32.
+
+    Args:
+      query, key, value: `[batch, length, heads, head_dim]`.
+      mask: boolean, broadcastable to `[batch, heads, query, key]`.
+      impl: "einsum" (explicit einsum + float32 softmax) or "dot_product"
+        (`jax.nn.dot_product_attention`, cuDNN fused attention on GPUs where it applies).
+      dropout_rate, dropout_rng: dropout on the attention probabilities (einsum only).
+
+    Masked logits get a large negative finite value (not -inf), so a fully padded row yields
+    uniform weights instead of NaN.
+    """
+    head_dim = query.shape[-1]
+    scale = 1.0 / np.sqrt(head_dim)
+    if impl == "dot_product":
+        if dropout_rate > 0.0 and dropout_rng is not None:
+            raise ValueError(
+                "attention_impl='dot_product' has no attention-probability dropout: set "
+                "attention_probs_dropout_prob=0 or attention_impl='einsum' for training")
+        mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
+        return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale)
+    # [batch, heads, query, key], accumulated and kept in float32.
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+    logits = logits * scale
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+    probs = probs.astype(value.dtype)
+    # [batch, query, heads, head_dim]
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, value)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention + output projection + dropout + residual + LayerNorm (post-LN)."""
+
+    config: BertConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array) -> Array:
+        cfg = self.config
+        heads, head_dim = cfg.num_attention_heads, cfg.head_dim
+        qkv_names = ("embed", "heads", "kv")
+        # Each: [batch, length, heads, head_dim]
+        q = _dense(cfg, (heads, head_dim), qkv_names, "query")(x)
+        k = _dense(cfg, (heads, head_dim), qkv_names, "key")(x)
+        v = _dense(cfg, (heads, head_dim), qkv_names, "value")(x)
+        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
+        k = nn.with_logical_constraint(k, ("batch", "length", "heads", "kv"))
+        v = nn.with_logical_constraint(v, ("batch", "length", "heads", "kv"))
+        train_dropout = not self.deterministic and cfg.attention_probs_dropout_prob > 0.0
+        ctx = attention(q, k, v, mask, impl=cfg.attention_impl,
+                        dropout_rate=cfg.attention_probs_dropout_prob,
+                        dropout_rng=self.make_rng("dropout") if train_dropout else None)
+        # [batch, length, heads, head_dim] -> [batch, length, hidden]
+        out = nn.DenseGeneral(
+            features=cfg.hidden_size, axis=(-2, -1), dtype=cfg.compute_dtype,
+            param_dtype=cfg.params_dtype,
+            kernel_init=_kernel_init(cfg, ("heads", "kv", "embed")),
+            bias_init=_zeros(("embed",)), name="output")(ctx)
+        out = nn.Dropout(rate=cfg.hidden_dropout_prob)(out, deterministic=self.deterministic)
+        return LayerNorm(cfg, name="output_norm")(out + x)
+
+
+class FeedForward(nn.Module):
+    """Dense(intermediate) + activation + Dense(hidden) + dropout + residual + LayerNorm."""
+
+    config: BertConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        h = _dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate")(x)
+        h = activation_fn(cfg.hidden_act)(h)
+        h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
+        out = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output")(h)
+        out = nn.Dropout(rate=cfg.hidden_dropout_prob)(out, deterministic=self.deterministic)
+        return LayerNorm(cfg, name="output_norm")(out + x)
+
+
+class EncoderLayer(nn.Module):
+    """One post-LayerNorm transformer block. Returns `(x, x)` so it can be the body of `nn.scan`."""
+
+    config: BertConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array):
+        x = SelfAttention(self.config, self.deterministic, name="attention")(x, mask)
+        x = FeedForward(self.config, self.deterministic, name="ffn")(x)
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        return x, x
+
+
+def _remat_policy(name: str):
+    return {
+        "full": None,  # save nothing: recompute the whole layer in the backward pass
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    }[name]
+
+
+class Encoder(nn.Module):
+    """L encoder layers; through `nn.scan` (params stacked on a leading "layers" axis) or unrolled.
+
+    Returns the final hidden states and, stacked `[layers, batch, length, hidden]`, each layer's output.
+    """
+
+    config: BertConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array):
+        cfg = self.config
+        layer_cls = EncoderLayer
+        if cfg.remat_policy != "none":
+            layer_cls = nn.remat(layer_cls, policy=_remat_policy(cfg.remat_policy),
+                                 prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            scanned = nn.scan(
+                layer_cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=nn.broadcast,
+                length=cfg.num_hidden_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, states = scanned(cfg, self.deterministic, name="layers")(x, mask)
+            return x, states
+        states = []
+        for i in range(cfg.num_hidden_layers):
+            x, _ = layer_cls(cfg, self.deterministic, name=f"layer_{i}")(x, mask)
+            states.append(x)
+        return x, jnp.stack(states)
+
+
+class Pooler(nn.Module):
+    """Dense + tanh on the hidden state of the [CLS] token (or of given positions, for packing)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, sequence_output: Array, cls_positions: Optional[Array] = None) -> Array:
+        cfg = self.config
+        if cls_positions is None:
+            first = sequence_output[:, 0]  # [batch, hidden]
+        else:
+            # [batch, num_seqs, hidden]
+            first = jnp.take_along_axis(sequence_output, cls_positions[..., None], axis=1)
+        pooled = _dense(cfg, cfg.hidden_size, ("embed", "mlp"), "dense")(first)
+        return jnp.tanh(pooled.astype(jnp.float32)).astype(cfg.compute_dtype)
+
+
+@dataclasses.dataclass
+class BertOutput:
+    sequence_output: Array  # [batch, length, hidden], the last layer
+    pooled_output: Array  # [batch, hidden] (or [batch, num_seqs, hidden] with cls_positions)
+    hidden_states: Optional[Array] = None  # [layers + 1, batch, length, hidden]: embeddings, each layer
+
+
+jax.tree_util.register_dataclass(
+    BertOutput, data_fields=["sequence_output", "pooled_output", "hidden_states"], meta_fields=[])
+
+
+def _default_inputs(input_ids, input_mask, segment_ids, position_ids):
+    if input_mask is None:
+        input_mask = jnp.ones_like(input_ids)
+    if segment_ids is None:
+        segment_ids = jnp.zeros_like(input_ids)
+    if position_ids is None:
+        position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
+    return input_mask, segment_ids, position_ids
+
+
+class BertModel(nn.Module):
+    """The BERT encoder with its pooler.
+
+    Inputs are `[batch, length]` int arrays with Google's names: `input_ids`, `input_mask` (1 real,
+    0 padding), `segment_ids` (token types). Packed rows also give `position_ids` (restarting at each
+    sequence), `pack_ids` (which sequence each token belongs to) and `cls_positions`.
+    """
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, input_ids: Array, input_mask: Optional[Array] = None,
+                 segment_ids: Optional[Array] = None, position_ids: Optional[Array] = None,
+                 pack_ids: Optional[Array] = None, cls_positions: Optional[Array] = None, *,
+                 deterministic: bool = True, output_hidden_states: bool = False) -> BertOutput:
+        cfg = self.config
+        if input_ids.shape[-1] > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {input_ids.shape[-1]} exceeds "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        input_mask, segment_ids, position_ids = _default_inputs(
+            input_ids, input_mask, segment_ids, position_ids)
+        x = Embeddings(cfg, name="embeddings")(input_ids, segment_ids, position_ids, deterministic)
+        mask = make_attention_mask(input_mask, pack_ids, cfg.causal_attention)
+        seq, states = Encoder(cfg, deterministic, name="encoder")(x, mask)
+        pooled = Pooler(cfg, name="pooler")(seq, cls_positions)
+        hidden = jnp.concatenate([x[None], states]) if output_hidden_states else None
+        return BertOutput(sequence_output=seq, pooled_output=pooled, hidden_states=hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pretraining heads
+# ---------------------------------------------------------------------------------------------
+
+
+def gather_positions(sequence: Array, positions: Array) -> Array:
+    """`[batch, length, hidden]` at `[batch, num_positions]` -> `[batch, num_positions, hidden]`."""
+    return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
+
+
+class MlmHead(nn.Module):
+    """Masked-LM head: transform (dense + activation + LayerNorm), then the decoder tied to the
+    word-embedding matrix plus an output bias; float32 logits over the real vocabulary.
+
+    It is applied to the gathered masked positions only, so the vocabulary projection costs
+    `num_predictions`, not `length`, rows.
+    """
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x: Array, word_embeddings: Array) -> Array:
+        cfg = self.config
+        h = _dense(cfg, cfg.hidden_size, ("embed", "mlp"), "transform")(x)
+        h = activation_fn(cfg.hidden_act)(h)
+        h = LayerNorm(cfg, name="transform_norm")(h)
+        bias = self.param("output_bias", _zeros(("vocab",)), (cfg.vocab_size,), cfg.params_dtype)
+        pad = cfg.padded_vocab_size - cfg.vocab_size
+        # The decoder matmul runs on a vocab dim padded to a multiple of vocab_pad_multiple (faster
+        # tiles); the parameters keep the real size so checkpoints and counts are exact.
+        emb = jnp.pad(word_embeddings, ((0, pad), (0, 0))).astype(cfg.compute_dtype)  # [vocab_p, hidden]
+        # [batch, predictions, vocab_p]
+        logits = jnp.einsum("bph,vh->bpv", h, emb, preferred_element_type=jnp.float32)
+        logits = logits[..., :cfg.vocab_size] + bias.astype(jnp.float32)
+        return logits
+
+
+class NspHead(nn.Module):
+    """Next-sentence prediction: a 2-way classifier on the pooled output (label 1 = random next)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, pooled: Array) -> Array:
+        cfg = self.config
+        logits = nn.Dense(2, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+                          kernel_init=_kernel_init(cfg, ("embed", "classes")),
+                          bias_init=_zeros(("classes",)), name="dense")(pooled)
+        return logits.astype(jnp.float32)
+
+
+@dataclasses.dataclass
+class PreTrainingOutput:
+    mlm_logits: Array  # [batch, max_predictions, vocab_size], float32
+    nsp_logits: Array  # [batch, 2] (or [batch, num_seqs, 2] when packed), float32
+    sequence_output: Array
+    pooled_output: Array
+
+
+jax.tree_util.register_dataclass(
+    PreTrainingOutput, data_fields=["mlm_logits", "nsp_logits", "sequence_output", "pooled_output"],
+    meta_fields=[])
+
+
+class BertForPreTraining(nn.Module):
+    """`BertModel` + masked-LM head at `masked_lm_positions` + NSP head."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, input_ids: Array, input_mask: Array, segment_ids: Array,
+                 masked_lm_positions: Array, position_ids: Optional[Array] = None,
+                 pack_ids: Optional[Array] = None, cls_positions: Optional[Array] = None, *,
+                 deterministic: bool = True) -> PreTrainingOutput:
+        cfg = self.config
+        out = BertModel(cfg, name="bert")(
+            input_ids, input_mask, segment_ids, position_ids, pack_ids, cls_positions,
+            deterministic=deterministic)
+        word_embeddings = self.variables["params"]["bert"]["embeddings"]["word_embeddings"]
+        word_embeddings = nn.meta.unbox(word_embeddings)
+        masked = gather_positions(out.sequence_output, masked_lm_positions)  # [batch, preds, hidden]
+        mlm_logits = MlmHead(cfg, name="mlm")(masked, word_embeddings)
+        nsp_logits = NspHead(cfg, name="nsp")(out.pooled_output)
+        return PreTrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits,
+                                 sequence_output=out.sequence_output,
+                                 pooled_output=out.pooled_output)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter utilities
+# ---------------------------------------------------------------------------------------------
+
+
+def count_params(params: Any) -> int:
+    """Number of scalar parameters in a (possibly boxed) parameter tree."""
+    leaves = jax.tree_util.tree_leaves(nn.meta.unbox(params))
+    return int(sum(np.prod(x.shape) for x in leaves))
+
+
+def dummy_inputs(config: BertConfig, batch: int = 1, length: int = 8, predictions: int = 2) -> dict:
+    """Small int32 inputs for `init` / `eval_shape`."""
+    del config
+    ids = jnp.zeros((batch, length), jnp.int32)
+    return dict(input_ids=ids, input_mask=jnp.ones_like(ids), segment_ids=ids,
+                masked_lm_positions=jnp.zeros((batch, predictions), jnp.int32))
+
+
+def _encoder_params(params: dict) -> tuple[dict, dict]:
+    """Returns (the dict that holds "encoder", the encoder dict) for a BertModel or pretraining tree."""
+    holder = params["bert"] if "bert" in params else params
+    return holder, holder["encoder"]
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """Unrolled (`encoder/layer_{i}`) parameters -> scanned (`encoder/layers`, leading layer axis)."""
+    params = jax.tree_util.tree_map(lambda x: x, nn.meta.unbox(params))  # shallow copy of the dicts
+    holder, enc = _encoder_params(params)
+    layers = [enc[f"layer_{i}"] for i in range(num_layers)]
+    holder["encoder"] = {"layers": jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)}
+    return params
+
+
+def unstack_layers(params: dict) -> dict:
+    """Scanned parameters (`encoder/layers`) -> unrolled (`encoder/layer_{i}`)."""
+    params = jax.tree_util.tree_map(lambda x: x, nn.meta.unbox(params))
+    holder, enc = _encoder_params(params)
+    stacked = enc["layers"]
+    num_layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+    holder["encoder"] = {
+        f"layer_{i}": jax.tree_util.tree_map(lambda x, i=i: x[i], stacked) for i in range(num_layers)}
+    return params
