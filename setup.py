@@ -1,0 +1,43 @@
+"""bert_jax: BERT in JAX/Flax, from one CPU to a TPU pod."""
+
+from setuptools import find_packages, setup
+
+# Lower bounds are the versions the test suite runs against (see README: tested versions).
+INSTALL_REQUIRES = [
+    "jax>=0.10.2",
+    "flax>=0.12.0",
+    "optax>=0.2.8",
+    "orbax-checkpoint>=0.12.8",
+    "numpy>=2.0",
+    "ml-collections>=1.1.0",
+    "absl-py>=2.1",
+    "clu>=0.0.12",
+    "tqdm>=4.66",
+    "safetensors>=0.4",
+    "sentencepiece>=0.2.0",
+    "tokenizers>=0.20",  # the fast WordPiece batch path (identical ids to FullTokenizer)
+    "tensorflow-cpu>=2.21; platform_machine=='x86_64' and sys_platform=='linux'",
+    "tensorflow>=2.21; platform_machine!='x86_64' or sys_platform!='linux'",
+    "tensorflow-datasets>=4.9.8",
+]
+
+EXTRAS = {
+    # transformers<5 still ships FlaxBertForPreTraining: the independent reference of the parity tests.
+    "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "transformers>=4.45,<5"],
+    "gpu": ["jax[cuda12]>=0.10.2"],
+    "tpu": ["jax[tpu]>=0.10.2"],
+}
+
+setup(
+    name="bert_jax",
+    version="0.1.0",
+    description="BERT (Devlin et al. 2018) in JAX/Flax: exact to the reference, CPU to TPU pod.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["bert_jax", "bert_jax.*", "data_pipeline", "data_pipeline.*",
+                                    "configs"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)
