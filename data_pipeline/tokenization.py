@@ -485,20 +485,23 @@ class _UnicodeTables(NamedTuple):
 def _unicode_tables() -> _UnicodeTables:
     """Whole-string equivalents of the per-character rules, for non-ASCII text.
 
-    Built once (about half a second) from a scan of every code point through the same predicates
-    the plain path uses, so both paths agree on every character of this Python's Unicode version.
+    Built once (half a second) from a scan of every code point through the same predicates the
+    plain path uses, so both paths agree on every character of this Python's Unicode version.
     """
     dropped: Dict[int, None] = {}
     marks: Dict[int, None] = {}
     punct: List[int] = []
-    for cp in range(sys.maxunicode + 1):
-        char = chr(cp)
-        category = unicodedata.category(char)
-        if _is_dropped(char):
-            dropped[cp] = None
-        if category == "Mn":
+    # One C-speed pass for the categories; the predicates then run only on candidates (a
+    # superset of what they accept), which keeps them the single definition of each rule.
+    categories = list(map(unicodedata.category, map(chr, range(sys.maxunicode + 1))))
+    for cp, category in enumerate(categories):
+        first = category[0]
+        if first == "C" or cp == 0xFFFD:
+            if _is_dropped(chr(cp)):
+                dropped[cp] = None
+        elif category == "Mn":
             marks[cp] = None
-        if _is_punctuation(char):
+        elif (first == "P" or cp < 128) and _is_punctuation(chr(cp)):
             punct.append(cp)
     punct_class = _char_class(_ranges(punct))
     return _UnicodeTables(dropped=dropped, dropped_re=re.compile(_char_class(_ranges(dropped))),
