@@ -9,9 +9,12 @@ This module owns everything that turns raw text into WordPiece tokens and ids:
   against, so it favours being obviously right over being fast.
 * `FullTokenizer.tokenize_with_offsets`: the same tokens plus, for each one, the `(start, end)`
   character span it came from in the original text (SQuAD answer mapping, NER label alignment).
-* `FastTokenizer`: a batch path with identical ids, many times faster (see `benchmarks/`).
+* `FastBasicTokenizer`, `FastTokenizer`: the same tokens and ids, 20-30 times faster once
+  warm, by memoizing whitespace-delimited chunks (see `_ChunkMemoTokenizer` for why that is
+  exact, and benchmarks/RESULTS.md for the numbers).
 * `SentencePieceTokenizer`: a trained SentencePiece `.model` behind the same API, for users who
-  want an ALBERT/multilingual style tokenizer instead of a WordPiece `vocab.txt`.
+  want an ALBERT/multilingual style tokenizer instead of a WordPiece `vocab.txt`;
+  `create_tokenizer` picks between the two by file name.
 
 Nothing here imports jax or bert_jax.
 """
@@ -61,7 +64,13 @@ def load_vocab(vocab_file: str) -> "collections.OrderedDict[str, int]":
     As in Google's loader, a token repeated on a later line takes that later id.
     """
     vocab: "collections.OrderedDict[str, int]" = collections.OrderedDict()
-    with open(vocab_file, "rb") as reader:
+    if "://" in vocab_file:  # gs:// and other remote file systems, as Google's loader allows.
+        import tensorflow as tf
+
+        reader = tf.io.gfile.GFile(vocab_file, "rb")
+    else:
+        reader = open(vocab_file, "rb")
+    with reader:
         for index, line in enumerate(reader):
             vocab[convert_to_unicode(line).strip()] = index
     return vocab
@@ -559,16 +568,21 @@ def _chunk_text(text: str) -> List[str]:
 
 
 class _Memo(dict):
-    """A dict that computes and (up to `limit` entries) stores missing values."""
+    """A dict that computes missing values and stores up to `limit` of them.
 
-    def __init__(self, compute, limit: int):
+    Keys longer than `max_key_chars` are computed every time: they are rarely repeated (long
+    URLs, base64 blobs, a 1 MB "word") and would hold memory for nothing.
+    """
+
+    def __init__(self, compute, limit: int, max_key_chars: int = 256):
         super().__init__()
         self._compute = compute
         self._limit = limit
+        self._max_key_chars = max_key_chars
 
     def __missing__(self, key):
         value = self._compute(key)
-        if len(self) < self._limit:
+        if len(self) < self._limit and len(key) <= self._max_key_chars:
             self[key] = value
         return value
 
@@ -627,7 +641,7 @@ class FastBasicTokenizer(_ChunkMemoTokenizer):
     """
 
     def __init__(self, do_lower_case: bool = True, keep_special_tokens: bool = False,
-                 cache_size: int = 2_000_000):
+                 cache_size: int = 500_000):
         """Constructs a FastBasicTokenizer.
 
         Args:
@@ -686,15 +700,16 @@ class FastTokenizer(_ChunkMemoTokenizer):
     """
 
     def __init__(self, vocab_file: str, do_lower_case: bool = True,
-                 keep_special_tokens: bool = False, cache_size: int = 2_000_000):
+                 keep_special_tokens: bool = False, cache_size: int = 500_000):
         """Constructs a FastTokenizer.
 
         Args:
           vocab_file: WordPiece vocab.txt.
           do_lower_case: as in `FullTokenizer`.
           keep_special_tokens: as in `FullTokenizer`.
-          cache_size: most chunks (and, separately, words) memoized; bounds memory to roughly
-            a few hundred bytes per entry. Past it, new chunks are computed every time.
+          cache_size: most chunks (and, separately, words) memoized, about 150 bytes each;
+            past it, new chunks are computed every time. Natural text's frequent chunks fit
+            well within the default.
         """
         self.vocab = load_vocab(vocab_file)
         self.inv_vocab = {index: token for token, index in self.vocab.items()}
@@ -717,7 +732,8 @@ class FastTokenizer(_ChunkMemoTokenizer):
         return tuple(pieces)
 
     def _encode_chunk(self, chunk: str) -> Tuple[int, ...]:
-        return tuple(self.vocab[token] for token in self._chunk_tokens[chunk])
+        # Not through the token memo: batches of ids should not pay memory for strings too.
+        return tuple(self.vocab[token] for token in self._tokenize_chunk(chunk))
 
     def _special_token(self, token: str) -> str:
         # A kept special token is a whole vocabulary entry, never word-pieced.

@@ -297,7 +297,11 @@ def test_fast_basic_equals_plain_on_every_bmp_character(lower):
     lines = _char_probe_lines(code_points)
     plain = tok.BasicTokenizer(do_lower_case=lower)
     fast = tok.FastBasicTokenizer(do_lower_case=lower)
-    assert fast.tokenize_batch(lines) == [plain.tokenize(line) for line in lines]
+    expected = [plain.tokenize(line) for line in lines]
+    assert fast.tokenize_batch(lines) == expected
+    # The offsets path re-implements the rules on (char, span) triples; same tokens.
+    for line, tokens in zip(lines[::4], expected[::4]):
+        assert plain.tokenize_with_offsets(line)[0] == tokens
 
 
 # --- real corpora and vocabularies (optional) -------------------------------------------------
