@@ -41,7 +41,7 @@ from absl import app, flags, logging
 from data_pipeline import tokenization
 
 GOOGLE_VOCAB_SIZE = 30522
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _SPM_WORD_START = "\u2581"  # SentencePiece's word-boundary marker "▁".
 _READ_BATCH_LINES = 10_000
 
@@ -141,7 +141,7 @@ def reserved_tokens(vocab_size: int) -> List[str]:
     if vocab_size == GOOGLE_VOCAB_SIZE:
         return (["[PAD]"] + [f"[unused{i}]" for i in range(99)]
                 + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"[unused{i}]" for i in range(99, 994)])
-    return list(SPECIAL_TOKENS)
+    return list(BERT_SPECIAL_TOKENS)
 
 
 def _char_counts(word_counts: "collections.Counter[str]") -> "collections.Counter[str]":
@@ -181,7 +181,7 @@ def _train_sentencepiece(word_counts: Sequence[Tuple[str, int]], model_prefix: s
 
 def _to_wordpiece(piece: str) -> Optional[str]:
     """SentencePiece piece -> WordPiece entry ("▁ab" -> "ab", "ab" -> "##ab"), or None."""
-    if piece in SPECIAL_TOKENS or piece in tokenization.SPECIAL_TOKENS:
+    if piece in BERT_SPECIAL_TOKENS:
         return None
     if piece.startswith(_SPM_WORD_START):
         piece = piece[1:]
