@@ -33,6 +33,12 @@ ATTENTION_IMPLS = ("einsum", "dot_product")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16", "float16")
 
+# Logical names of activations (distinct from the parameters' names: the batch of activations is
+# sharded over (data, fsdp), so their hidden dimension must not also be sharded over fsdp).
+ACT_EMBED = ("activation_batch", "activation_length", "activation_embed")
+ACT_HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+ACT_MLP = ("activation_batch", "activation_length", "activation_mlp")
+
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -219,16 +225,39 @@ class LayerNorm(nn.Module):
         return y.astype(cfg.compute_dtype)
 
 
-def _dense(config: BertConfig, features, names: tuple, name: str, axis=-1):
-    return nn.DenseGeneral(
-        features=features,
-        axis=axis,
-        dtype=config.compute_dtype,
-        param_dtype=config.params_dtype,
-        kernel_init=_kernel_init(config, names),
-        bias_init=_zeros(names[-1:] if isinstance(features, int) else names[-len(features):]),
-        name=name,
-    )
+class Dense(nn.Module):
+    """`y = x @ kernel + bias` contracting the trailing `len(in_shape)` axes of x.
+
+    Parameters are created at their true (multi-axis) shapes so that logical axis names line up
+    with the dimensions, e.g. the query kernel is `[hidden, heads, head_dim]`.
+    """
+
+    config: BertConfig
+    in_shape: tuple
+    out_shape: tuple
+    names: tuple  # logical names of kernel dims: in_shape's then out_shape's
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        kernel = self.param("kernel", _kernel_init(cfg, self.names), self.in_shape + self.out_shape,
+                            cfg.params_dtype)
+        bias = self.param("bias", _zeros(self.names[len(self.in_shape):]), self.out_shape,
+                          cfg.params_dtype)
+        n_in = len(self.in_shape)
+        x = x.astype(cfg.compute_dtype)
+        # Contract x's last n_in axes with the kernel's first n_in axes.
+        y = jax.lax.dot_general(
+            x, kernel.astype(cfg.compute_dtype),
+            ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+        return y + bias.astype(cfg.compute_dtype)
+
+
+def _dense(config: BertConfig, features, names: tuple, name: str) -> Dense:
+    """A dense layer from `hidden_size` (or `names`' first dim) to `features` (int or tuple)."""
+    out_shape = (features,) if isinstance(features, int) else tuple(features)
+    in_dim = {"embed": config.hidden_size, "mlp": config.intermediate_size}[names[0]]
+    return Dense(config, (in_dim,), out_shape, names, name=name)
 
 
 class Embeddings(nn.Module):
@@ -251,7 +280,7 @@ class Embeddings(nn.Module):
              + jnp.take(token_type, segment_ids, axis=0))
         x = LayerNorm(cfg, name="LayerNorm")(x)
         x = nn.Dropout(rate=cfg.hidden_dropout_prob)(x, deterministic=deterministic)
-        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        return nn.with_logical_constraint(x, ACT_EMBED)
 
 
 def make_attention_mask(input_mask: Array, pack_ids: Optional[Array] = None,
@@ -328,19 +357,16 @@ class SelfAttention(nn.Module):
         q = _dense(cfg, (heads, head_dim), qkv_names, "query")(x)
         k = _dense(cfg, (heads, head_dim), qkv_names, "key")(x)
         v = _dense(cfg, (heads, head_dim), qkv_names, "value")(x)
-        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
-        k = nn.with_logical_constraint(k, ("batch", "length", "heads", "kv"))
-        v = nn.with_logical_constraint(v, ("batch", "length", "heads", "kv"))
+        q = nn.with_logical_constraint(q, ACT_HEADS)
+        k = nn.with_logical_constraint(k, ACT_HEADS)
+        v = nn.with_logical_constraint(v, ACT_HEADS)
         train_dropout = not self.deterministic and cfg.attention_probs_dropout_prob > 0.0
         ctx = attention(q, k, v, mask, impl=cfg.attention_impl,
                         dropout_rate=cfg.attention_probs_dropout_prob,
                         dropout_rng=self.make_rng("dropout") if train_dropout else None)
         # [batch, length, heads, head_dim] -> [batch, length, hidden]
-        out = nn.DenseGeneral(
-            features=cfg.hidden_size, axis=(-2, -1), dtype=cfg.compute_dtype,
-            param_dtype=cfg.params_dtype,
-            kernel_init=_kernel_init(cfg, ("heads", "kv", "embed")),
-            bias_init=_zeros(("embed",)), name="output")(ctx)
+        out = Dense(cfg, (heads, head_dim), (cfg.hidden_size,), ("heads", "kv", "embed"),
+                    name="output")(ctx)
         out = nn.Dropout(rate=cfg.hidden_dropout_prob)(out, deterministic=self.deterministic)
         return LayerNorm(cfg, name="output_norm")(out + x)
 
@@ -356,7 +382,7 @@ class FeedForward(nn.Module):
         cfg = self.config
         h = _dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate")(x)
         h = activation_fn(cfg.hidden_act)(h)
-        h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
+        h = nn.with_logical_constraint(h, ACT_MLP)
         out = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output")(h)
         out = nn.Dropout(rate=cfg.hidden_dropout_prob)(out, deterministic=self.deterministic)
         return LayerNorm(cfg, name="output_norm")(out + x)
@@ -372,7 +398,7 @@ class EncoderLayer(nn.Module):
     def __call__(self, x: Array, mask: Array):
         x = SelfAttention(self.config, self.deterministic, name="attention")(x, mask)
         x = FeedForward(self.config, self.deterministic, name="ffn")(x)
-        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        x = nn.with_logical_constraint(x, ACT_EMBED)
         return x, x
 
 
@@ -509,6 +535,7 @@ class MlmHead(nn.Module):
     def __call__(self, x: Array, word_embeddings: Array) -> Array:
         cfg = self.config
         h = _dense(cfg, cfg.hidden_size, ("embed", "mlp"), "transform")(x)
+        h = nn.with_logical_constraint(h, ACT_MLP)
         h = activation_fn(cfg.hidden_act)(h)
         h = LayerNorm(cfg, name="transform_norm")(h)
         bias = self.param("output_bias", _zeros(("vocab",)), (cfg.vocab_size,), cfg.params_dtype)
@@ -530,9 +557,7 @@ class NspHead(nn.Module):
     @nn.compact
     def __call__(self, pooled: Array) -> Array:
         cfg = self.config
-        logits = nn.Dense(2, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
-                          kernel_init=_kernel_init(cfg, ("embed", "classes")),
-                          bias_init=_zeros(("classes",)), name="dense")(pooled)
+        logits = _dense(cfg, 2, ("embed", "classes"), "dense")(pooled)
         return logits.astype(jnp.float32)
 
 
@@ -564,8 +589,14 @@ class BertForPreTraining(nn.Module):
             input_ids, input_mask, segment_ids, position_ids, pack_ids, cls_positions,
             deterministic=deterministic)
         word_embeddings = self.variables["params"]["bert"]["embeddings"]["word_embeddings"]
-        word_embeddings = nn.meta.unbox(word_embeddings)
+        # The decoder reuses the embedding matrix: gather its hidden dim (FSDP) and keep the vocab
+        # on the tensor axis, so the logits come out vocab-sharded. Pinning this layout matters for
+        # correctness too: without the constraint, XLA's SPMD partitioner (jax 0.10, CPU) gave
+        # wrong gradients for the tied matrix on a data x fsdp x tensor = 2x2x2 mesh
+        # (tests/test_training.py compares every mesh against one device).
+        word_embeddings = nn.with_logical_constraint(nn.meta.unbox(word_embeddings), ("vocab", None))
         masked = gather_positions(out.sequence_output, masked_lm_positions)  # [batch, preds, hidden]
+        masked = nn.with_logical_constraint(masked, ACT_EMBED)
         mlm_logits = MlmHead(cfg, name="mlm")(masked, word_embeddings)
         nsp_logits = NspHead(cfg, name="nsp")(out.pooled_output)
         return PreTrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits,

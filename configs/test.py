@@ -7,7 +7,7 @@ def get_config():
     config = base.get_config()
     config.model = base.get_model_config(num_layers=2, hidden=32, heads=4)
     config.model.vocab_size = 512  # small test vocabularies
-    config.model.intermediate_size = 37  # deliberately not 4H: catches shape mix-ups
+    config.model.intermediate_size = 64  # 2H, not 4H: catches shape mix-ups; divides any tensor axis <= 8
     config.model.max_position_embeddings = 64
     config.max_seq_length = 32
     config.max_predictions_per_seq = 5

@@ -1,0 +1,120 @@
+"""Optimizers and learning-rate schedules for pretraining and fine-tuning, on optax.
+
+- `learning_rate_schedule`: linear warmup, then linear or polynomial decay. `google_style=True`
+  reproduces google-research/bert's `optimization.py` exactly: the decay runs from step 0 over
+  all `num_train_steps` and warmup simply overrides it (so after warmup the rate is
+  `peak * (1 - step / total) ** power`, not a fresh decay from the peak).
+- `weight_decay_mask`: decay everything except LayerNorm parameters and biases (Google's
+  `exclude_from_weight_decay=["LayerNorm", "layer_norm", "bias"]`; embeddings *are* decayed).
+- `make_optimizer`: global-norm clipping (1.0) then AdamW, Google's AdamWeightDecay (no bias
+  correction, epsilon 1e-6, decay 0.01), or LAMB.
+
+Clipping note: original BERT clipped each replica's gradient before the cross-replica average;
+we clip the averaged (global-batch) gradient, which does not depend on the number of devices.
+
+Gradient accumulation lives in `bert_jax.steps` (a scan over micro-batches inside one jitted
+step, normalizing by the whole batch's weights) rather than `optax.MultiSteps`: MultiSteps averages
+per-micro-batch means, which differs from the large batch's loss whenever micro-batches hold
+different numbers of masked tokens.
+
+This module must not import tensorflow.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+OPTIMIZERS = ("adamw", "google_adamw", "lamb")
+NO_DECAY_NAMES = ("bias", "scale", "output_bias")  # LayerNorm scale/bias, every bias
+
+
+def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, *, power: float = 1.0,
+                           end_value: float = 0.0, google_style: bool = False) -> optax.Schedule:
+    """Linear warmup from 0 to `peak`, then polynomial decay (power 1 = linear) to `end_value`."""
+    if total_steps <= 0:
+        raise ValueError(f"config.num_train_steps must be positive, got {total_steps}")
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"config.warmup_steps={warmup_steps} must be in [0, num_train_steps={total_steps}]")
+    if google_style:
+        decay = optax.polynomial_schedule(peak, end_value, power, total_steps)
+
+        def schedule(step):
+            step = jnp.asarray(step, jnp.float32)
+            warm = peak * step / max(warmup_steps, 1)
+            return jnp.where(step < warmup_steps, warm, decay(step))
+
+        return schedule
+    warmup = optax.linear_schedule(0.0, peak, warmup_steps)
+    decay = optax.polynomial_schedule(peak, end_value, power, max(total_steps - warmup_steps, 1))
+    return optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+def weight_decay_mask(params: Any) -> Any:
+    """True for parameters that get weight decay (kernels and embeddings)."""
+
+    def keep(path, _):
+        name = path[-1].key if hasattr(path[-1], "key") else str(path[-1])
+        return name not in NO_DECAY_NAMES
+
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+class ScaleByAdamNoBiasCorrectionState(NamedTuple):
+    mu: Any
+    nu: Any
+
+
+def scale_by_adam_without_bias_correction(b1: float = 0.9, b2: float = 0.999,
+                                          eps: float = 1e-6) -> optax.GradientTransformation:
+    """Adam's direction without bias correction, as Google's `AdamWeightDecayOptimizer` computes it.
+
+    optax's `scale_by_adam` always bias-corrects; this is the one piece optax does not offer.
+    """
+
+    def init(params):
+        zeros = lambda p: jnp.zeros_like(p, dtype=jnp.float32)
+        return ScaleByAdamNoBiasCorrectionState(jax.tree_util.tree_map(zeros, params),
+                                                jax.tree_util.tree_map(zeros, params))
+
+    def update(updates, state, params=None):
+        del params
+        mu = jax.tree_util.tree_map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+        nu = jax.tree_util.tree_map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g), state.nu, updates)
+        out = jax.tree_util.tree_map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+        return out, ScaleByAdamNoBiasCorrectionState(mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float = 0.01,
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+                   clip_norm: float | None = 1.0) -> optax.GradientTransformation:
+    """Clipping + the named optimizer, with weight decay masked off LayerNorm and biases.
+
+    Args:
+      name: "adamw" (optax.adamw, bias-corrected), "google_adamw" (Google's AdamWeightDecay:
+        no bias correction, decoupled decay added before the learning rate), or "lamb".
+      schedule: learning-rate schedule.
+      clip_norm: global-norm clipping threshold; None disables it.
+    """
+    if name == "adamw":
+        opt = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                          mask=weight_decay_mask)
+    elif name == "google_adamw":
+        opt = optax.chain(
+            scale_by_adam_without_bias_correction(b1, b2, eps),
+            optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
+            optax.scale_by_learning_rate(schedule),
+        )
+    elif name == "lamb":
+        opt = optax.lamb(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                         mask=weight_decay_mask)
+    else:
+        raise ValueError(f"config.optimizer must be one of {OPTIMIZERS}, got {name!r}")
+    if clip_norm is not None and clip_norm > 0:
+        opt = optax.chain(optax.clip_by_global_norm(clip_norm), opt)
+    return opt

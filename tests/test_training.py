@@ -1,0 +1,279 @@
+"""Sharding, optimizers and the train/eval steps on 8 fake CPU devices."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from bert_jax import modeling, optim, sharding, steps
+from bert_jax.modeling import BertConfig, BertForPreTraining
+
+CONFIG = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=64, max_position_embeddings=32)
+
+
+def make_batch(batch_size=16, length=16, preds=4, seed=0):
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(5, CONFIG.vocab_size, size=(batch_size, length)).astype(np.int32)
+    lengths = rng.randint(length // 2, length + 1, size=batch_size)
+    mask = (np.arange(length)[None] < lengths[:, None]).astype(np.int32)
+    seg = ((np.arange(length)[None] >= (lengths[:, None] // 2)) * mask).astype(np.int32)
+    pos = np.stack([np.sort(rng.choice(np.arange(1, l), preds, replace=False)) for l in lengths])
+    weights = (rng.rand(batch_size, preds) < 0.8).astype(np.float32)
+    weights[:, 0] = 1.0
+    return dict(input_ids=ids * mask, input_mask=mask, segment_ids=seg,
+                masked_lm_positions=(pos * weights).astype(np.int32),
+                masked_lm_ids=(rng.randint(5, CONFIG.vocab_size, size=(batch_size, preds)) * weights).astype(np.int32),
+                masked_lm_weights=weights,
+                next_sentence_labels=rng.randint(0, 2, size=(batch_size, 1)).astype(np.int32))
+
+
+def setup(mesh_shape, config=CONFIG, opt="adamw", accum=1, scan=False):
+    config = config.replace(scan_layers=scan)
+    mesh = sharding.create_mesh(mesh_shape)
+    model = BertForPreTraining(config)
+    schedule = optim.learning_rate_schedule(1e-3, 1, 10)
+    # Plain SGD makes the update linear in the gradient (Adam's first steps are ~lr*sign(g)).
+    tx = optax.sgd(1.0) if opt == "sgd" else optim.make_optimizer(opt, schedule)
+
+    def init(rng):
+        params = model.init(rng, **modeling.dummy_inputs(config))["params"]
+        return steps.create_train_state(params, tx, jax.random.key(1))
+
+    state, shardings = sharding.sharded_init(init, jax.random.key(0), mesh)
+    step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule,
+                                     accum_steps=accum, mesh=mesh),
+                   in_shardings=(shardings, sharding.batch_sharding(mesh)),
+                   out_shardings=(shardings, None), donate_argnums=0)
+    return mesh, state, shardings, step
+
+
+def run_steps(mesh_shape, n=3, **kw):
+    mesh, state, shardings, step = setup(mesh_shape, **kw)
+    losses = []
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        for i in range(n):
+            state, metrics = step(state, sharding.to_global(make_batch(seed=i), mesh))
+            losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+def test_sharded_gradients_equal_the_single_device_gradients():
+    """Every mesh layout computes the same gradient as one device (this caught a partitioner bug
+    with the tied embedding on a 2x2x2 mesh)."""
+    config = CONFIG.replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForPreTraining(config)
+    params = nn.meta.unbox(model.init(jax.random.key(0), **modeling.dummy_inputs(config))["params"])
+    batch = make_batch()
+
+    def loss(p, b):
+        out = model.apply({"params": p}, **steps._model_inputs(b))
+        sums = steps.pretraining_sums(out, b)
+        return steps.combine_loss(sums, jnp.sum(b["masked_lm_weights"]), 16.0, use_nsp=True)
+
+    want = jax.grad(loss)(params, batch)
+    abstract = jax.eval_shape(lambda r: model.init(r, **modeling.dummy_inputs(config))["params"],
+                              jax.random.key(0))
+    for shape in ({"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 4, "tensor": 2}, {"data": 8}):
+        mesh = sharding.create_mesh(shape)
+        shardings = sharding.logical_to_sharding(abstract, mesh)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+            got = jax.jit(jax.grad(loss))(jax.device_put(params, shardings), sharding.to_global(batch, mesh))
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree_util.tree_leaves(got)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-6, rtol=1e-4,
+                                       err_msg=f"{shape} {jax.tree_util.keystr(path)}")
+
+
+def test_data_fsdp_and_tensor_parallel_give_the_same_losses():
+    want, _ = run_steps({"data": 8})
+    for shape in ({"fsdp": 8}, {"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 2, "tensor": 4}):
+        got, _ = run_steps(shape)
+        # Step 1 is the same computation in another layout; later steps differ a little more
+        # because Adam's first updates are ~lr*sign(g), which flips for gradients at float noise.
+        np.testing.assert_allclose(got[0], want[0], rtol=2e-6, err_msg=str(shape))
+        np.testing.assert_allclose(got, want, rtol=1e-3, err_msg=str(shape))
+    assert want[2] < want[0]  # it learns (dropout on, lr 1e-3)
+
+
+def test_parameters_are_sharded_per_the_golden_table():
+    _, state, shardings, _ = setup({"data": 1, "fsdp": 2, "tensor": 4}, scan=True)
+    p = shardings.params
+    golden = {
+        ("bert", "embeddings", "word_embeddings"): P("tensor", "fsdp"),
+        ("bert", "embeddings", "position_embeddings"): P(None, "fsdp"),
+        ("bert", "encoder", "layers", "attention", "query", "kernel"): P(None, "fsdp", "tensor", None),
+        ("bert", "encoder", "layers", "attention", "output", "kernel"): P(None, "tensor", None, "fsdp"),
+        ("bert", "encoder", "layers", "ffn", "intermediate", "kernel"): P(None, "fsdp", "tensor"),
+        ("bert", "encoder", "layers", "ffn", "output", "kernel"): P(None, "tensor", "fsdp"),
+        ("bert", "encoder", "layers", "ffn", "output_norm", "scale"): P(None, "fsdp"),
+        ("mlm", "output_bias"): P("tensor"),
+        ("nsp", "dense", "kernel"): P("fsdp", None),
+    }
+    for path, spec in golden.items():
+        node = p
+        for k in path:
+            node = node[k]
+        assert node.spec == spec, path
+    # Adam moments follow their parameters.
+    mu = state.opt_state[1][0].mu
+    assert mu["bert"]["embeddings"]["word_embeddings"].sharding.spec == P("tensor", "fsdp")
+    # Each device holds an eighth of the (divisible) word embedding.
+    emb = state.params["bert"]["embeddings"]["word_embeddings"]
+    assert emb.addressable_shards[0].data.shape == (128 // 4, 32 // 2)
+
+
+def test_indivisible_dimension_is_replicated_not_an_error():
+    config = CONFIG.replace(vocab_size=130)
+    _, state, shardings, _ = setup({"fsdp": 2, "tensor": 4}, config=config)
+    assert shardings.params["bert"]["embeddings"]["word_embeddings"].spec == P(None, "fsdp")
+
+
+def test_gradient_accumulation_matches_the_large_batch():
+    config = CONFIG.replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    big_losses, big = run_steps({"data": 2, "fsdp": 2, "tensor": 2}, n=2, config=config, opt="sgd")
+    acc_losses, acc = run_steps({"data": 2, "fsdp": 2, "tensor": 2}, n=2, config=config, opt="sgd", accum=4)
+    np.testing.assert_allclose(acc_losses, big_losses, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(big.params), jax.tree_util.tree_leaves(acc.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+
+def test_nonfinite_step_leaves_params_and_optimizer_untouched():
+    mesh, state, shardings, step = setup({"data": 8})
+    before = jax.tree_util.tree_map(np.asarray, (state.params, state.opt_state))
+    batch = make_batch()
+    batch["masked_lm_weights"] = batch["masked_lm_weights"].copy()
+    batch["masked_lm_weights"][0, 0] = np.nan
+    with jax.set_mesh(mesh):
+        state, metrics = step(state, sharding.to_global(batch, mesh))
+    assert float(metrics["finite"]) == 0.0
+    after = jax.tree_util.tree_map(np.asarray, (state.params, state.opt_state))
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    assert int(state.step) == 1
+
+
+def test_loss_matches_a_hand_computation():
+    """The reference's normalization: MLM sum / (weights + 1e-5) + mean NSP, from the logits."""
+    model = BertForPreTraining(CONFIG)
+    params = model.init(jax.random.key(0), **modeling.dummy_inputs(CONFIG))["params"]
+    batch = jax.tree_util.tree_map(jnp.asarray, make_batch(batch_size=4))
+    out = model.apply({"params": params}, **steps._model_inputs(batch))
+    logp = np.asarray(jax.nn.log_softmax(out.mlm_logits))
+    ids, w = np.asarray(batch["masked_lm_ids"]), np.asarray(batch["masked_lm_weights"])
+    nll = -np.take_along_axis(logp, ids[..., None], -1)[..., 0]
+    mlm = (nll * w).sum() / (w.sum() + 1e-5)
+    nsp_logp = np.asarray(jax.nn.log_softmax(out.nsp_logits))
+    labels = np.asarray(batch["next_sentence_labels"])[:, 0]
+    nsp = -nsp_logp[np.arange(4), labels].mean()
+    sums = steps.pretraining_sums(out, batch)
+    loss = steps.combine_loss(sums, jnp.sum(batch["masked_lm_weights"]), 4.0, use_nsp=True)
+    np.testing.assert_allclose(float(loss), mlm + nsp, rtol=1e-5)
+    no_nsp = steps.combine_loss(sums, jnp.sum(batch["masked_lm_weights"]), 4.0, use_nsp=False)
+    np.testing.assert_allclose(float(no_nsp), mlm, rtol=1e-5)
+    summary = steps.summarize(jax.tree_util.tree_map(float, sums))
+    np.testing.assert_allclose(summary["masked_lm_loss"], (nll * w).sum() / w.sum(), rtol=1e-5)
+
+
+def test_eval_padding_rows_do_not_change_the_sums():
+    model = BertForPreTraining(CONFIG)
+    params = model.init(jax.random.key(0), **modeling.dummy_inputs(CONFIG))["params"]
+    batch = make_batch(batch_size=6)
+    padded = {k: np.concatenate([v, np.zeros_like(v[:2])]) for k, v in batch.items()}
+    padded["next_sentence_weights"] = np.array([1] * 6 + [0, 0], np.float32)
+    a = steps.eval_step(params, batch, model=model)
+    b = steps.eval_step(params, padded, model=model)
+    for k in a:
+        np.testing.assert_allclose(float(a[k]), float(b[k]), rtol=1e-5, err_msg=k)
+
+
+def test_ltr_objective_predicts_the_next_token():
+    batch = make_batch(batch_size=2)
+    original = steps.restore_original_ids(jax.tree_util.tree_map(jnp.asarray, batch))
+    ids, pos, w = batch["input_ids"], batch["masked_lm_positions"], batch["masked_lm_weights"]
+    expect = ids.copy()
+    for r in range(2):
+        for p, label, wt in zip(pos[r], batch["masked_lm_ids"][r], w[r]):
+            if wt > 0:
+                expect[r, p] = label
+    np.testing.assert_array_equal(original, expect)
+    t = steps.ltr_targets(jax.tree_util.tree_map(jnp.asarray, batch))
+    np.testing.assert_array_equal(t["masked_lm_ids"], expect[:, 1:])
+    np.testing.assert_array_equal(t["masked_lm_positions"][0], np.arange(15))
+    np.testing.assert_array_equal(t["masked_lm_weights"], batch["input_mask"][:, 1:])
+
+
+def test_schedules():
+    google = optim.learning_rate_schedule(1.0, 10, 100, google_style=True)
+    hf = optim.learning_rate_schedule(1.0, 10, 100)
+    # Google: warmup overrides a decay that runs from step 0 over all 100 steps.
+    np.testing.assert_allclose([float(google(s)) for s in (0, 5, 10, 50, 100)], [0, 0.5, 0.9, 0.5, 0.0], atol=1e-6)
+    # Decay restarted at the peak after warmup, over the remaining 90 steps.
+    np.testing.assert_allclose([float(hf(s)) for s in (0, 5, 10, 55, 100)], [0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        optim.learning_rate_schedule(1.0, 200, 100)
+
+
+def test_weight_decay_mask_excludes_layernorm_and_biases():
+    params = BertForPreTraining(CONFIG).init(jax.random.key(0), **modeling.dummy_inputs(CONFIG))["params"]
+    mask = optim.weight_decay_mask(nn.meta.unbox(params))
+    assert mask["bert"]["embeddings"]["word_embeddings"] is True
+    assert mask["bert"]["embeddings"]["LayerNorm"]["scale"] is False
+    assert mask["bert"]["encoder"]["layer_0"]["attention"]["query"]["kernel"] is True
+    assert mask["bert"]["encoder"]["layer_0"]["attention"]["query"]["bias"] is False
+    assert mask["mlm"]["output_bias"] is False
+
+
+def test_google_adamw_matches_a_hand_computed_step():
+    p = {"w": jnp.array([1.0, -2.0]), "bias": jnp.array([0.5])}
+    g = {"w": jnp.array([0.1, 0.3]), "bias": jnp.array([-0.2])}
+    tx = optim.make_optimizer("google_adamw", lambda s: 0.01, weight_decay=0.1, clip_norm=None)
+    updates, state = tx.update(g, tx.init(p), p)
+    for name, decay in (("w", 0.1), ("bias", 0.0)):
+        gg, pp = np.asarray(g[name]), np.asarray(p[name])
+        m, v = 0.1 * gg, 0.001 * gg ** 2  # no bias correction
+        want = -0.01 * (m / (np.sqrt(v) + 1e-6) + decay * pp)
+        np.testing.assert_allclose(updates[name], want, rtol=1e-5)
+    # optax's AdamW bias-corrects: its first step is ~ -lr * sign(g) for the same inputs.
+    tx2 = optim.make_optimizer("adamw", lambda s: 0.01, weight_decay=0.0, clip_norm=None)
+    u2, _ = tx2.update(g, tx2.init(p), p)
+    np.testing.assert_allclose(u2["w"], -0.01 * np.sign(g["w"]), rtol=1e-4)
+    tx3 = optim.make_optimizer("lamb", lambda s: 0.01)
+    u3, _ = tx3.update(g, tx3.init(p), p)
+    assert np.all(np.isfinite(u3["w"]))
+    with pytest.raises(ValueError, match="config.optimizer"):
+        optim.make_optimizer("sgd", lambda s: 0.1)
+
+
+def test_clipping_at_global_norm_one():
+    tx = optim.make_optimizer("google_adamw", lambda s: 1.0, weight_decay=0.0, clip_norm=1.0)
+    chain_state = tx.init({"w": jnp.zeros(2)})
+    # The first element of the chain clips: a gradient of norm 5 enters Adam as norm 1.
+    clipped, _ = optax.clip_by_global_norm(1.0).update({"w": jnp.array([3.0, 4.0])}, chain_state[0])
+    np.testing.assert_allclose(clipped["w"], [0.6, 0.8], rtol=1e-6)
+
+
+def test_mesh_errors_name_the_config_field():
+    with pytest.raises(ValueError, match="config.mesh"):
+        sharding.create_mesh({"data": 3})
+    with pytest.raises(ValueError, match="at most one axis"):
+        sharding.create_mesh({"data": -1, "fsdp": -1})
+    assert sharding.resolve_axis_sizes({"data": -1, "tensor": 2}, 8) == {"data": 4, "fsdp": 1, "tensor": 2}
+    mesh = sharding.create_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    with pytest.raises(ValueError, match="config.global_batch_size=6"):
+        sharding.check_divisibility(mesh, global_batch_size=6, num_attention_heads=4,
+                                    intermediate_size=64, hidden_size=32)
+    with pytest.raises(ValueError, match="config.model.num_attention_heads=3"):
+        sharding.check_divisibility(mesh, global_batch_size=8, num_attention_heads=3,
+                                    intermediate_size=64, hidden_size=33)
+
+
+def test_flops_of_bert_large_at_128():
+    large = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+    # The issue's figure: ~241 GFLOP per length-128 sequence (forward + backward).
+    assert abs(steps.train_flops_per_sequence(large, 128, 20) / 1e9 - 241) < 1.5
