@@ -1,0 +1,597 @@
+"""Checkpoints: async orbax saves, keep-K, auto-resume with the data position, preemption.
+
+This module owns everything a training loop needs to survive being stopped: when to save, what a
+step on disk contains, which steps are kept, how a step is restored onto any mesh, and how a
+SIGTERM (single process) or the multi-host preemption sync point turns into "save now and stop".
+It wraps one orbax `CheckpointManager`; there is no hand-written checkpoint format.
+
+On-disk layout of `directory` (a step exists once orbax has renamed its temporary folder, so a
+`kill -9` at any moment leaves the previous committed step as the latest)::
+
+    <directory>/
+      <step>/                        committed step (orbax; `<step>.orbax-checkpoint-tmp` while saving)
+        state/                       the train-state pytree (orbax StandardCheckpointHandler, OCDBT)
+        meta/metadata                the caller's JSON dict (input position, data files, config hash)
+        checkpointer_info/metadata   our bookkeeping, e.g. how many processes wrote input state
+      input_state/<step>/process_<i>/   per-host input-pipeline state (e.g. a tf.train.Checkpoint
+                                        of the tf.data iterator), written by `input_state_writer`
+
+Consistency of the per-host input state with the step: each process writes its own
+`input_state/<step>/process_<i>/` synchronously, *before* orbax starts the save, and orbax's save
+begins with a barrier across processes; so when the step is committed every host's input state is
+already on disk. A folder whose step never committed (a crash mid-save) is cleared when that step
+is written again, and folders of steps that orbax no longer keeps are deleted only after orbax has
+deleted the step itself, so a committed step never lacks its input state.
+
+Preemption:
+
+* Single process (`jax.distributed` not initialized): `Checkpointer` installs a SIGTERM handler
+  that only sets a flag; `should_stop(step)` returns True at the first step after the signal.
+* Multi-host (`jax.distributed.initialize` was called): JAX itself catches SIGTERM, and
+  `should_stop(step)` asks `multihost_utils.reached_preemption_sync_point(step)`, which becomes
+  True on every host at the same step. It must be called by every host at every step, including
+  the last one, or a preemption notice is silently lost.
+
+In both cases `save` then saves regardless of the interval. The intended loop::
+
+    ckpt = Checkpointer(workdir / "checkpoints", save_interval_steps=1000, max_to_keep=3)
+    if ckpt.latest_step() is not None:
+        state, meta = ckpt.restore(abstract_state)       # ShapeDtypeStructs with target shardings
+        input_iterator_restore(ckpt.input_state_dir(ckpt.latest_step()))
+    for step in range(start + 1, num_steps + 1):
+        state, metrics = train_step(state, next(batches))
+        stop = ckpt.should_stop(step)
+        ckpt.save(step, state, {"position": ...}, force=stop or step == num_steps,
+                  input_state_writer=lambda path: tf_ckpt.write(os.path.join(path, "iterator")))
+        if stop:
+            break
+    ckpt.close()                                         # waits; raises if the last save failed
+
+Errors are never swallowed: a save that fails in the background is raised (as
+`CheckpointSaveError`) by the next `save`, `wait_until_finished` or `close`, at the latest one
+save interval later, and every later `save`/`wait_until_finished` raises it again.
+
+PRNG keys: typed keys (`jax.random.key`) are rejected at save time, because orbax stores them as
+raw `uint32` data and cannot restore them as typed keys. Store `jax.random.key_data(key)` and use
+`jax.random.wrap_key_data` after restoring.
+
+This module must not import tensorflow (the input-pipeline state is written by a caller-provided
+function).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+PyTree = Any
+
+_STATE = "state"
+_META = "meta"
+_INFO = "checkpointer_info"
+_INPUT_STATE = "input_state"
+_FORMAT_VERSION = 1
+# How many offending keys an error message lists before it summarizes.
+_MAX_LISTED = 10
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed (synchronously or in the background); the run must stop."""
+
+
+class CheckpointRestoreError(ValueError):
+    """A checkpoint does not match the restore target (keys, shapes, dtypes, input state)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pytree helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _key_name(entry: Any) -> str:
+    """One path entry as orbax names it: dataclass fields, dict keys and indices all become strings."""
+    for attr in ("name", "key", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _flat(tree: PyTree) -> dict[str, Any]:
+    """{'opt_state/1/0/mu/dense/kernel': leaf, ...}; the same keys for a dataclass and its metadata."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join(_key_name(e) for e in path): leaf for path, leaf in leaves}
+
+
+def _listed(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:_MAX_LISTED])
+    more = len(keys) - _MAX_LISTED
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _is_typed_key(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _to_abstract(abstract_state: PyTree) -> PyTree:
+    """Validates the restore target and turns concrete `jax.Array` leaves into ShapeDtypeStructs.
+
+    Every leaf needs a sharding: without one orbax would fall back to the sharding stored in the
+    checkpoint, i.e. the mesh of the run that saved it, which is exactly what must not happen when
+    restoring onto another mesh.
+    """
+    problems = []
+
+    def convert(key: str, leaf: Any) -> Any:
+        if _is_typed_key(leaf):
+            problems.append(f"{key!r} is a typed PRNG key; restore its jax.random.key_data (uint32)")
+        elif isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
+            if getattr(leaf, "sharding", None) is None:
+                problems.append(f"{key!r} has no sharding")
+            else:
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+        else:
+            problems.append(f"{key!r} is a {type(leaf).__name__}, not a jax.ShapeDtypeStruct")
+        return leaf
+
+    flat = _flat(abstract_state)
+    leaves = [convert(key, leaf) for key, leaf in flat.items()]
+    if problems:
+        raise CheckpointRestoreError(
+            "restore target must be a pytree of jax.ShapeDtypeStruct(shape, dtype, sharding=...) "
+            "for the target mesh: " + "; ".join(problems[:_MAX_LISTED])
+        )
+    treedef = jax.tree_util.tree_structure(abstract_state)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _check_against_metadata(target: PyTree, saved: PyTree, where: str) -> None:
+    """Raises `CheckpointRestoreError` naming every key whose presence, shape or dtype differs.
+
+    orbax's own messages name neither the key (shape mismatch) nor the difference (structure
+    mismatch), and a lower-precision target would be cast silently (bf16 for f32 data), so we
+    compare against the saved metadata first.
+    """
+    want, have = _flat(target), _flat(saved)
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    errors = []
+    if missing:
+        errors.append(f"missing from the checkpoint: {_listed(missing)}")
+    if unexpected:
+        errors.append(f"in the checkpoint but not in the target: {_listed(unexpected)}")
+    shapes, dtypes = [], []
+    for key in sorted(set(want) & set(have)):
+        w, h = want[key], have[key]
+        if tuple(w.shape) != tuple(h.shape):
+            shapes.append(f"{key!r}: checkpoint {tuple(h.shape)} vs target {tuple(w.shape)}")
+        if h.dtype is not None and np.dtype(w.dtype) != np.dtype(h.dtype):
+            dtypes.append(f"{key!r}: checkpoint {np.dtype(h.dtype)} vs target {np.dtype(w.dtype)}")
+    if shapes:
+        errors.append("shape mismatch: " + "; ".join(shapes[:_MAX_LISTED]))
+    if dtypes:
+        errors.append(
+            "dtype mismatch (restore in the saved dtype and cast explicitly): "
+            + "; ".join(dtypes[:_MAX_LISTED])
+        )
+    if errors:
+        raise CheckpointRestoreError(f"{where} does not match the restore target: " + ". ".join(errors))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpointer
+# ---------------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Async, keep-K orbax checkpoints of a train state, its JSON meta and per-host input state.
+
+    Construct it after `jax.distributed.initialize` (multi-host) and in the main thread (single
+    process: it installs a SIGTERM handler there; `close` puts the previous one back). Every
+    process calls every method, with the same arguments, in the same order.
+
+    Args:
+        directory: where the steps live (created if missing); absolute or relative path.
+        save_interval_steps: `save` saves when `step % save_interval_steps == 0` (>= 1).
+        max_to_keep: how many most recent committed steps to keep (>= 1).
+        async_save: write in a background thread. The caller may donate the state to the next
+            step right after `save` returns: the values of save time are what is written.
+        handle_sigterm: install the single-process SIGTERM handler. Ignored (JAX handles SIGTERM)
+            when `jax.distributed` is initialized.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        save_interval_steps: int,
+        max_to_keep: int,
+        async_save: bool = True,
+        handle_sigterm: bool = True,
+    ):
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
+        if max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
+        self._directory = os.path.abspath(os.fspath(directory))
+        self._interval = save_interval_steps
+        self._process_index = jax.process_index()
+        self._process_count = jax.process_count()
+        options = ocp.CheckpointManagerOptions(
+            # `max_to_keep` is deprecated in favour of a preservation policy.
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
+            enable_async_checkpointing=async_save,
+            # Synchronous directory creation: a folder that cannot be created (read-only or
+            # missing workdir) then raises from `save` itself. Created asynchronously, the
+            # failure left orbax's other background threads waiting ~300 s for a signal that
+            # never came, which delayed the process exit by as much.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            # A kill -9 mid-save leaves `<step>.orbax-checkpoint-tmp`; it is never a step, and
+            # this removes it at startup.
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self._mngr = ocp.CheckpointManager(
+            self._directory,
+            options=options,
+            item_handlers={
+                _STATE: ocp.StandardCheckpointHandler(),
+                _META: ocp.JsonCheckpointHandler(),
+                _INFO: ocp.JsonCheckpointHandler(),
+            },
+        )
+        self._pending_step: Optional[int] = None  # a save started by us, not yet known finished
+        self._error: Optional[CheckpointSaveError] = None
+        self._closed = False
+        self._stop_step: Optional[int] = None
+        self._sigterm_seen = threading.Event()
+        self._previous_handler: Any = None
+        self._distributed = jax.distributed.is_initialized()
+        if handle_sigterm and not self._distributed:
+            self._install_sigterm_handler()
+        self._prune_input_state()
+
+    # --- paths and queries ----------------------------------------------------------------------
+
+    @property
+    def directory(self) -> str:
+        """The absolute checkpoint directory."""
+        return self._directory
+
+    def input_state_dir(self, step: int, process_index: Optional[int] = None) -> str:
+        """The folder holding `process_index`'s input-pipeline state for `step`.
+
+        Written through `save(..., input_state_writer=...)`; read it after `restore` (which checks
+        that it exists when the step recorded input state).
+
+        Args:
+            step: the checkpoint step.
+            process_index: defaults to `jax.process_index()`.
+        """
+        index = self._process_index if process_index is None else process_index
+        return os.path.join(self._directory, _INPUT_STATE, str(step), f"process_{index}")
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending (a save still in flight is not listed)."""
+        self._poll_pending()
+        steps = set(self._mngr.all_steps())
+        if self._pending_step is not None:
+            steps.discard(self._pending_step)
+        return sorted(steps)
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step, or None when there is none (a fresh workdir)."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # --- saving ---------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: PyTree,
+        meta: dict,
+        *,
+        force: bool = False,
+        input_state_writer: Optional[Callable[[str], None]] = None,
+    ) -> bool:
+        """Starts saving `step` if it is due; call it at every step.
+
+        The step is saved when `step % save_interval_steps == 0`, when `force`, or once
+        `should_stop` has returned True. A step that is already saved (or being saved) is not
+        saved again, so a forced final save right after a regular one is harmless.
+
+        Args:
+            step: the training step the state is at.
+            state: a pytree of arrays (e.g. a flax `struct.dataclass` TrainState); no typed PRNG
+                keys (store `jax.random.key_data`).
+            meta: a JSON-serializable dict returned by `restore` (tuples come back as lists).
+            force: save even off the interval.
+            input_state_writer: called as `input_state_writer(path)` on every process, with an
+                empty folder `input_state_dir(step)`, before the save starts; it writes that
+                host's input-pipeline state there. It is only called when the step is saved.
+
+        Returns:
+            True when a save of `step` was started.
+
+        Raises:
+            CheckpointSaveError: this save or an earlier background save failed.
+            TypeError / ValueError: `state` has typed PRNG keys, or `meta` is not a JSON dict.
+        """
+        self._raise_if_failed()
+        self._poll_pending()
+        due = force or self._stop_step is not None or step % self._interval == 0
+        if not due or step == self._pending_step or step in self._mngr.all_steps():
+            return False
+        typed = [key for key, leaf in _flat(state).items() if _is_typed_key(leaf)]
+        if typed:
+            raise TypeError(
+                f"typed PRNG keys cannot be checkpointed ({_listed(typed)}): "
+                "store jax.random.key_data(key) and jax.random.wrap_key_data after restoring"
+            )
+        if not isinstance(meta, dict):
+            raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
+        try:
+            # Fail here, in the caller's frame, rather than in orbax's background thread.
+            json.dumps(meta)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"meta is not JSON-serializable: {e}") from e
+
+        # Our previous save must be finished (and its failure raised) before its input-state
+        # folders may be pruned or a new step started; orbax would wait here anyway.
+        self.wait_until_finished()
+        info = {"format_version": _FORMAT_VERSION, "input_state_process_count": None}
+        try:
+            if input_state_writer is not None:
+                path = self.input_state_dir(step)
+                # A folder for an uncommitted step is left over from a crash: start empty.
+                shutil.rmtree(path, ignore_errors=True)
+                os.makedirs(path)
+                input_state_writer(path)
+                info["input_state_process_count"] = self._process_count
+            self._mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    **{
+                        _STATE: ocp.args.StandardSave(state),
+                        _META: ocp.args.JsonSave(meta),
+                        _INFO: ocp.args.JsonSave(info),
+                    }
+                ),
+                # We decided above; orbax's own policy would also save step 0 / refuse old steps.
+                force=True,
+            )
+        except Exception as e:  # pylint: disable=broad-except
+            self._fail(step, e)
+        self._pending_step = step
+        if self._stop_step is not None:
+            logging.info("checkpointing: saving step %d because of preemption", step)
+        return True
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in flight is committed; raises `CheckpointSaveError` if it failed."""
+        self._raise_if_failed()
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:  # pylint: disable=broad-except
+            self._fail(self._pending_step, e)
+        self._pending_step = None
+        self._prune_input_state()
+
+    def close(self) -> None:
+        """Waits for the save in flight, releases orbax, restores the previous SIGTERM handler.
+
+        Raises:
+            CheckpointSaveError: the last save failed (unless a failure was raised before).
+        """
+        if self._closed:
+            return
+        error = None
+        try:
+            if self._error is None:  # a latched error was raised to the caller already
+                self.wait_until_finished()
+        except CheckpointSaveError as e:
+            error = e
+        finally:
+            self._closed = True
+            self._restore_sigterm_handler()
+            try:
+                self._mngr.close()
+            except Exception as e:  # pylint: disable=broad-except
+                if error is None and self._error is None:
+                    error = CheckpointSaveError(f"closing checkpoints in {self._directory}: {e}")
+                    error.__cause__ = e
+                else:
+                    logging.exception("checkpointing: close after a failed save")
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- preemption -----------------------------------------------------------------------------
+
+    def should_stop(self, step: int) -> bool:
+        """True once the run should save and stop; call it at every step, on every process.
+
+        Single process: True from the first call after a SIGTERM. Multi-host: True when
+        `multihost_utils.reached_preemption_sync_point(step)` is, i.e. at the same step on every
+        host. After it returned True once, `save` saves whatever the interval, and it stays True.
+        """
+        if self._stop_step is not None:
+            return True
+        if self._distributed:
+            try:
+                reached = multihost_utils.reached_preemption_sync_point(step)
+            except RuntimeError:
+                # The preemption service is disabled (jax_enable_preemption_service=False):
+                # nothing is caught, a SIGTERM kills the process, the last save is the fallback.
+                reached = False
+        else:
+            reached = self._sigterm_seen.is_set()
+        if reached:
+            self._stop_step = step
+            logging.warning("checkpointing: stop requested (preemption) at step %d", step)
+        return reached
+
+    def _install_sigterm_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logging.warning("checkpointing: not in the main thread, SIGTERM is not handled")
+            return
+
+        def handler(signum, frame):  # pylint: disable=unused-argument
+            # Only a flag: the loop saves at its next step boundary, where the state is whole.
+            self._sigterm_seen.set()
+
+        self._previous_handler = signal.signal(signal.SIGTERM, handler)
+
+    def _restore_sigterm_handler(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    # --- restoring ------------------------------------------------------------------------------
+
+    def restore(
+        self,
+        abstract_state: PyTree,
+        step: Optional[int] = None,
+        *,
+        check_input_state: bool = True,
+    ) -> tuple[PyTree, dict]:
+        """Restores a committed step onto the mesh of `abstract_state`.
+
+        Args:
+            abstract_state: the target: a pytree of `jax.ShapeDtypeStruct(shape, dtype,
+                sharding=...)` (or of `jax.Array`s, whose shardings are used) with the same
+                structure, shapes and dtypes as the saved state; the shardings may use any mesh.
+            step: the step to restore; default the latest committed one.
+            check_input_state: when the step was saved with input state, require
+                `input_state_dir(step)` to exist for this process and the process count to be the
+                one that saved it. Pass False to restore the model but restart the data.
+
+        Returns:
+            (state, meta): `state` has the structure of `abstract_state`, every leaf a jax.Array
+            with the target's sharding, bitwise equal to what was saved; `meta` is the dict given
+            to `save`.
+
+        Raises:
+            CheckpointRestoreError: missing/unexpected keys, shape or dtype mismatch (a bf16
+                target for f32 data is refused, not cast), no sharding, missing input state.
+            FileNotFoundError: no such committed step (or no checkpoint at all).
+        """
+        if abstract_state is None:
+            raise CheckpointRestoreError(
+                "restore needs an abstract target (jax.ShapeDtypeStruct with shardings); "
+                "build it with jax.eval_shape and the target mesh's shardings"
+            )
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no committed checkpoint in {self._directory}")
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(
+                f"step {step} is not a committed checkpoint in {self._directory} (have {steps})"
+            )
+        target = _to_abstract(abstract_state)
+        saved = self._mngr.item_metadata(step)[_STATE]
+        saved_tree = getattr(saved, "tree", saved)
+        _check_against_metadata(target, saved_tree, f"checkpoint step {step} in {self._directory}")
+        # The small JSON items first, so that a missing input state fails before the big read.
+        small = self._mngr.restore(
+            step,
+            args=ocp.args.Composite(**{_META: ocp.args.JsonRestore(), _INFO: ocp.args.JsonRestore()}),
+        )
+        if check_input_state:
+            self._check_input_state(step, small[_INFO] or {})
+        restored = self._mngr.restore(
+            step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
+        )
+        # Rebuild by key path so custom nodes (flax struct.dataclass, optax namedtuples) come back
+        # as the very types the caller passed, whatever containers orbax returns them in.
+        by_key = _flat(restored[_STATE])
+        treedef = jax.tree_util.tree_structure(target)
+        state = jax.tree_util.tree_unflatten(treedef, [by_key[key] for key in _flat(target)])
+        return state, dict(small[_META] or {})
+
+    def _check_input_state(self, step: int, info: dict) -> None:
+        count = info.get("input_state_process_count")
+        if count is None:
+            return
+        if count != self._process_count:
+            raise CheckpointRestoreError(
+                f"step {step} holds input state of {count} processes but this run has "
+                f"{self._process_count}; per-host iterator state cannot be redistributed "
+                "(restore with check_input_state=False to restart the data instead)"
+            )
+        path = self.input_state_dir(step)
+        if not os.path.isdir(path) or not os.listdir(path):
+            raise CheckpointRestoreError(f"step {step}: input state {path} is missing or empty")
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _fail(self, step: Optional[int], cause: BaseException) -> None:
+        self._error = CheckpointSaveError(
+            f"checkpoint save of step {step} in {self._directory} failed: "
+            f"{type(cause).__name__}: {cause}"
+        )
+        self._error.__cause__ = cause
+        self._pending_step = None  # orbax has dropped the failed step from its list
+        raise self._error
+
+    def _raise_if_failed(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the checkpointer of {self._directory} is closed")
+        if self._error is not None:
+            raise self._error
+
+    def _poll_pending(self) -> None:
+        """Without blocking: if our last async save has ended, collect its result.
+
+        This surfaces a background failure at the first `save` call after it happened, usually
+        the very next step, rather than at the next save interval.
+        """
+        if self._error is not None:
+            return  # already raised once; queries such as latest_step keep working
+        if self._pending_step is not None and not self._mngr.is_saving_in_progress():
+            self.wait_until_finished()
+
+    def _prune_input_state(self) -> None:
+        """Deletes this process's input state of steps orbax no longer has (pruned or never committed).
+
+        Only steps at or below the latest committed one: a folder above it may belong to a save
+        that another host is starting right now, and is cleared when that step is written.
+        """
+        root = os.path.join(self._directory, _INPUT_STATE)
+        if not os.path.isdir(root):
+            return
+        kept = set(self._mngr.all_steps())
+        if not kept:
+            return
+        latest = max(kept)
+        for name in os.listdir(root):
+            if not name.isdigit():
+                continue
+            step = int(name)
+            if step in kept or step == self._pending_step or step > latest:
+                continue
+            shutil.rmtree(self.input_state_dir(step), ignore_errors=True)
+            try:
+                # Succeeds once the last host has removed its own folder.
+                os.rmdir(os.path.join(root, name))
+            except OSError:
+                pass
