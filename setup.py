@@ -19,6 +19,7 @@ INSTALL_REQUIRES = [
     "tensorflow-cpu>=2.21; platform_machine=='x86_64' and sys_platform=='linux'",
     "tensorflow>=2.21; platform_machine!='x86_64' or sys_platform!='linux'",
     "tensorflow-datasets>=4.9.8",
+    "tensorboard>=2.16",  # clu's TensorBoard metric writer
 ]
 
 EXTRAS = {

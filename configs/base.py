@@ -33,14 +33,61 @@ def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.Conf
 
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
+    config.mode = "pretrain"  # pretrain | evaluate | demo
     config.model = get_model_config()
     config.seed = 42  # seeds init, dropout and data order
-    # --- pretraining (paper: batch 256, 1M steps, Adam lr 1e-4, warmup 10k, decay 0.01) ---
+
+    # --- data (TFRecords in Google's schema, from data_pipeline.create_pretraining_data) ---
+    config.train_data = ""  # glob(s), comma-separated, of training TFRecords
+    config.eval_data = ""  # glob(s) of held-out TFRecords ("" = no periodic evaluation)
+    config.vocab_file = ""  # vocab.txt: needed by dynamic masking; copied into the workdir
     config.max_seq_length = 128  # phase 1 sequence length (the paper's 90% of steps)
     config.max_predictions_per_seq = 20  # masked-LM predictions per sequence at length 128
-    config.global_batch_size = 256  # sequences per step, over all hosts
-    config.num_train_steps = 1_000_000  # optimizer steps
+    config.shuffle_buffer_size = 10_000  # records held for shuffling, per host
+    config.dynamic_masking = False  # re-mask each epoch instead of using the records' masks
+    config.packing = False  # pack several short sequences per row (MLPerf style)
+    config.max_seqs_per_pack = 3  # sequences per packed row at most
+    config.skip_corrupt_records = False  # True: skip (and count) corrupt records instead of failing
+    config.data_shards = 0  # file shards (0 = one per process); fix it to make runs identical across host counts
+    config.verify_data = True  # check every file against its dataset_info.json before training
+    # Two-phase pretraining: a list of dicts with keys max_seq_length, max_predictions_per_seq,
+    # train_data, fraction (of num_train_steps). Empty = one phase from the fields above. The paper:
+    # [dict(max_seq_length=128, max_predictions_per_seq=20, fraction=0.9, train_data=...),
+    #  dict(max_seq_length=512, max_predictions_per_seq=80, fraction=0.1, train_data=...)]
+    config.phases = ()
+
+    # --- optimization (paper: batch 256, 1M steps, Adam lr 1e-4, warmup 10k, decay 0.01) ---
+    config.global_batch_size = 256  # sequences per optimizer step, over all hosts
+    config.grad_accum_steps = 1  # micro-batches per step (same update as the undivided batch)
+    config.num_train_steps = 1_000_000  # optimizer steps (all phases together)
+    config.optimizer = "adamw"  # adamw | google_adamw (no bias correction, as TF1 BERT) | lamb
     config.learning_rate = 1e-4  # peak learning rate
-    config.warmup_steps = 10_000  # linear warmup, then linear decay to 0
+    config.warmup_steps = 10_000  # linear warmup, then decay to 0
+    config.lr_decay_power = 1.0  # 1 = linear decay; other values = polynomial
+    config.google_lr_schedule = False  # True: Google's decay over all steps, overridden by warmup
     config.weight_decay = 0.01  # decoupled weight decay (not on LayerNorm or biases)
+    config.adam_b1 = 0.9  # Adam beta1
+    config.adam_b2 = 0.999  # Adam beta2
+    config.adam_eps = 1e-6  # Adam epsilon (Google's)
+    config.clip_norm = 1.0  # global-norm gradient clipping (0 disables)
+
+    # --- objectives (the paper's Table 5 ablations) ---
+    config.use_nsp = True  # False: "No NSP"
+    config.objective = "mlm"  # mlm | ltr (left-to-right LM; set model.causal_attention=True)
+
+    # --- parallelism ---
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # per slice; -1 fills
+    config.dcn_mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))  # across slices
+
+    # --- loop, logging, checkpoints ---
+    config.log_every_steps = 100  # console/TensorBoard metrics interval
+    config.eval_every_steps = 10_000  # periodic evaluation on eval_data
+    config.eval_steps = 0  # batches per evaluation; 0 = one full pass over eval_data
+    config.eval_batch_size = 0  # global eval batch; 0 = global_batch_size
+    config.checkpoint_every_steps = 1000  # save interval
+    config.keep_checkpoints = 3  # most recent checkpoints kept
+    config.async_checkpointing = True  # write checkpoints in the background
+    config.nonfinite = "stop"  # stop | skip: on a non-finite loss or gradient
+    config.max_consecutive_nonfinite = 10  # in skip mode, abort after this many bad steps in a row
+    config.init_checkpoint = ""  # evaluate mode: the checkpoint (a bert_jax workdir) to evaluate
     return config

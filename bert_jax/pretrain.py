@@ -1,0 +1,508 @@
+"""Pretraining and evaluation loops: mesh, sharded init, restore, jit(step), loop, eval, saves.
+
+`run(config, workdir)` pretrains; `evaluate(config, workdir)` scores a checkpoint on pretraining
+TFRecords. Both read the ml_collections config here and pass explicit arguments below.
+
+The loop, in order of what can go wrong:
+- every host checks, before compiling, that all hosts resolved the same config (a mismatch exits
+  all of them) and that the batch and the model divide over the mesh;
+- the state is initialized directly into its shards, or restored from the newest committed
+  checkpoint in `workdir/checkpoints` (params, optimizer state, RNG, step) together with each host's
+  input-pipeline position, so a resumed run sees exactly the batches it would have seen;
+- the data manifest (`dataset_info.json`) is verified before the first step;
+- a non-finite loss or gradient never touches the parameters; `nonfinite="stop"` ends the run with
+  a diagnostic, `"skip"` goes on until `max_consecutive_nonfinite` bad steps in a row;
+- SIGTERM (or the multi-host preemption sync point) saves a checkpoint and exits cleanly; a failed
+  save stops the run with an error within one save interval.
+
+Two-phase pretraining (the paper's 90% of steps at length 128, 10% at 512) runs one optimizer
+and one learning-rate schedule over all steps; each phase has its own data and compiled step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from bert_jax import checkpointing, modeling, optim, sharding, steps
+from bert_jax.modeling import BertConfig, BertForPreTraining
+
+# Peak dense bf16 FLOP/s per device, for MFU (by jax's device_kind prefix).
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100": 312e12,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    max_seq_length: int
+    max_predictions_per_seq: int
+    train_data: str
+    start_step: int  # first step (exclusive lower bound: steps start_step+1 .. end_step run here)
+    end_step: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Config resolution
+# ---------------------------------------------------------------------------------------------
+
+
+def bert_config_from(config: ml_collections.ConfigDict) -> BertConfig:
+    """The model config: `config.model`, or the init checkpoint's `bert_config.json` if present."""
+    init = config.get("init_checkpoint", "")
+    if init:
+        path = os.path.join(init, "bert_config.json")
+        if os.path.exists(path):
+            ours = {k: v for k, v in config.model.to_dict().items()
+                    if k in ("dtype", "scan_layers", "remat_policy", "attention_impl", "vocab_pad_multiple")}
+            return BertConfig.from_json_file(path, **ours)
+    return BertConfig.from_dict(config.model.to_dict())
+
+
+def resolve_phases(config: ml_collections.ConfigDict) -> list[Phase]:
+    total = int(config.num_train_steps)
+    if not config.phases:
+        if not config.train_data:
+            raise ValueError("config.train_data is empty: give the training TFRecords (glob, comma-separated)")
+        return [Phase(config.max_seq_length, config.max_predictions_per_seq, config.train_data, 0, total)]
+    phases, start = [], 0
+    fractions = [float(p["fraction"]) for p in config.phases]
+    if abs(sum(fractions) - 1.0) > 1e-6:
+        raise ValueError(f"config.phases: the fractions must add up to 1, got {fractions}")
+    for i, p in enumerate(config.phases):
+        end = total if i == len(config.phases) - 1 else start + int(round(fractions[i] * total))
+        if not p.get("train_data"):
+            raise ValueError(f"config.phases[{i}].train_data is empty")
+        phases.append(Phase(int(p["max_seq_length"]), int(p["max_predictions_per_seq"]),
+                            p["train_data"], start, end))
+        start = end
+    return phases
+
+
+def config_fingerprint(config: ml_collections.ConfigDict) -> str:
+    return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()
+
+
+def check_same_config_on_all_hosts(config: ml_collections.ConfigDict) -> None:
+    """Exits every host before compiling when one host resolved a different config."""
+    if jax.process_count() == 1:
+        return
+    digest = np.frombuffer(bytes.fromhex(config_fingerprint(config)), dtype=np.uint8)
+    try:
+        multihost_utils.assert_equal(digest, "hosts resolved different configs")
+    except AssertionError as e:
+        raise SystemExit(f"process {jax.process_index()}: config mismatch across hosts: {e}") from e
+
+
+def special_token_ids(vocab_file: str) -> Optional[dict]:
+    if not vocab_file:
+        return None
+    from data_pipeline import tokenization  # the loop module may touch the data side
+    vocab = tokenization.load_vocab(vocab_file)
+    missing = [t for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]") if t not in vocab]
+    if missing:
+        raise ValueError(f"config.vocab_file={vocab_file} lacks special tokens {missing}")
+    return dict(pad_id=vocab["[PAD]"], cls_id=vocab["[CLS]"], sep_id=vocab["[SEP]"],
+                mask_id=vocab["[MASK]"], vocab_size=len(vocab))
+
+
+def peak_flops_per_device() -> Optional[float]:
+    kind = jax.devices()[0].device_kind
+    for prefix, flops in PEAK_FLOPS.items():
+        if kind.startswith(prefix):
+            return flops
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, optimizer, state
+# ---------------------------------------------------------------------------------------------
+
+
+def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
+    """Model, optimizer, schedule and a sharded-init function for the train state."""
+    model = BertForPreTraining(bert_config)
+    schedule = optim.learning_rate_schedule(
+        config.learning_rate, config.warmup_steps, config.num_train_steps,
+        power=config.lr_decay_power, google_style=config.google_lr_schedule)
+    tx = optim.make_optimizer(config.optimizer, schedule, weight_decay=config.weight_decay,
+                              b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+                              clip_norm=config.clip_norm or None)
+
+    def init_state(rng):
+        params_rng, dropout_rng = jax.random.split(rng)
+        params = model.init(params_rng, **modeling.dummy_inputs(bert_config))["params"]
+        return steps.create_train_state(params, tx, dropout_rng)
+
+    return model, tx, schedule, init_state
+
+
+def check_mesh(config, bert_config: BertConfig, mesh) -> None:
+    sharding.check_divisibility(
+        mesh, global_batch_size=config.global_batch_size,
+        num_attention_heads=bert_config.num_attention_heads,
+        intermediate_size=bert_config.intermediate_size, hidden_size=bert_config.hidden_size)
+    k = config.grad_accum_steps
+    if k < 1 or config.global_batch_size % k or (config.global_batch_size // k) % sharding.axis_size(
+            mesh, sharding.BATCH_AXES):
+        raise ValueError(
+            f"config.grad_accum_steps={k}: global_batch_size={config.global_batch_size} / {k} must be "
+            f"a whole number divisible by data*fsdp={sharding.axis_size(mesh, sharding.BATCH_AXES)}")
+
+
+def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str) -> None:
+    """Makes the workdir self-describing: bert_config.json (+ vocab.txt) next to the checkpoints."""
+    if jax.process_index() != 0:
+        return
+    os.makedirs(workdir, exist_ok=True)
+    bert_config.to_json_file(os.path.join(workdir, "bert_config.json"))
+    if vocab_file:
+        import shutil
+        target = os.path.join(workdir, "vocab.txt")
+        if os.path.abspath(vocab_file) != os.path.abspath(target):
+            shutil.copyfile(vocab_file, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input
+# ---------------------------------------------------------------------------------------------
+
+
+class ShardedInput:
+    """This host's share of `num_shards` file shards, one pipeline each, rows concatenated.
+
+    With `config.data_shards` fixed, the global batch does not depend on how many processes read
+    it: 1 process reading 2 shards yields exactly the batches of 2 processes reading 1 each. That
+    is what makes a run reproducible across host counts (and testable on one machine).
+    """
+
+    def __init__(self, make, num_shards: int):
+        count, index = jax.process_count(), jax.process_index()
+        if num_shards % count:
+            raise ValueError(f"config.data_shards={num_shards} must be a multiple of the number of "
+                             f"processes ({count})")
+        per_host = num_shards // count
+        self.shards = [make(index * per_host + j, num_shards, per_host) for j in range(per_host)]
+
+    def __next__(self) -> dict:
+        parts = [next(s) for s in self.shards]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def save_state(self, directory: str) -> None:
+        for j, s in enumerate(self.shards):
+            s.save_state(os.path.join(directory, f"shard_{j}"))
+
+    def restore_state(self, directory: str) -> None:
+        for j, s in enumerate(self.shards):
+            s.restore_state(os.path.join(directory, f"shard_{j}"))
+
+
+def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> ShardedInput:
+    from data_pipeline import input_pipeline
+
+    def make(shard: int, num_shards: int, shards_per_host: int):
+        per_host = config.global_batch_size // jax.process_count()
+        if per_host % shards_per_host:
+            raise ValueError(f"config.global_batch_size={config.global_batch_size} must divide into "
+                             f"config.data_shards={num_shards} equal parts")
+        return input_pipeline.PretrainingInput(
+            phase.train_data,
+            per_host_batch_size=per_host // shards_per_host,
+            max_seq_length=phase.max_seq_length,
+            max_predictions_per_seq=phase.max_predictions_per_seq,
+            seed=config.seed,
+            process_index=shard,
+            process_count=num_shards,
+            shuffle_buffer_size=config.shuffle_buffer_size,
+            dynamic_masking=config.dynamic_masking,
+            special_ids=special_ids,
+            packing=config.packing,
+            max_seqs_per_pack=config.max_seqs_per_pack,
+            verify=config.verify_data,
+            skip_corrupt=config.skip_corrupt_records,
+        )
+
+    return ShardedInput(make, config.data_shards or jax.process_count())
+
+
+def make_eval_input(config, data: str, max_seq_length: int, max_predictions_per_seq: int):
+    from data_pipeline import input_pipeline
+    global_batch = config.eval_batch_size or config.global_batch_size
+    return input_pipeline.make_eval_iterator(
+        data,
+        per_host_batch_size=global_batch // jax.process_count(),
+        max_seq_length=max_seq_length,
+        max_predictions_per_seq=max_predictions_per_seq,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        verify=config.verify_data,
+        skip_corrupt=config.skip_corrupt_records,
+    )
+
+
+def run_eval(p_eval, params, batches, mesh, max_batches: int = 0) -> dict:
+    """Sums over one pass (or `max_batches`) of a finite, padded eval iterator."""
+    totals = None
+    for i, batch in enumerate(batches):
+        if max_batches and i >= max_batches:
+            break
+        sums = p_eval(params, sharding.to_global(batch, mesh))
+        totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
+    if totals is None:
+        raise ValueError("the evaluation data yielded no batch (fewer records than one batch per host?)")
+    return steps.summarize(jax.device_get(totals))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pretraining
+# ---------------------------------------------------------------------------------------------
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Pretrains per `config`, resuming from `workdir` when it holds a checkpoint.
+
+    Returns the last logged metrics (also written to TensorBoard under `workdir`).
+    """
+    from clu import metric_writers  # TensorBoard + console writers
+
+    jax.config.update("jax_threefry_partitionable", True)
+    check_same_config_on_all_hosts(config)
+    bert_config = bert_config_from(config)
+    phases = resolve_phases(config)
+    mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
+    check_mesh(config, bert_config, mesh)
+    if config.objective not in ("mlm", "ltr"):
+        raise ValueError(f"config.objective must be 'mlm' or 'ltr', got {config.objective!r}")
+    if config.nonfinite not in ("stop", "skip"):
+        raise ValueError(f"config.nonfinite must be 'stop' or 'skip', got {config.nonfinite!r}")
+    special_ids = special_token_ids(config.vocab_file)
+    if config.dynamic_masking and special_ids is None:
+        raise ValueError("config.dynamic_masking needs config.vocab_file (for the [MASK] id and the vocabulary)")
+    write_model_files(workdir, bert_config, config.vocab_file)
+
+    model, tx, schedule, init_state = build(config, bert_config, mesh)
+    rules = sharding.DEFAULT_RULES
+    abstract = jax.eval_shape(init_state, jax.random.key(config.seed))
+    state_shardings = sharding.logical_to_sharding(abstract, mesh, rules)
+    abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
+
+    ckpt = checkpointing.Checkpointer(
+        os.path.join(workdir, "checkpoints"), save_interval_steps=config.checkpoint_every_steps,
+        max_to_keep=config.keep_checkpoints, async_save=config.async_checkpointing)
+    start_step = ckpt.latest_step()
+    meta: dict = {}
+    if start_step is not None:
+        state, meta = ckpt.restore(abstract_state, start_step)
+        logging.info("resumed from step %d", start_step)
+        start_step = int(start_step)
+    else:
+        state, _ = sharding.sharded_init(init_state, jax.random.key(config.seed), mesh, rules)
+        start_step = 0
+
+    writer = metric_writers.create_default_writer(
+        workdir, just_logging=jax.process_index() > 0, asynchronous=False)
+    if start_step == 0:
+        writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
+                              if isinstance(v, (int, float, str, bool))})
+
+    batch_sharding = sharding.batch_sharding(mesh)
+    train_step = functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule,
+                                   accum_steps=config.grad_accum_steps, use_nsp=config.use_nsp,
+                                   objective=config.objective, mesh=mesh)
+    p_train = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                      out_shardings=(state_shardings, None), donate_argnums=0)
+    p_eval = jax.jit(functools.partial(steps.eval_step, model=model, objective=config.objective),
+                     in_shardings=(state_shardings.params, batch_sharding))
+
+    peak = peak_flops_per_device()
+    block_every_step = jax.process_count() > 1  # RELIABILITY.md: multi-process CPU deadlock otherwise
+    last_metrics: dict = {}
+    log_path = os.path.join(workdir, "train_log.jsonl")
+    consecutive_bad = 0
+    step = start_step
+    stop = False
+    try:
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            for phase_index, phase in enumerate(phases):
+                if step >= phase.end_step:
+                    continue
+                batches = make_train_input(config, phase, special_ids)
+                resume_in_phase = step > phase.start_step
+                if resume_in_phase:
+                    if meta.get("phase") != phase_index:
+                        raise checkpointing.CheckpointRestoreError(
+                            f"checkpoint step {step} belongs to phase {meta.get('phase')}, expected {phase_index}")
+                    batches.restore_state(ckpt.input_state_dir(step))
+                flops = steps.train_flops_per_sequence(bert_config, phase.max_seq_length,
+                                                       phase.max_predictions_per_seq)
+                pending: list = []
+                window_start = time.time()
+                from tqdm import tqdm
+                bar = tqdm(total=phase.end_step - phase.start_step, initial=step - phase.start_step,
+                           desc=f"phase {phase_index + 1}/{len(phases)} (length {phase.max_seq_length})",
+                           disable=jax.process_index() > 0, dynamic_ncols=True)
+                while step < phase.end_step:
+                    batch = next(batches)
+                    global_batch = sharding.to_global(batch, mesh)
+                    # Nothing may reach the step implicitly from the host (a numpy leak would
+                    # be copied every step, and is wrong multi-host).
+                    with jax.transfer_guard_host_to_device("disallow"):
+                        state, metrics = p_train(state, global_batch)
+                    step += 1
+                    if block_every_step:
+                        jax.block_until_ready(metrics)
+                    pending.append(metrics)
+                    bar.update(1)
+                    if step % config.log_every_steps == 0 or step == phase.end_step:
+                        last_metrics, consecutive_bad = _log(
+                            pending, step, time.time() - window_start, writer, bar, flops,
+                            config.global_batch_size, phase.max_seq_length, peak, consecutive_bad,
+                            config, log_path)
+                        pending, window_start = [], time.time()
+                    if config.eval_data and config.eval_every_steps and step % config.eval_every_steps == 0:
+                        evaluation = run_eval(p_eval, state.params, make_eval_input(
+                            config, config.eval_data, phase.max_seq_length, phase.max_predictions_per_seq),
+                            mesh, config.eval_steps)
+                        writer.write_scalars(step, {f"eval/{k}": v for k, v in evaluation.items()})
+                    stop = ckpt.should_stop(step)
+                    ckpt.save(step, state, {"phase": phase_index, "step": step},
+                              force=stop or step == phase.end_step,
+                              input_state_writer=batches.save_state)
+                    if stop:
+                        logging.warning("preemption/SIGTERM: saved step %d, exiting", step)
+                        break
+                bar.close()
+                if stop:
+                    break
+    finally:
+        writer.flush()
+        ckpt.close()  # waits for the last save; raises if it failed
+    return last_metrics
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _log(pending, step, seconds, writer, bar, flops, global_batch, seq_len, peak, consecutive_bad,
+         config, log_path) -> tuple[dict, int]:
+    """Fetches the window's metrics, checks finiteness, writes scalars and the jsonl log."""
+    fetched = jax.device_get(pending)
+    first_step = step - len(fetched) + 1
+    for i, m in enumerate(fetched):
+        if float(m["finite"]) == 0.0:
+            consecutive_bad += 1
+            where = (f"step {first_step + i}: non-finite loss or gradient (loss={float(m['loss'])}, "
+                     f"grad_norm={float(m['grad_norm'])}, mlm_loss_sum={float(m['mlm_loss_sum'])}, "
+                     f"nsp_loss_sum={float(m['nsp_loss_sum'])}); the update was not applied")
+            if config.nonfinite == "stop":
+                raise NonFiniteLossError(where + "; set config.nonfinite='skip' to go on past such steps")
+            logging.warning("%s (%d in a row)", where, consecutive_bad)
+            if consecutive_bad >= config.max_consecutive_nonfinite:
+                raise NonFiniteLossError(
+                    f"{consecutive_bad} consecutive non-finite steps up to step {first_step + i} "
+                    f"(config.max_consecutive_nonfinite={config.max_consecutive_nonfinite})")
+        else:
+            consecutive_bad = 0
+    if jax.process_index() == 0:
+        with open(log_path, "a", encoding="utf-8") as f:
+            for i, m in enumerate(fetched):
+                f.write(json.dumps({"step": first_step + i, "loss": float(m["loss"]),
+                                    "grad_norm": float(m["grad_norm"])}) + "\n")
+    sums = {k: sum(float(m[k]) for m in fetched) for k in fetched[-1]}
+    n = len(fetched)
+    seqs_per_s = n * global_batch / max(seconds, 1e-9)
+    out = {
+        "loss": sums["loss"] / n,
+        "mlm_loss": sums["mlm_loss_sum"] / max(sums["mlm_weight"], 1e-9),
+        "mlm_accuracy": sums["mlm_correct"] / max(sums["mlm_weight"], 1e-9),
+        "nsp_loss": sums["nsp_loss_sum"] / max(sums["nsp_weight"], 1e-9),
+        "nsp_accuracy": sums["nsp_correct"] / max(sums["nsp_weight"], 1e-9),
+        "grad_norm": float(fetched[-1]["grad_norm"]),
+        "learning_rate": float(fetched[-1]["learning_rate"]),
+        "sequences_per_second": seqs_per_s,
+        "tokens_per_second": seqs_per_s * seq_len,
+    }
+    if peak:
+        out["mfu"] = seqs_per_s * flops / (peak * jax.device_count())
+    writer.write_scalars(step, {f"train/{k}": v for k, v in out.items()})
+    bar.set_postfix(loss=f"{out['loss']:.3f}", mlm_acc=f"{out['mlm_accuracy']:.3f}", refresh=False)
+    return out, consecutive_bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation mode
+# ---------------------------------------------------------------------------------------------
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Scores `config.init_checkpoint` on `config.eval_data`; writes `workdir/eval_results.json`."""
+    if not config.init_checkpoint:
+        raise ValueError("config.init_checkpoint is empty: give the checkpoint to evaluate")
+    if not config.eval_data:
+        raise ValueError("config.eval_data is empty: give the evaluation TFRecords (glob)")
+    jax.config.update("jax_threefry_partitionable", True)
+    bert_config = bert_config_from(config)
+    mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
+    params, params_shardings = load_params(config, bert_config, mesh)
+    model = BertForPreTraining(bert_config)
+    p_eval = jax.jit(functools.partial(steps.eval_step, model=model, objective=config.objective),
+                     in_shardings=(params_shardings, sharding.batch_sharding(mesh)))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        results = run_eval(p_eval, params, make_eval_input(
+            config, config.eval_data, config.max_seq_length, config.max_predictions_per_seq), mesh,
+            config.eval_steps)
+    if jax.process_index() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "eval_results.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2, sort_keys=True)
+    return results
+
+
+def load_params(config, bert_config: BertConfig, mesh):
+    """Parameters of a bert_jax workdir's newest checkpoint, sharded onto `mesh`."""
+    path = config.init_checkpoint
+    ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    model, tx, schedule, init_state = build(config, bert_config, mesh)
+    abstract = jax.eval_shape(init_state, jax.random.key(0))
+    shardings = sharding.logical_to_sharding(abstract, mesh)
+    target = sharding.abstract_with_shardings(nn.meta.unbox(abstract), shardings)
+    ckpt = checkpointing.Checkpointer(ckpt_dir, save_interval_steps=1, max_to_keep=1000,
+                                      handle_sigterm=False)
+    try:
+        if ckpt.latest_step() is None:
+            raise FileNotFoundError(f"config.init_checkpoint={path}: no committed checkpoint found in {ckpt_dir}")
+        state, _ = ckpt.restore(target)
+    finally:
+        ckpt.close()
+    return state.params, shardings.params

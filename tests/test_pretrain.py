@@ -1,0 +1,230 @@
+"""End to end: the pretraining entry point in subprocesses (resume after kill -9, SIGTERM, multi-host,
+config mismatch, non-finite loss, evaluation mode) on small TFRecords the tests write themselves."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ, PREDS, VOCAB = 32, 5, 512
+
+
+def write_records(path: Path, n: int, seed: int, nan_weight: bool = False) -> None:
+    """Records in Google's schema, written with tf.train.Example directly (not our writer)."""
+    rng = np.random.RandomState(seed)
+    with tf.io.TFRecordWriter(str(path)) as w:
+        for _ in range(n):
+            length = rng.randint(SEQ // 2, SEQ + 1)
+            ids = np.zeros(SEQ, np.int64)
+            ids[:length] = rng.randint(5, VOCAB, size=length)
+            ids[0], ids[length - 1] = 2, 3
+            mask = (np.arange(SEQ) < length).astype(np.int64)
+            seg = ((np.arange(SEQ) >= length // 2) & (mask > 0)).astype(np.int64)
+            npred = rng.randint(1, PREDS + 1)
+            pos = np.zeros(PREDS, np.int64)
+            pos[:npred] = np.sort(rng.choice(np.arange(1, length - 1), npred, replace=False))
+            lab = np.zeros(PREDS, np.int64)
+            lab[:npred] = ids[pos[:npred]]
+            ids[pos[:npred]] = 4  # [MASK]
+            weights = np.zeros(PREDS, np.float32)
+            weights[:npred] = 1.0
+            if nan_weight:
+                weights[0] = np.nan
+            feats = {
+                "input_ids": ids, "input_mask": mask, "segment_ids": seg, "masked_lm_positions": pos,
+                "masked_lm_ids": lab, "next_sentence_labels": np.array([rng.randint(0, 2)], np.int64)}
+            f = {k: tf.train.Feature(int64_list=tf.train.Int64List(value=v)) for k, v in feats.items()}
+            f["masked_lm_weights"] = tf.train.Feature(float_list=tf.train.FloatList(value=weights))
+            w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    for i in range(4):
+        write_records(d / f"train-{i}.tfrecord", 64, seed=i)
+    write_records(d / "eval-0.tfrecord", 40, seed=99)
+    write_records(d / "nan.tfrecord", 16, seed=5, nan_weight=True)
+    return d
+
+
+def env(devices: int = 2) -> dict:
+    e = dict(os.environ)
+    e.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
+    return e
+
+
+def cmd(workdir, data, *overrides):
+    return [sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/test.py'}",
+            f"--workdir={workdir}", f"--config.train_data={data}/train-*.tfrecord",
+            "--config.log_every_steps=1", "--config.checkpoint_every_steps=4",
+            "--config.num_train_steps=12", "--config.shuffle_buffer_size=64",
+            "--config.verify_data=false", *overrides]
+
+
+def losses(workdir) -> dict:
+    """step -> loss from train_log.jsonl (a resumed run logs some steps again: last one wins)."""
+    out = {}
+    for line in (Path(workdir) / "train_log.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def run(args, timeout=300, devices=2, **kw):
+    return subprocess.run(args, env=env(devices), cwd=ROOT, timeout=timeout, capture_output=True,
+                          text=True, **kw)
+
+
+def test_kill9_and_resume_gives_the_uninterrupted_loss_sequence(data, tmp_path):
+    ref = run(cmd(tmp_path / "ref", data))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = losses(tmp_path / "ref")
+    assert sorted(want) == list(range(1, 13))
+    assert want[12] < want[1]
+
+    work = tmp_path / "killed"
+    proc = subprocess.Popen(cmd(work, data), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    log = work / "train_log.jsonl"
+    while time.time() < deadline:  # kill once step 6 is logged: after the step-4 checkpoint
+        if log.exists() and len(log.read_text().splitlines()) >= 6:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"training ended before it could be killed: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    resumed = run(cmd(work, data))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = losses(work)
+    assert got == want  # bitwise: the same floats, step for step
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data, tmp_path):
+    work = tmp_path / "w"
+    proc = subprocess.Popen(cmd(work, data, "--config.num_train_steps=100000",
+                                "--config.checkpoint_every_steps=100000"),
+                            env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = work / "train_log.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("SIGTERM did not stop the run within 60 s")
+    assert code == 0, proc.stderr.read()[-3000:]
+    steps = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] >= 3
+    assert max(losses(work)) == steps[-1]  # it saved the step it stopped at
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_two_processes_match_one_process_with_the_same_devices(data, tmp_path):
+    # One process reading the same two file shards (data_shards=2) as the two processes do.
+    one = run(cmd(tmp_path / "one", data, "--config.num_train_steps=6", "--config.data_shards=2"), devices=2)
+    assert one.returncode == 0, one.stderr[-3000:]
+    e = dict(env(1), XLA_FLAGS="", NUM_PROCESSES="2", DEVICES_PER_PROCESS="1", PORT=str(_port()),
+             PYTHON=sys.executable, KILL_AFTER="5")
+    two = subprocess.run(["bash", str(ROOT / "launch/local_multihost.sh"),
+                          *cmd(tmp_path / "two", data, "--config.num_train_steps=6", "--config.data_shards=2")[3:]],
+                         env=e, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(a) == list(range(1, 7))
+    np.testing.assert_allclose([b[s] for s in sorted(a)], [a[s] for s in sorted(a)], rtol=1e-6)
+
+
+def test_a_host_with_a_different_config_stops_every_host_before_compiling(data, tmp_path):
+    port = _port()
+    procs = []
+    for pid, lr in ((0, "1e-4"), (1, "2e-4")):
+        e = dict(env(1), XLA_FLAGS="", BERT_JAX_COORDINATOR=f"127.0.0.1:{port}", BERT_JAX_NUM_PROCESSES="2",
+                 BERT_JAX_PROCESS_ID=str(pid), JAX_NUM_CPU_DEVICES="1")
+        procs.append(subprocess.Popen(cmd(tmp_path / f"w{pid}", data, f"--config.learning_rate={lr}"),
+                                      env=e, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=240))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("hosts with different configs did not exit")
+    assert all(c != 0 for c in codes)
+    assert "config mismatch" in procs[0].stderr.read() + procs[1].stderr.read()
+    assert not (tmp_path / "w0" / "train_log.jsonl").exists()
+
+
+def test_nonfinite_loss_stops_with_a_diagnostic(data, tmp_path):
+    r = run(cmd(tmp_path / "w", data, f"--config.train_data={data}/nan.tfrecord", "--config.num_train_steps=3"))
+    assert r.returncode != 0
+    assert "non-finite loss or gradient" in r.stderr
+
+
+def test_evaluate_mode_writes_the_reference_metrics(data, tmp_path):
+    train = run(cmd(tmp_path / "train", data, "--config.num_train_steps=4"))
+    assert train.returncode == 0, train.stderr[-3000:]
+    r = run([sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/test.py'}",
+             f"--workdir={tmp_path / 'eval'}", "--config.mode=evaluate",
+             f"--config.init_checkpoint={tmp_path / 'train'}", f"--config.eval_data={data}/eval-0.tfrecord",
+             "--config.global_batch_size=16", "--config.verify_data=false"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    assert set(results) == {"masked_lm_loss", "masked_lm_accuracy", "next_sentence_loss", "next_sentence_accuracy"}
+    # Independent check: the same weights scored record by record in numpy.
+    sys.path.insert(0, str(ROOT))
+    import jax
+    from bert_jax import modeling, pretrain
+    from configs import test as test_config
+    cfg = test_config.get_config()
+    cfg.init_checkpoint = str(tmp_path / "train")
+    bert_config = pretrain.bert_config_from(cfg)
+    from bert_jax import sharding
+    params, _ = pretrain.load_params(cfg, bert_config, sharding.create_mesh({"data": -1}, devices=jax.devices()[:1]))
+    nll_sum = w_sum = correct = nsp_nll = nsp_correct = n = 0.0
+    for raw in tf.data.TFRecordDataset(str(data / "eval-0.tfrecord")).as_numpy_iterator():
+        ex = tf.train.Example.FromString(raw).features.feature
+        get = lambda k: np.array(ex[k].int64_list.value)[None]
+        out = modeling.BertForPreTraining(bert_config).apply(
+            {"params": params}, get("input_ids"), get("input_mask"), get("segment_ids"), get("masked_lm_positions"))
+        logp = np.asarray(jax.nn.log_softmax(out.mlm_logits[0].astype(np.float64)))
+        w = np.array(ex["masked_lm_weights"].float_list.value)
+        lab = get("masked_lm_ids")[0]
+        nll_sum += float(-(logp[np.arange(len(lab)), lab] * w).sum())
+        correct += float(((logp.argmax(-1) == lab) * w).sum())
+        w_sum += w.sum()
+        nsp = np.asarray(jax.nn.log_softmax(out.nsp_logits[0].astype(np.float64)))
+        label = int(get("next_sentence_labels")[0, 0])
+        nsp_nll += -nsp[label]
+        nsp_correct += float(nsp.argmax() == label)
+        n += 1
+    assert n == 40
+    np.testing.assert_allclose(results["masked_lm_loss"], nll_sum / w_sum, rtol=1e-4)
+    np.testing.assert_allclose(results["masked_lm_accuracy"], correct / w_sum, rtol=1e-6)
+    np.testing.assert_allclose(results["next_sentence_loss"], nsp_nll / n, rtol=1e-4)
+    np.testing.assert_allclose(results["next_sentence_accuracy"], nsp_correct / n, rtol=1e-6)
