@@ -1,0 +1,1182 @@
+"""tf.data input for pretraining: TFRecords in Google's schema -> host-local numpy batches.
+
+This module owns everything between the TFRecord files written by `create_pretraining_data` and
+the numpy batches the training loop hands to `bert_jax.sharding.to_global`:
+
+- **Files.** Comma-separated globs (or a list of them) are expanded, de-duplicated and *sorted*;
+  host `process_index` of `process_count` reads files `sorted_files[process_index::process_count]`
+  (disjoint, and complete over the hosts). Never `Dataset.list_files`, which shuffles unseeded.
+- **Integrity, before training.** With `verify=True` each file is checked against the
+  `dataset_info.json` manifest next to it (size, sha256, record count; `schema.py` writes it): a
+  missing, empty, truncated, bit-flipped or garbage file raises `CorruptDataError` naming the file.
+  With `skip_corrupt=True` the bad file is instead repaired into a local copy holding exactly its
+  good records (`scan_tfrecord_file` walks the record framing and checks every CRC), and the lost
+  records are counted in `stats`. Only this host's files are hashed.
+- **Training stream** (`PretrainingInput`), per epoch: seeded file-order shuffle -> interleave ->
+  seeded record shuffle (of the serialized records: small buffers, small checkpoints) ->
+  [dynamic masking] -> [packing] ; then `repeat` -> `batch(per_host_batch_size,
+  drop_remainder=True)` -> prefetch. Shuffles sit *before* `repeat`, so every record of this
+  host's files appears exactly once per epoch, and epochs do not mix.
+- **Dynamic masking** (`dynamic_mask`): restores the original tokens from
+  `masked_lm_positions`/`masked_lm_ids` and re-masks with the reference's rules (see below), using
+  stateless random ops seeded from a checkpointable `Dataset.random` stream, so masks differ per
+  epoch, are the same for the same seed, and survive a resume.
+- **Packing** (`pack_window`): first-fit-decreasing within windows of `packing_window` records,
+  inside the graph (no `py_function`, so the iterator stays checkpointable), MLPerf-style.
+- **Resume**: `save_state(dir)` / `restore_state(dir)` write/read a `tf.train.Checkpoint` of the
+  iterator (shuffle buffer, file offsets, random streams) plus a JSON fingerprint of the options,
+  so a resumed run yields exactly the batches an uninterrupted run would have.
+- **Evaluation** (`make_eval_iterator` -> `EvalInput`): one finite pass, in file order, padded
+  so every host yields the same number of batches; padding rows carry weight 0.
+
+Masking rules (google-research/bert `create_pretraining_data.py`, token-level, not whole-word):
+the number of predictions is `min(max_predictions_per_seq, max(1, round(num_tokens * 0.15)))`,
+where `num_tokens` counts the *real* tokens including [CLS] and [SEP] (as the reference's
+`len(tokens)` does; `round` is half-to-even in both), further capped by the number of candidates;
+candidates are the real tokens other than [CLS], [SEP] and [PAD]; each chosen position becomes
+[MASK] with probability 0.8, else keeps its token with probability 0.5, else becomes an id drawn
+uniformly from `[0, vocab_size)`. Positions are sorted ascending and padded with position 0,
+id 0, weight 0.
+
+Batches (numpy, host-local; `B` = per_host_batch_size, `L` = max_seq_length,
+`P` = max_predictions_per_seq, `S` = max_seqs_per_pack, `Pp` = max_predictions_per_pack):
+
+  unpacked training and eval batches (Google's names):
+    input_ids, input_mask, segment_ids     int32   [B, L]
+    masked_lm_positions, masked_lm_ids     int32   [B, P]
+    masked_lm_weights                      float32 [B, P]
+    next_sentence_labels                   int32   [B, 1]   (Google's shape; 1 = random next)
+    next_sentence_weights                  float32 [B]      (1; 0 for eval padding rows)
+
+  packed training batches:
+    input_ids, input_mask, segment_ids     int32   [B, L]
+    position_ids                           int32   [B, L]   restarts at 0 for each sequence
+    pack_ids                               int32   [B, L]   1, 2, ... per sequence, 0 = padding
+    cls_positions                          int32   [B, S]   [CLS] index of each sequence (0 = empty)
+    next_sentence_labels                   int32   [B, S]
+    next_sentence_weights                  float32 [B, S]   1 per sequence, 0 for empty slots
+    masked_lm_positions, masked_lm_ids     int32   [B, Pp]  positions in the packed row
+    masked_lm_weights                      float32 [B, Pp]
+
+This module imports neither jax nor bert_jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import tensorflow as tf
+
+try:
+    from data_pipeline import schema
+except ImportError:  # TEMPORARY until schema.py lands
+    schema = None
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "dataset_info.json"
+_STATE_JSON = "input_state.json"
+_ITERATOR_PREFIX = "iterator"
+
+FilePatterns = Union[str, Sequence[str]]
+
+
+class CorruptDataError(RuntimeError):
+    """A data file is missing, unlisted, truncated or corrupt. `path` names the file."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+    """Token ids dynamic masking needs (read from vocab.txt by the caller)."""
+
+    mask_id: int
+    cls_id: int
+    sep_id: int
+    vocab_size: int
+    pad_id: int = 0
+
+    @classmethod
+    def from_any(cls, value: Union["SpecialIds", Mapping[str, int]]) -> "SpecialIds":
+        if isinstance(value, SpecialIds):
+            return value
+        keys = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - keys
+        if unknown:
+            raise ValueError(f"special_ids has unknown keys {sorted(unknown)}; expected {sorted(keys)}")
+        return cls(**{k: int(v) for k, v in value.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# Files and per-host sharding
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_patterns(file_patterns: FilePatterns) -> list[str]:
+    items = [file_patterns] if isinstance(file_patterns, str) else list(file_patterns)
+    # Google's flags take comma-separated globs; accept that inside each item too.
+    patterns = [p.strip() for item in items for p in str(item).split(",") if p.strip()]
+    if not patterns:
+        raise ValueError("no input file pattern given")
+    return patterns
+
+
+def expand_file_patterns(file_patterns: FilePatterns) -> list[str]:
+    """Sorted, de-duplicated files matching the globs. Raises naming a pattern that matches nothing.
+
+    Sorting matters: every host must see the same list before taking its share of it.
+    """
+    files = set()
+    for pattern in _split_patterns(file_patterns):
+        matched = tf.io.gfile.glob(pattern)
+        if not matched:
+            raise FileNotFoundError(f"input file pattern {pattern!r} matches no file")
+        files.update(matched)
+    return sorted(files)
+
+
+def shard_files(files: Sequence[str], process_index: int, process_count: int) -> list[str]:
+    """This host's files: `sorted(files)[process_index::process_count]`.
+
+    Round-robin over the sorted list: the hosts' sets are disjoint, their union is every file,
+    and their sizes differ by at most one file.
+    """
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is not in [0, process_count={process_count})")
+    return sorted(files)[process_index::process_count]
+
+
+# ---------------------------------------------------------------------------------------------
+# TFRecord framing: scan a file record by record, checking every CRC
+# ---------------------------------------------------------------------------------------------
+#
+# A TFRecord is `uint64 length | uint32 masked_crc32c(length) | data | uint32 masked_crc32c(data)`.
+# TF's readers stop at the first bad record (and `ignore_errors` drops the rest of the file), and
+# a file cut inside a header reads as a clean end of file. To skip *exactly* the bad records we
+# walk the framing ourselves: header CRCs in Python (12 bytes each, cheap), data CRCs through TF's
+# random-access reader.
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1  # Castagnoli, reflected
+        table.append(c)
+    return table
+
+
+_CRC_TABLE = _crc32c_table()
+
+
+def _masked_crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _random_reader(path: str):
+    # TF's random-access record reader verifies the data CRC of the record at a given offset.
+    # It is not public API (tensorflow.python), hence this one import site.
+    from tensorflow.python.lib.io import tf_record
+    return tf_record.tf_record_random_reader(path)
+
+
+@dataclasses.dataclass
+class RecordScan:
+    """What `scan_tfrecord_file` found in one file."""
+
+    path: str
+    size: int
+    good_offsets: list  # byte offset of every record whose header and data CRCs check out
+    bad_regions: list  # (offset, reason) of every corrupt or truncated stretch
+
+    @property
+    def num_good(self) -> int:
+        return len(self.good_offsets)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad_regions
+
+
+def scan_tfrecord_file(path: str, max_resync_bytes: int = 64 << 20) -> RecordScan:
+    """Walks a TFRecord file's framing and checks every record's CRCs.
+
+    A record whose data CRC fails is one bad region and the walk goes on after it (its header
+    gave its length). A header whose CRC fails cannot be trusted for the length, so the walk
+    resynchronizes at the next offset (within `max_resync_bytes`) where a valid header is
+    followed by a readable record; everything in between is one bad region. A file cut inside a
+    header or a payload ends with a bad region.
+
+    Args:
+      path: the file (local or any `tf.io.gfile` filesystem).
+      max_resync_bytes: how far past a corrupt header to look for the next good record.
+
+    Returns:
+      A `RecordScan`; `num_good` records are readable, `bad_regions` lists what was not.
+    """
+    size = tf.io.gfile.stat(path).length
+    good, bad = [], []
+    reader = _random_reader(path) if size else None
+    with tf.io.gfile.GFile(path, "rb") as f:
+
+        def header_at(offset: int) -> Optional[int]:
+            """Length of the record at `offset` if its header is valid, else None."""
+            if size - offset < 12:
+                return None
+            f.seek(offset)
+            head = f.read(12)
+            length, crc = struct.unpack("<QI", head)
+            return length if _masked_crc32c(head[:8]) == crc else None
+
+        def readable(offset: int) -> bool:
+            try:
+                reader.read(offset)
+                return True
+            except (tf.errors.DataLossError, IndexError, tf.errors.OutOfRangeError):
+                return False
+
+        offset = 0
+        while offset < size:
+            length = header_at(offset)
+            if length is None:
+                if size - offset < 12:
+                    bad.append((offset, f"truncated record header ({size - offset} trailing bytes)"))
+                    break
+                # Corrupt header: look for the next offset that starts a good record.
+                start, nxt = offset, None
+                for candidate in range(offset + 1, min(size - 11, offset + max_resync_bytes)):
+                    cand_len = header_at(candidate)
+                    if (cand_len is not None and candidate + 16 + cand_len <= size
+                            and readable(candidate)):
+                        nxt = candidate
+                        break
+                bad.append((start, "corrupt record header"))
+                if nxt is None:
+                    break
+                offset = nxt
+                continue
+            end = offset + 12 + length + 4
+            if end > size:
+                bad.append((offset, f"truncated record payload (needs {end - size} more bytes)"))
+                break
+            if readable(offset):
+                good.append(offset)
+            else:
+                bad.append((offset, "record data CRC mismatch"))
+            offset = end
+    return RecordScan(path=path, size=size, good_offsets=good, bad_regions=bad)
+
+
+def _count_records_by_framing(path: str) -> int:
+    """Record count from the headers alone (no CRC checks): for files without a manifest."""
+    size = tf.io.gfile.stat(path).length
+    count, offset = 0, 0
+    with tf.io.gfile.GFile(path, "rb") as f:
+        while offset < size:
+            if size - offset < 12:
+                return count + 1  # a cut header still stands for a (lost) record
+            f.seek(offset)
+            (length,) = struct.unpack("<Q", f.read(8))
+            count += 1
+            offset += 16 + length
+    return count
+
+
+def _write_good_records(scan: RecordScan, out_path: str) -> None:
+    reader = _random_reader(scan.path)
+    with tf.io.TFRecordWriter(out_path) as writer:
+        for offset in scan.good_offsets:
+            record, _ = reader.read(offset)
+            writer.write(record)
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest (dataset_info.json, written by schema.py next to the TFRecords)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FileInfo:
+    """One file's manifest entry (or, without a manifest, what could be measured)."""
+
+    path: str
+    num_records: int
+    num_bytes: Optional[int] = None
+    sha256: Optional[str] = None
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with tf.io.gfile.GFile(path, "rb") as f:
+        while True:
+            chunk = f.read(8 << 20)
+            if not chunk:
+                return h.hexdigest()
+            h.update(chunk)
+
+
+def load_manifest(directory: str) -> Optional[dict[str, FileInfo]]:
+    """The manifest of the TFRecords in `directory` keyed by full path, or None if it has none."""
+    path = os.path.join(directory, MANIFEST_NAME)
+    if not tf.io.gfile.exists(path):
+        return None
+    entries = _manifest_file_entries(path)
+    out = {}
+    for name, entry in entries.items():
+        full = name if os.path.isabs(name) or "://" in name else os.path.join(directory, name)
+        out[full] = FileInfo(path=full, num_records=int(entry["num_records"]),
+                             num_bytes=entry.get("num_bytes"), sha256=entry.get("sha256"))
+    return out
+
+
+def _manifest_file_entries(path: str) -> dict[str, dict]:
+    """{file name: {num_records, num_bytes, sha256}} from a dataset_info.json (schema adapter)."""
+    with tf.io.gfile.GFile(path, "r") as f:
+        info = json.load(f)
+    files = info.get("files")
+    if files is None:
+        raise CorruptDataError(path, "manifest has no 'files' entry")
+    if isinstance(files, list):  # [{"name"/"path": ..., ...}, ...]
+        files = {e.get("name") or e.get("path") or e.get("file"): e for e in files}
+    out = {}
+    for name, e in files.items():
+        out[name] = {
+            "num_records": e.get("num_records", e.get("records", e.get("count"))),
+            "num_bytes": e.get("num_bytes", e.get("bytes", e.get("size"))),
+            "sha256": e.get("sha256"),
+        }
+        if out[name]["num_records"] is None:
+            raise CorruptDataError(path, f"manifest entry for {name} has no record count")
+    return out
+
+
+def _pattern_has_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
+@dataclasses.dataclass
+class _HostFiles:
+    """The result of checking the files before training."""
+
+    all_files: list  # every expected file, sorted (the list hosts shard)
+    infos: dict  # path -> FileInfo (manifest, or measured)
+    read_paths: list  # what this host actually reads (repaired copies substituted)
+    host_files: list  # this host's share of all_files (original names)
+    corrupt_files: list  # this host's files that were missing/corrupt (lenient mode)
+    skipped_records: int  # records of this host's files that will not be read
+    read_records: int  # records this host reads per epoch
+    records_per_host: list  # expected records per host (manifest counts)
+
+
+def _check_files(file_patterns: FilePatterns, *, process_index: int, process_count: int,
+                 verify: bool, skip_corrupt: bool, repair_dir: Optional[str],
+                 require_files_per_host: bool) -> _HostFiles:
+    """Lists, shards and (with `verify`) checks the files; repairs bad ones when lenient."""
+    patterns = _split_patterns(file_patterns)
+    found, unmatched = set(), []
+    for pattern in patterns:
+        matched = tf.io.gfile.glob(pattern)
+        if not matched:
+            unmatched.append(pattern)
+        found.update(matched)
+    if unmatched and not verify:
+        raise CorruptDataError(unmatched[0], "no input file matches this pattern"
+                               if _pattern_has_glob(unmatched[0]) else "input file is missing")
+
+    infos: dict[str, FileInfo] = {}
+    expected = set(found)
+    if verify:
+        # Manifests live next to the files: the directories of the files found, and of the
+        # patterns whose directory part is literal (so a pattern whose files all vanished is
+        # still checked against its manifest).
+        directories = {os.path.dirname(p) for p in found}
+        directories |= {os.path.dirname(p) for p in patterns if not _pattern_has_glob(os.path.dirname(p))}
+        for directory in sorted(directories):
+            manifest = load_manifest(directory)
+            if manifest is None:
+                raise CorruptDataError(
+                    os.path.join(directory, MANIFEST_NAME),
+                    "no data manifest next to the input files; write one with schema.py's "
+                    "manifest helpers, or pass verify=False to read unchecked")
+            # Every manifest file a pattern names is expected (so a deleted file is noticed).
+            for path, info in manifest.items():
+                if any(fnmatch.fnmatchcase(path, p) for p in patterns):
+                    expected.add(path)
+                    infos[path] = info
+        unlisted = sorted(p for p in found if p not in infos)
+        if unlisted:
+            raise CorruptDataError(unlisted[0], f"is not listed in its {MANIFEST_NAME} "
+                                   f"({len(unlisted)} unlisted files); pass verify=False to read it")
+        for pattern in unmatched:
+            if not any(fnmatch.fnmatchcase(p, pattern) for p in expected):
+                raise CorruptDataError(pattern, "no input file (on disk or in the manifest) "
+                                       "matches this pattern")
+
+    all_files = sorted(expected)
+    if require_files_per_host and len(all_files) < process_count:
+        raise ValueError(
+            f"{len(all_files)} input files for process_count={process_count}: every host needs at "
+            f"least one file (files are sharded per host); write more shards")
+    mine = shard_files(all_files, process_index, process_count)
+
+    read_paths, corrupt, skipped, readable = [], [], 0, 0
+    for path in mine:
+        info = infos.get(path)
+        problem = None
+        if path not in found and not tf.io.gfile.exists(path):
+            problem = "file is missing"
+        elif info is not None:
+            size = tf.io.gfile.stat(path).length
+            if info.num_bytes is not None and size != int(info.num_bytes):
+                problem = f"size {size} bytes, manifest says {info.num_bytes}"
+            elif info.sha256 and _sha256(path) != info.sha256:
+                problem = "sha256 differs from the manifest"
+        scan = None
+        if problem is None and info is None and skip_corrupt:
+            # No manifest to compare with: the framing scan is the only check there is.
+            scan = scan_tfrecord_file(path)
+            if not scan.ok:
+                problem = f"{len(scan.bad_regions)} corrupt stretch(es), first: {scan.bad_regions[0]}"
+        if problem is None:
+            read_paths.append(path)
+            if info is None:
+                infos[path] = FileInfo(path, scan.num_good if scan else _count_records_by_framing(path))
+            readable += infos[path].num_records
+            continue
+        if not skip_corrupt:
+            raise CorruptDataError(path, problem + " (pass skip_corrupt=True to skip bad records)")
+        corrupt.append(path)
+        if problem == "file is missing":
+            lost = infos[path].num_records
+            log.warning("skipping %s: %s (%d records)", path, problem, lost)
+            skipped += lost
+            continue
+        scan = scan or scan_tfrecord_file(path)
+        expected_records = info.num_records if info is not None else scan.num_good + len(scan.bad_regions)
+        if info is None:
+            infos[path] = FileInfo(path, expected_records)
+        lost = max(expected_records - scan.num_good, 0)
+        skipped += lost
+        log.warning("%s: %s; reading its %d good records, skipping %d", path, problem,
+                    scan.num_good, lost)
+        if scan.num_good:
+            if repair_dir is None:
+                repair_dir = tempfile.mkdtemp(prefix="bert_jax_repaired_")
+            tf.io.gfile.makedirs(repair_dir)
+            digest = hashlib.sha1(path.encode()).hexdigest()[:12]
+            out = os.path.join(repair_dir, f"{digest}-{os.path.basename(path)}")
+            _write_good_records(scan, out)
+            read_paths.append(out)
+            readable += scan.num_good
+
+    # Record counts of every host (needed so hosts agree on batch counts): the manifest's, or,
+    # unverified, counted from the framing of every file (cheap: headers only).
+    for path in all_files:
+        if path not in infos:
+            infos[path] = FileInfo(path, _count_records_by_framing(path))
+    per_host = [sum(infos[p].num_records for p in shard_files(all_files, h, process_count))
+                for h in range(process_count)]
+    return _HostFiles(all_files=all_files, infos=infos, read_paths=read_paths, host_files=mine,
+                      corrupt_files=corrupt, skipped_records=skipped, read_records=readable,
+                      records_per_host=per_host)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------------------------
+
+
+def _feature_spec(max_seq_length: int, max_predictions_per_seq: int) -> dict:
+    L, P = max_seq_length, max_predictions_per_seq
+    return {"input_ids": tf.io.FixedLenFeature([L], tf.int64),
+            "input_mask": tf.io.FixedLenFeature([L], tf.int64),
+            "segment_ids": tf.io.FixedLenFeature([L], tf.int64),
+            "masked_lm_positions": tf.io.FixedLenFeature([P], tf.int64),
+            "masked_lm_ids": tf.io.FixedLenFeature([P], tf.int64),
+            "masked_lm_weights": tf.io.FixedLenFeature([P], tf.float32),
+            "next_sentence_labels": tf.io.FixedLenFeature([1], tf.int64)}
+
+
+def parse_batch(serialized: tf.Tensor, max_seq_length: int, max_predictions_per_seq: int) -> dict:
+    """Parses `[N]` serialized tf.Examples into int32/float32 `[N, ...]` tensors (schema names)."""
+    spec = _feature_spec(max_seq_length, max_predictions_per_seq)
+    parsed = tf.io.parse_example(serialized, spec)
+    out = {}
+    for name, value in parsed.items():
+        out[name] = tf.cast(value, tf.float32 if value.dtype.is_floating else tf.int32)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic masking
+# ---------------------------------------------------------------------------------------------
+
+
+def _row_index(x: tf.Tensor) -> tf.Tensor:
+    n, m = tf.shape(x)[0], tf.shape(x)[1]
+    return tf.broadcast_to(tf.range(n)[:, None], [n, m])  # [N, M]
+
+
+def restore_original_ids(features: Mapping[str, tf.Tensor]) -> tf.Tensor:
+    """`[N, L]` input_ids with every real masked position set back to its original token."""
+    ids = features["input_ids"]
+    valid = features["masked_lm_weights"] > 0  # [N, P]
+    idx = tf.stack([_row_index(valid), features["masked_lm_positions"]], -1)  # [N, P, 2]
+    return tf.tensor_scatter_nd_update(ids, tf.boolean_mask(idx, valid),
+                                       tf.boolean_mask(features["masked_lm_ids"], valid))
+
+
+def _num_predictions(num_real: tf.Tensor, num_candidates: tf.Tensor, max_predictions_per_seq: int,
+                     masked_lm_prob: float) -> tf.Tensor:
+    """The reference's `min(P, max(1, round(len(tokens) * prob)))`, capped by the candidates.
+
+    `tf.round` rounds half to even like Python's `round`; float64 keeps `n * 0.15` identical.
+    """
+    wanted = tf.round(tf.cast(num_real, tf.float64) * masked_lm_prob)
+    wanted = tf.maximum(tf.cast(wanted, tf.int32), 1)
+    count = tf.minimum(tf.minimum(wanted, max_predictions_per_seq), num_candidates)
+    return tf.where(num_real > 0, count, 0)
+
+
+def _mask_candidates(original: tf.Tensor, real: tf.Tensor, sp: SpecialIds) -> tf.Tensor:
+    return (real & tf.not_equal(original, sp.cls_id) & tf.not_equal(original, sp.sep_id)
+            & tf.not_equal(original, sp.pad_id))
+
+
+def dynamic_predictions_per_sequence(features: Mapping[str, tf.Tensor], *,
+                                     special_ids: Union[SpecialIds, Mapping[str, int]],
+                                     max_predictions_per_seq: int,
+                                     masked_lm_prob: float = 0.15) -> tf.Tensor:
+    """`[N]` number of predictions `dynamic_mask` will make for each unpacked record."""
+    sp = SpecialIds.from_any(special_ids)
+    original = restore_original_ids(features)
+    real = features["input_mask"] > 0
+    num_real = tf.reduce_sum(tf.cast(real, tf.int32), 1)
+    num_candidates = tf.reduce_sum(tf.cast(_mask_candidates(original, real, sp), tf.int32), 1)
+    return _num_predictions(num_real, num_candidates, max_predictions_per_seq, masked_lm_prob)
+
+
+def dynamic_mask(features: Mapping[str, tf.Tensor], seed: tf.Tensor, *,
+                 special_ids: Union[SpecialIds, Mapping[str, int]], max_predictions_per_seq: int,
+                 masked_lm_prob: float = 0.15) -> dict:
+    """Re-masks a batch of rows with the reference's rules (see module docstring).
+
+    Works on unpacked rows and on packed rows (with `pack_ids`): each packed sequence is masked
+    as if it were alone, with its own count and its own `max_predictions_per_seq` cap.
+
+    Args:
+      features: `[N, ...]` parsed records or packed rows (`input_ids`, `input_mask`,
+        `masked_lm_*`, and `pack_ids` + `cls_positions` when packed).
+      seed: `[2]` int seed of the stateless random ops; same seed, same masks.
+      special_ids: the [MASK]/[CLS]/[SEP]/[PAD] ids and the vocabulary size.
+      max_predictions_per_seq: P, the per-sequence cap.
+      masked_lm_prob: fraction of the real tokens to predict.
+
+    Returns:
+      `features` with new `input_ids`, `masked_lm_positions`, `masked_lm_ids`,
+      `masked_lm_weights` (same widths as given; positions ascending, padded with 0).
+
+    Example: a row `[CLS] a b c d e f g h i j k l [SEP] [PAD]...` has 14 real tokens, so
+    `round(14 * 0.15) = 2` of `a..l` are chosen; each becomes [MASK] (80%), stays (10%) or
+    becomes a random id (10%).
+    """
+    sp = SpecialIds.from_any(special_ids)
+    original = restore_original_ids(features)  # [N, L]
+    shape = tf.shape(original)
+    length = shape[1]
+    width = features["masked_lm_positions"].shape[1]  # P, or the packed width
+    if "pack_ids" in features:
+        group = features["pack_ids"]  # [N, L] 1..S, 0 = padding
+        num_groups = features["cls_positions"].shape[1]
+    else:
+        group = tf.cast(features["input_mask"] > 0, tf.int32)
+        num_groups = 1
+    real = group > 0
+    candidate = _mask_candidates(original, real, sp)  # [N, L]
+    onehot = tf.cast(group[:, :, None] == tf.range(num_groups + 1)[None, None, :], tf.int32)  # [N, L, G+1]
+    group_size = tf.reduce_sum(onehot, 1)  # [N, G+1], column 0 = padding
+    group_candidates = tf.reduce_sum(onehot * tf.cast(candidate, tf.int32)[:, :, None], 1)
+    num_pred = _num_predictions(group_size, group_candidates, max_predictions_per_seq,
+                                masked_lm_prob)  # [N, G+1]
+    num_pred = tf.concat([tf.zeros_like(num_pred[:, :1]), num_pred[:, 1:]], 1)  # padding: none
+
+    seeds = tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 4)
+    # Sort tokens by (sequence, score), candidates before the rest of their sequence: within
+    # each sequence the candidates come out in a uniformly random order.
+    score = tf.random.stateless_uniform(shape, seeds[0], dtype=tf.float64)  # [N, L]
+    key = tf.cast(group, tf.float64) + tf.where(candidate, 0.5 * score, 0.75)
+    order = tf.argsort(key, axis=1, stable=True)  # [N, L]
+    sorted_group = tf.gather(group, order, batch_dims=1)  # [N, L]
+    starts = tf.cumsum(group_size, axis=1, exclusive=True)  # [N, G+1] first sorted index of each
+    rank = tf.range(length)[None, :] - tf.gather(starts, sorted_group, batch_dims=1)  # [N, L]
+    chosen_sorted = rank < tf.gather(num_pred, sorted_group, batch_dims=1)  # [N, L]
+    inverse = tf.argsort(order, axis=1)
+    chosen_tokens = tf.gather(chosen_sorted, inverse, batch_dims=1)  # [N, L] in token order
+
+    # The chosen positions, ascending, padded with `length` then cut to the width.
+    positions = tf.sort(tf.where(chosen_tokens, tf.range(length)[None, :], length), axis=1)
+    positions = positions[:, :width]  # [N, W]
+    chosen = positions < length
+    positions = tf.where(chosen, positions, 0)
+    labels = tf.where(chosen, tf.gather(original, positions, batch_dims=1), 0)  # [N, W]
+
+    pshape = tf.shape(positions)
+    r_mask = tf.random.stateless_uniform(pshape, seeds[1])
+    r_keep = tf.random.stateless_uniform(pshape, seeds[2])
+    random_ids = tf.random.stateless_uniform(pshape, seeds[3], minval=0, maxval=sp.vocab_size,
+                                             dtype=tf.int32)
+    replacement = tf.where(r_mask < 0.8, sp.mask_id, tf.where(r_keep < 0.5, labels, random_ids))
+    idx = tf.stack([_row_index(positions), positions], -1)  # [N, W, 2]
+    input_ids = tf.tensor_scatter_nd_update(original, tf.boolean_mask(idx, chosen),
+                                            tf.boolean_mask(replacement, chosen))
+    return dict(features, input_ids=input_ids, masked_lm_positions=positions,
+                masked_lm_ids=labels, masked_lm_weights=tf.cast(chosen, tf.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+# ---------------------------------------------------------------------------------------------
+
+
+def _first_fit_decreasing(lengths, num_preds, groups, max_seq_length, max_seqs_per_pack,
+                          max_predictions_per_pack):
+    """Bin, slot, token offset and prediction offset of each sequence (graph-mode loop).
+
+    Sequences are taken longest first; each goes into the first open row of its group with room
+    for its tokens, its predictions and one more sequence, else opens a new row.
+    """
+    w = tf.shape(lengths)[0]
+    # Longest first within each group (the group is the major key).
+    order = tf.argsort(groups * (max_seq_length + 1) + (max_seq_length - lengths), stable=True)
+    zeros = tf.zeros([w], tf.int32)
+
+    def body(k, fill, count, preds, num_bins, bin_group, bin_of, off_of, slot_of, pred_off_of):
+        i = order[k]
+        n, p, g = lengths[i], num_preds[i], groups[i]
+        fits = ((fill + n <= max_seq_length) & (count < max_seqs_per_pack)
+                & (preds + p <= max_predictions_per_pack) & (tf.range(w) < num_bins)
+                & tf.equal(bin_group, g))
+        found = tf.reduce_any(fits)
+        b = tf.where(found, tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32), num_bins)
+        at_i, at_b = [[i]], [[b]]
+        bin_group = tf.tensor_scatter_nd_update(bin_group, at_b, [g])
+        bin_of = tf.tensor_scatter_nd_update(bin_of, at_i, [b])
+        off_of = tf.tensor_scatter_nd_update(off_of, at_i, [fill[b]])
+        slot_of = tf.tensor_scatter_nd_update(slot_of, at_i, [count[b]])
+        pred_off_of = tf.tensor_scatter_nd_update(pred_off_of, at_i, [preds[b]])
+        fill = tf.tensor_scatter_nd_add(fill, at_b, [n])
+        count = tf.tensor_scatter_nd_add(count, at_b, [1])
+        preds = tf.tensor_scatter_nd_add(preds, at_b, [p])
+        num_bins = num_bins + tf.cast(tf.logical_not(found), tf.int32)
+        return k + 1, fill, count, preds, num_bins, bin_group, bin_of, off_of, slot_of, pred_off_of
+
+    out = tf.while_loop(lambda k, *_: k < w, body,
+                        (0, zeros, zeros, zeros, 0, zeros, zeros, zeros, zeros, zeros))
+    _, _, _, _, num_bins, _, bin_of, off_of, slot_of, pred_off_of = out
+    return num_bins, bin_of, off_of, slot_of, pred_off_of
+
+
+def pack_window(features: Mapping[str, tf.Tensor], *, max_seq_length: int, max_seqs_per_pack: int,
+                max_predictions_per_pack: int,
+                prediction_budget: Optional[tf.Tensor] = None,
+                groups: Optional[tf.Tensor] = None) -> dict:
+    """Packs a window of `[W, ...]` parsed records into `[R, ...]` rows, R <= W.
+
+    Records must have their real tokens first (Google's layout: `input_mask` is 1 then 0).
+    Rows come out in the order of their earliest record in the window, so a shuffled input
+    stays shuffled.
+
+    Args:
+      features: parsed records (see `parse_batch`), after dynamic masking if any.
+      max_seq_length: L, the row length.
+      max_seqs_per_pack: S, sequences per row at most.
+      max_predictions_per_pack: Pp, masked-LM predictions per row at most (>= P).
+      prediction_budget: `[W]` predictions to reserve per record (default: its stored ones);
+        dynamic masking passes what it will need, so re-masked rows fit Pp too.
+      groups: `[W]` int group of each record (the pipeline passes the epoch): records of
+        different groups never share a row.
+
+    Returns:
+      The packed-batch dict of the module docstring, with a leading dimension R.
+
+    Example (L=8, S=3): records `[CLS] a [SEP]` (3 tokens, label 0) and `[CLS] b c [SEP]`
+    (4 tokens, label 1) become one row `[CLS] b c [SEP] [CLS] a [SEP] [PAD]` with
+    position_ids `0 1 2 3 0 1 2 0`, pack_ids `1 1 1 1 2 2 2 0`, cls_positions `[0, 4, 0]`,
+    next_sentence_labels `[1, 0, 0]` and next_sentence_weights `[1, 1, 0]`.
+    """
+    L, S, Pp = max_seq_length, max_seqs_per_pack, max_predictions_per_pack
+    mask = features["input_mask"]  # [W, L]
+    lengths = tf.reduce_sum(mask, 1)  # [W]
+    mlm_valid = features["masked_lm_weights"] > 0  # [W, P]
+    num_preds = tf.reduce_sum(tf.cast(mlm_valid, tf.int32), 1)  # [W]
+    budget = num_preds if prediction_budget is None else tf.maximum(num_preds, prediction_budget)
+    if groups is None:
+        groups = tf.zeros_like(lengths)
+    num_bins, bin_of, off_of, slot_of, pred_off_of = _first_fit_decreasing(
+        lengths, budget, tf.cast(groups, tf.int32), L, S, Pp)
+
+    # Tokens: record i's token t goes to (bin_of[i], off_of[i] + t).
+    tok = mask > 0  # [W, L]
+    t = tf.broadcast_to(tf.range(L)[None, :], tf.shape(mask))  # [W, L]
+    rows = tf.broadcast_to(bin_of[:, None], tf.shape(mask))  # [W, L]
+    tok_idx = tf.boolean_mask(tf.stack([rows, off_of[:, None] + t], -1), tok)  # [T, 2]
+    shape = tf.stack([num_bins, L])
+
+    def scatter_tokens(values):  # [W, L] -> [R, L]
+        return tf.scatter_nd(tok_idx, tf.boolean_mask(values, tok), shape)
+
+    out = {
+        "input_ids": scatter_tokens(features["input_ids"]),
+        "input_mask": scatter_tokens(tf.ones_like(mask)),
+        "segment_ids": scatter_tokens(features["segment_ids"]),
+        "position_ids": scatter_tokens(t),
+        "pack_ids": scatter_tokens(tf.broadcast_to(slot_of[:, None] + 1, tf.shape(mask))),
+    }
+    # Per-sequence slots: (bin_of[i], slot_of[i]).
+    seq_idx = tf.stack([bin_of, slot_of], -1)  # [W, 2]
+    seq_shape = tf.stack([num_bins, S])
+    out["cls_positions"] = tf.scatter_nd(seq_idx, off_of, seq_shape)
+    out["next_sentence_labels"] = tf.scatter_nd(
+        seq_idx, features["next_sentence_labels"][:, 0], seq_shape)
+    out["next_sentence_weights"] = tf.scatter_nd(seq_idx, tf.ones_like(off_of, tf.float32), seq_shape)
+    # Predictions: record i's j-th real prediction goes to (bin_of[i], pred_off_of[i] + j).
+    rank = tf.cumsum(tf.cast(mlm_valid, tf.int32), axis=1) - 1  # [W, P]
+    prow = tf.broadcast_to(bin_of[:, None], tf.shape(rank))
+    pred_idx = tf.boolean_mask(tf.stack([prow, pred_off_of[:, None] + rank], -1), mlm_valid)
+    pred_shape = tf.stack([num_bins, Pp])
+
+    def scatter_preds(values):  # [W, P] -> [R, Pp]
+        return tf.scatter_nd(pred_idx, tf.boolean_mask(values, mlm_valid), pred_shape)
+
+    out["masked_lm_positions"] = scatter_preds(features["masked_lm_positions"] + off_of[:, None])
+    out["masked_lm_ids"] = scatter_preds(features["masked_lm_ids"])
+    out["masked_lm_weights"] = scatter_preds(tf.ones_like(features["masked_lm_weights"]))
+
+    # Row order: by each row's earliest record in the (shuffled) window. This also keeps groups
+    # in stream order, since a window holds the end of one epoch before the start of the next.
+    first = tf.math.unsorted_segment_min(tf.range(tf.shape(bin_of)[0]), bin_of, num_bins)
+    perm = tf.argsort(first)
+    return {k: tf.gather(v, perm) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training input
+# ---------------------------------------------------------------------------------------------
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit hash of ints (splitmix64 steps): independent seeds per host and per use."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 29
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+def _options() -> tf.data.Options:
+    options = tf.data.Options()
+    options.deterministic = True
+    return options
+
+
+def _to_numpy(batch: dict) -> dict:
+    return {k: v.numpy() for k, v in batch.items()}
+
+
+class PretrainingInput:
+    """The pretraining batch iterator of one host.
+
+    `next(ds)` gives a dict of numpy arrays (module docstring lists keys, shapes, dtypes). With
+    `repeat=True` the stream is endless; with `repeat=False` it is one epoch, cut so that every
+    host yields the same number of batches (`num_batches`).
+
+    Example:
+      ds = PretrainingInput("gs://bucket/data/train-*.tfrecord", per_host_batch_size=32,
+                            max_seq_length=128, max_predictions_per_seq=20, seed=0,
+                            process_index=jax.process_index(), process_count=jax.process_count())
+      batch = next(ds)
+      ds.save_state(workdir + "/input_state/1000/process_0")   # with the model checkpoint
+    """
+
+    def __init__(
+        self,
+        file_patterns: FilePatterns,
+        *,
+        per_host_batch_size: int,
+        max_seq_length: int,
+        max_predictions_per_seq: int,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        shuffle_buffer_size: int = 10_000,
+        repeat: bool = True,
+        dynamic_masking: bool = False,
+        special_ids: Optional[Union[SpecialIds, Mapping[str, int]]] = None,
+        masked_lm_prob: float = 0.15,
+        packing: bool = False,
+        max_seqs_per_pack: int = 3,
+        max_predictions_per_pack: Optional[int] = None,
+        packing_window: int = 512,
+        verify: bool = True,
+        skip_corrupt: bool = False,
+        repair_dir: Optional[str] = None,
+        cycle_length: int = 8,
+    ):
+        """Checks the files (see module docstring) and builds the tf.data pipeline.
+
+        Args:
+          file_patterns: glob, comma-separated globs, or a list of them.
+          per_host_batch_size: rows per batch on this host (global batch / process_count).
+          max_seq_length: L of the records (and of packed rows).
+          max_predictions_per_seq: P of the records.
+          seed: seeds every shuffle and mask; the same seed gives the same batches.
+          process_index, process_count: this host and the number of hosts (jax.process_*).
+          shuffle_buffer_size: serialized records held for the record-level shuffle (per host).
+          repeat: endless epochs (True) or one epoch (False).
+          dynamic_masking: re-mask every record each epoch instead of using its stored mask.
+          special_ids: `SpecialIds` or a dict with mask_id, cls_id, sep_id, vocab_size[, pad_id];
+            required by dynamic masking.
+          masked_lm_prob: fraction of tokens dynamic masking predicts.
+          packing: pack several records per row (packed-batch keys of the module docstring).
+          max_seqs_per_pack: S, sequences per packed row at most.
+          max_predictions_per_pack: Pp, the packed masked_lm width; default P * S.
+          packing_window: records the packer sees at once (larger packs tighter, costs memory).
+          verify: check every file against its dataset_info.json before reading.
+          skip_corrupt: skip (and count in `stats`) bad records and files instead of raising.
+          repair_dir: where repaired copies of bad files go (default: a temporary directory).
+          cycle_length: files read concurrently (interleave).
+
+        Raises:
+          CorruptDataError: a file is missing, unlisted, or fails the manifest check (strict).
+          ValueError: an inconsistent option (named in the message).
+        """
+        if per_host_batch_size <= 0:
+            raise ValueError(f"per_host_batch_size={per_host_batch_size} must be positive")
+        if not 0 < max_predictions_per_seq <= max_seq_length:
+            raise ValueError(f"max_predictions_per_seq={max_predictions_per_seq} must be in "
+                             f"[1, max_seq_length={max_seq_length}]")
+        if dynamic_masking and special_ids is None:
+            raise ValueError("dynamic_masking=True needs special_ids (mask_id, cls_id, sep_id, "
+                             "vocab_size; read them from vocab.txt)")
+        if packing:
+            if max_seqs_per_pack < 1:
+                raise ValueError(f"max_seqs_per_pack={max_seqs_per_pack} must be >= 1")
+            if max_predictions_per_pack is None:
+                max_predictions_per_pack = max_predictions_per_seq * max_seqs_per_pack
+            if max_predictions_per_pack < max_predictions_per_seq:
+                raise ValueError(f"max_predictions_per_pack={max_predictions_per_pack} must be >= "
+                                 f"max_predictions_per_seq={max_predictions_per_seq}")
+            if packing_window < 1:
+                raise ValueError(f"packing_window={packing_window} must be >= 1")
+        self.per_host_batch_size = per_host_batch_size
+        self.max_seq_length = max_seq_length
+        self.max_predictions_per_seq = max_predictions_per_seq
+        self.seed = int(seed)
+        self.process_index, self.process_count = process_index, process_count
+        self.shuffle_buffer_size = shuffle_buffer_size
+        self.repeat = repeat
+        self.dynamic_masking = dynamic_masking
+        self.special_ids = SpecialIds.from_any(special_ids) if special_ids is not None else None
+        self.masked_lm_prob = masked_lm_prob
+        self.packing = packing
+        self.max_seqs_per_pack = max_seqs_per_pack
+        self.max_predictions_per_pack = max_predictions_per_pack
+        self.packing_window = packing_window
+        self.cycle_length = cycle_length
+        self._patterns = _split_patterns(file_patterns)
+
+        self._files = _check_files(file_patterns, process_index=process_index,
+                                   process_count=process_count, verify=verify,
+                                   skip_corrupt=skip_corrupt, repair_dir=repair_dir,
+                                   require_files_per_host=True)
+        if not self._files.read_paths:
+            raise CorruptDataError(self._patterns[0], f"host {process_index} has no readable file "
+                                   f"left ({len(self._files.corrupt_files)} corrupt or missing)")
+        self.num_batches = self._finite_num_batches() if not repeat else None
+        self._stats = {
+            "files": len(self._files.host_files),
+            "records_in_files": sum(self._files.infos[p].num_records for p in self._files.host_files),
+            "corrupt_files": list(self._files.corrupt_files),
+            "skipped_records": self._files.skipped_records,
+            "batches": 0,
+            "sequences": 0,
+        }
+        self.dataset = self._build()
+        self._iterator = iter(self.dataset)
+
+    # --- pipeline --------------------------------------------------------------------------
+
+    def _finite_num_batches(self) -> int:
+        """Batches every host can yield in one epoch (the minimum over hosts)."""
+        per_host = list(self._files.records_per_host)
+        per_host[self.process_index] = self._files.read_records
+        if self.packing:
+            # Packed row counts depend on the data; each host has at least ceil(n / S) rows.
+            per_host = [-(-n // self.max_seqs_per_pack) for n in per_host]
+        return min(per_host) // self.per_host_batch_size
+
+    def _build(self) -> tf.data.Dataset:
+        seed, host = self.seed, self.process_index
+        paths = self._files.read_paths
+        files = tf.data.Dataset.from_tensor_slices(paths).shuffle(
+            len(paths), seed=_mix(seed, host, 1), reshuffle_each_iteration=True)
+        records = files.interleave(
+            tf.data.TFRecordDataset, cycle_length=min(self.cycle_length, len(paths)),
+            block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if self.shuffle_buffer_size > 1:
+            records = records.shuffle(self.shuffle_buffer_size, seed=_mix(seed, host, 2),
+                                      reshuffle_each_iteration=True)
+        L, P = self.max_seq_length, self.max_predictions_per_seq
+
+        # Nothing may sit between the reshuffling `shuffle` and `repeat`: in TF 2.21 an iterator
+        # saved while e.g. a `batch` there has drained the epoch restores with the wrong next
+        # permutation (seen at some cut points only). So packing windows are cut after `repeat`.
+        ds = records.repeat() if self.repeat else records
+        if self.packing:
+            per_epoch = self._files.read_records
+
+            def pack(index, serialized):
+                features = parse_batch(serialized, L, P)
+                budget = None
+                if self.dynamic_masking:
+                    budget = dynamic_predictions_per_sequence(
+                        features, special_ids=self.special_ids, max_predictions_per_seq=P,
+                        masked_lm_prob=self.masked_lm_prob)
+                return pack_window(features, max_seq_length=L,
+                                   max_seqs_per_pack=self.max_seqs_per_pack,
+                                   max_predictions_per_pack=self.max_predictions_per_pack,
+                                   prediction_budget=budget,
+                                   groups=index // per_epoch)  # the epoch: never mixed in a row
+
+            ds = ds.enumerate().batch(self.packing_window).map(
+                pack, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+            ds = ds.batch(self.per_host_batch_size, drop_remainder=True)
+        else:
+            ds = ds.batch(self.per_host_batch_size, drop_remainder=True).map(
+                lambda serialized: dict(
+                    parse_batch(serialized, L, P),
+                    next_sentence_weights=tf.ones([tf.shape(serialized)[0]], tf.float32)),
+                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if self.dynamic_masking:
+            # Masks are drawn per batch from a random stream *after* `repeat`: it runs on across
+            # epochs (so every epoch gets new masks) and its position is saved with the iterator.
+            # (`Dataset.random(rerandomize_each_iteration=True)` before `repeat` would be simpler,
+            # but TF 2.21 does not restore its per-epoch reseeding from a checkpoint.)
+            salt = tf.constant(_mix(seed, host, 4), tf.int64)
+
+            def remask(features, rand):
+                return dynamic_mask(features, tf.stack([rand, salt]), special_ids=self.special_ids,
+                                    max_predictions_per_seq=P, masked_lm_prob=self.masked_lm_prob)
+
+            ds = tf.data.Dataset.zip(ds, tf.data.Dataset.random(seed=_mix(seed, host, 3)))
+            ds = ds.map(remask, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if self.num_batches is not None:
+            ds = ds.take(self.num_batches)
+        return ds.prefetch(2).with_options(_options())
+
+    # --- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self) -> "PretrainingInput":
+        return self
+
+    def __next__(self) -> dict:
+        try:
+            batch = next(self._iterator)
+        except tf.errors.DataLossError as e:
+            raise self._locate_corruption(e) from e
+        except tf.errors.InvalidArgumentError as e:
+            raise ValueError(
+                f"records in {self._patterns} do not parse with max_seq_length="
+                f"{self.max_seq_length}, max_predictions_per_seq={self.max_predictions_per_seq}: "
+                f"{e.message}") from e
+        except StopIteration:
+            if self.num_batches is not None and self._stats["batches"] < self.num_batches:
+                raise RuntimeError(
+                    f"host {self.process_index} ran out of data after {self._stats['batches']} "
+                    f"of {self.num_batches} batches ({self._stats['skipped_records']} corrupt "
+                    f"records skipped): the hosts would disagree on the number of steps")
+            raise
+        out = _to_numpy(batch)
+        self._stats["batches"] += 1
+        self._stats["sequences"] += int(out["next_sentence_weights"].sum())
+        return out
+
+    def _locate_corruption(self, error: Exception) -> Exception:
+        for path in self._files.read_paths:
+            scan = scan_tfrecord_file(path)
+            if not scan.ok:
+                offset, reason = scan.bad_regions[0]
+                return CorruptDataError(path, f"{reason} at byte {offset} (found while training; "
+                                        f"pass skip_corrupt=True to skip bad records)")
+        return CorruptDataError(",".join(self._patterns), f"data loss while reading: {error}")
+
+    @property
+    def stats(self) -> dict:
+        """Counters: files, records_in_files, corrupt_files, skipped_records, batches, sequences."""
+        return dict(self._stats, corrupt_files=list(self._stats["corrupt_files"]))
+
+    @property
+    def host_files(self) -> list[str]:
+        """This host's share of the sorted file list (original names)."""
+        return list(self._files.host_files)
+
+    # --- state -------------------------------------------------------------------------------
+
+    def _fingerprint(self) -> dict:
+        return {
+            "host_files": self._files.host_files,
+            "process_index": self.process_index, "process_count": self.process_count,
+            "per_host_batch_size": self.per_host_batch_size,
+            "max_seq_length": self.max_seq_length,
+            "max_predictions_per_seq": self.max_predictions_per_seq,
+            "seed": self.seed, "shuffle_buffer_size": self.shuffle_buffer_size,
+            "repeat": self.repeat, "dynamic_masking": self.dynamic_masking,
+            "special_ids": dataclasses.asdict(self.special_ids) if self.special_ids else None,
+            "masked_lm_prob": self.masked_lm_prob, "packing": self.packing,
+            "max_seqs_per_pack": self.max_seqs_per_pack if self.packing else None,
+            "max_predictions_per_pack": self.max_predictions_per_pack,
+            "packing_window": self.packing_window if self.packing else None,
+            "cycle_length": self.cycle_length,
+            "skipped_records": self._files.skipped_records,
+        }
+
+    def save_state(self, directory: str) -> None:
+        """Writes the input position into `directory` (created if needed).
+
+        `directory/iterator.*` is a `tf.train.Checkpoint` of the iterator (shuffle buffer,
+        file offsets, random streams: it grows with shuffle_buffer_size), and
+        `directory/input_state.json` the options it belongs to and the counters.
+        """
+        tf.io.gfile.makedirs(directory)
+        tf.train.Checkpoint(iterator=self._iterator).write(os.path.join(directory, _ITERATOR_PREFIX))
+        state = {"fingerprint": self._fingerprint(), "stats": self._stats}
+        with tf.io.gfile.GFile(os.path.join(directory, _STATE_JSON), "w") as f:
+            json.dump(state, f, indent=1)
+
+    def restore_state(self, directory: str) -> None:
+        """Continues from a position written by `save_state` with the same options.
+
+        Raises:
+          FileNotFoundError: `directory` holds no saved input state.
+          ValueError: the state was saved with different options (the differing ones named).
+        """
+        state_path = os.path.join(directory, _STATE_JSON)
+        if not tf.io.gfile.exists(state_path):
+            raise FileNotFoundError(f"{state_path}: no saved input state")
+        with tf.io.gfile.GFile(state_path, "r") as f:
+            state = json.load(f)
+        saved, now = state["fingerprint"], json.loads(json.dumps(self._fingerprint()))
+        diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if diff:
+            detail = "; ".join(f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in diff[:4])
+            raise ValueError(f"{state_path} was saved by an input pipeline with other options "
+                             f"({detail})")
+        status = tf.train.Checkpoint(iterator=self._iterator).read(
+            os.path.join(directory, _ITERATOR_PREFIX))
+        status.assert_consumed()
+        self._stats = dict(state["stats"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation input
+# ---------------------------------------------------------------------------------------------
+
+
+class EvalInput:
+    """One finite pass over eval records, padded so every host yields `len(self)` batches.
+
+    Iterating gives unpacked batches (module docstring) in file order with the records' own
+    masks; padding rows are all zeros, with `masked_lm_weights` and `next_sentence_weights` 0.
+    Each `iter()` starts a fresh pass.
+    """
+
+    def __init__(self, file_patterns: FilePatterns, *, per_host_batch_size: int,
+                 max_seq_length: int, max_predictions_per_seq: int, process_index: int = 0,
+                 process_count: int = 1, verify: bool = True, skip_corrupt: bool = False,
+                 repair_dir: Optional[str] = None):
+        if per_host_batch_size <= 0:
+            raise ValueError(f"per_host_batch_size={per_host_batch_size} must be positive")
+        self.per_host_batch_size = per_host_batch_size
+        self.max_seq_length, self.max_predictions_per_seq = max_seq_length, max_predictions_per_seq
+        self._patterns = _split_patterns(file_patterns)
+        # Eval may have fewer files than hosts: a host without files yields padding only.
+        self._files = _check_files(file_patterns, process_index=process_index,
+                                   process_count=process_count, verify=verify,
+                                   skip_corrupt=skip_corrupt, repair_dir=repair_dir,
+                                   require_files_per_host=False)
+        b = per_host_batch_size
+        self.num_batches = max(-(-n // b) for n in self._files.records_per_host)
+        self.num_records = (self._files.records_per_host[process_index]
+                            - self._files.skipped_records)
+        self.stats = {"files": len(self._files.host_files),
+                      "corrupt_files": list(self._files.corrupt_files),
+                      "skipped_records": self._files.skipped_records,
+                      "records": self.num_records}
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def _dataset(self) -> tf.data.Dataset:
+        L, P = self.max_seq_length, self.max_predictions_per_seq
+        paths = self._files.read_paths
+
+        def real(serialized):
+            features = parse_batch(serialized, L, P)
+            features["next_sentence_weights"] = tf.ones([tf.shape(serialized)[0]], tf.float32)
+            return features
+
+        pad = {"input_ids": tf.zeros([L], tf.int32), "input_mask": tf.zeros([L], tf.int32),
+               "segment_ids": tf.zeros([L], tf.int32),
+               "masked_lm_positions": tf.zeros([P], tf.int32),
+               "masked_lm_ids": tf.zeros([P], tf.int32),
+               "masked_lm_weights": tf.zeros([P], tf.float32),
+               "next_sentence_labels": tf.zeros([1], tf.int32),
+               "next_sentence_weights": tf.zeros([], tf.float32)}
+        padding = tf.data.Dataset.from_tensors(pad).repeat()
+        if paths:
+            rows = tf.data.TFRecordDataset(paths).batch(256).map(
+                real, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+            rows = rows.concatenate(padding)
+        else:
+            rows = padding
+        ds = rows.batch(self.per_host_batch_size).take(self.num_batches)
+        return ds.prefetch(2).with_options(_options())
+
+    def __iter__(self) -> Iterator[dict]:
+        iterator = iter(self._dataset())
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except tf.errors.DataLossError as e:
+                for path in self._files.read_paths:
+                    scan = scan_tfrecord_file(path)
+                    if not scan.ok:
+                        offset, reason = scan.bad_regions[0]
+                        raise CorruptDataError(path, f"{reason} at byte {offset}") from e
+                raise
+            yield _to_numpy(batch)
+
+
+def make_eval_iterator(file_patterns: FilePatterns, **kwargs: Any) -> EvalInput:
+    """`EvalInput(file_patterns, **kwargs)`: the finite, padded eval pass (see `EvalInput`)."""
+    return EvalInput(file_patterns, **kwargs)

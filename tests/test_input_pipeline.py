@@ -1,0 +1,568 @@
+"""Tests of data_pipeline.input_pipeline: sharding, exactly-once epochs, exact resume, dynamic
+masking and packing invariants, corrupt-file detection and lenient skipping, padded eval.
+
+Every record written here carries its own id in token 1 (`ID_BASE + rid`), so a batch tells
+which records it holds, even after (re-)masking: restoring `masked_lm_ids` at
+`masked_lm_positions` gives the original tokens back.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from data_pipeline import input_pipeline as ip
+
+L, P = 32, 5  # max_seq_length, max_predictions_per_seq of the test records
+PAD, CLS, SEP, MASK, VOCAB = 0, 101, 102, 103, 30000
+SPECIAL = dict(pad_id=PAD, cls_id=CLS, sep_id=SEP, mask_id=MASK, vocab_size=VOCAB)
+ID_BASE = 10000
+
+
+# ---------------------------------------------------------------------------------------------
+# Test data
+# ---------------------------------------------------------------------------------------------
+
+
+def make_record(rid: int, length: int | None = None) -> dict:
+    """Record `rid`: [CLS] id a.. [SEP] b.. [SEP], statically masked like Google's writer."""
+    rng = np.random.default_rng(rid)
+    n = length if length is not None else 6 + (rid * 7) % (L - 5)  # 6..L tokens
+    ids = np.zeros(L, np.int64)
+    ids[:n] = rng.integers(2000, 3000, n)
+    sep_a = max(2, n // 2)
+    ids[0], ids[1], ids[sep_a], ids[n - 1] = CLS, ID_BASE + rid, SEP, SEP
+    segment = np.zeros(L, np.int64)
+    segment[sep_a + 1:n] = 1
+    candidates = [i for i in range(1, n) if ids[i] not in (CLS, SEP)]
+    k = min(P, max(1, int(round(n * 0.15))), len(candidates))
+    positions = np.sort(rng.choice(candidates, k, replace=False))
+    features = {
+        "input_ids": ids.copy(), "input_mask": (np.arange(L) < n).astype(np.int64),
+        "segment_ids": segment,
+        "masked_lm_positions": np.zeros(P, np.int64), "masked_lm_ids": np.zeros(P, np.int64),
+        "masked_lm_weights": np.zeros(P, np.float32),
+        "next_sentence_labels": np.array([rid % 2], np.int64),
+    }
+    features["masked_lm_positions"][:k] = positions
+    features["masked_lm_ids"][:k] = ids[positions]
+    features["masked_lm_weights"][:k] = 1.0
+    features["input_ids"][positions] = MASK
+    return features
+
+
+def serialize(features: dict) -> bytes:
+    def feature(v):
+        if v.dtype == np.float32:
+            return tf.train.Feature(float_list=tf.train.FloatList(value=v.tolist()))
+        return tf.train.Feature(int64_list=tf.train.Int64List(value=v.tolist()))
+    return tf.train.Example(features=tf.train.Features(
+        feature={k: feature(v) for k, v in features.items()})).SerializeToString()
+
+
+def write_dataset(directory: Path, counts: list[int], first_id: int = 0) -> list[str]:
+    """TFRecord files with `counts[i]` records each plus their dataset_info.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths, rid = [], first_id
+    for i, count in enumerate(counts):
+        path = str(directory / f"part-{i:05d}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for _ in range(count):
+                writer.write(serialize(make_record(rid)))
+                rid += 1
+        paths.append(path)
+    write_manifest(directory, paths, counts)
+    return paths
+
+
+def write_manifest(directory: Path, paths: list[str], counts: list[int]) -> None:
+    files = {}
+    for path, count in zip(paths, counts):
+        data = Path(path).read_bytes()
+        files[os.path.basename(path)] = {"num_records": count, "num_bytes": len(data),
+                                         "sha256": hashlib.sha256(data).hexdigest()}
+    (directory / ip.MANIFEST_NAME).write_text(json.dumps({"files": files}))
+
+
+def originals(batch: dict) -> np.ndarray:
+    """The unmasked tokens of a batch (numpy mirror of `restore_original_ids`)."""
+    ids = batch["input_ids"].copy()
+    for r in range(ids.shape[0]):
+        real = batch["masked_lm_weights"][r] > 0
+        ids[r, batch["masked_lm_positions"][r][real]] = batch["masked_lm_ids"][r][real]
+    return ids
+
+
+def record_ids(batch: dict) -> list[int]:
+    """Ids of the records in a batch, row by row (and sequence by sequence when packed)."""
+    ids = originals(batch)
+    if "pack_ids" not in batch:
+        return [int(ids[r, 1]) - ID_BASE for r in range(len(ids)) if batch["next_sentence_weights"][r] > 0]
+    out = []
+    for r in range(len(ids)):
+        for s in np.flatnonzero(batch["next_sentence_weights"][r] > 0):
+            out.append(int(ids[r, batch["cls_positions"][r, s] + 1]) - ID_BASE)
+    return out
+
+
+def batch_hash(batch: dict) -> str:
+    h = hashlib.sha256()
+    for k in sorted(batch):
+        h.update(k.encode() + batch[k].tobytes())
+    return h.hexdigest()
+
+
+def make_input(pattern, **kw) -> ip.PretrainingInput:
+    args = dict(per_host_batch_size=4, max_seq_length=L, max_predictions_per_seq=P, seed=0,
+                shuffle_buffer_size=16)
+    args.update(kw)
+    return ip.PretrainingInput(pattern, **args)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> tuple[str, int]:
+    """8 files of 3..10 records (52 in all)."""
+    directory = tmp_path_factory.mktemp("data")
+    counts = [3, 4, 5, 6, 7, 8, 9, 10]
+    write_dataset(directory, counts)
+    return str(directory / "part-*.tfrecord"), sum(counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files and hosts
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hosts", [1, 2, 3, 4, 8])
+def test_host_file_sets_are_disjoint_and_complete(dataset, hosts):
+    pattern, _ = dataset
+    every = ip.expand_file_patterns(pattern)
+    assert len(every) == 8 and every == sorted(every)
+    shares = [make_input(pattern, process_index=h, process_count=hosts).host_files
+              for h in range(hosts)]
+    flat = [f for share in shares for f in share]
+    assert len(flat) == len(set(flat)) == 8  # disjoint
+    assert sorted(flat) == every  # complete
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    # The list order given does not matter (hosts that glob differently still agree).
+    assert ip.shard_files(every[::-1], 1 % hosts, hosts) == shares[1 % hosts]
+
+
+def test_more_hosts_than_files_is_an_error(dataset):
+    with pytest.raises(ValueError, match="process_count=9"):
+        make_input(dataset[0], process_index=0, process_count=9)
+
+
+def test_a_pattern_matching_nothing_names_the_pattern(tmp_path):
+    with pytest.raises(ip.CorruptDataError, match="nothing-here"):
+        make_input(str(tmp_path / "nothing-here-*.tfrecord"), verify=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactly once per epoch, determinism, finite epochs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_every_record_once_per_epoch_across_hosts(dataset, packing):
+    pattern, total = dataset
+    hosts, epochs = 3, 3
+    seen_by_host = []
+    for h in range(hosts):
+        ds = make_input(pattern, process_index=h, process_count=hosts, packing=packing,
+                        packing_window=8, dynamic_masking=True, special_ids=SPECIAL)
+        n = ds.stats["records_in_files"]
+        stream = []
+        while len(stream) < epochs * n:
+            stream += record_ids(next(ds))
+        chunks = [stream[e * n:(e + 1) * n] for e in range(epochs)]
+        for chunk in chunks:  # each epoch is a permutation of this host's records
+            assert sorted(chunk) == sorted(chunks[0]) and len(set(chunk)) == n
+        assert chunks[0] != chunks[1]  # and reshuffled between epochs
+        seen_by_host.append(set(chunks[0]))
+    union = set().union(*seen_by_host)
+    assert union == set(range(total))
+    assert sum(map(len, seen_by_host)) == total  # hosts disjoint
+
+
+def test_same_seed_same_batches_other_seed_other_batches(dataset):
+    pattern, _ = dataset
+    kw = dict(dynamic_masking=True, special_ids=SPECIAL)
+
+    def run(seed):
+        ds = make_input(pattern, seed=seed, **kw)
+        return [batch_hash(next(ds)) for _ in range(6)]
+
+    reference = run(3)
+    assert run(3) == reference
+    assert run(4) != reference
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_finite_epoch_gives_every_host_the_same_number_of_batches(dataset, packing):
+    pattern, _ = dataset
+    hosts, b = 3, 4
+    counts = []
+    for h in range(hosts):
+        ds = make_input(pattern, process_index=h, process_count=hosts, repeat=False,
+                        per_host_batch_size=b, packing=packing)
+        batches = list(ds)
+        assert len(batches) == ds.num_batches
+        counts.append(len(batches))
+    # Files 0,3,6 / 1,4,7 / 2,5 hold 3+6+9, 4+7+10, 5+8 records: the smallest host has 13.
+    expected = 13 // b if not packing else -(-13 // 3) // b
+    assert counts == [expected] * hosts
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_resume_yields_exactly_the_uninterrupted_batches(dataset, tmp_path, packing):
+    pattern, _ = dataset
+    kw = dict(packing=packing, packing_window=8, dynamic_masking=True, special_ids=SPECIAL,
+              process_index=1, process_count=2)
+    total, cut = 40, 17  # > 2 epochs of this host's 28 records: crosses epoch boundaries
+    uninterrupted = make_input(pattern, **kw)
+    reference = [batch_hash(next(uninterrupted)) for _ in range(total)]
+
+    first = make_input(pattern, **kw)
+    hashes = [batch_hash(next(first)) for _ in range(cut)]
+    first.save_state(str(tmp_path / "state"))
+    stats = first.stats
+    del first  # "killed"
+    resumed = make_input(pattern, **kw)
+    resumed.restore_state(str(tmp_path / "state"))
+    assert resumed.stats == stats
+    hashes += [batch_hash(next(resumed)) for _ in range(total - cut)]
+    assert hashes == reference
+
+
+def test_restore_with_other_options_names_them(dataset, tmp_path):
+    pattern, _ = dataset
+    ds = make_input(pattern)
+    next(ds)
+    ds.save_state(str(tmp_path / "s"))
+    with pytest.raises(ValueError, match="per_host_batch_size"):
+        make_input(pattern, per_host_batch_size=2).restore_state(str(tmp_path / "s"))
+    with pytest.raises(FileNotFoundError, match="no saved input state"):
+        make_input(pattern).restore_state(str(tmp_path / "nothing"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic masking
+# ---------------------------------------------------------------------------------------------
+
+
+def _stack(records: list[dict]) -> dict:
+    return {k: tf.constant(np.stack([r[k] for r in records]).astype(
+        np.float32 if k == "masked_lm_weights" else np.int32)) for k in records[0]}
+
+
+def test_restore_original_ids_by_hand():
+    features = {"input_ids": tf.constant([[CLS, MASK, 7, MASK, SEP]]),
+                "masked_lm_positions": tf.constant([[1, 3, 0]]),
+                "masked_lm_ids": tf.constant([[5, 9, 0]]),
+                "masked_lm_weights": tf.constant([[1.0, 1.0, 0.0]])}
+    assert ip.restore_original_ids(features).numpy().tolist() == [[CLS, 5, 7, 9, SEP]]
+
+
+def test_dynamic_mask_rules_and_rates():
+    n_rows, length, preds = 3000, 64, 10
+    rng = np.random.default_rng(0)
+    real_lengths = rng.integers(3, length + 1, n_rows)
+    ids = rng.integers(1000, VOCAB, (n_rows, length)).astype(np.int32)
+    mask = (np.arange(length)[None] < real_lengths[:, None]).astype(np.int32)
+    for r, n in enumerate(real_lengths):
+        ids[r, 0], ids[r, n // 2], ids[r, n - 1] = CLS, SEP, SEP
+    ids[mask == 0] = PAD
+    features = {"input_ids": tf.constant(ids), "input_mask": tf.constant(mask),
+                "segment_ids": tf.zeros_like(ids),
+                "masked_lm_positions": tf.zeros([n_rows, preds], tf.int32),
+                "masked_lm_ids": tf.zeros([n_rows, preds], tf.int32),
+                "masked_lm_weights": tf.zeros([n_rows, preds], tf.float32)}
+    out = {k: v.numpy() for k, v in ip.dynamic_mask(
+        features, tf.constant([1, 2]), special_ids=SPECIAL, max_predictions_per_seq=preds).items()}
+    pos, lab, w, new = (out["masked_lm_positions"], out["masked_lm_ids"],
+                        out["masked_lm_weights"], out["input_ids"])
+    kinds = {"mask": 0, "keep": 0, "random": 0}
+    chosen_total = 0
+    for r, n in enumerate(real_lengths):
+        special = {0, n // 2, n - 1}
+        k = int(w[r].sum())
+        # The reference's count: min(P, max(1, round(len(tokens) * 0.15))), then the candidates.
+        assert k == min(preds, max(1, int(round(n * 0.15))), n - len(special)), (r, n)
+        assert np.all(w[r, :k] == 1) and np.all(w[r, k:] == 0)
+        chosen = pos[r, :k]
+        assert np.all(np.diff(chosen) > 0)  # sorted, unique
+        assert not set(chosen.tolist()) & special and np.all(chosen < n)  # never [CLS]/[SEP]/[PAD]
+        assert np.all(pos[r, k:] == 0) and np.all(lab[r, k:] == 0)
+        np.testing.assert_array_equal(lab[r, :k], ids[r, chosen])  # labels are the originals
+        untouched = np.setdiff1d(np.arange(length), chosen)
+        np.testing.assert_array_equal(new[r, untouched], ids[r, untouched])
+        for p_, l_ in zip(chosen, lab[r, :k]):
+            kinds["mask" if new[r, p_] == MASK else "keep" if new[r, p_] == l_ else "random"] += 1
+        chosen_total += k
+    # 80 / 10 / 10 within 5 standard deviations of the binomial.
+    for kind, prob in (("mask", 0.8), ("keep", 0.1), ("random", 0.1)):
+        sd = np.sqrt(chosen_total * prob * (1 - prob))
+        assert abs(kinds[kind] - prob * chosen_total) < 5 * sd, kinds
+    # Same seed, same masks; another seed, other masks.
+    again = ip.dynamic_mask(features, tf.constant([1, 2]), special_ids=SPECIAL,
+                            max_predictions_per_seq=preds)
+    other = ip.dynamic_mask(features, tf.constant([1, 3]), special_ids=SPECIAL,
+                            max_predictions_per_seq=preds)
+    np.testing.assert_array_equal(again["input_ids"].numpy(), new)
+    assert not np.array_equal(other["masked_lm_positions"].numpy(), pos)
+
+
+def test_dynamic_mask_hand_cases():
+    # 14 real tokens -> round(2.1) = 2 predictions; [CLS] [SEP] [SEP] -> no candidate, none.
+    rows = [[CLS] + list(range(2000, 2012)) + [SEP] + [PAD] * 2, [CLS, SEP, SEP] + [PAD] * 13]
+    mask = [[1] * 14 + [0] * 2, [1] * 3 + [0] * 13]
+    features = {"input_ids": tf.constant(rows), "input_mask": tf.constant(mask),
+                "masked_lm_positions": tf.zeros([2, 4], tf.int32),
+                "masked_lm_ids": tf.zeros([2, 4], tf.int32),
+                "masked_lm_weights": tf.zeros([2, 4], tf.float32)}
+    out = ip.dynamic_mask(features, tf.constant([0, 0]), special_ids=SPECIAL, max_predictions_per_seq=4)
+    assert out["masked_lm_weights"].numpy().sum(1).tolist() == [2.0, 0.0]
+    assert out["input_ids"].numpy()[1].tolist() == rows[1]
+
+
+def test_dynamic_masking_remasks_each_epoch_and_keeps_the_tokens(dataset):
+    pattern, total = dataset
+    ds = make_input(pattern, dynamic_masking=True, special_ids=SPECIAL, shuffle_buffer_size=1,
+                    per_host_batch_size=total)  # one batch = one epoch
+    e1, e2 = next(ds), next(ds)
+    by_id = lambda b: {rid: r for r, rid in enumerate(record_ids(b))}
+    i1, i2 = by_id(e1), by_id(e2)
+    assert set(i1) == set(i2) == set(range(total))
+    o1, o2 = originals(e1), originals(e2)
+    differ = 0
+    for rid in range(total):
+        expected = make_record(rid)
+        original = expected["input_ids"].copy()
+        original[expected["masked_lm_positions"][expected["masked_lm_weights"] > 0]] = \
+            expected["masked_lm_ids"][expected["masked_lm_weights"] > 0]
+        np.testing.assert_array_equal(o1[i1[rid]], original)  # tokens survive re-masking
+        np.testing.assert_array_equal(o2[i2[rid]], original)
+        differ += not np.array_equal(e1["masked_lm_positions"][i1[rid]],
+                                     e2["masked_lm_positions"][i2[rid]])
+    assert differ > total // 2  # new masks in the new epoch
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pack_window_by_hand():
+    # The docstring example: L=8, S=3.
+    def rec(tokens, label, masked):
+        f = {"input_ids": tokens + [0] * (8 - len(tokens)), "input_mask": [1] * len(tokens) + [0] * (8 - len(tokens)),
+             "segment_ids": [0] * 8, "masked_lm_positions": [masked, 0],
+             "masked_lm_ids": [77, 0], "masked_lm_weights": [1.0, 0.0],
+             "next_sentence_labels": [label]}
+        return {k: np.array(v) for k, v in f.items()}
+    a, b = rec([CLS, 5, SEP], 0, 1), rec([CLS, 6, 7, SEP], 1, 2)
+    out = {k: v.numpy() for k, v in ip.pack_window(
+        _stack([a, b]), max_seq_length=8, max_seqs_per_pack=3, max_predictions_per_pack=4).items()}
+    assert out["input_ids"].tolist() == [[CLS, 6, 7, SEP, CLS, 5, SEP, 0]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
+    assert out["pack_ids"].tolist() == [[1, 1, 1, 1, 2, 2, 2, 0]]
+    assert out["input_mask"].tolist() == [[1] * 7 + [0]]
+    assert out["cls_positions"].tolist() == [[0, 4, 0]]
+    assert out["next_sentence_labels"].tolist() == [[1, 0, 0]]
+    assert out["next_sentence_weights"].tolist() == [[1, 1, 0]]
+    assert out["masked_lm_positions"].tolist() == [[2, 5, 0, 0]]  # b's 2, a's 1 + offset 4
+    assert out["masked_lm_ids"].tolist() == [[77, 77, 0, 0]]
+    assert out["masked_lm_weights"].tolist() == [[1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("max_seqs,max_preds", [(3, 15), (4, 7)])
+def test_packed_rows_hold_the_original_sequences(max_seqs, max_preds):
+    records = [make_record(rid) for rid in range(60)]
+    out = {k: v.numpy() for k, v in ip.pack_window(
+        _stack(records), max_seq_length=L, max_seqs_per_pack=max_seqs,
+        max_predictions_per_pack=max_preds).items()}
+    rows = len(out["input_ids"])
+    assert rows < len(records)  # something was packed
+    restored = originals(out)  # the static masks may cover the id token
+    seen = []
+    for r in range(rows):
+        slots = np.flatnonzero(out["next_sentence_weights"][r])
+        assert 1 <= len(slots) <= max_seqs and np.array_equal(slots, np.arange(len(slots)))
+        assert np.array_equal(out["pack_ids"][r] > 0, out["input_mask"][r] > 0)
+        assert out["masked_lm_weights"][r].sum() <= max_preds
+        for s in slots:
+            where = np.flatnonzero(out["pack_ids"][r] == s + 1)
+            start = out["cls_positions"][r, s]
+            assert where[0] == start and np.array_equal(where, start + np.arange(len(where)))
+            rid = int(restored[r, start + 1]) - ID_BASE
+            rec = records[rid]
+            n = int(rec["input_mask"].sum())
+            assert len(where) == n
+            np.testing.assert_array_equal(out["input_ids"][r, where], rec["input_ids"][:n])
+            np.testing.assert_array_equal(out["segment_ids"][r, where], rec["segment_ids"][:n])
+            np.testing.assert_array_equal(out["position_ids"][r, where], np.arange(n))
+            assert out["next_sentence_labels"][r, s] == rec["next_sentence_labels"][0]
+            # This sequence's predictions, shifted by its start.
+            mine = (out["masked_lm_weights"][r] > 0) & np.isin(out["masked_lm_positions"][r], where)
+            k = int(rec["masked_lm_weights"].sum())
+            np.testing.assert_array_equal(out["masked_lm_positions"][r][mine] - start,
+                                          rec["masked_lm_positions"][:k])
+            np.testing.assert_array_equal(out["masked_lm_ids"][r][mine], rec["masked_lm_ids"][:k])
+            seen.append(rid)
+        assert np.all(out["masked_lm_positions"][r][out["masked_lm_weights"][r] == 0] == 0)
+    assert sorted(seen) == list(range(len(records)))  # none lost, none duplicated
+    assert out["input_mask"].sum() == sum(int(r["input_mask"].sum()) for r in records)
+
+
+def test_packed_batch_runs_the_model_like_separate_sequences():
+    """The model sees each packed sequence as if alone: same hidden states, own [CLS] pooling."""
+    import jax
+    import jax.numpy as jnp
+    from bert_jax import modeling
+
+    cfg = modeling.BertConfig(vocab_size=VOCAB + ID_BASE, hidden_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=64,
+                              max_position_embeddings=L)
+    model = modeling.BertForPreTraining(cfg)
+    records = [make_record(rid, length=n) for rid, n in enumerate([9, 12, 7])]
+    packed = {k: jnp.asarray(v.numpy()) for k, v in ip.pack_window(
+        _stack(records), max_seq_length=L, max_seqs_per_pack=3, max_predictions_per_pack=15).items()}
+    assert packed["input_ids"].shape[0] == 1
+    inputs = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "position_ids",
+              "pack_ids", "cls_positions")
+    params = model.init(jax.random.key(0), **{k: packed[k] for k in inputs})
+    out = model.apply(params, **{k: packed[k] for k in inputs})
+    for s in range(3):
+        start = int(packed["cls_positions"][0, s])
+        rid = int(originals({k: np.asarray(v) for k, v in packed.items()})[0, start + 1]) - ID_BASE
+        rec = {k: jnp.asarray(v[None]) for k, v in records[rid].items()}
+        alone = model.apply(params, rec["input_ids"], rec["input_mask"], rec["segment_ids"],
+                            rec["masked_lm_positions"])
+        n = int(rec["input_mask"].sum())
+        np.testing.assert_allclose(out.sequence_output[0, start:start + n],
+                                   alone.sequence_output[0, :n], atol=2e-5)
+        np.testing.assert_allclose(out.nsp_logits[0, s], alone.nsp_logits[0], atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Corrupt data: the manifest check before training, and lenient skipping
+# ---------------------------------------------------------------------------------------------
+
+
+def _damage(path: str, kind: str) -> None:
+    data = bytearray(Path(path).read_bytes())
+    first = 12 + int.from_bytes(data[:8], "little") + 4  # bytes of the first record
+    if kind == "bit_flip":  # in the payload of the second record
+        data[first + 12 + 20] ^= 0x10
+    elif kind == "truncated_header":  # cut 5 bytes into the last record's header
+        data = data[:_record_offsets(data)[-1] + 5]
+    elif kind == "truncated_payload":  # cut inside the last record's payload
+        data = data[:_record_offsets(data)[-1] + 30]
+    elif kind == "garbage":
+        data = bytearray(np.random.default_rng(0).integers(0, 256, len(data), dtype=np.uint8).tobytes())
+    elif kind == "empty":
+        data = bytearray()
+    elif kind == "header_flip":  # the length field of the second record
+        data[first + 2] ^= 0x01
+    if kind == "missing":
+        os.remove(path)
+    else:
+        Path(path).write_bytes(bytes(data))
+
+
+def _record_offsets(data: bytes) -> list[int]:
+    offsets, offset = [], 0
+    while offset < len(data):
+        offsets.append(offset)
+        offset += 16 + int.from_bytes(data[offset:offset + 8], "little")
+    return offsets
+
+
+# kind -> records of the damaged 6-record file that lenient mode can still read
+DAMAGE = {"bit_flip": 5, "truncated_header": 5, "truncated_payload": 5, "garbage": 0, "empty": 0,
+          "missing": 0, "header_flip": 5}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_file_is_caught_before_training_naming_it(tmp_path, kind):
+    paths = write_dataset(tmp_path, [4, 6, 5])
+    _damage(paths[1], kind)
+    with pytest.raises(ip.CorruptDataError) as info:
+        make_input(str(tmp_path / "part-*.tfrecord"))
+    assert info.value.path == paths[1] and paths[1] in str(info.value)
+    assert "skip_corrupt" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_lenient_mode_skips_exactly_the_bad_records_and_counts_them(tmp_path, kind):
+    paths = write_dataset(tmp_path, [4, 6, 5])
+    good_left = DAMAGE[kind]
+    _damage(paths[1], kind)
+    ds = make_input(str(tmp_path / "part-*.tfrecord"), skip_corrupt=True, repeat=False,
+                    per_host_batch_size=1, repair_dir=str(tmp_path / "repaired"))
+    assert ds.stats["skipped_records"] == 6 - good_left
+    assert ds.stats["corrupt_files"] == [paths[1]]
+    seen = sorted(rid for batch in ds for rid in record_ids(batch))
+    lost = {"bit_flip": {5}, "truncated_header": {9}, "truncated_payload": {9},
+            "header_flip": {5}}.get(kind, set(range(4, 10)))  # file 1 holds records 4..9
+    assert seen == sorted(set(range(15)) - lost)
+
+
+def test_unverified_corruption_raises_while_reading_naming_the_file(tmp_path):
+    paths = write_dataset(tmp_path, [4, 6])
+    _damage(paths[1], "bit_flip")
+    ds = make_input(str(tmp_path / "part-*.tfrecord"), verify=False, shuffle_buffer_size=1)
+    with pytest.raises(ip.CorruptDataError, match="part-00001"):
+        for _ in range(10):
+            next(ds)
+
+
+def test_a_missing_manifest_or_an_unlisted_file_is_an_error(tmp_path):
+    paths = write_dataset(tmp_path, [3, 3])
+    Path(tmp_path / "part-00009.tfrecord").write_bytes(Path(paths[0]).read_bytes())
+    with pytest.raises(ip.CorruptDataError, match="part-00009.*not listed"):
+        make_input(str(tmp_path / "part-*.tfrecord"))
+    os.remove(tmp_path / ip.MANIFEST_NAME)
+    with pytest.raises(ip.CorruptDataError, match="verify=False"):
+        make_input(str(tmp_path / "part-*.tfrecord"))
+    assert make_input(str(tmp_path / "part-*.tfrecord"), verify=False).stats["records_in_files"] == 9
+
+
+def test_wrong_max_seq_length_names_the_flag(dataset):
+    with pytest.raises(ValueError, match="max_seq_length=64"):
+        next(make_input(dataset[0], max_seq_length=64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Eval
+# ---------------------------------------------------------------------------------------------
+
+
+def test_eval_is_one_padded_pass_with_equal_batch_counts(dataset):
+    pattern, total = dataset
+    hosts, b = 3, 4
+    lengths, seen = [], []
+    for h in range(hosts):
+        ev = ip.make_eval_iterator(pattern, per_host_batch_size=b, max_seq_length=L,
+                                   max_predictions_per_seq=P, process_index=h, process_count=hosts)
+        batches = list(ev)
+        assert list(ev) and len(list(ev)) == len(batches)  # each iter() is a fresh pass
+        lengths.append(len(batches))
+        for batch in batches:
+            assert batch["input_ids"].shape == (b, L) and batch["next_sentence_labels"].shape == (b, 1)
+            pad = batch["next_sentence_weights"] == 0
+            assert np.all(batch["masked_lm_weights"][pad] == 0) and np.all(batch["input_mask"][pad] == 0)
+            seen += record_ids(batch)
+    # Hosts hold 18, 21, 13 records: ceil(21 / 4) = 6 batches each.
+    assert lengths == [6, 6, 6]
+    assert sorted(seen) == list(range(total))
