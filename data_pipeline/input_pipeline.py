@@ -73,17 +73,13 @@ import struct
 import tempfile
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
-import numpy as np
 import tensorflow as tf
 
-try:
-    from data_pipeline import schema
-except ImportError:  # TEMPORARY until schema.py lands
-    schema = None
+from data_pipeline import schema
 
 log = logging.getLogger(__name__)
 
-MANIFEST_NAME = "dataset_info.json"
+MANIFEST_NAME = schema.MANIFEST_NAME
 _STATE_JSON = "input_state.json"
 _ITERATOR_PREFIX = "iterator"
 
@@ -322,16 +318,6 @@ class FileInfo:
     sha256: Optional[str] = None
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with tf.io.gfile.GFile(path, "rb") as f:
-        while True:
-            chunk = f.read(8 << 20)
-            if not chunk:
-                return h.hexdigest()
-            h.update(chunk)
-
-
 def load_manifest(directory: str) -> Optional[dict[str, FileInfo]]:
     """The manifest of the TFRecords in `directory` keyed by full path, or None if it has none."""
     path = os.path.join(directory, MANIFEST_NAME)
@@ -347,24 +333,19 @@ def load_manifest(directory: str) -> Optional[dict[str, FileInfo]]:
 
 
 def _manifest_file_entries(path: str) -> dict[str, dict]:
-    """{file name: {num_records, num_bytes, sha256}} from a dataset_info.json (schema adapter)."""
-    with tf.io.gfile.GFile(path, "r") as f:
-        info = json.load(f)
-    files = info.get("files")
-    if files is None:
-        raise CorruptDataError(path, "manifest has no 'files' entry")
-    if isinstance(files, list):  # [{"name"/"path": ..., ...}, ...]
-        files = {e.get("name") or e.get("path") or e.get("file"): e for e in files}
-    out = {}
-    for name, e in files.items():
-        out[name] = {
-            "num_records": e.get("num_records", e.get("records", e.get("count"))),
-            "num_bytes": e.get("num_bytes", e.get("bytes", e.get("size"))),
-            "sha256": e.get("sha256"),
-        }
-        if out[name]["num_records"] is None:
-            raise CorruptDataError(path, f"manifest entry for {name} has no record count")
-    return out
+    """{file name: {num_records, num_bytes, sha256}} of a dataset_info.json (`schema.write_dataset_info`).
+
+    schema.py writes the manifest but has no reader yet; this is the one place that knows its layout.
+    """
+    try:
+        with tf.io.gfile.GFile(path, "r") as f:
+            files = json.load(f)["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptDataError(path, f"unreadable data manifest ({e!r})") from e
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or "num_records" not in entry:
+            raise CorruptDataError(path, f"manifest entry for {name} has no num_records")
+    return files
 
 
 def _pattern_has_glob(pattern: str) -> bool:
@@ -446,7 +427,7 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
             size = tf.io.gfile.stat(path).length
             if info.num_bytes is not None and size != int(info.num_bytes):
                 problem = f"size {size} bytes, manifest says {info.num_bytes}"
-            elif info.sha256 and _sha256(path) != info.sha256:
+            elif info.sha256 and schema.sha256_file(path) != info.sha256:
                 problem = "sha256 differs from the manifest"
         scan = None
         if problem is None and info is None and skip_corrupt:
@@ -503,21 +484,9 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
 # ---------------------------------------------------------------------------------------------
 
 
-def _feature_spec(max_seq_length: int, max_predictions_per_seq: int) -> dict:
-    L, P = max_seq_length, max_predictions_per_seq
-    return {"input_ids": tf.io.FixedLenFeature([L], tf.int64),
-            "input_mask": tf.io.FixedLenFeature([L], tf.int64),
-            "segment_ids": tf.io.FixedLenFeature([L], tf.int64),
-            "masked_lm_positions": tf.io.FixedLenFeature([P], tf.int64),
-            "masked_lm_ids": tf.io.FixedLenFeature([P], tf.int64),
-            "masked_lm_weights": tf.io.FixedLenFeature([P], tf.float32),
-            "next_sentence_labels": tf.io.FixedLenFeature([1], tf.int64)}
-
-
 def parse_batch(serialized: tf.Tensor, max_seq_length: int, max_predictions_per_seq: int) -> dict:
     """Parses `[N]` serialized tf.Examples into int32/float32 `[N, ...]` tensors (schema names)."""
-    spec = _feature_spec(max_seq_length, max_predictions_per_seq)
-    parsed = tf.io.parse_example(serialized, spec)
+    parsed = schema.parse_example(serialized, max_seq_length, max_predictions_per_seq)
     out = {}
     for name, value in parsed.items():
         out[name] = tf.cast(value, tf.float32 if value.dtype.is_floating else tf.int32)
@@ -797,6 +766,12 @@ def _options() -> tf.data.Options:
     return options
 
 
+def _graph_fn(fn):
+    # Our map functions are plain TF ops (explicit tf.while_loop): skipping autograph's source
+    # conversion makes building a pipeline several times faster.
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
 def _to_numpy(batch: dict) -> dict:
     return {k: v.numpy() for k, v in batch.items()}
 
@@ -967,13 +942,13 @@ class PretrainingInput:
                                    groups=index // per_epoch)  # the epoch: never mixed in a row
 
             ds = ds.enumerate().batch(self.packing_window).map(
-                pack, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+                _graph_fn(pack), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
             ds = ds.batch(self.per_host_batch_size, drop_remainder=True)
         else:
             ds = ds.batch(self.per_host_batch_size, drop_remainder=True).map(
-                lambda serialized: dict(
+                _graph_fn(lambda serialized: dict(
                     parse_batch(serialized, L, P),
-                    next_sentence_weights=tf.ones([tf.shape(serialized)[0]], tf.float32)),
+                    next_sentence_weights=tf.ones([tf.shape(serialized)[0]], tf.float32))),
                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         if self.dynamic_masking:
             # Masks are drawn per batch from a random stream *after* `repeat`: it runs on across
@@ -987,7 +962,7 @@ class PretrainingInput:
                                     max_predictions_per_seq=P, masked_lm_prob=self.masked_lm_prob)
 
             ds = tf.data.Dataset.zip(ds, tf.data.Dataset.random(seed=_mix(seed, host, 3)))
-            ds = ds.map(remask, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            ds = ds.map(_graph_fn(remask), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         if self.num_batches is not None:
             ds = ds.take(self.num_batches)
         return ds.prefetch(2).with_options(_options())
@@ -1153,7 +1128,7 @@ class EvalInput:
         padding = tf.data.Dataset.from_tensors(pad).repeat()
         if paths:
             rows = tf.data.TFRecordDataset(paths).batch(256).map(
-                real, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+                _graph_fn(real), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
             rows = rows.concatenate(padding)
         else:
             rows = padding
