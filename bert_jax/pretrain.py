@@ -379,7 +379,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     bar.update(1)
                     if step % config.log_every_steps == 0 or step == phase.end_step:
                         last_metrics, consecutive_bad = _log(
-                            pending, step, time.time() - window_start, writer, bar, flops,
+                            pending, step, window_start, writer, bar, flops,
                             config.global_batch_size, phase.max_seq_length, peak, consecutive_bad,
                             config, log_path)
                         pending, window_start = [], time.time()
@@ -414,10 +414,11 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _log(pending, step, seconds, writer, bar, flops, global_batch, seq_len, peak, consecutive_bad,
+def _log(pending, step, window_start, writer, bar, flops, global_batch, seq_len, peak, consecutive_bad,
          config, log_path) -> tuple[dict, int]:
     """Fetches the window's metrics, checks finiteness, writes scalars and the jsonl log."""
     fetched = jax.device_get(pending)
+    seconds = time.time() - window_start  # after the fetch: steps dispatch asynchronously
     first_step = step - len(fetched) + 1
     for i, m in enumerate(fetched):
         if float(m["finite"]) == 0.0:
