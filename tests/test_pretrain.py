@@ -281,3 +281,21 @@ def test_packing_dynamic_masking_and_the_ablations_train(data, tmp_path):
         assert sorted(got) == [1, 2, 3] and all(np.isfinite(list(got.values())))
     # The LTR model predicts every next token: its loss starts near log(vocab).
     assert abs(losses(tmp_path / "ltr")[1] - np.log(VOCAB)) < 0.5
+
+
+def test_offline_demo_end_to_end_shortened(tmp_path):
+    """The README's first command, shortened: corpus -> vocab -> TFRecords -> pretrain -> [MASK]."""
+    r = run([sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/demo.py'}",
+             f"--workdir={tmp_path}", "--config.num_train_steps=40", "--config.demo.vocab_size=2000",
+             "--config.demo.dupe_factor=1", "--config.log_every_steps=5", "--config.eval_every_steps=40",
+             "--config.checkpoint_every_steps=40", "--config.global_batch_size=16"], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[MASK] ->" in r.stdout
+    guesses = json.loads((tmp_path / "fill_mask.json").read_text())
+    assert len(guesses) == 4 and all(len(g["guesses"][0]) == 5 for g in guesses)
+    assert len((tmp_path / "vocab.txt").read_text().splitlines()) <= 2000
+    assert json.loads((tmp_path / "data" / "train" / "dataset_info.json").read_text())["num_instances"] > 100
+    log = losses(tmp_path)
+    assert sorted(log) == list(range(1, 41))
+    assert np.mean([log[s] for s in range(31, 41)]) < np.mean([log[s] for s in range(1, 11)]) - 0.5
+    assert set(json.loads((tmp_path / "eval_results.json").read_text())) >= {"masked_lm_accuracy"}
