@@ -34,21 +34,24 @@ def init_distributed(mode: str) -> None:
     logging.info("process %d of %d", jax.process_index(), jax.process_count())
 
 
+class _QuietLibraries:
+    """Drops INFO chatter of orbax and tf.data from the console; warnings and errors still show."""
+
+    def filter(self, record) -> bool:
+        noisy = any(p in record.pathname for p in ("/orbax/", "/tensorflow/"))
+        return record.levelno >= 30 or not noisy
+
+
 def main(argv):
     del argv
+    logging.get_absl_handler().addFilter(_QuietLibraries())
     config = _CONFIG.value
     init_distributed(_MULTIHOST.value)
-    if config.mode == "pretrain":
-        from bert_jax import pretrain
-        pretrain.run(config, _WORKDIR.value)
-    elif config.mode == "evaluate":
-        from bert_jax import pretrain
-        print(pretrain.evaluate(config, _WORKDIR.value))
-    elif config.mode == "demo":
-        from bert_jax import demo
-        demo.run(config, _WORKDIR.value)
-    else:
-        raise app.UsageError(f"config.mode must be pretrain, evaluate or demo, got {config.mode!r}")
+    from bert_jax import demo, pretrain
+    modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run}
+    if config.mode not in modes:
+        raise app.UsageError(f"config.mode must be one of {sorted(modes)}, got {config.mode!r}")
+    modes[config.mode](config, _WORKDIR.value)
 
 
 if __name__ == "__main__":

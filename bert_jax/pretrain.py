@@ -487,6 +487,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "eval_results.json"), "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2, sort_keys=True)
+        print(json.dumps(results, sort_keys=True))
     return results
 
 
