@@ -12,20 +12,21 @@ the numpy batches the training loop hands to `bert_jax.sharding.to_global`:
   With `skip_corrupt=True` the bad file is instead repaired into a local copy holding exactly its
   good records (`scan_tfrecord_file` walks the record framing and checks every CRC), and the lost
   records are counted in `stats`. Only this host's files are hashed.
-- **Training stream** (`PretrainingInput`), per epoch: seeded file-order shuffle -> interleave ->
-  seeded record shuffle (of the serialized records: small buffers, small checkpoints) ->
-  [dynamic masking] -> [packing] ; then `repeat` -> `batch(per_host_batch_size,
-  drop_remainder=True)` -> prefetch. Shuffles sit *before* `repeat`, so every record of this
-  host's files appears exactly once per epoch, and epochs do not mix.
+- **Training stream** (`PretrainingInput`): seeded file-order shuffle -> interleave -> seeded
+  record shuffle (of the serialized records: small buffers, small checkpoints) -> `repeat` ->
+  [packing] -> `batch(per_host_batch_size, drop_remainder=True)` -> parse -> [dynamic masking]
+  -> prefetch. Both shuffles sit before `repeat` (reshuffled each epoch), so every record of
+  this host's files appears exactly once per epoch and epochs do not mix. Nothing sits between
+  the record shuffle and `repeat`: TF 2.21 restores `shuffle -> batch -> repeat` wrongly when
+  the iterator was saved at the end of an epoch.
 - **Dynamic masking** (`dynamic_mask`): restores the original tokens from
-  `masked_lm_positions`/`masked_lm_ids` and re-masks with the reference's rules (see below), using
-  stateless random ops seeded from a checkpointable `Dataset.random` stream, so masks differ per
-  epoch, are the same for the same seed, and survive a resume.
-- **Packing** (`pack_window`): first-fit-decreasing within windows of `packing_window` records,
-  inside the graph (no `py_function`, so the iterator stays checkpointable), MLPerf-style.
-- **Resume**: `save_state(dir)` / `restore_state(dir)` write/read a `tf.train.Checkpoint` of the
-  iterator (shuffle buffer, file offsets, random streams) plus a JSON fingerprint of the options,
-  so a resumed run yields exactly the batches an uninterrupted run would have.
+  `masked_lm_positions`/`masked_lm_ids` and re-masks each batch with the reference's rules (see
+  below), with stateless random ops seeded from a `Dataset.random` stream after `repeat`: new
+  masks every epoch, the same masks for the same seed, and the stream position is saved with the
+  iterator. Packed rows are masked sequence by sequence.
+- **Packing** (`pack_window`): first-fit-decreasing within windows of `packing_window`
+  consecutive records, in the graph (no `py_function`, so the iterator stays checkpointable; the
+  per-record loop is XLA-compiled), MLPerf-style. Records of different epochs never share a row.
 - **Evaluation** (`make_eval_iterator` -> `EvalInput`): one finite pass, in file order, padded
   so every host yields the same number of batches; padding rows carry weight 0.
 
@@ -110,8 +111,10 @@ class SpecialIds:
             return value
         keys = {f.name for f in dataclasses.fields(cls)}
         unknown = set(value) - keys
-        if unknown:
-            raise ValueError(f"special_ids has unknown keys {sorted(unknown)}; expected {sorted(keys)}")
+        missing = {"mask_id", "cls_id", "sep_id", "vocab_size"} - set(value)
+        if unknown or missing:
+            raise ValueError(f"special_ids: unknown keys {sorted(unknown)}, missing keys "
+                             f"{sorted(missing)}; expected {sorted(keys)}")
         return cls(**{k: int(v) for k, v in value.items()})
 
 
@@ -357,13 +360,35 @@ class _HostFiles:
     """The result of checking the files before training."""
 
     all_files: list  # every expected file, sorted (the list hosts shard)
-    infos: dict  # path -> FileInfo (manifest, or measured)
+    infos: dict  # path -> FileInfo: from the manifest, or measured
     read_paths: list  # what this host actually reads (repaired copies substituted)
+    read_counts: list  # records in each read path; None = unverified, not counted yet
     host_files: list  # this host's share of all_files (original names)
     corrupt_files: list  # this host's files that were missing/corrupt (lenient mode)
     skipped_records: int  # records of this host's files that will not be read
-    read_records: int  # records this host reads per epoch
-    records_per_host: list  # expected records per host (manifest counts)
+
+    def count(self, path: str) -> int:
+        """Records in one of `all_files`: the manifest's count, else counted from the framing.
+
+        Unverified files are counted only when a count is needed (finite runs, eval, packing,
+        `stats`): it costs a pass over the record headers.
+        """
+        if path not in self.infos:
+            self.infos[path] = FileInfo(path, _count_records_by_framing(path))
+        return self.infos[path].num_records
+
+    @property
+    def read_records(self) -> int:
+        """Records this host reads per epoch."""
+        for i, n in enumerate(self.read_counts):
+            if n is None:
+                self.read_counts[i] = self.count(self.read_paths[i])
+        return sum(self.read_counts)
+
+    def records_per_host(self, process_count: int) -> list[int]:
+        """Expected records of every host's files (the same numbers on every host)."""
+        return [sum(self.count(p) for p in shard_files(self.all_files, h, process_count))
+                for h in range(process_count)]
 
 
 def _check_files(file_patterns: FilePatterns, *, process_index: int, process_count: int,
@@ -417,7 +442,7 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
             f"least one file (files are sharded per host); write more shards")
     mine = shard_files(all_files, process_index, process_count)
 
-    read_paths, corrupt, skipped, readable = [], [], 0, 0
+    read_paths, read_counts, corrupt, skipped = [], [], [], 0
     for path in mine:
         info = infos.get(path)
         problem = None
@@ -437,9 +462,9 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
                 problem = f"{len(scan.bad_regions)} corrupt stretch(es), first: {scan.bad_regions[0]}"
         if problem is None:
             read_paths.append(path)
-            if info is None:
-                infos[path] = FileInfo(path, scan.num_good if scan else _count_records_by_framing(path))
-            readable += infos[path].num_records
+            if scan is not None:
+                infos[path] = FileInfo(path, scan.num_good)
+            read_counts.append(infos[path].num_records if path in infos else None)
             continue
         if not skip_corrupt:
             raise CorruptDataError(path, problem + " (pass skip_corrupt=True to skip bad records)")
@@ -465,18 +490,10 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
             out = os.path.join(repair_dir, f"{digest}-{os.path.basename(path)}")
             _write_good_records(scan, out)
             read_paths.append(out)
-            readable += scan.num_good
-
-    # Record counts of every host (needed so hosts agree on batch counts): the manifest's, or,
-    # unverified, counted from the framing of every file (cheap: headers only).
-    for path in all_files:
-        if path not in infos:
-            infos[path] = FileInfo(path, _count_records_by_framing(path))
-    per_host = [sum(infos[p].num_records for p in shard_files(all_files, h, process_count))
-                for h in range(process_count)]
-    return _HostFiles(all_files=all_files, infos=infos, read_paths=read_paths, host_files=mine,
-                      corrupt_files=corrupt, skipped_records=skipped, read_records=readable,
-                      records_per_host=per_host)
+            read_counts.append(scan.num_good)
+    return _HostFiles(all_files=all_files, infos=infos, read_paths=read_paths,
+                      read_counts=read_counts, host_files=mine, corrupt_files=corrupt,
+                      skipped_records=skipped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,21 +604,31 @@ def dynamic_mask(features: Mapping[str, tf.Tensor], seed: tf.Tensor, *,
     num_pred = tf.concat([tf.zeros_like(num_pred[:, :1]), num_pred[:, 1:]], 1)  # padding: none
 
     seeds = tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 4)
-    # Sort tokens by (sequence, score), candidates before the rest of their sequence: within
-    # each sequence the candidates come out in a uniformly random order.
-    score = tf.random.stateless_uniform(shape, seeds[0], dtype=tf.float64)  # [N, L]
-    key = tf.cast(group, tf.float64) + tf.where(candidate, 0.5 * score, 0.75)
-    order = tf.argsort(key, axis=1, stable=True)  # [N, L]
-    sorted_group = tf.gather(group, order, batch_dims=1)  # [N, L]
-    starts = tf.cumsum(group_size, axis=1, exclusive=True)  # [N, G+1] first sorted index of each
-    rank = tf.range(length)[None, :] - tf.gather(starts, sorted_group, batch_dims=1)  # [N, L]
-    chosen_sorted = rank < tf.gather(num_pred, sorted_group, batch_dims=1)  # [N, L]
-    inverse = tf.argsort(order, axis=1)
-    chosen_tokens = tf.gather(chosen_sorted, inverse, batch_dims=1)  # [N, L] in token order
+    positions_axis = tf.range(length)[None, :]  # [1, L]
+    if num_groups == 1:
+        # One sequence per row: the `num_pred` lowest uniform scores among the candidates.
+        score = tf.where(candidate, tf.random.stateless_uniform(shape, seeds[0]), 2.0)  # [N, L]
+        _, lowest = tf.math.top_k(-score, k=min(width, original.shape[1] or width))  # [N, k]
+        take = tf.range(tf.shape(lowest)[1])[None, :] < num_pred[:, 1:2]  # [N, k]
+        picked = tf.where(take, lowest, length)
+    else:
+        # Sort tokens by (sequence, score), candidates before the rest of their sequence:
+        # within each sequence the candidates come out in a uniformly random order.
+        score = tf.random.stateless_uniform(shape, seeds[0], dtype=tf.float64)  # [N, L]
+        key = tf.cast(group, tf.float64) + tf.where(candidate, 0.5 * score, 0.75)
+        order = tf.argsort(key, axis=1, stable=True)  # [N, L]
+        sorted_group = tf.gather(group, order, batch_dims=1)  # [N, L]
+        starts = tf.cumsum(group_size, axis=1, exclusive=True)  # [N, G+1] first sorted index
+        rank = positions_axis - tf.gather(starts, sorted_group, batch_dims=1)  # [N, L]
+        take = rank < tf.gather(num_pred, sorted_group, batch_dims=1)  # [N, L] in sorted order
+        picked = tf.where(take, order, length)  # the chosen token positions, else L
 
     # The chosen positions, ascending, padded with `length` then cut to the width.
-    positions = tf.sort(tf.where(chosen_tokens, tf.range(length)[None, :], length), axis=1)
+    positions = tf.sort(picked, axis=1)
     positions = positions[:, :width]  # [N, W]
+    if positions.shape[1] is not None and positions.shape[1] < width:  # fewer tokens than W
+        positions = tf.pad(positions, [[0, 0], [0, width - positions.shape[1]]],
+                           constant_values=length)
     chosen = positions < length
     positions = tf.where(chosen, positions, 0)
     labels = tf.where(chosen, tf.gather(original, positions, batch_dims=1), 0)  # [N, W]
@@ -624,21 +651,29 @@ def dynamic_mask(features: Mapping[str, tf.Tensor], seed: tf.Tensor, *,
 # ---------------------------------------------------------------------------------------------
 
 
-def _first_fit_decreasing(lengths, num_preds, groups, max_seq_length, max_seqs_per_pack,
-                          max_predictions_per_pack):
+def _first_fit_loop(lengths, num_preds, groups, max_seq_length, max_seqs_per_pack,
+                    max_predictions_per_pack):
     """Bin, slot, token offset and prediction offset of each sequence (graph-mode loop).
 
     Sequences are taken longest first; each goes into the first open row of its group with room
-    for its tokens, its predictions and one more sequence, else opens a new row.
+    for its tokens, its predictions and one more sequence, else opens a new row. A sequence too
+    long to share a row with even the window's shortest one gets a row of its own without
+    entering the loop: with Google's data (~90% full-length sequences) that is most of them,
+    and the loop (one small step per sequence) is the packer's cost.
     """
     w = tf.shape(lengths)[0]
-    # Longest first within each group (the group is the major key).
-    order = tf.argsort(groups * (max_seq_length + 1) + (max_seq_length - lengths), stable=True)
+    alone = (lengths + tf.reduce_min(lengths) > max_seq_length) | (max_seqs_per_pack == 1)
+    num_loop = w - tf.reduce_sum(tf.cast(alone, tf.int32))
+    # Longest first within each group (the group is the major key); the alone ones last.
+    key = groups * (max_seq_length + 1) + (max_seq_length - lengths)
+    order = tf.argsort(tf.where(alone, tf.reduce_max(key) + 1, key), stable=True)
     zeros = tf.zeros([w], tf.int32)
 
     def body(k, fill, count, preds, num_bins, bin_group, bin_of, off_of, slot_of, pred_off_of):
-        i = order[k]
-        n, p, g = lengths[i], num_preds[i], groups[i]
+        # tf.gather, not x[i]: XLA wants strided-slice bounds as compile-time constants and would
+        # recompile for every window.
+        i = tf.gather(order, k)
+        n, p, g = tf.gather(lengths, i), tf.gather(num_preds, i), tf.gather(groups, i)
         fits = ((fill + n <= max_seq_length) & (count < max_seqs_per_pack)
                 & (preds + p <= max_predictions_per_pack) & (tf.range(w) < num_bins)
                 & tf.equal(bin_group, g))
@@ -647,19 +682,56 @@ def _first_fit_decreasing(lengths, num_preds, groups, max_seq_length, max_seqs_p
         at_i, at_b = [[i]], [[b]]
         bin_group = tf.tensor_scatter_nd_update(bin_group, at_b, [g])
         bin_of = tf.tensor_scatter_nd_update(bin_of, at_i, [b])
-        off_of = tf.tensor_scatter_nd_update(off_of, at_i, [fill[b]])
-        slot_of = tf.tensor_scatter_nd_update(slot_of, at_i, [count[b]])
-        pred_off_of = tf.tensor_scatter_nd_update(pred_off_of, at_i, [preds[b]])
+        off_of = tf.tensor_scatter_nd_update(off_of, at_i, [tf.gather(fill, b)])
+        slot_of = tf.tensor_scatter_nd_update(slot_of, at_i, [tf.gather(count, b)])
+        pred_off_of = tf.tensor_scatter_nd_update(pred_off_of, at_i, [tf.gather(preds, b)])
         fill = tf.tensor_scatter_nd_add(fill, at_b, [n])
         count = tf.tensor_scatter_nd_add(count, at_b, [1])
         preds = tf.tensor_scatter_nd_add(preds, at_b, [p])
         num_bins = num_bins + tf.cast(tf.logical_not(found), tf.int32)
         return k + 1, fill, count, preds, num_bins, bin_group, bin_of, off_of, slot_of, pred_off_of
 
-    out = tf.while_loop(lambda k, *_: k < w, body,
+    out = tf.while_loop(lambda k, *_: k < num_loop, body,
                         (0, zeros, zeros, zeros, 0, zeros, zeros, zeros, zeros, zeros))
     _, _, _, _, num_bins, _, bin_of, off_of, slot_of, pred_off_of = out
-    return num_bins, bin_of, off_of, slot_of, pred_off_of
+    # The alone ones: rows num_bins, num_bins + 1, ... at offset 0, slot 0.
+    alone_rank = tf.cumsum(tf.cast(alone, tf.int32), exclusive=True)
+    bin_of = tf.where(alone, num_bins + alone_rank, bin_of)
+    off_of, slot_of, pred_off_of = (tf.where(alone, 0, x) for x in (off_of, slot_of, pred_off_of))
+    return w - num_loop + num_bins, bin_of, off_of, slot_of, pred_off_of
+
+
+# The loop takes one small step per sequence: as TF ops that is ~45 us a step, compiled by XLA
+# ~3 us (15x on the 2-core benchmark machine). One module-level function with tensor arguments,
+# so every pipeline of the process shares its compilations (one per window size).
+_first_fit_xla = tf.function(
+    _first_fit_loop, jit_compile=True,
+    input_signature=[tf.TensorSpec([None], tf.int32)] * 3 + [tf.TensorSpec([], tf.int32)] * 3)
+_XLA_OK: Optional[bool] = None
+
+
+def _xla_works() -> bool:
+    """Whether XLA can compile the packer here (probed once per process, on a tiny window)."""
+    global _XLA_OK
+    if _XLA_OK is None:
+        try:
+            with tf.init_scope():  # run it now, eagerly, even when called while tracing a map fn
+                one = tf.constant([3, 2], tf.int32)
+                _first_fit_xla(one, one, tf.zeros_like(one), tf.constant(8), tf.constant(2),
+                               tf.constant(8))
+            _XLA_OK = True
+        except Exception as e:  # an XLA-less TensorFlow build: fall back to the graph loop
+            log.warning("XLA is unavailable (%s); packing runs as a slower graph loop", e)
+            _XLA_OK = False
+    return _XLA_OK
+
+
+def _first_fit_decreasing(lengths, num_preds, groups, max_seq_length, max_seqs_per_pack,
+                          max_predictions_per_pack):
+    """`_first_fit_loop`, XLA-compiled when available (identical results either way)."""
+    args = (lengths, num_preds, groups, tf.constant(max_seq_length, tf.int32),
+            tf.constant(max_seqs_per_pack, tf.int32), tf.constant(max_predictions_per_pack, tf.int32))
+    return (_first_fit_xla if _xla_works() else _first_fit_loop)(*args)
 
 
 def pack_window(features: Mapping[str, tf.Tensor], *, max_seq_length: int, max_seqs_per_pack: int,
@@ -701,48 +773,45 @@ def pack_window(features: Mapping[str, tf.Tensor], *, max_seq_length: int, max_s
     num_bins, bin_of, off_of, slot_of, pred_off_of = _first_fit_decreasing(
         lengths, budget, tf.cast(groups, tf.int32), L, S, Pp)
 
-    # Tokens: record i's token t goes to (bin_of[i], off_of[i] + t).
+    # Row order: by each row's earliest record in the (shuffled) window. This also keeps groups
+    # in stream order, since a window holds the end of one epoch before the start of the next.
+    first = tf.math.unsorted_segment_min(tf.range(tf.shape(bin_of)[0]), bin_of, num_bins)  # [R]
+    new_row = tf.scatter_nd(tf.argsort(first)[:, None], tf.range(num_bins), [num_bins])  # [R]
+    bin_of = tf.gather(new_row, bin_of)  # [W]
+
+    # Tokens: record i's token t goes to (bin_of[i], off_of[i] + t). The five per-token fields
+    # travel together as one [W, L, 5] tensor: one gather and one scatter instead of five.
     tok = mask > 0  # [W, L]
     t = tf.broadcast_to(tf.range(L)[None, :], tf.shape(mask))  # [W, L]
     rows = tf.broadcast_to(bin_of[:, None], tf.shape(mask))  # [W, L]
     tok_idx = tf.boolean_mask(tf.stack([rows, off_of[:, None] + t], -1), tok)  # [T, 2]
-    shape = tf.stack([num_bins, L])
+    fields = tf.stack([features["input_ids"], tf.ones_like(mask), features["segment_ids"], t,
+                       tf.broadcast_to(slot_of[:, None] + 1, tf.shape(mask))], -1)  # [W, L, 5]
+    tokens = tf.scatter_nd(tok_idx, tf.boolean_mask(fields, tok), tf.stack([num_bins, L, 5]))
+    out = {name: tokens[:, :, j] for j, name in enumerate(
+        ("input_ids", "input_mask", "segment_ids", "position_ids", "pack_ids"))}  # [R, L] each
 
-    def scatter_tokens(values):  # [W, L] -> [R, L]
-        return tf.scatter_nd(tok_idx, tf.boolean_mask(values, tok), shape)
-
-    out = {
-        "input_ids": scatter_tokens(features["input_ids"]),
-        "input_mask": scatter_tokens(tf.ones_like(mask)),
-        "segment_ids": scatter_tokens(features["segment_ids"]),
-        "position_ids": scatter_tokens(t),
-        "pack_ids": scatter_tokens(tf.broadcast_to(slot_of[:, None] + 1, tf.shape(mask))),
-    }
     # Per-sequence slots: (bin_of[i], slot_of[i]).
     seq_idx = tf.stack([bin_of, slot_of], -1)  # [W, 2]
-    seq_shape = tf.stack([num_bins, S])
-    out["cls_positions"] = tf.scatter_nd(seq_idx, off_of, seq_shape)
-    out["next_sentence_labels"] = tf.scatter_nd(
-        seq_idx, features["next_sentence_labels"][:, 0], seq_shape)
-    out["next_sentence_weights"] = tf.scatter_nd(seq_idx, tf.ones_like(off_of, tf.float32), seq_shape)
+    seq = tf.scatter_nd(seq_idx, tf.stack([off_of, features["next_sentence_labels"][:, 0],
+                                           tf.ones_like(off_of)], -1),
+                        tf.stack([num_bins, S, 3]))  # [R, S, 3]
+    out["cls_positions"] = seq[:, :, 0]
+    out["next_sentence_labels"] = seq[:, :, 1]
+    out["next_sentence_weights"] = tf.cast(seq[:, :, 2], tf.float32)
+
     # Predictions: record i's j-th real prediction goes to (bin_of[i], pred_off_of[i] + j).
     rank = tf.cumsum(tf.cast(mlm_valid, tf.int32), axis=1) - 1  # [W, P]
     prow = tf.broadcast_to(bin_of[:, None], tf.shape(rank))
     pred_idx = tf.boolean_mask(tf.stack([prow, pred_off_of[:, None] + rank], -1), mlm_valid)
-    pred_shape = tf.stack([num_bins, Pp])
-
-    def scatter_preds(values):  # [W, P] -> [R, Pp]
-        return tf.scatter_nd(pred_idx, tf.boolean_mask(values, mlm_valid), pred_shape)
-
-    out["masked_lm_positions"] = scatter_preds(features["masked_lm_positions"] + off_of[:, None])
-    out["masked_lm_ids"] = scatter_preds(features["masked_lm_ids"])
-    out["masked_lm_weights"] = scatter_preds(tf.ones_like(features["masked_lm_weights"]))
-
-    # Row order: by each row's earliest record in the (shuffled) window. This also keeps groups
-    # in stream order, since a window holds the end of one epoch before the start of the next.
-    first = tf.math.unsorted_segment_min(tf.range(tf.shape(bin_of)[0]), bin_of, num_bins)
-    perm = tf.argsort(first)
-    return {k: tf.gather(v, perm) for k, v in out.items()}
+    pred_fields = tf.stack([features["masked_lm_positions"] + off_of[:, None],
+                            features["masked_lm_ids"], tf.ones_like(rank)], -1)  # [W, P, 3]
+    preds = tf.scatter_nd(pred_idx, tf.boolean_mask(pred_fields, mlm_valid),
+                          tf.stack([num_bins, Pp, 3]))  # [R, Pp, 3]
+    out["masked_lm_positions"] = preds[:, :, 0]
+    out["masked_lm_ids"] = preds[:, :, 1]
+    out["masked_lm_weights"] = tf.cast(preds[:, :, 2], tf.float32)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -885,15 +954,10 @@ class PretrainingInput:
         if not self._files.read_paths:
             raise CorruptDataError(self._patterns[0], f"host {process_index} has no readable file "
                                    f"left ({len(self._files.corrupt_files)} corrupt or missing)")
+        if self._files.read_records == 0:  # (an endless repeat of nothing would end at once)
+            raise CorruptDataError(self._patterns[0], f"host {process_index}'s files hold no record")
         self.num_batches = self._finite_num_batches() if not repeat else None
-        self._stats = {
-            "files": len(self._files.host_files),
-            "records_in_files": sum(self._files.infos[p].num_records for p in self._files.host_files),
-            "corrupt_files": list(self._files.corrupt_files),
-            "skipped_records": self._files.skipped_records,
-            "batches": 0,
-            "sequences": 0,
-        }
+        self._counters = {"batches": 0, "sequences": 0}  # saved and restored with the position
         self.dataset = self._build()
         self._iterator = iter(self.dataset)
 
@@ -901,7 +965,7 @@ class PretrainingInput:
 
     def _finite_num_batches(self) -> int:
         """Batches every host can yield in one epoch (the minimum over hosts)."""
-        per_host = list(self._files.records_per_host)
+        per_host = self._files.records_per_host(self.process_count)
         per_host[self.process_index] = self._files.read_records
         if self.packing:
             # Packed row counts depend on the data; each host has at least ceil(n / S) rows.
@@ -983,15 +1047,15 @@ class PretrainingInput:
                 f"{self.max_seq_length}, max_predictions_per_seq={self.max_predictions_per_seq}: "
                 f"{e.message}") from e
         except StopIteration:
-            if self.num_batches is not None and self._stats["batches"] < self.num_batches:
+            if self.num_batches is not None and self._counters["batches"] < self.num_batches:
                 raise RuntimeError(
-                    f"host {self.process_index} ran out of data after {self._stats['batches']} "
-                    f"of {self.num_batches} batches ({self._stats['skipped_records']} corrupt "
+                    f"host {self.process_index} ran out of data after {self._counters['batches']} "
+                    f"of {self.num_batches} batches ({self._files.skipped_records} corrupt "
                     f"records skipped): the hosts would disagree on the number of steps")
             raise
         out = _to_numpy(batch)
-        self._stats["batches"] += 1
-        self._stats["sequences"] += int(out["next_sentence_weights"].sum())
+        self._counters["batches"] += 1
+        self._counters["sequences"] += int(out["next_sentence_weights"].sum())
         return out
 
     def _locate_corruption(self, error: Exception) -> Exception:
@@ -1005,8 +1069,20 @@ class PretrainingInput:
 
     @property
     def stats(self) -> dict:
-        """Counters: files, records_in_files, corrupt_files, skipped_records, batches, sequences."""
-        return dict(self._stats, corrupt_files=list(self._stats["corrupt_files"]))
+        """This host's numbers.
+
+        files: files assigned to this host; records_in_files: records they should hold (manifest;
+        counted from the framing when unverified); corrupt_files: those missing or corrupt
+        (lenient mode); skipped_records: records that will not be read; records_per_epoch: records
+        read per epoch; batches, sequences: yielded so far (restored with the position).
+        """
+        files = self._files
+        return {"files": len(files.host_files),
+                "records_in_files": sum(files.count(p) for p in files.host_files),
+                "corrupt_files": list(files.corrupt_files),
+                "skipped_records": files.skipped_records,
+                "records_per_epoch": files.read_records,
+                **self._counters}
 
     @property
     def host_files(self) -> list[str]:
@@ -1042,7 +1118,7 @@ class PretrainingInput:
         """
         tf.io.gfile.makedirs(directory)
         tf.train.Checkpoint(iterator=self._iterator).write(os.path.join(directory, _ITERATOR_PREFIX))
-        state = {"fingerprint": self._fingerprint(), "stats": self._stats}
+        state = {"fingerprint": self._fingerprint(), "counters": self._counters}
         with tf.io.gfile.GFile(os.path.join(directory, _STATE_JSON), "w") as f:
             json.dump(state, f, indent=1)
 
@@ -1067,7 +1143,7 @@ class PretrainingInput:
         status = tf.train.Checkpoint(iterator=self._iterator).read(
             os.path.join(directory, _ITERATOR_PREFIX))
         status.assert_consumed()
-        self._stats = dict(state["stats"])
+        self._counters = dict(state["counters"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1097,10 +1173,9 @@ class EvalInput:
                                    process_count=process_count, verify=verify,
                                    skip_corrupt=skip_corrupt, repair_dir=repair_dir,
                                    require_files_per_host=False)
-        b = per_host_batch_size
-        self.num_batches = max(-(-n // b) for n in self._files.records_per_host)
-        self.num_records = (self._files.records_per_host[process_index]
-                            - self._files.skipped_records)
+        per_host = self._files.records_per_host(process_count)
+        self.num_batches = max(-(-n // per_host_batch_size) for n in per_host)
+        self.num_records = self._files.read_records
         self.stats = {"files": len(self._files.host_files),
                       "corrupt_files": list(self._files.corrupt_files),
                       "skipped_records": self._files.skipped_records,

@@ -344,20 +344,22 @@ def test_dynamic_masking_remasks_each_epoch_and_keeps_the_tokens(dataset):
     assert differ > total // 2  # new masks in the new epoch
 
 
-def test_dynamic_mask_on_packed_rows_masks_each_sequence_on_its_own():
+@pytest.mark.parametrize("width", [2 * P, L + 8])  # a packed width may exceed the row length
+def test_dynamic_mask_on_packed_rows_masks_each_sequence_on_its_own(width):
     records = [make_record(rid) for rid in range(40)]
     features = _stack(records)
     budget = ip.dynamic_predictions_per_sequence(features, special_ids=SPECIAL,
                                                  max_predictions_per_seq=P)
     packed = ip.pack_window(features, max_seq_length=L, max_seqs_per_pack=3,
-                            max_predictions_per_pack=2 * P, prediction_budget=budget)
+                            max_predictions_per_pack=width, prediction_budget=budget)
     out = {k: v.numpy() for k, v in ip.dynamic_mask(
         packed, tf.constant([5, 6]), special_ids=SPECIAL, max_predictions_per_seq=P).items()}
     restored = originals(out)
     for r in range(len(restored)):
         real = out["masked_lm_weights"][r] > 0
         positions = out["masked_lm_positions"][r][real]
-        assert np.all(np.diff(positions) > 0) and len(positions) <= 2 * P
+        assert out["masked_lm_positions"].shape[1] == width
+        assert np.all(np.diff(positions) > 0) and len(positions) <= width
         for s in np.flatnonzero(out["next_sentence_weights"][r]):
             where = np.flatnonzero(out["pack_ids"][r] == s + 1)
             tokens = restored[r, where]
@@ -396,14 +398,14 @@ def test_pack_window_by_hand():
     assert out["masked_lm_weights"].tolist() == [[1, 1, 0, 0]]
 
 
-@pytest.mark.parametrize("max_seqs,max_preds", [(3, 15), (4, 7)])
+@pytest.mark.parametrize("max_seqs,max_preds", [(3, 15), (4, 7), (1, 5)])
 def test_packed_rows_hold_the_original_sequences(max_seqs, max_preds):
     records = [make_record(rid) for rid in range(60)]
     out = {k: v.numpy() for k, v in ip.pack_window(
         _stack(records), max_seq_length=L, max_seqs_per_pack=max_seqs,
         max_predictions_per_pack=max_preds).items()}
     rows = len(out["input_ids"])
-    assert rows < len(records)  # something was packed
+    assert rows < len(records) if max_seqs > 1 else rows == len(records)  # something was packed
     restored = originals(out)  # the static masks may cover the id token
     seen = []
     for r in range(rows):
@@ -435,6 +437,20 @@ def test_packed_rows_hold_the_original_sequences(max_seqs, max_preds):
     assert out["input_mask"].sum() == sum(int(r["input_mask"].sum()) for r in records)
 
 
+def test_xla_packer_equals_the_plain_loop():
+    rng = np.random.default_rng(1)
+    for trial in range(4):
+        n = 40
+        lengths = tf.constant(rng.integers(3, L + 1, n), tf.int32)
+        preds = tf.constant(rng.integers(0, P + 1, n), tf.int32)
+        groups = tf.constant(np.sort(rng.integers(0, 2, n)), tf.int32)
+        args = (lengths, preds, groups, tf.constant(L), tf.constant(1 + trial), tf.constant(2 * P))
+        plain = [x.numpy() for x in ip._first_fit_loop(*args)]
+        xla = [x.numpy() for x in ip._first_fit_xla(*args)]
+        for a, b in zip(plain, xla):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_packed_batch_runs_the_model_like_separate_sequences():
     """The model sees each packed sequence as if alone: same hidden states, own [CLS] pooling."""
     import jax
@@ -451,18 +467,20 @@ def test_packed_batch_runs_the_model_like_separate_sequences():
     assert packed["input_ids"].shape[0] == 1
     inputs = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "position_ids",
               "pack_ids", "cls_positions")
-    params = model.init(jax.random.key(0), **{k: packed[k] for k in inputs})
-    out = model.apply(params, **{k: packed[k] for k in inputs})
+    params = jax.jit(model.init)(jax.random.key(0), **{k: packed[k] for k in inputs})
+    apply = jax.jit(model.apply)
+    out = apply(params, **{k: packed[k] for k in inputs})
+    separate = {k: jnp.asarray(v.numpy()) for k, v in _stack(records).items()}
+    alone = apply(params, separate["input_ids"], separate["input_mask"], separate["segment_ids"],
+                  separate["masked_lm_positions"])  # the three records as ordinary rows
+    restored = originals({k: np.asarray(v) for k, v in packed.items()})
     for s in range(3):
         start = int(packed["cls_positions"][0, s])
-        rid = int(originals({k: np.asarray(v) for k, v in packed.items()})[0, start + 1]) - ID_BASE
-        rec = {k: jnp.asarray(v[None]) for k, v in records[rid].items()}
-        alone = model.apply(params, rec["input_ids"], rec["input_mask"], rec["segment_ids"],
-                            rec["masked_lm_positions"])
-        n = int(rec["input_mask"].sum())
+        rid = int(restored[0, start + 1]) - ID_BASE
+        n = int(records[rid]["input_mask"].sum())
         np.testing.assert_allclose(out.sequence_output[0, start:start + n],
-                                   alone.sequence_output[0, :n], atol=2e-5)
-        np.testing.assert_allclose(out.nsp_logits[0, s], alone.nsp_logits[0], atol=2e-5)
+                                   alone.sequence_output[rid, :n], atol=2e-5)
+        np.testing.assert_allclose(out.nsp_logits[0, s], alone.nsp_logits[rid], atol=2e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,6 +540,7 @@ def test_lenient_mode_skips_exactly_the_bad_records_and_counts_them(tmp_path, ki
     ds = make_input(str(tmp_path / "part-*.tfrecord"), skip_corrupt=True, repeat=False,
                     per_host_batch_size=1, repair_dir=str(tmp_path / "repaired"))
     assert ds.stats["skipped_records"] == 6 - good_left
+    assert ds.stats["records_per_epoch"] == 15 - (6 - good_left)
     assert ds.stats["corrupt_files"] == [paths[1]]
     seen = sorted(rid for batch in ds for rid in record_ids(batch))
     lost = {"bit_flip": {5}, "truncated_header": {9}, "truncated_payload": {9},
