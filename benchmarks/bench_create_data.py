@@ -120,8 +120,8 @@ def main():
         print(name, json.dumps(results[name]))
     if args.reference_script:
         tmp = tempfile.mkdtemp()
-        for f in ("create_pretraining_data.py", "tokenization.py"):
-            src = os.path.join(os.path.dirname(args.reference_script), f)
+        for src, f in ((args.reference_script, "create_pretraining_data.py"),
+                       (os.path.join(os.path.dirname(args.reference_script), "tokenization.py"), "tokenization.py")):
             text = open(src).read().replace("import tensorflow as tf", "import tensorflow.compat.v1 as tf")
             open(os.path.join(tmp, f), "w").write(text)
         out = os.path.join(args.out_dir, "reference", "train.tfrecord")
@@ -133,6 +133,12 @@ def main():
         results["google_reference"] = {"seconds": round(secs, 1), "instances": n,
                                        "instances_per_s": round(n / secs, 1), "peak_rss_mb": round(rss)}
         print("google_reference", json.dumps(results["google_reference"]))
+        import tensorflow as tf
+        ref = [tf.train.Example.FromString(r.numpy()).SerializeToString(deterministic=True)
+               for r in tf.data.TFRecordDataset(out)]
+        ours_path = os.path.join(args.out_dir, "ours_reference_compatible", "train.tfrecord")
+        ours = [r.numpy() for r in tf.data.TFRecordDataset(ours_path)]
+        results["ours_reference_compatible"]["identical_to_reference"] = ref == ours
         for name in ("ours_fast_1_worker", "ours_fast_2_workers", "ours_reference_compatible"):
             results[name]["speedup_vs_reference"] = round(
                 results[name]["instances_per_s"] / results["google_reference"]["instances_per_s"], 2)

@@ -51,8 +51,8 @@ class ReadStats:
 # ---------------------------------------------------------------------------------------------
 
 
-def read_google_text(path: str, stats: Optional[ReadStats] = None) -> Iterator[Document]:
-    """Documents of a Google-format file: a blank line ends a document; other lines are sentences.
+def iter_lines(path: str, stats: Optional[ReadStats] = None) -> Iterator[str]:
+    """The stripped lines of a text file; invalid UTF-8 replaced (U+FFFD) and counted.
 
     Raises:
       FileNotFoundError: naming `path` when it does not exist.
@@ -63,26 +63,38 @@ def read_google_text(path: str, stats: Optional[ReadStats] = None) -> Iterator[D
     if not tf.io.gfile.exists(path):
         raise FileNotFoundError(f"input file not found: {path}")
     stats.files += 1
-    doc: Document = []
     with tf.io.gfile.GFile(path, "rb") as f:
         for raw in f:
             stats.lines += 1
             line = raw.decode("utf-8", errors="replace")
             if "\ufffd" in line and b"\xef\xbf\xbd" not in raw:
                 stats.lines_with_bad_utf8 += 1
-            line = line.strip()
-            if not line:
-                if doc:
-                    stats.documents += 1
-                    yield doc
-                    doc = []
-                else:
-                    stats.empty_documents += 1
-                continue
-            doc.append(line)
+            yield line.strip()
+
+
+def documents_from_lines(lines: Iterable[str], stats: Optional[ReadStats] = None) -> Iterator[Document]:
+    """Google's format: a blank line ends a document; other lines are its sentences."""
+    stats = stats if stats is not None else ReadStats()
+    doc: Document = []
+    for line in lines:
+        if not line:
+            if doc:
+                stats.documents += 1
+                yield doc
+                doc = []
+            else:
+                stats.empty_documents += 1
+            continue
+        doc.append(line)
     if doc:
         stats.documents += 1
         yield doc
+
+
+def read_google_text(path: str, stats: Optional[ReadStats] = None) -> Iterator[Document]:
+    """Documents of one Google-format file (the file's end also ends a document)."""
+    stats = stats if stats is not None else ReadStats()
+    yield from documents_from_lines(iter_lines(path, stats), stats)
 
 
 def write_google_text(path: str, documents: Iterable[Document]) -> int:

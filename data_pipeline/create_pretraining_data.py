@@ -156,11 +156,13 @@ def reference_records(input_files: Sequence[str], opts: Options, read_stats: cor
     """The reference's records, in its order (whole corpus in memory, one random stream)."""
     tokenizer = tokenization.FullTokenizer(opts.vocab_file, do_lower_case=opts.do_lower_case)
     all_documents: List[List[List[str]]] = []
-    for path in input_files:
-        for doc in corpora.read_google_text(path, read_stats):
-            toks = [t for t in (tokenizer.tokenize(s) for s in doc) if t]
-            if toks:
-                all_documents.append(toks)
+    # As the reference: one stream of lines over all files, so a file that does not end with a
+    # blank line continues its last document into the next file.
+    lines = (line for path in input_files for line in corpora.iter_lines(path, read_stats))
+    for doc in corpora.documents_from_lines(lines, read_stats):
+        toks = [t for t in (tokenizer.tokenize(s) for s in doc) if t]
+        if toks:
+            all_documents.append(toks)
     rng = random.Random(opts.random_seed)
     vocab_words = list(tokenizer.vocab.keys())
     instances = inst.create_training_instances(

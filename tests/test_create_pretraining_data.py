@@ -233,3 +233,17 @@ def test_sentence_splitter_and_embedded_corpus(tmp_path):
     docs = [d for p in paths for d in corpora.read_google_text(p)]
     assert len(docs) > 40 and sum(len(d) for d in docs) > 1000
     assert all(len(d) >= 2 for d in docs)
+
+
+def test_reference_mode_continues_a_document_across_files_like_the_reference(tmp_path):
+    """google-research/bert reads all files as one stream of lines: only a blank line ends a
+    document, so a file without a trailing blank line runs on into the next file."""
+    _, vocab = synthetic_corpus(tmp_path)
+    (tmp_path / "a.txt").write_text("Alpha beta.\nGamma delta.\n")  # no blank line at the end
+    (tmp_path / "b.txt").write_text("Omega sigma.\n\nKappa theta.\nRiver stone.\n")
+    stats = corpora.ReadStats()
+    lines = (l for p in ("a.txt", "b.txt") for l in corpora.iter_lines(str(tmp_path / p), stats))
+    docs = list(corpora.documents_from_lines(lines, stats))
+    assert docs == [["Alpha beta.", "Gamma delta.", "Omega sigma."], ["Kappa theta.", "River stone."]]
+    # Per file (the fast mode's shards), the file's end ends the document.
+    assert list(corpora.read_google_text(str(tmp_path / "a.txt"))) == [["Alpha beta.", "Gamma delta."]]
