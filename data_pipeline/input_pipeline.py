@@ -819,6 +819,26 @@ def pack_window(features: Mapping[str, tf.Tensor], *, max_seq_length: int, max_s
 # ---------------------------------------------------------------------------------------------
 
 
+def _next_batch(iterator, files: _HostFiles, patterns: list, max_seq_length: int,
+                max_predictions_per_seq: int) -> dict:
+    """`next(iterator)` as numpy, with TF's anonymous read errors turned into named ones."""
+    try:
+        return _to_numpy(next(iterator))
+    except tf.errors.DataLossError as e:
+        # TF does not say which file: find it (the first of this host's files that fails a scan).
+        for path in files.read_paths:
+            scan = scan_tfrecord_file(path)
+            if not scan.ok:
+                offset, reason = scan.bad_regions[0]
+                raise CorruptDataError(path, f"{reason} at byte {offset} (found while reading; "
+                                       f"pass skip_corrupt=True to skip bad records)") from e
+        raise CorruptDataError(",".join(patterns), f"data loss while reading: {e.message}") from e
+    except tf.errors.InvalidArgumentError as e:
+        raise ValueError(
+            f"records in {patterns} do not parse with max_seq_length={max_seq_length}, "
+            f"max_predictions_per_seq={max_predictions_per_seq}: {e.message}") from e
+
+
 def _mix(*values: int) -> int:
     """A 63-bit hash of ints (splitmix64 steps): independent seeds per host and per use."""
     x = 0x9E3779B97F4A7C15
@@ -1038,14 +1058,8 @@ class PretrainingInput:
 
     def __next__(self) -> dict:
         try:
-            batch = next(self._iterator)
-        except tf.errors.DataLossError as e:
-            raise self._locate_corruption(e) from e
-        except tf.errors.InvalidArgumentError as e:
-            raise ValueError(
-                f"records in {self._patterns} do not parse with max_seq_length="
-                f"{self.max_seq_length}, max_predictions_per_seq={self.max_predictions_per_seq}: "
-                f"{e.message}") from e
+            out = _next_batch(self._iterator, self._files, self._patterns, self.max_seq_length,
+                              self.max_predictions_per_seq)
         except StopIteration:
             if self.num_batches is not None and self._counters["batches"] < self.num_batches:
                 raise RuntimeError(
@@ -1053,19 +1067,9 @@ class PretrainingInput:
                     f"of {self.num_batches} batches ({self._files.skipped_records} corrupt "
                     f"records skipped): the hosts would disagree on the number of steps")
             raise
-        out = _to_numpy(batch)
         self._counters["batches"] += 1
         self._counters["sequences"] += int(out["next_sentence_weights"].sum())
         return out
-
-    def _locate_corruption(self, error: Exception) -> Exception:
-        for path in self._files.read_paths:
-            scan = scan_tfrecord_file(path)
-            if not scan.ok:
-                offset, reason = scan.bad_regions[0]
-                return CorruptDataError(path, f"{reason} at byte {offset} (found while training; "
-                                        f"pass skip_corrupt=True to skip bad records)")
-        return CorruptDataError(",".join(self._patterns), f"data loss while reading: {error}")
 
     @property
     def stats(self) -> dict:
@@ -1092,8 +1096,12 @@ class PretrainingInput:
     # --- state -------------------------------------------------------------------------------
 
     def _fingerprint(self) -> dict:
+        # The files' manifest sha256s too: a rewritten dataset under the same names must not
+        # resume as if nothing happened (None per file when unverified).
+        digests = [getattr(self._files.infos.get(p), "sha256", None) for p in self._files.host_files]
         return {
             "host_files": self._files.host_files,
+            "host_files_sha256": hashlib.sha256(json.dumps(digests).encode()).hexdigest(),
             "process_index": self.process_index, "process_count": self.process_count,
             "per_host_batch_size": self.per_host_batch_size,
             "max_seq_length": self.max_seq_length,
@@ -1214,17 +1222,11 @@ class EvalInput:
         iterator = iter(self._dataset())
         while True:
             try:
-                batch = next(iterator)
+                batch = _next_batch(iterator, self._files, self._patterns, self.max_seq_length,
+                                    self.max_predictions_per_seq)
             except StopIteration:
                 return
-            except tf.errors.DataLossError as e:
-                for path in self._files.read_paths:
-                    scan = scan_tfrecord_file(path)
-                    if not scan.ok:
-                        offset, reason = scan.bad_regions[0]
-                        raise CorruptDataError(path, f"{reason} at byte {offset}") from e
-                raise
-            yield _to_numpy(batch)
+            yield batch
 
 
 def make_eval_iterator(file_patterns: FilePatterns, **kwargs: Any) -> EvalInput:

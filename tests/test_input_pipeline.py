@@ -240,6 +240,13 @@ def test_restore_with_other_options_names_them(dataset, tmp_path):
         make_input(pattern, per_host_batch_size=2).restore_state(str(tmp_path / "s"))
     with pytest.raises(FileNotFoundError, match="no saved input state"):
         make_input(pattern).restore_state(str(tmp_path / "nothing"))
+    # The same file names with other contents (and a fresh manifest) do not resume either.
+    write_dataset(tmp_path / "d", [3, 3])
+    ds = make_input(str(tmp_path / "d" / "part-*"))
+    ds.save_state(str(tmp_path / "s2"))
+    write_dataset(tmp_path / "d", [3, 3], first_id=100)
+    with pytest.raises(ValueError, match="host_files_sha256"):
+        make_input(str(tmp_path / "d" / "part-*")).restore_state(str(tmp_path / "s2"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,3 +603,20 @@ def test_eval_is_one_padded_pass_with_equal_batch_counts(dataset):
     # Hosts hold 18, 21, 13 records: ceil(21 / 4) = 6 batches each.
     assert lengths == [6, 6, 6]
     assert sorted(seen) == list(range(total))
+
+
+def test_lenient_eval_keeps_hosts_in_step_and_counts_the_loss(tmp_path):
+    paths = write_dataset(tmp_path, [5, 6, 4])  # hosts: files 0, 2 (9 records) and file 1 (6)
+    _damage(paths[1], "bit_flip")  # record 6 of file 1 is lost
+    lengths, seen = [], []
+    for h in range(2):
+        ev = ip.make_eval_iterator(str(tmp_path / "part-*.tfrecord"), per_host_batch_size=4,
+                                   max_seq_length=L, max_predictions_per_seq=P, process_index=h,
+                                   process_count=2, skip_corrupt=True,
+                                   repair_dir=str(tmp_path / f"repaired-{h}"))
+        batches = list(ev)
+        lengths.append(len(batches))
+        assert ev.stats["skipped_records"] == (1 if h == 1 else 0)
+        seen += [rid for b in batches for rid in record_ids(b)]
+    assert lengths == [3, 3]  # ceil(9 / 4), on both hosts
+    assert sorted(seen) == sorted(set(range(15)) - {6})
