@@ -214,8 +214,10 @@ def test_resume_yields_exactly_the_uninterrupted_batches(dataset, tmp_path, pack
     """
     pattern, _ = dataset
     kw = dict(packing=packing, packing_window=8, dynamic_masking=True, special_ids=SPECIAL,
-              process_index=2, process_count=3, per_host_batch_size=3)
-    cuts, after = 10, 4  # this host has 13 records: cuts over ~2.3 epochs
+              process_index=1, process_count=2, per_host_batch_size=5, cycle_length=2)
+    # This host has 4 files (28 records) read 2 at a time, so the file shuffle runs dry
+    # mid-epoch; the cuts span ~2 epochs.
+    cuts, after = 10, 4
     run = make_input(pattern, **kw)
     reference = []
     for cut in range(cuts + after):
