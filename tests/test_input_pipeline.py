@@ -217,7 +217,7 @@ def test_resume_yields_exactly_the_uninterrupted_batches(dataset, tmp_path, pack
               process_index=1, process_count=2, per_host_batch_size=5, cycle_length=2)
     # This host has 4 files (28 records) read 2 at a time, so the file shuffle runs dry
     # mid-epoch; the cuts span ~2 epochs.
-    cuts, after = 10, 4
+    cuts, after = 8, 4
     run = make_input(pattern, **kw)
     reference = []
     for cut in range(cuts + after):
