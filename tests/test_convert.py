@@ -1,0 +1,429 @@
+"""Checkpoint interop: Google TF1 and HuggingFace in and out, the bert_jax format, the CLI.
+
+The Google checkpoint is written here with TF1's own `Saver` from names typed out of the issue's
+list (not from `bert_jax.convert`'s table), and the imported model is checked against an
+independent numpy forward pass of Google's TF1 BERT on those same variables. HuggingFace files are
+read and written by transformers' Flax BERT, the reference for the HF side.
+"""
+
+import json
+import logging
+import os
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax import convert
+from bert_jax.modeling import BertConfig, BertForPreTraining, BertModel
+
+tf = pytest.importorskip("tensorflow")
+transformers = pytest.importorskip("transformers")
+
+V, H, NH, I, L, P = 40, 16, 4, 32, 2, 24
+GOOGLE_CONFIG = dict(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
+                     intermediate_size=I, hidden_act="gelu", hidden_dropout_prob=0.1,
+                     attention_probs_dropout_prob=0.1, max_position_embeddings=P, type_vocab_size=2,
+                     initializer_range=0.02)
+
+
+def google_variables(seed=0, heads=True):
+    """Every variable of a Google BERT checkpoint, random (biases and LayerNorms included)."""
+    rng = np.random.default_rng(seed)
+
+    def r(*shape, scale=0.2):
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    v = {"bert/embeddings/word_embeddings": r(V, H, scale=1.0),
+         "bert/embeddings/token_type_embeddings": r(2, H, scale=1.0),
+         "bert/embeddings/position_embeddings": r(P, H, scale=1.0)}
+
+    def norm(name):
+        v[name + "/gamma"] = 1.0 + r(H)
+        v[name + "/beta"] = r(H)
+
+    def dense(name, n_in, n_out):
+        v[name + "/kernel"] = r(n_in, n_out, scale=1 / np.sqrt(n_in))
+        v[name + "/bias"] = r(n_out)
+
+    norm("bert/embeddings/LayerNorm")
+    for i in range(L):
+        p = f"bert/encoder/layer_{i}/"
+        for n in ("query", "key", "value"):
+            dense(p + "attention/self/" + n, H, H)
+        dense(p + "attention/output/dense", H, H)
+        norm(p + "attention/output/LayerNorm")
+        dense(p + "intermediate/dense", H, I)
+        dense(p + "output/dense", I, H)
+        norm(p + "output/LayerNorm")
+    dense("bert/pooler/dense", H, H)
+    if heads:
+        dense("cls/predictions/transform/dense", H, H)
+        norm("cls/predictions/transform/LayerNorm")
+        v["cls/predictions/output_bias"] = r(V)
+        v["cls/seq_relationship/output_weights"] = r(2, H)
+        v["cls/seq_relationship/output_bias"] = r(2)
+    return v
+
+
+def numpy_google_bert(v, ids, mask, seg, positions):
+    """Google's TF1 BERT forward (modeling.py + run_pretraining.py heads) in float64 numpy."""
+    v = {k: x.astype(np.float64) for k, x in v.items()}
+    hd = H // NH
+
+    def ln(x, name):
+        m = x.mean(-1, keepdims=True)
+        var = ((x - m) ** 2).mean(-1, keepdims=True)
+        return (x - m) / np.sqrt(var + 1e-12) * v[name + "/gamma"] + v[name + "/beta"]
+
+    def gelu(x):  # Google's "gelu": the tanh approximation
+        return 0.5 * x * (1.0 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+    def dense(x, name):
+        return x @ v[name + "/kernel"] + v[name + "/bias"]
+
+    b, t = ids.shape
+    x = (v["bert/embeddings/word_embeddings"][ids] + v["bert/embeddings/token_type_embeddings"][seg]
+         + v["bert/embeddings/position_embeddings"][:t][None])
+    x = ln(x, "bert/embeddings/LayerNorm")
+    adder = (1.0 - mask[:, None, None, :].astype(np.float64)) * -10000.0
+    for i in range(L):
+        p = f"bert/encoder/layer_{i}/"
+
+        def heads(name):
+            return dense(x, p + "attention/self/" + name).reshape(b, t, NH, hd).transpose(0, 2, 1, 3)
+
+        q, k, val = heads("query"), heads("key"), heads("value")
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd) + adder
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        ctx = (probs @ val).transpose(0, 2, 1, 3).reshape(b, t, H)
+        att = ln(dense(ctx, p + "attention/output/dense") + x, p + "attention/output/LayerNorm")
+        x = ln(dense(gelu(dense(att, p + "intermediate/dense")), p + "output/dense") + att,
+               p + "output/LayerNorm")
+    pooled = np.tanh(dense(x[:, 0], "bert/pooler/dense"))
+    out = {"sequence": x, "pooled": pooled}
+    if "cls/predictions/output_bias" in v:
+        gathered = x[np.arange(b)[:, None], positions]
+        h = ln(gelu(dense(gathered, "cls/predictions/transform/dense")), "cls/predictions/transform/LayerNorm")
+        out["mlm"] = h @ v["bert/embeddings/word_embeddings"].T + v["cls/predictions/output_bias"]
+        out["nsp"] = pooled @ v["cls/seq_relationship/output_weights"].T + v["cls/seq_relationship/output_bias"]
+    return out
+
+
+def write_tf1_checkpoint(directory, variables, extra=True):
+    """A Google-style checkpoint written by TF1's Saver (graph mode), as google-research/bert did."""
+    os.makedirs(directory, exist_ok=True)
+    with tf.Graph().as_default():
+        for name, value in variables.items():
+            tf.compat.v1.get_variable(name, initializer=tf.constant(value))
+        if extra:  # what a training checkpoint also holds
+            tf.compat.v1.get_variable("global_step", initializer=tf.constant(1000, tf.int64))
+            tf.compat.v1.get_variable("bert/pooler/dense/kernel/adam_m", initializer=tf.zeros((H, H)))
+            tf.compat.v1.get_variable("output_weights", initializer=tf.zeros((3, H)))  # a classifier head
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.save(sess, os.path.join(directory, "bert_model.ckpt"))
+    with open(os.path.join(directory, "bert_config.json"), "w") as f:
+        json.dump(GOOGLE_CONFIG, f)
+    with open(os.path.join(directory, "vocab.txt"), "w") as f:
+        f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(V - 5)]) + "\n")
+
+
+def inputs(seed=1):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, V, (3, 12))
+    mask = np.ones_like(ids)
+    mask[1, 8:] = 0
+    mask[2, 5:] = 0
+    seg = np.zeros_like(ids)
+    seg[:, 6:] = 1
+    positions = np.array([[1, 3, 7], [2, 4, 6], [1, 2, 3]])
+    return ids, mask, seg, positions
+
+
+def run_ours(pretrained, ids, mask, seg, positions):
+    model = BertForPreTraining(pretrained.config)
+    out = model.apply({"params": convert.model_params(pretrained)}, jnp.asarray(ids), jnp.asarray(mask),
+                      jnp.asarray(seg), jnp.asarray(positions))
+    return out
+
+
+def assert_trees_equal(a, b):
+    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+    assert [k for k, _ in la] == [k for k, _ in lb]
+    for (k, x), (_, y) in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(k)
+        assert np.array_equal(x, y), jax.tree_util.keystr(k)  # bit-exact
+
+
+@pytest.fixture(scope="module")
+def google_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("google") / "uncased_L-2_H-16_A-4")
+    variables = google_variables()
+    write_tf1_checkpoint(d, variables)
+    return d, variables
+
+
+# ---------------------------------------------------------------------------------------------
+# Google TF1
+# ---------------------------------------------------------------------------------------------
+
+
+def test_google_import_matches_independent_forward(google_dir):
+    path, variables = google_dir
+    assert convert.detect_format(path) == "google"
+    p = convert.load_pretrained(path)
+    assert p.config.hidden_act == "gelu_tanh"  # Google's "gelu"
+    assert p.do_lower_case is True  # from the release-style directory name
+    assert p.vocab_file == os.path.join(path, "vocab.txt")
+    assert p.missing == ()
+    assert set(p.skipped) == {"global_step", "bert/pooler/dense/kernel/adam_m", "output_weights"}
+    ids, mask, seg, positions = inputs()
+    ref = numpy_google_bert(variables, ids, mask, seg, positions)
+    out = run_ours(p, ids, mask, seg, positions)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(out.sequence_output)[real], ref["sequence"][real], atol=1e-5)
+    np.testing.assert_allclose(out.pooled_output, ref["pooled"], atol=1e-5)
+    np.testing.assert_allclose(out.mlm_logits, ref["mlm"], atol=1e-5)
+    np.testing.assert_allclose(out.nsp_logits, ref["nsp"], atol=1e-5)
+
+
+def test_google_encoder_only_reports_missing_heads(tmp_path):
+    variables = google_variables(heads=False)
+    write_tf1_checkpoint(str(tmp_path / "enc"), variables, extra=False)
+    p = convert.load_pretrained(str(tmp_path / "enc" / "bert_model.ckpt"))  # a prefix works too
+    assert p.missing == ("mlm", "nsp") and p.heads == () and p.do_lower_case is None
+    ids, mask, seg, _ = inputs()
+    out = BertModel(p.config).apply({"params": convert.model_params(p)["bert"]}, ids, mask, seg)
+    ref = numpy_google_bert(variables, ids, mask, seg, None)
+    np.testing.assert_allclose(out.pooled_output, ref["pooled"], atol=1e-5)
+
+
+def test_google_missing_encoder_variable_and_bad_shape_are_named(tmp_path):
+    variables = google_variables()
+    del variables["bert/encoder/layer_1/output/dense/bias"]
+    write_tf1_checkpoint(str(tmp_path / "a"), variables, extra=False)
+    with pytest.raises(ValueError, match="layer_1/output/dense/bias"):
+        convert.load_pretrained(str(tmp_path / "a"))
+    variables = google_variables()
+    write_tf1_checkpoint(str(tmp_path / "b"), variables, extra=False)
+    cfg = dict(GOOGLE_CONFIG, intermediate_size=I + 1)
+    (tmp_path / "b" / "bert_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"intermediate/dense/kernel has shape \(16, 32\).*intermediate_size=33"):
+        convert.load_pretrained(str(tmp_path / "b"))
+
+
+@pytest.mark.parametrize("fmt", convert.FORMATS)
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
+def test_export_import_round_trip_is_bit_exact(google_dir, tmp_path, fmt, act):
+    src = convert.load_pretrained(google_dir[0])
+    src.config = src.config.replace(hidden_act=act)
+    out = convert.save_pretrained(src, str(tmp_path / fmt), fmt)
+    assert convert.detect_format(out) == fmt
+    back = convert.load_pretrained(out)
+    assert back.format == fmt
+    assert_trees_equal(back.params, src.params)
+    for field in convert._GOOGLE_FIELDS + ("layer_norm_eps",):
+        assert getattr(back.config, field) == getattr(src.config, field), field
+    assert back.do_lower_case is True
+    assert open(back.vocab_file).read() == open(src.vocab_file).read()
+    if fmt == "google":  # Google's own reading of the file: "gelu" (+ our marker when it is erf)
+        cfg = json.load(open(os.path.join(out, "bert_config.json")))
+        assert cfg["hidden_act"] == "gelu" and cfg.get("bert_jax_hidden_act") == ("gelu" if act == "gelu" else None)
+        reader = tf.train.load_checkpoint(os.path.join(out, "bert_model.ckpt"))
+        assert reader.get_variable_to_shape_map()["cls/seq_relationship/output_weights"] == [2, H]
+        np.testing.assert_array_equal(reader.get_tensor("bert/encoder/layer_0/attention/self/query/kernel"),
+                                      google_dir[1]["bert/encoder/layer_0/attention/self/query/kernel"])
+
+
+def test_scanned_params_export_like_unrolled(google_dir, tmp_path):
+    src = convert.load_pretrained(google_dir[0])
+    scanned = convert.model_params(src, src.config.replace(scan_layers=True))
+    assert "layers" in scanned["bert"]["encoder"]
+    again = convert.Pretrained(src.config, scanned, src.vocab_file, True)
+    back = convert.load_pretrained(convert.save_bert_jax(again, str(tmp_path / "x")))
+    assert_trees_equal(back.params, src.params)
+
+
+# ---------------------------------------------------------------------------------------------
+# HuggingFace
+# ---------------------------------------------------------------------------------------------
+
+
+def load_hf_logged(cls, directory, caplog):
+    """transformers' `cls.from_pretrained(directory)` and the warnings it logged."""
+    caplog.clear()
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING, logger="transformers"):
+            model = cls.from_pretrained(directory)
+    finally:
+        transformers.logging.disable_propagation()
+    return model, caplog.text
+
+
+def test_hf_export_loads_in_transformers_with_identical_outputs(google_dir, tmp_path, caplog):
+    src = convert.load_pretrained(google_dir[0])
+    out = convert.save_hf(src, str(tmp_path / "hf"))
+    pre, log = load_hf_logged(transformers.FlaxBertForPreTraining, out, caplog)
+    assert "were not used" not in log and "newly initialized" not in log, log
+    base, log = load_hf_logged(transformers.FlaxBertModel, out, caplog)
+    assert "newly initialized" not in log, log  # (the heads are "not used" by a BertModel)
+    encoder_only = convert.Pretrained(src.config, {"bert": src.params["bert"]}, src.vocab_file, True)
+    _, log = load_hf_logged(transformers.FlaxBertModel, convert.save_hf(encoder_only, str(tmp_path / "enc")),
+                            caplog)
+    assert "were not used" not in log and "newly initialized" not in log, log
+    assert pre.config.hidden_act == "gelu_new" and pre.config.architectures == ["BertForPreTraining"]
+    assert transformers.BertTokenizer.from_pretrained(out).do_lower_case
+    ids, mask, seg, positions = inputs()
+    ours = run_ours(src, ids, mask, seg, positions)
+    ref = pre(ids, attention_mask=mask, token_type_ids=seg)
+    np.testing.assert_allclose(ours.mlm_logits, np.take_along_axis(
+        np.asarray(ref.prediction_logits), positions[..., None], axis=1), atol=1e-5)
+    np.testing.assert_allclose(ours.nsp_logits, ref.seq_relationship_logits, atol=1e-5)
+    ref_base = base(ids, attention_mask=mask, token_type_ids=seg)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(ours.sequence_output)[real],
+                               np.asarray(ref_base.last_hidden_state)[real], atol=1e-5)
+    np.testing.assert_allclose(ours.pooled_output, ref_base.pooler_output, atol=1e-5)
+
+
+def _randomize(tree, seed):
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda x: (np.asarray(x) + 0.1 * rng.standard_normal(x.shape)).astype(np.float32), tree)
+
+
+def _pt_names(flax_tree):
+    """Independent HF Flax -> PyTorch renaming, for files transformers itself would write in PT."""
+    flat = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(flax_tree)[0]:
+        keys = [k.key for k in path]
+        leaf, name = keys[-1], ".".join(keys[:-1])
+        if leaf == "kernel":
+            flat[name + ".weight"] = np.asarray(x).T.copy()
+        elif leaf in ("embedding", "scale"):
+            flat[name + ".weight"] = np.asarray(x)
+        else:
+            flat[name + "." + leaf] = np.asarray(x)
+    return flat
+
+
+@pytest.mark.parametrize("layout", ["flax_msgpack", "flax_safetensors", "pt_safetensors",
+                                    "pt_bare_gamma_beta"])
+def test_hf_import_of_transformers_weights(tmp_path, layout):
+    from safetensors.numpy import save_file
+    hf_cfg = transformers.BertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
+                                     intermediate_size=I, max_position_embeddings=P, hidden_act="gelu")
+    model = transformers.FlaxBertForPreTraining(hf_cfg, seed=3)
+    model.params = _randomize(model.params, 4)  # LayerNorms and biases random too
+    d = str(tmp_path / layout)
+    if layout == "flax_msgpack":
+        model.save_pretrained(d)
+    elif layout == "flax_safetensors":
+        model.save_pretrained(d, safe_serialization=True)
+    else:
+        hf_cfg.save_pretrained(d)
+        flat = _pt_names(model.params)
+        if layout == "pt_bare_gamma_beta":  # an old BertModel file: no "bert." prefix, gamma/beta
+            flat = {k[len("bert."):].replace("LayerNorm.weight", "LayerNorm.gamma")
+                    .replace("LayerNorm.bias", "LayerNorm.beta"): v
+                    for k, v in flat.items() if k.startswith("bert.")}
+            flat["embeddings.position_ids"] = np.arange(P)[None]
+        save_file(flat, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    p = convert.load_pretrained(d)
+    assert p.format == "hf" and p.config.hidden_act == "gelu"
+    ids, mask, seg, positions = inputs()
+    if layout == "pt_bare_gamma_beta":
+        assert p.missing == ("mlm", "nsp") and p.skipped == ("bert.embeddings.position_ids",)
+    else:
+        assert p.missing == () and p.skipped == ()
+        ours = run_ours(p, ids, mask, seg, positions)
+        ref = model(ids, attention_mask=mask, token_type_ids=seg)
+        np.testing.assert_allclose(ours.mlm_logits, np.take_along_axis(
+            np.asarray(ref.prediction_logits), positions[..., None], axis=1), atol=1e-5)
+        np.testing.assert_allclose(ours.nsp_logits, ref.seq_relationship_logits, atol=1e-5)
+    base = transformers.FlaxBertModel(hf_cfg, _do_init=False)
+    ref_base = base(ids, attention_mask=mask, token_type_ids=seg, params=model.params["bert"])
+    out = BertModel(p.config).apply({"params": convert.model_params(p)["bert"]}, ids, mask, seg)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(out.sequence_output)[real],
+                               np.asarray(ref_base.last_hidden_state)[real], atol=1e-5)
+    np.testing.assert_allclose(out.pooled_output, ref_base.pooler_output, atol=1e-5)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (open, (SENTINEL, "w"))
+
+
+SENTINEL = os.path.join(os.path.dirname(__file__), "..", ".unpickled_sentinel")
+
+
+def test_pytorch_bin_is_never_unpickled_without_torch(tmp_path):
+    try:
+        import torch  # noqa: F401
+        pytest.skip("torch installed: the .bin is read with torch.load(weights_only=True)")
+    except ImportError:
+        pass
+    d = tmp_path / "pt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(GOOGLE_CONFIG, model_type="bert")))
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(ValueError, match="weights_only=True.*safetensors"):
+        convert.load_pretrained(str(d))
+    assert not os.path.exists(SENTINEL)
+
+
+def test_unrecognized_directory_is_a_clear_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="format not recognized.*notes.txt"):
+        convert.load_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        convert.load_pretrained(str(tmp_path / "absent"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI and the bert_jax format
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_chain_google_hf_bert_jax_google(google_dir, tmp_path, capsys):
+    src, variables = google_dir
+    a, b, c = str(tmp_path / "hf"), str(tmp_path / "bj"), str(tmp_path / "g")
+    assert convert.main(["--input", src, "--output", a, "--output_format", "hf"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["input_format"] == "google" and summary["heads"] == ["mlm", "nsp"]
+    assert "global_step" in summary["skipped"]
+    assert convert.main(["--input", a, "--output", b, "--output_format", "bert_jax"]) == 0
+    assert convert.main(["--input", b, "--input_format", "bert_jax", "--output", c,
+                         "--output_format", "google"]) == 0
+    reader = tf.train.load_checkpoint(os.path.join(c, "bert_model.ckpt"))
+    assert set(reader.get_variable_to_shape_map()) == set(variables)
+    for name, value in variables.items():
+        np.testing.assert_array_equal(reader.get_tensor(name), value, err_msg=name)
+    with pytest.raises(FileExistsError, match="not empty"):
+        convert.main(["--input", b, "--output", c, "--output_format", "google"])
+
+
+def test_pretraining_workdir_is_a_bert_jax_checkpoint(google_dir, tmp_path):
+    """A workdir's newest TrainState (checkpoints/<step>/state) loads like an export."""
+    import optax
+    from bert_jax import checkpointing, steps
+    src = convert.load_pretrained(google_dir[0])
+    params = convert.model_params(src, src.config.replace(scan_layers=True))
+    state = steps.create_train_state(params, optax.adam(1e-3), jax.random.key(0))
+    workdir = tmp_path / "work"
+    src.config.to_json_file(str(tmp_path / "bert_config.json"))
+    os.makedirs(workdir)
+    os.replace(tmp_path / "bert_config.json", workdir / "bert_config.json")
+    with checkpointing.Checkpointer(str(workdir / "checkpoints"), save_interval_steps=1, max_to_keep=2,
+                                    handle_sigterm=False) as ckpt:
+        ckpt.save(7, state, {}, force=True)
+    p = convert.load_pretrained(str(workdir))
+    assert p.format == "bert_jax" and p.heads == ("mlm", "nsp")
+    assert_trees_equal(p.params, src.params)
