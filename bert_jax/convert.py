@@ -512,7 +512,7 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
     raise FileNotFoundError(f"{directory}: no model.safetensors, flax_model.msgpack or pytorch_model.bin")
 
 
-def load_hf(path: str) -> Pretrained:
+def _read_hf_config(path: str) -> BertConfig:
     config_path = _require(os.path.join(path, "config.json"), "config.json")
     with open(config_path, encoding="utf-8") as f:
         d = json.load(f)
@@ -527,6 +527,11 @@ def load_hf(path: str) -> Pretrained:
         config = BertConfig.from_dict({**d, "hidden_act": act.get(d.get("hidden_act"), d.get("hidden_act", "gelu"))})
     except (TypeError, ValueError) as e:
         raise ValueError(f"{config_path}: {e}") from e
+    return config
+
+
+def load_hf(path: str) -> Pretrained:
+    config = _read_hf_config(path)
     params, missing, skipped = from_hf(_read_hf_tensors(path), config, where=path)
     return Pretrained(config, params, _maybe(os.path.join(path, "vocab.txt")), _read_casing(path), "hf",
                       missing, skipped)
@@ -569,6 +574,19 @@ def load_pretrained(path: str, format: Optional[str] = None) -> Pretrained:  # p
         logging.info("%s: skipped %d variable(s) with no place in BERT: %s", path, len(pretrained.skipped),
                      ", ".join(pretrained.skipped[:10]) + (" ..." if len(pretrained.skipped) > 10 else ""))
     return pretrained
+
+
+def load_config(path: str, format: Optional[str] = None, **overrides) -> BertConfig:  # pylint: disable=redefined-builtin
+    """Only the `BertConfig` of a checkpoint in any format (no weights are read)."""
+    path = os.path.expanduser(path)
+    format = format or detect_format(path)
+    if format == "google":
+        config = read_google_config(os.path.join(os.path.dirname(_google_prefix(path)), "bert_config.json"))
+    elif format == "hf":
+        config = _read_hf_config(path)
+    else:
+        config = BertConfig.from_json_file(_require(os.path.join(path, "bert_config.json"), "bert_config.json"))
+    return config.replace(**overrides) if overrides else config
 
 
 def model_params(pretrained: Pretrained, config: Optional[BertConfig] = None, *, heads: bool = True) -> dict:

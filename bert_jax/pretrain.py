@@ -70,12 +70,12 @@ class Phase:
 def bert_config_from(config: ml_collections.ConfigDict) -> BertConfig:
     """The model config: `config.model`, or the init checkpoint's `bert_config.json` if present."""
     init = config.get("init_checkpoint", "")
-    if init:
-        path = os.path.join(init, "bert_config.json")
-        if os.path.exists(path):
-            ours = {k: v for k, v in config.model.to_dict().items()
-                    if k in ("dtype", "scan_layers", "remat_policy", "attention_impl", "vocab_pad_multiple")}
-            return BertConfig.from_json_file(path, **ours)
+    if init:  # any format: a bert_jax directory, Google TF1, HuggingFace
+        from bert_jax import convert
+        ours = {k: v for k, v in config.model.to_dict().items()
+                if k in ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl",
+                         "vocab_pad_multiple")}
+        return convert.load_config(init, **ours)
     return BertConfig.from_dict(config.model.to_dict())
 
 
@@ -322,6 +322,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     else:
         state, _ = sharding.sharded_init(init_state, jax.random.key(config.seed), mesh, rules)
         start_step = 0
+        if config.init_checkpoint:  # continued pretraining from released (or our) weights
+            state = state.replace(params=init_from_checkpoint(
+                config.init_checkpoint, bert_config, state.params, state_shardings.params))
+            logging.info("initialized from %s", config.init_checkpoint)
 
     writer = metric_writers.create_default_writer(
         workdir, just_logging=jax.process_index() > 0, asynchronous=False)
@@ -491,13 +495,39 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return results
 
 
+def init_from_checkpoint(path: str, bert_config: BertConfig, fresh_params: dict, shardings: dict,
+                         *, require_heads: bool = False) -> dict:
+    """`fresh_params` with every part `path` (any format) has replaced by its weights, on `shardings`.
+
+    Heads the checkpoint lacks keep their fresh initialization (logged), unless `require_heads`.
+    """
+    from bert_jax import convert
+    pretrained = convert.load_pretrained(path)
+    if pretrained.missing:
+        if require_heads:
+            raise ValueError(f"config.init_checkpoint={path} has no {' and no '.join(pretrained.missing)} "
+                             f"head: the pretraining objectives need them")
+        logging.info("init_checkpoint has no %s head(s): they start from a fresh initialization",
+                     ", ".join(pretrained.missing))
+    loaded = convert.model_params(pretrained, bert_config)
+    placed = sharding.place(loaded, {k: shardings[k] for k in loaded})
+    return {**fresh_params, **placed}
+
+
 def load_params(config, bert_config: BertConfig, mesh):
-    """Parameters of a bert_jax workdir's newest checkpoint, sharded onto `mesh`."""
+    """Parameters of `config.init_checkpoint`, sharded onto `mesh`: a bert_jax workdir's newest
+    train state (restored shard by shard), or any checkpoint `bert_jax.convert` reads."""
     path = config.init_checkpoint
-    ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
     model, tx, schedule, init_state = build(config, bert_config, mesh)
     abstract = jax.eval_shape(init_state, jax.random.key(0))
     shardings = sharding.logical_to_sharding(abstract, mesh)
+    from bert_jax import convert
+    train_state_dir = os.path.isdir(os.path.join(path, "checkpoints")) or (
+        convert.detect_format(path) == "bert_jax" and not os.path.isdir(os.path.join(path, "params")))
+    if not train_state_dir:  # an export, a Google or a HuggingFace checkpoint
+        params = init_from_checkpoint(path, bert_config, {}, shardings.params, require_heads=True)
+        return params, shardings.params
+    ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
     target = sharding.abstract_with_shardings(nn.meta.unbox(abstract), shardings)
     ckpt = checkpointing.Checkpointer(ckpt_dir, save_interval_steps=1, max_to_keep=1000,
                                       handle_sigterm=False)

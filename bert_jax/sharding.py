@@ -189,6 +189,17 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def place(tree: Any, shardings: Any) -> Any:
+    """Host numpy values that every process holds in full -> global arrays with `shardings`.
+
+    Each device takes its slice from the local copy (`make_array_from_callback`), which is right
+    on one host and on many (`jax.device_put` would need the value to be addressable everywhere).
+    """
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda idx, x=x: np.asarray(x)[idx]),
+        tree, shardings)
+
+
 # ---------------------------------------------------------------------------------------------
 # Batches
 # ---------------------------------------------------------------------------------------------

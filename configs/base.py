@@ -89,5 +89,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.async_checkpointing = True  # write checkpoints in the background
     config.nonfinite = "stop"  # stop | skip: on a non-finite loss or gradient
     config.max_consecutive_nonfinite = 10  # in skip mode, abort after this many bad steps in a row
-    config.init_checkpoint = ""  # evaluate mode: the checkpoint (a bert_jax workdir) to evaluate
+    # pretrain: initial weights when the workdir has no checkpoint yet; evaluate: what to score.
+    # Any format: a bert_jax workdir or export, a Google TF1 checkpoint, a HuggingFace directory.
+    config.init_checkpoint = ""
     return config

@@ -229,6 +229,41 @@ def test_evaluate_mode_writes_the_reference_metrics(data, tmp_path):
     np.testing.assert_allclose(results["next_sentence_loss"], nsp_nll / n, rtol=1e-4)
     np.testing.assert_allclose(results["next_sentence_accuracy"], nsp_correct / n, rtol=1e-6)
 
+    # The same weights exported to Google's and HF's formats load identically and score the same.
+    from bert_jax import convert
+    pretrained = convert.load_pretrained(str(tmp_path / "train"))
+    for fmt in ("google", "hf"):
+        out = convert.save_pretrained(pretrained, str(tmp_path / fmt), fmt)
+        cfg.init_checkpoint = out
+        other, _ = pretrain.load_params(cfg, pretrain.bert_config_from(cfg),
+                                        sharding.create_mesh({"data": -1}, devices=jax.devices()[:1]))
+        for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(other)):
+            np.testing.assert_array_equal(a, b)
+        cfg.eval_data, cfg.global_batch_size, cfg.verify_data = f"{data}/eval-0.tfrecord", 16, False
+        again = pretrain.evaluate(cfg, str(tmp_path / f"eval_{fmt}"))
+        for k, v in results.items():
+            np.testing.assert_allclose(again[k], v, rtol=1e-5, err_msg=f"{fmt}: {k}")
+
+
+def test_pretraining_continues_from_an_encoder_only_hf_checkpoint(data, tmp_path):
+    """init_checkpoint in HF format, no heads: the encoder starts from its weights (learning rate 0
+    keeps them), the heads from a fresh initialization."""
+    sys.path.insert(0, str(ROOT))
+    import jax
+    from bert_jax import convert, modeling
+    config = modeling.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=64, max_position_embeddings=64)
+    params = modeling.BertModel(config).init(jax.random.key(7), np.zeros((1, 8), np.int32))["params"]
+    src = convert.Pretrained(config, {"bert": convert.unrolled(params)}, None, True)
+    convert.save_hf(src, str(tmp_path / "hf"))
+    r = run(cmd(tmp_path / "w", data, f"--config.init_checkpoint={tmp_path / 'hf'}", "--config.num_train_steps=1",
+                "--config.learning_rate=0.0", "--config.warmup_steps=0"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    trained = convert.load_pretrained(str(tmp_path / "w"))
+    assert trained.heads == ("mlm", "nsp")
+    for a, b in zip(jax.tree_util.tree_leaves(trained.params["bert"]), jax.tree_util.tree_leaves(src.params["bert"])):
+        np.testing.assert_array_equal(a, b)
+
 
 def test_two_phases_resume_across_the_boundary(data, tmp_path):
     """Phase 1 then phase 2 (its own data, its own compiled step); kill -9 inside phase 2 and resume
