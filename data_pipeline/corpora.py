@@ -57,13 +57,16 @@ def iter_lines(path: str, stats: Optional[ReadStats] = None) -> Iterator[str]:
     Raises:
       FileNotFoundError: naming `path` when it does not exist.
     """
-    import tensorflow as tf  # gfile: local paths and gs:// alike
-
     stats = stats if stats is not None else ReadStats()
-    if not tf.io.gfile.exists(path):
+    if "://" in path:  # gs:// and other file systems through tf.io.gfile; local files without TF
+        import tensorflow as tf
+        exists, opener = tf.io.gfile.exists, tf.io.gfile.GFile
+    else:
+        exists, opener = os.path.exists, open
+    if not exists(path):
         raise FileNotFoundError(f"input file not found: {path}")
     stats.files += 1
-    with tf.io.gfile.GFile(path, "rb") as f:
+    with opener(path, "rb") as f:
         for raw in f:
             stats.lines += 1
             line = raw.decode("utf-8", errors="replace")

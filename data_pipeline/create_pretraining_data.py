@@ -14,10 +14,14 @@ Two modes:
   dupes, instance shuffle), instances written round-robin over the `--output_file` list. With the
   same inputs, vocab and flags the records are the reference's, serialized deterministically.
 - default (fast): each input file is a shard processed by one of `--num_workers` processes with
-  its own random stream `Random(random_seed, shard)` and the fast batch tokenizer; the random
-  "next sentence" comes from another document of the same shard. Memory is bounded by a shard,
-  not the corpus; for a seed and a shard the output does not depend on the worker count
-  (shards are written in input order, round-robin over `--num_output_shards` files).
+  its own random stream (`numpy.random.Generator` seeded with (random_seed, shard)): the shard
+  is tokenized once into an id array (`FastTokenizer`) and the reference's algorithm runs on
+  spans of it, vectorized (`fast_instances.py`: the same distribution of instances, not the same
+  draws); records are encoded by `schema.encode_examples` and framed by `tfrecord.py`, so the
+  fast mode never imports TensorFlow for local files. The random "next sentence" comes from
+  another document of the same shard. Memory is bounded by a shard, not the corpus; for a seed
+  and a shard the output does not depend on the worker count (shards are written in input
+  order, round-robin over `--num_output_shards` files).
 
 Outputs: the TFRecords (gzip with `--compression=gzip`) and `dataset_info.json` next to them: the
 flags, seed, vocab sha256, reading and masking statistics, and the manifest (records, bytes, sha256
@@ -33,13 +37,14 @@ import json
 import multiprocessing
 import os
 import random
-import sys
+import resource
 import time
-from typing import Iterable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
+import numpy as np
 from absl import app, flags
 
-from data_pipeline import corpora, instances as inst, schema, tokenization
+from data_pipeline import corpora, fast_instances, instances as inst, schema, tfrecord, tokenization
 
 FLAGS = flags.FLAGS
 
@@ -106,12 +111,15 @@ class Options:
 
 def expand_inputs(patterns: str | Sequence[str]) -> List[str]:
     """Globs in order (each glob's matches sorted); a pattern matching nothing is an error naming it."""
-    import tensorflow as tf
     if isinstance(patterns, str):
         patterns = [p for p in patterns.split(",") if p]
     files: List[str] = []
     for p in patterns:
-        matched = sorted(tf.io.gfile.glob(p))
+        if "://" in p:
+            import tensorflow as tf
+            matched = sorted(tf.io.gfile.glob(p))
+        else:
+            matched = sorted(glob.glob(p))
         if not matched:
             raise FileNotFoundError(f"--input_file: nothing matches {p!r}")
         files.extend(matched)
@@ -124,15 +132,6 @@ def _sha256(path: str) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _tokenize_documents(docs: Iterable[List[str]], tokenize_batch) -> List[List[List[str]]]:
-    out = []
-    for doc in docs:
-        toks = [t for t in tokenize_batch(doc) if t]
-        if toks:
-            out.append(toks)
-    return out
 
 
 def _instance_records(instances: Sequence[inst.TrainingInstance], vocab: dict, opts: Options) -> List[bytes]:
@@ -179,34 +178,74 @@ def reference_records(input_files: Sequence[str], opts: Options, read_stats: cor
 
 
 _WORKER: dict = {}
+BATCH_INSTANCES = 4096  # instances masked, encoded and framed at once (bounds worker memory)
 
 
-def _init_worker(opts: Options) -> None:
-    _WORKER["opts"] = opts
-    _WORKER["tok"] = tokenization.FastTokenizer(opts.vocab_file, do_lower_case=opts.do_lower_case)
+def _init_worker(opts: Options, num_outputs: int = 1) -> None:
+    tok = tokenization.FastTokenizer(opts.vocab_file, do_lower_case=opts.do_lower_case)
+    _WORKER.update(opts=opts, tok=tok, vocab=fast_instances.Vocab.from_dict(tok.vocab), num_outputs=num_outputs)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def shard_rng(random_seed: int, shard_index: int) -> np.random.Generator:
+    """The fast mode's random stream of one shard: a function of (seed, shard) only."""
+    return np.random.default_rng([random_seed % 2**64, shard_index])
 
 
 def shard_records(task) -> tuple:
-    """(records, read stats, mask stats) of one input shard, with the shard's own random stream."""
+    """One input shard -> (framed TFRecord bytes per output bucket, records per bucket, read
+    stats, mask stats, this process's peak RSS in MB).
+
+    Record m of the shard (in its shuffled order) goes to bucket m % num_outputs; the driver
+    writes bucket b to file (records written before the shard + b) % num_outputs, which is the
+    reference's round-robin over the output files.
+    """
     shard_index, source = task
     opts: Options = _WORKER["opts"]
     tok = _WORKER["tok"]
+    vocab: fast_instances.Vocab = _WORKER["vocab"]
+    num_outputs: int = _WORKER["num_outputs"]
     read_stats, mask_stats = corpora.ReadStats(), inst.MaskStats()
     if source[0] == "text":
         docs = corpora.read_google_text(source[1], read_stats)
     else:
         _, name, split, key, data_dir, num_shards = source
         docs = corpora.read_tfds_documents(name, split, key, data_dir, shard_index, num_shards)
-    all_documents = _tokenize_documents(docs, tok.tokenize_batch)
+    shard = fast_instances.tokenize_shard(docs, tok.encode_batch)
     if source[0] != "text":
-        read_stats.documents = len(all_documents)
-    rng = random.Random(f"{opts.random_seed}/{shard_index}")
-    instances = inst.create_training_instances(
-        all_documents, list(tok.vocab.keys()), max_seq_length=opts.max_seq_length,
-        dupe_factor=opts.dupe_factor, short_seq_prob=opts.short_seq_prob,
-        masked_lm_prob=opts.masked_lm_prob, max_predictions_per_seq=opts.max_predictions_per_seq,
-        rng=rng, do_whole_word_mask=opts.do_whole_word_mask, stats=mask_stats)
-    return _instance_records(instances, tok.vocab, opts), read_stats, mask_stats
+        read_stats.documents = shard.num_documents
+    rng = shard_rng(opts.random_seed, shard_index)
+    pairs = fast_instances.make_pairs(shard, max_seq_length=opts.max_seq_length,
+                                      short_seq_prob=opts.short_seq_prob, dupe_factor=opts.dupe_factor, rng=rng)
+    pairs = fast_instances.truncate_pairs(pairs, opts.max_seq_length - 3, rng)
+    order = rng.permutation(len(pairs))  # the reference's final shuffle (within the shard)
+    buckets: List[List[bytes]] = [[] for _ in range(num_outputs)]
+    counts = np.zeros(num_outputs, np.int64)
+    for begin in range(0, len(order), BATCH_INSTANCES):
+        index = order[begin:begin + BATCH_INSTANCES]
+        bucket = (begin + np.arange(len(index))) % num_outputs
+        by_bucket = np.argsort(bucket, kind="stable")
+        features = fast_instances.masked_features(
+            shard.ids, pairs.take(index[by_bucket]), vocab, max_seq_length=opts.max_seq_length,
+            max_predictions_per_seq=opts.max_predictions_per_seq, masked_lm_prob=opts.masked_lm_prob,
+            do_whole_word_mask=opts.do_whole_word_mask, rng=rng, stats=mask_stats)
+        buffer, starts, lengths = schema.encode_examples(features, head=tfrecord.HEADER_BYTES,
+                                                         tail=tfrecord.FOOTER_BYTES)
+        tfrecord.frame(buffer, starts, lengths)
+        per_bucket = np.bincount(bucket, minlength=num_outputs)
+        ends = np.cumsum(per_bucket)
+        slot_end = np.append(starts[1:] - tfrecord.HEADER_BYTES, len(buffer))
+        cut = 0
+        for b in range(num_outputs):
+            if per_bucket[b]:
+                end = int(slot_end[ends[b] - 1])
+                buckets[b].append(buffer[cut:end].tobytes())
+                cut = end
+        counts += per_bucket
+    return [b"".join(parts) for parts in buckets], counts, read_stats, mask_stats, _peak_rss_mb()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,61 +266,64 @@ def output_paths(output_file: str, num_output_shards: int, compression: str) -> 
 def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], reference_compatible: bool,
         num_workers: int = 1, compression: str = "none", flags_used: Optional[dict] = None) -> dict:
     """Writes the records and dataset_info.json; returns the info dict."""
-    import tensorflow as tf
     from tqdm import tqdm
 
     opts.validate()
-    out_dirs = {os.path.dirname(os.path.abspath(p)) for p in outputs}
+    out_dirs = {os.path.dirname(os.path.abspath(p)) if "://" not in p else os.path.dirname(p) for p in outputs}
     if len(out_dirs) != 1:
         raise ValueError("--output_file: all outputs must be in one directory (dataset_info.json goes there)")
     out_dir = out_dirs.pop()
-    os.makedirs(out_dir, exist_ok=True)
-    options = tf.io.TFRecordOptions(compression_type="GZIP" if compression == "gzip" else "")
-    writers = [tf.io.TFRecordWriter(p, options) for p in outputs]
-    counts = [0] * len(outputs)
+    tfrecord.makedirs(out_dir)
+    writers = [tfrecord.Writer(p, compression) for p in outputs]
     read_stats, mask_stats = corpora.ReadStats(), inst.MaskStats()
     started = time.time()
     written = 0
+    worker_rss = 0.0
 
-    def write(records):
+    def write_records(records: Sequence[bytes]):
+        """Round-robin over the files, record by record (the reference's order)."""
         nonlocal written
-        for r in records:
-            k = written % len(writers)
-            writers[k].write(r)
-            counts[k] += 1
-            written += 1
+        for b in range(min(len(writers), len(records))):
+            group = records[b::len(writers)]
+            writers[(written + b) % len(writers)].write(tfrecord.frame_records(group), len(group))
+        written += len(records)
+
+    def write_shard(result):
+        nonlocal written, worker_rss
+        chunks, counts, rs, ms, rss = result
+        for b, (chunk, n) in enumerate(zip(chunks, counts)):
+            if n:
+                writers[(written + b) % len(writers)].write(chunk, int(n))
+        written += int(sum(counts))
+        read_stats.add(rs)
+        mask_stats.add(ms)
+        worker_rss = max(worker_rss, rss)
+        bar.update(1)
+        bar.set_postfix(instances=written, refresh=False)
 
     try:
         if reference_compatible:
             if any(s[0] != "text" for s in sources):
                 raise ValueError("--reference_compatible reads text files only (--input_format=text)")
-            write(reference_records([s[1] for s in sources], opts, read_stats, mask_stats))
+            write_records(reference_records([s[1] for s in sources], opts, read_stats, mask_stats))
         else:
             tasks = list(enumerate(sources))
             bar = tqdm(total=len(tasks), desc="shards", unit="shard", dynamic_ncols=True)
             if num_workers > 1:
                 ctx = multiprocessing.get_context("spawn")
-                with ctx.Pool(num_workers, initializer=_init_worker, initargs=(opts,)) as pool:
-                    for records, rs, ms in pool.imap(shard_records, tasks):
-                        write(records)
-                        read_stats.add(rs)
-                        mask_stats.add(ms)
-                        bar.update(1)
-                        bar.set_postfix(instances=written, refresh=False)
+                with ctx.Pool(num_workers, initializer=_init_worker, initargs=(opts, len(writers))) as pool:
+                    for result in pool.imap(shard_records, tasks):
+                        write_shard(result)
             else:
-                _init_worker(opts)
+                _init_worker(opts, len(writers))
                 for task in tasks:
-                    records, rs, ms = shard_records(task)
-                    write(records)
-                    read_stats.add(rs)
-                    mask_stats.add(ms)
-                    bar.update(1)
-                    bar.set_postfix(instances=written, refresh=False)
+                    write_shard(shard_records(task))
             bar.close()
     finally:
         for w in writers:
             w.close()
     seconds = time.time() - started
+    parent_rss = _peak_rss_mb()
     info = {
         "flags": flags_used or dataclasses.asdict(opts),
         "random_seed": opts.random_seed,
@@ -295,8 +337,11 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
         "num_instances": written,
         "seconds": seconds,
         "instances_per_second": written / max(seconds, 1e-9),
+        # Worker processes when --num_workers > 1; otherwise the work ran in the parent.
+        "peak_rss_mb": {"parent": round(parent_rss, 1),
+                        "workers": round(worker_rss, 1) if num_workers > 1 and not reference_compatible else None},
     }
-    schema.write_dataset_info(out_dir, dict(zip(outputs, counts)), info)
+    schema.write_dataset_info(out_dir, {w.path: w.num_records for w in writers}, info)
     return info
 
 

@@ -1,0 +1,328 @@
+"""The fast mode's instances: the reference's algorithm on token-id arrays, vectorized in numpy.
+
+`instances.py` runs google-research/bert's algorithm token by token in Python, random call for
+random call, to reproduce its records exactly. This module draws instances from the same
+*distribution* with its own random stream (`numpy.random.Generator`), working on spans of one
+int32 array of token ids instead of lists of strings:
+
+- `tokenize_shard`: every sentence of a shard tokenized once (`FastTokenizer.encode_batch`) into
+  one id array, sentence offsets and document ranges; sentences without tokens and documents
+  without sentences are dropped, as the reference drops them.
+- `make_pairs`: all (dupe, document) walks at once, one step per chunk. As in the reference,
+  per walk: the target length is `max_seq_length - 3`, or with probability `short_seq_prob`
+  uniform in [2, max_seq_length - 3]; a chunk is the sentences from the current one until the
+  target length or the document's end (a `searchsorted` on the sentence offsets); A is its
+  first `uniform[1, n - 1]` sentences (all of a one-sentence chunk); B is random with
+  probability 0.5 and always for a one-sentence chunk: a uniformly chosen *other* document of
+  the shard (the reference's ten draws avoid the current document unless the corpus has one
+  document), from a uniformly chosen sentence until `target - len(A)` tokens or its end, and the
+  chunk's unused sentences are walked again; otherwise B is the rest of the chunk. Every
+  instance is a pair of spans `[a_start, a_end)`, `[b_start, b_end)` into the id array.
+- `truncate_pairs`: the reference trims the longer segment one token at a time, front or back
+  by a fair coin, until A + B fits. Which side loses how many tokens is a function of the two
+  lengths (closed form below); the number taken from the front of a side is then
+  Binomial(trims, 1/2): the same distribution, with two draws per instance.
+- `masked_features`: a batch of instances as the schema's padded arrays: `[CLS] A [SEP] B [SEP]`,
+  segment ids, masking. The reference shuffles the candidate positions (every token but
+  [CLS]/[SEP]; with whole-word masking a `##` piece joins the candidate before it) and takes
+  them in order while they fit `num_to_predict = min(max_predictions_per_seq, max(1,
+  round(len * masked_lm_prob)))`, skipping a whole word that would overflow. Without whole-word
+  masking that is a uniform random subset of `min(num_to_predict, candidates)` positions
+  (the smallest of uniform random keys); with it, the same greedy walk over a random order of
+  the words, one numpy step per rank for the whole batch. Each masked position then becomes
+  [MASK] with probability 0.8, keeps its token with 0.1, or becomes an id drawn uniformly from
+  the vocabulary list with 0.1 (the reference draws from `list(vocab.keys())`).
+
+Nothing here does I/O or imports jax or tensorflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable, Iterable, List, Sequence
+
+import numpy as np
+
+from data_pipeline.instances import MaskStats
+
+
+@dataclasses.dataclass
+class ShardTokens:
+    """A shard's token ids: sentence s is `ids[sentence_starts[s]:sentence_starts[s + 1]]`,
+    document d its sentences `doc_first[d] .. doc_end[d] - 1`."""
+
+    ids: np.ndarray  # int32 [tokens]
+    sentence_starts: np.ndarray  # int64 [sentences + 1]
+    doc_first: np.ndarray  # int64 [documents]
+    doc_end: np.ndarray  # int64 [documents]
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_first)
+
+
+def tokenize_shard(documents: Iterable[Sequence[str]], encode_batch: Callable[[List[str]], List[List[int]]],
+                   batch_sentences: int = 50_000) -> ShardTokens:
+    """Tokenizes documents (lists of sentences) into a `ShardTokens`.
+
+    Sentences go through `encode_batch` (e.g. `FastTokenizer.encode_batch`) about
+    `batch_sentences` at a time.
+    """
+    id_parts: List[np.ndarray] = []
+    len_parts: List[np.ndarray] = []
+    doc_sizes: List[int] = []
+    pending: List[str] = []
+
+    def flush():
+        encoded = encode_batch(pending)
+        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        id_parts.append(np.fromiter(itertools.chain.from_iterable(encoded), np.int32, int(lengths.sum())))
+        len_parts.append(lengths)
+        pending.clear()
+
+    for doc in documents:
+        pending.extend(doc)
+        doc_sizes.append(len(doc))
+        if len(pending) >= batch_sentences:
+            flush()
+    if pending:
+        flush()
+    ids = np.concatenate(id_parts) if id_parts else np.zeros(0, np.int32)
+    lengths = np.concatenate(len_parts) if len_parts else np.zeros(0, np.int64)
+    sent_doc = np.repeat(np.arange(len(doc_sizes), dtype=np.int64), doc_sizes)
+    keep = lengths > 0  # the reference drops a sentence with no tokens ...
+    lengths, sent_doc = lengths[keep], sent_doc[keep]
+    starts = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    # ... and then a document with no sentences.
+    new_doc = np.ones(len(sent_doc), bool)
+    new_doc[1:] = sent_doc[1:] != sent_doc[:-1]
+    doc_first = np.flatnonzero(new_doc).astype(np.int64)
+    doc_end = np.append(doc_first[1:], len(sent_doc)).astype(np.int64)
+    return ShardTokens(ids, starts, doc_first, doc_end)
+
+
+@dataclasses.dataclass
+class Pairs:
+    """Instances as spans into `ShardTokens.ids`: A = [a_start, a_end), B = [b_start, b_end)."""
+
+    a_start: np.ndarray
+    a_end: np.ndarray
+    b_start: np.ndarray
+    b_end: np.ndarray
+    is_random_next: np.ndarray  # bool
+
+    def __len__(self) -> int:
+        return len(self.a_start)
+
+    def take(self, index) -> "Pairs":
+        return Pairs(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
+
+
+def make_pairs(shard: ShardTokens, *, max_seq_length: int, short_seq_prob: float, dupe_factor: int,
+               rng: np.random.Generator) -> Pairs:
+    """All segment pairs of `dupe_factor` passes over the shard's documents (see the module doc)."""
+    num_docs = shard.num_documents
+    empty = np.zeros(0, np.int64)
+    if num_docs == 0:
+        return Pairs(empty, empty, empty, empty, np.zeros(0, bool))
+    off = shard.sentence_starts
+    doc_first, doc_end = shard.doc_first, shard.doc_end
+    max_num_tokens = max_seq_length - 3
+    lane_doc = np.tile(np.arange(num_docs, dtype=np.int64), dupe_factor)
+    lanes = len(lane_doc)
+    target = np.full(lanes, max_num_tokens, np.int64)
+    short = rng.random(lanes) < short_seq_prob
+    target[short] = rng.integers(2, max_num_tokens + 1, int(short.sum()))
+    cur = doc_first[lane_doc].copy()
+    last = doc_end[lane_doc] - 1
+    active = np.arange(lanes)
+    out = []
+    while active.size:
+        i, t, d = cur[active], target[active], lane_doc[active]
+        size = len(i)
+        # The chunk: sentences i..j, until the target length or the document's last sentence.
+        j = np.minimum(np.searchsorted(off, off[i] + t, side="left") - 1, last[active])
+        n = j - i + 1
+        a_sents = rng.integers(1, np.maximum(n, 2))
+        is_random = (n == 1) | (rng.random(size) < 0.5)
+        a0, a1 = off[i], off[i + a_sents]
+        # A random B: another document, from a random sentence, until target - len(A) tokens.
+        if num_docs > 1:
+            other = rng.integers(0, num_docs - 1, size)
+            other += other >= d
+        else:
+            other = d
+        first, end = doc_first[other], doc_end[other]
+        rs = first + rng.integers(0, end - first)
+        e = np.clip(np.searchsorted(off, off[rs] + (t - (a1 - a0)), side="left") - 1, rs, end - 1)
+        b0 = np.where(is_random, off[rs], a1)
+        b1 = np.where(is_random, off[e + 1], off[j + 1])
+        out.append((a0, a1, b0, b1, is_random))
+        nxt = np.where(is_random, i + a_sents, j + 1)  # a random B puts the unused sentences back
+        cur[active] = nxt
+        active = active[nxt <= last[active]]
+    return Pairs(*(np.concatenate(x) for x in zip(*out)))
+
+
+def truncation(len_a: np.ndarray, len_b: np.ndarray, max_num_tokens: int):
+    """(tokens trimmed from A, from B) by the reference's `truncate_seq_pair` loop, which trims A
+    while it is strictly longer, else B.
+
+    Example: A=6, B=3, max 6: A, A, A -> 3 = 3 -> (3, 0); A=3, B=3, max 4: B, A -> (1, 1).
+    """
+    excess = np.maximum(len_a + len_b - max_num_tokens, 0)
+    a_longer = len_a > len_b
+    # A longer by d: A loses min(excess, d); the rest alternates starting with B (a tie trims B).
+    d = len_a - len_b
+    r1 = np.maximum(excess - d, 0)
+    trim_a1 = np.minimum(excess, d) + r1 // 2
+    # B at least as long, by d' = -d: B loses up to d' + 1 (to one below A); then A, B, A, ...
+    d2 = len_b - len_a + 1
+    r2 = np.maximum(excess - d2, 0)
+    trim_b2 = np.minimum(excess, d2) + r2 // 2
+    trim_a = np.where(a_longer, trim_a1, excess - trim_b2)
+    return trim_a, excess - trim_a
+
+
+def truncate_pairs(pairs: Pairs, max_num_tokens: int, rng: np.random.Generator) -> Pairs:
+    """Trims each pair to `max_num_tokens`; each trimmed token is from the front or the back of
+    its side by a fair coin, so the front count is Binomial(trimmed, 1/2)."""
+    len_a = pairs.a_end - pairs.a_start
+    len_b = pairs.b_end - pairs.b_start
+    trim_a, trim_b = truncation(len_a, len_b, max_num_tokens)
+    front_a = rng.binomial(trim_a, 0.5)
+    front_b = rng.binomial(trim_b, 0.5)
+    return Pairs(pairs.a_start + front_a, pairs.a_end - (trim_a - front_a),
+                 pairs.b_start + front_b, pairs.b_end - (trim_b - front_b), pairs.is_random_next)
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """What masking needs of the vocabulary."""
+
+    cls_id: int
+    sep_id: int
+    mask_id: int
+    word_ids: np.ndarray  # int32: the id of each entry of `list(vocab.keys())` (random words)
+    is_subword: np.ndarray  # bool [max id + 1]: the token starts with "##"
+
+    @classmethod
+    def from_dict(cls, vocab: dict) -> "Vocab":
+        for token in ("[CLS]", "[SEP]", "[MASK]"):
+            if token not in vocab:
+                raise ValueError(f"the vocabulary has no {token} token")
+        ids = np.fromiter(vocab.values(), np.int32, len(vocab))
+        is_subword = np.zeros(int(ids.max()) + 1, bool)
+        for token, index in vocab.items():
+            if token.startswith("##"):
+                is_subword[index] = True
+        return cls(vocab["[CLS]"], vocab["[SEP]"], vocab["[MASK]"], ids, is_subword)
+
+
+def masked_features(ids: np.ndarray, pairs: Pairs, vocab: Vocab, *, max_seq_length: int,
+                    max_predictions_per_seq: int, masked_lm_prob: float, do_whole_word_mask: bool,
+                    rng: np.random.Generator, stats: MaskStats) -> dict:
+    """The schema's features ([batch, length] arrays, zero padded) of a batch of pairs."""
+    batch, seq, preds = len(pairs), max_seq_length, max_predictions_per_seq
+    len_a = (pairs.a_end - pairs.a_start)[:, None]
+    len_b = (pairs.b_end - pairs.b_start)[:, None]
+    length = len_a + len_b + 3
+    p = np.arange(seq, dtype=np.int64)[None, :]
+    in_a = (p >= 1) & (p <= len_a)
+    in_b = (p >= len_a + 2) & (p < length - 1)
+    candidate = in_a | in_b  # every token but [CLS] and the two [SEP]
+    src = np.where(p <= len_a, pairs.a_start[:, None] + p - 1, pairs.b_start[:, None] + p - len_a - 2)
+    np.clip(src, 0, max(len(ids) - 1, 0), out=src)
+    tokens = np.where(candidate, ids[src], 0).astype(np.int32)
+    rows = np.arange(batch)
+    tokens[:, 0] = vocab.cls_id
+    tokens[rows, len_a[:, 0] + 1] = vocab.sep_id
+    tokens[rows, length[:, 0] - 1] = vocab.sep_id
+
+    num_to_predict = np.minimum(preds, np.maximum(1, np.rint(length[:, 0] * masked_lm_prob).astype(np.int64)))
+    if do_whole_word_mask:
+        masked = _whole_word_selection(tokens, candidate, num_to_predict, vocab, rng)
+    else:
+        num_to_predict = np.minimum(num_to_predict, length[:, 0] - 3)
+        keys = rng.random((batch, seq), dtype=np.float32)
+        keys[~candidate] = 2.0
+        k = min(preds, seq)
+        smallest = np.argpartition(keys, k - 1, axis=1)[:, :k] if k < seq else np.argsort(keys, axis=1)
+        order = np.argsort(np.take_along_axis(keys, smallest, axis=1), axis=1)
+        chosen = np.take_along_axis(smallest, order, axis=1)  # [batch, k] by key
+        take = np.arange(k)[None, :] < num_to_predict[:, None]
+        masked = np.zeros((batch, seq), bool)
+        masked[np.repeat(rows, take.sum(1)), chosen[take]] = True
+
+    # Positions in order, per row: row-major nonzero is sorted within a row.
+    mrow, mcol = np.nonzero(masked)
+    count = masked.sum(axis=1)
+    slot = np.arange(len(mrow)) - np.repeat(np.cumsum(count) - count, count)
+    labels = tokens[mrow, mcol]
+    u = rng.random(len(mrow))
+    keep = rng.random(len(mrow)) < 0.5
+    random_word = vocab.word_ids[rng.integers(0, len(vocab.word_ids), len(mrow))]
+    to_mask = u < 0.8
+    to_keep = ~to_mask & keep
+    to_random = ~to_mask & ~keep
+    tokens[mrow, mcol] = np.where(to_mask, vocab.mask_id, np.where(to_keep, labels, random_word))
+
+    positions = np.zeros((batch, preds), np.int32)
+    masked_ids = np.zeros((batch, preds), np.int32)
+    weights = np.zeros((batch, preds), np.float32)
+    positions[mrow, slot] = mcol
+    masked_ids[mrow, slot] = labels
+    weights[mrow, slot] = 1.0
+
+    stats.candidates += int(candidate.sum())
+    stats.masked += len(mrow)
+    stats.replaced_by_mask += int(to_mask.sum())
+    stats.kept += int(to_keep.sum())
+    stats.replaced_by_random += int(to_random.sum())
+    stats.instances += batch
+    stats.random_next += int(pairs.is_random_next.sum())
+    return {
+        "input_ids": tokens,
+        "input_mask": p < length,
+        "segment_ids": (p >= len_a + 2) & (p < length),
+        "masked_lm_positions": positions,
+        "masked_lm_ids": masked_ids,
+        "masked_lm_weights": weights,
+        "next_sentence_labels": pairs.is_random_next[:, None],
+    }
+
+
+def _whole_word_selection(tokens: np.ndarray, candidate: np.ndarray, num_to_predict: np.ndarray,
+                          vocab: Vocab, rng: np.random.Generator) -> np.ndarray:
+    """Masked positions [batch, length] of whole-word masking: words in a random order, each
+    taken whole if it fits the budget (the reference's greedy walk)."""
+    batch, seq = tokens.shape
+    is_sub = vocab.is_subword[np.minimum(tokens, len(vocab.is_subword) - 1)]
+    # A "##" piece joins the candidate before it; the first candidate (position 1) has none.
+    starts_word = candidate & ~is_sub
+    starts_word[:, 1] = candidate[:, 1]
+    word = np.cumsum(starts_word, axis=1) - 1  # word index of each candidate position
+    num_words = starts_word.sum(axis=1)
+    width = max(int(num_words.max()), 1)
+    rows = np.arange(batch)
+    flat = (rows[:, None] * width + word)[candidate]
+    word_len = np.bincount(flat, minlength=batch * width).reshape(batch, width)
+    keys = rng.random((batch, width), dtype=np.float32)
+    keys[np.arange(width)[None, :] >= num_words[:, None]] = 2.0
+    order = np.argsort(keys, axis=1)
+    taken = np.zeros(batch, np.int64)
+    chosen = np.zeros((batch, width), bool)
+    live = rows[num_words > 0]
+    for rank in range(width):
+        w = order[live, rank]
+        size = word_len[live, w]
+        fits = (rank < num_words[live]) & (taken[live] + size <= num_to_predict[live])
+        taken[live] += np.where(fits, size, 0)
+        chosen[live, w] = fits
+        live = live[(taken[live] < num_to_predict[live]) & (rank + 1 < num_words[live])]
+        if not live.size:
+            break
+    word_chosen = np.take_along_axis(chosen, np.clip(word, 0, width - 1), axis=1)
+    return candidate & word_chosen
