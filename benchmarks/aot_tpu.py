@@ -1,0 +1,204 @@
+"""Ahead-of-time compilation of the sharded pretraining step for Cloud TPU pod slices, on a CPU machine.
+
+    pip install 'libtpu==0.0.42.*'    # the TPU compiler, matching jax 0.10.2; no TPU needed
+    python benchmarks/aot_tpu.py --config=configs/large.py \\
+        [--topology=v4-32,v5p-64,v5e-16] [--mesh=data,fsdp,tensor] [--seq_len=128] \\
+        [--batch_per_chip=32] [--max_batch_per_chip=1024] [--json]
+
+For each slice and mesh it lowers and compiles `bert_jax.steps.train_step` (the pretraining step:
+AdamW, clipping, dropout, donated state, bf16 compute with float32 parameters) against the
+slice's real devices (`jax.experimental.topologies.get_topology_desc`), as MaxText checks its
+configs, and reports:
+
+* per-chip HBM (arguments + outputs - donated aliases + temporaries, from
+  `compiled.memory_analysis()`) against the chip's capacity;
+* XLA's FLOPs per chip per step (`compiled.cost_analysis()`) against our analytic count
+  (`steps.train_flops_per_sequence` x per-chip batch);
+* the collectives in the optimized HLO (all-reduce, all-gather, reduce-scatter, ...);
+* the largest per-chip batch that fits (doubling from --batch_per_chip until it does not fit);
+* an MFU upper bound from the chip's roofline: model FLOPs / (peak x max(XLA FLOPs / peak,
+  bytes accessed / HBM bandwidth)); communication over ICI is not in this bound.
+
+Meshes: `data` (pure data parallel), `fsdp` (parameters and optimizer state sharded over every
+chip), `tensor` (tensor parallel over 4 chips, data parallel over the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v4-8")  # quiets libtpu's host detection
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# name -> (topology, chip config, chips, HBM GiB, peak bf16 TFLOP/s, HBM GB/s) per chip, public specs
+SLICES = {
+    "v4-32": ("v4:2x2x4", "megacore", 16, 32, 275, 1228),
+    "v5p-64": ("v5p:2x4x4", "megacore", 32, 95, 459, 2765),
+    "v5e-16": ("v5e:4x4", "default", 16, 16, 197, 819),
+    "v5e-4": ("v5e:2x2", "default", 4, 16, 197, 819),  # small: the unit test's
+}
+MESHES = ("data", "fsdp", "tensor")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def slice_devices(name: str):
+    from jax.experimental import topologies
+
+    topology, chip_config, chips = SLICES[name][:3]
+    devices = topologies.get_topology_desc(
+        topology_name=topology, platform="tpu", chip_config_name=chip_config,
+        chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+    if len(devices) != chips:
+        raise RuntimeError(f"{name}: expected {chips} chips, the topology has {len(devices)} devices")
+    return devices
+
+
+def mesh_axes(kind: str, chips: int) -> dict:
+    if kind == "data":
+        return {"data": chips, "fsdp": 1, "tensor": 1}
+    if kind == "fsdp":
+        return {"data": 1, "fsdp": chips, "tensor": 1}
+    if kind == "tensor":
+        return {"data": chips // 4, "fsdp": 1, "tensor": 4}
+    raise ValueError(f"--mesh: unknown mesh {kind!r} (use {', '.join(MESHES)})")
+
+
+def compile_step(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,
+                 predictions: int):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from bert_jax import pretrain, sharding, steps
+
+    mesh = sharding.create_mesh(mesh_axes(mesh_kind, len(devices)), devices=devices)
+    model, tx, schedule, init_state = pretrain.build(config, bert_config, mesh)
+    abstract = jax.eval_shape(init_state, jax.random.key(0))
+    state_shardings = sharding.logical_to_sharding(abstract, mesh)
+    abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
+    # Global batch: per-chip batch x chips that hold distinct rows (data x fsdp).
+    rows = batch_per_chip * sharding.axis_size(mesh, sharding.BATCH_AXES)
+    bs = sharding.batch_sharding(mesh)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=bs)
+    batch = {k: spec((rows, seq_len), jnp.int32) for k in ("input_ids", "input_mask", "segment_ids")}
+    batch.update(masked_lm_positions=spec((rows, predictions), jnp.int32),
+                 masked_lm_ids=spec((rows, predictions), jnp.int32),
+                 masked_lm_weights=spec((rows, predictions), jnp.float32),
+                 next_sentence_labels=spec((rows, 1), jnp.int32))
+    step = functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, mesh=mesh)
+    jitted = jax.jit(step, in_shardings=(state_shardings, bs), out_shardings=(state_shardings, None),
+                     donate_argnums=0)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        t0 = time.perf_counter()
+        compiled = jitted.lower(abstract_state, batch).compile()
+    return compiled, time.perf_counter() - t0, rows
+
+
+def analyze(compiled, hbm_gib: float) -> dict:
+    mem = compiled.memory_analysis()
+    used = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    hlo = compiled.as_text()
+    counts = {c: len(re.findall(rf"\b{c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
+    return {"hbm_gib": used / 2**30, "hbm_capacity_gib": hbm_gib, "fits": used <= hbm_gib * 2**30,
+            "xla_flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "collectives": {k: v for k, v in counts.items() if v}}
+
+
+def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
+    from bert_jax import steps
+
+    topology, _, chips, hbm, peak_tflops, bandwidth = SLICES[slice_name]
+    devices = slice_devices(slice_name)
+    predictions = args.predictions or max(1, round(args.seq_len * 20 / 128))
+    compiled, compile_s, rows = compile_step(config, bert_config, devices, mesh_kind, args.batch_per_chip,
+                                             args.seq_len, predictions)
+    result = {"slice": slice_name, "topology": topology, "chips": chips, "mesh": mesh_axes(mesh_kind, chips),
+              "batch_per_chip": args.batch_per_chip, "global_batch": rows, "compile_s": compile_s,
+              **analyze(compiled, hbm)}
+    # FLOPs per chip: analytic x the rows a chip processes (tensor-parallel chips share rows).
+    analytic = steps.train_flops_per_sequence(bert_config, args.seq_len, predictions) * rows / chips
+    result["analytic_flops_per_chip"] = analytic
+    result["xla_over_analytic"] = result["xla_flops"] / analytic if analytic else None
+    peak, bw = peak_tflops * 1e12, bandwidth * 1e9
+    t_min = max(result["xla_flops"] / peak, result["bytes_accessed"] / bw)
+    result["mfu_upper_bound"] = analytic / (peak * t_min) if t_min else None
+    result["roofline_step_ms"] = t_min * 1e3
+    result["roofline_sequences_per_s"] = rows / t_min if t_min else None
+    # Largest per-chip batch that fits: double until it does not.
+    best = args.batch_per_chip if result["fits"] else 0
+    b = args.batch_per_chip
+    while args.max_batch_per_chip and result["fits"] and b * 2 <= args.max_batch_per_chip:
+        b *= 2
+        c, _, _ = compile_step(config, bert_config, devices, mesh_kind, b, args.seq_len, predictions)
+        fits = analyze(c, hbm)["fits"]
+        if not fits:
+            break
+        best = b
+    result["max_batch_per_chip"] = best
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/large.py")
+    p.add_argument("--topology", default="v4-32,v5p-64,v5e-16", help=f"comma-separated, of {', '.join(SLICES)}")
+    p.add_argument("--mesh", default="data,fsdp,tensor", help="comma-separated, of data, fsdp, tensor")
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--predictions", type=int, default=0)
+    p.add_argument("--batch_per_chip", type=int, default=32)
+    p.add_argument("--max_batch_per_chip", type=int, default=512, help="0: do not search")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--remat", default="none", choices=["none", "full", "dots", "dots_no_batch"])
+    p.add_argument("--no_scan", action="store_true", help="unrolled layers (slower to compile)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    import importlib.util
+    from bert_jax.modeling import BertConfig
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise SystemExit("libtpu is not installed: pip install 'libtpu==0.0.42.*' (no TPU needed)") from None
+    spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, args.config))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    config.model.dtype = args.dtype
+    config.model.scan_layers = not args.no_scan
+    config.model.remat_policy = args.remat
+    config.max_seq_length = args.seq_len
+    bert_config = BertConfig.from_dict(config.model.to_dict())
+    results = []
+    for slice_name in args.topology.split(","):
+        if slice_name not in SLICES:
+            raise SystemExit(f"--topology: unknown slice {slice_name!r} (use {', '.join(SLICES)})")
+        for mesh_kind in args.mesh.split(","):
+            r = run_one(args, config, bert_config, slice_name, mesh_kind)
+            r.update(config=args.config, seq_len=args.seq_len, dtype=args.dtype, remat=args.remat,
+                     scan=not args.no_scan, date=time.strftime("%Y-%m-%d"))
+            results.append(r)
+            if args.json:
+                print(json.dumps(r), flush=True)
+            else:
+                print(f"{slice_name:7s} {mesh_kind:6s} mesh={r['mesh']} batch/chip={r['batch_per_chip']} "
+                      f"HBM {r['hbm_gib']:.2f}/{r['hbm_capacity_gib']} GiB  XLA/analytic FLOPs "
+                      f"{r['xla_over_analytic']:.2f}  MFU<= {r['mfu_upper_bound']:.0%}  "
+                      f"max batch/chip {r['max_batch_per_chip']}  collectives {r['collectives']}  "
+                      f"(compile {r['compile_s']:.0f} s)", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

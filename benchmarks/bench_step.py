@@ -1,0 +1,251 @@
+"""Pretraining step throughput: sequences/s, tokens/s, TFLOP/s, MFU and compile time, on CPU, GPU or TPU.
+
+    python benchmarks/bench_step.py --config=configs/base.py --seq_len=128 --batch=32 \\
+        [--dtype=bfloat16 --attention=dot_product --scan --remat=dots --packing] [--steps=20] \\
+        [--hf] [--compile_only] [--json]
+
+Times the jitted, sharded `bert_jax.steps.train_step` (the one `pretrain.run` compiles: AdamW,
+clipping, dropout on, state donated) after compilation, on inputs already on the device; the
+median of `--steps` steps, each waited for. FLOPs are the analytic matmul count
+(`steps.train_flops_per_sequence`: the MLM head at the masked positions only); MFU divides the
+achieved rate by the devices' peak (bf16 for bfloat16 runs; `--peak_tflops` overrides, and is
+needed on CPU).
+
+`--hf` also times HuggingFace's `FlaxBertForPreTraining` (transformers<5) in the same process on
+the same config, batch, inputs, optimizer and dtype, with the same losses (its MLM logits are
+computed at every position, then gathered), and reports our speed over its speed.
+
+`--packing` builds rows of 3 sequences each (pack_ids, restarted position_ids, one [CLS] per
+sequence) and reports effective (non-pad) tokens/s; unpacked rows are all real tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def load_config(path: str):
+    spec = importlib.util.spec_from_file_location("bench_config", os.path.join(ROOT, path)
+                                                  if not os.path.isabs(path) else path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/base.py")
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32, help="global batch (sequences or packed rows)")
+    p.add_argument("--predictions", type=int, default=0, help="masked positions per row (0: 20 per 128 tokens)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--attention", default="einsum", choices=["einsum", "dot_product"])
+    p.add_argument("--scan", action="store_true", help="nn.scan over layers")
+    p.add_argument("--remat", default="none", choices=["none", "full", "dots", "dots_no_batch"])
+    p.add_argument("--packing", action="store_true")
+    p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--hf", action="store_true", help="also time transformers' FlaxBertForPreTraining")
+    p.add_argument("--compile_only", action="store_true", help="lower + compile, report the time, stop")
+    p.add_argument("--peak_tflops", type=float, default=0.0, help="per-device peak (default: known devices)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def make_batch(rng, batch, seq_len, predictions, vocab, packing):
+    import numpy as np
+    ids = rng.integers(5, vocab, (batch, seq_len))
+    b = dict(input_ids=ids, input_mask=np.ones_like(ids), segment_ids=np.zeros_like(ids),
+             masked_lm_positions=np.sort(rng.choice(np.arange(1, seq_len), (batch, predictions)), axis=1),
+             masked_lm_weights=np.ones((batch, predictions), np.float32))
+    b["masked_lm_ids"] = rng.integers(5, vocab, (batch, predictions))
+    b["segment_ids"][:, seq_len // 2:] = 1
+    if not packing:
+        b["next_sentence_labels"] = rng.integers(0, 2, (batch, 1))
+        return {k: np.asarray(v, np.float32 if k == "masked_lm_weights" else np.int32) for k, v in b.items()}
+    # 3 sequences per row with random lengths, the rest padding.
+    seqs = 3
+    pack = np.zeros((batch, seq_len), np.int32)
+    pos = np.zeros((batch, seq_len), np.int32)
+    cls = np.zeros((batch, seqs), np.int32)
+    mask = np.zeros((batch, seq_len), np.int32)
+    for r in range(batch):
+        cuts = np.sort(rng.choice(np.arange(8, seq_len - 8), seqs - 1, replace=False))
+        end = rng.integers(int(seq_len * 0.85), seq_len + 1)
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts, [end]])
+        for s, (a, e) in enumerate(zip(starts, ends)):
+            pack[r, a:e] = s + 1
+            pos[r, a:e] = np.arange(e - a)
+            cls[r, s] = a
+        mask[r, :end] = 1
+    b.update(input_mask=mask, pack_ids=pack, position_ids=pos, cls_positions=cls,
+             next_sentence_labels=rng.integers(0, 2, (batch, seqs)),
+             next_sentence_weights=np.ones((batch, seqs), np.float32))
+    b["masked_lm_weights"] = (np.take_along_axis(mask, b["masked_lm_positions"], 1) > 0).astype(np.float32)
+    return {k: np.asarray(v, np.float32 if k.endswith("weights") else np.int32) for k, v in b.items()}
+
+
+def time_steps(step, state, batch, steps, warmup):
+    import jax
+    durations = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        if i >= warmup:
+            durations.append(time.perf_counter() - t0)
+    return statistics.median(durations), float(metrics["loss"]), state
+
+
+def bench_ours(args, config, bert_config, mesh, batch_np):
+    import jax
+    import flax.linen as nn
+    from bert_jax import pretrain, sharding, steps
+
+    model, tx, schedule, init_state = pretrain.build(config, bert_config, mesh)
+    state, state_shardings = sharding.sharded_init(init_state, jax.random.key(0), mesh)
+    batch_sharding = sharding.batch_sharding(mesh)
+    step = functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, mesh=mesh)
+    jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, None), donate_argnums=0)
+    batch = sharding.to_global(batch_np, mesh)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        t0 = time.perf_counter()
+        lowered = jitted.lower(state, batch)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        result = {"lower_s": t1 - t0, "compile_s": t2 - t1}
+        if not args.compile_only:
+            result["step_s"], result["loss"], _ = time_steps(compiled, state, batch, args.steps, args.warmup)
+    return result
+
+
+def bench_hf(args, config, bert_config, batch_np):
+    """transformers' FlaxBertForPreTraining, same optimizer and losses, one device."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import transformers
+    from bert_jax import optim, steps
+
+    hf_config = transformers.BertConfig(
+        vocab_size=bert_config.vocab_size, hidden_size=bert_config.hidden_size,
+        num_hidden_layers=bert_config.num_hidden_layers, num_attention_heads=bert_config.num_attention_heads,
+        intermediate_size=bert_config.intermediate_size, hidden_act="gelu",
+        max_position_embeddings=bert_config.max_position_embeddings)
+    model = transformers.FlaxBertForPreTraining(hf_config, dtype=jnp.dtype(args.dtype), seed=0)
+    schedule = optim.learning_rate_schedule(1e-4, 10, 10_000)
+    tx = optim.make_optimizer("adamw", schedule, clip_norm=1.0)
+    state = (model.params, tx.init(model.params), jnp.zeros((), jnp.int32))
+
+    def step(state, batch):
+        params, opt_state, count = state
+
+        def loss_fn(params):
+            out = model(batch["input_ids"], batch["input_mask"], batch["segment_ids"], params=params,
+                        dropout_rng=jax.random.fold_in(jax.random.key(0), count), train=True)
+            logits = jnp.take_along_axis(out.prediction_logits,
+                                         batch["masked_lm_positions"][..., None], axis=1)
+            nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["masked_lm_ids"])
+            w = batch["masked_lm_weights"]
+            nsp = optax.softmax_cross_entropy_with_integer_labels(
+                out.seq_relationship_logits.astype(jnp.float32), batch["next_sentence_labels"][:, 0])
+            return jnp.sum(nll * w) / (jnp.sum(w) + 1e-5) + jnp.mean(nsp)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, count + 1), {"loss": loss}
+
+    jitted = jax.jit(step, donate_argnums=0)
+    batch = jax.device_put({k: v for k, v in batch_np.items()})
+    t0 = time.perf_counter()
+    compiled = jitted.lower(state, batch).compile()
+    result = {"compile_s": time.perf_counter() - t0}
+    result["step_s"], result["loss"], _ = time_steps(compiled, state, batch, args.steps, args.warmup)
+    del steps
+    return result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import jax
+    import numpy as np
+    from bert_jax import pretrain, sharding, steps
+    from bert_jax.modeling import BertConfig
+
+    config = load_config(args.config)
+    config.model.dtype = args.dtype
+    config.model.attention_impl = args.attention
+    config.model.scan_layers = args.scan
+    config.model.remat_policy = args.remat
+    if args.layers:
+        config.model.num_hidden_layers = args.layers
+    config.global_batch_size = args.batch
+    config.max_seq_length = args.seq_len
+    predictions = args.predictions or max(1, round(args.seq_len * 20 / 128))
+    bert_config = BertConfig.from_dict(config.model.to_dict())
+    mesh = sharding.create_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+    batch_np = make_batch(np.random.default_rng(0), args.batch, args.seq_len, predictions,
+                          bert_config.vocab_size, args.packing)
+    if args.packing and args.hf:
+        raise SystemExit("--hf does not support --packing (HF's BERT has no packed attention)")
+
+    device = jax.devices()[0]
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else pretrain.peak_flops_per_device()
+    if peak and args.dtype == "float32" and device.platform == "gpu":
+        peak = None  # the table holds bf16 peaks; fp32 MFU on GPU needs --peak_tflops
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "device": device.device_kind, "platform": device.platform,
+        "num_devices": jax.device_count(), "host_cpus": os.cpu_count(), "python": platform.python_version(),
+        "jax": jax.__version__, "config": args.config, "layers": bert_config.num_hidden_layers,
+        "hidden": bert_config.hidden_size, "seq_len": args.seq_len, "batch": args.batch,
+        "predictions": predictions, "dtype": args.dtype, "attention": args.attention, "scan": args.scan,
+        "remat": args.remat, "packing": args.packing,
+    }
+    ours = bench_ours(args, config, bert_config, mesh, batch_np)
+    result.update(ours)
+    tokens = int(batch_np["input_mask"].sum())
+    sequences = args.batch * (3 if args.packing else 1)
+    if "step_s" in ours:
+        flops = steps.train_flops_per_sequence(bert_config, args.seq_len, predictions) * args.batch
+        result.update(sequences_per_s=sequences / ours["step_s"], tokens_per_s=tokens / ours["step_s"],
+                      tflops_per_s=flops / ours["step_s"] / 1e12)
+        if peak:
+            result["mfu"] = flops / ours["step_s"] / (peak * jax.device_count())
+        if args.hf:
+            hf = bench_hf(args, config, bert_config, batch_np)
+            result.update(hf_step_s=hf["step_s"], hf_compile_s=hf["compile_s"], hf_loss=hf["loss"],
+                          hf_sequences_per_s=sequences / hf["step_s"], speedup_vs_hf=hf["step_s"] / ours["step_s"])
+    if args.json:
+        print(json.dumps(result))
+        return result
+    print(f"{result['device']} x{result['num_devices']}  L={result['layers']} H={result['hidden']} "
+          f"T={args.seq_len} batch={args.batch} {args.dtype} attention={args.attention} scan={args.scan} "
+          f"remat={args.remat} packing={args.packing}")
+    print(f"  compile {ours['compile_s']:.1f} s (lower {ours['lower_s']:.1f} s)")
+    if "step_s" in ours:
+        print(f"  step {ours['step_s'] * 1e3:.1f} ms: {result['sequences_per_s']:.1f} sequences/s, "
+              f"{result['tokens_per_s']:,.0f} tokens/s, {result['tflops_per_s']:.2f} TFLOP/s"
+              + (f", MFU {result['mfu']:.1%}" if "mfu" in result else ""))
+    if "hf_step_s" in result:
+        print(f"  HF FlaxBertForPreTraining: step {result['hf_step_s'] * 1e3:.1f} ms "
+              f"({result['hf_sequences_per_s']:.1f} sequences/s); ours is {result['speedup_vs_hf']:.2f}x")
+    return result
+
+
+if __name__ == "__main__":
+    main()
