@@ -226,58 +226,52 @@ def masked_features(ids: np.ndarray, pairs: Pairs, vocab: Vocab, *, max_seq_leng
                     rng: np.random.Generator, stats: MaskStats) -> dict:
     """The schema's features ([batch, length] arrays, zero padded) of a batch of pairs."""
     batch, seq, preds = len(pairs), max_seq_length, max_predictions_per_seq
-    len_a = (pairs.a_end - pairs.a_start)[:, None]
-    len_b = (pairs.b_end - pairs.b_start)[:, None]
+    itype = np.int32 if len(ids) < 2**31 - seq else np.int64
+    len_a = (pairs.a_end - pairs.a_start).astype(itype)
+    len_b = (pairs.b_end - pairs.b_start).astype(itype)
     length = len_a + len_b + 3
-    p = np.arange(seq, dtype=np.int64)[None, :]
-    in_a = (p >= 1) & (p <= len_a)
-    in_b = (p >= len_a + 2) & (p < length - 1)
-    candidate = in_a | in_b  # every token but [CLS] and the two [SEP]
-    src = np.where(p <= len_a, pairs.a_start[:, None] + p - 1, pairs.b_start[:, None] + p - len_a - 2)
+    p = np.arange(seq, dtype=itype)[None, :]
+    # [CLS] A [SEP] B [SEP]: position p reads ids[a_start + p - 1] in A, ids[b_start + p - len_a - 2] in B.
+    in_a = p <= len_a[:, None]
+    src = np.where(in_a, (pairs.a_start - 1).astype(itype)[:, None], (pairs.b_start - len_a - 2).astype(itype)[:, None])
+    src += p
     np.clip(src, 0, max(len(ids) - 1, 0), out=src)
-    tokens = np.where(candidate, ids[src], 0).astype(np.int32)
+    tokens = ids[src]
     rows = np.arange(batch)
     tokens[:, 0] = vocab.cls_id
-    tokens[rows, len_a[:, 0] + 1] = vocab.sep_id
-    tokens[rows, length[:, 0] - 1] = vocab.sep_id
+    tokens[rows, len_a + 1] = vocab.sep_id
+    tokens[rows, length - 1] = vocab.sep_id
+    tokens[p >= length[:, None]] = 0
 
-    num_to_predict = np.minimum(preds, np.maximum(1, np.rint(length[:, 0] * masked_lm_prob).astype(np.int64)))
+    num_to_predict = np.minimum(preds, np.maximum(1, np.rint(length * masked_lm_prob).astype(np.int64)))
     if do_whole_word_mask:
+        candidate = (p >= 1) & (p < length[:, None] - 1)
+        candidate[rows, len_a + 1] = False
         masked = _whole_word_selection(tokens, candidate, num_to_predict, vocab, rng)
+        count = masked.sum(axis=1)
+        mrow, mcol = np.nonzero(masked)
+        slot = np.arange(len(mrow)) - np.repeat(np.cumsum(count) - count, count)
+        chosen = np.full((batch, preds), seq, itype)
+        chosen[mrow, slot] = mcol
     else:
-        num_to_predict = np.minimum(num_to_predict, length[:, 0] - 3)
-        keys = rng.random((batch, seq), dtype=np.float32)
-        keys[~candidate] = 2.0
-        k = min(preds, seq)
-        smallest = np.argpartition(keys, k - 1, axis=1)[:, :k] if k < seq else np.argsort(keys, axis=1)
-        order = np.argsort(np.take_along_axis(keys, smallest, axis=1), axis=1)
-        chosen = np.take_along_axis(smallest, order, axis=1)  # [batch, k] by key
-        take = np.arange(k)[None, :] < num_to_predict[:, None]
-        masked = np.zeros((batch, seq), bool)
-        masked[np.repeat(rows, take.sum(1)), chosen[take]] = True
+        count = np.minimum(num_to_predict, length - 3)
+        chosen = _uniform_subsets(len_a, length - 3, count, preds, seq, rng)
+    # `chosen`: each row's masked positions in increasing order, then `seq` (unused slots).
+    used = np.arange(preds)[None, :] < count[:, None]
+    safe = np.where(used, chosen, 0)
+    labels = np.take_along_axis(tokens, safe, axis=1)
+    u = rng.random((batch, preds), dtype=np.float32)
+    keep = rng.random((batch, preds), dtype=np.float32) < 0.5
+    random_word = vocab.word_ids[rng.integers(0, len(vocab.word_ids), (batch, preds))]
+    to_mask = used & (u < 0.8)
+    to_keep = used & ~to_mask & keep
+    to_random = used & ~to_mask & ~keep
+    replaced = np.where(to_mask, vocab.mask_id, np.where(to_random, random_word, labels))
+    mrow, mslot = np.nonzero(used)
+    tokens[mrow, safe[mrow, mslot]] = replaced[mrow, mslot]
 
-    # Positions in order, per row: row-major nonzero is sorted within a row.
-    mrow, mcol = np.nonzero(masked)
-    count = masked.sum(axis=1)
-    slot = np.arange(len(mrow)) - np.repeat(np.cumsum(count) - count, count)
-    labels = tokens[mrow, mcol]
-    u = rng.random(len(mrow))
-    keep = rng.random(len(mrow)) < 0.5
-    random_word = vocab.word_ids[rng.integers(0, len(vocab.word_ids), len(mrow))]
-    to_mask = u < 0.8
-    to_keep = ~to_mask & keep
-    to_random = ~to_mask & ~keep
-    tokens[mrow, mcol] = np.where(to_mask, vocab.mask_id, np.where(to_keep, labels, random_word))
-
-    positions = np.zeros((batch, preds), np.int32)
-    masked_ids = np.zeros((batch, preds), np.int32)
-    weights = np.zeros((batch, preds), np.float32)
-    positions[mrow, slot] = mcol
-    masked_ids[mrow, slot] = labels
-    weights[mrow, slot] = 1.0
-
-    stats.candidates += int(candidate.sum())
-    stats.masked += len(mrow)
+    stats.candidates += int((length - 3).sum())
+    stats.masked += int(count.sum())
     stats.replaced_by_mask += int(to_mask.sum())
     stats.kept += int(to_keep.sum())
     stats.replaced_by_random += int(to_random.sum())
@@ -285,13 +279,40 @@ def masked_features(ids: np.ndarray, pairs: Pairs, vocab: Vocab, *, max_seq_leng
     stats.random_next += int(pairs.is_random_next.sum())
     return {
         "input_ids": tokens,
-        "input_mask": p < length,
-        "segment_ids": (p >= len_a + 2) & (p < length),
-        "masked_lm_positions": positions,
-        "masked_lm_ids": masked_ids,
-        "masked_lm_weights": weights,
+        "input_mask": p < length[:, None],
+        "segment_ids": (p >= len_a[:, None] + 2) & (p < length[:, None]),
+        "masked_lm_positions": safe,
+        "masked_lm_ids": np.where(used, labels, 0),
+        "masked_lm_weights": used.astype(np.float32),
         "next_sentence_labels": pairs.is_random_next[:, None],
     }
+
+
+def _uniform_subsets(len_a: np.ndarray, num_candidates: np.ndarray, count: np.ndarray, width: int,
+                     seq: int, rng: np.random.Generator) -> np.ndarray:
+    """Per row, `count` distinct candidate positions drawn uniformly (every k-subset equally
+    likely, as the reference's shuffle-then-take), sorted, padded with `seq` to `width`.
+
+    Candidates are numbered 0..n-1 over A then B; number c is position c + 1 in A, c + 2 in B
+    (past A's [SEP]). Floyd's algorithm, one numpy step per draw for the whole batch: for j from
+    n - k to n - 1, draw t uniform in [0, j]; take t unless already taken, else take j.
+    """
+    batch = len(count)
+    steps = int(count.max()) if batch else 0
+    taken = np.zeros((batch, seq + 1), bool)
+    chosen = np.full((batch, max(width, 1)), seq, len_a.dtype)
+    rows = np.arange(batch)
+    for s in range(steps):
+        live = rows[count > s]
+        j = (num_candidates[live] - count[live] + s).astype(np.int64)
+        t = rng.integers(0, j + 1)
+        t = np.where(taken[live, t], j, t)
+        taken[live, t] = True
+        chosen[live, s] = t
+    pos = chosen + 1 + (chosen >= len_a[:, None])  # candidate number -> position
+    pos[chosen == seq] = seq
+    pos.sort(axis=1)
+    return pos[:, :width]
 
 
 def _whole_word_selection(tokens: np.ndarray, candidate: np.ndarray, num_to_predict: np.ndarray,
