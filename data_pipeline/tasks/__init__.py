@@ -1,0 +1,338 @@
+"""Fine-tuning tasks: read -> featurize -> (model) -> postprocess -> score, one file per family.
+
+A task is everything about a fine-tuning dataset that is not the network: where its examples come
+from (TFDS, or the files as they are distributed), how an example becomes fixed-shape numpy
+features with our tokenizer, how the model's outputs become predictions in the dataset's own
+terms, and how those are scored with the official metric. `bert_jax.finetune` runs one loop for
+all of them; the task tells it only the head kind (`HEAD_KINDS`) and the number of outputs.
+
+    glue.py              CoLA, SST-2, MRPC, STS-B, QQP, MNLI (m/mm), QNLI, RTE, WNLI
+    squad.py             SQuAD v1.1 and v2.0 (also the official scorer's CLI)
+    ner.py               CoNLL-2003 NER (IOB1/IOB2, conlleval scoring)
+    multiple_choice.py   SWAG
+
+Feature arrays (numpy; `N` rows, `L` = max_seq_length, `C` = choices):
+
+    input_ids, input_mask, segment_ids   int32    [N, L]  ([N, C, L] for multiple choice)
+    label                                int32    [N]     classification, multiple choice
+                                         float32  [N]     regression
+    start_positions, end_positions       int32    [N]     span
+    label_ids                            int32    [N, L]  token classification
+    label_weights                        float32  [N, L]  token classification (first pieces)
+    weight                               float32  [N]     1 for a labelled row; 0 unlabelled / padding
+    example_index                        int32    [N]     the example a row came from (host only)
+
+Bad input (a malformed row, a label outside the label set, a SQuAD answer that is not at its
+offset in the context) raises `DataError` naming the file and row; with `skip_bad_rows=True` the
+row is skipped and counted in `task.skipped` (and logged), never silently.
+
+Nothing here imports jax or bert_jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import math
+import os
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+HEAD_KINDS = ("classification", "regression", "span", "token", "multiple_choice")
+MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids")
+
+
+class DataError(ValueError):
+    """Malformed task data; the message names the file (or TFDS split) and the row."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The task interface
+# ---------------------------------------------------------------------------------------------
+
+
+class Task:
+    """Base class of every task; subclasses set the class attributes and the four methods.
+
+    Attributes:
+      name: the config's `task` value (e.g. "sst2").
+      head: one of `HEAD_KINDS`: which head `bert_jax.heads` puts on the encoder.
+      num_outputs: classes (classification, token), 1 (regression), 2 (span), choices (multiple
+        choice).
+      labels: the label set, in the order of the head's outputs (empty for regression and span).
+      train_split: the split trained on.
+      eval_splits: the splits scored after each epoch (the first one picks the best checkpoint).
+      test_splits: unlabelled splits that `predict` writes submission files for.
+      primary_metric: the key of `score`'s result that picks the best checkpoint (higher is better).
+    """
+
+    name: str = ""
+    head: str = "classification"
+    num_outputs: int = 2
+    labels: tuple = ()
+    train_split: str = "train"
+    eval_splits: tuple = ("dev",)
+    test_splits: tuple = ()
+    primary_metric: str = "accuracy"
+
+    def __init__(self, data_dir: str = "", *, source: str = "files", tfds_data_dir: Optional[str] = None,
+                 skip_bad_rows: bool = False, split_files: Optional[dict] = None):
+        if source not in ("files", "tfds"):
+            raise ValueError(f"config.data_source must be 'files' or 'tfds', got {source!r}")
+        if source == "files" and not data_dir and not split_files:
+            raise ValueError(f"task {self.name}: config.data_dir is empty (the folder of the task's files)")
+        self.data_dir = data_dir
+        self.source = source
+        self.tfds_data_dir = tfds_data_dir or None
+        self.rows = BadRows(skip_bad_rows)
+        self.split_files = dict(split_files or {})  # split -> path, overriding the usual file names
+
+    @property
+    def skipped(self) -> dict:
+        """Rows skipped as bad, by `where` (file or TFDS split)."""
+        return dict(self.rows.counts)
+
+    # --- the four steps ------------------------------------------------------------------------
+
+    def read(self, split: str) -> list:
+        """The examples of `split` (from files or TFDS)."""
+        raise NotImplementedError
+
+    def featurize(self, examples: Sequence, tokenizer, max_seq_length: int, *,
+                  training: bool) -> dict[str, np.ndarray]:
+        """Fixed-shape numpy features (module docstring), with `example_index` per row."""
+        raise NotImplementedError
+
+    def postprocess(self, examples: Sequence, features: dict[str, np.ndarray],
+                    outputs: dict[str, np.ndarray]) -> Any:
+        """Model outputs (numpy, one row per feature row) -> predictions in the task's terms."""
+        raise NotImplementedError
+
+    def score(self, examples: Sequence, predictions: Any) -> dict[str, float]:
+        """The official metric(s) of `predictions` against the examples' gold labels."""
+        raise NotImplementedError
+
+    def write_predictions(self, examples: Sequence, predictions: Any, directory: str,
+                          split: str) -> list[str]:
+        """Writes predictions (and, for test splits, submission files) to `directory`."""
+        raise NotImplementedError
+
+    # --- shared --------------------------------------------------------------------------------
+
+    def make_tokenizer(self, vocab_file: str, do_lower_case: bool):
+        """Tokenizer used by `featurize` (the Google-exact one, with character offsets)."""
+        from data_pipeline import tokenization
+        return tokenization.FullTokenizer(vocab_file, do_lower_case)
+
+    def split_name(self, split: str) -> str:
+        """A short label of a split for file and metric names."""
+        return split
+
+    def _path(self, split: str, *candidates: str) -> str:
+        """`split_files[split]`, else the first existing file among `candidates` in `data_dir`."""
+        if split in self.split_files:
+            if not os.path.exists(self.split_files[split]):
+                raise FileNotFoundError(f"task {self.name}: {split} file {self.split_files[split]} does not exist")
+            return self.split_files[split]
+        for name in candidates:
+            path = os.path.join(self.data_dir, name)
+            if os.path.exists(path):
+                return path
+        raise FileNotFoundError(f"task {self.name}: none of {list(candidates)} in {self.data_dir}")
+
+
+class BadRows:
+    """Raise on bad input, or count and log it (`skip=True`): never a silent drop."""
+
+    def __init__(self, skip: bool):
+        self.skip = skip
+        self.counts: dict[str, int] = {}
+
+    def bad(self, where: str, row, problem: str) -> None:
+        message = f"{where}: row {row}: {problem}"
+        if not self.skip:
+            raise DataError(message + " (set config.skip_bad_rows=True to skip such rows)")
+        self.counts[where] = self.counts.get(where, 0) + 1
+        logging.warning("skipped %s", message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+# name -> (module, class). Explicit, checked when the config is read.
+_TASKS = {
+    **{n: ("glue", "GlueTask") for n in ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")},
+    "squad_v1": ("squad", "SquadV1"),
+    "squad_v2": ("squad", "SquadV2"),
+    "conll2003": ("ner", "Conll2003"),
+    "swag": ("multiple_choice", "Swag"),
+}
+TASK_NAMES = tuple(_TASKS)
+
+
+def get_task(name: str, data_dir: str = "", **kwargs) -> Task:
+    """The task called `name` (see `TASK_NAMES`), reading from `data_dir` or TFDS.
+
+    Keyword args go to the task's constructor: `source` ("files" | "tfds"), `tfds_data_dir`,
+    `skip_bad_rows`, and task options (e.g. SQuAD's `null_score_diff_threshold`).
+    """
+    key = name.lower().replace("-", "").replace(".", "")
+    key = {"squad": "squad_v1", "squadv1": "squad_v1", "squad11": "squad_v1", "squadv11": "squad_v1",
+           "squadv2": "squad_v2", "squad20": "squad_v2", "squadv20": "squad_v2", "ner": "conll2003",
+           "stsb": "stsb", "sst": "sst2"}.get(key, key)
+    if key not in _TASKS:
+        raise ValueError(f"config.task must be one of {sorted(TASK_NAMES)}, got {name!r}")
+    module, cls = _TASKS[key]
+    task_cls = getattr(importlib.import_module(f"data_pipeline.tasks.{module}"), cls)
+    return task_cls(key, data_dir, **kwargs) if module == "glue" else task_cls(data_dir, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Featurization helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def tokenize_all(tokenizer, texts: Sequence[str]) -> list[list[str]]:
+    """Word pieces of each text, through the tokenizer's batch path when it has one."""
+    if hasattr(tokenizer, "tokenize_batch"):
+        return tokenizer.tokenize_batch(list(texts))
+    return [tokenizer.tokenize(t) for t in texts]
+
+
+def truncate_pair(tokens_a: list, tokens_b: list, max_length: int) -> None:
+    """Google's `_truncate_seq_pair`: pop from the longer list until the pair fits (in place)."""
+    while len(tokens_a) + len(tokens_b) > max_length:
+        (tokens_a if len(tokens_a) > len(tokens_b) else tokens_b).pop()
+
+
+def encode_pair(tokenizer, tokens_a: list, tokens_b: Optional[list], max_seq_length: int):
+    """`[CLS] a [SEP] (b [SEP])` -> padded (input_ids, input_mask, segment_ids), truncating first.
+
+    Example: a = ["the", "cat"], b = ["sat"], L = 8 ->
+      ids of [CLS] the cat [SEP] sat [SEP] [PAD] [PAD]; mask 1 1 1 1 1 1 0 0; segments 0 0 0 0 1 1 0 0.
+    """
+    tokens_a = list(tokens_a)
+    tokens_b = list(tokens_b) if tokens_b is not None else None
+    if tokens_b is not None:
+        truncate_pair(tokens_a, tokens_b, max_seq_length - 3)
+    else:
+        del tokens_a[max_seq_length - 2:]
+    tokens = ["[CLS]"] + tokens_a + ["[SEP]"]
+    segments = [0] * len(tokens)
+    if tokens_b is not None:
+        tokens += tokens_b + ["[SEP]"]
+        segments += [1] * (len(tokens_b) + 1)
+    return pad_row(tokenizer.convert_tokens_to_ids(tokens), segments, max_seq_length)
+
+
+def pad_row(ids: list, segments: list, max_seq_length: int):
+    n = len(ids)
+    input_ids = np.zeros(max_seq_length, np.int32)
+    input_ids[:n] = ids
+    mask = np.zeros(max_seq_length, np.int32)
+    mask[:n] = 1
+    seg = np.zeros(max_seq_length, np.int32)
+    seg[:n] = segments
+    return input_ids, mask, seg
+
+
+def stack(rows: dict[str, list], dtypes: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Lists of per-row values -> arrays with the given dtypes (empty lists keep their shape)."""
+    return {k: np.asarray(v, dtype=dtypes.get(k, np.int32)) for k, v in rows.items()}
+
+
+def check_vocab(tokenizer) -> None:
+    missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[UNK]") if t not in tokenizer.vocab]
+    if missing:
+        raise ValueError(f"the vocabulary lacks the special tokens {missing}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def read_tsv(path: str) -> list[list[str]]:
+    """Tab-separated rows as GLUE's tools read them (no quoting; UTF-8, BOM dropped)."""
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        return [line.rstrip("\r\n").split("\t") for line in f]
+
+
+def tfds_examples(name: str, split: str, data_dir: Optional[str]) -> Iterator[dict]:
+    """`tfds.load(name, split)` as dicts of Python values (bytes decoded to str)."""
+    import tensorflow_datasets as tfds
+
+    ds = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False)
+    for ex in tfds.as_numpy(ds):
+        yield _decode(ex)
+
+
+def _decode(value):
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        return [_decode(v) for v in value.tolist()]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching (host-local numpy; the loop makes them global)
+# ---------------------------------------------------------------------------------------------
+
+
+def num_batches(num_rows: int, global_batch_size: int) -> int:
+    return max(1, math.ceil(num_rows / global_batch_size))
+
+
+def batches(features: dict[str, np.ndarray], keys: Sequence[str], global_batch_size: int, *,
+            process_index: int = 0, process_count: int = 1, shuffle_seed: Optional[int] = None,
+            ) -> Iterator[dict[str, np.ndarray]]:
+    """One pass over `features` in global batches, yielding this host's rows of each.
+
+    Rows are shuffled with `shuffle_seed` (the same permutation on every host) or kept in order.
+    The last batch is completed with weight-0 copies of row 0, so nothing is dropped and every
+    host yields the same number of batches. Host `p` holds rows `[p*b, (p+1)*b)` of each global
+    batch (`b` = global / process_count), so the global arrays are in order.
+    """
+    n = len(features["weight"])
+    if n == 0:
+        raise ValueError("no feature rows to batch")
+    if global_batch_size % process_count:
+        raise ValueError(f"batch size {global_batch_size} must divide by {process_count} processes")
+    order = np.arange(n) if shuffle_seed is None else np.random.RandomState(shuffle_seed).permutation(n)
+    per_host = global_batch_size // process_count
+    for b in range(num_batches(n, global_batch_size)):
+        idx = order[b * global_batch_size:(b + 1) * global_batch_size]
+        real = np.ones(global_batch_size, bool)
+        real[len(idx):] = False
+        idx = np.concatenate([idx, np.zeros(global_batch_size - len(idx), idx.dtype)])
+        lo, hi = process_index * per_host, (process_index + 1) * per_host
+        rows, keep = idx[lo:hi], real[lo:hi]
+        out = {k: features[k][rows] for k in keys}
+        out["weight"] = np.where(keep, features["weight"][rows], 0.0).astype(np.float32)
+        yield out
+
+
+@dataclasses.dataclass
+class Split:
+    """One split, read and featurized: what the loop evaluates and postprocesses."""
+
+    name: str
+    examples: list
+    features: dict
+
+
+def load_split(task: Task, split: str, tokenizer, max_seq_length: int, *, training: bool) -> Split:
+    examples = task.read(split)
+    if not examples:
+        raise ValueError(f"task {task.name}: split {split!r} has no examples")
+    return Split(split, examples, task.featurize(examples, tokenizer, max_seq_length, training=training))

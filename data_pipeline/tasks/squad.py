@@ -1,0 +1,485 @@
+"""SQuAD v1.1 and v2.0: reference featurization, n-best post-processing, the official scorer.
+
+Featurization follows google-research/bert `run_squad.py` (max_seq_length 384, doc_stride 128,
+max_query_length 64): `[CLS] question [SEP] context window [SEP]`, context windows sliding by
+`doc_stride` tokens, each token scored in the window where it has the most context on both sides.
+Answers are mapped from characters to word pieces through the tokenizer's character offsets
+(`FullTokenizer.tokenize_with_offsets`) rather than Google's whitespace-token detour: the answer's
+first piece is the first one ending after its start character, its last piece the last one
+starting before its end. A training answer that is not at its `answer_start` in the context is a
+bad row (an error naming the file and question, or a counted skip). A training answer outside a
+window (and every v2 unanswerable question) points at [CLS].
+
+Post-processing is Google's `write_predictions`: the top `n_best_size` (20) start and end logits of
+each window, valid spans only (inside the context, end >= start, at most `max_answer_length` (30)
+pieces, start piece at its max-context window), best `start + end` over the windows. The answer
+text is the context's original characters from the first piece's start to the last piece's end.
+v2: the null score is the smallest `start[CLS] + end[CLS]` over the windows; `null_odds` is null
+score minus the best span's score, and the prediction is "" when it exceeds
+`null_score_diff_threshold`.
+
+Scoring is the official `evaluate-v1.1.py` / `evaluate-v2.0.py` (percentages): answer normalization
+(lower case, drop punctuation and the articles a/an/the, collapse whitespace), max over the gold
+answers; v2 adds HasAns/NoAns splits and, given `null_odds` as na_probs, the best thresholds. The
+same scorer is a CLI with the official scripts' interface:
+
+    python -m data_pipeline.tasks.squad dev-v1.1.json predictions.json
+    python -m data_pipeline.tasks.squad dev-v2.0.json predictions.json --version_2 [--na_prob_file null_odds.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import string
+import sys
+from typing import Optional, Sequence
+
+import numpy as np
+
+from data_pipeline.tasks import Task, check_vocab, pad_row, stack, tfds_examples
+
+
+@dataclasses.dataclass
+class Example:
+    qas_id: str
+    question: str
+    context: str
+    answers: list  # [{"text": str, "answer_start": int}], gold answers (empty: unanswerable)
+    is_impossible: bool = False
+    where: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Official scoring (evaluate-v1.1.py and evaluate-v2.0.py semantics)
+# ---------------------------------------------------------------------------------------------
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
+_PUNCTUATION = set(string.punctuation)
+
+
+def normalize_answer(s: str) -> str:
+    """Lower case, remove punctuation, remove articles, collapse whitespace (in the official order)."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in _PUNCTUATION)
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+def exact_match_score(prediction: str, ground_truth: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(ground_truth))
+
+
+def f1_score_v1(prediction: str, ground_truth: str) -> float:
+    pred_tokens = normalize_answer(prediction).split()
+    gold_tokens = normalize_answer(ground_truth).split()
+    num_same = sum((collections.Counter(pred_tokens) & collections.Counter(gold_tokens)).values())
+    if num_same == 0:
+        return 0.0
+    precision, recall = num_same / len(pred_tokens), num_same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score_v2(gold: str, prediction: str) -> float:
+    """v2's token F1: two empty answers agree (1), one empty answer scores 0."""
+    gold_tokens = normalize_answer(gold).split() if gold else []
+    pred_tokens = normalize_answer(prediction).split() if prediction else []
+    if not gold_tokens or not pred_tokens:
+        return float(gold_tokens == pred_tokens)
+    num_same = sum((collections.Counter(gold_tokens) & collections.Counter(pred_tokens)).values())
+    if num_same == 0:
+        return 0.0
+    precision, recall = num_same / len(pred_tokens), num_same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def evaluate_v1(gold: Sequence[tuple[str, list]], predictions: dict) -> dict:
+    """`gold`: (question id, gold answer texts) in file order. A missing prediction scores 0."""
+    em = f1 = 0.0
+    for qid, answers in gold:
+        if qid not in predictions:
+            print(f"Unanswered question {qid} will receive score 0.", file=sys.stderr)
+            continue
+        pred = predictions[qid]
+        em += max(exact_match_score(pred, a) for a in answers)
+        f1 += max(f1_score_v1(pred, a) for a in answers)
+    total = max(len(gold), 1)
+    return {"exact_match": 100.0 * em / total, "f1": 100.0 * f1 / total}
+
+
+def _best_threshold(predictions, scores, na_probs, has_answer) -> tuple[float, float]:
+    num_no_answer = sum(1 for q in has_answer if not has_answer[q])
+    current = best = num_no_answer
+    best_thresh = 0.0
+    for qid in sorted(na_probs, key=lambda k: na_probs[k]):
+        if qid not in scores:
+            continue
+        if has_answer[qid]:
+            diff = scores[qid]
+        else:
+            diff = -1 if predictions[qid] else 0
+        current += diff
+        if current > best:
+            best, best_thresh = current, na_probs[qid]
+    return 100.0 * best / len(scores), float(best_thresh)
+
+
+def evaluate_v2(gold: Sequence[tuple[str, list]], predictions: dict, na_probs: Optional[dict] = None,
+                na_prob_thresh: float = 1.0) -> dict:
+    """evaluate-v2.0.py: `gold` (question id, gold texts, [] = unanswerable); `na_probs` per question.
+
+    Returns exact, f1, total, HasAns_*/NoAns_* (when such questions exist) and, when `na_probs` is
+    given, best_exact(_thresh) and best_f1(_thresh).
+    """
+    # The official has-answer test is `bool(qa["answers"])`; gold texts that normalize to nothing
+    # are dropped from the comparison (then [""] stands in).
+    has_answer = {qid: bool(answers) for qid, answers in gold}
+    exact_raw, f1_raw = {}, {}
+    for qid, answers in gold:
+        texts = [a for a in answers if normalize_answer(a)] or [""]
+        if qid not in predictions:
+            print(f"Missing prediction for {qid}", file=sys.stderr)
+            continue
+        pred = predictions[qid]
+        exact_raw[qid] = max(float(normalize_answer(a) == normalize_answer(pred)) for a in texts)
+        f1_raw[qid] = max(f1_score_v2(a, pred) for a in texts)
+    probs = na_probs if na_probs is not None else {k: 0.0 for k in predictions}
+
+    def thresholded(scores):
+        return {q: (float(not has_answer[q]) if probs[q] > na_prob_thresh else s) for q, s in scores.items()}
+
+    exact, f1 = thresholded(exact_raw), thresholded(f1_raw)
+
+    def block(qids):
+        qids = [q for q in qids if q in exact]
+        n = len(qids)
+        return {"exact": 100.0 * sum(exact[q] for q in qids) / max(n, 1),
+                "f1": 100.0 * sum(f1[q] for q in qids) / max(n, 1), "total": n}
+
+    out = block(list(exact))
+    has = [q for q, h in has_answer.items() if h]
+    no = [q for q, h in has_answer.items() if not h]
+    if has:
+        out.update({f"HasAns_{k}": v for k, v in block(has).items()})
+    if no:
+        out.update({f"NoAns_{k}": v for k, v in block(no).items()})
+    if na_probs is not None and exact_raw:
+        out["best_exact"], out["best_exact_thresh"] = _best_threshold(predictions, exact_raw, probs, has_answer)
+        out["best_f1"], out["best_f1_thresh"] = _best_threshold(predictions, f1_raw, probs, has_answer)
+    return out
+
+
+def gold_from_json(dataset: list) -> list[tuple[str, list]]:
+    """(question id, gold answer texts) of SQuAD JSON's `data` list, in file order."""
+    return [(qa["id"], [a["text"] for a in qa.get("answers", [])])
+            for article in dataset for paragraph in article["paragraphs"] for qa in paragraph["qas"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# The tasks
+# ---------------------------------------------------------------------------------------------
+
+
+class SquadV1(Task):
+    """SQuAD v1.1 (`train-v1.1.json`, `dev-v1.1.json`, or TFDS `squad/v1.1`)."""
+
+    name = "squad_v1"
+    head = "span"
+    num_outputs = 2
+    eval_splits = ("dev",)
+    primary_metric = "f1"
+    version_2 = False
+    tfds_name = "squad/v1.1"
+    files = {"train": ("train-v1.1.json", "train.json"), "dev": ("dev-v1.1.json", "dev.json")}
+
+    def __init__(self, data_dir: str = "", *, doc_stride: int = 128, max_query_length: int = 64,
+                 n_best_size: int = 20, max_answer_length: int = 30,
+                 null_score_diff_threshold: float = 0.0, **kwargs):
+        super().__init__(data_dir, **kwargs)
+        self.doc_stride = doc_stride
+        self.max_query_length = max_query_length
+        self.n_best_size = n_best_size
+        self.max_answer_length = max_answer_length
+        self.null_score_diff_threshold = null_score_diff_threshold
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def read(self, split: str) -> list[Example]:
+        if split not in self.files:
+            raise ValueError(f"task {self.name} has no split {split!r}; expected one of {list(self.files)}")
+        if self.source == "tfds":
+            return self._read_tfds(split)
+        path = self._path(split, *self.files[split])
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)["data"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}: not a SQuAD JSON file ({e})") from e
+        examples = []
+        for a, article in enumerate(data):
+            for p, paragraph in enumerate(article.get("paragraphs", [])):
+                context = paragraph.get("context")
+                for q, qa in enumerate(paragraph.get("qas", [])):
+                    where = f"{path}: data[{a}].paragraphs[{p}].qas[{q}] (id {qa.get('id')})"
+                    if not isinstance(context, str) or "id" not in qa or "question" not in qa:
+                        self.rows.bad(path, f"data[{a}].paragraphs[{p}].qas[{q}]",
+                                      "missing context, id or question")
+                        continue
+                    examples.append(Example(qa["id"], qa["question"], context, list(qa.get("answers", [])),
+                                            bool(qa.get("is_impossible", False)), where))
+        return examples
+
+    def _read_tfds(self, split: str) -> list[Example]:
+        tfds_split = {"train": "train", "dev": "validation"}[split]
+        examples = []
+        for row, ex in enumerate(tfds_examples(self.tfds_name, tfds_split, self.tfds_data_dir)):
+            ans = ex["answers"]
+            answers = [{"text": t, "answer_start": int(s)} for t, s in zip(ans["text"], ans["answer_start"])]
+            examples.append(Example(ex["id"], ex["question"], ex["context"], answers,
+                                    bool(ex.get("is_impossible", False)),
+                                    f"tfds {self.tfds_name}:{tfds_split}: row {row} (id {ex['id']})"))
+        return examples
+
+    # --- features ------------------------------------------------------------------------------
+
+    def _answer_span(self, ex: Example, spans: list) -> Optional[tuple[int, int]]:
+        """Word-piece (start, end) of the first gold answer; None (after `bad`) if it is off."""
+        if not ex.answers:
+            self.rows.bad(ex.where, "", "an answerable training question without answers")
+            return None
+        answer = ex.answers[0]
+        text, start = answer.get("text", ""), answer.get("answer_start", -1)
+        if not isinstance(start, int) or ex.context[start:start + len(text)] != text or not text.strip():
+            self.rows.bad(ex.where, "", f"answer {text!r} is not at answer_start={start} in its context "
+                          f"(found {ex.context[start:start + len(text)]!r})")
+            return None
+        end = start + len(text)
+        inside = [i for i, (s, e) in enumerate(spans) if e > start and s < end]
+        if not inside:
+            self.rows.bad(ex.where, "", f"answer {text!r} covers no word piece of the context")
+            return None
+        return inside[0], inside[-1]
+
+    def featurize(self, examples, tokenizer, max_seq_length, *, training):
+        check_vocab(tokenizer)
+        keys = ("input_ids", "input_mask", "segment_ids", "start_positions", "end_positions", "weight",
+                "example_index", "token_start_char", "token_end_char", "token_is_max_context")
+        rows = {k: [] for k in keys}
+        cache: dict = {}
+        cls_id, sep_id = tokenizer.vocab["[CLS]"], tokenizer.vocab["[SEP]"]
+        for index, ex in enumerate(examples):
+            if ex.context not in cache:
+                pieces, spans = tokenizer.tokenize_with_offsets(ex.context)
+                cache = {ex.context: (tokenizer.convert_tokens_to_ids(pieces), spans)}  # consecutive reuse
+            doc_ids, spans = cache[ex.context]
+            query = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(ex.question)[:self.max_query_length])
+            answer = None
+            if training and not (self.version_2 and ex.is_impossible):
+                answer = self._answer_span(ex, spans)
+                if answer is None:
+                    continue  # counted by self.rows
+            max_doc = max_seq_length - len(query) - 3
+            if max_doc <= 0:
+                raise ValueError(f"max_seq_length={max_seq_length} leaves no room for the context after "
+                                 f"a {len(query)}-piece question (max_query_length={self.max_query_length})")
+            windows = doc_windows(len(doc_ids), max_doc, self.doc_stride)
+            for w_start, w_len in windows:
+                ids = [cls_id] + query + [sep_id] + doc_ids[w_start:w_start + w_len] + [sep_id]
+                segments = [0] * (len(query) + 2) + [1] * (w_len + 1)
+                offset = len(query) + 2  # where the window's first piece sits
+                start_char = np.full(max_seq_length, -1, np.int32)
+                end_char = np.full(max_seq_length, -1, np.int32)
+                max_context = np.zeros(max_seq_length, bool)
+                for j in range(w_len):
+                    start_char[offset + j], end_char[offset + j] = spans[w_start + j]
+                    max_context[offset + j] = is_max_context(windows, w_start, w_start + j)
+                start_pos = end_pos = 0
+                if answer is not None and w_start <= answer[0] and answer[1] < w_start + w_len:
+                    start_pos, end_pos = answer[0] - w_start + offset, answer[1] - w_start + offset
+                input_ids, mask, seg = pad_row(ids, segments, max_seq_length)
+                for k, v in (("input_ids", input_ids), ("input_mask", mask), ("segment_ids", seg),
+                             ("start_positions", start_pos), ("end_positions", end_pos),
+                             ("weight", 1.0 if training else 0.0), ("example_index", index),
+                             ("token_start_char", start_char), ("token_end_char", end_char),
+                             ("token_is_max_context", max_context)):
+                    rows[k].append(v)
+        if not rows["input_ids"]:
+            raise ValueError(f"task {self.name}: no features (every example was skipped as bad)")
+        return stack(rows, {"weight": np.float32, "token_is_max_context": bool})
+
+    # --- predictions ---------------------------------------------------------------------------
+
+    def postprocess(self, examples, features, outputs):
+        """{"predictions": id -> text, "nbest": id -> [...], "null_odds": id -> float (v2)}."""
+        start_logits = np.asarray(outputs["start_logits"], np.float32)
+        end_logits = np.asarray(outputs["end_logits"], np.float32)
+        by_example = collections.defaultdict(list)
+        for row, ex_index in enumerate(features["example_index"]):
+            by_example[int(ex_index)].append(row)
+        predictions, nbest_all, null_odds = {}, {}, {}
+        n = self.n_best_size
+        for ex_index, ex in enumerate(examples):
+            candidates = []  # (score, start logit, end logit, start char, end char)
+            null = None  # (score, start logit, end logit), the smallest over windows
+            for row in by_example.get(ex_index, []):
+                s_log, e_log = start_logits[row], end_logits[row]
+                if self.version_2:
+                    score = float(s_log[0] + e_log[0])
+                    if null is None or score < null[0]:
+                        null = (score, float(s_log[0]), float(e_log[0]))
+                starts = np.argsort(-s_log, kind="stable")[:n]
+                ends = np.argsort(-e_log, kind="stable")[:n]
+                sc, ec = features["token_start_char"][row], features["token_end_char"][row]
+                max_ctx = features["token_is_max_context"][row]
+                for s in starts:
+                    if sc[s] < 0 or not max_ctx[s]:
+                        continue
+                    for e in ends:
+                        if ec[e] < 0 or e < s or e - s + 1 > self.max_answer_length:
+                            continue
+                        candidates.append((float(s_log[s] + e_log[e]), float(s_log[s]), float(e_log[e]),
+                                           int(sc[s]), int(ec[e])))
+            if self.version_2 and null is not None:  # the null span competes as (0, 0)
+                candidates.append((null[0], null[1], null[2], -1, -1))
+            candidates.sort(key=lambda c: -c[0])
+            nbest, seen = [], set()
+            for score, s_logit, e_logit, c0, c1 in candidates:
+                if len(nbest) >= n:
+                    break
+                text = ex.context[c0:c1] if c0 >= 0 else ""
+                if text in seen:
+                    continue
+                seen.add(text)
+                nbest.append({"text": text, "start_logit": s_logit, "end_logit": e_logit})
+            if self.version_2 and null is not None:
+                if "" not in seen:
+                    nbest.append({"text": "", "start_logit": null[1], "end_logit": null[2]})
+                if len(nbest) == 1:  # only the null answer: Google adds a nonce span
+                    nbest.insert(0, {"text": "empty", "start_logit": 0.0, "end_logit": 0.0})
+            if not nbest:
+                nbest = [{"text": "empty", "start_logit": 0.0, "end_logit": 0.0}]
+            totals = np.array([c["start_logit"] + c["end_logit"] for c in nbest])
+            probs = np.exp(totals - totals.max())
+            probs /= probs.sum()
+            for c, p in zip(nbest, probs):
+                c["probability"] = float(p)
+            best_span = next((c for c in nbest if c["text"]), None)
+            if not self.version_2:
+                predictions[ex.qas_id] = nbest[0]["text"]
+            else:
+                diff = null[0] - best_span["start_logit"] - best_span["end_logit"]
+                null_odds[ex.qas_id] = diff
+                predictions[ex.qas_id] = "" if diff > self.null_score_diff_threshold else best_span["text"]
+            nbest_all[ex.qas_id] = nbest
+        out = {"predictions": predictions, "nbest": nbest_all}
+        if self.version_2:
+            out["null_odds"] = null_odds
+        return out
+
+    def score(self, examples, predictions):
+        gold = [(e.qas_id, [a["text"] for a in e.answers]) for e in examples]
+        if self.version_2:
+            return evaluate_v2(gold, predictions["predictions"], predictions.get("null_odds"))
+        return evaluate_v1(gold, predictions["predictions"])
+
+    def write_predictions(self, examples, predictions, directory, split):
+        """predictions.json and nbest_predictions.json (+ null_odds.json for v2), Google's files."""
+        os.makedirs(directory, exist_ok=True)
+        prefix = "" if split == "dev" else f"{split}_"
+        paths = []
+        for key, name in (("predictions", "predictions.json"), ("nbest", "nbest_predictions.json"),
+                          ("null_odds", "null_odds.json")):
+            if key in predictions:
+                path = os.path.join(directory, prefix + name)
+                values = predictions[key]
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(values, f, indent=2 if key != "predictions" else None)
+                paths.append(path)
+        return paths
+
+
+class SquadV2(SquadV1):
+    """SQuAD v2.0 (`train-v2.0.json`, `dev-v2.0.json`, or TFDS `squad/v2.0`)."""
+
+    name = "squad_v2"
+    version_2 = True
+    tfds_name = "squad/v2.0"
+    files = {"train": ("train-v2.0.json", "train.json"), "dev": ("dev-v2.0.json", "dev.json")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Windows
+# ---------------------------------------------------------------------------------------------
+
+
+def doc_windows(num_tokens: int, max_tokens: int, stride: int) -> list[tuple[int, int]]:
+    """Google's sliding windows `(start, length)`: the last one ends at the document's end.
+
+    Example: 10 pieces, windows of 4, stride 3 -> (0, 4), (3, 4), (6, 4).
+    """
+    windows, start = [], 0
+    while start < num_tokens:
+        length = min(num_tokens - start, max_tokens)
+        windows.append((start, length))
+        if start + length == num_tokens:
+            break
+        start += min(length, stride)
+    return windows or [(0, 0)]
+
+
+def is_max_context(windows: list[tuple[int, int]], current_start: int, position: int) -> bool:
+    """Whether the window starting at `current_start` gives `position` its most context.
+
+    Score of a window for a token: min(left context, right context) + 0.01 * window length;
+    the first best window wins (Google's `_check_is_max_context`).
+    """
+    best_score, best_start = None, None
+    for start, length in windows:
+        end = start + length - 1
+        if position < start or position > end:
+            continue
+        score = min(position - start, end - position) + 0.01 * length
+        if best_score is None or score > best_score:
+            best_score, best_start = score, start
+    return best_start == current_start
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: the official scripts' interface
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="Official SQuAD v1.1 / v2.0 evaluation.")
+    parser.add_argument("data_file", help="dev-v1.1.json / dev-v2.0.json")
+    parser.add_argument("pred_file", help="predictions.json: question id -> answer text")
+    parser.add_argument("--version_2", action="store_true", help="score as evaluate-v2.0.py")
+    parser.add_argument("--na_prob_file", "--na-prob-file", default=None,
+                        help="v2: null_odds.json (question id -> no-answer score)")
+    parser.add_argument("--na_prob_thresh", "--na-prob-thresh", type=float, default=1.0,
+                        help="v2: predict no-answer when the na score exceeds this")
+    args = parser.parse_args(argv)
+    with open(args.data_file, encoding="utf-8") as f:
+        dataset = json.load(f)
+    with open(args.pred_file, encoding="utf-8") as f:
+        predictions = json.load(f)
+    gold = gold_from_json(dataset["data"])
+    if args.version_2:
+        na_probs = None
+        if args.na_prob_file:
+            with open(args.na_prob_file, encoding="utf-8") as f:
+                na_probs = json.load(f)
+        print(json.dumps(evaluate_v2(gold, predictions, na_probs, args.na_prob_thresh), indent=2))
+    else:
+        if dataset.get("version") != "1.1":
+            print(f"Evaluation expects v-1.1, but got dataset with v-{dataset.get('version')}", file=sys.stderr)
+        print(json.dumps(evaluate_v1(gold, predictions)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
