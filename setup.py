@@ -15,16 +15,17 @@ INSTALL_REQUIRES = [
     "tqdm>=4.66",
     "safetensors>=0.4",
     "sentencepiece>=0.2.0",
-    "tokenizers>=0.20",  # the fast WordPiece batch path (identical ids to FullTokenizer)
     "tensorflow-cpu>=2.21; platform_machine=='x86_64' and sys_platform=='linux'",
     "tensorflow>=2.21; platform_machine!='x86_64' or sys_platform!='linux'",
     "tensorflow-datasets>=4.9.8",
-    "tensorboard>=2.16",  # clu's TensorBoard metric writer
+    "tensorboard>=2.16",  # clu's TensorBoard metric writer; bert_jax.plot reads its event files
+    "matplotlib>=3.7",  # bert_jax.plot: training curves as PNG
 ]
 
 EXTRAS = {
     # transformers<5 still ships FlaxBertForPreTraining: the independent reference of the parity tests.
-    "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "transformers>=4.45,<5"],
+    # tokenizers: compared with ours in benchmarks/bench_tokenizer.py and the MiniLM integration test.
+    "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "transformers>=4.45,<5", "tokenizers>=0.20"],
     "gpu": ["jax[cuda12]>=0.10.2"],
     "tpu": ["jax[tpu]>=0.10.2"],
 }

@@ -115,4 +115,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
                 print(f"{r['prompt']}\n    [MASK] -> {shown}")
         with open(os.path.join(workdir, "fill_mask.json"), "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
+        from bert_jax import plot
+        curves = os.path.join(workdir, "curves.png")
+        plot.plot(workdir, curves)
+        print(f"\ntraining curves: {curves}  (python -m bert_jax.plot --workdir={workdir})")
     return results

@@ -334,3 +334,5 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
     assert sorted(log) == list(range(1, 41))
     assert np.mean([log[s] for s in range(31, 41)]) < np.mean([log[s] for s in range(1, 11)]) - 0.5
     assert set(json.loads((tmp_path / "eval_results.json").read_text())) >= {"masked_lm_accuracy"}
+    assert f"training curves: {tmp_path / 'curves.png'}" in r.stdout
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
