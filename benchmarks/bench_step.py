@@ -13,7 +13,8 @@ needed on CPU).
 
 `--hf` also times HuggingFace's `FlaxBertForPreTraining` (transformers<5) in the same process on
 the same config, batch, inputs, optimizer and dtype, with the same losses (its MLM logits are
-computed at every position, then gathered), and reports our speed over its speed.
+computed at every position, then gathered), and reports our speed over its speed; the timed
+rounds alternate between the two so that both see the same machine load.
 
 `--packing` builds rows of 3 sequences each (pack_ids, restarted position_ids, one [CLS] per
 sequence) and reports effective (non-pad) tokens/s; unpacked rows are all real tokens.
@@ -57,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1, help="timed rounds of --steps (alternating with --hf)")
     p.add_argument("--hf", action="store_true", help="also time transformers' FlaxBertForPreTraining")
     p.add_argument("--compile_only", action="store_true", help="lower + compile, report the time, stop")
     p.add_argument("--peak_tflops", type=float, default=0.0, help="per-device peak (default: known devices)")
@@ -98,16 +100,36 @@ def make_batch(rng, batch, seq_len, predictions, vocab, packing):
     return {k: np.asarray(v, np.float32 if k.endswith("weights") else np.int32) for k, v in b.items()}
 
 
-def time_steps(step, state, batch, steps, warmup):
-    import jax
-    durations = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics["loss"])
-        if i >= warmup:
-            durations.append(time.perf_counter() - t0)
-    return statistics.median(durations), float(metrics["loss"]), state
+class Runner:
+    """A compiled step with its (donated, so replaced every step) state."""
+
+    def __init__(self, step, state, batch, mesh=None):
+        self.step, self.state, self.batch, self.mesh = step, state, batch, mesh
+        self.durations: list = []
+        self.loss = float("nan")
+
+    def run(self, steps: int, record: bool = True) -> None:
+        import contextlib
+        import flax.linen as nn
+        import jax
+        from bert_jax import sharding
+
+        ctx = contextlib.ExitStack()
+        if self.mesh is not None:
+            ctx.enter_context(jax.set_mesh(self.mesh))
+            ctx.enter_context(nn.logical_axis_rules(sharding.DEFAULT_RULES))
+        with ctx:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                self.state, metrics = self.step(self.state, self.batch)
+                jax.block_until_ready(metrics["loss"])
+                if record:
+                    self.durations.append(time.perf_counter() - t0)
+        self.loss = float(metrics["loss"])
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.durations)
 
 
 def bench_ours(args, config, bert_config, mesh, batch_np):
@@ -128,10 +150,8 @@ def bench_ours(args, config, bert_config, mesh, batch_np):
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
-        result = {"lower_s": t1 - t0, "compile_s": t2 - t1}
-        if not args.compile_only:
-            result["step_s"], result["loss"], _ = time_steps(compiled, state, batch, args.steps, args.warmup)
-    return result
+    result = {"lower_s": t1 - t0, "compile_s": t2 - t1}
+    return result, Runner(compiled, state, batch, mesh)
 
 
 def bench_hf(args, config, bert_config, batch_np):
@@ -174,10 +194,8 @@ def bench_hf(args, config, bert_config, batch_np):
     batch = jax.device_put({k: v for k, v in batch_np.items()})
     t0 = time.perf_counter()
     compiled = jitted.lower(state, batch).compile()
-    result = {"compile_s": time.perf_counter() - t0}
-    result["step_s"], result["loss"], _ = time_steps(compiled, state, batch, args.steps, args.warmup)
     del steps
-    return result
+    return {"compile_s": time.perf_counter() - t0}, Runner(compiled, state, batch)
 
 
 def main(argv=None):
@@ -216,20 +234,34 @@ def main(argv=None):
         "predictions": predictions, "dtype": args.dtype, "attention": args.attention, "scan": args.scan,
         "remat": args.remat, "packing": args.packing,
     }
-    ours = bench_ours(args, config, bert_config, mesh, batch_np)
+    ours, runner = bench_ours(args, config, bert_config, mesh, batch_np)
     result.update(ours)
     tokens = int(batch_np["input_mask"].sum())
     sequences = args.batch * (3 if args.packing else 1)
-    if "step_s" in ours:
+    if not args.compile_only:
+        hf_runner = None
+        if args.hf:
+            hf, hf_runner = bench_hf(args, config, bert_config, batch_np)
+            result["hf_compile_s"] = hf["compile_s"]
+        # Rounds alternate ours and HF so that both see the same machine load.
+        runner.run(args.warmup, record=False)
+        if hf_runner:
+            hf_runner.run(args.warmup, record=False)
+        for _ in range(args.rounds):
+            runner.run(args.steps)
+            if hf_runner:
+                hf_runner.run(args.steps)
+        ours["step_s"] = result["step_s"] = runner.median
+        result["loss"] = runner.loss
         flops = steps.train_flops_per_sequence(bert_config, args.seq_len, predictions) * args.batch
         result.update(sequences_per_s=sequences / ours["step_s"], tokens_per_s=tokens / ours["step_s"],
-                      tflops_per_s=flops / ours["step_s"] / 1e12)
+                      tflops_per_s=flops / ours["step_s"] / 1e12, timed_steps=len(runner.durations))
         if peak:
             result["mfu"] = flops / ours["step_s"] / (peak * jax.device_count())
-        if args.hf:
-            hf = bench_hf(args, config, bert_config, batch_np)
-            result.update(hf_step_s=hf["step_s"], hf_compile_s=hf["compile_s"], hf_loss=hf["loss"],
-                          hf_sequences_per_s=sequences / hf["step_s"], speedup_vs_hf=hf["step_s"] / ours["step_s"])
+        if hf_runner:
+            hf_step = hf_runner.median
+            result.update(hf_step_s=hf_step, hf_loss=hf_runner.loss, hf_sequences_per_s=sequences / hf_step,
+                          speedup_vs_hf=hf_step / ours["step_s"])
     if args.json:
         print(json.dumps(result))
         return result
