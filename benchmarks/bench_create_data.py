@@ -1,15 +1,23 @@
-"""Pretraining-data throughput and statistics on real text: ours (fast, 1 and 2 workers; and
-reference-compatible) vs google-research/bert's own script, side by side on the same machine.
+"""Pretraining-data throughput, memory and statistics on real text: ours (fast mode, 1 and 2
+workers; reference-compatible mode) vs google-research/bert's own script, side by side.
 
     python benchmarks/bench_create_data.py --corpus_dir=../shared/data/corpus \\
         --vocab_file=../shared/data/vocab/bert-base-uncased/vocab.txt --out_dir=/tmp/bench_cpd \\
-        [--reference_script=/path/to/google-research/bert/create_pretraining_data.py]
+        --reference_script=/path/to/google-research/bert/create_pretraining_data.py --dupe_factors=1,10
 
 The corpus (WikiText-2 raw + Gutenberg) is first converted to Google's format: one sentence per
 line (our rule-based splitter), a blank line between documents (WikiText articles; Gutenberg
-books cut every 50 paragraphs), in 8 shards. Each configuration runs in its own process;
-wall time and that process's peak RSS are reported. The reference script (TF1 code) is run from
-a temporary copy with `import tensorflow.compat.v1 as tf`; it is not part of this repository.
+books cut every 50 paragraphs), in 8 shards. Each configuration runs in its own fresh process
+(wall time includes start-up); for each dupe factor the runs follow each other, reference
+included, so they share the machine's load. Peak RSS: the parent's and the largest worker's,
+from `dataset_info.json` (each process's `getrusage` maximum); for the reference, its one
+process. The memory runs then feed the same fast mode 4x the corpus as 4x the shards
+(`--memory_scale`): peak RSS per process should not grow with the number of shards.
+
+The reference script (TF1 code, not part of this repository) is run from a temporary copy with
+`import tensorflow.compat.v1 as tf`. Its records are counted from the TFRecord length headers;
+at the smallest dupe factor the reference-compatible run's records are compared with its,
+byte for byte after `SerializeToString(deterministic=True)`.
 """
 
 from __future__ import annotations
@@ -19,8 +27,8 @@ import glob
 import json
 import os
 import re
-import resource
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -71,21 +79,63 @@ def convert(corpus_dir, out_dir, num_shards=8):
     return paths, len(docs), sum(len(d) for d in docs)
 
 
-def timed(cmd, env=None):
+def timed(cmd):
+    """(wall seconds, peak RSS MB of the command's process tree as /usr/bin/time reports it)."""
     start = time.time()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    r = subprocess.run(["/usr/bin/time", "-f", "%M"] + cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    r = subprocess.run(["/usr/bin/time", "-f", "%M"] + cmd, capture_output=True, text=True, cwd=ROOT)
     seconds = time.time() - start
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
-    peak_kb = int(r.stderr.strip().splitlines()[-1])
-    del before
-    return seconds, peak_kb / 1024, r
+    return seconds, int(r.stderr.strip().splitlines()[-1]) / 1024
 
 
-def count_records(pattern):
+def count_records(path):
+    """Records of an uncompressed TFRecord file, from its length headers (no TensorFlow)."""
+    n = 0
+    with open(path, "rb") as f:
+        while True:
+            head = f.read(12)
+            if not head:
+                return n
+            (length,) = struct.unpack("<Q", head[:8])
+            f.seek(length + 4, os.SEEK_CUR)
+            n += 1
+
+
+def run_ours(name, out_dir, inputs, common, extra):
+    out = os.path.join(out_dir, name, "train.tfrecord")
+    secs, tree_rss = timed([sys.executable, "-m", "data_pipeline.create_pretraining_data", inputs,
+                            f"--output_file={out}", *common, *extra])
+    info = json.load(open(os.path.join(out_dir, name, "dataset_info.json")))
+    rss = info.get("peak_rss_mb", {})
+    m = info["mask_stats"]
+    return {"seconds": round(secs, 2), "instances": info["num_instances"],
+            "instances_per_s": round(info["num_instances"] / secs),
+            "peak_rss_mb_parent": round(rss.get("parent") or tree_rss),
+            "peak_rss_mb_workers": round(rss["workers"]) if rss.get("workers") else None,
+            "masked_of_candidates": round(m["masked_fraction_of_candidates"], 4),
+            "mask_keep_random": [round(m["mask_fraction"], 4), round(m["keep_fraction"], 4),
+                                 round(m["random_fraction"], 4)],
+            "random_next": round(m["random_next_fraction"], 4)}
+
+
+def prepare_reference(script):
+    tmp = tempfile.mkdtemp()
+    for src, f in ((script, "create_pretraining_data.py"),
+                   (os.path.join(os.path.dirname(script), "tokenization.py"), "tokenization.py")):
+        text = open(src).read()
+        if "tensorflow.compat.v1" not in text:
+            text = text.replace("import tensorflow as tf", "import tensorflow.compat.v1 as tf")
+        open(os.path.join(tmp, f), "w").write(text)
+    return os.path.join(tmp, "create_pretraining_data.py")
+
+
+def same_records(reference_path, ours_path):
     import tensorflow as tf
-    return sum(1 for f in glob.glob(pattern) for _ in tf.data.TFRecordDataset(f))
+    ref = [tf.train.Example.FromString(r.numpy()).SerializeToString(deterministic=True)
+           for r in tf.data.TFRecordDataset(reference_path)]
+    ours = [r.numpy() for r in tf.data.TFRecordDataset(ours_path)]
+    return ref == ours
 
 
 def main():
@@ -95,54 +145,74 @@ def main():
                                                          "bert-base-uncased", "vocab.txt"))
     ap.add_argument("--out_dir", default=os.path.join(tempfile.gettempdir(), "bench_cpd"))
     ap.add_argument("--reference_script", default="")
-    ap.add_argument("--dupe_factor", type=int, default=2)
+    ap.add_argument("--dupe_factors", default="1,10")
+    ap.add_argument("--skip_reference_compatible_above", type=int, default=1,
+                    help="run our reference-compatible mode only at dupe factors up to this")
+    ap.add_argument("--memory_scale", type=int, default=4, help="0: no memory runs")
+    ap.add_argument("--json_out", default="")
     args = ap.parse_args()
     if not os.path.isdir(args.corpus_dir):
         sys.exit(f"--corpus_dir={args.corpus_dir} not found")
     shutil.rmtree(args.out_dir, ignore_errors=True)
-    shards, ndocs, nsent = convert(args.corpus_dir, os.path.join(args.out_dir, "text"))
-    print(f"corpus: {ndocs} documents, {nsent} sentences, {len(shards)} shards")
-    common = [f"--vocab_file={args.vocab_file}", "--do_lower_case=true", f"--dupe_factor={args.dupe_factor}",
-              "--max_seq_length=128", "--max_predictions_per_seq=20"]
-    inputs = f"--input_file={os.path.join(args.out_dir, 'text', 'shard-*.txt')}"
-    results = {}
-    runs = [("ours_fast_1_worker", ["--num_workers=1", "--num_output_shards=8"]),
-            ("ours_fast_2_workers", ["--num_workers=2", "--num_output_shards=8"]),
-            ("ours_reference_compatible", ["--reference_compatible"])]
-    for name, extra in runs:
-        out = os.path.join(args.out_dir, name, "train.tfrecord")
-        secs, rss, _ = timed([sys.executable, "-m", "data_pipeline.create_pretraining_data", inputs,
-                              f"--output_file={out}", *common, *extra])
-        info = json.load(open(os.path.join(args.out_dir, name, "dataset_info.json")))
-        results[name] = {"seconds": round(secs, 1), "instances": info["num_instances"],
-                         "instances_per_s": round(info["num_instances"] / secs, 1),
-                         "peak_rss_mb": round(rss), "mask_stats": info["mask_stats"]}
-        print(name, json.dumps(results[name]))
-    if args.reference_script:
-        tmp = tempfile.mkdtemp()
-        for src, f in ((args.reference_script, "create_pretraining_data.py"),
-                       (os.path.join(os.path.dirname(args.reference_script), "tokenization.py"), "tokenization.py")):
-            text = open(src).read().replace("import tensorflow as tf", "import tensorflow.compat.v1 as tf")
-            open(os.path.join(tmp, f), "w").write(text)
-        out = os.path.join(args.out_dir, "reference", "train.tfrecord")
-        os.makedirs(os.path.dirname(out))
-        files = ",".join(shards)
-        secs, rss, _ = timed([sys.executable, os.path.join(tmp, "create_pretraining_data.py"),
-                              f"--input_file={files}", f"--output_file={out}", *common])
-        n = count_records(out)
-        results["google_reference"] = {"seconds": round(secs, 1), "instances": n,
-                                       "instances_per_s": round(n / secs, 1), "peak_rss_mb": round(rss)}
-        print("google_reference", json.dumps(results["google_reference"]))
-        import tensorflow as tf
-        ref = [tf.train.Example.FromString(r.numpy()).SerializeToString(deterministic=True)
-               for r in tf.data.TFRecordDataset(out)]
-        ours_path = os.path.join(args.out_dir, "ours_reference_compatible", "train.tfrecord")
-        ours = [r.numpy() for r in tf.data.TFRecordDataset(ours_path)]
-        results["ours_reference_compatible"]["identical_to_reference"] = ref == ours
-        for name in ("ours_fast_1_worker", "ours_fast_2_workers", "ours_reference_compatible"):
-            results[name]["speedup_vs_reference"] = round(
-                results[name]["instances_per_s"] / results["google_reference"]["instances_per_s"], 2)
+    text_dir = os.path.join(args.out_dir, "text")
+    shards, ndocs, nsent = convert(args.corpus_dir, text_dir)
+    print(f"corpus: {ndocs} documents, {nsent} sentences, {len(shards)} shards", flush=True)
+    inputs = f"--input_file={os.path.join(text_dir, 'shard-*.txt')}"
+    reference = prepare_reference(args.reference_script) if args.reference_script else None
+    results = {"corpus": {"documents": ndocs, "sentences": nsent, "shards": len(shards)}, "runs": {}}
+    dupes = [int(d) for d in args.dupe_factors.split(",")]
+    for dupe in dupes:
+        common = [f"--vocab_file={args.vocab_file}", "--do_lower_case=true", f"--dupe_factor={dupe}",
+                  "--max_seq_length=128", "--max_predictions_per_seq=20"]
+        runs = {}
+        if reference:
+            out = os.path.join(args.out_dir, f"reference_d{dupe}", "train.tfrecord")
+            os.makedirs(os.path.dirname(out))
+            secs, rss = timed([sys.executable, reference, f"--input_file={','.join(shards)}", f"--output_file={out}",
+                               *common])
+            n = count_records(out)
+            runs["google_reference"] = {"seconds": round(secs, 2), "instances": n,
+                                        "instances_per_s": round(n / secs), "peak_rss_mb_parent": round(rss)}
+            print(dupe, "google_reference", json.dumps(runs["google_reference"]), flush=True)
+        configs = [("fast_1_worker", ["--num_workers=1", "--num_output_shards=8"]),
+                   ("fast_2_workers", ["--num_workers=2", "--num_output_shards=8"])]
+        if dupe <= args.skip_reference_compatible_above:
+            configs.append(("reference_compatible", ["--reference_compatible"]))
+        for name, extra in configs:
+            runs[name] = run_ours(f"{name}_d{dupe}", args.out_dir, inputs, common, extra)
+            print(dupe, name, json.dumps(runs[name]), flush=True)
+        if reference:
+            base = runs["google_reference"]["instances_per_s"]
+            for name, r in runs.items():
+                r["vs_reference"] = round(r["instances_per_s"] / base, 2)
+            if "reference_compatible" in runs:
+                runs["reference_compatible"]["identical_to_reference"] = same_records(
+                    os.path.join(args.out_dir, f"reference_d{dupe}", "train.tfrecord"),
+                    os.path.join(args.out_dir, f"reference_compatible_d{dupe}", "train.tfrecord"))
+        results["runs"][f"dupe_factor={dupe}"] = runs
+    if args.memory_scale:
+        # The same shards repeated: memory_scale x the corpus in memory_scale x the shards.
+        big = os.path.join(args.out_dir, "text_x")
+        os.makedirs(big)
+        for k in range(args.memory_scale):
+            for p in shards:
+                shutil.copy(p, os.path.join(big, f"{k}-{os.path.basename(p)}"))
+        dupe = max(dupes)
+        common = [f"--vocab_file={args.vocab_file}", f"--dupe_factor={dupe}", "--num_output_shards=8"]
+        mem = {}
+        for workers in (1, 2):
+            for label, pattern in ((f"{len(shards)} shards", inputs),
+                                   (f"{len(shards) * args.memory_scale} shards",
+                                    f"--input_file={os.path.join(big, '*.txt')}")):
+                name = f"memory_{workers}w_{len(glob.glob(pattern.split('=', 1)[1]))}"
+                mem[f"{workers} worker(s), {label}"] = r = run_ours(name, args.out_dir, pattern, common,
+                                                                   [f"--num_workers={workers}"])
+                print("memory", workers, label, json.dumps(r), flush=True)
+        results["memory"] = {"dupe_factor": dupe, "runs": mem}
     print(json.dumps(results, indent=1))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

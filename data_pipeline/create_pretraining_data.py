@@ -325,16 +325,19 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
             write_records(reference_records([s[1] for s in sources], opts, read_stats, mask_stats))
         else:
             tasks = list(enumerate(sources))
-            bar = tqdm(total=len(tasks), desc="shards", unit="shard", dynamic_ncols=True)
-            if num_workers > 1:
-                with _worker_pool(num_workers, opts, len(writers)) as pool:
-                    for result in pool.imap(shard_records, tasks):
-                        write_shard(result)
-            else:
+            # Workers start before the progress bar, whose monitor thread a fork should not copy.
+            pool = _worker_pool(num_workers, opts, len(writers)) if num_workers > 1 else None
+            if pool is None:
                 _init_worker(opts, len(writers))
-                for task in tasks:
-                    write_shard(shard_records(task))
-            bar.close()
+            bar = tqdm(total=len(tasks), desc="shards", unit="shard", dynamic_ncols=True)
+            try:
+                for result in (pool.imap(shard_records, tasks) if pool else map(shard_records, tasks)):
+                    write_shard(result)
+            finally:
+                bar.close()
+                if pool is not None:
+                    pool.terminate()
+                    pool.join()
     finally:
         for w in writers:
             w.close()
