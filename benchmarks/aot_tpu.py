@@ -15,7 +15,8 @@ configs, and reports:
 * XLA's FLOPs per chip per step (`compiled.cost_analysis()`) against our analytic count
   (`steps.train_flops_per_sequence` x per-chip batch);
 * the collectives in the optimized HLO (all-reduce, all-gather, reduce-scatter, ...);
-* the largest per-chip batch that fits (doubling from --batch_per_chip until it does not fit);
+* the largest per-chip batch that fits (HBM is linear in the batch: two compiles give the line,
+  a third verifies the prediction, a multiple of 8, at most --max_batch_per_chip);
 * an MFU upper bound from the chip's roofline: model FLOPs / (peak x max(XLA FLOPs / peak,
   bytes accessed / HBM bandwidth)); communication over ICI is not in this bound.
 
@@ -136,16 +137,25 @@ def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
     result["mfu_upper_bound"] = analytic / (peak * t_min) if t_min else None
     result["roofline_step_ms"] = t_min * 1e3
     result["roofline_sequences_per_s"] = rows / t_min if t_min else None
-    # Largest per-chip batch that fits: double until it does not.
-    best = args.batch_per_chip if result["fits"] else 0
-    b = args.batch_per_chip
-    while args.max_batch_per_chip and result["fits"] and b * 2 <= args.max_batch_per_chip:
-        b *= 2
-        c, _, _ = compile_step(config, bert_config, devices, mesh_kind, b, args.seq_len, predictions)
-        fits = analyze(c, hbm)["fits"]
-        if not fits:
-            break
-        best = b
+    # Largest per-chip batch that fits: HBM is linear in the batch (fixed state + per-row
+    # activations); two compiles give the line, the prediction is verified by a third compile
+    # and stepped down until it fits.
+    best = 0
+    if args.max_batch_per_chip:
+        b1, used1 = args.batch_per_chip, result["hbm_gib"]
+        b2 = 2 * b1
+        c, _, _ = compile_step(config, bert_config, devices, mesh_kind, b2, args.seq_len, predictions)
+        used2 = analyze(c, hbm)["hbm_gib"]
+        slope = (used2 - used1) / (b2 - b1)
+        guess = int((hbm - (used1 - slope * b1)) / slope) if slope > 0 else args.max_batch_per_chip
+        guess = max(8, min(args.max_batch_per_chip, guess // 8 * 8))
+        for _ in range(4):
+            c, _, _ = compile_step(config, bert_config, devices, mesh_kind, guess, args.seq_len, predictions)
+            if analyze(c, hbm)["fits"]:
+                best = guess
+                break
+            guess = max(8, int(guess * 0.9) // 8 * 8)
+        result["hbm_gib_per_row"] = slope
     result["max_batch_per_chip"] = best
     return result
 
