@@ -47,8 +47,8 @@ def main(argv):
     logging.get_absl_handler().addFilter(_QuietLibraries())
     config = _CONFIG.value
     init_distributed(_MULTIHOST.value)
-    from bert_jax import demo, pretrain
-    modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run}
+    from bert_jax import demo, finetune, pretrain
+    modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run, "finetune": finetune.run}
     if config.mode not in modes:
         raise app.UsageError(f"config.mode must be one of {sorted(modes)}, got {config.mode!r}")
     modes[config.mode](config, _WORKDIR.value)

@@ -1,0 +1,373 @@
+"""The fine-tuning loop: one loop for every task of `data_pipeline.tasks`.
+
+    python -m bert_jax.main --config=configs/glue.py --config.task=sst2 --config.data_dir=DIR \\
+        --config.init_checkpoint=PATH --workdir=W
+
+`run(config, workdir)` reads the config: the task (`config.task`, from `config.data_dir` or TFDS),
+the pretrained encoder (`config.init_checkpoint`, any format `bert_jax.convert` reads), its
+vocabulary and casing; then `train_and_evaluate` does the rest with explicit arguments, so tests
+(and users with weights in memory) can pass the encoder's parameters directly.
+
+What the loop does, whatever the task (the task supplies the head kind, the number of outputs,
+featurization, post-processing and the metric; there is no per-task branch here):
+- the encoder from the checkpoint plus a fresh head (`bert_jax.heads.BertForTask`), initialized
+  straight into its shards on the same (data, fsdp, tensor) mesh as pretraining;
+- AdamW (`config.optimizer`), linear warmup over `warmup_proportion` of the steps then linear
+  decay to 0, global-norm clipping; the paper's defaults live in the configs;
+- epochs over the in-memory features, reshuffled each epoch with `seed + epoch`; the last batch
+  is completed with weight-0 rows, so nothing is dropped;
+- after each epoch: every eval split is predicted, post-processed and scored; the epoch whose
+  first eval split has the best `task.primary_metric` is kept in `W/best/` (parameters) with its
+  predictions in `W/best_predictions/`; the last state is in `W/checkpoints/` (resumable, also after
+  a SIGTERM mid-epoch: the batches of an epoch are a function of the seed);
+- after training: predictions for the task's test splits (GLUE-server files, with the final
+  parameters) and `W/eval_results.json` (metric name -> value, last epoch; keys of eval splits
+  after the first are prefixed with the split's name) plus `W/eval_history.json` (every epoch);
+- metrics to TensorBoard and the console (clu), progress bars (tqdm).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import shutil
+import time
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+
+from bert_jax import checkpointing, heads, optim, sharding, steps
+from bert_jax.modeling import BertConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure steps
+# ---------------------------------------------------------------------------------------------
+
+
+def train_step(state: steps.TrainState, batch: dict, *, model: heads.BertForTask,
+               tx: optax.GradientTransformation, schedule) -> tuple[steps.TrainState, dict]:
+    """One optimizer step; loss = summed head loss / summed weight over the global batch."""
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+    def loss_fn(params):
+        out = model.apply({"params": params}, *(batch[k] for k in heads.MODEL_INPUTS),
+                          deterministic=False, rngs={"dropout": rng})
+        sums = heads.loss_sums(model.head, out, batch)
+        return sums["loss_sum"] / jnp.maximum(sums["weight"], 1e-6), sums
+
+    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
+    new_state = state.replace(step=state.step + 1, params=keep(new_params, state.params),
+                              opt_state=keep(new_opt_state, state.opt_state))
+    return new_state, dict(sums, loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
+                           finite=finite.astype(jnp.float32))
+
+
+def eval_step(params: Any, batch: dict, *, model: heads.BertForTask) -> tuple[dict, dict]:
+    """The head's outputs (to post-process on the host) and summed losses of one global batch."""
+    out = model.apply({"params": params}, *(batch[k] for k in heads.MODEL_INPUTS), deterministic=True)
+    return out, heads.loss_sums(model.head, out, batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def make_task(config: ml_collections.ConfigDict):
+    from data_pipeline import tasks
+    return tasks.get_task(
+        config.task, config.data_dir, source=config.data_source, tfds_data_dir=config.tfds_data_dir or None,
+        skip_bad_rows=config.skip_bad_rows,
+        split_files={k: v for k, v in config.split_files.to_dict().items() if v},
+        **config.task_options.to_dict())
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Fine-tunes `config.init_checkpoint` on `config.task`; returns the final eval results."""
+    from bert_jax import pretrain  # shares its config resolution
+
+    task = make_task(config)
+    bert_config = pretrain.bert_config_from(config)
+    init_params, vocab_file, do_lower_case = None, config.vocab_file, config.do_lower_case
+    if config.init_checkpoint:
+        from bert_jax import convert
+        pretrained = convert.load_pretrained(config.init_checkpoint)
+        init_params = convert.model_params(pretrained, bert_config, heads=False)
+        vocab_file = vocab_file or pretrained.vocab_file
+        if do_lower_case is None:
+            do_lower_case = pretrained.do_lower_case
+    else:
+        logging.warning("config.init_checkpoint is empty: the encoder starts from a random initialization")
+    if not vocab_file:
+        raise ValueError("no vocabulary: set config.vocab_file (the checkpoint has no vocab.txt)")
+    return train_and_evaluate(config, workdir, task, bert_config, init_params, vocab_file,
+                              True if do_lower_case is None else bool(do_lower_case))
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, bert_config: BertConfig,
+                       init_params: Optional[dict], vocab_file: str, do_lower_case: bool) -> dict:
+    """The loop (module docstring). `init_params` is `{"bert": numpy tree}` (or None: random).
+
+    Returns the last epoch's eval results (as written to `W/eval_results.json`).
+    """
+    from clu import metric_writers
+    from tqdm import tqdm
+
+    from data_pipeline import tasks as tasks_lib
+
+    jax.config.update("jax_threefry_partitionable", True)
+    max_len = config.max_seq_length
+    if max_len > bert_config.max_position_embeddings:
+        raise ValueError(f"config.max_seq_length={max_len} exceeds the model's max_position_embeddings="
+                         f"{bert_config.max_position_embeddings}")
+    mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
+    eval_batch = config.eval_batch_size or config.global_batch_size
+    for field, size in (("config.global_batch_size", config.global_batch_size),
+                        ("config.eval_batch_size", eval_batch)):
+        sharding.check_divisibility(mesh, global_batch_size=size, batch_field=field,
+                                    num_attention_heads=bert_config.num_attention_heads,
+                                    intermediate_size=bert_config.intermediate_size,
+                                    hidden_size=bert_config.hidden_size)
+
+    # --- data ---
+    tokenizer = task.make_tokenizer(vocab_file, do_lower_case)
+    if len(tokenizer.vocab) > bert_config.vocab_size:
+        raise ValueError(f"{vocab_file} has {len(tokenizer.vocab)} entries but the model's vocab_size is "
+                         f"{bert_config.vocab_size}: wrong vocabulary for this checkpoint")
+    started = time.time()
+    train = tasks_lib.load_split(task, task.train_split, tokenizer, max_len, training=True)
+    eval_splits = tuple(config.eval_splits) or task.eval_splits
+    evals = [tasks_lib.load_split(task, s, tokenizer, max_len, training=False) for s in eval_splits]
+    logging.info("task %s: %d training rows (%d examples), eval %s, featurized in %.1fs; skipped bad rows: %s",
+                 task.name, len(train.features["weight"]), len(train.examples),
+                 {s.name: len(s.examples) for s in evals}, time.time() - started, task.skipped or "none")
+
+    # --- model, optimizer, state ---
+    model = heads.BertForTask(bert_config, task.head, task.num_outputs)
+    num_train = len(train.features["weight"])
+    steps_per_epoch = tasks_lib.num_batches(num_train, config.global_batch_size)
+    total_steps = int(config.num_train_epochs) * steps_per_epoch
+    warmup = int(config.warmup_proportion * total_steps)
+    schedule = optim.learning_rate_schedule(config.learning_rate, warmup, total_steps)
+    tx = optim.make_optimizer(config.optimizer, schedule, weight_decay=config.weight_decay,
+                              b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+                              clip_norm=config.clip_norm or None)
+    dummy = heads.dummy_batch(task.head, max_len, task.num_outputs)
+
+    def init_state(rng):
+        params_rng, dropout_rng = jax.random.split(rng)
+        params = model.init(params_rng, *(dummy[k] for k in heads.MODEL_INPUTS))["params"]
+        return steps.create_train_state(params, tx, dropout_rng)
+
+    rules = sharding.DEFAULT_RULES
+    abstract = jax.eval_shape(init_state, jax.random.key(config.seed))
+    state_shardings = sharding.logical_to_sharding(abstract, mesh, rules)
+    abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
+
+    os.makedirs(workdir, exist_ok=True)
+    ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), save_interval_steps=total_steps + 1,
+                                      max_to_keep=1, async_save=config.async_checkpointing)
+    best_ckpt = checkpointing.Checkpointer(os.path.join(workdir, "best"), save_interval_steps=1, max_to_keep=1,
+                                           async_save=False, handle_sigterm=False)
+    start_step, meta = ckpt.latest_step(), {}
+    if start_step is not None:
+        state, meta = ckpt.restore(abstract_state, start_step, check_input_state=False)
+        logging.info("resumed from step %d", start_step)
+    else:
+        start_step = 0
+        state, _ = sharding.sharded_init(init_state, jax.random.key(config.seed), mesh, rules)
+        if init_params is not None:
+            state = state.replace(params={**state.params, "bert": _place_encoder(
+                init_params["bert"], state_shardings.params["bert"])})
+    if jax.process_index() == 0:
+        from bert_jax import pretrain
+        pretrain.write_model_files(workdir, bert_config, vocab_file)
+
+    writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0,
+                                                  asynchronous=False)
+    if start_step == 0:
+        writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
+                              if isinstance(v, (int, float, str, bool))})
+    batch_sharding = sharding.batch_sharding(mesh)
+    p_train = jax.jit(functools.partial(train_step, model=model, tx=tx, schedule=schedule),
+                      in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
+                      donate_argnums=0)
+    p_eval = jax.jit(functools.partial(eval_step, model=model),
+                     in_shardings=(state_shardings.params, batch_sharding))
+    keys = heads.batch_keys(task.head)
+    predict = functools.partial(_predict, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch)
+
+    history = list(meta.get("history", []))
+    best = meta.get("best")
+    results: dict = dict(history[-1]) if history else {}
+    step = start_step
+    stop = False
+    try:
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            for epoch in range(start_step // steps_per_epoch, int(config.num_train_epochs)):
+                skip = step - epoch * steps_per_epoch  # batches of this epoch already trained
+                bar = tqdm(total=steps_per_epoch, initial=skip, desc=f"{task.name} epoch {epoch + 1}",
+                           disable=jax.process_index() > 0, dynamic_ncols=True)
+                pending, window = [], time.time()
+                train_sums = {"loss_sum": 0.0, "weight": 0.0}
+                batches = tasks_lib.batches(train.features, keys, config.global_batch_size,
+                                            process_index=jax.process_index(),
+                                            process_count=jax.process_count(),
+                                            shuffle_seed=config.seed + epoch)
+                for i, batch in enumerate(batches):
+                    if i < skip:
+                        continue
+                    global_batch = sharding.to_global(batch, mesh)
+                    with jax.transfer_guard_host_to_device("disallow"):
+                        state, metrics = p_train(state, global_batch)
+                    step += 1
+                    pending.append(metrics)
+                    bar.update(1)
+                    last = i == steps_per_epoch - 1
+                    if step % config.log_every_steps == 0 or last:
+                        _log(pending, step, window, writer, bar, config, train_sums)
+                        pending, window = [], time.time()
+                    # Saved after each epoch's evaluation; mid-epoch only on SIGTERM / preemption
+                    # (an epoch's batches are a function of the seed, so the run resumes mid-epoch).
+                    stop = ckpt.should_stop(step)
+                    if stop and not last:
+                        ckpt.save(step, state, {"history": history, "best": best}, force=True)
+                        break
+                bar.close()
+                if stop and step % steps_per_epoch:
+                    logging.warning("SIGTERM/preemption: saved step %d, exiting", step)
+                    break
+                # --- evaluation after the epoch ---
+                results = {"epoch": epoch + 1, "step": step,
+                           "train_loss": train_sums["loss_sum"] / max(train_sums["weight"], 1e-9)}
+                split_predictions = []
+                for n, split in enumerate(evals):
+                    outputs, sums = predict(state.params, split)
+                    predictions = task.postprocess(split.examples, split.features, outputs)
+                    scores = task.score(split.examples, predictions)
+                    if sums["weight"] > 0:
+                        scores["loss"] = sums["loss_sum"] / sums["weight"]
+                    prefix = "" if n == 0 else task.split_name(split.name) + "_"
+                    results.update({prefix + k: float(v) for k, v in scores.items()})
+                    writer.write_scalars(step, {f"eval_{split.name}/{k}": float(v) for k, v in scores.items()})
+                    split_predictions.append((split, predictions))
+                    if jax.process_index() == 0:
+                        task.write_predictions(split.examples, predictions, workdir, split.name)
+                metric = results.get(task.primary_metric)
+                improved = metric is not None and (best is None or metric > best["value"])
+                if improved:
+                    best = {"value": metric, "epoch": epoch + 1, "metric": task.primary_metric}
+                    best_ckpt.save(step, {"params": state.params}, {"epoch": epoch + 1, "results": results},
+                                   force=True)
+                    if jax.process_index() == 0:
+                        best_dir = os.path.join(workdir, "best_predictions")
+                        shutil.rmtree(best_dir, ignore_errors=True)
+                        for split, predictions in split_predictions:
+                            task.write_predictions(split.examples, predictions, best_dir, split.name)
+                results["best_epoch"] = best["epoch"] if best else None
+                results[f"best_{task.primary_metric}"] = best["value"] if best else None
+                history.append(results)
+                logging.info("epoch %d: %s", epoch + 1, json.dumps(results, sort_keys=True))
+                ckpt.save(step, state, {"history": history, "best": best}, force=True)
+                if stop:
+                    logging.warning("SIGTERM/preemption: saved step %d after its evaluation, exiting", step)
+                    break
+            if not stop:
+                for split_name in task.test_splits if config.predict_test else ():
+                    try:
+                        split = tasks_lib.load_split(task, split_name, tokenizer, max_len, training=False)
+                    except FileNotFoundError as e:
+                        logging.info("no %s split to predict: %s", split_name, e)
+                        continue
+                    outputs, _ = predict(state.params, split)
+                    if jax.process_index() == 0:
+                        task.write_predictions(split.examples, task.postprocess(
+                            split.examples, split.features, outputs), workdir, split_name)
+    finally:
+        writer.flush()
+        ckpt.close()
+        best_ckpt.close()
+    if jax.process_index() == 0 and not stop:
+        with open(os.path.join(workdir, "eval_results.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2, sort_keys=True)
+        with open(os.path.join(workdir, "eval_history.json"), "w", encoding="utf-8") as f:
+            json.dump(history, f, indent=2)
+        print(json.dumps(results, sort_keys=True))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _place_encoder(encoder: dict, shardings: dict) -> dict:
+    """The pretrained encoder on the fresh encoder's shardings; shapes and names must match."""
+    want = jax.tree_util.tree_structure(shardings)
+    have = jax.tree_util.tree_structure(encoder)
+    if want != have:
+        raise ValueError("the checkpoint's encoder parameters do not match the model "
+                         f"(expected {want}, got {have})")
+    return sharding.place(encoder, shardings)
+
+
+def _predict(p_eval, params, split, *, mesh, keys, batch_size) -> tuple[dict, dict]:
+    """Outputs of every feature row of `split` (numpy, in row order) and the summed losses."""
+    from data_pipeline import tasks as tasks_lib
+
+    chunks: list = []
+    sums = {"loss_sum": 0.0, "weight": 0.0}
+    for batch in tasks_lib.batches(split.features, keys, batch_size, process_index=jax.process_index(),
+                                   process_count=jax.process_count()):
+        outputs, batch_sums = p_eval(params, sharding.to_global(batch, mesh))
+        chunks.append(multihost_utils.process_allgather(outputs, tiled=True))
+        for k in sums:
+            sums[k] += float(batch_sums[k])
+    n = len(split.features["weight"])
+    outputs = {k: np.concatenate([c[k] for c in chunks])[:n] for k in chunks[0]}
+    return outputs, sums
+
+
+def _log(pending, step, window_start, writer, bar, config, train_sums) -> None:
+    fetched = jax.device_get(pending)
+    seconds = time.time() - window_start
+    for i, m in enumerate(fetched):
+        if float(m["finite"]) == 0.0:
+            raise FloatingPointError(
+                f"step {step - len(fetched) + i + 1}: non-finite loss or gradient (loss={float(m['loss'])}, "
+                f"grad_norm={float(m['grad_norm'])}); the update was not applied")
+    loss_sum = sum(float(m["loss_sum"]) for m in fetched)
+    weight = sum(float(m["weight"]) for m in fetched)
+    train_sums["loss_sum"] += loss_sum
+    train_sums["weight"] += weight
+    out = {"loss": loss_sum / max(weight, 1e-9),
+           "accuracy": sum(float(m["correct"]) for m in fetched) / max(weight, 1e-9),
+           "grad_norm": float(fetched[-1]["grad_norm"]),
+           "learning_rate": float(fetched[-1]["learning_rate"]),
+           "sequences_per_second": len(fetched) * config.global_batch_size / max(seconds, 1e-9)}
+    writer.write_scalars(step, {f"train/{k}": v for k, v in out.items()})
+    bar.set_postfix(loss=f"{out['loss']:.4f}", refresh=False)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

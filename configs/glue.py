@@ -1,0 +1,67 @@
+"""Fine-tuning on GLUE (the paper's setup) and the fields every fine-tuning config shares.
+
+    python -m bert_jax.main --config=configs/glue.py --config.task=sst2 \\
+        --config.data_dir=glue_data --config.init_checkpoint=PATH --workdir=W
+
+Tasks: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli. The paper: batch 32, 3 epochs, the best
+learning rate of {5e-5, 4e-5, 3e-5, 2e-5} on dev; warmup over 10% of the steps, dropout 0.1.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from configs import base
+
+
+def get_finetune_config() -> ml_collections.ConfigDict:
+    """The fields of `bert_jax.finetune` (configs/squad.py, ner.py, swag.py import this)."""
+    config = ml_collections.ConfigDict()
+    config.mode = "finetune"
+    config.task = "sst2"  # data_pipeline.tasks.TASK_NAMES
+    config.seed = 42  # seeds the head's init, dropout and the data order
+
+    # --- data ---
+    config.data_source = "files"  # files (as distributed) | tfds (config.tfds_data_dir)
+    config.data_dir = ""  # the task's folder: GLUE's tsv files, SQuAD json, CoNLL columns, SWAG csv
+    config.tfds_data_dir = ""  # TFDS data_dir ("" = TFDS's default)
+    # A file per split instead of the usual names in data_dir ("" = the usual names).
+    config.split_files = ml_collections.ConfigDict(dict(train="", dev="", test=""))
+    config.skip_bad_rows = False  # True: skip (count, log) malformed rows instead of failing
+    config.eval_splits = ()  # splits scored after each epoch; () = the task's (dev; MNLI m+mm; CoNLL dev+test)
+    config.predict_test = True  # after training, write predictions (GLUE server files) for test splits
+    config.max_seq_length = 128  # word pieces per row, [CLS] and [SEP] included
+    config.task_options = ml_collections.ConfigDict()  # keyword arguments of the task (see squad.py)
+
+    # --- model ---
+    # The encoder: any format bert_jax.convert reads (bert_jax workdir/export, Google TF1, HF).
+    config.init_checkpoint = ""
+    config.vocab_file = ""  # "" = the checkpoint's vocab.txt
+    config.do_lower_case = config_dict.placeholder(bool)  # None = the checkpoint's casing (else True)
+    config.model = base.get_model_config()  # used without init_checkpoint; else only dtype/scan/remat/attention
+
+    # --- optimization (paper: Adam, warmup 10%, linear decay, dropout 0.1) ---
+    config.global_batch_size = 32  # sequences per step, over all hosts
+    config.eval_batch_size = 0  # 0 = global_batch_size
+    config.num_train_epochs = 3  # passes over the training set
+    config.learning_rate = 2e-5  # peak learning rate
+    config.warmup_proportion = 0.1  # fraction of the steps with linear warmup
+    config.optimizer = "adamw"  # adamw | google_adamw (no bias correction, as TF1 BERT) | lamb
+    config.weight_decay = 0.01  # decoupled weight decay (not on LayerNorm or biases)
+    config.adam_b1 = 0.9  # Adam beta1
+    config.adam_b2 = 0.999  # Adam beta2
+    config.adam_eps = 1e-6  # Adam epsilon (Google's)
+    config.clip_norm = 1.0  # global-norm clipping (0 disables), as Google's fine-tuning
+
+    # --- parallelism, loop ---
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # per slice; -1 fills
+    config.dcn_mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))  # across slices
+    config.log_every_steps = 50  # console/TensorBoard metrics interval
+    config.async_checkpointing = True  # write the last-state checkpoint in the background
+    return config
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = get_finetune_config()
+    config.task = "sst2"  # cola | sst2 | mrpc | stsb | qqp | mnli | qnli | rte | wnli
+    config.learning_rate = 2e-5  # the paper's grid: 5e-5, 4e-5, 3e-5, 2e-5
+    return config
