@@ -1,0 +1,427 @@
+"""Fine-tuning end to end: every task, from files it writes here and from TFDS (mock_data).
+
+One tiny "pretrained" encoder (L=1, H=32) is saved with `bert_jax.convert` and every run loads it
+through `config.init_checkpoint`, as a user would. Runs of the same head kind share shapes and
+hyper-parameters, so XLA's persistent compilation cache (a per-module temporary folder) compiles
+each kind once: the module takes about two minutes on two CPU cores.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from bert_jax import convert, finetune, heads, modeling
+from configs import glue as glue_config
+from configs import ner as ner_config
+from configs import squad as squad_config
+from configs import swag as swag_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WORDS = ("good bad movie film the a was is plot actor great awful very really man woman dog cat sat ran "
+         "on mat park in paris john smith acme corp went to city he she it what where who did yes no "
+         "then walks away sits down opens door eats food").split()
+ENTITIES = {"paris": "LOC", "john": "PER", "smith": "PER", "acme": "ORG", "corp": "ORG"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """Each head kind compiles once per module (same shapes and hyper-parameters -> same HLO)."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {n: getattr(jax.config, n) for n in names}
+    cache = str(tmp_path_factory.mktemp("xla_cache"))
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    yield cache
+    for n, v in before.items():
+        jax.config.update(n, v)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny encoder in bert_jax's export format and in HuggingFace's, with its vocab."""
+    root = tmp_path_factory.mktemp("pretrained")
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list(".,?!'-")) + "\n")
+    cfg = modeling.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=64)
+    params = modeling.BertForPreTraining(cfg).init(jax.random.key(0), **modeling.dummy_inputs(cfg))["params"]
+    params = nn.meta.unbox(params)
+    pretrained = convert.Pretrained(cfg, jax.tree_util.tree_map(np.asarray, params), str(vocab), True)
+    paths = {fmt: convert.save_pretrained(pretrained, str(root / fmt), fmt) for fmt in ("bert_jax", "hf")}
+    return {"vocab": str(vocab), "config": cfg, "params": pretrained.params, **paths}
+
+
+def tiny(config, task, data_dir, init, **overrides):
+    config.task = task
+    config.data_dir = str(data_dir)
+    config.init_checkpoint = init
+    config.max_seq_length = 16
+    config.global_batch_size = 8
+    config.num_train_epochs = 1
+    config.learning_rate = 1e-3
+    config.log_every_steps = 1
+    config.async_checkpointing = False
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return config
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# GLUE
+# ---------------------------------------------------------------------------------------------
+
+
+def sentiment(rng, n):
+    """'good' -> 1, 'bad' -> 0, among filler words: learnable from one token."""
+    rows = []
+    for i in range(n):
+        words = list(rng.choice(WORDS[2:10], 5))
+        words.insert(rng.randint(6), "good" if i % 2 else "bad")
+        rows.append((" ".join(words), i % 2))
+    return rows
+
+
+def test_sst2_learns_and_writes_everything(tmp_path, checkpoint):
+    rng = np.random.RandomState(0)
+    folder = tmp_path / "glue" / "SST-2"
+    folder.mkdir(parents=True)
+    for split, n in (("train", 64), ("dev", 16)):
+        (folder / f"{split}.tsv").write_text(
+            "sentence\tlabel\n" + "".join(f"{s} \t{l}\n" for s, l in sentiment(rng, n)))
+    (folder / "test.tsv").write_text("index\tsentence\n" + "".join(
+        f"{i}\t{s}\n" for i, (s, _) in enumerate(sentiment(rng, 5))))
+    work = tmp_path / "work"
+    config = tiny(glue_config.get_config(), "sst2", tmp_path / "glue", checkpoint["bert_jax"],
+                  num_train_epochs=6, learning_rate=1e-2, global_batch_size=16)
+    results = finetune.run(config, str(work))
+    history = read_json(work / "eval_history.json")
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"]
+    assert results["accuracy"] >= 0.9 and results["score"] == results["accuracy"]
+    assert read_json(work / "eval_results.json") == results
+    assert results["best_epoch"] == max(history, key=lambda h: h["accuracy"])["epoch"]
+    # Predictions (last epoch and best epoch), GLUE server file, model files, checkpoints, TensorBoard.
+    dev = list(csv.reader(open(work / "sst2_dev_predictions.tsv"), delimiter="\t"))
+    assert dev[0] == ["index", "prediction", "label"] and len(dev) == 17
+    assert os.path.exists(work / "best_predictions" / "sst2_dev_predictions.tsv")
+    server = (work / "SST-2.tsv").read_text().splitlines()
+    assert server[0] == "index\tprediction" and len(server) == 6
+    assert all(line.split("\t")[1] in ("0", "1") for line in server[1:])
+    assert sorted(os.listdir(work / "checkpoints")) == ["24"]
+    assert len(os.listdir(work / "best")) == 1
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(work))
+    assert convert.load_config(str(work)) == checkpoint["config"]
+    # The fine-tuned workdir is itself a checkpoint: its encoder loads, the head is reported.
+    loaded = convert.load_pretrained(str(work))
+    assert "head" in loaded.skipped
+    assert not np.allclose(loaded.params["bert"]["pooler"]["dense"]["kernel"],
+                           checkpoint["params"]["bert"]["pooler"]["dense"]["kernel"])
+
+
+def glue_files(folder, task, rng, n_train=8, n_dev=8):
+    """Tiny GLUE folders in the distributed formats (random words; labels valid)."""
+
+    def text():
+        return " ".join(rng.choice(WORDS, rng.randint(2, 7)))
+
+    def rows(n, make):
+        return "".join(make(i) for i in range(n))
+
+    os.makedirs(folder, exist_ok=True)
+    w = lambda name, content: open(os.path.join(folder, name), "w", encoding="utf-8").write(content)
+    if task == "cola":  # no header in train/dev
+        for split, n in (("train", n_train), ("dev", n_dev)):
+            w(f"{split}.tsv", rows(n, lambda i: f"gj04\t{i % 2}\t{'' if i % 2 else '*'}\t{text()}\n"))
+        w("test.tsv", "index\tsentence\n" + rows(3, lambda i: f"{i}\t{text()}\n"))
+    elif task == "mrpc":
+        head = "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+        for split, n in (("train", n_train), ("dev", n_dev)):
+            w(f"{split}.tsv", head + rows(n, lambda i: f"{i % 2}\t{i}\t{i + 100}\t{text()}\t{text()}\n"))
+        w("test.tsv", "index\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + rows(3, lambda i: f"{i}\t1\t2\t{text()}\t{text()}\n"))
+    elif task == "stsb":
+        head = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"
+        for split, n in (("train", n_train), ("dev", n_dev)):
+            w(f"{split}.tsv", head + "\tscore\n" + rows(n, lambda i: f"{i}\tg\tf\t2012\t{i}\tnone\tnone\t{text()}\t{text()}\t{5 * rng.rand():.3f}\n"))
+        w("test.tsv", head + "\n" + rows(3, lambda i: f"{i}\tg\tf\t2012\t{i}\tnone\tnone\t{text()}\t{text()}\n"))
+    elif task == "qqp":
+        for split, n in (("train", n_train), ("dev", n_dev)):
+            w(f"{split}.tsv", "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n" + rows(n, lambda i: f"{i}\t1\t2\t{text()}?\t{text()}?\t{i % 2}\n"))
+        w("test.tsv", "id\tquestion1\tquestion2\n" + rows(3, lambda i: f"{i}\t{text()}\t{text()}\n"))
+    elif task == "mnli":
+        labels = ("contradiction", "entailment", "neutral")
+        head = "index\tpromptID\tpairID\tgenre\ts1bp\ts2bp\ts1p\ts2p\tsentence1\tsentence2"
+        line = lambda i, extra: f"{i}\t1\t1a\tfiction\t()\t()\t()\t()\t{text()}\t{text()}{extra}\n"
+        w("train.tsv", head + "\tlabel1\tgold_label\n" + rows(n_train, lambda i: line(i, f"\t{labels[i % 3]}\t{labels[i % 3]}")))
+        for split in ("dev_matched", "dev_mismatched"):
+            w(f"{split}.tsv", head + "\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label\n" + rows(
+                n_dev, lambda i: line(i, "\tneutral" * 5 + f"\t{labels[i % 3]}")))
+        for split in ("test_matched", "test_mismatched"):
+            w(f"{split}.tsv", head + "\n" + rows(3, lambda i: line(i, "")))
+    else:  # qnli, rte, wnli
+        cols = {"qnli": ("question", "sentence"), "rte": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2")}[task]
+        labels = {"qnli": ("entailment", "not_entailment"), "rte": ("entailment", "not_entailment"), "wnli": ("0", "1")}[task]
+        for split, n in (("train", n_train), ("dev", n_dev)):
+            w(f"{split}.tsv", f"index\t{cols[0]}\t{cols[1]}\tlabel\n" + rows(n, lambda i: f"{i}\t{text()}\t{text()}\t{labels[i % 2]}\n"))
+        w("test.tsv", f"index\t{cols[0]}\t{cols[1]}\n" + rows(3, lambda i: f"{i}\t{text()}\t{text()}\n"))
+
+
+GLUE_EXPECTED = {  # task -> (metric keys, submission files)
+    "cola": ({"mcc"}, ["CoLA.tsv"]),
+    "mrpc": ({"accuracy", "f1"}, ["MRPC.tsv"]),
+    "stsb": ({"pearson", "spearman"}, ["STS-B.tsv"]),
+    "qqp": ({"accuracy", "f1"}, ["QQP.tsv"]),
+    "mnli": ({"accuracy", "dev_mm_accuracy"}, ["MNLI-m.tsv", "MNLI-mm.tsv"]),
+    "qnli": ({"accuracy"}, ["QNLI.tsv"]),
+    "rte": ({"accuracy"}, ["RTE.tsv"]),
+    "wnli": ({"accuracy"}, ["WNLI.tsv"]),
+}
+
+
+@pytest.mark.parametrize("task", sorted(GLUE_EXPECTED))
+def test_glue_task_end_to_end_from_files(tmp_path, checkpoint, task):
+    from data_pipeline.tasks import glue
+    glue_files(tmp_path / "data" / glue.SPECS[task].folder, task, np.random.RandomState(1))
+    work = tmp_path / "work"
+    results = finetune.run(tiny(glue_config.get_config(), task, tmp_path / "data", checkpoint["bert_jax"]), str(work))
+    metrics, submissions = GLUE_EXPECTED[task]
+    assert metrics <= set(results) and "score" in results and results["epoch"] == 1
+    assert all(np.isfinite(results[m]) for m in metrics)
+    for name in submissions:
+        lines = (work / name).read_text().splitlines()
+        assert lines[0] == "index\tprediction" and len(lines) == 4, name
+
+
+def _tfds_dataset(builder, split, make):
+    import tensorflow as tf
+    examples = make(builder, str(split))
+    return tf.data.Dataset.from_generator(lambda: iter(examples), output_types=builder.info.features.dtype,
+                                          output_shapes=builder.info.features.shape)
+
+
+def test_glue_from_tfds(tmp_path, checkpoint):
+    """glue/cola through tfds.load (mock_data serves the examples; no download)."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    rng = np.random.RandomState(2)
+
+    def make(builder, split):
+        assert builder.builder_config.name == "cola"
+        n = {"train": 8, "validation": 8}.get(split, 3)
+        return [{"idx": i, "sentence": " ".join(rng.choice(WORDS, 4)),
+                 "label": -1 if split == "test" else i % 2} for i in range(n)]
+
+    config = tiny(glue_config.get_config(), "cola", "", checkpoint["hf"], data_source="tfds")
+    with tfds.testing.mock_data(as_dataset_fn=lambda self, split, **kw: _tfds_dataset(self, split, make)):
+        results = finetune.run(config, str(tmp_path / "work"))
+    assert {"mcc", "score", "loss"} <= set(results)
+    assert len((tmp_path / "work" / "CoLA.tsv").read_text().splitlines()) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# SQuAD
+# ---------------------------------------------------------------------------------------------
+
+
+def squad_examples(rng, n, v2):
+    """Contexts of filler words with one name; the question asks for it."""
+    out = []
+    for i in range(n):
+        words = list(rng.choice(WORDS[12:30], 12))
+        name = ["John Smith", "Paris", "Acme Corp"][i % 3]
+        pos = rng.randint(1, 11)
+        context = " ".join(words[:pos]) + f" {name} " + " ".join(words[pos:]) + "."
+        impossible = v2 and i % 4 == 3
+        start = context.index(name)
+        answers = [] if impossible else [{"text": name, "answer_start": start}]
+        qa = {"id": f"q{i}", "question": "who did it ?", "answers": answers}
+        if v2:
+            qa["is_impossible"] = impossible
+        out.append({"title": "t", "paragraphs": [{"context": context, "qas": [qa]}]})
+    return out
+
+
+def test_squad_v1_from_files_and_v2_from_tfds(tmp_path, checkpoint):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    rng = np.random.RandomState(3)
+    data = tmp_path / "squad"
+    data.mkdir()
+    for split, n in (("train", 8), ("dev", 6)):
+        (data / f"{split}-v1.1.json").write_text(json.dumps({"version": "1.1", "data": squad_examples(rng, n, False)}))
+    overrides = dict(max_seq_length=24, task_options=dict(squad_config.get_config().task_options.to_dict(),
+                                                          doc_stride=4, max_query_length=6, max_answer_length=5))
+    work = tmp_path / "v1"
+    config = tiny(squad_config.get_config(), "squad_v1", data, checkpoint["bert_jax"], **overrides)
+    results = finetune.run(config, str(work))
+    assert {"exact_match", "f1"} <= set(results)
+    predictions = read_json(work / "predictions.json")
+    assert sorted(predictions) == [f"q{i}" for i in range(6)]
+    # The official scorer's CLI on the written predictions agrees with the loop.
+    cli = subprocess.run([sys.executable, "-m", "data_pipeline.tasks.squad", str(data / "dev-v1.1.json"),
+                          str(work / "predictions.json")], capture_output=True, text=True, cwd=REPO, check=True)
+    assert json.loads(cli.stdout) == pytest.approx({"exact_match": results["exact_match"], "f1": results["f1"]})
+
+    def make(builder, split):
+        dataset = squad_examples(rng, 8 if "train" in split else 6, True)
+        rows = []
+        for article in dataset:
+            p = article["paragraphs"][0]
+            qa = p["qas"][0]
+            ans = {"text": [a["text"] for a in qa["answers"]], "answer_start": [a["answer_start"] for a in qa["answers"]]}
+            rows.append({"id": qa["id"], "title": "t", "context": p["context"], "question": qa["question"],
+                         "answers": ans, "is_impossible": qa["is_impossible"],
+                         "plausible_answers": {"text": [], "answer_start": []}})
+        return rows
+
+    work = tmp_path / "v2"
+    config = tiny(squad_config.get_config(), "squad_v2", "", checkpoint["bert_jax"], data_source="tfds", **overrides)
+    with tfds.testing.mock_data(as_dataset_fn=lambda self, split, **kw: _tfds_dataset(self, split, make)):
+        results = finetune.run(config, str(work))
+    for key in ("exact", "f1", "total", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1",
+                "best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh"):
+        assert key in results, key
+    assert results["total"] == 6
+    assert sorted(read_json(work / "null_odds.json")) == sorted(read_json(work / "predictions.json"))
+
+
+# ---------------------------------------------------------------------------------------------
+# NER and SWAG
+# ---------------------------------------------------------------------------------------------
+
+
+def conll_sentences(rng, n):
+    sentences = []
+    for _ in range(n):
+        words = list(rng.choice(WORDS[12:25] + ["paris", "john", "smith", "acme", "corp"], rng.randint(3, 9)))
+        tags, prev = [], None
+        for word in words:  # IOB1: I- everywhere, B- only after an entity of the same type
+            kind = ENTITIES.get(word)
+            tags.append("O" if kind is None else ("B-" if prev == kind else "I-") + kind)
+            prev = kind
+        sentences.append(list(zip(words, tags)))
+    return sentences
+
+
+def test_ner_from_files_and_tfds(tmp_path, checkpoint):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    rng = np.random.RandomState(4)
+    data = tmp_path / "conll"
+    data.mkdir()
+    for name, n in (("train.txt", 8), ("valid.txt", 6), ("test.txt", 6)):
+        with open(data / name, "w") as f:
+            f.write("-DOCSTART- -X- -X- O\n\n")
+            for sentence in conll_sentences(rng, n):
+                f.write("".join(f"{w} NN I-NP {t}\n" for w, t in sentence) + "\n")
+    work = tmp_path / "files"
+    results = finetune.run(tiny(ner_config.get_config(), "conll2003", data, checkpoint["bert_jax"]), str(work))
+    assert {"precision", "recall", "f1", "accuracy", "test_f1"} <= set(results)
+    lines = (work / "conll2003_dev_predictions.txt").read_text().split("\n\n")
+    assert len([s for s in lines if s.strip()]) == 6
+
+    def make(builder, split):
+        names = list(builder.info.features["ner"].feature.names)
+        n = 8 if split == "train" else 6
+        return [{"tokens": [w for w, _ in s], "ner": [names.index(t.replace("I-", "B-") if i == 0 or s[i - 1][1] == "O" else t) for i, (_, t) in enumerate(s)],
+                 "pos": [0] * len(s), "chunks": [0] * len(s)} for s in conll_sentences(rng, n)]
+
+    config = tiny(ner_config.get_config(), "conll2003", "", checkpoint["bert_jax"], data_source="tfds")
+    with tfds.testing.mock_data(as_dataset_fn=lambda self, split, **kw: _tfds_dataset(self, split, make)):
+        results = finetune.run(config, str(tmp_path / "tfds"))
+    assert 0.0 <= results["f1"] <= 1.0 and "test_f1" in results
+
+
+def test_swag_from_files(tmp_path, checkpoint):
+    rng = np.random.RandomState(5)
+    data = tmp_path / "swag"
+    data.mkdir()
+    header = ["", "video-id", "fold-ind", "startphrase", "sent1", "sent2", "gold-source",
+              "ending0", "ending1", "ending2", "ending3"]
+    for name, n, labelled in (("train.csv", 8, True), ("val.csv", 8, True), ("test.csv", 3, False)):
+        with open(data / name, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header + (["label"] if labelled else []))
+            for i in range(n):
+                endings = [" ".join(rng.choice(WORDS, 3)) for _ in range(4)]
+                writer.writerow([i, "v", i, "he sat", "he sat on the mat .", "then he", "gold", *endings]
+                                + ([i % 4] if labelled else []))
+    work = tmp_path / "work"
+    results = finetune.run(tiny(swag_config.get_config(), "swag", data, checkpoint["bert_jax"]), str(work))
+    assert 0.0 <= results["accuracy"] <= 1.0 and "loss" in results
+    assert len((work / "swag_test_predictions.csv").read_text().splitlines()) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line, heads
+# ---------------------------------------------------------------------------------------------
+
+
+def test_main_dispatches_finetune(tmp_path, checkpoint, compilation_cache):
+    glue_files(tmp_path / "data" / "RTE", "rte", np.random.RandomState(6))
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=compilation_cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "bert_jax.main", "--config=configs/glue.py", "--config.task=rte",
+           f"--config.data_dir={tmp_path / 'data'}", f"--config.init_checkpoint={checkpoint['bert_jax']}",
+           f"--workdir={work}", "--config.max_seq_length=16", "--config.global_batch_size=8",
+           "--config.num_train_epochs=1", "--config.learning_rate=1e-3", "--config.log_every_steps=1",
+           "--config.async_checkpointing=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "accuracy" in read_json(work / "eval_results.json")
+    assert (work / "RTE.tsv").exists()
+
+
+@pytest.mark.parametrize("head,outputs,shape", [
+    ("classification", 3, {"logits": (2, 3)}),
+    ("regression", 1, {"logits": (2,)}),
+    ("span", 2, {"start_logits": (2, 8), "end_logits": (2, 8)}),
+    ("token", 5, {"logits": (2, 8, 5)}),
+    ("multiple_choice", 4, {"logits": (2, 4)}),
+])
+def test_heads_shapes_and_losses(head, outputs, shape, checkpoint):
+    cfg = checkpoint["config"]
+    model = heads.BertForTask(cfg, head, outputs)
+    dummy = heads.dummy_batch(head, 8, outputs)
+    params = nn.meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(1), *dummy.values())["params"]))
+    assert set(params) == {"bert", "head"}
+    assert jax.tree_util.tree_structure(params["bert"]) == jax.tree_util.tree_structure(checkpoint["params"]["bert"])
+    ids = jax.ShapeDtypeStruct((2,) + dummy["input_ids"].shape[1:], np.int32)
+    out = jax.eval_shape(lambda p, x: model.apply({"params": p}, x, x, x), params, ids)
+    assert {k: v.shape for k, v in out.items()} == shape
+    rng = np.random.RandomState(0)
+    out = {k: rng.randn(*v.shape).astype(np.float32) for k, v in out.items()}
+    labels = {"label": np.array([1, 0]) if head != "regression" else np.array([1.5, 2.0], np.float32),
+              "start_positions": np.array([1, 2]), "end_positions": np.array([3, 2]),
+              "label_ids": np.ones((2, 8), np.int32), "label_weights": np.ones((2, 8), np.float32)}
+    batch = {k: labels[k] for k in heads.LABEL_KEYS[head]}
+    # Row 1 padding (weight 0): the sums are row 0's alone.
+    sums = heads.loss_sums(head, out, dict(batch, weight=np.array([1.0, 0.0], np.float32)))
+    one = heads.loss_sums(head, {k: v[:1] for k, v in out.items()},
+                          dict({k: v[:1] for k, v in batch.items()}, weight=np.ones(1, np.float32)))
+    np.testing.assert_allclose(sums["loss_sum"], one["loss_sum"], rtol=1e-6)
+    np.testing.assert_allclose(sums["weight"], one["weight"])
+    # An independent numpy loss for row 0.
+    def xent(logits, label):
+        logits = logits - logits.max()
+        return float(np.log(np.exp(logits).sum()) - logits[label])
+    expected = {
+        "classification": lambda: xent(out["logits"][0], 1),
+        "multiple_choice": lambda: xent(out["logits"][0], 1),
+        "regression": lambda: (out["logits"][0] - 1.5) ** 2,
+        "span": lambda: 0.5 * (xent(out["start_logits"][0], 1) + xent(out["end_logits"][0], 3)),
+        "token": lambda: sum(xent(out["logits"][0, i], 1) for i in range(8)),
+    }[head]()
+    np.testing.assert_allclose(float(sums["loss_sum"]), expected, rtol=1e-5)

@@ -1,0 +1,364 @@
+"""data_pipeline.tasks without a model: metrics against independent computations, reading the
+distributed formats, bad input, featurization, post-processing, the SQuAD scorer's CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from data_pipeline import tasks
+from data_pipeline.tasks import glue, multiple_choice, ner, squad
+
+WORDS = ["the", "cat", "sat", "on", "mat", "john", "smith", "lives", "in", "paris", "cafe", "una", "##ffa",
+         "##ble", "who", "where", "is", "was", "a", "dog", ".", ",", "?", "1996", "-", "08"]
+
+
+@pytest.fixture
+def vocab(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# GLUE metrics vs scikit-learn / scipy
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_classification_metrics_match_sklearn(seed):
+    metrics = pytest.importorskip("sklearn.metrics")
+    rng = np.random.RandomState(seed)
+    gold = [str(x) for x in rng.randint(0, 2, 50)]
+    pred = [str(x) for x in rng.randint(0, 2, 50)]
+    assert glue.accuracy(gold, pred) == pytest.approx(metrics.accuracy_score(gold, pred))
+    assert glue.f1_binary(gold, pred) == pytest.approx(metrics.f1_score(gold, pred, pos_label="1"))
+    assert glue.matthews_corrcoef(gold, pred) == pytest.approx(metrics.matthews_corrcoef(gold, pred))
+    three_gold = list(rng.choice(["contradiction", "entailment", "neutral"], 40))
+    three_pred = list(rng.choice(["contradiction", "entailment", "neutral"], 40))
+    assert glue.matthews_corrcoef(three_gold, three_pred) == pytest.approx(
+        metrics.matthews_corrcoef(three_gold, three_pred))
+    # Degenerate cases: constant predictions give MCC 0 (as scikit-learn), no positives F1 0.
+    assert glue.matthews_corrcoef(gold, ["1"] * 50) == metrics.matthews_corrcoef(gold, ["1"] * 50) == 0.0
+    assert glue.f1_binary(["0", "0"], ["0", "0"]) == 0.0
+
+
+def test_correlations_match_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    rng = np.random.RandomState(3)
+    x = np.round(rng.rand(60) * 5, 1)  # ties
+    y = x + rng.randn(60)
+    assert glue.pearson(x, y) == pytest.approx(stats.pearsonr(x, y)[0])
+    assert glue.spearman(x, y) == pytest.approx(stats.spearmanr(x, y)[0])
+    np.testing.assert_allclose(glue.rankdata([3, 1, 3, 2]), stats.rankdata([3, 1, 3, 2]))
+
+
+# ---------------------------------------------------------------------------------------------
+# GLUE files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_glue_formats_as_distributed(tmp_path, vocab):
+    cola = tmp_path / "CoLA"
+    cola.mkdir()
+    (cola / "train.tsv").write_text("gj04\t1\t\tThe cat sat.\ngj04\t0\t*\tCat the sat.\n")  # no header
+    (cola / "dev.tsv").write_text("gj04\t1\t\tThe dog sat.\n")
+    (cola / "test.tsv").write_text("index\tsentence\n0\tThe cat.\n1\tA dog.\n")
+    task = tasks.get_task("cola", str(tmp_path))
+    train = task.read("train")
+    assert [(e.text_a, e.label) for e in train] == [("The cat sat.", "1"), ("Cat the sat.", "0")]
+    test = task.read("test")
+    assert [(e.guid, e.label) for e in test] == [("0", None), ("1", None)]
+    mrpc = tmp_path / "MRPC"
+    mrpc.mkdir()
+    (mrpc / "msr_paraphrase_train.txt").write_text(
+        "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1\t2\tJohn sat.\tJohn was on the mat.\n",
+        encoding="utf-8")
+    (mrpc / "test.tsv").write_text("index\t#1 ID\t#2 ID\t#1 String\t#2 String\n0\t1\t2\ta\tb\n")
+    task = tasks.get_task("mrpc", str(tmp_path))
+    assert [(e.text_a, e.text_b, e.label) for e in task.read("train")] == [("John sat.", "John was on the mat.", "1")]
+    assert task.read("test")[0].label is None
+    # Features: [CLS] a [SEP] b [SEP], segments, padding; labels as indices.
+    features = task.featurize(task.read("train"), task.make_tokenizer(vocab, True), 12, training=True)
+    toks = task.make_tokenizer(vocab, True).convert_ids_to_tokens(features["input_ids"][0][:11])
+    assert toks == ["[CLS]", "john", "sat", ".", "[SEP]", "john", "was", "on", "the", "mat", "."]
+    np.testing.assert_array_equal(features["segment_ids"][0], [0] * 5 + [1] * 7)
+    assert features["input_mask"][0].sum() == 12 and features["label"].tolist() == [1]
+    # Submission files: index, prediction.
+    paths = task.write_predictions(task.read("test"), ["1"], str(tmp_path / "out"), "test")
+    assert open(paths[-1]).read() == "index\tprediction\n0\t1\n"
+
+
+def test_glue_bad_rows_name_file_and_row(tmp_path):
+    rte = tmp_path / "RTE"
+    rte.mkdir()
+    (rte / "train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n"
+                                   "1\ta\tb\tmaybe\n2\tonly two\n3\ta\tb\tnot_entailment\n")
+    with pytest.raises(tasks.DataError, match=r"RTE/train.tsv: row 3: label 'maybe' is not one of"):
+        tasks.get_task("rte", str(tmp_path)).read("train")
+    lenient = tasks.get_task("rte", str(tmp_path), skip_bad_rows=True)
+    assert [e.guid for e in lenient.read("train")] == ["0", "3"]
+    assert lenient.skipped == {str(rte / "train.tsv"): 2}
+    sts = tmp_path / "STS-B"
+    sts.mkdir()
+    (sts / "train.tsv").write_text("index\tsentence1\tsentence2\tscore\n0\ta\tb\t7.5\n")
+    with pytest.raises(tasks.DataError, match=r"row 2: similarity score '7.5'"):
+        tasks.get_task("stsb", str(tmp_path)).read("train")
+
+
+def test_glue_scores_and_postprocess():
+    task = tasks.get_task("mrpc", "/unused")
+    examples = [glue.Example(str(i), "a", "b", lab) for i, lab in enumerate(["1", "0", "1", "1"])]
+    predictions = task.postprocess(examples, {}, {"logits": np.array([[0, 1], [1, 0], [1, 0], [0, 1.]])})
+    assert predictions == ["1", "0", "0", "1"]
+    scores = task.score(examples, predictions)
+    assert scores["accuracy"] == 0.75 and scores["f1"] == pytest.approx(0.8)
+    assert scores["score"] == pytest.approx((0.75 + 0.8) / 2)
+    stsb = tasks.get_task("stsb", "/unused")
+    assert stsb.head == "regression" and stsb.num_outputs == 1
+    assert stsb.postprocess(examples, {}, {"logits": np.array([1.0, 2.0])}) == [1.0, 2.0]
+    mnli = tasks.get_task("mnli", "/unused")
+    assert mnli.eval_splits == ("dev_matched", "dev_mismatched") and mnli.num_outputs == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching
+# ---------------------------------------------------------------------------------------------
+
+
+def test_batches_pad_with_weight_zero_and_split_hosts():
+    features = {"x": np.arange(10), "weight": np.ones(10, np.float32)}
+    one = list(tasks.batches(features, ["x"], 4, shuffle_seed=7))
+    assert len(one) == 3 and [b["weight"].tolist() for b in one][-1] == [1, 1, 0, 0]
+    seen = np.concatenate([b["x"][b["weight"] > 0] for b in one])
+    assert sorted(seen.tolist()) == list(range(10))  # every row exactly once
+    hosts = [list(tasks.batches(features, ["x"], 4, process_index=p, process_count=2, shuffle_seed=7))
+             for p in range(2)]
+    for b in range(3):  # host rows, concatenated in process order, are the global batch
+        np.testing.assert_array_equal(np.concatenate([hosts[0][b]["x"], hosts[1][b]["x"]]), one[b]["x"])
+        np.testing.assert_array_equal(np.concatenate([hosts[0][b]["weight"], hosts[1][b]["weight"]]), one[b]["weight"])
+
+
+# ---------------------------------------------------------------------------------------------
+# SQuAD
+# ---------------------------------------------------------------------------------------------
+
+
+def test_squad_normalization_and_f1_hand_worked():
+    assert squad.normalize_answer("The  Cat, sat!") == "cat sat"
+    assert squad.normalize_answer("an apple a day") == "apple day"
+    assert squad.normalize_answer("theater") == "theater"  # articles only as whole words
+    assert squad.normalize_answer("Hello-World") == "helloworld"  # punctuation removed, not split
+    assert squad.exact_match_score("the Eiffel Tower.", "Eiffel tower") == 1.0
+    # pred "the big red dog" -> [big, red, dog]; gold "red dog" -> [red, dog]: P 2/3, R 1, F1 0.8.
+    assert squad.f1_score_v1("the big red dog", "red dog") == pytest.approx(0.8)
+    assert squad.f1_score_v1("cat", "dog") == 0.0
+    assert squad.f1_score_v2("", "") == 1.0 and squad.f1_score_v2("dog", "") == 0.0
+    gold = [("q1", ["red dog", "a dog"]), ("q2", ["Paris"]), ("q3", ["1996"])]
+    out = squad.evaluate_v1(gold, {"q1": "the big red dog", "q2": "paris"})  # q3 missing: scores 0
+    assert out == pytest.approx({"exact_match": 100 / 3, "f1": 100 * (0.8 + 1.0) / 3})
+
+
+def test_squad_v2_scores_and_best_threshold_hand_worked():
+    gold = [("a", ["x y"]), ("b", []), ("c", ["z"]), ("d", [])]
+    preds = {"a": "x y", "b": "", "c": "w", "d": "q"}
+    na = {"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.3}
+    out = squad.evaluate_v2(gold, preds, na)
+    # Raw: a 1, b 1 (empty = empty), c 0, d 0. na_prob_thresh 1.0 changes nothing.
+    assert out["exact"] == 50.0 and out["total"] == 4
+    assert out["HasAns_exact"] == 50.0 and out["HasAns_total"] == 2
+    assert out["NoAns_exact"] == 50.0 and out["NoAns_total"] == 2
+    # Thresholds, ascending na: start at 2 (all no-answer right); a (+1) = 3 at 0.1; d (-1) = 2;
+    # c (+0) = 2; b (+0) = 2 -> best 3 of 4 at threshold 0.1.
+    assert out["best_exact"] == 75.0 and out["best_exact_thresh"] == 0.1
+    assert squad.evaluate_v2(gold, preds)["exact"] == 50.0 and "best_f1" not in squad.evaluate_v2(gold, preds)
+    assert squad.evaluate_v2(gold, preds, na, na_prob_thresh=0.2)["exact"] == 75.0  # c, d, b -> no answer
+
+
+def test_squad_cli_prints_the_official_keys(tmp_path, capsys):
+    data = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": "John lives in Paris.", "qas": [
+        {"id": "q1", "question": "where?", "answers": [{"text": "Paris", "answer_start": 14}]},
+        {"id": "q2", "question": "who?", "answers": [{"text": "John", "answer_start": 0}]}]}]}]}
+    (tmp_path / "dev.json").write_text(json.dumps(data))
+    (tmp_path / "pred.json").write_text(json.dumps({"q1": "Paris", "q2": "lives"}))
+    (tmp_path / "na.json").write_text(json.dumps({"q1": 0.0, "q2": 2.0}))
+    assert squad.main([str(tmp_path / "dev.json"), str(tmp_path / "pred.json")]) == 0
+    assert json.loads(capsys.readouterr().out) == {"exact_match": 50.0, "f1": 50.0}
+    squad.main([str(tmp_path / "dev.json"), str(tmp_path / "pred.json"), "--version_2",
+                "--na_prob_file", str(tmp_path / "na.json")])
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["exact", "f1", "total", "HasAns_exact", "HasAns_f1", "HasAns_total",
+                         "best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh"]
+    assert out["exact"] == 50.0  # q2's na 2.0 > 1.0: predicted no-answer, wrong for an answerable
+
+
+def test_doc_windows_and_max_context():
+    assert squad.doc_windows(10, 4, 3) == [(0, 4), (3, 4), (6, 4)]
+    assert squad.doc_windows(3, 4, 3) == [(0, 3)]
+    windows = squad.doc_windows(10, 4, 3)
+    # Token 3 is in windows (0..3) and (3..6): min(3, 0) vs min(0, 3) tie -> 0.01*4 each -> first wins.
+    assert squad.is_max_context(windows, 0, 3) and not squad.is_max_context(windows, 3, 3)
+    # Token 4: (3..6) gives min(1, 2) = 1 > window 0's none: window 3.
+    assert squad.is_max_context(windows, 3, 4)
+
+
+def _squad_file(tmp_path, qas, context="John Smith lives in Paris, the cafe."):
+    path = tmp_path / "train-v1.1.json"
+    path.write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": [
+        {"context": context, "qas": qas}]}]}))
+    return str(tmp_path)
+
+
+def test_squad_featurize_maps_answers_through_offsets(tmp_path, vocab):
+    context = "John Smith lives in Paris, the Unaffable cafe."
+    qas = [{"id": "q1", "question": "Where does he live?", "answers": [{"text": "Paris", "answer_start": 20}]},
+           {"id": "q2", "question": "Which cafe?", "answers": [{"text": "Unaffable", "answer_start": 31}]}]
+    task = tasks.get_task("squad_v1", _squad_file(tmp_path, qas, context), max_query_length=3)
+    tok = task.make_tokenizer(vocab, True)
+    examples = task.read("train")
+    f = task.featurize(examples, tok, 32, training=True)
+    for row, answer in enumerate(["paris", "una"]):
+        pieces = tok.convert_ids_to_tokens(f["input_ids"][row])
+        assert pieces[f["start_positions"][row]] == answer
+    assert tok.convert_ids_to_tokens([f["input_ids"][1][f["end_positions"][1]]]) == ["##ble"]
+    # Post-processing returns the context's own characters (case and all).
+    n, length = f["input_ids"].shape
+    start = np.full((n, length), -9.0)
+    end = np.full((n, length), -9.0)
+    start[np.arange(n), f["start_positions"]] = 5
+    end[np.arange(n), f["end_positions"]] = 5
+    out = task.postprocess(examples, f, {"start_logits": start, "end_logits": end})
+    assert out["predictions"] == {"q1": "Paris", "q2": "Unaffable"}
+    assert len(out["nbest"]["q1"]) <= 20 and out["nbest"]["q1"][0]["probability"] > 0.5
+
+
+def test_squad_windows_put_outside_answers_on_cls(tmp_path, vocab):
+    qas = [{"id": "q", "question": "who", "answers": [{"text": "Paris", "answer_start": 20}]}]
+    task = tasks.get_task("squad_v1", _squad_file(tmp_path, qas), doc_stride=2)
+    f = task.featurize(task.read("train"), task.make_tokenizer(vocab, True), 8, training=True)
+    # 9 context pieces in windows of 8 - 1 - 3 = 4: starts 0, 2, 4, 6; "paris" (piece 4) is in two.
+    assert f["start_positions"].tolist() == [0, 3 + 2, 3 + 0, 0]  # [CLS] who [SEP] precede the window
+    inside = f["start_positions"] > 0
+    assert inside.any() and (~inside).any()
+    assert (f["end_positions"][~inside] == 0).all()
+    # Each doc piece is max-context in exactly one window.
+    chars = f["token_start_char"][f["token_is_max_context"]]
+    assert len(chars) == len(set(chars.tolist()))
+
+
+def test_squad_bad_answers_raise_or_count(tmp_path, vocab):
+    qas = [{"id": "good", "question": "who", "answers": [{"text": "Paris", "answer_start": 20}]},
+           {"id": "off", "question": "who", "answers": [{"text": "Paris", "answer_start": 3}]}]
+    task = tasks.get_task("squad_v1", _squad_file(tmp_path, qas))
+    tok = task.make_tokenizer(vocab, True)
+    with pytest.raises(tasks.DataError, match=r"train-v1.1.json: data\[0\].paragraphs\[0\].qas\[1\] \(id off\).*"
+                                              r"not at answer_start=3"):
+        task.featurize(task.read("train"), tok, 32, training=True)
+    lenient = tasks.get_task("squad_v1", _squad_file(tmp_path, qas), skip_bad_rows=True)
+    f = lenient.featurize(lenient.read("train"), tok, 32, training=True)
+    assert len(f["input_ids"]) == 1 and sum(lenient.skipped.values()) == 1
+
+
+def test_squad_v2_null_threshold(tmp_path, vocab):
+    qas = [{"id": "q", "question": "who", "answers": [], "is_impossible": True}]
+    task = tasks.get_task("squad_v2", _squad_file(tmp_path, qas).replace("", ""),
+                          split_files={"train": str(tmp_path / "train-v1.1.json")})
+    tok = task.make_tokenizer(vocab, True)
+    examples = task.read("train")
+    f = task.featurize(examples, tok, 32, training=True)
+    assert f["start_positions"].tolist() == [0] and f["end_positions"].tolist() == [0]
+    start = np.zeros(f["input_ids"].shape)
+    end = np.zeros(f["input_ids"].shape)
+    start[0, 0] = end[0, 0] = 2.0  # null score 4
+    span = int(np.nonzero(f["token_start_char"][0] >= 0)[0][0])
+    start[0, span] = end[0, span] = 1.5  # best span 3: null_odds = 4 - 3 = 1
+    out = task.postprocess(examples, f, {"start_logits": start, "end_logits": end})
+    assert out["null_odds"]["q"] == pytest.approx(1.0) and out["predictions"]["q"] == ""
+    task.null_score_diff_threshold = 1.5
+    assert task.postprocess(examples, f, {"start_logits": start, "end_logits": end})["predictions"]["q"] == "John"
+
+
+# ---------------------------------------------------------------------------------------------
+# NER: conlleval semantics, reading, featurization
+# ---------------------------------------------------------------------------------------------
+
+
+def test_conlleval_hand_worked_iob1_and_iob2():
+    # IOB1: "I-PER I-PER B-PER" is two persons; IOB2 writes them "B-PER I-PER B-PER".
+    iob1 = [["I-PER", "I-PER", "B-PER", "O", "I-LOC"]]
+    iob2 = [["B-PER", "I-PER", "B-PER", "O", "B-LOC"]]
+    for gold in (iob1, iob2):
+        assert ner.conlleval(gold, gold)["entities_gold"] == 3
+        assert ner.conlleval(gold, iob1)["f1"] == 1.0 and ner.conlleval(gold, iob2)["f1"] == 1.0
+    # One person merged into the other: predicted 2 entities (PER x3 -> one, LOC), 1 correct (LOC).
+    out = ner.conlleval(iob2, [["B-PER", "I-PER", "I-PER", "O", "B-LOC"]])
+    assert (out["entities_correct"], out["entities_predicted"], out["entities_gold"]) == (1, 2, 3)
+    assert out["precision"] == 0.5 and out["recall"] == pytest.approx(1 / 3)
+    assert out["f1"] == pytest.approx(0.4) and out["accuracy"] == pytest.approx(0.8)
+    # Type mismatch inside a span is wrong; an I- after O starts an entity (conlleval, not seqeval strict).
+    out = ner.conlleval([["B-ORG", "I-ORG", "O"]], [["B-ORG", "I-LOC", "O"]])
+    assert out["entities_correct"] == 0 and out["entities_predicted"] == 2
+    out = ner.conlleval([["O", "B-MISC", "O"]], [["O", "I-MISC", "O"]])
+    assert out["f1"] == 1.0
+    # A sentence boundary ends entities.
+    assert ner.conlleval([["I-PER"], ["I-PER"]], [["I-PER"], ["I-PER"]])["entities_gold"] == 2
+    assert ner.conlleval([["B-LOC"]], [["B-LOC"]])["f1_LOC"] == 1.0
+
+
+def test_conll_reading_and_bad_tags(tmp_path):
+    path = tmp_path / "train.txt"
+    path.write_text("-DOCSTART- -X- -X- O\n\nJohn NNP B-NP I-PER\nsat VBD B-VP O\n\nParis NNP B-NP I-LOC\n")
+    task = tasks.get_task("conll2003", str(tmp_path))
+    assert [(e.words, e.tags) for e in task.read("train")] == [
+        (["John", "sat"], ["I-PER", "O"]), (["Paris"], ["I-LOC"])]
+    path.write_text("John NNP B-NP I-PER\nsat VBD B-VP B-VERB\n\nParis NNP B-NP I-LOC\nbad\n")
+    with pytest.raises(tasks.DataError, match=r"train.txt: row 2: tag 'B-VERB'"):
+        task.read("train")
+    lenient = tasks.get_task("conll2003", str(tmp_path), skip_bad_rows=True)
+    assert lenient.read("train") == [] and sum(lenient.skipped.values()) == 2
+
+
+def test_ner_labels_first_pieces_and_splits_long_sentences(tmp_path, vocab):
+    task = tasks.get_task("conll2003", str(tmp_path))
+    words = ["Unaffable", "John", "Smith", "sat", "in", "Paris", "."]
+    tags = ["O", "B-PER", "I-PER", "O", "O", "B-LOC", "O"]
+    examples = [ner.Example(words, tags)]
+    tok = task.make_tokenizer(vocab, True)
+    f = task.featurize(examples, tok, 32, training=True)
+    pieces = tok.convert_ids_to_tokens(f["input_ids"][0][:11])
+    assert pieces == ["[CLS]", "una", "##ffa", "##ble", "john", "smith", "sat", "in", "paris", ".", "[SEP]"]
+    assert f["label_weights"][0][:11].tolist() == [0, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0]
+    assert [task.labels[i] for i, w in zip(f["label_ids"][0], f["label_weights"][0]) if w] == tags
+    # max_seq_length 6: rows of at most 4 pieces, cut between words, every word labelled once.
+    short = task.featurize(examples, tok, 6, training=True)
+    assert len(short["input_ids"]) == 3 and short["label_weights"].sum() == len(words)
+    one_hot = np.eye(len(task.labels))[short["label_ids"]]
+    assert task.postprocess(examples, short, {"logits": one_hot}) == [tags]
+
+
+# ---------------------------------------------------------------------------------------------
+# SWAG
+# ---------------------------------------------------------------------------------------------
+
+
+def test_swag_csv(tmp_path, vocab):
+    header = ",video-id,fold-ind,startphrase,sent1,sent2,gold-source,ending0,ending1,ending2,ending3,label\n"
+    (tmp_path / "train.csv").write_text(header + '0,v,1,"x","The cat sat.","The dog",gold,sat.,ran.,"was, on",is.,2\n'
+                                        + "1,v,2,x,a,b,gold,c,d,e,f,7\n")
+    with pytest.raises(tasks.DataError, match=r"train.csv: row 3: label '7'"):
+        tasks.get_task("swag", str(tmp_path)).read("train")
+    task = tasks.get_task("swag", str(tmp_path), skip_bad_rows=True)
+    examples = task.read("train")
+    assert len(examples) == 1 and examples[0].endings[2] == "was, on" and examples[0].label == 2
+    f = task.featurize(examples, task.make_tokenizer(vocab, True), 12, training=True)
+    assert f["input_ids"].shape == (1, multiple_choice.NUM_CHOICES, 12)
+    toks = task.make_tokenizer(vocab, True).convert_ids_to_tokens(f["input_ids"][0, 2][:11])
+    assert toks == ["[CLS]", "the", "cat", "sat", ".", "[SEP]", "the", "dog", "was", ",", "on"]
+    assert task.postprocess(examples, f, {"logits": np.array([[0.1, 0.2, 0.9, 0.0]])}) == [2]
+    assert task.score(examples, [2]) == {"accuracy": 1.0}
+
+
+def test_unknown_task_is_rejected():
+    with pytest.raises(ValueError, match="config.task must be one of"):
+        tasks.get_task("imagenet", "/x")
+    assert tasks.get_task("SST-2", "/x").name == "sst2" and tasks.get_task("squad", "/x").name == "squad_v1"
