@@ -30,6 +30,7 @@ per file) that the input pipeline verifies before training.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import hashlib
@@ -207,6 +208,18 @@ def _worker_pool(num_workers: int, opts: Options, num_outputs: int):
                                                       initargs=(opts, num_outputs))
 
 
+def _bounded_imap(pool, fn, tasks, window: int):
+    """`pool.imap(fn, tasks)` with at most `window` tasks submitted and not yet consumed, so
+    finished shards never pile up in the parent (Pool.imap has no back-pressure)."""
+    pending: collections.deque = collections.deque()
+    for task in tasks:
+        if len(pending) >= window:
+            yield pending.popleft().get()
+        pending.append(pool.apply_async(fn, (task,)))
+    while pending:
+        yield pending.popleft().get()
+
+
 def shard_rng(random_seed: int, shard_index: int) -> np.random.Generator:
     """The fast mode's random stream of one shard: a function of (seed, shard) only."""
     return np.random.default_rng([random_seed % 2**64, shard_index])
@@ -331,7 +344,8 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
                 _init_worker(opts, len(writers))
             bar = tqdm(total=len(tasks), desc="shards", unit="shard", dynamic_ncols=True)
             try:
-                for result in (pool.imap(shard_records, tasks) if pool else map(shard_records, tasks)):
+                for result in (_bounded_imap(pool, shard_records, tasks, 2 * num_workers) if pool
+                               else map(shard_records, tasks)):
                     write_shard(result)
             finally:
                 bar.close()
