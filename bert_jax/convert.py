@@ -39,7 +39,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from absl import logging

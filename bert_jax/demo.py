@@ -20,10 +20,8 @@ import os
 
 import jax
 import ml_collections
-import numpy as np
 
 from bert_jax import pretrain
-from bert_jax.modeling import BertForPreTraining
 
 PROMPTS = (
     "The function returns a [MASK] of the elements.",
@@ -63,24 +61,13 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def fill_mask(params, bert_config, vocab_file: str, prompts=PROMPTS, top_k: int = 5) -> list[dict]:
-    """Top-k guesses of the model for each [MASK] in each prompt."""
+    """Top-k guesses of the model for each [MASK] in each prompt (see `bert_jax.fill_mask`)."""
+    from bert_jax import fill_mask as fm
     from data_pipeline import tokenization
 
     tok = tokenization.FullTokenizer(vocab_file, do_lower_case=True, keep_special_tokens=True)
-    model = BertForPreTraining(bert_config)
-    results = []
-    for text in prompts:
-        tokens = ["[CLS]"] + tok.tokenize(text) + ["[SEP]"]
-        ids = np.array([tok.convert_tokens_to_ids(tokens)], np.int32)
-        positions = np.array([[i for i, t in enumerate(tokens) if t == "[MASK]"]], np.int32)
-        out = model.apply({"params": params}, ids, np.ones_like(ids), np.zeros_like(ids), positions)
-        probs = jax.nn.softmax(out.mlm_logits[0], axis=-1)  # [masks, vocab]
-        guesses = []
-        for row in np.asarray(probs):
-            best = np.argsort(-row)[:top_k]
-            guesses.append([(tok.inv_vocab[int(i)], float(row[i])) for i in best])
-        results.append({"prompt": text, "tokens": tokens, "guesses": guesses})
-    return results
+    results = fm.fill_mask(params, bert_config, tok, prompts, top_k)
+    return [{"prompt": r["text"], "tokens": r["tokens"], "guesses": r["guesses"]} for r in results]
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:

@@ -1,0 +1,83 @@
+"""Fill in the blank: a pretrained BERT's top-k guesses for each [MASK] in a text.
+
+    python -m bert_jax.fill_mask --init_checkpoint=uncased_L-12_H-768_A-12 \\
+        --text="The capital of France is [MASK]." [--text=...] [--top_k=5]
+
+`--init_checkpoint` is any format `bert_jax.convert` reads; it needs the masked-LM head (encoder-only
+checkpoints such as sentence encoders have none: the error says so). `[MASK]` typed in the text
+stays one token (`keep_special_tokens`); the text is [CLS] text [SEP], one segment.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+def fill_mask(params: dict, bert_config, tokenizer, texts: Sequence[str], top_k: int = 5) -> list[dict]:
+    """`[{"text", "tokens", "guesses": [[(token, probability), ...] per [MASK]]}]`."""
+    import jax
+    from bert_jax.modeling import BertForPreTraining
+
+    model = BertForPreTraining(bert_config)
+    import jax.numpy as jnp
+    apply = jax.jit(lambda p, ids, pos: model.apply({"params": p}, ids, jnp.ones_like(ids), jnp.zeros_like(ids), pos))
+    results = []
+    for text in texts:
+        tokens = ["[CLS]"] + tokenizer.tokenize(text) + ["[SEP]"]
+        positions = [i for i, t in enumerate(tokens) if t == "[MASK]"]
+        if not positions:
+            raise ValueError(f"no [MASK] in {text!r}")
+        if len(tokens) > bert_config.max_position_embeddings:
+            raise ValueError(f"{text[:40]!r}...: {len(tokens)} tokens exceed the model's "
+                             f"max_position_embeddings={bert_config.max_position_embeddings}")
+        ids = np.array([tokenizer.convert_tokens_to_ids(tokens)], np.int32)
+        out = apply(params, ids, np.array([positions], np.int32))
+        probs = np.asarray(jax.nn.softmax(out.mlm_logits[0], axis=-1))  # [masks, vocab]
+        guesses = []
+        for row in probs:
+            best = np.argsort(-row)[:top_k]
+            guesses.append([(tokenizer.inv_vocab[int(i)], float(row[i])) for i in best])
+        results.append({"text": text, "tokens": tokens, "guesses": guesses})
+    return results
+
+
+def load(init_checkpoint: str, vocab_file: Optional[str] = None, do_lower_case: Optional[bool] = None):
+    """(params, BertConfig, tokenizer) for `fill_mask` from a checkpoint in any format."""
+    from bert_jax import convert
+    from data_pipeline import tokenization
+
+    p = convert.load_pretrained(init_checkpoint)
+    if "mlm" not in p.params:
+        raise ValueError(f"{init_checkpoint} has no masked-LM head (an encoder-only checkpoint): "
+                         f"fill-in-the-blank needs one")
+    vocab_file = vocab_file or p.vocab_file
+    if not vocab_file:
+        raise ValueError(f"{init_checkpoint} has no vocab.txt: pass vocab_file / --vocab_file")
+    lower = do_lower_case if do_lower_case is not None else (p.do_lower_case if p.do_lower_case is not None else True)
+    tokenizer = tokenization.FullTokenizer(vocab_file, do_lower_case=lower, keep_special_tokens=True)
+    return convert.model_params(p), p.config, tokenizer
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bert_jax.fill_mask", description=__doc__.splitlines()[0])
+    parser.add_argument("--init_checkpoint", required=True)
+    parser.add_argument("--text", action="append", required=True, help="text with [MASK]; repeatable")
+    parser.add_argument("--top_k", type=int, default=5)
+    parser.add_argument("--vocab_file", default=None)
+    parser.add_argument("--do_lower_case", choices=("true", "false"), default=None)
+    args = parser.parse_args(argv)
+    lower = None if args.do_lower_case is None else args.do_lower_case == "true"
+    params, config, tokenizer = load(args.init_checkpoint, args.vocab_file, lower)
+    for r in fill_mask(params, config, tokenizer, args.text, args.top_k):
+        print(r["text"])
+        for guesses in r["guesses"]:
+            print("    [MASK] -> " + ", ".join(f"{t} ({p:.3f})" for t, p in guesses))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
