@@ -9,9 +9,10 @@ The corpus (WikiText-2 raw + Gutenberg) is first converted to Google's format: o
 line (our rule-based splitter), a blank line between documents (WikiText articles; Gutenberg
 books cut every 50 paragraphs), in 8 shards. Each configuration runs in its own fresh process
 (wall time includes start-up); for each dupe factor the runs follow each other, reference
-included, so they share the machine's load. Peak RSS: the parent's and the largest worker's,
-from `dataset_info.json` (each process's `getrusage` maximum); for the reference, its one
-process. The memory runs then feed the same fast mode 4x the corpus as 4x the shards
+included, so they share the machine's load; CPU seconds (user + system of the process and its
+workers) are reported too, being less sensitive than wall time to other jobs. Peak RSS: the
+parent's and the largest worker's, from `dataset_info.json` (each process's `getrusage`
+maximum); for the reference, its one process. The memory runs then feed the same fast mode 4x the corpus as 4x the shards
 (`--memory_scale`): peak RSS per process should not grow with the number of shards.
 
 The reference script (TF1 code, not part of this repository) is run from a temporary copy with
@@ -80,13 +81,15 @@ def convert(corpus_dir, out_dir, num_shards=8):
 
 
 def timed(cmd):
-    """(wall seconds, peak RSS MB of the command's process tree as /usr/bin/time reports it)."""
+    """(wall seconds, CPU seconds (user + system, the process and its workers), peak RSS MB of
+    the largest process as /usr/bin/time reports it)."""
     start = time.time()
-    r = subprocess.run(["/usr/bin/time", "-f", "%M"] + cmd, capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(["/usr/bin/time", "-f", "%U %S %M"] + cmd, capture_output=True, text=True, cwd=ROOT)
     seconds = time.time() - start
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
-    return seconds, int(r.stderr.strip().splitlines()[-1]) / 1024
+    user, system, rss_kb = r.stderr.strip().splitlines()[-1].split()
+    return seconds, float(user) + float(system), int(rss_kb) / 1024
 
 
 def count_records(path):
@@ -104,13 +107,14 @@ def count_records(path):
 
 def run_ours(name, out_dir, inputs, common, extra):
     out = os.path.join(out_dir, name, "train.tfrecord")
-    secs, tree_rss = timed([sys.executable, "-m", "data_pipeline.create_pretraining_data", inputs,
-                            f"--output_file={out}", *common, *extra])
+    secs, cpu, tree_rss = timed([sys.executable, "-m", "data_pipeline.create_pretraining_data", inputs,
+                                 f"--output_file={out}", *common, *extra])
     info = json.load(open(os.path.join(out_dir, name, "dataset_info.json")))
     rss = info.get("peak_rss_mb", {})
     m = info["mask_stats"]
-    return {"seconds": round(secs, 2), "instances": info["num_instances"],
+    return {"seconds": round(secs, 2), "cpu_seconds": round(cpu, 2), "instances": info["num_instances"],
             "instances_per_s": round(info["num_instances"] / secs),
+            "instances_per_cpu_s": round(info["num_instances"] / cpu),
             "peak_rss_mb_parent": round(rss.get("parent") or tree_rss),
             "peak_rss_mb_workers": round(rss["workers"]) if rss.get("workers") else None,
             "masked_of_candidates": round(m["masked_fraction_of_candidates"], 4),
@@ -168,11 +172,12 @@ def main():
         if reference:
             out = os.path.join(args.out_dir, f"reference_d{dupe}", "train.tfrecord")
             os.makedirs(os.path.dirname(out))
-            secs, rss = timed([sys.executable, reference, f"--input_file={','.join(shards)}", f"--output_file={out}",
-                               *common])
+            secs, cpu, rss = timed([sys.executable, reference, f"--input_file={','.join(shards)}",
+                                    f"--output_file={out}", *common])
             n = count_records(out)
-            runs["google_reference"] = {"seconds": round(secs, 2), "instances": n,
-                                        "instances_per_s": round(n / secs), "peak_rss_mb_parent": round(rss)}
+            runs["google_reference"] = {"seconds": round(secs, 2), "cpu_seconds": round(cpu, 2), "instances": n,
+                                        "instances_per_s": round(n / secs), "instances_per_cpu_s": round(n / cpu),
+                                        "peak_rss_mb_parent": round(rss)}
             print(dupe, "google_reference", json.dumps(runs["google_reference"]), flush=True)
         configs = [("fast_1_worker", ["--num_workers=1", "--num_output_shards=8"]),
                    ("fast_2_workers", ["--num_workers=2", "--num_output_shards=8"])]
@@ -182,9 +187,10 @@ def main():
             runs[name] = run_ours(f"{name}_d{dupe}", args.out_dir, inputs, common, extra)
             print(dupe, name, json.dumps(runs[name]), flush=True)
         if reference:
-            base = runs["google_reference"]["instances_per_s"]
+            base = runs["google_reference"]
             for name, r in runs.items():
-                r["vs_reference"] = round(r["instances_per_s"] / base, 2)
+                r["vs_reference"] = round(r["instances_per_s"] / base["instances_per_s"], 2)
+                r["vs_reference_per_cpu_s"] = round(r["instances_per_cpu_s"] / base["instances_per_cpu_s"], 2)
             if "reference_compatible" in runs:
                 runs["reference_compatible"]["identical_to_reference"] = same_records(
                     os.path.join(args.out_dir, f"reference_d{dupe}", "train.tfrecord"),
