@@ -274,8 +274,12 @@ def encode_examples(features: Mapping[str, Any], head: int = 0, tail: int = 0):
     if tail:
         pieces.append(("raw", np.zeros((batch, tail), np.uint8)))
     # Runs of constant bytes merge; lengths become varints of their own width.
+    # A length that is the same in every record of the batch (all but those around the
+    # variable-width lists) is a constant too, which leaves a few wide blocks to fill.
     merged: list = []
     for piece in pieces:
+        if isinstance(piece, tuple) and piece[0] == "len" and batch and piece[1].min() == piece[1].max():
+            piece = _varint_bytes(int(piece[1][0]))
         if isinstance(piece, bytes) and merged and isinstance(merged[-1], bytes):
             merged[-1] += piece
         elif isinstance(piece, tuple) and piece[0] == "len":
@@ -312,6 +316,15 @@ def encode_examples(features: Mapping[str, Any], head: int = 0, tail: int = 0):
     np.cumsum(slot[:-1], out=starts[1:])
     starts += head
     return out, starts, record_len
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def _nbytes(lengths: np.ndarray) -> np.ndarray:
