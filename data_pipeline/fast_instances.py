@@ -28,8 +28,8 @@ int32 array of token ids instead of lists of strings:
   them in order while they fit `num_to_predict = min(max_predictions_per_seq, max(1,
   round(len * masked_lm_prob)))`, skipping a whole word that would overflow. Without whole-word
   masking that is a uniform random subset of `min(num_to_predict, candidates)` positions
-  (the smallest of uniform random keys); with it, the same greedy walk over a random order of
-  the words, one numpy step per rank for the whole batch. Each masked position then becomes
+  (Floyd's sampling, one numpy step per draw for the whole batch); with it, the same greedy
+  walk over a random order of the words, one numpy step per rank for the whole batch. Each masked position then becomes
   [MASK] with probability 0.8, keeps its token with 0.1, or becomes an id drawn uniformly from
   the vocabulary list with 0.1 (the reference draws from `list(vocab.keys())`).
 
