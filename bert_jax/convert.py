@@ -560,6 +560,47 @@ def load_bert_jax(path: str) -> Pretrained:
                       "bert_jax", missing, tuple(other))
 
 
+def fetch(source: str, cache_dir: str) -> str:
+    """A local checkpoint directory for `source`: a path (returned as is) or a URL of a .zip such as
+    Google's releases (`https://storage.googleapis.com/bert_models/2020_02_20/uncased_L-4_H-256_A-4.zip`),
+    downloaded into `cache_dir` once, unpacked, and the folder holding its files returned (named
+    after the archive, so that casing detection by name works)."""
+    import urllib.parse
+    import urllib.request
+    import zipfile
+
+    if "://" not in source:
+        return source
+    name = os.path.basename(urllib.parse.urlparse(source).path)
+    if not name.endswith(".zip"):
+        raise ValueError(f"{source}: only .zip archives are fetched (Google's checkpoint releases)")
+    target = os.path.join(cache_dir, name[: -len(".zip")])
+    if not os.path.isdir(target):
+        os.makedirs(cache_dir, exist_ok=True)
+        archive = target + ".zip.part"
+        from tqdm import tqdm
+        with urllib.request.urlopen(source) as response, open(archive, "wb") as f:  # noqa: S310
+            total = int(response.headers.get("Content-Length") or 0) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=name) as bar:
+                while chunk := response.read(1 << 20):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+        tmp = target + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with zipfile.ZipFile(archive) as z:
+            for member in z.namelist():  # no absolute paths or ".." in an archive we unpack
+                if member.startswith("/") or ".." in member.split("/"):
+                    raise ValueError(f"{source}: unsafe path {member!r} in the archive")
+            z.extractall(tmp)
+        os.remove(archive)
+        os.replace(tmp, target)
+    configs = sorted(glob.glob(os.path.join(target, "**", "bert_config.json"), recursive=True)
+                     + glob.glob(os.path.join(target, "**", "config.json"), recursive=True))
+    if not configs:
+        raise ValueError(f"{source}: the archive holds no bert_config.json or config.json")
+    return os.path.dirname(min(configs, key=len))  # the 2018 releases have their own top folder
+
+
 def load_pretrained(path: str, format: Optional[str] = None) -> Pretrained:  # pylint: disable=redefined-builtin
     """Reads a checkpoint in any supported format (detected from its files when `format` is None)."""
     path = os.path.expanduser(path)

@@ -427,3 +427,26 @@ def test_pretraining_workdir_is_a_bert_jax_checkpoint(google_dir, tmp_path):
     p = convert.load_pretrained(str(workdir))
     assert p.format == "bert_jax" and p.heads == ("mlm", "nsp")
     assert_trees_equal(p.params, src.params)
+
+
+def test_fetch_downloads_and_unpacks_a_release_zip_once(google_dir, tmp_path):
+    """Google's releases are zips (the 2018 ones with a top folder, the 2020 ones without)."""
+    import zipfile
+    src = google_dir[0]
+    for top, name in (("uncased_L-2_H-16_A-4/", "a.zip"), ("", "uncased_L-2_H-16_A-4.zip")):
+        archive = tmp_path / name
+        with zipfile.ZipFile(archive, "w") as z:
+            for f in os.listdir(src):
+                z.write(os.path.join(src, f), top + f)
+        path = convert.fetch(archive.as_uri(), str(tmp_path / f"cache_{name}"))
+        p = convert.load_pretrained(path)
+        assert p.format == "google" and p.do_lower_case is True
+        assert_trees_equal(p.params, convert.load_pretrained(src).params)
+        archive.unlink()  # a second fetch uses the cache
+        assert convert.fetch(archive.as_uri(), str(tmp_path / f"cache_{name}")) == path
+    assert convert.fetch(src, str(tmp_path)) == src
+    bad = tmp_path / "bad.zip"
+    with zipfile.ZipFile(bad, "w") as z:
+        z.writestr("../evil/bert_config.json", "{}")
+    with pytest.raises(ValueError, match="unsafe path"):
+        convert.fetch(bad.as_uri(), str(tmp_path / "c3"))
