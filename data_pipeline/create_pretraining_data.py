@@ -197,10 +197,12 @@ def _worker_pool(num_workers: int, opts: Options, num_outputs: int):
 
     Forking shares what the parent already loaded (modules, the vocabulary, the tokenizer's
     Unicode tables, half a second to build) instead of rebuilding it in every worker. It is
-    not safe once TensorFlow (threads, locks) is loaded in the parent: then workers are spawned
-    and each initializes itself. Either way the records are the same.
+    not safe once a multithreaded runtime (TensorFlow, or JAX in a notebook or a training
+    process calling this library) is loaded in the parent: then workers are spawned and each
+    initializes itself. Either way the records are the same.
     """
-    if sys.platform.startswith("linux") and "tensorflow" not in sys.modules:
+    threaded = any(m in sys.modules for m in ("tensorflow", "jax", "torch"))
+    if sys.platform.startswith("linux") and not threaded:
         _init_worker(opts, num_outputs)
         _WORKER["tok"].encode_batch(["\u00e9"])  # builds the Unicode tables, once, before forking
         return multiprocessing.get_context("fork").Pool(num_workers)
