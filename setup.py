@@ -25,8 +25,10 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # transformers<5 still ships FlaxBertForPreTraining: the independent reference of the parity tests.
     # tokenizers: compared with ours in benchmarks/bench_tokenizer.py and the MiniLM integration test.
+    # scikit-learn: independent GLUE metrics (tests/test_tasks.py).
+    # papermill + ipykernel: tests/test_notebooks.py executes the notebooks.
     "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "transformers>=4.45,<5", "tokenizers>=0.20",
-             "scikit-learn>=1.5"],  # independent GLUE metrics (tests/test_tasks.py)
+             "scikit-learn>=1.5", "papermill>=2.6", "ipykernel>=6.29"],
     "gpu": ["jax[cuda12]>=0.10.2"],
     "tpu": ["jax[tpu]>=0.10.2"],
 }

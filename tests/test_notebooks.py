@@ -1,0 +1,67 @@
+"""The notebooks run top to bottom on CPU with tiny settings and local data (papermill injects the
+parameters), so they never rot. Each has a time limit."""
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+
+papermill = pytest.importorskip("papermill")
+nbformat = pytest.importorskip("nbformat")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def execute(name, tmp_path, **parameters):
+    out = tmp_path / f"out_{name}"
+    papermill.execute_notebook(str(ROOT / "notebooks" / name), str(out), cwd=str(ROOT), kernel_name="python3",
+                               parameters=dict(REPO_DIR=str(ROOT), **parameters), progress_bar=False,
+                               execution_timeout=600)
+    nb = nbformat.read(str(out), as_version=4)
+    texts = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            texts.append(o.get("text") or str(o.get("data", {}).get("text/plain", "")))
+    return "\n".join(texts)
+
+
+def test_pretrain_notebook(tmp_path):
+    work = tmp_path / "work"
+    text = execute("pretrain_small_bert.ipynb", tmp_path, WORKDIR=str(work), CORPUS="embedded",
+                   CONFIG="configs/test.py", VOCAB_SIZE=2000, MAX_SEQ_LENGTH=64, MAX_PREDICTIONS=10, DUPE_FACTOR=1,
+                   NUM_TRAIN_STEPS=12, GLOBAL_BATCH_SIZE=16, LEARNING_RATE=1e-3, LOG_EVERY_STEPS=4)
+    assert (work / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    results = json.loads((work / "eval" / "eval_results.json").read_text())
+    assert 0.0 <= results["masked_lm_accuracy"] <= 1.0
+    assert "She [MASK] a letter to her friend. ->" in text
+    assert len((work / "vocab.txt").read_text().splitlines()) <= 2000
+
+
+def test_fill_mask_and_features_notebook(tmp_path):
+    """A release-style zip of a tiny random Google checkpoint, 'downloaded' from a file:// URL."""
+    import jax
+    from bert_jax import convert
+    from bert_jax.modeling import BertConfig, BertForPreTraining, dummy_inputs
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + (
+        "the a man is playing guitar someone an instrument stock market fell sharply today . capital of "
+        "france she poured into glass and drank it").split()
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    cfg = BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64)
+    params = BertForPreTraining(cfg).init(jax.random.key(0), **dummy_inputs(cfg))["params"]
+    src = convert.save_google(convert.Pretrained(cfg, convert.unrolled(params), str(tmp_path / "vocab.txt"), True),
+                              str(tmp_path / "google"))
+    archive = tmp_path / "uncased_L-2_H-32_A-4.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for f in os.listdir(src):
+            z.write(os.path.join(src, f), f)
+    work = tmp_path / "work"
+    text = execute("fill_mask_and_features.ipynb", tmp_path, WORKDIR=str(work), CHECKPOINT=archive.as_uri())
+    assert "google checkpoint: L=2 H=32 A=4" in text and "do_lower_case=True" in text
+    assert "The capital of France is [MASK].\n    [MASK] ->" in text
+    assert "concat_last_four features per token: 64" in text  # 2 layers x 32
+    assert "round trip bit-exact: True" in text
+    assert len((work / "features.jsonl").read_text().splitlines()) == 3
+    assert sorted(os.listdir(work / "hf")) == ["config.json", "model.safetensors", "tokenizer_config.json", "vocab.txt"]
