@@ -96,19 +96,34 @@ def sentiment(rng, n):
     return rows
 
 
-def test_sst2_learns_and_writes_everything(tmp_path, checkpoint):
+def sst2_files(root):
     rng = np.random.RandomState(0)
-    folder = tmp_path / "glue" / "SST-2"
+    folder = root / "glue" / "SST-2"
     folder.mkdir(parents=True)
     for split, n in (("train", 64), ("dev", 16)):
         (folder / f"{split}.tsv").write_text(
             "sentence\tlabel\n" + "".join(f"{s} \t{l}\n" for s, l in sentiment(rng, n)))
     (folder / "test.tsv").write_text("index\tsentence\n" + "".join(
         f"{i}\t{s}\n" for i, (s, _) in enumerate(sentiment(rng, 5))))
-    work = tmp_path / "work"
-    config = tiny(glue_config.get_config(), "sst2", tmp_path / "glue", checkpoint["bert_jax"],
-                  num_train_epochs=6, learning_rate=1e-2, global_batch_size=16)
-    results = finetune.run(config, str(work))
+    return root / "glue"
+
+
+def sst2_config(data, checkpoint):
+    return tiny(glue_config.get_config(), "sst2", data, checkpoint["bert_jax"],
+                num_train_epochs=6, learning_rate=1e-2, global_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def sst2_run(tmp_path_factory, checkpoint):
+    """An uninterrupted 6-epoch run on a toy sentiment task (learnable from one word)."""
+    root = tmp_path_factory.mktemp("sst2")
+    data = sst2_files(root)
+    work = root / "work"
+    return data, work, finetune.run(sst2_config(data, checkpoint), str(work))
+
+
+def test_sst2_learns_and_writes_everything(sst2_run, checkpoint):
+    _, work, results = sst2_run
     history = read_json(work / "eval_history.json")
     assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
     assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"]
@@ -131,6 +146,36 @@ def test_sst2_learns_and_writes_everything(tmp_path, checkpoint):
     assert "head" in loaded.skipped
     assert not np.allclose(loaded.params["bert"]["pooler"]["dense"]["kernel"],
                            checkpoint["params"]["bert"]["pooler"]["dense"]["kernel"])
+
+
+def test_resume_after_sigterm_mid_epoch(tmp_path, sst2_run, checkpoint, monkeypatch):
+    """SIGTERM at step 6 (mid epoch 2) saves and exits; the rerun resumes there and ends exactly
+    where the uninterrupted run ended (same batches, same dropout keys)."""
+    import signal
+
+    from bert_jax import sharding
+    data, _, uninterrupted = sst2_run
+    calls = {"n": 0}
+    to_global = sharding.to_global
+
+    def signalling(batch, mesh):
+        calls["n"] += 1
+        if calls["n"] == 7:  # 4 training batches, 1 eval batch, then the 2nd batch of epoch 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return to_global(batch, mesh)
+
+    work = tmp_path / "work"
+    monkeypatch.setattr(sharding, "to_global", signalling)
+    finetune.run(sst2_config(data, checkpoint), str(work))
+    monkeypatch.setattr(sharding, "to_global", to_global)
+    assert sorted(os.listdir(work / "checkpoints")) == ["6"] and not (work / "eval_results.json").exists()
+    resumed = finetune.run(sst2_config(data, checkpoint), str(work))
+    for key in ("loss", "accuracy", "step", "best_epoch"):
+        assert resumed[key] == uninterrupted[key], key
+    assert [h["loss"] for h in read_json(work / "eval_history.json")] == [
+        h["loss"] for h in read_json(sst2_run[1] / "eval_history.json")]
+    # A finished workdir: the rerun trains nothing and reports the same results.
+    assert finetune.run(sst2_config(data, checkpoint), str(work)) == resumed
 
 
 def glue_files(folder, task, rng, n_train=8, n_dev=8):
