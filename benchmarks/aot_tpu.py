@@ -15,8 +15,10 @@ configs, and reports:
 * XLA's FLOPs per chip per step (`compiled.cost_analysis()`) against our analytic count
   (`steps.train_flops_per_sequence` x per-chip batch);
 * the collectives in the optimized HLO (all-reduce, all-gather, reduce-scatter, ...);
-* the largest per-chip batch that fits (HBM is linear in the batch: two compiles give the line,
-  a third verifies the prediction, a multiple of 8, at most --max_batch_per_chip);
+* the largest per-chip batch that fits: HBM use is linear in the batch, so two compiles (at b and
+  2b, or b/2) give the line and its crossing of the chip's capacity (at most --max_batch_per_chip);
+  a program that does not fit is refused by the TPU compiler (RESOURCE_EXHAUSTED) and the
+  reported batch is halved until it fits;
 * an MFU upper bound from the chip's roofline: model FLOPs / (peak x max(XLA FLOPs / peak,
   bytes accessed / HBM bandwidth)); communication over ICI is not in this bound.
 
@@ -123,11 +125,31 @@ def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
     topology, _, chips, hbm, peak_tflops, bandwidth = SLICES[slice_name]
     devices = slice_devices(slice_name)
     predictions = args.predictions or max(1, round(args.seq_len * 20 / 128))
-    compiled, compile_s, rows = compile_step(config, bert_config, devices, mesh_kind, args.batch_per_chip,
-                                             args.seq_len, predictions)
+    tried: dict = {}
+
+    def attempt(b: int) -> dict:
+        """Compiles at per-chip batch b; the TPU compiler refuses a program that does not fit
+        (RESOURCE_EXHAUSTED), which counts as "does not fit"."""
+        if b not in tried:
+            try:
+                compiled, seconds, rows = compile_step(config, bert_config, devices, mesh_kind, b, args.seq_len,
+                                                       predictions)
+                tried[b] = dict(analyze(compiled, hbm), compile_s=seconds, global_batch=rows)
+            except Exception as e:  # noqa: BLE001 - only out-of-memory is expected here
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                tried[b] = {"fits": False, "error": str(e).splitlines()[0][:300]}
+        return tried[b]
+
+    # The reported batch: --batch_per_chip, halved until the program fits.
+    b = args.batch_per_chip
+    while not attempt(b)["fits"] and b > 1:
+        b //= 2
+    if not attempt(b)["fits"]:
+        raise RuntimeError(f"{slice_name} {mesh_kind}: even a per-chip batch of 1 does not fit: {tried[b]}")
     result = {"slice": slice_name, "topology": topology, "chips": chips, "mesh": mesh_axes(mesh_kind, chips),
-              "batch_per_chip": args.batch_per_chip, "global_batch": rows, "compile_s": compile_s,
-              **analyze(compiled, hbm)}
+              "batch_per_chip": b, **{k: v for k, v in tried[b].items()}}
+    rows = result["global_batch"]
     # FLOPs per chip: analytic x the rows a chip processes (tensor-parallel chips share rows).
     analytic = steps.train_flops_per_sequence(bert_config, args.seq_len, predictions) * rows / chips
     result["analytic_flops_per_chip"] = analytic
@@ -137,26 +159,20 @@ def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
     result["mfu_upper_bound"] = analytic / (peak * t_min) if t_min else None
     result["roofline_step_ms"] = t_min * 1e3
     result["roofline_sequences_per_s"] = rows / t_min if t_min else None
-    # Largest per-chip batch that fits: HBM is linear in the batch (fixed state + per-row
-    # activations); two compiles give the line, the prediction is verified by a third compile
-    # and stepped down until it fits.
-    best = 0
+    # Largest per-chip batch that fits: HBM use is linear in the batch (fixed state + per-row
+    # activations); a second compile at 2b (or b/2 when 2b does not fit) gives the line.
     if args.max_batch_per_chip:
-        b1, used1 = args.batch_per_chip, result["hbm_gib"]
-        b2 = 2 * b1
-        c, _, _ = compile_step(config, bert_config, devices, mesh_kind, b2, args.seq_len, predictions)
-        used2 = analyze(c, hbm)["hbm_gib"]
-        slope = (used2 - used1) / (b2 - b1)
-        guess = int((hbm - (used1 - slope * b1)) / slope) if slope > 0 else args.max_batch_per_chip
-        guess = max(8, min(args.max_batch_per_chip, guess // 8 * 8))
-        for _ in range(4):
-            c, _, _ = compile_step(config, bert_config, devices, mesh_kind, guess, args.seq_len, predictions)
-            if analyze(c, hbm)["fits"]:
-                best = guess
-                break
-            guess = max(8, int(guess * 0.9) // 8 * 8)
-        result["hbm_gib_per_row"] = slope
-    result["max_batch_per_chip"] = best
+        other = 2 * b if attempt(2 * b)["fits"] else (b // 2 if b > 1 and attempt(b // 2)["fits"] else None)
+        if other is None:
+            result["max_batch_per_chip"] = b
+        else:
+            (b1, u1), (b2, u2) = sorted([(b, tried[b]["hbm_gib"]), (other, tried[other]["hbm_gib"])])
+            slope = (u2 - u1) / (b2 - b1)
+            predicted = int((hbm - (u1 - slope * b1)) / slope) if slope > 0 else args.max_batch_per_chip
+            if not attempt(2 * b)["fits"]:
+                predicted = min(predicted, 2 * b - 1)
+            result["max_batch_per_chip"] = max(b2 if tried[b2]["fits"] else b1, min(args.max_batch_per_chip, predicted))
+            result["hbm_gib_per_row"] = slope
     return result
 
 
@@ -167,7 +183,7 @@ def main(argv=None):
     p.add_argument("--mesh", default="data,fsdp,tensor", help="comma-separated, of data, fsdp, tensor")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--predictions", type=int, default=0)
-    p.add_argument("--batch_per_chip", type=int, default=32)
+    p.add_argument("--batch_per_chip", type=int, default=32, help="halved until it fits")
     p.add_argument("--max_batch_per_chip", type=int, default=512, help="0: do not search")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--remat", default="none", choices=["none", "full", "dots", "dots_no_batch"])

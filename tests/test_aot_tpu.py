@@ -33,6 +33,6 @@ def test_tiny_config_compiles_for_a_v5e_2x2_slice():
         assert 0 < row["hbm_gib"] < 0.1
         # XLA counts some non-matmul work too; our analytic matmul count must be the bulk of it.
         assert 0.9 < row["xla_over_analytic"] < 2.0
-        assert row["max_batch_per_chip"] == 8
+        assert row["max_batch_per_chip"] == 8  # capped by --max_batch_per_chip
     assert "all-reduce" in rows[0]["collectives"]  # data parallel: gradients all-reduced
     assert "all-gather" in rows[1]["collectives"]  # FSDP: parameters gathered
