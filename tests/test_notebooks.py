@@ -39,8 +39,8 @@ def test_pretrain_notebook(tmp_path):
     assert len((work / "vocab.txt").read_text().splitlines()) <= 2000
 
 
-def test_fill_mask_and_features_notebook(tmp_path):
-    """A release-style zip of a tiny random Google checkpoint, 'downloaded' from a file:// URL."""
+def release_zip(tmp_path):
+    """A release-style zip of a tiny random Google checkpoint, to 'download' from a file:// URL."""
     import jax
     from bert_jax import convert
     from bert_jax.modeling import BertConfig, BertForPreTraining, dummy_inputs
@@ -57,6 +57,11 @@ def test_fill_mask_and_features_notebook(tmp_path):
     with zipfile.ZipFile(archive, "w") as z:
         for f in os.listdir(src):
             z.write(os.path.join(src, f), f)
+    return archive
+
+
+def test_fill_mask_and_features_notebook(tmp_path):
+    archive = release_zip(tmp_path)
     work = tmp_path / "work"
     text = execute("fill_mask_and_features.ipynb", tmp_path, WORKDIR=str(work), CHECKPOINT=archive.as_uri())
     assert "google checkpoint: L=2 H=32 A=4" in text and "do_lower_case=True" in text
@@ -65,3 +70,26 @@ def test_fill_mask_and_features_notebook(tmp_path):
     assert "round trip bit-exact: True" in text
     assert len((work / "features.jsonl").read_text().splitlines()) == 3
     assert sorted(os.listdir(work / "hf")) == ["config.json", "model.safetensors", "tokenizer_config.json", "vocab.txt"]
+
+
+def test_finetune_glue_notebook(tmp_path):
+    archive = release_zip(tmp_path)
+    data = tmp_path / "SST-2"
+    data.mkdir()
+    good, bad = ["a man is playing guitar", "the capital of france"], ["the stock market fell sharply", "she drank it"]
+    rows = lambda n: "".join(f"{(good if i % 2 else bad)[i % 4 // 2]}\t{i % 2}\n" for i in range(n))
+    (data / "train.tsv").write_text("sentence\tlabel\n" + rows(64))
+    (data / "dev.tsv").write_text("sentence\tlabel\n" + rows(16))
+    (data / "test.tsv").write_text("index\tsentence\n" + "".join(f"{i}\t{good[i % 2]}\n" for i in range(8)))
+    work = tmp_path / "work"
+    text = execute("finetune_glue.ipynb", tmp_path, WORKDIR=str(work), CHECKPOINT=archive.as_uri(), TASK="sst2",
+                   DATA_SOURCE="files", DATA_DIR=str(data), NUM_TRAIN_EPOCHS=2, GLOBAL_BATCH_SIZE=16,
+                   LEARNING_RATE=1e-3, MAX_SEQ_LENGTH=32, LOG_EVERY_STEPS=2)
+    run = work / "sst2_run"
+    history = json.loads((run / "eval_history.json").read_text())
+    assert [h["epoch"] for h in history] == [1, 2] and all(0 <= h["accuracy"] <= 1 for h in history)
+    assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert len((run / "SST-2.tsv").read_text().splitlines()) == 9  # GLUE server file: header + 8
+    assert "skipped: ('head',)" in text
+    assert sorted(os.listdir(work / "sst2_hf")) == ["config.json", "model.safetensors", "tokenizer_config.json",
+                                                    "vocab.txt"]
