@@ -300,6 +300,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if config.nonfinite not in ("stop", "skip"):
         raise ValueError(f"config.nonfinite must be 'stop' or 'skip', got {config.nonfinite!r}")
     special_ids = special_token_ids(config.vocab_file)
+    if special_ids and special_ids["vocab_size"] > bert_config.vocab_size:
+        raise ValueError(f"config.vocab_file={config.vocab_file} has {special_ids['vocab_size']} tokens but "
+                         f"config.model.vocab_size={bert_config.vocab_size}: set the model's vocab_size to the "
+                         f"vocabulary's size (ids past the embedding table would be silently clamped)")
     if config.dynamic_masking and special_ids is None:
         raise ValueError("config.dynamic_masking needs config.vocab_file (for the [MASK] id and the vocabulary)")
     write_model_files(workdir, bert_config, config.vocab_file)

@@ -336,3 +336,15 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
     assert set(json.loads((tmp_path / "eval_results.json").read_text())) >= {"masked_lm_accuracy"}
     assert f"training curves: {tmp_path / 'curves.png'}" in r.stdout
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from bert_jax import pretrain
+    from configs import test as test_config
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB)]) + "\n")
+    cfg = test_config.get_config()
+    cfg.train_data, cfg.vocab_file, cfg.verify_data = f"{data}/train-*.tfrecord", str(vocab), False
+    with pytest.raises(ValueError, match=rf"vocab.txt has {VOCAB + 5} tokens but config.model.vocab_size={VOCAB}"):
+        pretrain.run(cfg, str(tmp_path / "w"))
