@@ -56,6 +56,10 @@ def load(init_checkpoint: str, vocab_file: Optional[str] = None, do_lower_case: 
     if not vocab_file:
         raise ValueError(f"{init_checkpoint} has no vocab.txt: pass vocab_file / --vocab_file")
     lower = do_lower_case if do_lower_case is not None else (p.do_lower_case if p.do_lower_case is not None else True)
+    if p.do_lower_case is not None and lower != p.do_lower_case:
+        from absl import logging
+        logging.warning("do_lower_case=%s but %s is %s: guesses will be poor", lower, init_checkpoint,
+                        "uncased" if p.do_lower_case else "cased")
     tokenizer = tokenization.FullTokenizer(vocab_file, do_lower_case=lower, keep_special_tokens=True)
     return convert.model_params(p), p.config, tokenizer
 
