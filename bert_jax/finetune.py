@@ -174,6 +174,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
         return steps.create_train_state(params, tx, dropout_rng)
 
     rules = sharding.DEFAULT_RULES
+    level = config.get("xla_backend_optimization_level", -1)
+    compiler_options = {"xla_backend_optimization_level": level} if level >= 0 else None
     abstract = jax.eval_shape(init_state, jax.random.key(config.seed))
     state_shardings = sharding.logical_to_sharding(abstract, mesh, rules)
     abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
@@ -189,7 +191,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
         logging.info("resumed from step %d", start_step)
     else:
         start_step = 0
-        state, _ = sharding.sharded_init(init_state, jax.random.key(config.seed), mesh, rules)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # straight into shards (sharding.sharded_init)
+            state = jax.jit(lambda r: nn.meta.unbox(init_state(r)), out_shardings=state_shardings,
+                            compiler_options=compiler_options)(jax.random.key(config.seed))
         if init_params is not None:
             state = state.replace(params={**state.params, "bert": _place_encoder(
                 init_params["bert"], state_shardings.params["bert"])})
@@ -205,9 +209,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     batch_sharding = sharding.batch_sharding(mesh)
     p_train = jax.jit(functools.partial(train_step, model=model, tx=tx, schedule=schedule),
                       in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
-                      donate_argnums=0)
+                      donate_argnums=0, compiler_options=compiler_options)
     p_eval = jax.jit(functools.partial(eval_step, model=model),
-                     in_shardings=(state_shardings.params, batch_sharding))
+                     in_shardings=(state_shardings.params, batch_sharding), compiler_options=compiler_options)
     keys = heads.batch_keys(task.head)
     predict = functools.partial(_predict, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch)
 
