@@ -13,14 +13,16 @@ configs, and reports:
 * per-chip HBM (arguments + outputs - donated aliases + temporaries, from
   `compiled.memory_analysis()`) against the chip's capacity;
 * XLA's FLOPs per chip per step (`compiled.cost_analysis()`) against our analytic count
-  (`steps.train_flops_per_sequence` x per-chip batch);
+  (`steps.train_flops_per_sequence` x the rows a chip processes);
 * the collectives in the optimized HLO (all-reduce, all-gather, reduce-scatter, ...);
-* the largest per-chip batch that fits: HBM use is linear in the batch, so two compiles (at b and
-  2b, or b/2) give the line and its crossing of the chip's capacity (at most --max_batch_per_chip);
-  a program that does not fit is refused by the TPU compiler (RESOURCE_EXHAUSTED) and the
-  reported batch is halved until it fits;
-* an MFU upper bound from the chip's roofline: model FLOPs / (peak x max(XLA FLOPs / peak,
-  bytes accessed / HBM bandwidth)); communication over ICI is not in this bound.
+* the largest per-chip batch that fits, estimated from the compiled program: the state (weights,
+  optimizer moments) is fixed and the temporaries grow with the batch (a program that does not
+  fit is refused by the TPU compiler, RESOURCE_EXHAUSTED, and the reported batch is halved until
+  it fits);
+* an MFU upper bound from compute alone: model FLOPs / XLA FLOPs per chip (what recomputation,
+  tensor-parallel duplication and non-matmul work leave); memory traffic and ICI communication
+  are not in this bound. XLA counts a scanned loop's body once, so its FLOPs come from 1- and
+  2-layer unrolled compiles of the same step, extrapolated in depth.
 
 Meshes: `data` (pure data parallel), `fsdp` (parameters and optimizer state sharded over every
 chip), `tensor` (tensor parallel over 4 chips, data parallel over the rest).
@@ -108,28 +110,32 @@ def compile_step(config, bert_config, devices, mesh_kind: str, batch_per_chip: i
 
 def analyze(compiled, hbm_gib: float) -> dict:
     mem = compiled.memory_analysis()
-    used = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-            + mem.temp_size_in_bytes)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    used = fixed + mem.temp_size_in_bytes
     hlo = compiled.as_text()
     counts = {c: len(re.findall(rf"\b{c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
     return {"hbm_gib": used / 2**30, "hbm_capacity_gib": hbm_gib, "fits": used <= hbm_gib * 2**30,
-            "xla_flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "hbm_fixed_gib": fixed / 2**30, "hbm_temp_gib": mem.temp_size_in_bytes / 2**30,
             "collectives": {k: v for k, v in counts.items() if v}}
+
+
+def xla_flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0))
 
 
 def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
     from bert_jax import steps
 
-    topology, _, chips, hbm, peak_tflops, bandwidth = SLICES[slice_name]
+    topology, _, chips, hbm, peak_tflops, _ = SLICES[slice_name]
     devices = slice_devices(slice_name)
     predictions = args.predictions or max(1, round(args.seq_len * 20 / 128))
     tried: dict = {}
 
     def attempt(b: int) -> dict:
-        """Compiles at per-chip batch b; the TPU compiler refuses a program that does not fit
-        (RESOURCE_EXHAUSTED), which counts as "does not fit"."""
+        """Compiles the full model at per-chip batch b; the TPU compiler refuses a program that
+        does not fit (RESOURCE_EXHAUSTED), which counts as "does not fit"."""
         if b not in tried:
             try:
                 compiled, seconds, rows = compile_step(config, bert_config, devices, mesh_kind, b, args.seq_len,
@@ -148,31 +154,31 @@ def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
     if not attempt(b)["fits"]:
         raise RuntimeError(f"{slice_name} {mesh_kind}: even a per-chip batch of 1 does not fit: {tried[b]}")
     result = {"slice": slice_name, "topology": topology, "chips": chips, "mesh": mesh_axes(mesh_kind, chips),
-              "batch_per_chip": b, **{k: v for k, v in tried[b].items()}}
+              "batch_per_chip": b, **tried[b]}
     rows = result["global_batch"]
-    # FLOPs per chip: analytic x the rows a chip processes (tensor-parallel chips share rows).
+    # XLA's cost analysis counts a scanned loop's body once, so FLOPs come from two small
+    # unrolled compiles (1 and 2 layers, same widths, mesh and batch), extrapolated linearly in depth.
+    shallow = []
+    for layers in (1, 2):
+        small = bert_config.replace(num_hidden_layers=layers, scan_layers=False)
+        compiled, _, _ = compile_step(config, small, devices, mesh_kind, b, args.seq_len, predictions)
+        shallow.append(xla_flops(compiled))
+    per_layer = shallow[1] - shallow[0]
+    result["xla_flops"] = shallow[0] + (bert_config.num_hidden_layers - 1) * per_layer  # per chip
     analytic = steps.train_flops_per_sequence(bert_config, args.seq_len, predictions) * rows / chips
     result["analytic_flops_per_chip"] = analytic
-    result["xla_over_analytic"] = result["xla_flops"] / analytic if analytic else None
-    peak, bw = peak_tflops * 1e12, bandwidth * 1e9
-    t_min = max(result["xla_flops"] / peak, result["bytes_accessed"] / bw)
-    result["mfu_upper_bound"] = analytic / (peak * t_min) if t_min else None
-    result["roofline_step_ms"] = t_min * 1e3
-    result["roofline_sequences_per_s"] = rows / t_min if t_min else None
-    # Largest per-chip batch that fits: HBM use is linear in the batch (fixed state + per-row
-    # activations); a second compile at 2b (or b/2 when 2b does not fit) gives the line.
-    if args.max_batch_per_chip:
-        other = 2 * b if attempt(2 * b)["fits"] else (b // 2 if b > 1 and attempt(b // 2)["fits"] else None)
-        if other is None:
-            result["max_batch_per_chip"] = b
-        else:
-            (b1, u1), (b2, u2) = sorted([(b, tried[b]["hbm_gib"]), (other, tried[other]["hbm_gib"])])
-            slope = (u2 - u1) / (b2 - b1)
-            predicted = int((hbm - (u1 - slope * b1)) / slope) if slope > 0 else args.max_batch_per_chip
-            if not attempt(2 * b)["fits"]:
-                predicted = min(predicted, 2 * b - 1)
-            result["max_batch_per_chip"] = max(b2 if tried[b2]["fits"] else b1, min(args.max_batch_per_chip, predicted))
-            result["hbm_gib_per_row"] = slope
+    result["xla_over_analytic"] = result["xla_flops"] / analytic
+    # Compute ceiling: the share of the chip's work that is model FLOPs (recomputation, duplicated
+    # work across tensor-parallel chips and non-matmul ops lower it); memory traffic and
+    # communication are not in this bound.
+    result["mfu_upper_bound"] = analytic / result["xla_flops"]
+    result["compute_bound_step_ms"] = result["xla_flops"] / (peak_tflops * 1e12) * 1e3
+    result["compute_bound_sequences_per_s"] = rows / (result["compute_bound_step_ms"] / 1e3)
+    # Largest per-chip batch: the state (arguments) is fixed; temporaries grow with the batch.
+    per_row = result["hbm_temp_gib"] / b
+    result["hbm_gib_per_row"] = per_row
+    estimate = int((hbm - result["hbm_fixed_gib"]) / per_row) if per_row > 0 else args.max_batch_per_chip
+    result["max_batch_per_chip"] = max(b, min(args.max_batch_per_chip or estimate, estimate))
     return result
 
 
