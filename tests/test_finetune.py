@@ -220,6 +220,9 @@ def glue_files(folder, task, rng, n_train=8, n_dev=8):
                 n_dev, lambda i: line(i, "\tneutral" * 5 + f"\t{labels[i % 3]}")))
         for split in ("test_matched", "test_mismatched"):
             w(f"{split}.tsv", head + "\n" + rows(3, lambda i: line(i, "")))
+        os.makedirs(os.path.join(folder, "..", "diagnostic"), exist_ok=True)
+        w(os.path.join("..", "diagnostic", "diagnostic.tsv"),
+          "index\tsentence1\tsentence2\n" + rows(3, lambda i: f"{i}\t{text()}\t{text()}\n"))
     else:  # qnli, rte, wnli
         cols = {"qnli": ("question", "sentence"), "rte": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2")}[task]
         labels = {"qnli": ("entailment", "not_entailment"), "rte": ("entailment", "not_entailment"), "wnli": ("0", "1")}[task]
@@ -234,7 +237,7 @@ GLUE_EXPECTED = {  # task -> (metric keys, submission files)
     "mrpc": ({"accuracy", "f1"}, ["MRPC.tsv"]),
     "stsb": ({"pearson", "spearman"}, ["STS-B.tsv"]),
     "qqp": ({"accuracy", "f1"}, ["QQP.tsv"]),
-    "mnli": ({"accuracy", "dev_mm_accuracy"}, ["MNLI-m.tsv", "MNLI-mm.tsv"]),
+    "mnli": ({"accuracy", "dev_mm_accuracy"}, ["MNLI-m.tsv", "MNLI-mm.tsv", "AX.tsv"]),
     "qnli": ({"accuracy"}, ["QNLI.tsv"]),
     "rte": ({"accuracy"}, ["RTE.tsv"]),
     "wnli": ({"accuracy"}, ["WNLI.tsv"]),

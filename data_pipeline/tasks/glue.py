@@ -7,7 +7,7 @@
 | mrpc | MRPC  | #1 String, #2 String | Quality 0/1 | accuracy, F1 | MRPC.tsv |
 | stsb | STS-B | sentence1, sentence2 | score 0-5 (regression) | Pearson, Spearman | STS-B.tsv |
 | qqp  | QQP   | question1, question2 | is_duplicate | accuracy, F1 | QQP.tsv |
-| mnli | MNLI  | sentence1, sentence2 | gold_label (3) | accuracy (matched, mismatched) | MNLI-m.tsv, MNLI-mm.tsv |
+| mnli | MNLI  | sentence1, sentence2 | gold_label (3) | accuracy (matched, mismatched) | MNLI-m.tsv, MNLI-mm.tsv, AX.tsv |
 | qnli | QNLI  | question, sentence | entailment/not_entailment | accuracy | QNLI.tsv |
 | rte  | RTE   | sentence1, sentence2 | entailment/not_entailment | accuracy | RTE.tsv |
 | wnli | WNLI  | sentence1, sentence2 | 0/1 | accuracy | WNLI.tsv |
@@ -15,8 +15,10 @@
 Files are read by header name (GLUE's `download_glue_data.py` layout: `train.tsv`, `dev.tsv`,
 `test.tsv`; MNLI `dev_matched.tsv` etc.), with the original releases as fallbacks: CoLA's
 `in_domain_train.tsv`/`in_domain_dev.tsv` (CoLA has no header in train/dev, positional columns),
-MRPC's `msr_paraphrase_train.txt`/`msr_paraphrase_test.txt`. A test file without a label
-column is unlabelled: its predictions go to the GLUE server's submission file (`index\\tprediction`).
+MRPC's `msr_paraphrase_train.txt`/`msr_paraphrase_test.txt`; the diagnostic set
+(`diagnostic/diagnostic.tsv` next to `MNLI/`, TFDS `glue/ax`) is MNLI's split `test_ax`. A test
+file without a label column is unlabelled: its predictions go to the GLUE server's submission
+file (`index\\tprediction`).
 
 Each task's `score` also reports `score`, the mean of its official metrics (the GLUE
 leaderboard's per-task number, as a fraction), which picks the best checkpoint. F1 is of the
@@ -79,13 +81,15 @@ SPECS = {
                 _STD_SPLITS, _STD_TFDS),
     "mnli": Spec("MNLI", "sentence1", "sentence2", "gold_label", ("contradiction", "entailment", "neutral"),
                  ("accuracy",), ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"),
-                 {"test_matched": "MNLI-m.tsv", "test_mismatched": "MNLI-mm.tsv"},
+                 {"test_matched": "MNLI-m.tsv", "test_mismatched": "MNLI-mm.tsv", "test_ax": "AX.tsv"},
                  {"train": ("train.tsv",), "dev_matched": ("dev_matched.tsv",),
                   "dev_mismatched": ("dev_mismatched.tsv",), "test_matched": ("test_matched.tsv",),
-                  "test_mismatched": ("test_mismatched.tsv",)},
+                  "test_mismatched": ("test_mismatched.tsv",),
+                  # GLUE's diagnostic set, predicted by the MNLI model (the server wants AX.tsv).
+                  "test_ax": (os.path.join("..", "diagnostic", "diagnostic.tsv"), "diagnostic.tsv")},
                  {"train": "train", "dev_matched": "validation_matched",
                   "dev_mismatched": "validation_mismatched", "test_matched": "test_matched",
-                  "test_mismatched": "test_mismatched"}),
+                  "test_mismatched": "test_mismatched", "test_ax": "ax:test"}),
     "qnli": Spec("QNLI", "question", "sentence", "label", ("entailment", "not_entailment"), ("accuracy",),
                  ("question", "sentence"), ("entailment", "not_entailment"), {"test": "QNLI.tsv"},
                  _STD_SPLITS, _STD_TFDS),
@@ -262,10 +266,12 @@ class GlueTask(Task):
 
     def _read_tfds(self, split: str) -> list[Example]:
         spec = self.spec
-        tfds_split = spec.tfds_splits[split]
-        where = f"tfds glue/{self.name}:{tfds_split}"
+        config, tfds_split = self.name, spec.tfds_splits[split]
+        if ":" in tfds_split:  # another GLUE config (MNLI's diagnostic: glue/ax)
+            config, tfds_split = tfds_split.split(":")
+        where = f"tfds glue/{config}:{tfds_split}"
         examples = []
-        for row, ex in enumerate(tfds_examples(f"glue/{self.name}", tfds_split, self.tfds_data_dir)):
+        for row, ex in enumerate(tfds_examples(f"glue/{config}", tfds_split, self.tfds_data_dir)):
             raw = ex["label"]
             if self.labels:
                 if raw == -1:  # TFDS marks unlabelled test examples with -1
