@@ -114,8 +114,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         logging.warning("config.init_checkpoint is empty: the encoder starts from a random initialization")
     if not vocab_file:
         raise ValueError("no vocabulary: set config.vocab_file (the checkpoint has no vocab.txt)")
-    return train_and_evaluate(config, workdir, task, bert_config, init_params, vocab_file,
-                              True if do_lower_case is None else bool(do_lower_case))
+    if do_lower_case is None:
+        logging.warning("casing unknown (no config.do_lower_case, none in the checkpoint): lower-casing; "
+                        "set config.do_lower_case=False for a cased model")
+    do_lower_case = True if do_lower_case is None else bool(do_lower_case)
+    logging.info("vocabulary %s, do_lower_case=%s", vocab_file, do_lower_case)
+    return train_and_evaluate(config, workdir, task, bert_config, init_params, vocab_file, do_lower_case)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, bert_config: BertConfig,
