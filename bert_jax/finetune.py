@@ -44,7 +44,7 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from bert_jax import checkpointing, heads, optim, sharding, steps
+from bert_jax import checkpointing, heads, optim, pretrain, sharding, steps
 from bert_jax.modeling import BertConfig
 
 
@@ -65,15 +65,8 @@ def train_step(state: steps.TrainState, batch: dict, *, model: heads.BertForTask
         return sums["loss_sum"] / jnp.maximum(sums["weight"], 1e-6), sums
 
     (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
-    new_state = state.replace(step=state.step + 1, params=keep(new_params, state.params),
-                              opt_state=keep(new_opt_state, state.opt_state))
-    return new_state, dict(sums, loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
-                           finite=finite.astype(jnp.float32))
+    new_state, guard = steps.apply_guarded_update(state, grads, loss, tx)
+    return new_state, dict(sums, loss=loss, learning_rate=schedule(state.step), **guard)
 
 
 def eval_step(params: Any, batch: dict, *, model: heads.BertForTask) -> tuple[dict, dict]:
@@ -98,7 +91,6 @@ def make_task(config: ml_collections.ConfigDict):
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Fine-tunes `config.init_checkpoint` on `config.task`; returns the final eval results."""
-    from bert_jax import pretrain  # shares its config resolution
 
     task = make_task(config)
     bert_config = pretrain.bert_config_from(config)
@@ -202,13 +194,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
             state = state.replace(params={**state.params, "bert": _place_encoder(
                 init_params["bert"], state_shardings.params["bert"])})
     if jax.process_index() == 0:
-        from bert_jax import pretrain
         pretrain.write_model_files(workdir, bert_config, vocab_file)
 
     writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0,
                                                   asynchronous=False)
     if start_step == 0:
-        writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
+        writer.write_hparams({k: v for k, v in pretrain.flatten_dict(config.to_dict()).items()
                               if isinstance(v, (int, float, str, bool))})
     batch_sharding = sharding.batch_sharding(mesh)
     p_train = jax.jit(functools.partial(train_step, model=model, tx=tx, schedule=schedule),
@@ -369,13 +360,3 @@ def _log(pending, step, window_start, writer, bar, config, train_sums) -> None:
            "sequences_per_second": len(fetched) * config.global_batch_size / max(seconds, 1e-9)}
     writer.write_scalars(step, {f"train/{k}": v for k, v in out.items()})
     bar.set_postfix(loss=f"{out['loss']:.4f}", refresh=False)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

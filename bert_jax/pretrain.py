@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -334,7 +334,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer = metric_writers.create_default_writer(
         workdir, just_logging=jax.process_index() > 0, asynchronous=False)
     if start_step == 0:
-        writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
+        writer.write_hparams({k: v for k, v in flatten_dict(config.to_dict()).items()
                               if isinstance(v, (int, float, str, bool))})
 
     batch_sharding = sharding.batch_sharding(mesh)
@@ -412,11 +412,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return last_metrics
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten_dict(d: dict, prefix: str = "") -> dict:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (config dicts for TensorBoard's hparams)."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_dict(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out

@@ -187,6 +187,19 @@ def train_step(state: TrainState, batch: dict, *, model, tx: optax.GradientTrans
             body, (zeros_g, jnp.zeros((), jnp.float32), zeros_s),
             (jnp.arange(accum_steps), micro_batches))
 
+    new_state, guard = apply_guarded_update(state, grads, loss, tx)
+    metrics = dict(sums, loss=loss, learning_rate=schedule(state.step), **guard)
+    return new_state, metrics
+
+
+def apply_guarded_update(state: TrainState, grads: Any, loss: jax.Array,
+                         tx: optax.GradientTransformation) -> tuple[TrainState, dict]:
+    """The optimizer update, applied only when the loss and the gradient norm are finite (else
+    the parameters and optimizer state stay as they were; the step counter still advances).
+
+    Returns the new state and `{"grad_norm", "finite"}` for the metrics. Shared by the
+    pretraining and fine-tuning steps.
+    """
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
@@ -194,9 +207,7 @@ def train_step(state: TrainState, batch: dict, *, model, tx: optax.GradientTrans
     keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_state = state.replace(step=state.step + 1, params=keep(new_params, state.params),
                               opt_state=keep(new_opt_state, state.opt_state))
-    metrics = dict(sums, loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
-                   finite=finite.astype(jnp.float32))
-    return new_state, metrics
+    return new_state, {"grad_norm": grad_norm, "finite": finite.astype(jnp.float32)}
 
 
 def eval_step(params: Any, batch: dict, *, model, objective: str = "mlm") -> dict:
