@@ -57,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--scan", action="store_true", help="nn.scan over layers")
     p.add_argument("--remat", default="none", choices=["none", "full", "dots", "dots_no_batch"])
     p.add_argument("--packing", action="store_true")
+    p.add_argument("--prng", default="threefry2x32", choices=["threefry2x32", "rbg", "unsafe_rbg"],
+                   help="random-bit generator of dropout (config.prng_impl)")
+    p.add_argument("--no_dropout", action="store_true", help="dropout off (its cost, measured)")
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -208,7 +211,10 @@ def main(argv=None):
     from bert_jax.modeling import BertConfig
 
     config = load_config(args.config)
+    jax.config.update("jax_default_prng_impl", args.prng)
     config.model.dtype = args.dtype
+    if args.no_dropout:
+        config.model.hidden_dropout_prob = config.model.attention_probs_dropout_prob = 0.0
     config.model.attention_impl = args.attention
     if args.attention == "dot_product":  # the fused kernel has no attention-probability dropout
         config.model.attention_probs_dropout_prob = 0.0
@@ -236,7 +242,8 @@ def main(argv=None):
         "jax": jax.__version__, "config": args.config, "layers": bert_config.num_hidden_layers,
         "hidden": bert_config.hidden_size, "seq_len": args.seq_len, "batch": args.batch,
         "predictions": predictions, "dtype": args.dtype, "attention": args.attention, "scan": args.scan,
-        "remat": args.remat, "packing": args.packing,
+        "remat": args.remat, "packing": args.packing, "prng": args.prng,
+        "dropout": not args.no_dropout,
     }
     ours, runner = bench_ours(args, config, bert_config, mesh, batch_np)
     result.update(ours)
@@ -271,7 +278,7 @@ def main(argv=None):
         return result
     print(f"{result['device']} x{result['num_devices']}  L={result['layers']} H={result['hidden']} "
           f"T={args.seq_len} batch={args.batch} {args.dtype} attention={args.attention} scan={args.scan} "
-          f"remat={args.remat} packing={args.packing}")
+          f"remat={args.remat} packing={args.packing} prng={args.prng} dropout={not args.no_dropout}")
     print(f"  compile {ours['compile_s']:.1f} s (lower {ours['lower_s']:.1f} s)")
     if "step_s" in ours:
         print(f"  step {ours['step_s'] * 1e3:.1f} ms: {result['sequences_per_s']:.1f} sequences/s, "
