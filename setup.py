@@ -27,10 +27,14 @@ EXTRAS = {
     # tokenizers: compared with ours in benchmarks/bench_tokenizer.py and the MiniLM integration test.
     # scikit-learn: independent GLUE metrics (tests/test_tasks.py).
     # papermill + ipykernel: tests/test_notebooks.py executes the notebooks.
+    # apache-beam: tests/test_beam_pipeline.py runs the Beam path on the DirectRunner.
     "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "transformers>=4.45,<5", "tokenizers>=0.20",
-             "scikit-learn>=1.5", "papermill>=2.6", "ipykernel>=6.29"],
+             "scikit-learn>=1.5", "papermill>=2.6", "ipykernel>=6.29", "apache-beam>=2.77.0"],
     "gpu": ["jax[cuda12]>=0.10.2"],
     "tpu": ["jax[tpu]>=0.10.2"],
+    # create_pretraining_data --runner=beam. Beam 2.77 caps protobuf<7, pillow<13, pyarrow<26 (all within
+    # tensorflow's and tensorboard's ranges). DataflowRunner and gs:// paths need apache-beam[gcp] on top.
+    "beam": ["apache-beam>=2.77.0"],
 }
 
 setup(

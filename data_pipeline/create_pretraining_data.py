@@ -23,6 +23,10 @@ Two modes:
   and a shard the output does not depend on the worker count (shards are written in input
   order, round-robin over `--num_output_shards` files).
 
+`--runner=beam` runs the fast mode as an Apache Beam pipeline on any Beam runner
+(`--beam_runner`, `--beam_pipeline_options`; `beam_pipeline.py`): the same per-shard function
+and file assignment, so the same files as the local path for the same flags, seed and inputs.
+
 Outputs: the TFRecords (gzip with `--compression=gzip`) and `dataset_info.json` next to them: the
 flags, seed, vocab sha256, reading and masking statistics, and the manifest (records, bytes, sha256
 per file) that the input pipeline verifies before training.
@@ -39,6 +43,7 @@ import multiprocessing
 import os
 import random
 import resource
+import shlex
 import sys
 import time
 from typing import List, Optional, Sequence
@@ -82,6 +87,14 @@ def define_flags():
     flags.DEFINE_string("tfds_text_key", "text", "TFDS feature holding the text.")
     flags.DEFINE_string("tfds_data_dir", None, "TFDS data_dir.")
     flags.DEFINE_integer("tfds_num_shards", 16, "Shards a TFDS split is read in (fast mode).")
+    flags.DEFINE_enum("runner", "local", ["local", "beam"], "local: --num_workers processes on this machine; "
+                      "beam: an Apache Beam pipeline (fast mode; pip install -e '.[beam]'), same records.")
+    flags.DEFINE_string("beam_runner", "DirectRunner", "With --runner=beam: the Beam runner by name "
+                        "(DirectRunner, DataflowRunner, FlinkRunner, SparkRunner, ...). With the DirectRunner, "
+                        "--num_workers>1 runs that many worker processes (direct_running_mode=multi_processing).")
+    flags.DEFINE_string("beam_pipeline_options", "", "With --runner=beam: more Beam pipeline options in one "
+                        "string, split as a shell would, e.g. \"--project=p --region=us-central1 "
+                        "--temp_location=gs://b/tmp --setup_file=./setup.py\".")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +196,15 @@ _WORKER: dict = {}
 BATCH_INSTANCES = 4096  # instances masked, encoded and framed at once (bounds worker memory)
 
 
-def _init_worker(opts: Options, num_outputs: int = 1) -> None:
+def init_worker(opts: Options, num_outputs: int = 1) -> None:
+    """Loads what `shard_records` needs into this process (the local pool's workers, Beam's DoFns)."""
     tok = tokenization.FastTokenizer(opts.vocab_file, do_lower_case=opts.do_lower_case)
     _WORKER.update(opts=opts, tok=tok, vocab=fast_instances.Vocab.from_dict(tok.vocab), num_outputs=num_outputs)
+
+
+def worker_options() -> Optional[Options]:
+    """The options this process's worker state was loaded with (`init_worker`), or None."""
+    return _WORKER.get("opts")
 
 
 def _peak_rss_mb() -> float:
@@ -203,10 +222,10 @@ def _worker_pool(num_workers: int, opts: Options, num_outputs: int):
     """
     threaded = any(m in sys.modules for m in ("tensorflow", "jax", "torch"))
     if sys.platform.startswith("linux") and not threaded:
-        _init_worker(opts, num_outputs)
+        init_worker(opts, num_outputs)
         _WORKER["tok"].encode_batch(["\u00e9"])  # builds the Unicode tables, once, before forking
         return multiprocessing.get_context("fork").Pool(num_workers)
-    return multiprocessing.get_context("spawn").Pool(num_workers, initializer=_init_worker,
+    return multiprocessing.get_context("spawn").Pool(num_workers, initializer=init_worker,
                                                       initargs=(opts, num_outputs))
 
 
@@ -232,8 +251,8 @@ def shard_records(task) -> tuple:
     stats, mask stats, this process's peak RSS in MB).
 
     Record m of the shard (in its shuffled order) goes to bucket m % num_outputs; the driver
-    writes bucket b to file (records written before the shard + b) % num_outputs, which is the
-    reference's round-robin over the output files.
+    writes bucket b to file `output_index(records written before the shard, b, num_outputs)`,
+    which is the reference's round-robin over the output files.
     """
     shard_index, source = task
     opts: Options = _WORKER["opts"]
@@ -281,8 +300,67 @@ def shard_records(task) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------
-# Driver
+# Driver (the parts the Beam runner, `beam_pipeline.py`, shares)
 # ---------------------------------------------------------------------------------------------
+
+
+def output_index(records_before: int, bucket: int, num_outputs: int) -> int:
+    """The output file of bucket `bucket` of a shard (see `shard_records`) that follows
+    `records_before` records: the reference's round-robin, record n of the whole output going to
+    file n % num_outputs.
+
+    Example: with 3 files and 7 records before a shard, the shard's record 0 (bucket 0) is
+    record 7 overall and goes to file 1: `output_index(7, 0, 3) == 1`.
+    """
+    return (records_before + bucket) % num_outputs
+
+
+@dataclasses.dataclass
+class ShardTotals:
+    """The shards' statistics added up (what dataset_info.json reports)."""
+
+    read_stats: corpora.ReadStats = dataclasses.field(default_factory=corpora.ReadStats)
+    mask_stats: inst.MaskStats = dataclasses.field(default_factory=inst.MaskStats)
+    worker_rss_mb: float = 0.0  # the largest peak RSS a shard's process reported
+
+    def add(self, read_stats: corpora.ReadStats, mask_stats: inst.MaskStats, rss_mb: float) -> None:
+        self.read_stats.add(read_stats)
+        self.mask_stats.add(mask_stats)
+        self.worker_rss_mb = max(self.worker_rss_mb, rss_mb)
+
+
+def output_dir(outputs: Sequence[str]) -> str:
+    """The one directory of all `outputs` (dataset_info.json goes there)."""
+    out_dirs = {os.path.dirname(os.path.abspath(p)) if "://" not in p else os.path.dirname(p) for p in outputs}
+    if len(out_dirs) != 1:
+        raise ValueError("--output_file: all outputs must be in one directory (dataset_info.json goes there)")
+    return out_dirs.pop()
+
+
+def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds: float, mode: str,
+                 compression: str, flags_used: Optional[dict], workers_rss: bool) -> dict:
+    """dataset_info.json's fields besides the manifest (`schema.write_dataset_info` adds that).
+
+    Args:
+      workers_rss: whether the shards ran in processes other than this one (then their peak RSS
+        is reported as the workers'; otherwise as None, the work having run in the parent).
+    """
+    return {
+        "flags": flags_used or dataclasses.asdict(opts),
+        "random_seed": opts.random_seed,
+        "mode": mode,
+        "vocab_sha256": _sha256(opts.vocab_file),
+        "max_seq_length": opts.max_seq_length,
+        "max_predictions_per_seq": opts.max_predictions_per_seq,
+        "compression": compression,
+        "read_stats": dataclasses.asdict(totals.read_stats),
+        "mask_stats": totals.mask_stats.summary(),
+        "num_instances": num_instances,
+        "seconds": seconds,
+        "instances_per_second": num_instances / max(seconds, 1e-9),
+        "peak_rss_mb": {"parent": round(_peak_rss_mb(), 1),
+                        "workers": round(totals.worker_rss_mb, 1) if workers_rss else None},
+    }
 
 
 def output_paths(output_file: str, num_output_shards: int, compression: str) -> List[str]:
@@ -301,16 +379,12 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
     from tqdm import tqdm
 
     opts.validate()
-    out_dirs = {os.path.dirname(os.path.abspath(p)) if "://" not in p else os.path.dirname(p) for p in outputs}
-    if len(out_dirs) != 1:
-        raise ValueError("--output_file: all outputs must be in one directory (dataset_info.json goes there)")
-    out_dir = out_dirs.pop()
+    out_dir = output_dir(outputs)
     tfrecord.makedirs(out_dir)
     writers = [tfrecord.Writer(p, compression) for p in outputs]
-    read_stats, mask_stats = corpora.ReadStats(), inst.MaskStats()
+    totals = ShardTotals()
     started = time.time()
     written = 0
-    worker_rss = 0.0
 
     def write_records(records: Sequence[bytes]):
         """Round-robin over the files, record by record (the reference's order)."""
@@ -321,15 +395,13 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
         written += len(records)
 
     def write_shard(result):
-        nonlocal written, worker_rss
+        nonlocal written
         chunks, counts, rs, ms, rss = result
         for b, (chunk, n) in enumerate(zip(chunks, counts)):
             if n:
-                writers[(written + b) % len(writers)].write(chunk, int(n))
+                writers[output_index(written, b, len(writers))].write(chunk, int(n))
         written += int(sum(counts))
-        read_stats.add(rs)
-        mask_stats.add(ms)
-        worker_rss = max(worker_rss, rss)
+        totals.add(rs, ms, rss)
         bar.update(1)
         bar.set_postfix(instances=written, refresh=False)
 
@@ -337,13 +409,13 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
         if reference_compatible:
             if any(s[0] != "text" for s in sources):
                 raise ValueError("--reference_compatible reads text files only (--input_format=text)")
-            write_records(reference_records([s[1] for s in sources], opts, read_stats, mask_stats))
+            write_records(reference_records([s[1] for s in sources], opts, totals.read_stats, totals.mask_stats))
         else:
             tasks = list(enumerate(sources))
             # Workers start before the progress bar, whose monitor thread a fork should not copy.
             pool = _worker_pool(num_workers, opts, len(writers)) if num_workers > 1 else None
             if pool is None:
-                _init_worker(opts, len(writers))
+                init_worker(opts, len(writers))
             bar = tqdm(total=len(tasks), desc="shards", unit="shard", dynamic_ncols=True)
             try:
                 for result in (_bounded_imap(pool, shard_records, tasks, 2 * num_workers) if pool
@@ -357,25 +429,9 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
     finally:
         for w in writers:
             w.close()
-    seconds = time.time() - started
-    parent_rss = _peak_rss_mb()
-    info = {
-        "flags": flags_used or dataclasses.asdict(opts),
-        "random_seed": opts.random_seed,
-        "mode": "reference_compatible" if reference_compatible else "fast",
-        "vocab_sha256": _sha256(opts.vocab_file),
-        "max_seq_length": opts.max_seq_length,
-        "max_predictions_per_seq": opts.max_predictions_per_seq,
-        "compression": compression,
-        "read_stats": dataclasses.asdict(read_stats),
-        "mask_stats": mask_stats.summary(),
-        "num_instances": written,
-        "seconds": seconds,
-        "instances_per_second": written / max(seconds, 1e-9),
-        # Worker processes when --num_workers > 1; otherwise the work ran in the parent.
-        "peak_rss_mb": {"parent": round(parent_rss, 1),
-                        "workers": round(worker_rss, 1) if num_workers > 1 and not reference_compatible else None},
-    }
+    info = dataset_info(opts, totals, num_instances=written, seconds=time.time() - started,
+                        mode="reference_compatible" if reference_compatible else "fast", compression=compression,
+                        flags_used=flags_used, workers_rss=num_workers > 1 and not reference_compatible)
     schema.write_dataset_info(out_dir, {w.path: w.num_records for w in writers}, info)
     return info
 
@@ -405,6 +461,13 @@ def main(argv):
     for name in ("output_file", "vocab_file"):
         if not getattr(FLAGS, name):
             raise app.UsageError(f"--{name} is required")
+    if FLAGS.runner == "beam" and FLAGS.reference_compatible:
+        raise app.UsageError("--reference_compatible is one random stream over the whole corpus, in one "
+                             "process; --runner=beam runs the fast mode only")
+    if FLAGS.runner == "local":
+        for name in ("beam_runner", "beam_pipeline_options"):
+            if FLAGS[name].present:
+                raise app.UsageError(f"--{name} needs --runner=beam")
     opts = Options(
         vocab_file=FLAGS.vocab_file, do_lower_case=FLAGS.do_lower_case,
         do_whole_word_mask=FLAGS.do_whole_word_mask, max_seq_length=FLAGS.max_seq_length,
@@ -423,8 +486,15 @@ def main(argv):
     outputs = output_paths(FLAGS.output_file, 1 if FLAGS.reference_compatible else FLAGS.num_output_shards,
                            FLAGS.compression)
     used = {name: FLAGS[name].value for name in FLAG_NAMES}
-    info = run(opts, sources=sources, outputs=outputs, reference_compatible=FLAGS.reference_compatible,
-               num_workers=FLAGS.num_workers, compression=FLAGS.compression, flags_used=used)
+    if FLAGS.runner == "beam":
+        from data_pipeline import beam_pipeline  # Beam is an optional extra; only this path needs it
+
+        info = beam_pipeline.run(opts, sources=sources, outputs=outputs, compression=FLAGS.compression,
+                                 num_workers=FLAGS.num_workers, beam_runner=FLAGS.beam_runner,
+                                 pipeline_args=shlex.split(FLAGS.beam_pipeline_options), flags_used=used)
+    else:
+        info = run(opts, sources=sources, outputs=outputs, reference_compatible=FLAGS.reference_compatible,
+                   num_workers=FLAGS.num_workers, compression=FLAGS.compression, flags_used=used)
     print(json.dumps({k: info[k] for k in ("num_instances", "instances_per_second", "mask_stats")}, indent=2))
 
 

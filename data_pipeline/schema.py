@@ -143,13 +143,26 @@ def sha256_file(path: str) -> str:
             h.update(chunk)
 
 
+def manifest_entry(num_records: int, num_bytes: int, sha256: str) -> dict:
+    """One file's manifest entry (what `input_pipeline` verifies before training)."""
+    return {"num_records": int(num_records), "num_bytes": int(num_bytes), "sha256": sha256}
+
+
 def file_entry(path: str, num_records: int) -> dict:
     if _is_local(path):
         size = os.path.getsize(path)
     else:
         import tensorflow as tf
         size = tf.io.gfile.stat(path).length
-    return {"num_records": int(num_records), "num_bytes": int(size), "sha256": sha256_file(path)}
+    return manifest_entry(num_records, size, sha256_file(path))
+
+
+def dataset_info_json(manifest: Mapping[str, dict], info: Optional[dict] = None) -> str:
+    """The text of dataset_info.json: `info`, the schema version and `manifest` {file name: entry}."""
+    out = dict(info or {})
+    out["schema_version"] = 1
+    out["files"] = dict(manifest)
+    return json.dumps(out, indent=2, sort_keys=True) + "\n"
 
 
 def write_dataset_info(directory: str, files: Mapping[str, int], info: Optional[dict] = None) -> str:
@@ -161,13 +174,10 @@ def write_dataset_info(directory: str, files: Mapping[str, int], info: Optional[
       info: flags, seed, vocab sha256, statistics, ...
     """
     manifest = {os.path.basename(p): file_entry(p, n) for p, n in sorted(files.items())}
-    out = dict(info or {})
-    out["schema_version"] = 1
-    out["files"] = manifest
     path = os.path.join(directory, MANIFEST_NAME)
     tmp = path + ".tmp"
     with _open(tmp, "w") as f:
-        f.write(json.dumps(out, indent=2, sort_keys=True) + "\n")
+        f.write(dataset_info_json(manifest, info))
     if _is_local(path):
         os.replace(tmp, path)
     else:

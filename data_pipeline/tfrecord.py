@@ -176,14 +176,23 @@ class Writer:
 
     The gzip stream is the one TensorFlow writes and reads (`compression_type="GZIP"`): deflate at
     zlib's default level, gzip header with no name and time 0, so files are the same run to run.
+
+    Args:
+      path: the file (its name, when `file` is given).
+      compression: "none" or "gzip".
+      file: an open binary file to write to instead of opening `path` (the Beam runner passes one
+        from `apache_beam.io.filesystems.FileSystems.create`, so any file system Beam has works);
+        `close()` closes it.
     """
 
-    def __init__(self, path: str, compression: str = "none"):
+    def __init__(self, path: str, compression: str = "none", file: Optional[BinaryIO] = None):
         if compression not in ("none", "gzip"):
             raise ValueError(f"compression={compression!r}: 'none' or 'gzip'")
         self.path = path
         self.num_records = 0
-        if _is_local(path):
+        if file is not None:
+            self._file = file
+        elif _is_local(path):
             self._file: BinaryIO = open(path, "wb")
         else:
             import tensorflow as tf
