@@ -3,7 +3,7 @@
     pip install 'libtpu==0.0.42.*'    # the TPU compiler, matching jax 0.10.2; no TPU needed
     python benchmarks/aot_tpu.py --config=configs/large.py \\
         [--topology=v4-32,v5p-64,v5e-16] [--mesh=data,fsdp,tensor] [--seq_len=128] \\
-        [--batch_per_chip=32] [--max_batch_per_chip=1024] [--json]
+        [--batch_per_chip=32] [--max_batch_per_chip=1024] [--attention=einsum] [--json]
 
 For each slice and mesh it lowers and compiles `bert_jax.steps.train_step` (the pretraining step:
 AdamW, clipping, dropout, donated state, bf16 compute with float32 parameters) against the
@@ -14,7 +14,10 @@ configs, and reports:
   `compiled.memory_analysis()`) against the chip's capacity;
 * XLA's FLOPs per chip per step (`compiled.cost_analysis()`) against our analytic count
   (`steps.train_flops_per_sequence` x the rows a chip processes);
-* the collectives in the optimized HLO (all-reduce, all-gather, reduce-scatter, ...);
+* the collectives in the optimized HLO (all-reduce, all-gather, reduce-scatter, ...), and its
+  Pallas (Mosaic) kernels: with `--attention=dot_product`, the splash attention kernels
+  (forward, and the dq and dkv backward kernels) where the model uses them. XLA's cost analysis
+  does not see inside them, so the FLOPs ratio and MFU bound below then leave attention out;
 * the largest per-chip batch that fits, estimated from the compiled program: the state (weights,
   optimizer moments) is fixed and the temporaries grow with the batch (a program that does not
   fit is refused by the TPU compiler, RESOURCE_EXHAUSTED, and the reported batch is halved until
@@ -116,7 +119,9 @@ def analyze(compiled, hbm_gib: float) -> dict:
     counts = {c: len(re.findall(rf"\b{c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
     return {"hbm_gib": used / 2**30, "hbm_capacity_gib": hbm_gib, "fits": used <= hbm_gib * 2**30,
             "hbm_fixed_gib": fixed / 2**30, "hbm_temp_gib": mem.temp_size_in_bytes / 2**30,
-            "collectives": {k: v for k, v in counts.items() if v}}
+            "collectives": {k: v for k, v in counts.items() if v},
+            # Pallas kernels lower to Mosaic custom calls (the scanned layer's body appears once).
+            "pallas_kernels": hlo.count('custom_call_target="tpu_custom_call"')}
 
 
 def xla_flops(compiled) -> float:
@@ -182,7 +187,7 @@ def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
     return result
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/large.py")
     p.add_argument("--topology", default="v4-32,v5p-64,v5e-16", help=f"comma-separated, of {', '.join(SLICES)}")
@@ -193,10 +198,15 @@ def main(argv=None):
     p.add_argument("--max_batch_per_chip", type=int, default=512, help="0: do not search")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--remat", default="none", choices=["none", "full", "dots", "dots_no_batch"])
+    p.add_argument("--attention", default="einsum", choices=["einsum", "dot_product"],
+                   help="model.attention_impl; dot_product is Pallas splash attention on TPU")
     p.add_argument("--no_scan", action="store_true", help="unrolled layers (slower to compile)")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def load_configs(args: argparse.Namespace):
+    """`(ConfigDict, BertConfig)` of `--config` with the command line's model options applied."""
     import importlib.util
     from bert_jax.modeling import BertConfig
     try:
@@ -210,8 +220,16 @@ def main(argv=None):
     config.model.dtype = args.dtype
     config.model.scan_layers = not args.no_scan
     config.model.remat_policy = args.remat
+    config.model.attention_impl = args.attention
+    if args.attention == "dot_product":  # the kernel has no attention-probability dropout
+        config.model.attention_probs_dropout_prob = 0.0
     config.max_seq_length = args.seq_len
-    bert_config = BertConfig.from_dict(config.model.to_dict())
+    return config, BertConfig.from_dict(config.model.to_dict())
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    config, bert_config = load_configs(args)
     results = []
     for slice_name in args.topology.split(","):
         if slice_name not in SLICES:
@@ -219,7 +237,7 @@ def main(argv=None):
         for mesh_kind in args.mesh.split(","):
             r = run_one(args, config, bert_config, slice_name, mesh_kind)
             r.update(config=args.config, seq_len=args.seq_len, dtype=args.dtype, remat=args.remat,
-                     scan=not args.no_scan, date=time.strftime("%Y-%m-%d"))
+                     attention=args.attention, scan=not args.no_scan, date=time.strftime("%Y-%m-%d"))
             results.append(r)
             if args.json:
                 print(json.dumps(r), flush=True)
@@ -228,6 +246,7 @@ def main(argv=None):
                       f"HBM {r['hbm_gib']:.2f}/{r['hbm_capacity_gib']} GiB  XLA/analytic FLOPs "
                       f"{r['xla_over_analytic']:.2f}  MFU<= {r['mfu_upper_bound']:.0%}  "
                       f"max batch/chip {r['max_batch_per_chip']}  collectives {r['collectives']}  "
+                      f"Pallas kernels {r['pallas_kernels']}  "
                       f"(compile {r['compile_s']:.0f} s)", flush=True)
     return results
 

@@ -71,7 +71,7 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     scan_layers: bool = False  # nn.scan over layers: compile time flat in depth
     remat_policy: str = "none"  # none | full | dots | dots_no_batch (what each layer saves for backprop)
-    attention_impl: str = "einsum"  # einsum (float32 softmax) | dot_product (jax.nn.dot_product_attention)
+    attention_impl: str = "einsum"  # einsum (float32 softmax) | dot_product (cuDNN on GPU, Pallas splash on TPU)
     vocab_pad_multiple: int = 128  # pad the MLM decoder matmul's vocab dim (parameters keep the real size)
     causal_attention: bool = False  # left-to-right encoder (the paper's Table 5 "LTR" ablation)
 
@@ -326,15 +326,40 @@ def make_attention_mask(input_mask: Array, pack_ids: Optional[Array] = None,
     return mask
 
 
+def make_sequence_ids(input_mask: Array, pack_ids: Optional[Array] = None) -> Array:
+    """The attention mask as one id per token, `[batch, length]` int32: what the TPU kernel takes.
+
+    A query attends to exactly the keys with its own id (the splash kernel's `SegmentIds`; not
+    BERT's token-type `segment_ids`). Real tokens get their pack id (1 when unpacked), padding 0.
+    Every real query then sees the real keys of its own sequence, as `make_attention_mask` says.
+    Padding queries differ: they attend to the padding keys instead of the real ones. Their
+    outputs never reach a real token (no real query attends to a padding key) nor any loss, and
+    this way no query is left without a key (the kernel's softmax needs one in every row).
+
+    Example (one row, two packed sequences and one padding token):
+
+        input_mask = [1, 1, 1, 1, 0], pack_ids = [1, 1, 2, 2, 0]  ->  [1, 1, 2, 2, 0]
+    """
+    ids = jnp.ones_like(input_mask, jnp.int32) if pack_ids is None else pack_ids.astype(jnp.int32)
+    return jnp.where(input_mask.astype(bool), ids, 0)
+
+
 def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
+              sequence_ids: Optional[Array] = None, causal: bool = False,
               dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
     """Scaled dot-product attention with a boolean mask; the softmax runs in float32.
 
     Args:
       query, key, value: `[batch, length, heads, head_dim]`.
       mask: boolean, broadcastable to `[batch, heads, query, key]`.
-      impl: "einsum" (explicit einsum + float32 softmax) or "dot_product"
-        (`jax.nn.dot_product_attention`, cuDNN fused attention on GPUs where it applies).
+      impl: "einsum" (explicit einsum + float32 softmax) or "dot_product": on TPU the Pallas
+        splash (flash) attention kernel where it applies (`_splash_applies`), on GPU
+        `jax.nn.dot_product_attention` with cuDNN's fused kernel where it applies, XLA's
+        attention elsewhere.
+      sequence_ids: `[batch, length]` from `make_sequence_ids`, the same mask in the form the
+        TPU kernel takes (without it the kernel is not used). Outputs at padding queries then
+        differ from the other paths (see `make_sequence_ids`).
+      causal: whether `mask` includes the left-to-right mask (the TPU kernel applies it itself).
       dropout_rate, dropout_rng: dropout on the attention probabilities (einsum only).
 
     Masked logits get a large negative finite value (not -inf), so a fully padded row yields
@@ -347,6 +372,8 @@ def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
             raise ValueError(
                 "attention_impl='dot_product' has no attention-probability dropout: set "
                 "attention_probs_dropout_prob=0 or attention_impl='einsum' for training")
+        if sequence_ids is not None and _splash_applies(query):
+            return _splash_attention(query, key, value, sequence_ids, causal=causal)
         return _dot_product_attention(query, key, value, mask, scale)
     # [batch, heads, query, key], accumulated and kept in float32.
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
@@ -387,6 +414,105 @@ def _dot_product_attention(query: Array, key: Array, value: Array, mask: Array,
                                         implementation="xla")
 
 
+# --- Pallas splash attention (TPU) ---
+
+# Sequence tiles of the splash kernel, largest first: the length must be a multiple of one. Its
+# key tiles must be multiples of the TPU's 128 lanes; 512 is MaxText's default tile.
+_SPLASH_BLOCKS = (512, 256, 128)
+# Head sizes: BERT's 64 and the common 128 and 256, each compiled ahead of time for v5e slices at
+# lengths 128 to 1024 (smaller sizes compile too but leave most of the 128 lanes idle).
+_SPLASH_HEAD_DIMS = (64, 128, 256)
+
+
+def _target_platform() -> str:
+    """The platform being compiled for: that of the mesh set with `jax.set_mesh` if any (an
+    ahead-of-time compile on a CPU host targets TPU devices this way), else the default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return jax.default_backend() if device is None else device.platform
+
+
+def _splash_shards(query: Array) -> Optional[jax.sharding.PartitionSpec]:
+    """The partition spec of `[batch, length, heads, head_dim]` activations on the current mesh
+    (from the logical axis rules, as `SelfAttention` constrains q, k and v), or None when the
+    kernel cannot run per shard: the length or head_dim sharded, or a size that does not divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return jax.sharding.PartitionSpec()
+    spec = nn.logical_to_mesh_axes(ACT_HEADS)
+    dims = [() if a is None else ((a,) if isinstance(a, str) else tuple(a)) for a in spec]
+    if dims[1] or dims[3]:
+        return None  # each shard must see whole sequences and whole heads
+    for axes, size in zip(dims, query.shape):
+        if any(a not in mesh.axis_names for a in axes):
+            return None
+        if size % int(np.prod([mesh.shape[a] for a in axes])):
+            return None
+    return jax.sharding.PartitionSpec(*(a or None for a in dims))
+
+
+def _splash_applies(query: Array) -> bool:
+    """The splash kernel: compiling for TPU, a length that tiles, a head size and dtype it has
+    kernels for, and q/k/v that split over the mesh by whole sequences and heads."""
+    length, head_dim = query.shape[1], query.shape[-1]
+    return (_target_platform() == "tpu" and query.dtype in (jnp.bfloat16, jnp.float32)
+            and any(length % b == 0 for b in _SPLASH_BLOCKS) and head_dim in _SPLASH_HEAD_DIMS
+            and _splash_shards(query) is not None)
+
+
+def _splash_kernel(heads: int, length: int, causal: bool, interpret: bool):
+    """The splash kernel for one example's `[heads, length, head_dim]`.
+
+    Built afresh in every trace (a few small numpy block tables): its tables become arrays of
+    the trace being built, which must not outlive it (so no cache).
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    block = next(b for b in _SPLASH_BLOCKS if length % b == 0)
+    static = splash.CausalMask((length, length)) if causal else splash.FullMask((length, length))
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                              block_q_dq=block, block_kv_dq=block)
+    return splash.make_splash_mha(splash.MultiHeadMask([static] * heads), block_sizes=sizes,
+                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _splash_attention(query: Array, key: Array, value: Array, sequence_ids: Array, *,
+                      causal: bool, interpret: bool = False) -> Array:
+    """Pallas splash attention on TPU: `[batch, length, heads, head_dim]` in and out.
+
+    The kernel takes one example's heads-major q, k, v (vmapped over the batch), computes the
+    logits and softmax in float32 and does not scale the logits, so the queries are scaled here.
+    `sequence_ids` (`make_sequence_ids`) is the mask; `causal` adds the kernel's causal mask,
+    whose all-masked tiles it skips. XLA cannot partition a Mosaic kernel, so on the mesh of
+    `jax.set_mesh` it runs under `jax.shard_map`, each device on its own examples and heads
+    (`_splash_shards`); without a mesh it is one call, right for a program on one device (a
+    program sharded without `jax.set_mesh` fails to compile: our loops all set the mesh).
+    `interpret=True` runs the kernel as ordinary JAX ops, on any backend (the tests, on CPU).
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    length = query.shape[1]
+    query = query * jnp.asarray(1.0 / np.sqrt(query.shape[-1]), query.dtype)
+
+    def per_shard(q, k, v, ids):
+        kernel = _splash_kernel(q.shape[2], length, causal, interpret)
+        one = lambda q, k, v, ids: kernel(q, k, v, segment_ids=splash.SegmentIds(ids, ids))
+        # [batch, length, heads, head_dim] -> [batch, heads, length, head_dim] and back.
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        return jnp.swapaxes(jax.vmap(one)(q, k, v, ids), 1, 2)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return per_shard(query, key, value, sequence_ids)
+    spec = _splash_shards(query)
+    ids_spec = jax.sharding.PartitionSpec(spec[0], None)  # [batch, length]: split as the batch
+    # check_vma=False: the kernel's pallas_calls do not declare how their outputs vary over the
+    # mesh, which the check requires; every output is per shard, as out_specs says.
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec, ids_spec),
+                         out_specs=spec, check_vma=False)(query, key, value, sequence_ids)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention + output projection + dropout + residual + LayerNorm (post-LN)."""
 
@@ -394,7 +520,7 @@ class SelfAttention(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array) -> Array:
+    def __call__(self, x: Array, mask: Array, sequence_ids: Optional[Array] = None) -> Array:
         cfg = self.config
         heads, head_dim = cfg.num_attention_heads, cfg.head_dim
         qkv_names = ("embed", "heads", "kv")
@@ -413,8 +539,8 @@ class SelfAttention(nn.Module):
         k = nn.with_logical_constraint(k, ACT_HEADS)
         v = nn.with_logical_constraint(v, ACT_HEADS)
         train_dropout = not self.deterministic and cfg.attention_probs_dropout_prob > 0.0
-        ctx = attention(q, k, v, mask, impl=cfg.attention_impl,
-                        dropout_rate=cfg.attention_probs_dropout_prob,
+        ctx = attention(q, k, v, mask, impl=cfg.attention_impl, sequence_ids=sequence_ids,
+                        causal=cfg.causal_attention, dropout_rate=cfg.attention_probs_dropout_prob,
                         dropout_rng=self.make_rng("dropout") if train_dropout else None)
         # [batch, length, heads, head_dim] -> [batch, length, hidden]
         out = Dense(cfg, (heads, head_dim), (cfg.hidden_size,), ("heads", "kv", "embed"),
@@ -447,8 +573,8 @@ class EncoderLayer(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array):
-        x = SelfAttention(self.config, self.deterministic, name="attention")(x, mask)
+    def __call__(self, x: Array, mask: Array, sequence_ids: Optional[Array] = None):
+        x = SelfAttention(self.config, self.deterministic, name="attention")(x, mask, sequence_ids)
         x = FeedForward(self.config, self.deterministic, name="ffn")(x)
         x = nn.with_logical_constraint(x, ACT_EMBED)
         return x, x
@@ -465,6 +591,8 @@ def _remat_policy(name: str):
 class Encoder(nn.Module):
     """L encoder layers; through `nn.scan` (params stacked on a leading "layers" axis) or unrolled.
 
+    Takes the boolean mask of `make_attention_mask` and, for `attention_impl="dot_product"`, the
+    same mask as `make_sequence_ids` (the TPU kernel's form; None: the boolean mask only).
     Returns the final hidden states and, stacked `[layers, batch, length, hidden]`, each layer's output.
     """
 
@@ -472,7 +600,7 @@ class Encoder(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array):
+    def __call__(self, x: Array, mask: Array, sequence_ids: Optional[Array] = None):
         cfg = self.config
         layer_cls = EncoderLayer
         if cfg.remat_policy != "none":
@@ -487,11 +615,11 @@ class Encoder(nn.Module):
                 length=cfg.num_hidden_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, states = scanned(cfg, self.deterministic, name="layers")(x, mask)
+            x, states = scanned(cfg, self.deterministic, name="layers")(x, mask, sequence_ids)
             return x, states
         states = []
         for i in range(cfg.num_hidden_layers):
-            x, _ = layer_cls(cfg, self.deterministic, name=f"layer_{i}")(x, mask)
+            x, _ = layer_cls(cfg, self.deterministic, name=f"layer_{i}")(x, mask, sequence_ids)
             states.append(x)
         return x, jnp.stack(states)
 
@@ -557,7 +685,10 @@ class BertModel(nn.Module):
             input_ids, input_mask, segment_ids, position_ids)
         x = Embeddings(cfg, name="embeddings")(input_ids, segment_ids, position_ids, deterministic)
         mask = make_attention_mask(input_mask, pack_ids, cfg.causal_attention)
-        seq, states = Encoder(cfg, deterministic, name="encoder")(x, mask)
+        # The same mask as one id per token, for the TPU kernel of "dot_product" (see `attention`).
+        sequence_ids = (make_sequence_ids(input_mask, pack_ids)
+                        if cfg.attention_impl == "dot_product" else None)
+        seq, states = Encoder(cfg, deterministic, name="encoder")(x, mask, sequence_ids)
         pooled = Pooler(cfg, name="pooler")(seq, cls_positions)
         hidden = jnp.concatenate([x[None], states]) if output_hidden_states else None
         return BertOutput(sequence_output=seq, pooled_output=pooled, hidden_states=hidden)

@@ -25,7 +25,7 @@ def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.Conf
     m.param_dtype = "float32"  # parameter storage dtype
     m.scan_layers = False  # nn.scan over layers (compile time flat in depth)
     m.remat_policy = "none"  # none | full | dots | dots_no_batch
-    m.attention_impl = "einsum"  # einsum | dot_product (cuDNN fused attention on GPU)
+    m.attention_impl = "einsum"  # einsum | dot_product (Pallas splash attention on TPU, cuDNN on GPU)
     m.vocab_pad_multiple = 128  # pad the MLM decoder's vocab dim for speed (params keep real size)
     m.causal_attention = False  # left-to-right encoder (paper Table 5 ablation)
     return m

@@ -1,7 +1,8 @@
 """AOT compilation of the sharded train step for a real TPU topology, on CPU (skips without libtpu).
 
 `benchmarks/aot_tpu.py` compiles against `jax.experimental.topologies` devices; libtpu (the TPU
-compiler, from PyPI) needs no TPU. This compiles the test-sized config for a v5e 2x2 slice.
+compiler, from PyPI) needs no TPU. This compiles the test-sized config for a v5e 2x2 slice, and
+BERT-Tiny with `attention_impl="dot_product"`, which on TPU is the Pallas splash attention kernel.
 """
 
 import importlib.util
@@ -19,9 +20,14 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="libtpu not installed (pip install 'libtpu==0.0.42.*')")
 
 
-def test_tiny_config_compiles_for_a_v5e_2x2_slice():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=os.pathsep.join(
+def _env() -> dict:
+    # One CPU device (not conftest's eight): the program is compiled for the TPU slice's devices.
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in sys.path if p]))
+
+
+def test_tiny_config_compiles_for_a_v5e_2x2_slice():
+    env = _env()
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_tpu.py"), "--config=configs/test.py",
                         "--topology=v5e-4", "--mesh=data,fsdp", "--seq_len=32", "--batch_per_chip=4",
                         "--max_batch_per_chip=8", "--json"], env=env, capture_output=True, text=True, timeout=600)
@@ -37,3 +43,35 @@ def test_tiny_config_compiles_for_a_v5e_2x2_slice():
         assert 0.0 < row["mfu_upper_bound"] <= 1.0
     assert "all-reduce" in rows[0]["collectives"]  # data parallel: gradients all-reduced
     assert "all-gather" in rows[1]["collectives"]  # FSDP: parameters gathered
+
+
+# One compile (not aot_tpu.py's three per mesh, which add the FLOPs extrapolation), on the FSDP mesh:
+# the kernel must run per chip, inside shard_map, on its own 4 of the 16 examples.
+SPLASH_SCRIPT = """
+import json, re, sys
+sys.path.insert(0, sys.argv[1])
+import aot_tpu
+args = aot_tpu.parse_args(["--config=configs/tiny.py", "--seq_len=128", "--attention=dot_product"])
+config, bert_config = aot_tpu.load_configs(args)
+compiled, _, rows = aot_tpu.compile_step(config, bert_config, aot_tpu.slice_devices("v5e-4"), "fsdp",
+                                         batch_per_chip=4, seq_len=128, predictions=20)
+hlo = compiled.as_text()
+calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+print(json.dumps(dict(aot_tpu.analyze(compiled, 16), rows=rows, attention=bert_config.attention_impl,
+                      kernels=sorted(re.match(r"\\s*(?:ROOT )?%(\\w+?)(?:\\.\\d+)? =", c).group(1) for c in calls),
+                      per_chip_qkv=all("bf16[4,2,128,64]" in c for c in calls))))
+"""
+
+
+def test_dot_product_attention_compiles_to_the_pallas_splash_kernel():
+    """BERT-Tiny (2 heads of 64) at length 128 with attention_impl="dot_product" on a v5e 2x2 slice."""
+    r = subprocess.run([sys.executable, "-c", SPLASH_SCRIPT, str(ROOT / "benchmarks")], env=_env(),
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(r.stdout.splitlines()[-1])
+    assert row["attention"] == "dot_product" and row["rows"] == 16 and row["fits"]
+    # Forward (saving the softmax statistics) and the two backward kernels, in the scanned layer.
+    assert row["pallas_kernels"] == 3, row
+    assert [k.split("_segmented")[0] for k in row["kernels"]] == [
+        "splash_mha_dkv", "splash_mha_dq", "splash_mha_fwd"], row["kernels"]
+    assert row["per_chip_qkv"], row  # [examples per chip, heads, length, head_dim]
