@@ -368,14 +368,18 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 flops = steps.train_flops_per_sequence(bert_config, phase.max_seq_length,
                                                        phase.max_predictions_per_seq)
                 pending: list = []
-                window_start = time.time()
+                window_start, input_seconds = time.time(), 0.0
                 from tqdm import tqdm
                 bar = tqdm(total=phase.end_step - phase.start_step, initial=step - phase.start_step,
                            desc=f"phase {phase_index + 1}/{len(phases)} (length {phase.max_seq_length})",
                            disable=jax.process_index() > 0, dynamic_ncols=True)
                 while step < phase.end_step:
+                    # Time the host waits for input: the device runs the previous (dispatched)
+                    # step meanwhile, so input stalls the loop only when this exceeds a step.
+                    input_started = time.perf_counter()
                     batch = next(batches)
                     global_batch = sharding.to_global(batch, mesh)
+                    input_seconds += time.perf_counter() - input_started
                     # Nothing may reach the step implicitly from the host (a numpy leak would
                     # be copied every step, and is wrong multi-host).
                     with jax.transfer_guard_host_to_device("disallow"):
@@ -389,8 +393,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         last_metrics, consecutive_bad = _log(
                             pending, step, window_start, writer, bar, flops,
                             config.global_batch_size, phase.max_seq_length, peak, consecutive_bad,
-                            config, log_path)
-                        pending, window_start = [], time.time()
+                            config, log_path, input_seconds)
+                        pending, window_start, input_seconds = [], time.time(), 0.0
                     if config.eval_data and config.eval_every_steps and step % config.eval_every_steps == 0:
                         evaluation = run_eval(p_eval, state.params, make_eval_input(
                             config, config.eval_data, phase.max_seq_length, phase.max_predictions_per_seq),
@@ -424,8 +428,12 @@ def flatten_dict(d: dict, prefix: str = "") -> dict:
 
 
 def _log(pending, step, window_start, writer, bar, flops, global_batch, seq_len, peak, consecutive_bad,
-         config, log_path) -> tuple[dict, int]:
-    """Fetches the window's metrics, checks finiteness, writes scalars and the jsonl log."""
+         config, log_path, input_seconds) -> tuple[dict, int]:
+    """Fetches the window's metrics, checks finiteness, writes scalars and the jsonl log.
+
+    `input_seconds`: the window's host time in `next(batches)` + `to_global`, logged per step
+    (`input_ms_per_step`) and as a share of the window (`input_fraction`; near 0 when the input
+    pipeline keeps ahead of the device)."""
     fetched = jax.device_get(pending)
     seconds = time.time() - window_start  # after the fetch: steps dispatch asynchronously
     first_step = step - len(fetched) + 1
@@ -462,6 +470,8 @@ def _log(pending, step, window_start, writer, bar, flops, global_batch, seq_len,
         "learning_rate": float(fetched[-1]["learning_rate"]),
         "sequences_per_second": seqs_per_s,
         "tokens_per_second": seqs_per_s * seq_len,
+        "input_ms_per_step": 1e3 * input_seconds / n,
+        "input_fraction": input_seconds / max(seconds, 1e-9),
     }
     if peak:
         out["mfu"] = seqs_per_s * flops / (peak * jax.device_count())

@@ -143,12 +143,16 @@ def _port() -> int:
     return port
 
 
-def test_two_processes_match_one_process_with_the_same_devices(data, tmp_path):
-    # One process reading the same two file shards (data_shards=2) as the two processes do.
-    one = run(cmd(tmp_path / "one", data, "--config.num_train_steps=6", "--config.data_shards=2"), devices=2)
+@pytest.mark.parametrize("devices_per_process", [1, 4])
+def test_two_processes_match_one_process_with_the_same_devices(data, tmp_path, devices_per_process):
+    # One process with all the devices, reading the same two file shards (data_shards=2) as the
+    # two processes do. With 4 devices per process the loop must block on every step (several
+    # CPU devices per process deadlocked otherwise: ../shared/RELIABILITY.md).
+    one = run(cmd(tmp_path / "one", data, "--config.num_train_steps=6", "--config.data_shards=2"),
+              devices=2 * devices_per_process)
     assert one.returncode == 0, one.stderr[-3000:]
-    e = dict(env(1), XLA_FLAGS="", NUM_PROCESSES="2", DEVICES_PER_PROCESS="1", PORT=str(_port()),
-             PYTHON=sys.executable, KILL_AFTER="5")
+    e = dict(env(1), XLA_FLAGS="", NUM_PROCESSES="2", DEVICES_PER_PROCESS=str(devices_per_process),
+             PORT=str(_port()), PYTHON=sys.executable, KILL_AFTER="5")
     two = subprocess.run(["bash", str(ROOT / "launch/local_multihost.sh"),
                           *cmd(tmp_path / "two", data, "--config.num_train_steps=6", "--config.data_shards=2")[3:]],
                          env=e, cwd=ROOT, timeout=300, capture_output=True, text=True)
@@ -336,6 +340,13 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
     assert set(json.loads((tmp_path / "eval_results.json").read_text())) >= {"masked_lm_accuracy"}
     assert f"training curves: {tmp_path / 'curves.png'}" in r.stdout
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # The host's wait for input is logged per window: a share of the window's time and ms per step.
+    from bert_jax import plot
+    scalars = plot.read_scalars(str(tmp_path))
+    steps_logged, fraction = scalars["train/input_fraction"]
+    assert list(steps_logged) == list(range(5, 41, 5))
+    assert all(0.0 <= f < 1.0 for f in fraction)
+    assert all(ms > 0.0 for ms in scalars["train/input_ms_per_step"][1])
 
 
 def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
