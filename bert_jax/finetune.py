@@ -199,8 +199,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0,
                                                   asynchronous=False)
     if start_step == 0:
-        writer.write_hparams({k: v for k, v in pretrain.flatten_dict(config.to_dict()).items()
-                              if isinstance(v, (int, float, str, bool))})
+        writer.write_hparams(pretrain.hparams(config, bert_config))
     batch_sharding = sharding.batch_sharding(mesh)
     p_train = jax.jit(functools.partial(train_step, model=model, tx=tx, schedule=schedule),
                       in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),

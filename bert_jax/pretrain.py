@@ -334,8 +334,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer = metric_writers.create_default_writer(
         workdir, just_logging=jax.process_index() > 0, asynchronous=False)
     if start_step == 0:
-        writer.write_hparams({k: v for k, v in flatten_dict(config.to_dict()).items()
-                              if isinstance(v, (int, float, str, bool))})
+        writer.write_hparams(hparams(config, bert_config))
 
     batch_sharding = sharding.batch_sharding(mesh)
     train_step = functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule,
@@ -414,6 +413,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         writer.flush()
         ckpt.close()  # waits for the last save; raises if it failed
     return last_metrics
+
+
+def hparams(config: ml_collections.ConfigDict, bert_config: BertConfig) -> dict:
+    """The run's scalar settings for TensorBoard, `model.*` as the model really is (an init
+    checkpoint's config.json replaces `config.model`'s sizes)."""
+    flat = {k: v for k, v in flatten_dict(config.to_dict()).items() if not k.startswith("model.")}
+    flat.update(flatten_dict({"model": dataclasses.asdict(bert_config)}))
+    return {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
 
 
 def flatten_dict(d: dict, prefix: str = "") -> dict:

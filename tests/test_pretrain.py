@@ -359,3 +359,20 @@ def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
     cfg.train_data, cfg.vocab_file, cfg.verify_data = f"{data}/train-*.tfrecord", str(vocab), False
     with pytest.raises(ValueError, match=rf"vocab.txt has {VOCAB + 5} tokens but config.model.vocab_size={VOCAB}"):
         pretrain.run(cfg, str(tmp_path / "w"))
+
+
+def test_hparams_report_the_model_as_built_not_the_config_defaults():
+    # An init checkpoint's config.json replaces config.model's sizes; TensorBoard must show those.
+    import importlib
+
+    from bert_jax import pretrain
+    from bert_jax.modeling import BertConfig
+
+    config = importlib.import_module("configs.base").get_config()
+    built = BertConfig(vocab_size=1000, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                       intermediate_size=1536)
+    h = pretrain.hparams(config, built)
+    assert config.model.hidden_size == 768 and h["model.hidden_size"] == 384
+    assert h["model.num_hidden_layers"] == 6 and h["model.vocab_size"] == 1000
+    assert h["learning_rate"] == config.learning_rate and h["mesh.data"] == -1
+    assert "model.bert_jax" not in h and all(isinstance(v, (int, float, str, bool)) for v in h.values())
