@@ -1,0 +1,194 @@
+"""Fine-tuning a real pretrained encoder end to end: dev scores, wall time, sequences/s; vs transformers.
+
+    python benchmarks/bench_finetune.py --model=../minilm --tasks=sst2,conll2003,squad_v1 \\
+        [--hf_python=/path/to/venv-with-torch/bin/python] [--sst2_train=10000] [--epochs=1]
+
+The encoder is all-MiniLM-L6-v2 (`../shared/tools/fetch_minilm.sh DIR`: a BERT with L=6, H=384,
+A=12, HF format, no pretraining heads); the data is `../shared/data` (GLUE SST-2, CoNLL-2003,
+SQuAD v1.1 dev). Each task runs `python -m bert_jax.main` with its config (configs/glue.py,
+ner.py, squad.py) in a fresh process, and, with `--hf_python`, the same data and
+hyper-parameters through transformers + PyTorch (`hf_finetune_reference.py`, in a Python that has
+torch) right after it, so both see the same machine.
+
+- SST-2: the first `--sst2_train` rows of a seeded shuffle of train.tsv (0 = all 67,349), dev.tsv
+  (872) scored; accuracy.
+- CoNLL-2003: the first `--conll_train` sentences of train.txt (0 = all 14,041), valid and test
+  scored; entity F1 (conlleval semantics; HF's side is scored by seqeval).
+- SQuAD v1.1: there is no SQuAD training file in ../shared/data, so the official dev set is
+  split by article: the first `--squad_train_articles` (8) articles train, the other 40 are
+  evaluated with the official scorer (EM/F1); length 256 (stride 128) instead of the paper's 384
+  keeps the run near half an hour on 2 cores. bert_jax only (a transformers QA reference needs
+  its own n-best post-processing: not written here).
+
+Defaults are sized for a 2-core CPU (one epoch, SST-2 on 10,000 training rows at length 64,
+CoNLL on 5,000 sentences); `--sst2_train=0 --conll_train=0 --epochs=3` is the full recipe.
+
+Reported per run: the scores, the wall time of the whole process (loading, featurization,
+compilation, training, evaluation, predictions), and the steady training rate (bert_jax: the
+median of its logged `train/sequences_per_second` windows after the first, which holds the
+compilation; transformers: training sequences over training seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
+
+
+def run_ours(config: str, workdir: str, overrides: dict) -> dict:
+    cmd = [sys.executable, "-m", "bert_jax.main", f"--config={config}", f"--workdir={workdir}"]
+    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.time() - started
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    with open(os.path.join(workdir, "eval_results.json")) as f:
+        results = json.load(f)
+    sys.path.insert(0, ROOT)
+    from bert_jax import plot
+
+    rates = plot.read_scalars(workdir).get("train/sequences_per_second")
+    steady = statistics.median(rates[1][1:]) if rates is not None and len(rates[1]) > 1 else float("nan")
+    return {"results": results, "wall_s": wall, "train_sequences_per_s": steady, "command": " ".join(cmd[1:])}
+
+
+def run_hf(python: str, args: list) -> dict:
+    out = tempfile.mktemp(suffix=".json")
+    started = time.time()
+    proc = subprocess.run([python, os.path.join(ROOT, "benchmarks", "hf_finetune_reference.py"), *args,
+                           f"--out={out}"], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"transformers run failed:\n{proc.stderr[-4000:]}")
+    with open(out) as f:
+        result = json.load(f)
+    result["process_wall_s"] = time.time() - started
+    return result
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def sst2(args, tmp) -> dict:
+    src = os.path.join(DATA, "glue", "SST-2")
+    with open(os.path.join(src, "train.tsv"), encoding="utf-8") as f:
+        header, *rows = f.readlines()
+    random.Random(0).shuffle(rows)
+    rows = rows[:args.sst2_train] if args.sst2_train else rows
+    data = os.path.join(tmp, "SST-2")
+    os.makedirs(data)
+    with open(os.path.join(data, "train.tsv"), "w", encoding="utf-8") as f:
+        f.writelines([header] + rows)
+    with open(os.path.join(src, "dev.tsv"), encoding="utf-8") as f, \
+            open(os.path.join(data, "dev.tsv"), "w", encoding="utf-8") as g:
+        g.write(f.read())
+    hp = dict(max_seq_length=args.sst2_max_seq_length, global_batch_size=32, num_train_epochs=args.epochs,
+              learning_rate=args.lr, eval_batch_size=128, seed=args.seed)
+    out = {"task": "sst2", "train_examples": len(rows), "hyper_parameters": hp, "load_before": load_average()}
+    out["bert_jax"] = run_ours("configs/glue.py", os.path.join(tmp, "w_sst2"), dict(
+        hp, task="sst2", data_dir=data, init_checkpoint=args.model, predict_test=False))
+    out["load_between"] = load_average()
+    if args.hf_python:
+        out["transformers"] = run_hf(args.hf_python, [
+            "--task=sst2", f"--model={args.model}", f"--train={data}/train.tsv", f"--dev={data}/dev.tsv",
+            f"--max_seq_length={hp['max_seq_length']}", "--batch=32", f"--epochs={args.epochs}",
+            f"--lr={args.lr}", f"--seed={args.seed}"])
+    out["load_after"] = load_average()
+    return out
+
+
+def conll(args, tmp) -> dict:
+    src = os.path.join(DATA, "conll2003")
+    data = os.path.join(tmp, "conll2003")
+    os.makedirs(data)
+    with open(os.path.join(src, "train.txt"), encoding="utf-8") as f:
+        text = f.read()
+    sentences = [s for s in text.split("\n\n") if s.strip() and not s.startswith("-DOCSTART-")]
+    keep = sentences[:args.conll_train] if args.conll_train else sentences
+    with open(os.path.join(data, "train.txt"), "w", encoding="utf-8") as f:
+        f.write("\n\n".join(keep) + "\n")
+    for name in ("valid.txt", "test.txt"):
+        with open(os.path.join(src, name), encoding="utf-8") as f, \
+                open(os.path.join(data, name), "w", encoding="utf-8") as g:
+            g.write(f.read())
+    hp = dict(max_seq_length=args.conll_max_seq_length, global_batch_size=32, num_train_epochs=args.epochs,
+              learning_rate=args.lr, eval_batch_size=128, seed=args.seed)
+    out = {"task": "conll2003", "train_sentences": len(keep), "hyper_parameters": hp,
+           "load_before": load_average()}
+    # MiniLM is uncased: its vocabulary has no capitals.
+    out["bert_jax"] = run_ours("configs/ner.py", os.path.join(tmp, "w_conll"), dict(
+        hp, data_dir=data, init_checkpoint=args.model, predict_test=False))
+    out["load_between"] = load_average()
+    if args.hf_python:
+        out["transformers"] = run_hf(args.hf_python, [
+            "--task=conll2003", f"--model={args.model}", f"--train={data}/train.txt", f"--dev={data}/valid.txt",
+            f"--test={data}/test.txt", f"--max_seq_length={hp['max_seq_length']}", "--batch=32",
+            f"--epochs={args.epochs}", f"--lr={args.lr}", f"--seed={args.seed}"])
+    out["load_after"] = load_average()
+    return out
+
+
+def squad(args, tmp) -> dict:
+    with open(os.path.join(DATA, "squad", "dev-v1.1.json"), encoding="utf-8") as f:
+        dev = json.load(f)
+    k = args.squad_train_articles
+    data = os.path.join(tmp, "squad")
+    os.makedirs(data)
+    for name, articles in (("train-v1.1.json", dev["data"][:k]), ("dev-v1.1.json", dev["data"][k:])):
+        with open(os.path.join(data, name), "w", encoding="utf-8") as f:
+            json.dump({"version": dev["version"], "data": articles}, f)
+    count = lambda arts: sum(len(p["qas"]) for a in arts for p in a["paragraphs"])
+    hp = dict(max_seq_length=args.squad_max_seq_length, global_batch_size=32, num_train_epochs=args.epochs,
+              learning_rate=args.lr, eval_batch_size=128, seed=args.seed)
+    out = {"task": "squad_v1", "train_questions": count(dev["data"][:k]),
+           "eval_questions": count(dev["data"][k:]), "hyper_parameters": hp, "load_before": load_average()}
+    out["bert_jax"] = run_ours("configs/squad.py", os.path.join(tmp, "w_squad"), dict(
+        hp, data_dir=data, init_checkpoint=args.model))
+    out["load_after"] = load_average()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=os.path.join(os.path.dirname(ROOT), "minilm"))
+    p.add_argument("--tasks", default="sst2,conll2003,squad_v1")
+    p.add_argument("--hf_python", default="", help="a Python with torch + transformers (<5 or >=5)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--seed", type=int, default=42, help="both sides: head init, dropout, data order")
+    p.add_argument("--sst2_train", type=int, default=10000, help="0 = all 67,349")
+    p.add_argument("--sst2_max_seq_length", type=int, default=64)
+    p.add_argument("--conll_train", type=int, default=5000, help="0 = all 14,041 sentences")
+    p.add_argument("--conll_max_seq_length", type=int, default=128)
+    p.add_argument("--squad_train_articles", type=int, default=8)
+    p.add_argument("--squad_max_seq_length", type=int, default=256)
+    p.add_argument("--out", default="", help="also write the results here (JSON)")
+    args = p.parse_args()
+    if not os.path.isdir(DATA) or not os.path.exists(os.path.join(args.model, "model.safetensors")):
+        print(f"skipped: needs {DATA} and the MiniLM model in {args.model} (../shared/tools/fetch_minilm.sh)")
+        return
+    results = {"date": time.strftime("%Y-%m-%d"), "host_cpus": os.cpu_count(), "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for task in args.tasks.split(","):
+            run = {"sst2": sst2, "conll2003": conll, "squad_v1": squad}[task](args, tmp)
+            print(json.dumps(run), flush=True)
+            results["runs"].append(run)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
