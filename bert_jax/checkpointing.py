@@ -67,6 +67,7 @@ import os
 import shutil
 import signal
 import threading
+import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -595,3 +596,80 @@ class Checkpointer:
                 os.rmdir(os.path.join(root, name))
             except OSError:
                 pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Read-only: one part of a saved state
+# ---------------------------------------------------------------------------------------------
+
+
+def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Optional[int] = None
+                 ) -> tuple[dict, int]:
+    """Restores only some top-level fields of a saved train state (e.g. `{"params": ...}`), read-only.
+
+    For evaluation and export: the optimizer state is neither read nor needed, so a workdir
+    trained with another optimizer, clipping, or number of hosts (per-host input state) restores
+    the same. Nothing in `directory` is created, cleaned or deleted, so a training run may still be
+    writing there.
+
+    Args:
+        directory: a `Checkpointer` directory.
+        abstract_part: {field: pytree of jax.ShapeDtypeStruct(shape, dtype, sharding=...)}.
+        step: the step to restore; default the latest committed one.
+
+    Returns:
+        (part, step): `part` has the structure of `abstract_part`, bitwise equal to what was saved.
+
+    Raises:
+        FileNotFoundError: no committed checkpoint (or not that step) in `directory`.
+        CheckpointRestoreError: a field, key, shape or dtype the checkpoint does not have.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    step, saved_tree = _saved_state_metadata(directory, step)
+    target = _to_abstract(abstract_part)
+    have = {k: v for k, v in _flat(saved_tree).items()
+            if any(k == f or k.startswith(f + "/") for f in abstract_part)}
+    missing = [f for f in abstract_part if not any(k == f or k.startswith(f + "/") for k in have)]
+    if missing:
+        raise CheckpointRestoreError(f"checkpoint step {step} in {directory} has no field(s) {missing}")
+    _check_against_metadata(_flat(target), have, f"checkpoint step {step} in {directory}")
+    restored = ocp.PyTreeCheckpointer().restore(
+        os.path.join(directory, str(step), _STATE),
+        args=ocp.args.PyTreeRestore(item=target,
+                                    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                    partial_restore=True))
+    by_key = _flat(restored)
+    treedef = jax.tree_util.tree_structure(target)
+    return jax.tree_util.tree_unflatten(treedef, [by_key[key] for key in _flat(target)]), step
+
+
+def _saved_state_metadata(directory: str, step: Optional[int]) -> tuple[int, PyTree]:
+    """(step, the saved state's metadata tree) of a committed step (default the latest), read-only."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoint directory {directory}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mngr = ocp.CheckpointManager(
+            directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+            item_handlers={_STATE: ocp.StandardCheckpointHandler()})
+    try:
+        steps = sorted(mngr.all_steps())
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no committed checkpoint in {directory}")
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(f"step {step} is not a committed checkpoint in {directory} (have {steps})")
+        saved = mngr.item_metadata(step)[_STATE]
+    finally:
+        mngr.close()
+    return step, getattr(saved, "tree", saved)
+
+
+def saved_keys(directory: str | os.PathLike, step: Optional[int] = None) -> list[str]:
+    """The '/'-joined key paths of a committed step's saved state (default the latest), read-only.
+
+    Raises:
+        FileNotFoundError: no committed checkpoint (or not that step) in `directory`.
+    """
+    return sorted(_flat(_saved_state_metadata(os.path.abspath(os.fspath(directory)), step)[1]))

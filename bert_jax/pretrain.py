@@ -538,25 +538,43 @@ def init_from_checkpoint(path: str, bert_config: BertConfig, fresh_params: dict,
 
 def load_params(config, bert_config: BertConfig, mesh):
     """Parameters of `config.init_checkpoint`, sharded onto `mesh`: a bert_jax workdir's newest
-    train state (restored shard by shard), or any checkpoint `bert_jax.convert` reads."""
+    train state (only its parameters are read, shard by shard), or any checkpoint `bert_jax.convert`
+    reads.
+
+    A workdir restores whatever optimizer, clipping, number of hosts or layer layout
+    (`scan_layers`) trained it: the optimizer state and the per-host input state are not read, and
+    scanned layers are unstacked (or unrolled ones stacked) to this config's layout.
+    """
     path = config.init_checkpoint
-    model, tx, schedule, init_state = build(config, bert_config, mesh)
-    abstract = jax.eval_shape(init_state, jax.random.key(0))
-    shardings = sharding.logical_to_sharding(abstract, mesh)
+    model = BertForPreTraining(bert_config)
+
+    def abstract_params(cfg):
+        abstract = jax.eval_shape(lambda: model.clone(config=cfg).init(
+            jax.random.key(0), **modeling.dummy_inputs(cfg))["params"])
+        return abstract, sharding.logical_to_sharding(abstract, mesh)
+
+    abstract, shardings = abstract_params(bert_config)
     from bert_jax import convert
     train_state_dir = os.path.isdir(os.path.join(path, "checkpoints")) or (
         convert.detect_format(path) == "bert_jax" and not os.path.isdir(os.path.join(path, "params")))
     if not train_state_dir:  # an export, a Google or a HuggingFace checkpoint
-        params = init_from_checkpoint(path, bert_config, {}, shardings.params, require_heads=True)
-        return params, shardings.params
+        return init_from_checkpoint(path, bert_config, {}, shardings, require_heads=True), shardings
     ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
-    target = sharding.abstract_with_shardings(nn.meta.unbox(abstract), shardings)
-    ckpt = checkpointing.Checkpointer(ckpt_dir, save_interval_steps=1, max_to_keep=1000,
-                                      handle_sigterm=False)
     try:
-        if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"config.init_checkpoint={path}: no committed checkpoint found in {ckpt_dir}")
-        state, _ = ckpt.restore(target)
-    finally:
-        ckpt.close()
-    return state.params, shardings.params
+        saved_scanned = any("/encoder/layers/" in key for key in checkpointing.saved_keys(ckpt_dir))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"config.init_checkpoint={path}: {e}") from None
+    saved_config = dataclasses.replace(bert_config, scan_layers=saved_scanned)
+    saved_abstract, saved_shardings = (abstract, shardings) if saved_scanned == bert_config.scan_layers \
+        else abstract_params(saved_config)
+    target = sharding.abstract_with_shardings(nn.meta.unbox(saved_abstract), saved_shardings)
+    part, step = checkpointing.restore_part(ckpt_dir, {"params": target})
+    params = part["params"]
+    logging.info("init_checkpoint: parameters of step %d of %s", step, ckpt_dir)
+    if saved_scanned != bert_config.scan_layers:
+        logging.info("init_checkpoint: %s its layers to config.model.scan_layers=%s",
+                     "unstacking" if saved_scanned else "stacking", bert_config.scan_layers)
+        params = (modeling.unstack_layers(params) if saved_scanned
+                  else modeling.stack_layers(params, bert_config.num_hidden_layers))
+        params = sharding.place(params, nn.meta.unbox(shardings))
+    return params, shardings

@@ -233,6 +233,20 @@ def test_evaluate_mode_writes_the_reference_metrics(data, tmp_path):
     np.testing.assert_allclose(results["next_sentence_loss"], nsp_nll / n, rtol=1e-4)
     np.testing.assert_allclose(results["next_sentence_accuracy"], nsp_correct / n, rtol=1e-6)
 
+    # Scored by a config that trains differently (LAMB, no clipping: another optimizer state) and
+    # lays the layers out scanned: only the parameters are read, and restacked. An unfinished save
+    # (a training run still writing there) is left alone.
+    unfinished = tmp_path / "train" / "checkpoints" / "99.orbax-checkpoint-tmp-1"
+    unfinished.mkdir()
+    other_cfg = test_config.get_config()
+    other_cfg.init_checkpoint, other_cfg.optimizer, other_cfg.clip_norm = str(tmp_path / "train"), "lamb", 0.0
+    other_cfg.model.scan_layers = True
+    other_cfg.eval_data, other_cfg.global_batch_size, other_cfg.verify_data = f"{data}/eval-0.tfrecord", 16, False
+    scanned = pretrain.evaluate(other_cfg, str(tmp_path / "eval_scanned"))
+    for k, v in results.items():
+        np.testing.assert_allclose(scanned[k], v, rtol=1e-5, err_msg=f"scanned: {k}")
+    assert unfinished.is_dir()
+
     # The same weights exported to Google's and HF's formats load identically and score the same.
     from bert_jax import convert
     pretrained = convert.load_pretrained(str(tmp_path / "train"))
