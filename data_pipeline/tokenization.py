@@ -24,9 +24,11 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import os
 import re
 import sys
 import unicodedata
+import warnings
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 # Special tokens that `keep_special_tokens=True` preserves when a user types them in raw text
@@ -810,9 +812,30 @@ class SentencePieceTokenizer:
         return convert_by_vocab(self.inv_vocab, ids)
 
 
+SPM_SIDECAR_SUFFIX = ".tokenizer.json"  # train_vocab writes PREFIX.tokenizer.json beside PREFIX.model
+
+
 def create_tokenizer(vocab_file: str, do_lower_case: bool = True,
-                     keep_special_tokens: bool = False):
-    """`SentencePieceTokenizer` for a `.model` file, `FullTokenizer` for a vocab.txt."""
+                     keep_special_tokens: bool = False, basic_tokenize: Optional[bool] = None):
+    """`SentencePieceTokenizer` for a `.model` file, `FullTokenizer` for a vocab.txt.
+
+    For a `.model`, `basic_tokenize=None` reads `PREFIX.tokenizer.json` when it exists (written by
+    `train_vocab --spm_model_prefix=PREFIX`, whose model learned from `BasicTokenizer` output):
+    its `basic_tokenize` and `do_lower_case` are the ones the model was trained with, and win over
+    `do_lower_case` here (with a warning when they differ). Without that file the model's own
+    normalizer runs on the raw text (an ALBERT-style model).
+    """
     if vocab_file.endswith(".model"):
-        return SentencePieceTokenizer(vocab_file, do_lower_case=do_lower_case)
+        sidecar = vocab_file[: -len(".model")] + SPM_SIDECAR_SUFFIX
+        if basic_tokenize is None and os.path.exists(sidecar):
+            import json
+            with open(sidecar, encoding="utf-8") as f:
+                trained = json.load(f)
+            basic_tokenize = bool(trained.get("basic_tokenize", False))
+            if "do_lower_case" in trained and bool(trained["do_lower_case"]) != bool(do_lower_case):
+                warnings.warn(f"{vocab_file} was trained with do_lower_case={trained['do_lower_case']} "
+                              f"({sidecar}); using that, not do_lower_case={do_lower_case}")
+                do_lower_case = bool(trained["do_lower_case"])
+        return SentencePieceTokenizer(vocab_file, do_lower_case=do_lower_case,
+                                      basic_tokenize=bool(basic_tokenize))
     return FullTokenizer(vocab_file, do_lower_case, keep_special_tokens)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import glob
+import json
 import os
 import tempfile
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -295,6 +296,11 @@ def train_vocab_from_texts(texts: Iterable[str], vocab_size: int, output_file: s
     stats = kwargs.pop("stats", None) or VocabStats()
     vocab = build_vocab(count_words(texts, do_lower_case), vocab_size, stats=stats, **kwargs)
     write_vocab(vocab, output_file)
+    if kwargs.get("spm_model_prefix"):
+        # The model learned from BasicTokenizer output: tokenization.create_tokenizer reads this
+        # to run the same basic tokenization (and casing) before the model.
+        with open(kwargs["spm_model_prefix"] + tokenization.SPM_SIDECAR_SUFFIX, "w", encoding="utf-8") as f:
+            json.dump({"basic_tokenize": True, "do_lower_case": bool(do_lower_case)}, f)
     return stats
 
 
@@ -354,7 +360,8 @@ flags.DEFINE_enum("model_type", "bpe", ["bpe", "unigram"], "SentencePiece model 
 flags.DEFINE_integer("min_char_count", 2, "Characters seen fewer times become [UNK].")
 flags.DEFINE_string("spm_model_prefix", None,
                     "If set, also keep the SentencePiece model as PREFIX.model/.vocab "
-                    "(load with SentencePieceTokenizer(..., basic_tokenize=True)).")
+                    "(load with tokenization.create_tokenizer(PREFIX.model), which reads "
+                    "PREFIX.tokenizer.json for the basic tokenization and casing it was trained with).")
 flags.DEFINE_integer("heldout_every", 0, "Hold out every N-th line; report its [UNK] rate.")
 flags.DEFINE_integer("num_threads", 2, "SentencePiece trainer threads.")
 

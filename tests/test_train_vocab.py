@@ -1,5 +1,6 @@
 """Tests for data_pipeline.train_vocab on a tiny corpus the test writes itself."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,18 @@ def test_sentencepiece_model_as_tokenizer(corpus, tmp_path):
     ids = sp.convert_tokens_to_ids(pieces)
     assert sp.convert_ids_to_tokens(ids) == pieces and ids[-1] == 4
     assert sp.tokenize("") == []
+    # create_tokenizer reads PREFIX.tokenizer.json: the model was trained on basic-tokenized,
+    # lower-cased, accent-stripped words, so the same runs before it (no unknown pieces for
+    # accented text); without the file the model sees raw text, and a cased request is overridden.
+    text = "Café, naïve WALKING!"
+    basic = tok.SentencePieceTokenizer(model, do_lower_case=True, basic_tokenize=True)
+    assert sp.tokenize(text) == basic.tokenize(text)
+    assert sp.convert_tokens_to_ids(sp.tokenize(text)).count(1) == 0
+    with pytest.warns(UserWarning, match="do_lower_case=True"):
+        assert tok.create_tokenizer(model, do_lower_case=False).tokenize(text) == basic.tokenize(text)
+    os.remove(str(prefix) + ".tokenizer.json")
+    raw = tok.create_tokenizer(model, do_lower_case=True)
+    assert raw.tokenize(text) != basic.tokenize(text)
 
 
 def test_cli(corpus, tmp_path):
