@@ -132,6 +132,35 @@ def test_published_parameter_counts(shape, pretraining, expected, scan):
     assert modeling.count_params(shapes["params"]) == expected
 
 
+def _closed_form_counts(c: BertConfig) -> tuple[int, int]:
+    """(BertModel with pooler, BertForPreTraining) parameters, counted by hand from the shapes."""
+    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    embeddings = (v + c.max_position_embeddings + c.type_vocab_size) * h + 2 * h
+    layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 2 * (2 * h)  # q,k,v,out; ffn; 2 LayerNorms
+    model = embeddings + c.num_hidden_layers * layer + (h * h + h)  # + pooler
+    heads = (h * h + h) + 2 * h + v + (2 * h + 2)  # MLM transform, its LayerNorm, output bias; NSP
+    return model, model + heads
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini", "small", "medium", "base", "large"])
+def test_every_config_parameter_count_matches_the_readme_and_a_hand_count(name):
+    import importlib
+    import pathlib
+    import re
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    config = BertConfig.from_dict(importlib.import_module(f"configs.{name}").get_config().model.to_dict())
+    shapes = jax.eval_shape(lambda r: BertForPreTraining(config).init(r, **modeling.dummy_inputs(config)),
+                            jax.random.key(0))["params"]
+    encoder = jax.eval_shape(lambda r: BertModel(config).init(r, jnp.zeros((1, 8), jnp.int32)),
+                             jax.random.key(0))["params"]
+    counted = (modeling.count_params(encoder), modeling.count_params(shapes))
+    assert counted == _closed_form_counts(config)
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    row = re.search(rf"^\| `configs/{name}\.py` \|.*$", readme, re.M).group(0)
+    numbers = [int(x.replace(",", "")) for x in re.findall(r"\*{0,2}([\d,]{5,})\*{0,2}", row)]
+    assert tuple(numbers) == counted, row
+
+
 @pytest.mark.parametrize("act", ["gelu", "gelu_new"])
 def test_parity_with_hf_flax_bert(act):
     config = tiny_config(hidden_act=act)
