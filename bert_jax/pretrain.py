@@ -245,8 +245,11 @@ def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> Shard
     return ShardedInput(make, config.data_shards or jax.process_count())
 
 
-def make_eval_input(config, data: str, max_seq_length: int, max_predictions_per_seq: int):
+def make_eval_input(config, data: str):
+    """One padded pass over `data`, at the records' own length and prediction count (whatever the
+    training phase's are: a 128 -> 512 run evaluates on the same held-out records throughout)."""
     from data_pipeline import input_pipeline
+    max_seq_length, max_predictions_per_seq = input_pipeline.record_shape(data)
     global_batch = config.eval_batch_size or config.global_batch_size
     return input_pipeline.make_eval_iterator(
         data,
@@ -395,8 +398,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                             config, log_path, input_seconds)
                         pending, window_start, input_seconds = [], time.time(), 0.0
                     if config.eval_data and config.eval_every_steps and step % config.eval_every_steps == 0:
-                        evaluation = run_eval(p_eval, state.params, make_eval_input(
-                            config, config.eval_data, phase.max_seq_length, phase.max_predictions_per_seq),
+                        evaluation = run_eval(p_eval, state.params, make_eval_input(config, config.eval_data),
                             mesh, config.eval_steps)
                         writer.write_scalars(step, {f"eval/{k}": v for k, v in evaluation.items()})
                     stop = ckpt.should_stop(step)
@@ -506,8 +508,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     p_eval = jax.jit(functools.partial(steps.eval_step, model=model, objective=config.objective),
                      in_shardings=(params_shardings, sharding.batch_sharding(mesh)))
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
-        results = run_eval(p_eval, params, make_eval_input(
-            config, config.eval_data, config.max_seq_length, config.max_predictions_per_seq), mesh,
+        results = run_eval(p_eval, params, make_eval_input(config, config.eval_data), mesh,
             config.eval_steps)
     if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)

@@ -3,7 +3,8 @@
 This module owns everything between the TFRecord files written by `create_pretraining_data` and
 the numpy batches the training loop hands to `bert_jax.sharding.to_global`:
 
-- **Files.** Comma-separated globs (or a list of them) are expanded, de-duplicated and *sorted*;
+- **Files.** Comma-separated globs (or a list of them) are expanded, de-duplicated and *sorted*
+  (`*.gz` files are read as gzip-compressed TFRecords, as `--compression=gzip` writes them);
   host `process_index` of `process_count` reads files `sorted_files[process_index::process_count]`
   (disjoint, and complete over the hosts). Never `Dataset.list_files`, which shuffles unseeded.
 - **Integrity, before training.** With `verify=True` each file is checked against the
@@ -72,6 +73,7 @@ import logging
 import os
 import struct
 import tempfile
+import zlib
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -145,6 +147,77 @@ def expand_file_patterns(file_patterns: FilePatterns) -> list[str]:
             raise FileNotFoundError(f"input file pattern {pattern!r} matches no file")
         files.update(matched)
     return sorted(files)
+
+
+def is_gzip(path: str) -> bool:
+    """Whether a TFRecord file is gzip-compressed: `create_pretraining_data --compression=gzip`
+    names its outputs `*.gz`."""
+    return str(path).endswith(".gz")
+
+
+def _compression(path: str) -> str:
+    return "GZIP" if is_gzip(path) else ""
+
+
+def _record_dataset(path) -> tf.data.Dataset:
+    """The records of one file (a path tensor, as `interleave` passes it), gzip or not."""
+    compression = tf.where(tf.strings.regex_full_match(path, r".*\.gz"), "GZIP", "")
+    return tf.data.TFRecordDataset(path, compression_type=compression)
+
+
+_SCRATCH: list = []  # a TemporaryDirectory, kept alive while the process runs
+
+
+def _gunzip(path: str) -> tuple[str, Optional[str]]:
+    """(a local uncompressed copy of a gzip TFRecord file, what cut its gzip stream short or None).
+
+    Everything that decompresses is kept, so the framing scan can find the good records of a
+    truncated or damaged file. The copy lives in a scratch folder removed when the process exits.
+    """
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="bert_jax_gunzip_"))
+    out = os.path.join(_SCRATCH[0].name, hashlib.sha1(path.encode()).hexdigest()[:12] + ".tfrecord")
+    error = None
+    with tf.io.gfile.GFile(path, "rb") as src, open(out, "wb") as dst:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        started = False
+        while True:
+            chunk = src.read(1 << 20)
+            if not chunk:
+                break
+            started = True
+            try:
+                dst.write(d.decompress(chunk))
+                while d.eof and d.unused_data:  # concatenated gzip members
+                    rest = d.unused_data
+                    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+                    dst.write(d.decompress(rest))
+            except zlib.error as e:
+                error = f"gzip data corrupt ({e})"
+                break
+        if error is None and started and not d.eof:
+            error = "gzip stream truncated"
+    return out, error
+
+
+def record_shape(file_patterns: FilePatterns) -> tuple[int, int]:
+    """(max_seq_length, max_predictions_per_seq) of the first record the globs match.
+
+    Google-format pretraining records have fixed-length features, so the first record gives the
+    shape of all (evaluation at the data's own length, whatever the training phase's is).
+    Raises naming the file when it has no record or not the pretraining features.
+    """
+    files = expand_file_patterns(file_patterns)
+    for path in files:
+        for raw in tf.data.TFRecordDataset(path, compression_type=_compression(path)).take(1):
+            example = tf.train.Example.FromString(raw.numpy()).features.feature
+            try:
+                return (len(example["input_ids"].int64_list.value),
+                        len(example["masked_lm_positions"].int64_list.value))
+            except KeyError as e:
+                raise ValueError(f"{path}: the first record has no feature {e}; not pretraining "
+                                 "records (data_pipeline.create_pretraining_data)") from None
+    raise ValueError(f"no record in {', '.join(files)}")
 
 
 def shard_files(files: Sequence[str], process_index: int, process_count: int) -> list[str]:
@@ -224,6 +297,10 @@ def scan_tfrecord_file(path: str, max_resync_bytes: int = 64 << 20) -> RecordSca
     followed by a readable record; everything in between is one bad region. A file cut inside a
     header or a payload ends with a bad region.
 
+    A gzip file (`*.gz`) is decompressed into a local scratch copy first (as far as its stream
+    allows; a damaged stream is one more bad region); the scan's `path` and offsets are then the
+    copy's.
+
     Args:
       path: the file (local or any `tf.io.gfile` filesystem).
       max_resync_bytes: how far past a corrupt header to look for the next good record.
@@ -231,6 +308,12 @@ def scan_tfrecord_file(path: str, max_resync_bytes: int = 64 << 20) -> RecordSca
     Returns:
       A `RecordScan`; `num_good` records are readable, `bad_regions` lists what was not.
     """
+    if is_gzip(path):
+        raw, gzip_error = _gunzip(path)
+        scan = scan_tfrecord_file(raw, max_resync_bytes)  # offsets into the uncompressed copy
+        if gzip_error:
+            scan.bad_regions.append((scan.size, gzip_error + f" after {scan.size} uncompressed bytes"))
+        return scan
     size = tf.io.gfile.stat(path).length
     good, bad = [], []
     reader = _random_reader(path) if size else None
@@ -310,6 +393,8 @@ def _resync(f, begin: int, end: int, size: int, accept) -> Optional[int]:
 
 def _count_records_by_framing(path: str) -> int:
     """Record count from the headers alone (no CRC checks): for files without a manifest."""
+    if is_gzip(path):
+        return _count_records_by_framing(_gunzip(path)[0])
     size = tf.io.gfile.stat(path).length
     count, offset = 0, 0
     with tf.io.gfile.GFile(path, "rb") as f:
@@ -512,7 +597,7 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
                 repair_dir = tempfile.mkdtemp(prefix="bert_jax_repaired_")
             tf.io.gfile.makedirs(repair_dir)
             digest = hashlib.sha1(path.encode()).hexdigest()[:12]
-            out = os.path.join(repair_dir, f"{digest}-{os.path.basename(path)}")
+            out = os.path.join(repair_dir, f"{digest}-{os.path.basename(path).removesuffix('.gz')}")
             _write_good_records(scan, out)
             read_paths.append(out)
             read_counts.append(scan.num_good)
@@ -1023,7 +1108,7 @@ class PretrainingInput:
         files = tf.data.Dataset.from_tensor_slices(paths).shuffle(
             len(paths), seed=_mix(seed, host, 1), reshuffle_each_iteration=True)
         records = files.interleave(
-            tf.data.TFRecordDataset, cycle_length=min(self.cycle_length, len(paths)),
+            _record_dataset, cycle_length=min(self.cycle_length, len(paths)),
             block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         if self.shuffle_buffer_size > 1:
             records = records.shuffle(self.shuffle_buffer_size, seed=_mix(seed, host, 2),
@@ -1235,7 +1320,7 @@ class EvalInput:
                "next_sentence_weights": tf.zeros([], tf.float32)}
         padding = tf.data.Dataset.from_tensors(pad).repeat()
         if paths:
-            rows = tf.data.TFRecordDataset(paths).batch(256).map(
+            rows = tf.data.Dataset.from_tensor_slices(paths).flat_map(_record_dataset).batch(256).map(
                 _graph_fn(real), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
             rows = rows.concatenate(padding)
         else:

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SEQ, PREDS, VOCAB = 32, 5, 512
 
 
-def write_records(path: Path, n: int, seed: int, nan_weight: bool = False) -> None:
+def write_records(path: Path, n: int, seed: int, nan_weight: bool = False, SEQ: int = SEQ,
+                  PREDS: int = PREDS) -> None:
     """Records in Google's schema, written with tf.train.Example directly (not our writer)."""
     rng = np.random.RandomState(seed)
     with tf.io.TFRecordWriter(str(path)) as w:
@@ -55,6 +56,8 @@ def data(tmp_path_factory):
         write_records(d / f"train-{i}.tfrecord", 64, seed=i)
     write_records(d / "eval-0.tfrecord", 40, seed=99)
     write_records(d / "nan.tfrecord", 16, seed=5, nan_weight=True)
+    for i in range(2):  # phase 2 of a two-phase run: longer sequences, more predictions
+        write_records(d / f"long-{i}.tfrecord", 32, seed=10 + i, SEQ=48, PREDS=7)
     return d
 
 
@@ -283,9 +286,26 @@ def test_pretraining_continues_from_an_encoder_only_hf_checkpoint(data, tmp_path
         np.testing.assert_array_equal(a, b)
 
 
+def _eval_steps(workdir) -> list[int]:
+    """Steps at which TensorBoard got a finite eval/masked_lm_loss."""
+    from tensorflow.core.util import event_pb2
+    steps = []
+    for path in sorted(Path(workdir).rglob("events.out.tfevents*")):
+        for raw in tf.data.TFRecordDataset(str(path)):
+            event = event_pb2.Event.FromString(raw.numpy())
+            for value in event.summary.value:
+                if value.tag == "eval/masked_lm_loss":
+                    number = value.simple_value if value.HasField("simple_value") else float(
+                        tf.make_ndarray(value.tensor))
+                    assert np.isfinite(number)
+                    steps.append(event.step)
+    return sorted(steps)
+
+
 def test_two_phases_resume_across_the_boundary(data, tmp_path):
-    """Phase 1 then phase 2 (its own data, its own compiled step); kill -9 inside phase 2 and resume
-    from the checkpoint at the boundary: the loss sequence equals the uninterrupted run's."""
+    """Phase 1 then phase 2 (its own data and length, its own compiled step), evaluated every 2
+    steps on the same held-out records (their own length); kill -9 inside phase 2 and resume from
+    the checkpoint at the boundary: the loss sequence equals the uninterrupted run's."""
     cfg = tmp_path / "two_phase.py"
     cfg.write_text(
         "from configs import test\n\n"
@@ -293,12 +313,13 @@ def test_two_phases_resume_across_the_boundary(data, tmp_path):
         "    c = test.get_config()\n"
         f"    c.phases = (dict(max_seq_length=32, max_predictions_per_seq=5, fraction=0.5,\n"
         f"                     train_data='{data}/train-[01].tfrecord'),\n"
-        f"                dict(max_seq_length=32, max_predictions_per_seq=5, fraction=0.5,\n"
-        f"                     train_data='{data}/train-[23].tfrecord'))\n"
+        f"                dict(max_seq_length=48, max_predictions_per_seq=7, fraction=0.5,\n"
+        f"                     train_data='{data}/long-*.tfrecord'))\n"
         "    return c\n")
 
     def two_phase_cmd(workdir):
-        args = cmd(workdir, data, "--config.num_train_steps=8")
+        args = cmd(workdir, data, "--config.num_train_steps=8", f"--config.eval_data={data}/eval-0.tfrecord",
+                   "--config.eval_every_steps=2", "--config.eval_steps=1")
         args[3] = f"--config={cfg}"
         return [a for a in args if not a.startswith("--config.train_data")]
 
@@ -306,6 +327,7 @@ def test_two_phases_resume_across_the_boundary(data, tmp_path):
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = losses(tmp_path / "ref")
     assert sorted(want) == list(range(1, 9))
+    assert _eval_steps(tmp_path / "ref") == [2, 4, 6, 8]  # at length 32 in both phases
     work = tmp_path / "killed"
     proc = subprocess.Popen(two_phase_cmd(work), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
