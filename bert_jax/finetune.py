@@ -157,6 +157,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     num_train = len(train.features["weight"])
     steps_per_epoch = tasks_lib.num_batches(num_train, config.global_batch_size)
     total_steps = int(config.num_train_epochs) * steps_per_epoch
+    if total_steps <= 0:
+        raise ValueError(f"config.num_train_epochs={config.num_train_epochs} with {num_train} training rows "
+                         f"and global_batch_size={config.global_batch_size} gives no training step")
+    if not 0 <= config.warmup_proportion <= 1:
+        raise ValueError(f"config.warmup_proportion={config.warmup_proportion} must be in [0, 1]")
     warmup = int(config.warmup_proportion * total_steps)
     schedule = optim.learning_rate_schedule(config.learning_rate, warmup, total_steps)
     tx = optim.make_optimizer(config.optimizer, schedule, weight_decay=config.weight_decay,
@@ -177,7 +182,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
 
     os.makedirs(workdir, exist_ok=True)
-    ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), save_interval_steps=total_steps + 1,
+    every = int(config.get("checkpoint_every_steps", 0) or 0)
+    if every < 0:
+        raise ValueError(f"config.checkpoint_every_steps={every}: 0 (each epoch) or a positive step count")
+    ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                      save_interval_steps=every or total_steps + 1,
                                       max_to_keep=1, async_save=config.async_checkpointing)
     best_ckpt = checkpointing.Checkpointer(os.path.join(workdir, "best"), save_interval_steps=1, max_to_keep=1,
                                            async_save=False, handle_sigterm=False)
@@ -239,12 +248,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                     if step % config.log_every_steps == 0 or last:
                         _log(pending, step, window, writer, bar, config, train_sums)
                         pending, window = [], time.time()
-                    # Saved after each epoch's evaluation; mid-epoch only on SIGTERM / preemption
-                    # (an epoch's batches are a function of the seed, so the run resumes mid-epoch).
+                    # Saved after each epoch's evaluation; mid-epoch on SIGTERM / preemption and
+                    # every `checkpoint_every_steps` (an epoch's batches are a function of the
+                    # seed, so the run resumes mid-epoch).
                     stop = ckpt.should_stop(step)
                     if stop and not last:
                         ckpt.save(step, state, {"history": history, "best": best}, force=True)
                         break
+                    if every and not last:
+                        ckpt.save(step, state, {"history": history, "best": best})
                 bar.close()
                 if stop and step % steps_per_epoch:
                     logging.warning("SIGTERM/preemption: saved step %d, exiting", step)

@@ -14,15 +14,29 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs and results g
 _MULTIHOST = flags.DEFINE_enum(
     "multihost", "auto", ["auto", "true", "false"],
     "Call jax.distributed.initialize: auto = when BERT_JAX_COORDINATOR is set (local multi-process, "
-    "see launch/local_multihost.sh) or on a multi-host Cloud TPU VM.")
+    "see launch/local_multihost.sh), on a multi-host Cloud TPU VM, or in a SLURM job or Open MPI "
+    "run of more than one task.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def cluster_tasks() -> int:
+    """Tasks of the SLURM job step (srun) or Open MPI run (mpirun) this process belongs to, else 0.
+
+    jax.distributed.initialize() finds the coordinator and this task's rank in both itself; a
+    single task trains alone without it.
+    """
+    for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1 and (not var.startswith("SLURM") or "SLURM_PROCID" in os.environ):
+            return int(value)
+    return 0
 
 
 def init_distributed(mode: str) -> None:
     import jax
     coordinator = os.environ.get("BERT_JAX_COORDINATOR")
     tpu_pod = "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    if mode == "false" or (mode == "auto" and not coordinator and not tpu_pod):
+    if mode == "false" or (mode == "auto" and not coordinator and not tpu_pod and not cluster_tasks()):
         return
     if coordinator:  # explicit: N local processes on 127.0.0.1, or a GPU cluster
         jax.distributed.initialize(

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-_SKIP = ("per_second", "mfu", "finite", "steps_per")
+_SKIP = ("per_second", "mfu", "finite", "steps_per", "input_ms", "input_fraction")
 
 
 def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -57,6 +57,9 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.dcn_mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))  # across slices
     config.log_every_steps = 50  # console/TensorBoard metrics interval
     config.async_checkpointing = True  # write the last-state checkpoint in the background
+    # Also save the last state every N steps inside an epoch (0: after each epoch and on SIGTERM
+    # only); a run killed without warning (kill -9, a lost machine) then resumes from there.
+    config.checkpoint_every_steps = 0
     # -1: XLA's default. 0 compiles several times faster on CPU and runs slower (tests, debugging).
     config.xla_backend_optimization_level = -1
     return config

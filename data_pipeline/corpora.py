@@ -167,13 +167,15 @@ def read_tfds_documents(name: str, split: str = "train", text_key: str = "text",
                         num_shards: int = 1) -> Iterator[Document]:
     """Streams documents of a TFDS text dataset (e.g. `wikipedia/20230601.en`, key "text").
 
-    Examples `shard_index::num_shards` of the split are read, so workers can split one dataset.
+    Part `shard_index` of `num_shards` even, contiguous parts of the split is read
+    (`tfds.even_splits`), so workers split one dataset and each reads only its own part of the
+    files, not the whole split.
     """
     import tensorflow_datasets as tfds
 
-    ds = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False)
     if num_shards > 1:
-        ds = ds.shard(num_shards, shard_index)
+        split = tfds.even_splits(split, n=num_shards)[shard_index]
+    ds = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False)
     for ex in tfds.as_numpy(ds):
         if text_key not in ex:
             raise KeyError(f"--tfds_text_key={text_key!r} is not a feature of {name}; it has {sorted(ex)}")

@@ -20,9 +20,12 @@ REMOTE_DIR="${REMOTE_DIR:-bert_jax}"
 EXTRA_ARGS=$(printf ' %q' "$@")
 
 cd "$(dirname "$0")/.."
+# scp with several sources needs the target folder to exist on every worker.
+gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all \
+  --command="mkdir -p $(printf '%q' "$REMOTE_DIR")"
 gcloud compute tpus tpu-vm scp --recurse --zone="$ZONE" --project="$PROJECT" --worker=all \
   setup.py README.md bert_jax data_pipeline configs "$TPU_NAME:$REMOTE_DIR/"
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all \
-  --command="cd $REMOTE_DIR && python3 -m pip install -q -e '.[tpu]'"
+  --command="cd $(printf '%q' "$REMOTE_DIR") && python3 -m pip install -q -e '.[tpu]'"
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all \
-  --command="cd $REMOTE_DIR && python3 -m bert_jax.main --config=$CONFIG --workdir=$WORKDIR --multihost=true$EXTRA_ARGS"
+  --command="cd $(printf '%q' "$REMOTE_DIR") && python3 -m bert_jax.main --config=$(printf '%q' "$CONFIG") --workdir=$(printf '%q' "$WORKDIR") --multihost=true$EXTRA_ARGS"

@@ -469,6 +469,27 @@ def test_fast_mode_forked_cli_equals_in_process_and_skips_empty_shards(tmp_path)
         assert all(tf.train.Example.FromString(x).SerializeToString(deterministic=True) == x for x in ours[:50])
 
 
+def test_tfds_shards_read_only_their_even_part_of_the_split(monkeypatch):
+    """Each of N workers asks TFDS for its own contiguous part (`tfds.even_splits`), so no worker
+    reads the whole split; the parts cover every example once, in order."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from data_pipeline import corpora
+    examples = [f"Doc {i} first. Doc {i} second." for i in range(10)]
+    asked = []
+
+    def fake_load(name, split, data_dir=None, shuffle_files=False):
+        asked.append(split)
+        assert isinstance(split, type(tfds.even_splits("train", n=2)[0])) and split.count == 3
+        per = [4, 3, 3][split.index]  # what TFDS's even split of 10 examples gives
+        start = sum([4, 3, 3][:split.index])
+        return tf.data.Dataset.from_tensor_slices({"text": examples[start:start + per]})
+
+    monkeypatch.setattr(tfds, "load", fake_load)
+    docs = [doc for k in range(3) for doc in corpora.read_tfds_documents("toy", "train", num_shards=3, shard_index=k)]
+    assert [split.index for split in asked] == [0, 1, 2] and {s.split for s in asked} == {"train"}
+    assert [d[0] for d in docs] == [f"Doc {i} first." for i in range(10)]
+
+
 def test_tfds_input_end_to_end(tmp_path):
     """`--input_format=tfds` on a TFDS text dataset, without a download (tfds.testing.mock_data
     makes random examples from the builder's features: words of the letters a-j)."""
@@ -480,10 +501,11 @@ def test_tfds_input_end_to_end(tmp_path):
     with tfds.testing.mock_data(num_examples=30):
         info = cpd.run(opts, sources=cpd.tfds_sources("wikipedia/20230601.en", "train", "text", None, 3),
                        outputs=[str(tmp_path / "out" / "train.tfrecord")], reference_compatible=False)
-    assert info["read_stats"]["documents"] == 30
+    # mock_data serves 30 examples for any split it is asked for, here each of the 3 even parts.
+    assert info["read_stats"]["documents"] == 3 * 30
     records = read_records(tmp_path / "out" / "train.tfrecord")
     manifest = json.loads((tmp_path / "out" / "dataset_info.json").read_text())["files"]
-    assert len(records) == info["num_instances"] == manifest["train.tfrecord"]["num_records"] > 30
+    assert len(records) == info["num_instances"] == manifest["train.tfrecord"]["num_records"] > 90
     ex = schema.decode_example(records[0])
     assert ex["input_ids"][0] == 2 and (ex["input_ids"] == 1).sum() == 0  # [CLS], no [UNK]
     with pytest.raises(KeyError, match="no_such_key"):

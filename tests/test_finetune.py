@@ -178,6 +178,44 @@ def test_resume_after_sigterm_mid_epoch(tmp_path, sst2_run, checkpoint, monkeypa
     # A finished workdir: the rerun trains nothing and reports the same results.
     assert finetune.run(sst2_config(data, checkpoint), str(work)) == resumed
 
+    # Killed without warning during step 8 (mid epoch 2) with checkpoint_every_steps=3: the run
+    # resumes from step 6, saved mid-epoch, and still ends where the uninterrupted run ended.
+    class Killed(Exception):
+        pass
+
+    calls["n"] = 0
+
+    def dying(batch, mesh):
+        calls["n"] += 1
+        if calls["n"] == 9:  # 4 + 1 eval + 4: the 4th batch of epoch 2 (step 8)
+            raise Killed
+        return to_global(batch, mesh)
+
+    config = sst2_config(data, checkpoint)
+    config.checkpoint_every_steps = 3
+    work = tmp_path / "killed"
+    monkeypatch.setattr(sharding, "to_global", dying)
+    with pytest.raises(Killed):
+        finetune.run(config, str(work))
+    monkeypatch.setattr(sharding, "to_global", to_global)
+    assert sorted(os.listdir(work / "checkpoints")) == ["6"]
+    again = finetune.run(config, str(work))
+    for key in ("loss", "accuracy", "step", "best_epoch"):
+        assert again[key] == uninterrupted[key], key
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_train_epochs", 0, "config.num_train_epochs=0"),
+    ("warmup_proportion", 1.5, "config.warmup_proportion=1.5"),
+    ("checkpoint_every_steps", -1, "config.checkpoint_every_steps=-1"),
+])
+def test_bad_schedule_settings_name_the_fine_tuning_field(tmp_path, checkpoint, field, value, message):
+    config = sst2_config(sst2_files(tmp_path), checkpoint)
+    config[field] = value
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        finetune.run(config, str(tmp_path / "work"))
+    assert not (tmp_path / "work" / "checkpoints").exists()
+
 
 def glue_files(folder, task, rng, n_train=8, n_dev=8):
     """Tiny GLUE folders in the distributed formats (random words; labels valid)."""

@@ -37,12 +37,12 @@ def fake(tmp_path):
     bin_dir.mkdir()
     _executable(bin_dir / "gcloud", FAKE_GCLOUD)
     _executable(bin_dir / "python3", FAKE_PYTHON)
-    worker = tmp_path / "worker"
-    (worker / "bert_jax").mkdir(parents=True)
+    worker = tmp_path / "worker"  # a fresh worker: no project folder yet
+    worker.mkdir()
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(tmp_path / "gcloud.log"),
                FAKE_PY_LOG=str(tmp_path / "python.log"), FAKE_WORKER=str(worker),
                TPU_NAME="my-v4-32", ZONE="us-central2-b", PROJECT="my-project", CONFIG="configs/large.py",
-               WORKDIR="gs://bucket/run")
+               WORKDIR="gs://bucket/my run")
     return tmp_path, env
 
 
@@ -62,8 +62,10 @@ def test_copies_installs_and_starts_on_every_worker(fake):
     r = subprocess.run(["bash", str(SCRIPT), *overrides], env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     calls = [line.split("\0")[:-1] for line in (tmp / "gcloud.log").read_text().splitlines()]
-    assert [c[:4] for c in calls] == [["compute", "tpus", "tpu-vm", "scp"], ["compute", "tpus", "tpu-vm", "ssh"],
-                                      ["compute", "tpus", "tpu-vm", "ssh"]]
+    assert [c[:4] for c in calls] == [["compute", "tpus", "tpu-vm", "ssh"], ["compute", "tpus", "tpu-vm", "scp"],
+                                      ["compute", "tpus", "tpu-vm", "ssh"], ["compute", "tpus", "tpu-vm", "ssh"]]
+    assert calls[0][-1] == "--command=mkdir -p bert_jax" and (tmp / "worker" / "bert_jax").is_dir()
+    calls = calls[1:]
     for c in calls:
         assert {"--zone=us-central2-b", "--project=my-project", "--worker=all"} <= set(c)
     scp = calls[0]
@@ -76,4 +78,21 @@ def test_copies_installs_and_starts_on_every_worker(fake):
     pip, main = argv[:6], argv[6:]
     assert pip == ["-m", "pip", "install", "-q", "-e", ".[tpu]"]
     assert main[:2] == ["-m", "bert_jax.main"]
-    assert main[2:] == ["--config=configs/large.py", "--workdir=gs://bucket/run", "--multihost=true", *overrides]
+    assert main[2:] == ["--config=configs/large.py", "--workdir=gs://bucket/my run", "--multihost=true", *overrides]
+
+
+@pytest.mark.parametrize("env,tasks", [
+    ({}, 0),
+    ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, 0),  # one task: trains alone
+    ({"SLURM_NTASKS": "8", "SLURM_PROCID": "3"}, 8),  # srun of 8 tasks
+    ({"SLURM_NTASKS": "8"}, 0),  # salloc's shell, not a task: no rank to join with
+    ({"SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, 2),  # this step's tasks
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, 4),  # mpirun -np 4
+])
+def test_multihost_auto_detects_slurm_and_open_mpi_tasks(monkeypatch, env, tasks):
+    from bert_jax import main
+    for var in ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert main.cluster_tasks() == tasks
