@@ -14,7 +14,8 @@ def write_run(workdir):
     for step in range(1, 11):
         w.write_scalars(step, {"train/loss": 10.0 / step, "train/mlm_accuracy": 0.05 * step,
                                "train/learning_rate": 1e-4 * min(1, step / 3), "train/grad_norm": 2.0 + step,
-                               "train/sequences_per_second": 100.0})
+                               "train/sequences_per_second": 100.0, "train/input_ms_per_step": 14.0,
+                               "train/input_fraction": 0.01})
     for step in (5, 10):
         w.write_scalars(step, {"eval/masked_lm_loss": 3.0 - step / 10, "eval/masked_lm_accuracy": step / 20})
     w.write_scalars(5, {"train/loss": 99.0})  # a step logged again (a resumed run): the last wins
@@ -26,7 +27,7 @@ def test_plot_writes_a_png_of_the_logged_values(tmp_path):
     out = tmp_path / "sub" / "curves.png"
     plotted = plot.plot(str(tmp_path), str(out))
     assert set(plotted) == {"train/loss", "train/mlm_accuracy", "train/learning_rate", "train/grad_norm",
-                            "eval/masked_lm_loss", "eval/masked_lm_accuracy"}  # throughput left out
+                            "eval/masked_lm_loss", "eval/masked_lm_accuracy"}  # throughput and input timing left out
     steps, values = plotted["train/loss"]
     assert steps.tolist() == list(range(1, 11))
     expected = [10.0 / s for s in range(1, 11)]
