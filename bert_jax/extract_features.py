@@ -76,6 +76,16 @@ def read_examples(path: str, stats: Optional[dict] = None) -> Iterator[Example]:
             yield Example(i, m.group(1), m.group(2)) if m else Example(i, line)
 
 
+def count_lines(path: str) -> int:
+    """Lines of `path` as `read_examples` sees them (a final line without a newline counts)."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
 def truncate_seq_pair(tokens_a: list, tokens_b: list, max_length: int) -> None:
     """Pops from the longer list (ties: the second) until the pair fits."""
     while len(tokens_a) + len(tokens_b) > max_length:
@@ -195,8 +205,11 @@ def to_json(feature: Features, out: dict, b: int, layers: Sequence[int]) -> str:
 
 
 def extract(examples, tokenizer, extractor: FeatureExtractor, max_seq_length: int, batch_size: int,
-            progress: bool = False) -> Iterator[str]:
-    """JSON lines for `examples`, in order; the last batch is padded (one compiled shape)."""
+            progress: bool = False, total: Optional[int] = None) -> Iterator[str]:
+    """JSON lines for `examples`, in order; the last batch is padded (one compiled shape).
+
+    `progress` shows a tqdm bar, with an ETA when `total` (the number of examples) is given.
+    """
     from tqdm import tqdm
 
     def batches():
@@ -209,7 +222,7 @@ def extract(examples, tokenizer, extractor: FeatureExtractor, max_seq_length: in
         if batch:
             yield batch
 
-    bar = tqdm(unit=" lines", disable=not progress)
+    bar = tqdm(total=total, unit=" lines", disable=not progress, dynamic_ncols=True)
     for batch in batches():
         n = len(batch)
         pad = batch_size - n
@@ -286,9 +299,11 @@ def main(argv):
     tmp = FLAGS.output_file + ".tmp"
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output_file)), exist_ok=True)
     count = 0
+    progress = sys.stderr.isatty()
+    total = count_lines(FLAGS.input_file) if progress else None
     with open(tmp, "w", encoding="utf-8") as f:
         for line in extract(read_examples(FLAGS.input_file, stats), tokenizer, extractor,
-                            FLAGS.max_seq_length, FLAGS.batch_size, progress=sys.stderr.isatty()):
+                            FLAGS.max_seq_length, FLAGS.batch_size, progress=progress, total=total):
             f.write(line + "\n")
             count += 1
     os.replace(tmp, FLAGS.output_file)  # a complete file or none

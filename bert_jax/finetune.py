@@ -145,6 +145,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
         raise ValueError(f"{vocab_file} has {len(tokenizer.vocab)} entries but the model's vocab_size is "
                          f"{bert_config.vocab_size}: wrong vocabulary for this checkpoint")
     started = time.time()
+    task.show_progress = jax.process_index() == 0
     train = tasks_lib.load_split(task, task.train_split, tokenizer, max_len, training=True)
     eval_splits = tuple(config.eval_splits) or task.eval_splits
     evals = [tasks_lib.load_split(task, s, tokenizer, max_len, training=False) for s in eval_splits]
@@ -337,17 +338,21 @@ def _place_encoder(encoder: dict, shardings: dict) -> dict:
 
 def _predict(p_eval, params, split, *, mesh, keys, batch_size) -> tuple[dict, dict]:
     """Outputs of every feature row of `split` (numpy, in row order) and the summed losses."""
+    from tqdm import tqdm
+
     from data_pipeline import tasks as tasks_lib
 
     chunks: list = []
     sums = {"loss_sum": 0.0, "weight": 0.0}
-    for batch in tasks_lib.batches(split.features, keys, batch_size, process_index=jax.process_index(),
-                                   process_count=jax.process_count()):
+    n = len(split.features["weight"])
+    batches = tasks_lib.batches(split.features, keys, batch_size, process_index=jax.process_index(),
+                                process_count=jax.process_count())
+    for batch in tqdm(batches, total=tasks_lib.num_batches(n, batch_size), desc=f"predict {split.name}",
+                      unit=" batches", leave=False, disable=jax.process_index() > 0, dynamic_ncols=True):
         outputs, batch_sums = p_eval(params, sharding.to_global(batch, mesh))
         chunks.append(multihost_utils.process_allgather(outputs, tiled=True))
         for k in sums:
             sums[k] += float(batch_sums[k])
-    n = len(split.features["weight"])
     outputs = {k: np.concatenate([c[k] for c in chunks])[:n] for k in chunks[0]}
     return outputs, sums
 

@@ -33,13 +33,22 @@ Document = List[str]
 
 @dataclasses.dataclass
 class ReadStats:
-    """Counters of what reading saw (reported in dataset_info.json)."""
+    """Counters of what reading saw (reported in dataset_info.json).
+
+    `documents` are the documents read; of them, `documents_without_tokens` had no line with a
+    token left after tokenization and were dropped (as the reference drops them), and
+    `one_sentence_documents` kept a single sentence, so every next-sentence pair made from
+    one has a random B segment (from another document). `empty_documents` counts the extra
+    blank lines of the text format (or the TFDS rows with no text).
+    """
 
     files: int = 0
     lines: int = 0
     documents: int = 0
     empty_documents: int = 0
     lines_with_bad_utf8: int = 0
+    documents_without_tokens: int = 0
+    one_sentence_documents: int = 0
 
     def add(self, other: "ReadStats") -> None:
         for f in dataclasses.fields(self):
@@ -164,7 +173,7 @@ def text_to_document(text: str) -> Document:
 
 def read_tfds_documents(name: str, split: str = "train", text_key: str = "text",
                         data_dir: Optional[str] = None, shard_index: int = 0,
-                        num_shards: int = 1) -> Iterator[Document]:
+                        num_shards: int = 1, stats: Optional[ReadStats] = None) -> Iterator[Document]:
     """Streams documents of a TFDS text dataset (e.g. `wikipedia/20230601.en`, key "text").
 
     Part `shard_index` of `num_shards` even, contiguous parts of the split is read
@@ -173,6 +182,7 @@ def read_tfds_documents(name: str, split: str = "train", text_key: str = "text",
     """
     import tensorflow_datasets as tfds
 
+    stats = stats if stats is not None else ReadStats()
     if num_shards > 1:
         split = tfds.even_splits(split, n=num_shards)[shard_index]
     ds = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False)
@@ -180,10 +190,18 @@ def read_tfds_documents(name: str, split: str = "train", text_key: str = "text",
         if text_key not in ex:
             raise KeyError(f"--tfds_text_key={text_key!r} is not a feature of {name}; it has {sorted(ex)}")
         value = ex[text_key]
-        text = value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+        if isinstance(value, bytes):
+            text = value.decode("utf-8", errors="replace")
+            if "\ufffd" in text and b"\xef\xbf\xbd" not in value:
+                stats.lines_with_bad_utf8 += 1  # per example: the bad bytes' line is not known
+        else:
+            text = str(value)
         doc = text_to_document(text)
         if doc:
+            stats.documents += 1
             yield doc
+        else:
+            stats.empty_documents += 1
 
 
 # ---------------------------------------------------------------------------------------------

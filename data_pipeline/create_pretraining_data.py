@@ -177,6 +177,9 @@ def reference_records(input_files: Sequence[str], opts: Options, read_stats: cor
         toks = [t for t in (tokenizer.tokenize(s) for s in doc) if t]
         if toks:
             all_documents.append(toks)
+            read_stats.one_sentence_documents += len(toks) == 1
+        else:
+            read_stats.documents_without_tokens += 1
     rng = random.Random(opts.random_seed)
     vocab_words = list(tokenizer.vocab.keys())
     instances = inst.create_training_instances(
@@ -264,10 +267,10 @@ def shard_records(task) -> tuple:
         docs = corpora.read_google_text(source[1], read_stats)
     else:
         _, name, split, key, data_dir, num_shards = source
-        docs = corpora.read_tfds_documents(name, split, key, data_dir, shard_index, num_shards)
+        docs = corpora.read_tfds_documents(name, split, key, data_dir, shard_index, num_shards, read_stats)
     shard = fast_instances.tokenize_shard(docs, tok.encode_batch)
-    if source[0] != "text":
-        read_stats.documents = shard.num_documents
+    read_stats.documents_without_tokens += shard.num_input_documents - shard.num_documents
+    read_stats.one_sentence_documents += int(np.sum(shard.doc_end - shard.doc_first == 1))
     rng = shard_rng(opts.random_seed, shard_index)
     pairs = fast_instances.make_pairs(shard, max_seq_length=opts.max_seq_length,
                                       short_seq_prob=opts.short_seq_prob, dupe_factor=opts.dupe_factor, rng=rng)
@@ -495,7 +498,8 @@ def main(argv):
     else:
         info = run(opts, sources=sources, outputs=outputs, reference_compatible=FLAGS.reference_compatible,
                    num_workers=FLAGS.num_workers, compression=FLAGS.compression, flags_used=used)
-    print(json.dumps({k: info[k] for k in ("num_instances", "instances_per_second", "mask_stats")}, indent=2))
+    print(json.dumps({k: info[k] for k in ("num_instances", "instances_per_second", "read_stats", "mask_stats")},
+                     indent=2))
 
 
 if __name__ == "__main__":

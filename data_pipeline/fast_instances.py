@@ -56,6 +56,7 @@ class ShardTokens:
     sentence_starts: np.ndarray  # int64 [sentences + 1]
     doc_first: np.ndarray  # int64 [documents]
     doc_end: np.ndarray  # int64 [documents]
+    num_input_documents: int = 0  # documents given, with those that had no tokens
 
     @property
     def num_documents(self) -> int:
@@ -100,7 +101,7 @@ def tokenize_shard(documents: Iterable[Sequence[str]], encode_batch: Callable[[L
     new_doc[1:] = sent_doc[1:] != sent_doc[:-1]
     doc_first = np.flatnonzero(new_doc).astype(np.int64)
     doc_end = np.append(doc_first[1:], len(sent_doc)).astype(np.int64)
-    return ShardTokens(ids, starts, doc_first, doc_end)
+    return ShardTokens(ids, starts, doc_first, doc_end, len(doc_sizes))
 
 
 @dataclasses.dataclass

@@ -209,6 +209,35 @@ def test_bad_input_is_counted_or_named(tmp_path):
         cpd.create_pretraining_data([str(text)], str(tmp_path / "o3"), str(vocab), max_seq_length=4)
 
 
+@pytest.mark.parametrize("reference_compatible", [True, False])
+def test_documents_without_tokens_and_one_sentence_documents_are_counted(tmp_path, reference_compatible):
+    """A document whose lines are all dropped by tokenization (a zero-width space, a BEL control
+    character) is dropped as the reference drops it, and counted; so are one-sentence documents
+    (their next-sentence pairs always take B from another document). Hand counted."""
+    _, vocab = synthetic_corpus(tmp_path)
+    text = tmp_path / "docs.txt"
+    text.write_text("Alpha beta.\nGamma delta.\n\n\u200b\u200b\n\x07\n\nRiver stone.\n\nCloud light.\nNight.\n")
+    info = cpd.create_pretraining_data([str(text)], str(tmp_path / "o"), str(vocab), dupe_factor=1,
+                                       max_seq_length=16, max_predictions_per_seq=3,
+                                       reference_compatible=reference_compatible)
+    stats = info["read_stats"]
+    assert (stats["documents"], stats["documents_without_tokens"], stats["one_sentence_documents"]) == (4, 1, 1)
+    assert stats["lines"] == 10 and stats["empty_documents"] == 0
+
+
+def test_tfds_text_counts_bad_utf8_and_empty_examples(monkeypatch):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from data_pipeline import corpora
+    texts = [b"Good text. Two sentences.", b"Bad \xff byte here.", b"   ", "Fine \ufffd kept.".encode()]
+    monkeypatch.setattr(tfds, "load", lambda name, split, data_dir=None, shuffle_files=False:
+                        tf.data.Dataset.from_tensor_slices({"text": texts}))
+    stats = corpora.ReadStats()
+    docs = list(corpora.read_tfds_documents("toy", "train", stats=stats))
+    assert docs[1] == ["Bad \ufffd byte here."] and len(docs) == 3
+    # A U+FFFD already in the text is not a decoding error.
+    assert (stats.documents, stats.empty_documents, stats.lines_with_bad_utf8) == (3, 1, 1)
+
+
 def test_cli_with_googles_flags_and_gzip(tmp_path):
     text, vocab = synthetic_corpus(tmp_path)
     out = tmp_path / "cli" / "train.tfrecord"

@@ -63,6 +63,10 @@ def test_read_examples_pairs_blank_lines_and_bad_utf8(tmp_path):
     assert [(e.index, e.text_a, e.text_b) for e in ex] == [
         (0, "hello world", None), (1, "", None), (2, "the cat", "the dog"), (3, "bad \ufffd byte", None)]
     assert stats["lines_with_bad_utf8"] == 1
+    assert ef.count_lines(str(p)) == 4  # the progress bar's total
+    for content, expected in ((b"", 0), (b"one", 1), (b"a\r\nb", 2), (b"\n\n", 2)):
+        p.write_bytes(content)
+        assert ef.count_lines(str(p)) == len(list(ef.read_examples(str(p)))) == expected
 
 
 def test_cli_output_equals_the_models_hidden_states(checkpoint, tmp_path):

@@ -209,7 +209,7 @@ def _squad_file(tmp_path, qas, context="John Smith lives in Paris, the cafe."):
     return str(tmp_path)
 
 
-def test_squad_featurize_maps_answers_through_offsets(tmp_path, vocab):
+def test_squad_featurize_maps_answers_through_offsets(tmp_path, vocab, capsys):
     context = "John Smith lives in Paris, the Unaffable cafe."
     qas = [{"id": "q1", "question": "Where does he live?", "answers": [{"text": "Paris", "answer_start": 20}]},
            {"id": "q2", "question": "Which cafe?", "answers": [{"text": "Unaffable", "answer_start": 31}]}]
@@ -230,6 +230,12 @@ def test_squad_featurize_maps_answers_through_offsets(tmp_path, vocab):
     out = task.postprocess(examples, f, {"start_logits": start, "end_logits": end})
     assert out["predictions"] == {"q1": "Paris", "q2": "Unaffable"}
     assert len(out["nbest"]["q1"]) <= 20 and out["nbest"]["q1"][0]["probability"] > 0.5
+    # With the progress bar on (as fine-tuning runs it) the features are the same; the bar
+    # goes to stderr.
+    task.show_progress = True
+    shown = task.featurize(examples, tok, 32, training=True)
+    assert shown.keys() == f.keys() and all(np.array_equal(shown[k], f[k]) for k in f)
+    assert "squad_v1: featurize" in capsys.readouterr().err
 
 
 def test_squad_windows_put_outside_answers_on_cls(tmp_path, vocab):
@@ -318,7 +324,7 @@ def test_conll_reading_and_bad_tags(tmp_path):
     assert lenient.read("train") == [] and sum(lenient.skipped.values()) == 2
 
 
-def test_ner_labels_first_pieces_and_splits_long_sentences(tmp_path, vocab):
+def test_ner_labels_first_pieces_and_splits_long_sentences(tmp_path, vocab, capsys):
     task = tasks.get_task("conll2003", str(tmp_path))
     words = ["Unaffable", "John", "Smith", "sat", "in", "Paris", "."]
     tags = ["O", "B-PER", "I-PER", "O", "O", "B-LOC", "O"]
@@ -334,6 +340,10 @@ def test_ner_labels_first_pieces_and_splits_long_sentences(tmp_path, vocab):
     assert len(short["input_ids"]) == 3 and short["label_weights"].sum() == len(words)
     one_hot = np.eye(len(task.labels))[short["label_ids"]]
     assert task.postprocess(examples, short, {"logits": one_hot}) == [tags]
+    task.show_progress = True
+    shown = task.featurize(examples, tok, 6, training=True)
+    assert all(np.array_equal(shown[k], short[k]) for k in short)
+    assert "conll2003: featurize" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class Task:
         self.tfds_data_dir = tfds_data_dir or None
         self.rows = BadRows(skip_bad_rows)
         self.split_files = dict(split_files or {})  # split -> path, overriding the usual file names
+        self.show_progress = False  # featurization progress bar (set by the fine-tuning loop)
 
     @property
     def skipped(self) -> dict:
@@ -125,6 +126,15 @@ class Task:
         """Tokenizer used by `featurize` (the Google-exact one, with character offsets)."""
         from data_pipeline import tokenization
         return tokenization.FullTokenizer(vocab_file, do_lower_case)
+
+    def _progress(self, examples: Sequence, what: str):
+        """`examples`, iterated under a tqdm bar when `show_progress` (SQuAD's train split takes
+        a minute or more to featurize on one CPU core)."""
+        if not self.show_progress:
+            return examples
+        from tqdm import tqdm
+        return tqdm(examples, total=len(examples), desc=f"{self.name}: {what}", unit=" examples",
+                    dynamic_ncols=True, leave=False)
 
     def split_name(self, split: str) -> str:
         """A short label of a split for file and metric names."""

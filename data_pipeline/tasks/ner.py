@@ -208,7 +208,7 @@ class Conll2003(Task):
                 "example_index", "word_index")
         rows = {k: [] for k in keys}
         room = max_seq_length - 2
-        for index, ex in enumerate(examples):
+        for index, ex in enumerate(self._progress(examples, "featurize")):
             starts, text = [], ""
             for w in ex.words:
                 starts.append(len(text) + (1 if text else 0))

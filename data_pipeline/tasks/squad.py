@@ -271,7 +271,7 @@ class SquadV1(Task):
         rows = {k: [] for k in keys}
         cache: dict = {}
         cls_id, sep_id = tokenizer.vocab["[CLS]"], tokenizer.vocab["[SEP]"]
-        for index, ex in enumerate(examples):
+        for index, ex in enumerate(self._progress(examples, "featurize")):
             if ex.context not in cache:
                 pieces, spans = tokenizer.tokenize_with_offsets(ex.context)
                 cache = {ex.context: (tokenizer.convert_tokens_to_ids(pieces), spans)}  # consecutive reuse
