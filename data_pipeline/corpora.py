@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import logging
 import os
 import re
 import sysconfig
@@ -171,6 +172,21 @@ def text_to_document(text: str) -> Document:
 # ---------------------------------------------------------------------------------------------
 
 
+def prepare_tfds(name: str, data_dir: Optional[str] = None) -> None:
+    """Downloads and prepares a TFDS dataset unless `data_dir` already holds it (then a no-op).
+
+    Called once by the parent process: N workers each running `tfds.load`'s default download
+    would build the same dataset N times into the same folder.
+    """
+    import tensorflow_datasets as tfds
+
+    builder = tfds.builder(name, data_dir=data_dir)
+    if not builder.is_prepared():
+        logging.info("TFDS dataset %s is not in %s: downloading and preparing it once, before the workers",
+                     name, builder.data_dir)
+    builder.download_and_prepare()
+
+
 def read_tfds_documents(name: str, split: str = "train", text_key: str = "text",
                         data_dir: Optional[str] = None, shard_index: int = 0,
                         num_shards: int = 1, stats: Optional[ReadStats] = None) -> Iterator[Document]:
@@ -178,14 +194,15 @@ def read_tfds_documents(name: str, split: str = "train", text_key: str = "text",
 
     Part `shard_index` of `num_shards` even, contiguous parts of the split is read
     (`tfds.even_splits`), so workers split one dataset and each reads only its own part of the
-    files, not the whole split.
+    files, not the whole split. The dataset must be prepared (`prepare_tfds`, once, before the
+    workers start): a worker never downloads or builds it.
     """
     import tensorflow_datasets as tfds
 
     stats = stats if stats is not None else ReadStats()
     if num_shards > 1:
         split = tfds.even_splits(split, n=num_shards)[shard_index]
-    ds = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False)
+    ds = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False, download=False)
     for ex in tfds.as_numpy(ds):
         if text_key not in ex:
             raise KeyError(f"--tfds_text_key={text_key!r} is not a feature of {name}; it has {sorted(ex)}")

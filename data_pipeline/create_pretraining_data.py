@@ -453,9 +453,14 @@ def create_pretraining_data(input_files: Sequence[str], output_dir: str, vocab_f
 
 def tfds_sources(name: str, split: str = "train", text_key: str = "text", data_dir: Optional[str] = None,
                  num_shards: int = 16) -> List[tuple]:
-    """`run` sources reading a TFDS text dataset in `num_shards` interleaved shards (one per task)."""
+    """`run` sources reading a TFDS text dataset in `num_shards` even parts (one per task).
+
+    The dataset is downloaded and prepared here, once, if `data_dir` does not hold it yet; the
+    workers then only read it.
+    """
     if num_shards < 1:
         raise ValueError(f"--tfds_num_shards={num_shards} must be >= 1")
+    corpora.prepare_tfds(name, data_dir)
     return [("tfds", name, split, text_key, data_dir, num_shards) for _ in range(num_shards)]
 
 

@@ -199,8 +199,8 @@ def test_tfds_shards_as_sources_give_the_local_paths_file(tmp_path):
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + letters
                                + ["##" + c for c in letters]) + "\n")
     opts = cpd.Options(vocab_file=str(vocab), max_seq_length=24, max_predictions_per_seq=4, dupe_factor=2)
-    sources = cpd.tfds_sources("wikipedia/20230601.en", "train", "text", None, 3)
     with tfds.testing.mock_data(num_examples=30):
+        sources = cpd.tfds_sources("wikipedia/20230601.en", "train", "text", None, 3)
         local = cpd.run(opts, sources=sources, outputs=[str(tmp_path / "local" / "train.tfrecord")],
                         reference_compatible=False)
         beam = beam_pipeline.run(opts, sources=sources, outputs=[str(tmp_path / "beam" / "train.tfrecord")])

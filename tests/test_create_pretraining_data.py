@@ -225,11 +225,31 @@ def test_documents_without_tokens_and_one_sentence_documents_are_counted(tmp_pat
     assert stats["lines"] == 10 and stats["empty_documents"] == 0
 
 
+def test_tfds_dataset_is_prepared_once_by_the_parent(monkeypatch, tmp_path):
+    """`tfds_sources` (the parent) prepares the dataset once; N workers would otherwise each
+    download and build it into the same folder."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    calls = []
+
+    class FakeBuilder:
+        data_dir = str(tmp_path)
+
+        def is_prepared(self):
+            return False
+
+        def download_and_prepare(self):
+            calls.append("prepare")
+
+    monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: calls.append((name, data_dir)) or FakeBuilder())
+    sources = cpd.tfds_sources("toy/1.0", "train", "text", str(tmp_path), num_shards=4)
+    assert calls == [("toy/1.0", str(tmp_path)), "prepare"] and len(sources) == 4
+
+
 def test_tfds_text_counts_bad_utf8_and_empty_examples(monkeypatch):
     tfds = pytest.importorskip("tensorflow_datasets")
     from data_pipeline import corpora
     texts = [b"Good text. Two sentences.", b"Bad \xff byte here.", b"   ", "Fine \ufffd kept.".encode()]
-    monkeypatch.setattr(tfds, "load", lambda name, split, data_dir=None, shuffle_files=False:
+    monkeypatch.setattr(tfds, "load", lambda name, split, data_dir=None, shuffle_files=False, download=True:
                         tf.data.Dataset.from_tensor_slices({"text": texts}))
     stats = corpora.ReadStats()
     docs = list(corpora.read_tfds_documents("toy", "train", stats=stats))
@@ -506,7 +526,8 @@ def test_tfds_shards_read_only_their_even_part_of_the_split(monkeypatch):
     examples = [f"Doc {i} first. Doc {i} second." for i in range(10)]
     asked = []
 
-    def fake_load(name, split, data_dir=None, shuffle_files=False):
+    def fake_load(name, split, data_dir=None, shuffle_files=False, download=True):
+        assert download is False  # workers never build the dataset (prepare_tfds did, once)
         asked.append(split)
         assert isinstance(split, type(tfds.even_splits("train", n=2)[0])) and split.count == 3
         per = [4, 3, 3][split.index]  # what TFDS's even split of 10 examples gives
