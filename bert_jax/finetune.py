@@ -145,9 +145,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
         raise ValueError(f"{vocab_file} has {len(tokenizer.vocab)} entries but the model's vocab_size is "
                          f"{bert_config.vocab_size}: wrong vocabulary for this checkpoint")
     started = time.time()
+    eval_splits = tuple(config.eval_splits) or task.eval_splits
+    _prepare_tfds_on_host_zero(task, (task.train_split, *eval_splits),
+                               task.test_splits if config.predict_test else ())
     task.show_progress = jax.process_index() == 0
     train = tasks_lib.load_split(task, task.train_split, tokenizer, max_len, training=True)
-    eval_splits = tuple(config.eval_splits) or task.eval_splits
     evals = [tasks_lib.load_split(task, s, tokenizer, max_len, training=False) for s in eval_splits]
     logging.info("task %s: %d training rows (%d examples), eval %s, featurized in %.1fs; skipped bad rows: %s",
                  task.name, len(train.features["weight"]), len(train.examples),
@@ -324,6 +326,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
+
+
+def _prepare_tfds_on_host_zero(task, splits, optional_splits=()) -> None:
+    """With TFDS as the source on several hosts, host 0 downloads and prepares every dataset the
+    run will read while the others wait; then they find it in a shared `tfds_data_dir` (or
+    prepare their own copy in a local one). Without this, N hosts build it at once in one
+    folder. `optional_splits` (test splits) may be missing."""
+    from data_pipeline import tasks as tasks_lib
+
+    if task.source != "tfds" or jax.process_count() == 1:
+        return
+    if jax.process_index() == 0:
+        with tasks_lib.prepare_tfds_only():
+            for split in splits:
+                task.read(split)
+            for split in optional_splits:
+                try:
+                    task.read(split)
+                except (FileNotFoundError, KeyError, ValueError) as e:  # as the prediction loop
+                    logging.info("no %s split to prepare: %s", split, e)
+    multihost_utils.sync_global_devices("bert_jax.finetune: TFDS datasets prepared")
 
 
 def _place_encoder(encoder: dict, shardings: dict) -> dict:

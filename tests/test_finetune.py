@@ -321,6 +321,40 @@ def test_glue_from_tfds(tmp_path, checkpoint):
     assert len((tmp_path / "work" / "CoLA.tsv").read_text().splitlines()) == 4
 
 
+@pytest.mark.parametrize("process_index", [0, 1])
+def test_tfds_datasets_are_prepared_by_host_zero_before_the_others_read(monkeypatch, process_index):
+    """Two hosts (simulated): host 0 prepares every TFDS dataset the run reads (MNLI's train,
+    dev and test splits: glue/mnli, and glue/ax for the diagnostic) and only then meets the
+    others at the barrier; host 1 prepares nothing itself before the barrier."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from data_pipeline import tasks as tasks_lib
+    events = []
+
+    class Builder:
+        def __init__(self, name):
+            self.name = name
+
+        def download_and_prepare(self):
+            events.append(("prepare", self.name))
+
+    monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: Builder(name))
+    monkeypatch.setattr(tfds, "load", lambda *a, **k: pytest.fail("read, not only prepared"))
+    monkeypatch.setattr(finetune.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(finetune.jax, "process_index", lambda: process_index)
+    monkeypatch.setattr(finetune.multihost_utils, "sync_global_devices", lambda name: events.append(("barrier",)))
+    task = tasks_lib.get_task("mnli", source="tfds")
+    finetune._prepare_tfds_on_host_zero(task, (task.train_split, *task.eval_splits), task.test_splits)
+    if process_index == 0:
+        names = [e[1] for e in events[:-1]]
+        assert set(names) == {"glue/mnli", "glue/ax"} and names.index("glue/ax") == len(names) - 1
+        assert events[-1] == ("barrier",) and len(names) == 1 + len(task.eval_splits) + len(task.test_splits)
+    else:
+        assert events == [("barrier",)]
+    assert not task.skipped
+    with tasks_lib.prepare_tfds_only():
+        assert task.read("train") == []
+
+
 # ---------------------------------------------------------------------------------------------
 # SQuAD
 # ---------------------------------------------------------------------------------------------

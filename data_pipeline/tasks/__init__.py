@@ -31,6 +31,7 @@ Nothing here imports jax or bert_jax.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
@@ -271,10 +272,31 @@ def read_tsv(path: str) -> list[list[str]]:
         return [line.rstrip("\r\n").split("\t") for line in f]
 
 
+_PREPARE_ONLY = [False]
+
+
+@contextlib.contextmanager
+def prepare_tfds_only():
+    """Within it, `tfds_examples` only downloads and prepares the dataset it is asked for and
+    yields no example, so `task.read(split)` prepares what the split needs and returns [].
+
+    Multi-host fine-tuning runs this on host 0 before the other hosts read: N hosts preparing
+    one dataset at once into a shared `tfds_data_dir` would collide.
+    """
+    _PREPARE_ONLY[0] = True
+    try:
+        yield
+    finally:
+        _PREPARE_ONLY[0] = False
+
+
 def tfds_examples(name: str, split: str, data_dir: Optional[str]) -> Iterator[dict]:
     """`tfds.load(name, split)` as dicts of Python values (bytes decoded to str)."""
     import tensorflow_datasets as tfds
 
+    if _PREPARE_ONLY[0]:
+        tfds.builder(name, data_dir=data_dir).download_and_prepare()
+        return
     ds = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False)
     for ex in tfds.as_numpy(ds):
         yield _decode(ex)
