@@ -292,7 +292,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                         for split, predictions in split_predictions:
                             task.write_predictions(split.examples, predictions, best_dir, split.name)
                 results["best_epoch"] = best["epoch"] if best else None
-                results[f"best_{task.primary_metric}"] = best["value"] if best else None
+                # Not "best_<metric>": SQuAD v2's official metrics already have best_f1 (another quantity).
+                results[f"best_epoch_{task.primary_metric}"] = best["value"] if best else None
                 history.append(results)
                 logging.info("epoch %d: %s", epoch + 1, json.dumps(results, sort_keys=True))
                 ckpt.save(step, state, {"history": history, "best": best}, force=True)
@@ -393,9 +394,10 @@ def _log(pending, step, window_start, writer, bar, config, train_sums) -> None:
     train_sums["loss_sum"] += loss_sum
     train_sums["weight"] += weight
     out = {"loss": loss_sum / max(weight, 1e-9),
-           "accuracy": sum(float(m["correct"]) for m in fetched) / max(weight, 1e-9),
            "grad_norm": float(fetched[-1]["grad_norm"]),
            "learning_rate": float(fetched[-1]["learning_rate"]),
            "sequences_per_second": len(fetched) * config.global_batch_size / max(seconds, 1e-9)}
+    if "correct" in fetched[0]:  # not for regression (STS-B)
+        out["accuracy"] = sum(float(m["correct"]) for m in fetched) / max(weight, 1e-9)
     writer.write_scalars(step, {f"train/{k}": v for k, v in out.items()})
     bar.set_postfix(loss=f"{out['loss']:.4f}", refresh=False)

@@ -110,7 +110,7 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax
 
 
 def loss_sums(head: str, outputs: dict, batch: dict) -> dict:
-    """Summed loss, weight and correct predictions of a batch (float32 scalars).
+    """Summed loss, weight and correct predictions (not for regression) of a batch (float32 scalars).
 
     `batch["weight"]` ([batch]) is 0 for padding and unlabelled rows; token heads also weight each
     position (`label_weights`: 1 on a word's first piece).
@@ -121,7 +121,7 @@ def loss_sums(head: str, outputs: dict, batch: dict) -> dict:
         return {"loss_sum": jnp.sum(nll * w), "weight": jnp.sum(w), "correct": jnp.sum(correct * w)}
     if head == "regression":
         err = jnp.square(outputs["logits"] - batch["label"].astype(jnp.float32))
-        return {"loss_sum": jnp.sum(err * w), "weight": jnp.sum(w), "correct": jnp.zeros((), jnp.float32)}
+        return {"loss_sum": jnp.sum(err * w), "weight": jnp.sum(w)}  # no accuracy for a score
     if head == "span":
         s_nll, s_ok = _cross_entropy(outputs["start_logits"], batch["start_positions"])
         e_nll, e_ok = _cross_entropy(outputs["end_logits"], batch["end_positions"])

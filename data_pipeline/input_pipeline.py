@@ -90,6 +90,10 @@ _ITERATOR_PREFIX = "iterator"
 FilePatterns = Union[str, Sequence[str]]
 
 
+# How to go on past bad data, in the error: the training config's field and the Python API's argument.
+_SKIP_HINT = "; to train on the intact records set config.skip_corrupt_records=True (Python API: skip_corrupt=True)"
+
+
 class CorruptDataError(RuntimeError):
     """A data file is missing, unlisted, truncated or corrupt. `path` names the file."""
 
@@ -577,7 +581,7 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
             read_counts.append(infos[path].num_records if path in infos else None)
             continue
         if not skip_corrupt:
-            raise CorruptDataError(path, problem + " (pass skip_corrupt=True to skip bad records)")
+            raise CorruptDataError(path, problem + _SKIP_HINT)
         corrupt.append(path)
         if problem == "file is missing":
             lost = infos[path].num_records
@@ -940,8 +944,7 @@ def _next_batch(iterator, files: _HostFiles, patterns: list, max_seq_length: int
             scan = scan_tfrecord_file(path)
             if not scan.ok:
                 offset, reason = scan.bad_regions[0]
-                raise CorruptDataError(path, f"{reason} at byte {offset} (found while reading; "
-                                       f"pass skip_corrupt=True to skip bad records)") from e
+                raise CorruptDataError(path, f"{reason} at byte {offset} (found while reading)" + _SKIP_HINT) from e
         raise CorruptDataError(",".join(patterns), f"data loss while reading: {e.message}") from e
     except tf.errors.InvalidArgumentError as e:
         raise ValueError(

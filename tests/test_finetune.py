@@ -131,6 +131,7 @@ def test_sst2_learns_and_writes_everything(sst2_run, checkpoint):
     assert results["accuracy"] >= 0.9 and results["score"] == results["accuracy"]
     assert read_json(work / "eval_results.json") == results
     assert results["best_epoch"] == max(history, key=lambda h: h["accuracy"])["epoch"]
+    assert results["best_epoch_score"] == max(h["score"] for h in history)
     # Predictions (last epoch and best epoch), GLUE server file, model files, checkpoints, TensorBoard.
     dev = list(csv.reader(open(work / "sst2_dev_predictions.tsv"), delimiter="\t"))
     assert dev[0] == ["index", "prediction", "label"] and len(dev) == 17
@@ -418,6 +419,11 @@ def test_squad_v1_from_files_and_v2_from_tfds(tmp_path, checkpoint):
                 "best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh"):
         assert key in results, key
     assert results["total"] == 6
+    # The official best_f1 (over null thresholds) is never below best_exact; the best epoch's f1
+    # has its own key and does not overwrite it.
+    assert results["best_f1"] >= results["best_exact"]
+    history = read_json(work / "eval_history.json")
+    assert results["best_epoch_f1"] == max(h["f1"] for h in history)
     assert sorted(read_json(work / "null_odds.json")) == sorted(read_json(work / "predictions.json"))
 
 
@@ -540,6 +546,7 @@ def test_heads_shapes_and_losses(head, outputs, shape, checkpoint):
                           dict({k: v[:1] for k, v in batch.items()}, weight=np.ones(1, np.float32)))
     np.testing.assert_allclose(sums["loss_sum"], one["loss_sum"], rtol=1e-6)
     np.testing.assert_allclose(sums["weight"], one["weight"])
+    assert ("correct" in sums) == (head != "regression")  # no train/accuracy logged for a score
     # An independent numpy loss for row 0.
     def xent(logits, label):
         logits = logits - logits.max()
