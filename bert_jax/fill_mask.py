@@ -10,6 +10,7 @@ stays one token (`keep_special_tokens`); the text is [CLS] text [SEP], one segme
 
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -75,8 +76,13 @@ def main(argv=None) -> int:
     parser.add_argument("--do_lower_case", choices=("true", "false"), default=None)
     args = parser.parse_args(argv)
     lower = None if args.do_lower_case is None else args.do_lower_case == "true"
-    params, config, tokenizer = load(args.init_checkpoint, args.vocab_file, lower)
-    for r in fill_mask(params, config, tokenizer, args.text, args.top_k):
+    try:
+        params, config, tokenizer = load(args.init_checkpoint, args.vocab_file, lower)
+        results = fill_mask(params, config, tokenizer, args.text, args.top_k)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line, not a traceback
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    for r in results:
         print(r["text"])
         for guesses in r["guesses"]:
             print("    [MASK] -> " + ", ".join(f"{t} ({p:.3f})" for t, p in guesses))

@@ -206,7 +206,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
             state = state.replace(params={**state.params, "bert": _place_encoder(
                 init_params["bert"], state_shardings.params["bert"])})
     if jax.process_index() == 0:
-        pretrain.write_model_files(workdir, bert_config, vocab_file)
+        pretrain.write_model_files(workdir, bert_config, vocab_file, do_lower_case)
 
     writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0,
                                                   asynchronous=False)

@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -170,8 +170,10 @@ def check_mesh(config, bert_config: BertConfig, mesh) -> None:
             f"a whole number divisible by data*fsdp={sharding.axis_size(mesh, sharding.BATCH_AXES)}")
 
 
-def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str) -> None:
-    """Makes the workdir self-describing: bert_config.json (+ vocab.txt) next to the checkpoints."""
+def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
+                      do_lower_case: Optional[bool] = None) -> None:
+    """Makes the workdir self-describing: bert_config.json (+ vocab.txt, + tokenizer_config.json
+    with the casing when it is known) next to the checkpoints."""
     if jax.process_index() != 0:
         return
     os.makedirs(workdir, exist_ok=True)
@@ -181,6 +183,23 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str) ->
         target = os.path.join(workdir, "vocab.txt")
         if os.path.abspath(vocab_file) != os.path.abspath(target):
             shutil.copyfile(vocab_file, target)
+    if do_lower_case is not None:  # read back by bert_jax.convert (and HF's BertTokenizer)
+        with open(os.path.join(workdir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"do_lower_case": bool(do_lower_case), "tokenizer_class": "BertTokenizer"}, f, indent=2)
+
+
+def data_casing(phases: Sequence[Phase]) -> Optional[bool]:
+    """`do_lower_case` the training data was made with (its dataset_info.json flags), if recorded
+    and the same for every phase; None otherwise."""
+    from data_pipeline import input_pipeline
+
+    found = {input_pipeline.dataset_info(p.train_data).get("flags", {}).get("do_lower_case") for p in phases}
+    if len(found) > 1:
+        logging.warning("the phases' data disagree on do_lower_case (%s): no casing recorded in the workdir",
+                        sorted(found, key=str))
+        return None
+    value = found.pop()
+    return value if isinstance(value, bool) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +328,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                          f"vocabulary's size (ids past the embedding table would be silently clamped)")
     if config.dynamic_masking and special_ids is None:
         raise ValueError("config.dynamic_masking needs config.vocab_file (for the [MASK] id and the vocabulary)")
-    write_model_files(workdir, bert_config, config.vocab_file)
+    write_model_files(workdir, bert_config, config.vocab_file, data_casing(phases))
 
     model, tx, schedule, init_state = build(config, bert_config, mesh)
     rules = sharding.DEFAULT_RULES

@@ -224,6 +224,20 @@ def record_shape(file_patterns: FilePatterns) -> tuple[int, int]:
     raise ValueError(f"no record in {', '.join(files)}")
 
 
+def dataset_info(file_patterns: FilePatterns) -> dict:
+    """The `dataset_info.json` beside the first pattern's files that has one ({} if none does):
+    the flags the data was made with (casing, lengths, seed), its statistics and manifest."""
+    for pattern in _split_patterns(file_patterns):
+        path = os.path.join(os.path.dirname(pattern), MANIFEST_NAME)
+        if tf.io.gfile.exists(path):
+            try:
+                with tf.io.gfile.GFile(path, "r") as f:
+                    return json.load(f)
+            except ValueError as e:
+                raise CorruptDataError(path, f"unreadable data manifest ({e!r})") from e
+    return {}
+
+
 def shard_files(files: Sequence[str], process_index: int, process_count: int) -> list[str]:
     """This host's files: `sorted(files)[process_index::process_count]`.
 

@@ -44,7 +44,7 @@ def test_guesses_match_transformers(hf_dir, capsys):
     assert out.startswith("the [MASK] sat\n    [MASK] -> ") and out.count("(") == 2
 
 
-def test_clear_errors(hf_dir, tmp_path):
+def test_clear_errors(hf_dir, tmp_path, capsys):
     params, config, tok = fill_mask.load(hf_dir)
     with pytest.raises(ValueError, match="no \\[MASK\\]"):
         fill_mask.fill_mask(params, config, tok, ["no blank here"])
@@ -53,3 +53,8 @@ def test_clear_errors(hf_dir, tmp_path):
                                    str(tmp_path / "enc"))
     with pytest.raises(ValueError, match="no masked-LM head"):
         fill_mask.load(encoder_only)
+    # The command line says it in one line (exit status 2), not with a traceback.
+    assert fill_mask.main(["--init_checkpoint", encoder_only, "--text", "the [MASK] sat"]) == 2
+    assert fill_mask.main(["--init_checkpoint", hf_dir, "--text", "no blank"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "no masked-LM head" in err[0] and "no [MASK]" in err[1]

@@ -370,6 +370,8 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
     assert len(guesses) == 4 and all(len(g["guesses"][0]) == 5 for g in guesses)
     assert len((tmp_path / "vocab.txt").read_text().splitlines()) <= 2000
     assert json.loads((tmp_path / "data" / "train" / "dataset_info.json").read_text())["num_instances"] > 100
+    # The casing of the data is recorded in the workdir, so conversions and fill_mask know it.
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["do_lower_case"] is True
     log = losses(tmp_path)
     assert sorted(log) == list(range(1, 41))
     assert np.mean([log[s] for s in range(31, 41)]) < np.mean([log[s] for s in range(1, 11)]) - 0.5
@@ -383,6 +385,25 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
     assert list(steps_logged) == list(range(5, 41, 5))
     assert all(0.0 <= f < 1.0 for f in fraction)
     assert all(ms > 0.0 for ms in scalars["train/input_ms_per_step"][1])
+
+
+def test_data_casing_comes_from_the_records_dataset_info(tmp_path):
+    from bert_jax import convert, modeling, pretrain
+    for name, lower in (("uncased", True), ("cased", False), ("unknown", None)):
+        (tmp_path / name).mkdir()
+        flags = {} if lower is None else {"do_lower_case": lower}
+        (tmp_path / name / "dataset_info.json").write_text(json.dumps({"flags": flags, "files": {}}))
+    phase = lambda name: pretrain.Phase(128, 20, str(tmp_path / name / "part-*"), 0, 10)
+    assert pretrain.data_casing([phase("uncased")]) is True
+    assert pretrain.data_casing([phase("cased"), phase("cased")]) is False
+    assert pretrain.data_casing([phase("uncased"), phase("cased")]) is None  # disagree: not recorded
+    assert pretrain.data_casing([phase("unknown")]) is None
+    assert pretrain.data_casing([pretrain.Phase(128, 20, str(tmp_path / "none" / "x"), 0, 10)]) is None
+    # What the workdir then holds is what convert reads back.
+    config = modeling.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=16, max_position_embeddings=16)
+    pretrain.write_model_files(str(tmp_path / "w"), config, "", False)
+    assert convert._read_casing(str(tmp_path / "w")) is False
 
 
 def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
