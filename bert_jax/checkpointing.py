@@ -61,6 +61,7 @@ function).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -643,15 +644,36 @@ def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Option
     return jax.tree_util.tree_unflatten(treedef, [by_key[key] for key in _flat(target)]), step
 
 
+class _ReadOnlyNoticeFilter(logging.Filter):
+    """Drops orbax's warnings that a read-only manager is read-only (we asked for it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("read_only=True, setting save_interval_steps" in message
+                    or "Given directory is read only" in message)
+
+
+@contextlib.contextmanager
+def _without_read_only_notices():
+    logger, notice_filter = logging.getLogger("absl"), _ReadOnlyNoticeFilter()
+    logger.addFilter(notice_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice_filter)
+
+
 def _saved_state_metadata(directory: str, step: Optional[int]) -> tuple[int, PyTree]:
     """(step, the saved state's metadata tree) of a committed step (default the latest), read-only."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoint directory {directory}")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _without_read_only_notices():
         warnings.simplefilter("ignore")
         mngr = ocp.CheckpointManager(
             directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-            item_handlers={_STATE: ocp.StandardCheckpointHandler()})
+            # Every item the Checkpointer writes has its handler, or orbax warns about the others.
+            item_handlers={_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler(),
+                           _INFO: ocp.JsonCheckpointHandler()})
     try:
         steps = sorted(mngr.all_steps())
         if step is None:

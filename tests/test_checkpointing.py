@@ -130,6 +130,25 @@ def test_restore_onto_other_meshes_is_bitwise(tmp_path):
     ckpt.close()
 
 
+def test_reading_only_the_parameters_is_bitwise_and_quiet(tmp_path, caplog):
+    """`restore_part` (evaluation, export) reads the parameters alone, read-only, without orbax
+    warnings about the checkpoint's other items or about being read-only."""
+    from bert_jax import checkpointing
+    saved = _make_state(_mesh(2, 4))
+    with Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False) as ckpt:
+        assert ckpt.save(3, saved, {"note": "x"}, force=True)
+    one = SingleDeviceSharding(jax.devices()[0])
+    target = {"params": _abstract(saved, lambda name: one).params}
+    with caplog.at_level("INFO"):
+        part, step = checkpointing.restore_part(tmp_path, target)
+        keys = checkpointing.saved_keys(tmp_path)
+    assert step == 3 and any(k.startswith("params/") for k in keys) and any(k.startswith("opt_state") for k in keys)
+    for a, b in zip(jax.tree.leaves(part["params"]), jax.tree.leaves(saved.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    noisy = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert not noisy, noisy
+
+
 def test_interval_force_keep_k_and_input_state(tmp_path):
     ckpt = Checkpointer(tmp_path, save_interval_steps=3, max_to_keep=2, handle_sigterm=False)
     saved_at = []
