@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import logging as std_logging
 import os
 import re
 import shutil
@@ -730,6 +731,13 @@ def save_pretrained(p: Pretrained, path: str, format: str, *, overwrite: bool = 
 # ---------------------------------------------------------------------------------------------
 
 
+class _NotOrbaxInfo(std_logging.Filter):
+    """Keeps orbax's warnings and errors, drops its per-read INFO lines (throughput, handlers)."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return record.levelno >= std_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
@@ -746,7 +754,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--drop_heads", action="store_true", help="write the encoder only")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
     args = parser.parse_args(argv)
-    logging.set_verbosity(logging.INFO)
+    logging.set_verbosity(logging.INFO)  # ours: missing heads, skipped variables; not orbax's chatter
+    logging.get_absl_logger().addFilter(_NotOrbaxInfo())
     p = load_pretrained(args.input, args.input_format)
     if args.vocab_file:
         p.vocab_file = _require(args.vocab_file, "--vocab_file")
