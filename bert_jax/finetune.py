@@ -134,6 +134,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     eval_batch = config.eval_batch_size or config.global_batch_size
     for field, size in (("config.global_batch_size", config.global_batch_size),
                         ("config.eval_batch_size", eval_batch)):
+        if size < 1:
+            raise ValueError(f"{field}={size} must be at least 1")
         sharding.check_divisibility(mesh, global_batch_size=size, batch_field=field,
                                     num_attention_heads=bert_config.num_attention_heads,
                                     intermediate_size=bert_config.intermediate_size,

@@ -22,6 +22,7 @@ This module must not import tensorflow.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import jax
@@ -35,6 +36,10 @@ NO_DECAY_NAMES = ("bias", "scale", "output_bias")  # LayerNorm scale/bias, every
 def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, *, power: float = 1.0,
                            end_value: float = 0.0, google_style: bool = False) -> optax.Schedule:
     """Linear warmup from 0 to `peak`, then polynomial decay (power 1 = linear) to `end_value`."""
+    if not peak >= 0:
+        raise ValueError(f"config.learning_rate={peak} must not be negative")
+    if peak == 0:
+        logging.warning("config.learning_rate=0: the parameters will not change")
     if total_steps <= 0:
         raise ValueError(f"config.num_train_steps must be positive, got {total_steps}")
     if not 0 <= warmup_steps <= total_steps:

@@ -158,6 +158,11 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
 
 
 def check_mesh(config, bert_config: BertConfig, mesh) -> None:
+    for field in ("global_batch_size", "checkpoint_every_steps"):
+        if config[field] < 1:
+            raise ValueError(f"config.{field}={config[field]} must be at least 1")
+    if config.eval_batch_size < 0:
+        raise ValueError(f"config.eval_batch_size={config.eval_batch_size} must be >= 0 (0: global_batch_size)")
     sharding.check_divisibility(
         mesh, global_batch_size=config.global_batch_size,
         num_attention_heads=bert_config.num_attention_heads,
@@ -186,6 +191,44 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
     if do_lower_case is not None:  # read back by bert_jax.convert (and HF's BertTokenizer)
         with open(os.path.join(workdir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump({"do_lower_case": bool(do_lower_case), "tokenizer_class": "BertTokenizer"}, f, indent=2)
+
+
+def check_token_ids(batch: dict, vocab_size: int, data: str) -> None:
+    """Raises naming the data and config.model.vocab_size when a batch holds an id past the
+    embedding table (on an accelerator it would be clamped or turn the loss into NaN)."""
+    for key in ("input_ids", "masked_lm_ids"):
+        if key in batch and batch[key].size:
+            largest = int(batch[key].max())
+            if largest >= vocab_size:
+                raise ValueError(f"{data}: {key} holds token id {largest} but config.model.vocab_size={vocab_size}: "
+                                 "the data was made with a larger vocabulary than the model's")
+
+
+def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
+    """Raises when `vocab_file` is not the vocabulary the data's dataset_info.json records (its
+    sha256): ids would mean other tokens (dynamic masking's random tokens, fill-in-the-blank)."""
+    if not vocab_file:
+        return
+    import tensorflow as tf  # tf.io.gfile: gs:// paths too (the input pipeline's import anyway)
+
+    from data_pipeline import input_pipeline
+
+    digest = None
+    for pattern in patterns:
+        info = input_pipeline.dataset_info(pattern)
+        want = info.get("vocab_sha256")
+        if not want:
+            continue
+        if digest is None:
+            h = hashlib.sha256()
+            with tf.io.gfile.GFile(vocab_file, "rb") as f:
+                h.update(f.read())
+            digest = h.hexdigest()
+        if digest != want:
+            made_with = info.get("flags", {}).get("vocab_file", "another vocab.txt")
+            raise ValueError(f"config.vocab_file={vocab_file} is not the vocabulary {pattern} was made with "
+                             f"({made_with}; sha256 {want[:12]}... in its dataset_info.json, this file's "
+                             f"{digest[:12]}...): the token ids would mean other tokens")
 
 
 def data_casing(phases: Sequence[Phase]) -> Optional[bool]:
@@ -328,6 +371,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                          f"vocabulary's size (ids past the embedding table would be silently clamped)")
     if config.dynamic_masking and special_ids is None:
         raise ValueError("config.dynamic_masking needs config.vocab_file (for the [MASK] id and the vocabulary)")
+    check_vocab_matches_data(config.vocab_file, [p.train_data for p in phases]
+                             + ([config.eval_data] if config.eval_data else []))
+    if config.eval_data and config.eval_every_steps:
+        make_eval_input(config, config.eval_data)  # bad eval data: an error now, not after hours
     write_model_files(workdir, bert_config, config.vocab_file, data_casing(phases))
 
     model, tx, schedule, init_state = build(config, bert_config, mesh)
@@ -399,6 +446,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     # step meanwhile, so input stalls the loop only when this exceeds a step.
                     input_started = time.perf_counter()
                     batch = next(batches)
+                    check_token_ids(batch, bert_config.vocab_size, phase.train_data)
                     global_batch = sharding.to_global(batch, mesh)
                     input_seconds += time.perf_counter() - input_started
                     # Nothing may reach the step implicitly from the host (a numpy leak would
@@ -416,10 +464,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                             config.global_batch_size, phase.max_seq_length, peak, consecutive_bad,
                             config, log_path, input_seconds)
                         pending, window_start, input_seconds = [], time.time(), 0.0
-                    if config.eval_data and config.eval_every_steps and step % config.eval_every_steps == 0:
-                        evaluation = run_eval(p_eval, state.params, make_eval_input(config, config.eval_data),
-                            mesh, config.eval_steps)
-                        writer.write_scalars(step, {f"eval/{k}": v for k, v in evaluation.items()})
+                    # Saved before evaluating: an evaluation that fails loses no training.
                     stop = ckpt.should_stop(step)
                     ckpt.save(step, state, {"phase": phase_index, "step": step},
                               force=stop or step == phase.end_step,
@@ -427,6 +472,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     if stop:
                         logging.warning("preemption/SIGTERM: saved step %d, exiting", step)
                         break
+                    if config.eval_data and config.eval_every_steps and step % config.eval_every_steps == 0:
+                        evaluation = run_eval(p_eval, state.params, make_eval_input(config, config.eval_data),
+                            mesh, config.eval_steps)
+                        writer.write_scalars(step, {f"eval/{k}": v for k, v in evaluation.items()})
                 bar.close()
                 if stop:
                     break

@@ -90,6 +90,7 @@ _ITERATOR_PREFIX = "iterator"
 FilePatterns = Union[str, Sequence[str]]
 
 
+_VERIFY_HINT = "set config.verify_data=False (Python API: verify=False)"
 # How to go on past bad data, in the error: the training config's field and the Python API's argument.
 _SKIP_HINT = "; to train on the intact records set config.skip_corrupt_records=True (Python API: skip_corrupt=True)"
 
@@ -545,10 +546,14 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
         for directory in sorted(directories):
             manifest = load_manifest(directory)
             if manifest is None:
+                if not any(os.path.dirname(p) == directory for p in found):  # nothing here at all
+                    pattern = next((u for u in unmatched if os.path.dirname(u) == directory), directory)
+                    raise CorruptDataError(pattern, "no input file matches this pattern"
+                                           if _pattern_has_glob(pattern) else "input file is missing")
                 raise CorruptDataError(
                     os.path.join(directory, MANIFEST_NAME),
-                    "no data manifest next to the input files; write one with schema.py's "
-                    "manifest helpers, or pass verify=False to read unchecked")
+                    "no data manifest next to the input files (create_pretraining_data writes one); "
+                    "to read them unchecked " + _VERIFY_HINT)
             # Every manifest file a pattern names is expected (so a deleted file is noticed).
             for path, info in manifest.items():
                 if any(fnmatch.fnmatchcase(path, p) for p in patterns):
@@ -557,7 +562,7 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
         unlisted = sorted(p for p in found if p not in infos)
         if unlisted:
             raise CorruptDataError(unlisted[0], f"is not listed in its {MANIFEST_NAME} "
-                                   f"({len(unlisted)} unlisted files); pass verify=False to read it")
+                                   f"({len(unlisted)} unlisted files); to read it anyway " + _VERIFY_HINT)
         for pattern in unmatched:
             if not any(fnmatch.fnmatchcase(p, pattern) for p in expected):
                 raise CorruptDataError(pattern, "no input file (on disk or in the manifest) "

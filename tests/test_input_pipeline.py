@@ -142,6 +142,12 @@ def test_more_hosts_than_files_is_an_error(dataset):
 def test_a_pattern_matching_nothing_names_the_pattern(tmp_path):
     with pytest.raises(ip.CorruptDataError, match="nothing-here"):
         make_input(str(tmp_path / "nothing-here-*.tfrecord"), verify=False)
+    # Verified: the pattern is what is wrong, not a missing manifest.
+    with pytest.raises(ip.CorruptDataError, match=r"nothing-here-\*.tfrecord: no input file matches this pattern"):
+        make_input(str(tmp_path / "nothing-here-*.tfrecord"))
+    (tmp_path / "part-0.tfrecord").write_bytes(b"")
+    with pytest.raises(ip.CorruptDataError, match=r"no data manifest .* config.verify_data=False"):
+        make_input(str(tmp_path / "part-*.tfrecord"))
 
 
 # ---------------------------------------------------------------------------------------------

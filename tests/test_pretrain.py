@@ -424,6 +424,50 @@ def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
         pretrain.run(cfg, str(tmp_path / "w"))
 
 
+def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path):
+    """Each names its config field (or the pattern) before the first step, so nothing is lost."""
+    sys.path.insert(0, str(ROOT))
+    from bert_jax import pretrain
+    from configs import test as test_config
+
+    def config(**overrides):
+        cfg = test_config.get_config()
+        cfg.train_data, cfg.verify_data = f"{data}/train-*.tfrecord", False
+        cfg.update(overrides)
+        return cfg
+
+    cases = [(dict(learning_rate=-1e-4), r"config.learning_rate=-0.0001 must not be negative"),
+             (dict(global_batch_size=0), r"config.global_batch_size=0 must be at least 1"),
+             (dict(checkpoint_every_steps=0), r"config.checkpoint_every_steps=0 must be at least 1"),
+             (dict(eval_data=f"{data}/nothing*.tfrecord", eval_every_steps=2), r"nothing\*.tfrecord' matches no file")]
+    for i, (overrides, message) in enumerate(cases):
+        with pytest.raises(Exception, match=message):
+            pretrain.run(config(**overrides), str(tmp_path / f"w{i}"))
+        assert not (tmp_path / f"w{i}" / "train_log.jsonl").exists()
+
+
+def test_token_ids_past_the_model_and_a_different_vocab_are_named(tmp_path):
+    import hashlib
+
+    from bert_jax import pretrain
+    batch = {"input_ids": np.array([[2, 7, 511, 3]]), "masked_lm_ids": np.array([[600, 0]])}
+    pretrain.check_token_ids(batch, 601, "data/*.tfrecord")
+    with pytest.raises(ValueError, match=r"data/\*.tfrecord: masked_lm_ids holds token id 600 but "
+                                         r"config.model.vocab_size=600"):
+        pretrain.check_token_ids(batch, 600, "data/*.tfrecord")
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nword\n")
+    made = tmp_path / "made"
+    made.mkdir()
+    info = {"vocab_sha256": hashlib.sha256(vocab.read_bytes()).hexdigest(), "flags": {"vocab_file": "v.txt"}}
+    (made / "dataset_info.json").write_text(json.dumps(info))
+    pretrain.check_vocab_matches_data(str(vocab), [str(made / "*.tfrecord")])  # the same file: fine
+    other = tmp_path / "other.txt"
+    other.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nmot\n")
+    with pytest.raises(ValueError, match=r"other.txt is not the vocabulary .*made/\*.tfrecord was made with \(v.txt"):
+        pretrain.check_vocab_matches_data(str(other), [str(tmp_path / "nothing" / "*"), str(made / "*.tfrecord")])
+
+
 def test_hparams_report_the_model_as_built_not_the_config_defaults():
     # An init checkpoint's config.json replaces config.model's sizes; TensorBoard must show those.
     import importlib
