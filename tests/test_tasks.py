@@ -106,6 +106,28 @@ def test_glue_bad_rows_name_file_and_row(tmp_path):
         tasks.get_task("stsb", str(tmp_path)).read("train")
 
 
+
+def test_task_files_that_are_not_utf8_name_the_line_and_column(tmp_path):
+    """Latin-1 bytes in a labelled file (GLUE tsv, CoNLL, SQuAD json, SWAG csv) are named, not
+    decoded into U+FFFD or a bare UnicodeDecodeError; a UTF-8 BOM is still fine for GLUE."""
+    rte = tmp_path / "RTE"
+    rte.mkdir()
+    (rte / "train.tsv").write_bytes("\ufeffindex\tsentence1\tsentence2\tlabel\n0\tcafé\tb\tentailment\n".encode())
+    assert tasks.get_task("rte", str(tmp_path)).read("train")[0].text_a == "café"
+    (rte / "train.tsv").write_bytes(b"index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\tcaf\xe9\tb\tentailment\n")
+    with pytest.raises(tasks.DataError, match=r"RTE/train.tsv: line 3, column 6: byte 0xe9 is not valid UTF-8"):
+        tasks.get_task("rte", str(tmp_path)).read("train")
+    (tmp_path / "train.txt").write_bytes(b"John NNP B-NP I-PER\n\nM\xfcller NNP B-NP I-PER\n")
+    with pytest.raises(tasks.DataError, match=r"train.txt: line 3, column 2: byte 0xfc"):
+        tasks.get_task("conll2003", str(tmp_path)).read("train")
+    (tmp_path / "train-v1.1.json").write_bytes(b'{"data": [{"title": "caf\xe9"}]}')
+    with pytest.raises(tasks.DataError, match=r"train-v1.1.json: line 1, column 25"):
+        tasks.get_task("squad_v1", str(tmp_path)).read("train")
+    (tmp_path / "train.csv").write_bytes(b"a,b\n1,caf\xe9\n")
+    with pytest.raises(tasks.DataError, match=r"train.csv: line 2, column 6"):
+        tasks.get_task("swag", str(tmp_path)).read("train")
+
+
 def test_glue_scores_and_postprocess():
     task = tasks.get_task("mrpc", "/unused")
     examples = [glue.Example(str(i), "a", "b", lab) for i, lab in enumerate(["1", "0", "1", "1"])]
@@ -190,6 +212,22 @@ def test_squad_cli_prints_the_official_keys(tmp_path, capsys):
     assert list(out) == ["exact", "f1", "total", "HasAns_exact", "HasAns_f1", "HasAns_total",
                          "best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh"]
     assert out["exact"] == 50.0  # q2's na 2.0 > 1.0: predicted no-answer, wrong for an answerable
+
+    # Bad input: one line on stderr naming the file (exit 2), never a traceback or a silent 0.
+    bad = {"list.json": b'["Paris", "John"]', "dicts.json": b'{"q1": {"text": "Paris"}}',
+           "cut.json": b'{"q1": "Par', "latin1.json": b'{"q1": "caf\xe9"}'}
+    expected = {"list.json": "expected a JSON object {question id: answer text}, got a list",
+                "dicts.json": "question 'q1': the answer text is a dict, not a string",
+                "cut.json": "line 1, column 8: not valid JSON", "latin1.json": "line 1, column 12: byte 0xe9"}
+    for name, content in bad.items():
+        (tmp_path / name).write_bytes(content)
+        assert squad.main([str(tmp_path / "dev.json"), str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert name in err and expected[name] in err, err
+    (tmp_path / "na_bad.json").write_text(json.dumps({"q1": "high"}))
+    assert squad.main([str(tmp_path / "dev.json"), str(tmp_path / "pred.json"), "--version_2",
+                       "--na_prob_file", str(tmp_path / "na_bad.json")]) == 2
+    assert "the no-answer score is a str, not a number" in capsys.readouterr().err
 
 
 def test_doc_windows_and_max_context():

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import io
 import logging
 import math
 import os
@@ -268,8 +269,24 @@ def check_vocab(tokenizer) -> None:
 
 def read_tsv(path: str) -> list[list[str]]:
     """Tab-separated rows as GLUE's tools read them (no quoting; UTF-8, BOM dropped)."""
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        return [line.rstrip("\r\n").split("\t") for line in f]
+    return [line.rstrip("\r\n").split("\t") for line in io.StringIO(read_text(path, bom=True), newline="")]
+
+
+def read_text(path: str, *, bom: bool = False) -> str:
+    """A task file's text; bytes that are not UTF-8 raise `DataError` naming the line and column.
+
+    Labelled data is not decoded with replacement: a mis-encoded file (Latin-1, cp1252) would
+    train on U+FFFD silently, so it is named instead.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig" if bom else "utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(f"{path}: line {line}, column {column}: byte 0x{data[e.start]:02x} is not valid UTF-8; "
+                        "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
 _PREPARE_ONLY = [False]

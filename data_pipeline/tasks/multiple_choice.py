@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import os
 
 import numpy as np
 
-from data_pipeline.tasks import Task, check_vocab, encode_pair, stack, tokenize_all
+from data_pipeline.tasks import Task, check_vocab, encode_pair, read_text, stack, tokenize_all
 from data_pipeline.tasks.glue import accuracy
 
 NUM_CHOICES = 4
@@ -53,7 +54,7 @@ class Swag(Task):
             raise ValueError("SWAG is read from its csv files (config.data_source='files')")
         path = self._path(split, *self.files[split])
         examples = []
-        with open(path, encoding="utf-8", newline="") as f:
+        with io.StringIO(read_text(path), newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
             if header is None:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import io
 import os
 from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline.tasks import Task, check_vocab, pad_row, stack, tfds_examples
+from data_pipeline.tasks import Task, check_vocab, pad_row, read_text, stack, tfds_examples
 
 CONLL_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
 
@@ -166,7 +167,7 @@ class Conll2003(Task):
             if words and not bad:
                 examples.append(Example(list(words), list(tags), f"{path}:{first_line}"))
 
-        with open(path, encoding="utf-8") as f:
+        with io.StringIO(read_text(path)) as f:
             for number, line in enumerate(f, 1):
                 fields = line.split()
                 if not fields or fields[0] == "-DOCSTART-":

@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline.tasks import Task, check_vocab, pad_row, stack, tfds_examples
+from data_pipeline.tasks import Task, check_vocab, pad_row, read_text, stack, tfds_examples
 
 
 @dataclasses.dataclass
@@ -214,11 +214,10 @@ class SquadV1(Task):
         if self.source == "tfds":
             return self._read_tfds(split)
         path = self._path(split, *self.files[split])
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)["data"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}: not a SQuAD JSON file ({e})") from e
+        try:
+            data = json.loads(read_text(path))["data"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a SQuAD JSON file ({e})") from e
         examples = []
         for a, article in enumerate(data):
             for p, paragraph in enumerate(article.get("paragraphs", [])):
@@ -453,6 +452,23 @@ def is_max_context(windows: list[tuple[int, int]], current_start: int, position:
 # ---------------------------------------------------------------------------------------------
 
 
+def _load_json(path: str):
+    try:
+        return json.loads(read_text(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})") from None
+
+
+def _check_mapping(value, path: str, kind, what: str) -> None:
+    """`value` must be {question id: kind}, as the official scripts expect."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object {{question id: {what}}}, got a {type(value).__name__}")
+    for key, item in value.items():
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise ValueError(f"{path}: question {key!r}: the {what} is a {type(item).__name__}, not a "
+                             f"{'string' if kind is str else 'number'}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Official SQuAD v1.1 / v2.0 evaluation.")
     parser.add_argument("data_file", help="dev-v1.1.json / dev-v2.0.json")
@@ -463,16 +479,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--na_prob_thresh", "--na-prob-thresh", type=float, default=1.0,
                         help="v2: predict no-answer when the na score exceeds this")
     args = parser.parse_args(argv)
-    with open(args.data_file, encoding="utf-8") as f:
-        dataset = json.load(f)
-    with open(args.pred_file, encoding="utf-8") as f:
-        predictions = json.load(f)
-    gold = gold_from_json(dataset["data"])
-    if args.version_2:
+    try:
+        dataset = _load_json(args.data_file)
+        if not isinstance(dataset, dict) or not isinstance(dataset.get("data"), list):
+            raise ValueError(f"{args.data_file}: not a SQuAD dataset (no top-level \"data\" list)")
+        predictions = _load_json(args.pred_file)
+        _check_mapping(predictions, args.pred_file, str, "answer text")
+        gold = gold_from_json(dataset["data"])
         na_probs = None
-        if args.na_prob_file:
-            with open(args.na_prob_file, encoding="utf-8") as f:
-                na_probs = json.load(f)
+        if args.version_2 and args.na_prob_file:
+            na_probs = _load_json(args.na_prob_file)
+            _check_mapping(na_probs, args.na_prob_file, (int, float), "no-answer score")
+    except (OSError, ValueError) as e:  # bad input: one line naming the file, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.version_2:
         print(json.dumps(evaluate_v2(gold, predictions, na_probs, args.na_prob_thresh), indent=2))
     else:
         if dataset.get("version") != "1.1":
