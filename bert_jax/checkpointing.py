@@ -292,9 +292,24 @@ class Checkpointer:
         return sorted(steps)
 
     def latest_step(self) -> Optional[int]:
-        """The newest committed step, or None when there is none (a fresh workdir)."""
+        """The newest committed step, or None when there is none (a fresh workdir).
+
+        Raises:
+            CheckpointRestoreError: the newest step folder holds no train state (a folder that
+                is not ours, or a damaged one), naming it and the step a resume would use.
+        """
         steps = self.all_steps()
-        return steps[-1] if steps else None
+        if not steps:
+            return None
+        from etils import epath  # orbax's path library: local and gs:// alike
+
+        if not (epath.Path(self._directory) / str(steps[-1]) / _STATE).exists():
+            earlier = [s for s in steps[:-1] if (epath.Path(self._directory) / str(s) / _STATE).exists()]
+            then = f"resume from step {earlier[-1]}" if earlier else "start afresh"
+            raise CheckpointRestoreError(
+                f"{os.path.join(self._directory, str(steps[-1]))} has no '{_STATE}' item: not a checkpoint "
+                f"bert_jax wrote, or a damaged one; move it out of {self._directory} to {then}")
+        return steps[-1]
 
     # --- saving ---------------------------------------------------------------------------------
 

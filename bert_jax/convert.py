@@ -324,9 +324,20 @@ def google_config_dict(config: BertConfig) -> dict:
     return d
 
 
+def _load_json(path: str):
+    """A JSON file's value; bytes that are not UTF-8 or text that is not JSON name the file."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: byte {e.start} (0x{raw[e.start]:02x}) is not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})") from None
+
+
 def read_google_config(path: str) -> BertConfig:
-    with open(path, encoding="utf-8") as f:
-        d = json.load(f)
+    d = _load_json(path)
     config = BertConfig.from_json_file(path, google_format=True)
     if d.get("bert_jax_hidden_act"):
         config = config.replace(hidden_act=d["bert_jax_hidden_act"])
@@ -423,8 +434,8 @@ def _casing_from_name(path: str) -> Optional[bool]:
 def _read_casing(directory: str) -> Optional[bool]:
     p = os.path.join(directory, "tokenizer_config.json")
     if os.path.isfile(p):
-        with open(p, encoding="utf-8") as f:
-            value = json.load(f).get("do_lower_case")
+        value = _load_json(p)
+        value = value.get("do_lower_case") if isinstance(value, dict) else None
         if isinstance(value, bool):
             return value
     return None
@@ -461,18 +472,22 @@ def load_google(path: str) -> Pretrained:
 
 def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
     def read_safetensors(path):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         out = {}
         try:
-            with safe_open(path, framework="np") as f:
-                flax_names = (f.metadata() or {}).get("format") == "flax"
-                for k in f.keys():
-                    out[k] = f.get_tensor(k)
-        except (TypeError, ValueError):  # bfloat16 has no numpy dtype: read through jax
-            with safe_open(path, framework="flax") as f:
-                flax_names = (f.metadata() or {}).get("format") == "flax"
-                for k in f.keys():
-                    out[k] = np.asarray(f.get_tensor(k), np.float32)
+            try:
+                with safe_open(path, framework="np") as f:
+                    flax_names = (f.metadata() or {}).get("format") == "flax"
+                    for k in f.keys():
+                        out[k] = f.get_tensor(k)
+            except (TypeError, ValueError):  # bfloat16 has no numpy dtype: read through jax
+                with safe_open(path, framework="flax") as f:
+                    flax_names = (f.metadata() or {}).get("format") == "flax"
+                    for k in f.keys():
+                        out[k] = np.asarray(f.get_tensor(k), np.float32)
+        except SafetensorError as e:
+            raise ValueError(f"{path}: not a readable safetensors file ({e}); a truncated or damaged "
+                             "download?") from None
         if flax_names:  # written by a transformers Flax model: Flax leaf names and layouts
             tree: dict = {}
             for k, v in out.items():
@@ -515,8 +530,7 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
 
 def _read_hf_config(path: str) -> BertConfig:
     config_path = _require(os.path.join(path, "config.json"), "config.json")
-    with open(config_path, encoding="utf-8") as f:
-        d = json.load(f)
+    d = _load_json(config_path)
     if d.get("model_type", "bert") != "bert":
         raise ValueError(f"{config_path}: model_type={d.get('model_type')!r}, expected 'bert'")
     if d.get("position_embedding_type", "absolute") != "absolute":

@@ -273,6 +273,8 @@ def main(argv):
         layers = [int(x) for x in FLAGS.layers.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--layers={FLAGS.layers!r}: expected comma-separated integers like -1,-2") from None
+    if FLAGS.batch_size < 1:
+        raise ValueError(f"--batch_size={FLAGS.batch_size} must be at least 1")
     if FLAGS.max_seq_length < 3:
         raise ValueError(f"--max_seq_length={FLAGS.max_seq_length}: must be at least 3 ([CLS] x [SEP])")
     pretrained = convert.load_pretrained(FLAGS.init_checkpoint)
@@ -293,6 +295,7 @@ def main(argv):
         logging.warning("--do_lower_case=%s but the checkpoint is %s: features will be poor",
                         do_lower_case, "uncased" if pretrained.do_lower_case else "cased")
     tokenizer = tokenization.FastTokenizer(vocab_file, do_lower_case=do_lower_case)
+    tokenization.require_tokens(tokenizer.vocab, vocab_file, ("[CLS]", "[SEP]"))
     extractor = FeatureExtractor(config, convert.model_params(pretrained, config, heads=False)["bert"],
                                  layers, FLAGS.combine, FLAGS.sentence_pooling)
     stats: dict = {}
@@ -301,11 +304,16 @@ def main(argv):
     count = 0
     progress = sys.stderr.isatty()
     total = count_lines(FLAGS.input_file) if progress else None
-    with open(tmp, "w", encoding="utf-8") as f:
-        for line in extract(read_examples(FLAGS.input_file, stats), tokenizer, extractor,
-                            FLAGS.max_seq_length, FLAGS.batch_size, progress=progress, total=total):
-            f.write(line + "\n")
-            count += 1
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for line in extract(read_examples(FLAGS.input_file, stats), tokenizer, extractor,
+                                FLAGS.max_seq_length, FLAGS.batch_size, progress=progress, total=total):
+                f.write(line + "\n")
+                count += 1
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)  # no partial file left behind
+        raise
     os.replace(tmp, FLAGS.output_file)  # a complete file or none
     if stats["lines_with_bad_utf8"]:
         logging.warning("%s: %d line(s) were not valid UTF-8 (bad bytes replaced by U+FFFD)",

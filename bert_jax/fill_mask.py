@@ -18,6 +18,8 @@ import numpy as np
 
 def fill_mask(params: dict, bert_config, tokenizer, texts: Sequence[str], top_k: int = 5) -> list[dict]:
     """`[{"text", "tokens", "guesses": [[(token, probability), ...] per [MASK]]}]`."""
+    if top_k < 1:
+        raise ValueError(f"top_k={top_k} must be at least 1")
     import jax
     from bert_jax.modeling import BertForPreTraining
 
@@ -62,6 +64,7 @@ def load(init_checkpoint: str, vocab_file: Optional[str] = None, do_lower_case: 
         logging.warning("do_lower_case=%s but %s is %s: guesses will be poor", lower, init_checkpoint,
                         "uncased" if p.do_lower_case else "cased")
     tokenizer = tokenization.FullTokenizer(vocab_file, do_lower_case=lower, keep_special_tokens=True)
+    tokenization.require_tokens(tokenizer.vocab, vocab_file, ("[CLS]", "[SEP]", "[MASK]"))
     return convert.model_params(p), p.config, tokenizer
 
 
@@ -71,10 +74,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bert_jax.fill_mask", description=__doc__.splitlines()[0])
     parser.add_argument("--init_checkpoint", required=True)
     parser.add_argument("--text", action="append", required=True, help="text with [MASK]; repeatable")
-    parser.add_argument("--top_k", type=int, default=5)
+    parser.add_argument("--top_k", type=int, default=5, help="guesses per [MASK] (>= 1)")
     parser.add_argument("--vocab_file", default=None)
     parser.add_argument("--do_lower_case", choices=("true", "false"), default=None)
     args = parser.parse_args(argv)
+    if args.top_k < 1:
+        parser.error(f"--top_k={args.top_k} must be at least 1")
     lower = None if args.do_lower_case is None else args.do_lower_case == "true"
     try:
         params, config, tokenizer = load(args.init_checkpoint, args.vocab_file, lower)

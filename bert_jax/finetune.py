@@ -143,8 +143,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
 
     # --- data ---
     tokenizer = task.make_tokenizer(vocab_file, do_lower_case)
-    if len(tokenizer.vocab) > bert_config.vocab_size:
-        raise ValueError(f"{vocab_file} has {len(tokenizer.vocab)} entries but the model's vocab_size is "
+    num_ids = max(tokenizer.vocab.values(), default=-1) + 1  # ids, not distinct tokens (repeats)
+    if num_ids > bert_config.vocab_size:
+        raise ValueError(f"{vocab_file} has {num_ids} entries but the model's vocab_size is "
                          f"{bert_config.vocab_size}: wrong vocabulary for this checkpoint")
     started = time.time()
     eval_splits = tuple(config.eval_splits) or task.eval_splits

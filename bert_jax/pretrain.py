@@ -123,7 +123,7 @@ def special_token_ids(vocab_file: str) -> Optional[dict]:
     if missing:
         raise ValueError(f"config.vocab_file={vocab_file} lacks special tokens {missing}")
     return dict(pad_id=vocab["[PAD]"], cls_id=vocab["[CLS]"], sep_id=vocab["[SEP]"],
-                mask_id=vocab["[MASK]"], vocab_size=len(vocab))
+                mask_id=vocab["[MASK]"], vocab_size=max(vocab.values()) + 1)  # ids, not distinct tokens
 
 
 def peak_flops_per_device() -> Optional[float]:

@@ -122,6 +122,8 @@ class Options:
             raise ValueError(f"--dupe_factor={self.dupe_factor} must be >= 1")
         if not os.path.exists(self.vocab_file):
             raise FileNotFoundError(f"--vocab_file={self.vocab_file}: not found")
+        tokenization.require_tokens(tokenization.load_vocab(self.vocab_file), f"--vocab_file={self.vocab_file}",
+                                    ("[CLS]", "[SEP]", "[MASK]"))
 
 
 def expand_inputs(patterns: str | Sequence[str]) -> List[str]:
@@ -436,6 +438,11 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
                         mode="reference_compatible" if reference_compatible else "fast", compression=compression,
                         flags_used=flags_used, workers_rss=num_workers > 1 and not reference_compatible)
     schema.write_dataset_info(out_dir, {w.path: w.num_records for w in writers}, info)
+    if not written:  # the files and statistics are written: they show what was read
+        read = totals.read_stats
+        raise ValueError(f"no training instance from {len(sources)} input source(s) ({read.lines} lines, "
+                         f"{read.documents} documents, {read.documents_without_tokens} without tokens): "
+                         "empty or blank input? (statistics in " + os.path.join(out_dir, "dataset_info.json") + ")")
     return info
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import logging
 import os
 import re
 import sys
@@ -72,10 +73,28 @@ def load_vocab(vocab_file: str) -> "collections.OrderedDict[str, int]":
         reader = tf.io.gfile.GFile(vocab_file, "rb")
     else:
         reader = open(vocab_file, "rb")
+    repeated = []
     with reader:
         for index, line in enumerate(reader):
-            vocab[convert_to_unicode(line).strip()] = index
+            token = convert_to_unicode(line).strip()
+            if token in vocab:
+                repeated.append((index + 1, token, vocab[token] + 1))
+            vocab[token] = index
+    if repeated:
+        line, token, first = repeated[0]
+        logging.warning("%s: %d line(s) repeat an earlier token (first: line %d repeats %r of line %d); as "
+                        "in Google's loader the later line's id wins, so ids run to %d with only %d distinct "
+                        "tokens", vocab_file, len(repeated), line, token, first, max(vocab.values()), len(vocab))
     return vocab
+
+
+def require_tokens(vocab: dict, vocab_file: str, tokens: Sequence[str]) -> None:
+    """Raises naming `vocab_file` when it lacks any of `tokens` (special tokens a step needs)."""
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        size = "it is empty" if not vocab else f"{len(vocab)} tokens"
+        raise ValueError(f"{vocab_file}: no {', '.join(missing)} ({size}); a BERT vocab.txt has "
+                         "[PAD], [UNK], [CLS], [SEP] and [MASK]")
 
 
 def whitespace_tokenize(text: str) -> List[str]:
@@ -417,6 +436,7 @@ class FullTokenizer:
 
     def __init__(self, vocab_file: str, do_lower_case: bool = True,
                  keep_special_tokens: bool = False):
+        self.vocab_file = vocab_file
         self.vocab = load_vocab(vocab_file)
         self.inv_vocab = {index: token for token, index in self.vocab.items()}
         self.do_lower_case = do_lower_case
@@ -713,6 +733,7 @@ class FastTokenizer(_ChunkMemoTokenizer):
             past it, new chunks are computed every time. Natural text's frequent chunks fit
             well within the default.
         """
+        self.vocab_file = vocab_file
         self.vocab = load_vocab(vocab_file)
         self.inv_vocab = {index: token for token, index in self.vocab.items()}
         self.do_lower_case = do_lower_case

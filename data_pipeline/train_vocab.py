@@ -294,7 +294,11 @@ def train_vocab_from_texts(texts: Iterable[str], vocab_size: int, output_file: s
       **kwargs: passed to `build_vocab` (model_type, min_char_count, spm_model_prefix, ...).
     """
     stats = kwargs.pop("stats", None) or VocabStats()
-    vocab = build_vocab(count_words(texts, do_lower_case), vocab_size, stats=stats, **kwargs)
+    source = kwargs.pop("source", "the texts")
+    word_counts = count_words(texts, do_lower_case)
+    if not word_counts:  # a vocab of reserved tokens and [unused] filler would be useless
+        raise ValueError(f"{source}: no word to train on ({stats.lines} lines read; empty or blank input?)")
+    vocab = build_vocab(word_counts, vocab_size, stats=stats, **kwargs)
     write_vocab(vocab, output_file)
     if kwargs.get("spm_model_prefix"):
         # The model learned from BasicTokenizer output: tokenization.create_tokenizer reads this
@@ -334,8 +338,9 @@ def train_vocab(input_files: Union[str, Sequence[str]], vocab_size: int, output_
                 continue
             yield line
 
+    source = f"--input_file={input_files if isinstance(input_files, str) else ','.join(input_files)}"
     train_vocab_from_texts(training_lines(), vocab_size, output_file, do_lower_case,
-                           stats=stats, **kwargs)
+                           stats=stats, source=source, **kwargs)
     return stats, heldout
 
 

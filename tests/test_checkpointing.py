@@ -149,6 +149,21 @@ def test_reading_only_the_parameters_is_bitwise_and_quiet(tmp_path, caplog):
     assert not noisy, noisy
 
 
+def test_a_stray_step_folder_is_named_with_the_step_to_resume_from(tmp_path):
+    saved = _make_state(_mesh(2, 4))
+    with Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False) as ckpt:
+        assert ckpt.save(6, saved, {}, force=True)
+    (tmp_path / "99").mkdir()
+    (tmp_path / "99" / "garbage").write_text("x")
+    ckpt = Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False)
+    with pytest.raises(CheckpointRestoreError, match=r"/99 has no 'state' item.*to resume from step 6"):
+        ckpt.latest_step()
+    ckpt.close()
+    os.rename(tmp_path / "99", tmp_path.parent / "moved-99")
+    with Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False) as ckpt:
+        assert ckpt.latest_step() == 6
+
+
 def test_interval_force_keep_k_and_input_state(tmp_path):
     ckpt = Checkpointer(tmp_path, save_interval_steps=3, max_to_keep=2, handle_sigterm=False)
     saved_at = []

@@ -387,6 +387,27 @@ def test_unrecognized_directory_is_a_clear_error(tmp_path):
         convert.load_pretrained(str(tmp_path / "absent"))
 
 
+
+def test_damaged_hf_files_are_named(google_dir, tmp_path):
+    """A truncated download or a mis-encoded config.json names the file, not a bare
+    SafetensorError / UnicodeDecodeError."""
+    import shutil
+    src = convert.load_pretrained(google_dir[0])
+    good = convert.save_hf(src, str(tmp_path / "hf"))
+    cut = tmp_path / "cut"
+    shutil.copytree(good, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cut/model.safetensors: not a readable safetensors file"):
+        convert.load_pretrained(str(cut))
+    latin = tmp_path / "latin"
+    shutil.copytree(good, latin)
+    config = (latin / "config.json").read_bytes()
+    (latin / "config.json").write_bytes(config.replace(b"{", b'{"note": "caf\xe9", ', 1))
+    with pytest.raises(ValueError, match=r"latin/config.json: byte 13 \(0xe9\) is not valid UTF-8"):
+        convert.load_pretrained(str(latin))
+
+
 # ---------------------------------------------------------------------------------------------
 # The CLI and the bert_jax format
 # ---------------------------------------------------------------------------------------------

@@ -207,6 +207,17 @@ def test_bad_input_is_counted_or_named(tmp_path):
         cpd.create_pretraining_data([str(tmp_path / "missing-file.txt")], str(tmp_path / "o2"), str(vocab))
     with pytest.raises(ValueError, match="--max_seq_length=4"):
         cpd.create_pretraining_data([str(text)], str(tmp_path / "o3"), str(vocab), max_seq_length=4)
+    # Blank input: an error naming what was read (the statistics are still written), not an
+    # empty file with exit status 0; a vocab without [MASK] is named.
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n  \n")
+    with pytest.raises(ValueError, match=r"no training instance from 1 input source\(s\) \(3 lines, 0 documents"):
+        cpd.create_pretraining_data([str(blank)], str(tmp_path / "o4"), str(vocab))
+    assert (tmp_path / "o4" / "dataset_info.json").exists()
+    no_mask = tmp_path / "no_mask.txt"
+    no_mask.write_text("\n".join(t for t in vocab.read_text().splitlines() if t != "[MASK]") + "\n")
+    with pytest.raises(ValueError, match=r"--vocab_file=.*no_mask.txt: no \[MASK\]"):
+        cpd.create_pretraining_data([str(text)], str(tmp_path / "o5"), str(no_mask))
 
 
 @pytest.mark.parametrize("reference_compatible", [True, False])

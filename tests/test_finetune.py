@@ -209,6 +209,9 @@ def test_resume_after_sigterm_mid_epoch(tmp_path, sst2_run, checkpoint, monkeypa
     ("num_train_epochs", 0, "config.num_train_epochs=0"),
     ("warmup_proportion", 1.5, "config.warmup_proportion=1.5"),
     ("checkpoint_every_steps", -1, "config.checkpoint_every_steps=-1"),
+    ("learning_rate", -1e-3, "config.learning_rate=-0.001 must not be negative"),
+    ("global_batch_size", 0, "config.global_batch_size=0 must be at least 1"),
+    ("eval_batch_size", -4, "config.eval_batch_size=-4 must be at least 1"),
 ])
 def test_bad_schedule_settings_name_the_fine_tuning_field(tmp_path, checkpoint, field, value, message):
     config = sst2_config(sst2_files(tmp_path), checkpoint)

@@ -54,12 +54,20 @@ def test_convert_to_unicode():
         tok.convert_to_unicode(12)
 
 
-def test_load_vocab_strips_lines_and_numbers_by_line(tmp_path):
+def test_load_vocab_strips_lines_and_numbers_by_line(tmp_path, caplog):
     path = tmp_path / "v.txt"
     path.write_bytes(b"[PAD]\r\n  hello \nworld\nhello\n")
-    vocab = tok.load_vocab(str(path))
-    # A repeated token takes its later line's id, as in Google's loader.
+    with caplog.at_level("WARNING"):
+        vocab = tok.load_vocab(str(path))
+    # A repeated token takes its later line's id, as in Google's loader, with a warning naming it.
     assert dict(vocab) == {"[PAD]": 0, "hello": 3, "world": 2}
+    assert "v.txt: 1 line(s) repeat an earlier token (first: line 4 repeats 'hello' of line 2)" in caplog.text
+    assert "ids run to 3 with only 3 distinct tokens" in caplog.text
+    with pytest.raises(ValueError, match=r"v.txt: no \[CLS\], \[MASK\] \(3 tokens\)"):
+        tok.require_tokens(vocab, str(path), ("[PAD]", "[CLS]", "[MASK]"))
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"v.txt: no \[CLS\] \(it is empty\)"):
+        tok.require_tokens(tok.load_vocab(str(path)), str(path), ("[CLS]",))
 
 
 # --- BasicTokenizer rules, cased and uncased --------------------------------------------

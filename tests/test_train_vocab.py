@@ -102,6 +102,11 @@ def test_vocab_too_small_raises(corpus, tmp_path):
 def test_missing_input_raises(tmp_path):
     with pytest.raises(FileNotFoundError):
         tv.train_vocab(str(tmp_path / "nothing*.txt"), 100, str(tmp_path / "v.txt"))
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n   \n")  # no vocab of reserved tokens and [unused] filler
+    with pytest.raises(ValueError, match=r"--input_file=.*blank.txt: no word to train on \(2 lines read"):
+        tv.train_vocab(str(blank), 100, str(tmp_path / "v.txt"))
+    assert not (tmp_path / "v.txt").exists()
 
 
 def test_heldout_lines_and_unk_rate(corpus, tmp_path):

@@ -257,9 +257,9 @@ def stack(rows: dict[str, list], dtypes: dict[str, Any]) -> dict[str, np.ndarray
 
 
 def check_vocab(tokenizer) -> None:
-    missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[UNK]") if t not in tokenizer.vocab]
-    if missing:
-        raise ValueError(f"the vocabulary lacks the special tokens {missing}")
+    from data_pipeline import tokenization
+    tokenization.require_tokens(tokenizer.vocab, getattr(tokenizer, "vocab_file", "the vocabulary"),
+                                ("[CLS]", "[SEP]", "[PAD]", "[UNK]"))
 
 
 # ---------------------------------------------------------------------------------------------
