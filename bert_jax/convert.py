@@ -783,6 +783,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if n > p.config.vocab_size:
             raise ValueError(f"{p.vocab_file} has {n} tokens but the model's vocab_size is only "
                              f"{p.config.vocab_size}: is it the model's vocabulary?")
+        if n == 0:
+            raise ValueError(f"{p.vocab_file} is empty: pass the model's vocab.txt with --vocab_file")
     save_pretrained(p, args.output, args.output_format, overwrite=args.overwrite)
     from bert_jax.modeling import count_params
     print(json.dumps({"input": args.input, "input_format": p.format, "output": args.output,

@@ -178,19 +178,40 @@ def check_mesh(config, bert_config: BertConfig, mesh) -> None:
 def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
                       do_lower_case: Optional[bool] = None) -> None:
     """Makes the workdir self-describing: bert_config.json (+ vocab.txt, + tokenizer_config.json
-    with the casing when it is known) next to the checkpoints."""
+    with the casing when it is known) next to the checkpoints. A file is written only when its
+    content changes, so a finished (even read-only) workdir re-runs as a no-op."""
     if jax.process_index() != 0:
         return
     os.makedirs(workdir, exist_ok=True)
-    bert_config.to_json_file(os.path.join(workdir, "bert_config.json"))
+    config_file = os.path.join(workdir, "bert_config.json")
+    try:
+        unchanged = BertConfig.from_json_file(config_file) == bert_config
+    except (OSError, ValueError):
+        unchanged = False
+    if not unchanged:
+        bert_config.to_json_file(config_file)
     if vocab_file:
-        import shutil
-        target = os.path.join(workdir, "vocab.txt")
-        if os.path.abspath(vocab_file) != os.path.abspath(target):
-            shutil.copyfile(vocab_file, target)
+        if "://" in vocab_file:  # gs:// on a pod
+            import tensorflow as tf
+            opener = tf.io.gfile.GFile
+        else:
+            opener = open
+        with opener(vocab_file, "rb") as f:
+            _write_if_changed(os.path.join(workdir, "vocab.txt"), f.read())
     if do_lower_case is not None:  # read back by bert_jax.convert (and HF's BertTokenizer)
-        with open(os.path.join(workdir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump({"do_lower_case": bool(do_lower_case), "tokenizer_class": "BertTokenizer"}, f, indent=2)
+        _write_if_changed(os.path.join(workdir, "tokenizer_config.json"), json.dumps(
+            {"do_lower_case": bool(do_lower_case), "tokenizer_class": "BertTokenizer"}, indent=2).encode())
+
+
+def _write_if_changed(path: str, data: bytes) -> None:
+    try:
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return
+    except OSError:
+        pass
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def check_token_ids(batch: dict, vocab_size: int, data: str) -> None:

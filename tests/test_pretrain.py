@@ -408,8 +408,18 @@ def test_data_casing_comes_from_the_records_dataset_info(tmp_path):
     # What the workdir then holds is what convert reads back.
     config = modeling.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=16, max_position_embeddings=16)
-    pretrain.write_model_files(str(tmp_path / "w"), config, "", False)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n")
+    pretrain.write_model_files(str(tmp_path / "w"), config, str(vocab), False)
     assert convert._read_casing(str(tmp_path / "w")) is False
+    # Written again only when changed: a finished (read-only) workdir re-runs as a no-op.
+    files = [tmp_path / "w" / n for n in ("bert_config.json", "vocab.txt", "tokenizer_config.json")]
+    times = [f.stat().st_mtime_ns for f in files]
+    time.sleep(0.01)
+    pretrain.write_model_files(str(tmp_path / "w"), config, str(vocab), False)
+    assert [f.stat().st_mtime_ns for f in files] == times
+    pretrain.write_model_files(str(tmp_path / "w"), config, str(vocab), True)
+    assert convert._read_casing(str(tmp_path / "w")) is True
 
 
 def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
