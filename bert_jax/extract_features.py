@@ -302,6 +302,8 @@ def main(argv):
     tmp = FLAGS.output_file + ".tmp"
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output_file)), exist_ok=True)
     count = 0
+    if not os.path.isfile(FLAGS.input_file):
+        raise FileNotFoundError(f"--input_file={FLAGS.input_file}: no such file")
     progress = sys.stderr.isatty()
     total = count_lines(FLAGS.input_file) if progress else None
     try:

@@ -226,16 +226,19 @@ def check_token_ids(batch: dict, vocab_size: int, data: str) -> None:
 
 
 def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
-    """Raises when `vocab_file` is not the vocabulary the data's dataset_info.json records (its
-    sha256): ids would mean other tokens (dynamic masking's random tokens, fill-in-the-blank)."""
+    """Raises when `vocab_file` is not the vocabulary the data was made with: ids would mean
+    other tokens (dynamic masking's random tokens, fill-in-the-blank). The data's
+    dataset_info.json records that vocabulary's sha256 and path; equal bytes pass, and so does
+    another file with the same tokens (line endings, final newline). When the recorded file is
+    gone and the bytes differ, the tokens cannot be compared: a warning."""
     if not vocab_file:
         return
     import tensorflow as tf  # tf.io.gfile: gs:// paths too (the input pipeline's import anyway)
 
-    from data_pipeline import input_pipeline
+    from data_pipeline import input_pipeline, tokenization
 
     digest = None
-    for pattern in patterns:
+    for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
         info = input_pipeline.dataset_info(pattern)
         want = info.get("vocab_sha256")
         if not want:
@@ -245,11 +248,18 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
             with tf.io.gfile.GFile(vocab_file, "rb") as f:
                 h.update(f.read())
             digest = h.hexdigest()
-        if digest != want:
-            made_with = info.get("flags", {}).get("vocab_file", "another vocab.txt")
+        if digest == want:
+            continue
+        made_with = info.get("flags", {}).get("vocab_file")
+        if made_with and tf.io.gfile.exists(made_with):
+            if list(tokenization.load_vocab(made_with).items()) == list(tokenization.load_vocab(vocab_file).items()):
+                continue  # the same tokens and ids in another file
             raise ValueError(f"config.vocab_file={vocab_file} is not the vocabulary {pattern} was made with "
-                             f"({made_with}; sha256 {want[:12]}... in its dataset_info.json, this file's "
-                             f"{digest[:12]}...): the token ids would mean other tokens")
+                             f"({made_with}, per its dataset_info.json): their tokens differ, so the "
+                             "data's token ids would mean other tokens")
+        logging.warning("config.vocab_file=%s differs byte-wise from the vocabulary %s was made with (%s, "
+                        "no longer readable; sha256 %s... in its dataset_info.json): make sure it has the "
+                        "same tokens", vocab_file, pattern, made_with, want[:12])
 
 
 def data_casing(phases: Sequence[Phase]) -> Optional[bool]:

@@ -189,20 +189,21 @@ def prepare_tfds(name: str, data_dir: Optional[str] = None) -> None:
 
 def read_tfds_documents(name: str, split: str = "train", text_key: str = "text",
                         data_dir: Optional[str] = None, shard_index: int = 0,
-                        num_shards: int = 1, stats: Optional[ReadStats] = None) -> Iterator[Document]:
+                        num_shards: int = 1, stats: Optional[ReadStats] = None,
+                        download: bool = True) -> Iterator[Document]:
     """Streams documents of a TFDS text dataset (e.g. `wikipedia/20230601.en`, key "text").
 
     Part `shard_index` of `num_shards` even, contiguous parts of the split is read
     (`tfds.even_splits`), so workers split one dataset and each reads only its own part of the
-    files, not the whole split. The dataset must be prepared (`prepare_tfds`, once, before the
-    workers start): a worker never downloads or builds it.
+    files, not the whole split. With `download=False` the dataset must already be prepared
+    (`prepare_tfds`, run once before the local workers start, so they do not each build it).
     """
     import tensorflow_datasets as tfds
 
     stats = stats if stats is not None else ReadStats()
     if num_shards > 1:
         split = tfds.even_splits(split, n=num_shards)[shard_index]
-    ds = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False, download=False)
+    ds = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False, download=download)
     for ex in tfds.as_numpy(ds):
         if text_key not in ex:
             raise KeyError(f"--tfds_text_key={text_key!r} is not a feature of {name}; it has {sorted(ex)}")

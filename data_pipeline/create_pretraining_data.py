@@ -268,8 +268,9 @@ def shard_records(task) -> tuple:
     if source[0] == "text":
         docs = corpora.read_google_text(source[1], read_stats)
     else:
-        _, name, split, key, data_dir, num_shards = source
-        docs = corpora.read_tfds_documents(name, split, key, data_dir, shard_index, num_shards, read_stats)
+        _, name, split, key, data_dir, num_shards, download = source
+        docs = corpora.read_tfds_documents(name, split, key, data_dir, shard_index, num_shards, read_stats,
+                                           download=download)
     shard = fast_instances.tokenize_shard(docs, tok.encode_batch)
     read_stats.documents_without_tokens += shard.num_input_documents - shard.num_documents
     read_stats.one_sentence_documents += int(np.sum(shard.doc_end - shard.doc_first == 1))
@@ -459,16 +460,19 @@ def create_pretraining_data(input_files: Sequence[str], output_dir: str, vocab_f
 
 
 def tfds_sources(name: str, split: str = "train", text_key: str = "text", data_dir: Optional[str] = None,
-                 num_shards: int = 16) -> List[tuple]:
+                 num_shards: int = 16, *, prepare: bool = True) -> List[tuple]:
     """`run` sources reading a TFDS text dataset in `num_shards` even parts (one per task).
 
-    The dataset is downloaded and prepared here, once, if `data_dir` does not hold it yet; the
-    workers then only read it.
+    With `prepare` (the local runner: workers on this machine, sharing its TFDS folder) the
+    dataset is downloaded and prepared here, once, if `data_dir` does not hold it yet, and the
+    workers only read it. Without (Beam workers on other machines) each worker loads it with
+    TFDS's default download, as `tfds.load` does.
     """
     if num_shards < 1:
         raise ValueError(f"--tfds_num_shards={num_shards} must be >= 1")
-    corpora.prepare_tfds(name, data_dir)
-    return [("tfds", name, split, text_key, data_dir, num_shards) for _ in range(num_shards)]
+    if prepare:
+        corpora.prepare_tfds(name, data_dir)
+    return [("tfds", name, split, text_key, data_dir, num_shards, not prepare) for _ in range(num_shards)]
 
 
 def main(argv):
@@ -496,8 +500,9 @@ def main(argv):
     else:
         if not FLAGS.tfds_name:
             raise app.UsageError("--tfds_name is required with --input_format=tfds")
+        opts.validate()  # a bad --vocab_file is named before a download, not after
         sources = tfds_sources(FLAGS.tfds_name, FLAGS.tfds_split, FLAGS.tfds_text_key, FLAGS.tfds_data_dir,
-                               FLAGS.tfds_num_shards)
+                               FLAGS.tfds_num_shards, prepare=FLAGS.runner == "local")
     outputs = output_paths(FLAGS.output_file, 1 if FLAGS.reference_compatible else FLAGS.num_output_shards,
                            FLAGS.compression)
     used = {name: FLAGS[name].value for name in FLAG_NAMES}

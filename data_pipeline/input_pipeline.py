@@ -234,8 +234,9 @@ def dataset_info(file_patterns: FilePatterns) -> dict:
             try:
                 with tf.io.gfile.GFile(path, "r") as f:
                     return json.load(f)
-            except ValueError as e:
-                raise CorruptDataError(path, f"unreadable data manifest ({e!r})") from e
+            except ValueError as e:  # verify_data names it; the flags are only informative
+                logging.warning("%s: unreadable (%r); its flags (casing, vocabulary) are not checked", path, e)
+                return {}
     return {}
 
 

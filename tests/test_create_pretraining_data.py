@@ -254,6 +254,11 @@ def test_tfds_dataset_is_prepared_once_by_the_parent(monkeypatch, tmp_path):
     monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: calls.append((name, data_dir)) or FakeBuilder())
     sources = cpd.tfds_sources("toy/1.0", "train", "text", str(tmp_path), num_shards=4)
     assert calls == [("toy/1.0", str(tmp_path)), "prepare"] and len(sources) == 4
+    assert all(source[-1] is False for source in sources)  # the workers: download=False
+    # Beam workers may be other machines without this one's folder: no preparing here, and
+    # each worker keeps TFDS's default download.
+    remote = cpd.tfds_sources("toy/1.0", "train", "text", str(tmp_path), num_shards=4, prepare=False)
+    assert len(calls) == 2 and all(source[-1] is True for source in remote)
 
 
 def test_tfds_text_counts_bad_utf8_and_empty_examples(monkeypatch):
@@ -538,7 +543,7 @@ def test_tfds_shards_read_only_their_even_part_of_the_split(monkeypatch):
     asked = []
 
     def fake_load(name, split, data_dir=None, shuffle_files=False, download=True):
-        assert download is False  # workers never build the dataset (prepare_tfds did, once)
+        assert download is False  # a local worker never builds the dataset (prepare_tfds did, once)
         asked.append(split)
         assert isinstance(split, type(tfds.even_splits("train", n=2)[0])) and split.count == 3
         per = [4, 3, 3][split.index]  # what TFDS's even split of 10 examples gives
@@ -546,7 +551,8 @@ def test_tfds_shards_read_only_their_even_part_of_the_split(monkeypatch):
         return tf.data.Dataset.from_tensor_slices({"text": examples[start:start + per]})
 
     monkeypatch.setattr(tfds, "load", fake_load)
-    docs = [doc for k in range(3) for doc in corpora.read_tfds_documents("toy", "train", num_shards=3, shard_index=k)]
+    docs = [doc for k in range(3)
+            for doc in corpora.read_tfds_documents("toy", "train", num_shards=3, shard_index=k, download=False)]
     assert [split.index for split in asked] == [0, 1, 2] and {s.split for s in asked} == {"train"}
     assert [d[0] for d in docs] == [f"Doc {i} first." for i in range(10)]
 

@@ -117,6 +117,9 @@ def test_task_files_that_are_not_utf8_name_the_line_and_column(tmp_path):
     (rte / "train.tsv").write_bytes(b"index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\tcaf\xe9\tb\tentailment\n")
     with pytest.raises(tasks.DataError, match=r"RTE/train.tsv: line 3, column 6: byte 0xe9 is not valid UTF-8"):
         tasks.get_task("rte", str(tmp_path)).read("train")
+    (rte / "train.tsv").write_bytes("\ufeffindex\tsentence1\tsentence2\tlabel\n".encode() + b"0\tcaf\xe9\tb\tentailment\n")
+    with pytest.raises(tasks.DataError, match=r"RTE/train.tsv: line 2, column 6: byte 0xe9"):  # after a BOM
+        tasks.get_task("rte", str(tmp_path)).read("train")
     (tmp_path / "train.txt").write_bytes(b"John NNP B-NP I-PER\n\nM\xfcller NNP B-NP I-PER\n")
     with pytest.raises(tasks.DataError, match=r"train.txt: line 3, column 2: byte 0xfc"):
         tasks.get_task("conll2003", str(tmp_path)).read("train")

@@ -283,9 +283,10 @@ def read_text(path: str, *, bom: bool = False) -> str:
     try:
         return data.decode("utf-8-sig" if bom else "utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise DataError(f"{path}: line {line}, column {column}: byte 0x{data[e.start]:02x} is not valid UTF-8; "
+        start = e.start + (3 if bom and data.startswith(b"\xef\xbb\xbf") else 0)  # utf-8-sig skips the BOM
+        line = data.count(b"\n", 0, start) + 1
+        column = start - (data.rfind(b"\n", 0, start) + 1) + 1
+        raise DataError(f"{path}: line {line}, column {column}: byte 0x{data[start]:02x} is not valid UTF-8; "
                         "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
