@@ -325,15 +325,13 @@ def google_config_dict(config: BertConfig) -> dict:
 
 
 def _load_json(path: str):
-    """A JSON file's value; bytes that are not UTF-8 or text that is not JSON name the file."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: byte {e.start} (0x{raw[e.start]:02x}) is not valid UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})") from None
+    from data_pipeline.tasks import read_json  # names the file, line and column of bad text
+    return read_json(path)
+
+
+def tokenizer_config_json(do_lower_case: bool) -> str:
+    """`tokenizer_config.json`'s text: the casing, which this module and HF's BertTokenizer read."""
+    return json.dumps({"do_lower_case": bool(do_lower_case), "tokenizer_class": "BertTokenizer"}, indent=2) + "\n"
 
 
 def read_google_config(path: str) -> BertConfig:
@@ -680,8 +678,7 @@ def _write_tokenizer_files(p: Pretrained, path: str) -> None:
         logging.warning("%s: no vocab.txt to write (pass vocab_file)", path)
     if p.do_lower_case is not None:
         with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump({"do_lower_case": p.do_lower_case, "tokenizer_class": "BertTokenizer"}, f, indent=2)
-            f.write("\n")
+            f.write(tokenizer_config_json(p.do_lower_case))
 
 
 def save_google(p: Pretrained, path: str, *, overwrite: bool = False) -> str:

@@ -119,9 +119,7 @@ def special_token_ids(vocab_file: str) -> Optional[dict]:
         return None
     from data_pipeline import tokenization  # the loop module may touch the data side
     vocab = tokenization.load_vocab(vocab_file)
-    missing = [t for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]") if t not in vocab]
-    if missing:
-        raise ValueError(f"config.vocab_file={vocab_file} lacks special tokens {missing}")
+    tokenization.require_tokens(vocab, f"config.vocab_file={vocab_file}", ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
     return dict(pad_id=vocab["[PAD]"], cls_id=vocab["[CLS]"], sep_id=vocab["[SEP]"],
                 mask_id=vocab["[MASK]"], vocab_size=max(vocab.values()) + 1)  # ids, not distinct tokens
 
@@ -198,9 +196,10 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
             opener = open
         with opener(vocab_file, "rb") as f:
             _write_if_changed(os.path.join(workdir, "vocab.txt"), f.read())
-    if do_lower_case is not None:  # read back by bert_jax.convert (and HF's BertTokenizer)
-        _write_if_changed(os.path.join(workdir, "tokenizer_config.json"), json.dumps(
-            {"do_lower_case": bool(do_lower_case), "tokenizer_class": "BertTokenizer"}, indent=2).encode())
+    if do_lower_case is not None:
+        from bert_jax import convert
+        _write_if_changed(os.path.join(workdir, "tokenizer_config.json"),
+                          convert.tokenizer_config_json(do_lower_case).encode())
 
 
 def _write_if_changed(path: str, data: bytes) -> None:
@@ -235,7 +234,7 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
         return
     import tensorflow as tf  # tf.io.gfile: gs:// paths too (the input pipeline's import anyway)
 
-    from data_pipeline import input_pipeline, tokenization
+    from data_pipeline import input_pipeline, schema, tokenization
 
     digest = None
     for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
@@ -244,10 +243,7 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
         if not want:
             continue
         if digest is None:
-            h = hashlib.sha256()
-            with tf.io.gfile.GFile(vocab_file, "rb") as f:
-                h.update(f.read())
-            digest = h.hexdigest()
+            digest = schema.sha256_file(vocab_file)  # as create_pretraining_data records it
         if digest == want:
             continue
         made_with = info.get("flags", {}).get("vocab_file")

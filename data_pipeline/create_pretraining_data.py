@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import glob
-import hashlib
 import json
 import multiprocessing
 import os
@@ -141,14 +140,6 @@ def expand_inputs(patterns: str | Sequence[str]) -> List[str]:
             raise FileNotFoundError(f"--input_file: nothing matches {p!r}")
         files.extend(matched)
     return files
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _instance_records(instances: Sequence[inst.TrainingInstance], vocab: dict, opts: Options) -> List[bytes]:
@@ -355,7 +346,7 @@ def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seco
         "flags": flags_used or dataclasses.asdict(opts),
         "random_seed": opts.random_seed,
         "mode": mode,
-        "vocab_sha256": _sha256(opts.vocab_file),
+        "vocab_sha256": schema.sha256_file(opts.vocab_file),
         "max_seq_length": opts.max_seq_length,
         "max_predictions_per_seq": opts.max_predictions_per_seq,
         "compression": compression,

@@ -44,6 +44,7 @@ from typing import Callable, Iterable, List, Sequence
 
 import numpy as np
 
+from data_pipeline import tokenization
 from data_pipeline.instances import MaskStats
 
 
@@ -211,9 +212,7 @@ class Vocab:
 
     @classmethod
     def from_dict(cls, vocab: dict) -> "Vocab":
-        for token in ("[CLS]", "[SEP]", "[MASK]"):
-            if token not in vocab:
-                raise ValueError(f"the vocabulary has no {token} token")
+        tokenization.require_tokens(vocab, "the vocabulary", ("[CLS]", "[SEP]", "[MASK]"))
         ids = np.fromiter(vocab.values(), np.int32, len(vocab))
         is_subword = np.zeros(int(ids.max()) + 1, bool)
         for token, index in vocab.items():

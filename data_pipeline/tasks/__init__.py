@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import json
 import logging
 import math
 import os
@@ -288,6 +289,15 @@ def read_text(path: str, *, bom: bool = False) -> str:
         column = start - (data.rfind(b"\n", 0, start) + 1) + 1
         raise DataError(f"{path}: line {line}, column {column}: byte 0x{data[start]:02x} is not valid UTF-8; "
                         "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def read_json(path: str) -> Any:
+    """A JSON file's value; text that is not UTF-8 or not JSON raises `DataError` naming the
+    file, line and column."""
+    try:
+        return json.loads(read_text(path))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})") from None
 
 
 _PREPARE_ONLY = [False]

@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline.tasks import Task, check_vocab, pad_row, read_text, stack, tfds_examples
+from data_pipeline.tasks import Task, check_vocab, pad_row, read_json, stack, tfds_examples
 
 
 @dataclasses.dataclass
@@ -215,8 +215,8 @@ class SquadV1(Task):
             return self._read_tfds(split)
         path = self._path(split, *self.files[split])
         try:
-            data = json.loads(read_text(path))["data"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            data = read_json(path)["data"]
+        except (KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a SQuAD JSON file ({e})") from e
         examples = []
         for a, article in enumerate(data):
@@ -452,13 +452,6 @@ def is_max_context(windows: list[tuple[int, int]], current_start: int, position:
 # ---------------------------------------------------------------------------------------------
 
 
-def _load_json(path: str):
-    try:
-        return json.loads(read_text(path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})") from None
-
-
 def _check_mapping(value, path: str, kind, what: str) -> None:
     """`value` must be {question id: kind}, as the official scripts expect."""
     if not isinstance(value, dict):
@@ -480,15 +473,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="v2: predict no-answer when the na score exceeds this")
     args = parser.parse_args(argv)
     try:
-        dataset = _load_json(args.data_file)
+        dataset = read_json(args.data_file)
         if not isinstance(dataset, dict) or not isinstance(dataset.get("data"), list):
             raise ValueError(f"{args.data_file}: not a SQuAD dataset (no top-level \"data\" list)")
-        predictions = _load_json(args.pred_file)
+        predictions = read_json(args.pred_file)
         _check_mapping(predictions, args.pred_file, str, "answer text")
         gold = gold_from_json(dataset["data"])
         na_probs = None
         if args.version_2 and args.na_prob_file:
-            na_probs = _load_json(args.na_prob_file)
+            na_probs = read_json(args.na_prob_file)
             _check_mapping(na_probs, args.na_prob_file, (int, float), "no-answer score")
     except (OSError, ValueError) as e:  # bad input: one line naming the file, not a traceback
         print(f"error: {e}", file=sys.stderr)
