@@ -7,7 +7,8 @@
 Times the jitted, sharded `bert_jax.steps.train_step` (the one `pretrain.run` compiles: AdamW,
 clipping, dropout on, state donated) after compilation, on inputs already on the device; the
 median of `--steps` steps, each waited for. FLOPs are the analytic matmul count
-(`steps.train_flops_per_sequence`: the MLM head at the masked positions only); MFU divides the
+(`steps.train_flops_per_sequence`: the MLM head at the masked positions only, the last layer at
+every position even though `sparse_last_layer` computes fewer); MFU divides the
 achieved rate by the devices' peak (bf16 for bfloat16 runs; `--peak_tflops` overrides, and is
 needed on CPU).
 
@@ -60,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--prng", default="threefry2x32", choices=["threefry2x32", "rbg", "unsafe_rbg"],
                    help="random-bit generator of dropout (config.prng_impl)")
     p.add_argument("--no_dropout", action="store_true", help="dropout off (its cost, measured)")
+    p.add_argument("--dense_last_layer", action="store_true",
+                   help="config.model.sparse_last_layer=False: the last layer at every position")
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -219,6 +222,7 @@ def main(argv=None):
     if args.attention == "dot_product":  # the fused kernel has no attention-probability dropout
         config.model.attention_probs_dropout_prob = 0.0
     config.model.scan_layers = args.scan
+    config.model.sparse_last_layer = not args.dense_last_layer
     config.model.remat_policy = args.remat
     if args.layers:
         config.model.num_hidden_layers = args.layers
@@ -243,7 +247,7 @@ def main(argv=None):
         "hidden": bert_config.hidden_size, "seq_len": args.seq_len, "batch": args.batch,
         "predictions": predictions, "dtype": args.dtype, "attention": args.attention, "scan": args.scan,
         "remat": args.remat, "packing": args.packing, "prng": args.prng,
-        "dropout": not args.no_dropout,
+        "dropout": not args.no_dropout, "sparse_last_layer": not (args.dense_last_layer or args.scan),
     }
     ours, runner = bench_ours(args, config, bert_config, mesh, batch_np)
     result.update(ours)
@@ -278,7 +282,8 @@ def main(argv=None):
         return result
     print(f"{result['device']} x{result['num_devices']}  L={result['layers']} H={result['hidden']} "
           f"T={args.seq_len} batch={args.batch} {args.dtype} attention={args.attention} scan={args.scan} "
-          f"remat={args.remat} packing={args.packing} prng={args.prng} dropout={not args.no_dropout}")
+          f"remat={args.remat} packing={args.packing} prng={args.prng} dropout={not args.no_dropout} "
+          f"sparse_last_layer={result['sparse_last_layer']}")
     print(f"  compile {ours['compile_s']:.1f} s (lower {ours['lower_s']:.1f} s)")
     if "step_s" in ours:
         print(f"  step {ours['step_s'] * 1e3:.1f} ms: {result['sequences_per_s']:.1f} sequences/s, "

@@ -81,7 +81,13 @@ class BertForTask(nn.Module):
             # [batch, choices, length] -> [batch * choices, length]
             input_ids, input_mask, segment_ids = (
                 x.reshape((-1, x.shape[-1])) for x in (input_ids, input_mask, segment_ids))
-        out = BertModel(cfg, name="bert")(input_ids, input_mask, segment_ids, deterministic=deterministic)
+        # Sentence-level heads read the pooled [CLS] only: no other position of the last layer is
+        # computed (`sparse_last_layer`).
+        sentence = self.head in ("classification", "regression", "multiple_choice")
+        out = BertModel(cfg, name="bert")(
+            input_ids, input_mask, segment_ids,
+            output_positions=jnp.zeros((input_ids.shape[0], 0), jnp.int32) if sentence else None,
+            deterministic=deterministic)
         if self.head in ("classification", "regression"):
             logits = OutputLayer(cfg, self.num_outputs, name="head")(out.pooled_output, deterministic)
             return {"logits": logits[:, 0] if self.head == "regression" else logits}  # [batch(, classes)]

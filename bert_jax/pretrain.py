@@ -74,7 +74,7 @@ def bert_config_from(config: ml_collections.ConfigDict) -> BertConfig:
         from bert_jax import convert
         ours = {k: v for k, v in config.model.to_dict().items()
                 if k in ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl",
-                         "vocab_pad_multiple")}
+                         "vocab_pad_multiple", "sparse_last_layer")}
         return convert.load_config(init, **ours)
     return BertConfig.from_dict(config.model.to_dict())
 

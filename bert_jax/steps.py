@@ -241,6 +241,10 @@ def train_flops_per_sequence(config: BertConfig, seq_len: int, num_predictions: 
     Per layer: Q/K/V/output projections 4·H², feed-forward 2·H·I, per token; attention scores and
     context 2·T²·H. The MLM head runs at `num_predictions` positions only: transform H² and the
     decoder H·V. BERT-large at T=128 with 20 predictions: ~241 GFLOP.
+
+    This is the model's count, the one the usual MFU figures use: the last layer counts at every
+    position even when `sparse_last_layer` computes it at the masked positions and [CLS] only
+    (BERT-Large then runs ~3% fewer FLOPs than this, BERT-Base ~6%).
     """
     h, i, t, v = config.hidden_size, config.intermediate_size, seq_len, config.vocab_size
     per_layer = 2 * t * (4 * h * h + 2 * h * i) + 2 * 2 * t * t * h

@@ -28,6 +28,7 @@ def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.Conf
     m.attention_impl = "einsum"  # einsum | dot_product (Pallas splash attention on TPU, cuDNN on GPU)
     m.vocab_pad_multiple = 128  # pad the MLM decoder's vocab dim for speed (params keep real size)
     m.causal_attention = False  # left-to-right encoder (paper Table 5 ablation)
+    m.sparse_last_layer = True  # last layer only where the heads read (masked LM, [CLS]); exact
     return m
 
 

@@ -540,13 +540,19 @@ def test_packed_batch_runs_the_model_like_separate_sequences():
     separate = {k: jnp.asarray(v.numpy()) for k, v in _stack(records).items()}
     alone = apply(params, separate["input_ids"], separate["input_mask"], separate["segment_ids"],
                   separate["masked_lm_positions"])  # the three records as ordinary rows
+    # Every position's hidden state: the encoder alone (the pretraining model's last layer runs at
+    # the masked positions and [CLS] only).
+    bert = jax.jit(modeling.BertModel(cfg).apply)
+    bert_params = {"params": params["params"]["bert"]}
+    seq = bert(bert_params, *(packed[k] for k in inputs if k != "masked_lm_positions")).sequence_output
+    seq_alone = bert(bert_params, separate["input_ids"], separate["input_mask"],
+                     separate["segment_ids"]).sequence_output
     restored = originals({k: np.asarray(v) for k, v in packed.items()})
     for s in range(3):
         start = int(packed["cls_positions"][0, s])
         rid = int(restored[0, start + 1]) - ID_BASE
         n = int(records[rid]["input_mask"].sum())
-        np.testing.assert_allclose(out.sequence_output[0, start:start + n],
-                                   alone.sequence_output[rid, :n], atol=2e-5)
+        np.testing.assert_allclose(seq[0, start:start + n], seq_alone[rid, :n], atol=2e-5)
         np.testing.assert_allclose(out.nsp_logits[0, s], alone.nsp_logits[rid], atol=2e-5)
 
 

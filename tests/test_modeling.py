@@ -109,6 +109,12 @@ def ours(config, params, inputs):
     return BertForPreTraining(config).apply({"params": params}, **inputs, deterministic=True)
 
 
+def sequence(config, params, inputs):
+    """The last layer at every position (`BertModel`; the pretraining model computes fewer)."""
+    return BertModel(config).apply({"params": params["bert"]}, inputs["input_ids"], inputs["input_mask"],
+                                   inputs["segment_ids"]).sequence_output
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -171,7 +177,7 @@ def test_parity_with_hf_flax_bert(act):
     ref = hf(inputs["input_ids"], attention_mask=inputs["input_mask"], token_type_ids=inputs["segment_ids"],
              params=to_hf(params, config), output_hidden_states=True)
     # Sequence output at every position, padding and the all-padding row included.
-    np.testing.assert_allclose(out.sequence_output, ref.hidden_states[-1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(sequence(config, params, inputs), ref.hidden_states[-1], atol=1e-5, rtol=0)
     nsp = np.asarray(ref.seq_relationship_logits)
     np.testing.assert_allclose(out.nsp_logits, nsp, atol=1e-5, rtol=0)
     mlm_ref = np.take_along_axis(np.asarray(ref.prediction_logits),
@@ -261,7 +267,7 @@ def test_bfloat16_compute_keeps_float32_params_logits_and_layernorm():
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
     out = ours(config, params, batch())
     assert out.mlm_logits.dtype == jnp.float32 and out.nsp_logits.dtype == jnp.float32
-    assert out.sequence_output.dtype == jnp.bfloat16
+    assert out.masked_output.dtype == jnp.bfloat16 and sequence(config, params, batch()).dtype == jnp.bfloat16
     want = ours(tiny_config(), params, batch())
     np.testing.assert_allclose(out.mlm_logits, want.mlm_logits, atol=0.15)
 
@@ -270,12 +276,12 @@ def test_padding_masks_keys_and_all_padding_rows_are_finite():
     config = tiny_config()
     params = random_params(config)
     inputs = batch()
-    out = ours(config, params, inputs)
-    assert np.all(np.isfinite(out.sequence_output))
+    out = sequence(config, params, inputs)
+    assert np.all(np.isfinite(out))
     # Changing a padded token must not change any real position's output.
     changed = dict(inputs, input_ids=inputs["input_ids"].at[1, 9].set(50))
-    out2 = ours(config, params, changed)
-    np.testing.assert_allclose(out2.sequence_output[1, :7], out.sequence_output[1, :7], atol=1e-6)
+    out2 = sequence(config, params, changed)
+    np.testing.assert_allclose(out2[1, :7], out[1, :7], atol=1e-6)
 
 
 def test_packed_row_matches_its_sequences_run_alone():
@@ -306,11 +312,11 @@ def test_causal_attention_ignores_the_future():
     config = tiny_config(causal_attention=True)
     params = random_params(config)
     inputs = batch()
-    out = ours(config, params, inputs)
+    out = sequence(config, params, inputs)
     changed = dict(inputs, input_ids=inputs["input_ids"].at[0, 8].set(42))
-    out2 = ours(config, params, changed)
-    np.testing.assert_allclose(out2.sequence_output[0, :8], out.sequence_output[0, :8], atol=1e-6)
-    assert not np.allclose(out2.sequence_output[0, 8:], out.sequence_output[0, 8:])
+    out2 = sequence(config, params, changed)
+    np.testing.assert_allclose(out2[0, :8], out[0, :8], atol=1e-6)
+    assert not np.allclose(out2[0, 8:], out[0, 8:])
 
 
 def test_dropout_is_active_only_in_training():
@@ -385,3 +391,101 @@ def test_every_config_file_builds_a_valid_model():
 def test_modeling_does_not_import_tensorflow():
     code = "import bert_jax.modeling, sys; assert 'tensorflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- sparse_last_layer: the last layer at the positions the heads read only ---
+
+
+def _packed_inputs():
+    """Two rows of two packed sequences each, padding at the end, masked positions in both."""
+    ids = np.random.RandomState(2).randint(5, 99, size=(2, 12)).astype(np.int32)
+    pack = np.array([[1] * 6 + [2] * 4 + [0, 0], [1] * 3 + [2] * 8 + [0]])
+    pos = np.array([list(range(6)) + list(range(4)) + [0, 0], list(range(3)) + list(range(8)) + [0]])
+    return dict(input_ids=jnp.asarray(ids * (pack > 0)), input_mask=jnp.asarray((pack > 0).astype(np.int32)),
+                segment_ids=jnp.zeros((2, 12), jnp.int32), masked_lm_positions=jnp.array([[2, 7, 8], [1, 5, 10]]),
+                position_ids=jnp.asarray(pos), pack_ids=jnp.asarray(pack), cls_positions=jnp.array([[0, 6], [0, 3]]))
+
+
+def _flops(fn, *args):
+    return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+
+@pytest.mark.parametrize("options,packed", [
+    (dict(), False), (dict(), True), (dict(causal_attention=True, remat_policy="full"), False),
+    (dict(dtype="bfloat16"), False), (dict(scan_layers=True), True)])
+def test_sparse_last_layer_gives_the_same_logits_and_gradients(options, packed):
+    config = tiny_config(**options)
+    dense_config = config.replace(sparse_last_layer=False)
+    params = random_params(tiny_config())
+    if config.scan_layers:
+        params = modeling.stack_layers(params, config.num_hidden_layers)
+    inputs = _packed_inputs() if packed else batch()
+
+    def loss(cfg, p):
+        out = BertForPreTraining(cfg).apply({"params": p}, **inputs, deterministic=True)
+        return jnp.sum(out.mlm_logits ** 2) + jnp.sum(out.nsp_logits ** 2), out
+
+    grad = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg), has_aux=True)).lower(params).compile()
+    sparse_step, dense_step = grad(config), grad(dense_config)
+    (_, sparse), g_sparse = sparse_step(params)
+    (_, dense), g_dense = dense_step(params)
+    tol = 0.05 if config.dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(sparse.mlm_logits, dense.mlm_logits, atol=tol, rtol=0)
+    np.testing.assert_allclose(sparse.nsp_logits, dense.nsp_logits, atol=tol, rtol=0)
+    np.testing.assert_allclose(sparse.masked_output.astype(jnp.float32), dense.masked_output.astype(jnp.float32),
+                               atol=tol, rtol=0)
+    if config.dtype == "float32":  # bfloat16 gradients differ by rounding (the logits agree above)
+        for a, b in zip(jax.tree_util.tree_leaves(g_sparse), jax.tree_util.tree_leaves(g_dense)):
+            np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=0)
+    # The work it saves: the last layer's queries, attention output and feed-forward at 4 of 12
+    # positions (3 masked + [CLS]) instead of 12, or 5 of 12 when packed (two [CLS] per row);
+    # forward and backward, so at least twice the forward matmuls of the rows skipped.
+    flops = lambda step: step.cost_analysis()["flops"]
+    saved = flops(dense_step) - flops(sparse_step)
+    if config.scan_layers:  # every layer runs in full inside the scan
+        assert saved == pytest.approx(0, abs=0.01 * flops(dense_step))
+    else:
+        h, i = config.hidden_size, config.intermediate_size
+        rows = inputs["input_ids"].shape[0] * (12 - (5 if packed else 4))
+        assert saved >= 2 * rows * 2 * (2 * h * h + 2 * h * i)
+
+
+def test_output_positions_equal_the_full_output_gathered():
+    config = tiny_config()
+    params = random_params(config)["bert"]
+    inputs = _packed_inputs()
+    model_inputs = {k: v for k, v in inputs.items() if k != "masked_lm_positions"}
+    full = BertModel(config).apply({"params": params}, **model_inputs)
+    for cfg in (config, config.replace(sparse_last_layer=False)):
+        some = BertModel(cfg).apply({"params": params}, **model_inputs,
+                                    output_positions=inputs["masked_lm_positions"])
+        np.testing.assert_allclose(some.sequence_output,
+                                   modeling.gather_positions(full.sequence_output, inputs["masked_lm_positions"]),
+                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(some.pooled_output, full.pooled_output, atol=1e-5, rtol=0)
+    none = BertModel(config).apply({"params": params}, **model_inputs,
+                                   output_positions=jnp.zeros((2, 0), jnp.int32))
+    assert none.sequence_output.shape == (2, 0, config.hidden_size)
+    np.testing.assert_allclose(none.pooled_output, full.pooled_output, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        BertModel(config).apply({"params": params}, **model_inputs, output_positions=inputs["cls_positions"],
+                                output_hidden_states=True)
+
+
+def test_sentence_heads_compute_the_last_layer_at_cls_only():
+    from bert_jax import heads
+
+    config = tiny_config()
+    inputs = {k: batch()[k] for k in ("input_ids", "input_mask", "segment_ids")}
+    model = heads.BertForTask(config, "classification", 3)
+    params = model.init(jax.random.key(0), **inputs)["params"]
+    run = lambda cfg: (lambda p: heads.BertForTask(cfg, "classification", 3).apply({"params": p}, **inputs)["logits"])
+    dense_config = config.replace(sparse_last_layer=False)
+    np.testing.assert_allclose(run(config)(params), run(dense_config)(params), atol=1e-5, rtol=0)
+    h, i = config.hidden_size, config.intermediate_size
+    # 11 of 12 rows of 4 skip the query and output projections and the feed-forward.
+    assert _flops(run(dense_config), params) - _flops(run(config), params) >= 0.9 * 4 * 11 * 2 * (2 * h * h + 2 * h * i)
+    # Token heads read every position: nothing is skipped.
+    token = lambda cfg: (lambda p: heads.BertForTask(cfg, "token", 3).apply({"params": p}, **inputs)["logits"])
+    tparams = heads.BertForTask(config, "token", 3).init(jax.random.key(0), **inputs)["params"]
+    assert _flops(token(config), tparams) == _flops(token(dense_config), tparams)
