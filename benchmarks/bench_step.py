@@ -10,7 +10,11 @@ median of `--steps` steps, each waited for. FLOPs are the analytic matmul count
 (`steps.train_flops_per_sequence`: the MLM head at the masked positions only, the last layer at
 every position even though `sparse_last_layer` computes fewer); MFU divides the
 achieved rate by the devices' peak (bf16 for bfloat16 runs; `--peak_tflops` overrides, and is
-needed on CPU).
+needed on CPU, or `--measure_peak` times a square matmul in the run's dtype and uses its rate).
+The script also counts the matmul FLOPs each step really executes (ours with the sparse last
+layer; HF's with its MLM head at every position) and, with `--measure_peak`, the share of the
+step's time that those matmuls would take at the measured rate: how close each step is to
+matmul-bound, and so how far any ratio between the two can go.
 
 `--hf` also times HuggingFace's `FlaxBertForPreTraining` (transformers<5) in the same process on
 the same config, batch, inputs, optimizer and dtype, with the same losses (its MLM logits are
@@ -70,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--hf", action="store_true", help="also time transformers' FlaxBertForPreTraining")
     p.add_argument("--compile_only", action="store_true", help="lower + compile, report the time, stop")
     p.add_argument("--peak_tflops", type=float, default=0.0, help="per-device peak (default: known devices)")
+    p.add_argument("--measure_peak", action="store_true",
+                   help="time a square matmul in --dtype on the device and use its rate as the peak "
+                        "(CPUs have no table entry); also reports each step's share of its matmul-bound time")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -117,6 +124,8 @@ class Runner:
         self.loss = float("nan")
 
     def run(self, steps: int, record: bool = True) -> None:
+        if steps <= 0:  # --warmup=0
+            return
         import contextlib
         import flax.linen as nn
         import jax
@@ -138,6 +147,26 @@ class Runner:
     @property
     def median(self) -> float:
         return statistics.median(self.durations)
+
+
+def measure_matmul_peak(dtype: str, n: int = 0, repeats: int = 7) -> float:
+    """FLOP/s of the best of `repeats` jitted n x n x n matmuls in `dtype` on device 0."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    n = n or (2048 if device.platform == "cpu" else 8192)
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.device_put(jax.random.normal(ka, (n, n), jnp.dtype(dtype)), device)
+    b = jax.device_put(jax.random.normal(kb, (n, n), jnp.dtype(dtype)), device)
+    matmul = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(matmul(a, b))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(matmul(a, b))
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
 
 
 def bench_ours(args, config, bert_config, mesh, batch_np):
@@ -238,6 +267,9 @@ def main(argv=None):
 
     device = jax.devices()[0]
     peak = args.peak_tflops * 1e12 if args.peak_tflops else pretrain.peak_flops_per_device()
+    measured_peak = measure_matmul_peak(args.dtype) if args.measure_peak else None
+    if measured_peak:
+        peak = measured_peak
     if peak and args.dtype == "float32" and device.platform == "gpu":
         peak = None  # the table holds bf16 peaks; fp32 MFU on GPU needs --peak_tflops
     result = {
@@ -249,6 +281,8 @@ def main(argv=None):
         "remat": args.remat, "packing": args.packing, "prng": args.prng,
         "dropout": not args.no_dropout, "sparse_last_layer": not (args.dense_last_layer or args.scan),
     }
+    if measured_peak:
+        result["matmul_peak_tflops"] = measured_peak / 1e12
     ours, runner = bench_ours(args, config, bert_config, mesh, batch_np)
     result.update(ours)
     tokens = int(batch_np["input_mask"].sum())
@@ -273,10 +307,24 @@ def main(argv=None):
                       tflops_per_s=flops / ours["step_s"] / 1e12, timed_steps=len(runner.durations))
         if peak:
             result["mfu"] = flops / ours["step_s"] / (peak * jax.device_count())
+        # What each step executes: ours with the last layer at the masked positions and [CLS] when
+        # sparse_last_layer applies, HF's with its MLM head at every position.
+        queries = predictions + (3 if args.packing else 1)
+        sparse = result["sparse_last_layer"] and queries < args.seq_len
+        executed = steps.train_flops_per_sequence(
+            bert_config, args.seq_len, predictions,
+            last_layer_positions=queries if sparse else None) * args.batch
+        result["executed_tflop"] = executed / 1e12
+        if measured_peak:
+            result["matmul_bound_share"] = executed / (measured_peak * jax.device_count()) / ours["step_s"]
         if hf_runner:
             hf_step = hf_runner.median
+            hf_executed = steps.train_flops_per_sequence(bert_config, args.seq_len, args.seq_len) * args.batch
             result.update(hf_step_s=hf_step, hf_loss=hf_runner.loss, hf_sequences_per_s=sequences / hf_step,
-                          speedup_vs_hf=hf_step / ours["step_s"])
+                          speedup_vs_hf=hf_step / ours["step_s"], hf_executed_tflop=hf_executed / 1e12,
+                          executed_flop_ratio_hf_over_ours=hf_executed / executed)
+            if measured_peak:
+                result["hf_matmul_bound_share"] = hf_executed / measured_peak / hf_step
     if args.json:
         print(json.dumps(result))
         return result
@@ -289,9 +337,17 @@ def main(argv=None):
         print(f"  step {ours['step_s'] * 1e3:.1f} ms: {result['sequences_per_s']:.1f} sequences/s, "
               f"{result['tokens_per_s']:,.0f} tokens/s, {result['tflops_per_s']:.2f} TFLOP/s"
               + (f", MFU {result['mfu']:.1%}" if "mfu" in result else ""))
+        print(f"  executes {result['executed_tflop'] * 1e3:.1f} GFLOP of matmuls per step"
+              + (f"; measured {args.dtype} matmul peak {result['matmul_peak_tflops']:.3f} TFLOP/s per device, "
+                 f"step at {result['matmul_bound_share']:.0%} of its matmul-bound time"
+                 if measured_peak else ""))
     if "hf_step_s" in result:
         print(f"  HF FlaxBertForPreTraining: step {result['hf_step_s'] * 1e3:.1f} ms "
               f"({result['hf_sequences_per_s']:.1f} sequences/s); ours is {result['speedup_vs_hf']:.2f}x")
+        print(f"  HF executes {result['hf_executed_tflop'] * 1e3:.1f} GFLOP of matmuls per step "
+              f"({result['executed_flop_ratio_hf_over_ours']:.2f}x ours)"
+              + (f", at {result['hf_matmul_bound_share']:.0%} of its matmul-bound time"
+                 if measured_peak else ""))
     return result
 
 

@@ -23,7 +23,7 @@ This module must not import tensorflow.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import flax
 import jax
@@ -235,7 +235,8 @@ def summarize(sums: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def train_flops_per_sequence(config: BertConfig, seq_len: int, num_predictions: int) -> float:
+def train_flops_per_sequence(config: BertConfig, seq_len: int, num_predictions: int,
+                             last_layer_positions: Optional[int] = None) -> float:
     """Matmul FLOPs of one training step per sequence (forward + backward = 3x forward).
 
     Per layer: Q/K/V/output projections 4·H², feed-forward 2·H·I, per token; attention scores and
@@ -244,9 +245,15 @@ def train_flops_per_sequence(config: BertConfig, seq_len: int, num_predictions: 
 
     This is the model's count, the one the usual MFU figures use: the last layer counts at every
     position even when `sparse_last_layer` computes it at the masked positions and [CLS] only
-    (BERT-Large then runs ~3% fewer FLOPs than this, BERT-Base ~6%).
+    (BERT-Large then runs ~3% fewer FLOPs than this, BERT-Base ~6%). `last_layer_positions=Q`
+    counts what such a step executes instead: the last layer's keys and values at all T positions,
+    its queries, attention, output projection and feed-forward at Q.
     """
     h, i, t, v = config.hidden_size, config.intermediate_size, seq_len, config.vocab_size
-    per_layer = 2 * t * (4 * h * h + 2 * h * i) + 2 * 2 * t * t * h
+
+    def layer(q):  # q query positions attending over t keys
+        return 2 * t * 2 * h * h + 2 * q * (2 * h * h + 2 * h * i) + 2 * 2 * q * t * h
+
+    last = layer(t if last_layer_positions is None else last_layer_positions)
     head = 2 * num_predictions * (h * h + h * v) + 2 * (h * h + 2 * h)  # MLM + pooler/NSP
-    return 3.0 * (config.num_hidden_layers * per_layer + head)
+    return 3.0 * ((config.num_hidden_layers - 1) * layer(t) + last + head)

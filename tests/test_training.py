@@ -277,3 +277,46 @@ def test_flops_of_bert_large_at_128():
     large = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
     # The issue's figure: ~241 GFLOP per length-128 sequence (forward + backward).
     assert abs(steps.train_flops_per_sequence(large, 128, 20) / 1e9 - 241) < 1.5
+    assert steps.train_flops_per_sequence(large, 128, 20, last_layer_positions=128) == \
+        steps.train_flops_per_sequence(large, 128, 20)
+
+
+def test_flops_of_a_sparse_last_layer_by_hand():
+    cfg = BertConfig(vocab_size=10, hidden_size=2, num_hidden_layers=2, num_attention_heads=1,
+                     intermediate_size=3, max_position_embeddings=8)
+    # One layer at T=4 positions (H=2, I=3): Q,K,V,out 4 x (2·4·2·2) = 128, feed-forward
+    # 2 x (2·4·2·3) = 96, scores + context 2 x (2·4·4·2) = 128: 352. At Q=1 query position keys and
+    # values stay at 4 (2 x 32 = 64); queries and output at 1 (2 x 8 = 16), feed-forward 24,
+    # scores + context 2 x (2·1·4·2) = 32: 136. Head at 1 prediction: 2·(4 + 20) = 48; pooler and
+    # NSP 2·(4 + 4) = 16. Times 3 for forward + backward.
+    assert steps.train_flops_per_sequence(cfg, 4, 1) == 3 * (352 + 352 + 48 + 16)
+    assert steps.train_flops_per_sequence(cfg, 4, 1, last_layer_positions=1) == 3 * (352 + 136 + 48 + 16)
+
+
+def test_bench_step_counts_what_each_step_executes():
+    """benchmarks/bench_step.py on the tiny config, ours and HF's: the FLOPs it divides by."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "bench_step.py")
+    spec = importlib.util.spec_from_file_location("bench_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    common = ["--config=configs/tiny.py", "--seq_len=32", "--batch=8", "--predictions=5", "--steps=1",
+              "--warmup=0", "--json", "--measure_peak"]
+    sparse = bench.main(common + ["--hf"])
+    dense = bench.main(common + ["--dense_last_layer"])
+    cfg = BertConfig.from_dict(bench.load_config("configs/tiny.py").model.to_dict())
+    h, i, t, n = cfg.hidden_size, cfg.intermediate_size, 32, 8
+    # The dense step executes the model's count; the sparse one skips the last layer's queries,
+    # output projection and feed-forward at the 32 - 6 positions that are neither masked nor [CLS],
+    # and their attention scores and context (forward + backward: x3).
+    model_count = steps.train_flops_per_sequence(cfg, t, 5) * n
+    skipped = 3 * n * (2 * (t - 6) * (2 * h * h + 2 * h * i) + 4 * (t - 6) * t * h)
+    assert dense["executed_tflop"] * 1e12 == pytest.approx(model_count)
+    assert sparse["executed_tflop"] * 1e12 == pytest.approx(model_count - skipped)
+    # HF's step runs its MLM head (transform + decoder) at all 32 positions instead of 5.
+    hf_extra = 3 * n * 2 * (t - 5) * (h * h + h * cfg.vocab_size)
+    assert sparse["hf_executed_tflop"] * 1e12 == pytest.approx(model_count + hf_extra)
+    assert sparse["matmul_peak_tflops"] > 0 and 0 < sparse["matmul_bound_share"] < 1
+    assert sparse["loss"] == pytest.approx(sparse["hf_loss"], rel=0.5)
