@@ -266,12 +266,11 @@ def main(argv=None):
         raise SystemExit("--hf does not support --packing (HF's BERT has no packed attention)")
 
     device = jax.devices()[0]
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else pretrain.peak_flops_per_device()
-    measured_peak = measure_matmul_peak(args.dtype) if args.measure_peak else None
-    if measured_peak:
-        peak = measured_peak
+    peak = pretrain.peak_flops_per_device()
     if peak and args.dtype == "float32" and device.platform == "gpu":
-        peak = None  # the table holds bf16 peaks; fp32 MFU on GPU needs --peak_tflops
+        peak = None  # the table holds bf16 peaks; fp32 MFU on GPU needs --peak_tflops or --measure_peak
+    measured_peak = measure_matmul_peak(args.dtype) if args.measure_peak else None
+    peak = args.peak_tflops * 1e12 or measured_peak or peak
     result = {
         "date": time.strftime("%Y-%m-%d"), "device": device.device_kind, "platform": device.platform,
         "num_devices": jax.device_count(), "host_cpus": os.cpu_count(), "python": platform.python_version(),
