@@ -239,7 +239,7 @@ def main(argv=None):
     args = parse_args(argv)
     import jax
     import numpy as np
-    from bert_jax import pretrain, sharding, steps
+    from bert_jax import modeling, pretrain, sharding, steps
     from bert_jax.modeling import BertConfig
 
     config = load_config(args.config)
@@ -278,8 +278,11 @@ def main(argv=None):
         "hidden": bert_config.hidden_size, "seq_len": args.seq_len, "batch": args.batch,
         "predictions": predictions, "dtype": args.dtype, "attention": args.attention, "scan": args.scan,
         "remat": args.remat, "packing": args.packing, "prng": args.prng,
-        "dropout": not args.no_dropout, "sparse_last_layer": not (args.dense_last_layer or args.scan),
+        "dropout": not args.no_dropout,
     }
+    # The positions the last layer computes: the masked ones and each row's [CLS] (3 when packed).
+    queries = modeling.last_layer_queries(bert_config, args.seq_len, predictions, 3 if args.packing else 1)
+    result["sparse_last_layer"] = queries is not None
     if measured_peak:
         result["matmul_peak_tflops"] = measured_peak / 1e12
     ours, runner = bench_ours(args, config, bert_config, mesh, batch_np)
@@ -306,13 +309,10 @@ def main(argv=None):
                       tflops_per_s=flops / ours["step_s"] / 1e12, timed_steps=len(runner.durations))
         if peak:
             result["mfu"] = flops / ours["step_s"] / (peak * jax.device_count())
-        # What each step executes: ours with the last layer at the masked positions and [CLS] when
-        # sparse_last_layer applies, HF's with its MLM head at every position.
-        queries = predictions + (3 if args.packing else 1)
-        sparse = result["sparse_last_layer"] and queries < args.seq_len
+        # What each step executes: ours with the sparse last layer where it applies, HF's with its
+        # MLM head at every position.
         executed = steps.train_flops_per_sequence(
-            bert_config, args.seq_len, predictions,
-            last_layer_positions=queries if sparse else None) * args.batch
+            bert_config, args.seq_len, predictions, last_layer_positions=queries) * args.batch
         result["executed_tflop"] = executed / 1e12
         if measured_peak:
             result["matmul_bound_share"] = executed / (measured_peak * jax.device_count()) / ours["step_s"]

@@ -759,6 +759,16 @@ def gather_positions(sequence: Array, positions: Array) -> Array:
     return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
 
 
+def last_layer_queries(config: BertConfig, length: int, num_positions: int, num_cls: int = 1) -> Optional[int]:
+    """How many positions the last layer computes when the heads read `num_positions` positions and
+    `num_cls` [CLS] rows of `length`: None when it computes all `length` (`sparse_last_layer` off,
+    scanned layers, or about every position asked for, as the left-to-right objective does)."""
+    queries = num_positions + num_cls
+    if not config.sparse_last_layer or config.scan_layers or queries >= length:
+        return None
+    return queries
+
+
 class MlmHead(nn.Module):
     """Masked-LM head: transform (dense + activation + LayerNorm), then the decoder tied to the
     word-embedding matrix plus an output bias; float32 logits over the real vocabulary.
@@ -830,10 +840,9 @@ class BertForPreTraining(nn.Module):
                  pack_ids: Optional[Array] = None, cls_positions: Optional[Array] = None, *,
                  deterministic: bool = True) -> PreTrainingOutput:
         cfg = self.config
-        # The last layer at the masked positions and [CLS] only, unless that is about every position
-        # (the left-to-right objective predicts at all of them).
+        # The last layer at the masked positions and [CLS] only, where that saves work.
         n_cls = 1 if cls_positions is None else cls_positions.shape[1]
-        sparse = masked_lm_positions.shape[1] + n_cls < input_ids.shape[1]
+        sparse = last_layer_queries(cfg, input_ids.shape[1], masked_lm_positions.shape[1], n_cls) is not None
         out = BertModel(cfg, name="bert")(
             input_ids, input_mask, segment_ids, position_ids, pack_ids, cls_positions,
             masked_lm_positions if sparse else None, deterministic=deterministic)
