@@ -45,6 +45,38 @@ def test_tiny_config_compiles_for_a_v5e_2x2_slice():
     assert "all-gather" in rows[1]["collectives"]  # FSDP: parameters gathered
 
 
+WIDE_CONFIG = """
+from configs import base
+
+
+def get_config():  # BERT-large's widths, 2 layers, a small vocabulary
+    config = base.get_config()
+    config.model = base.get_model_config(num_layers=2, hidden=1024, heads=16)
+    config.model.vocab_size = 512
+    config.model.max_position_embeddings = 128
+    return config
+"""
+
+
+def test_fsdp_flops_count_the_collective_matmul_loops(tmp_path):
+    """On 16 chips the TPU compiler turns FSDP's gathered-weight matmuls of BERT-large's widths
+    into collective-matmul loops, whose bodies XLA's cost analysis counts once (before this was
+    handled, 21-25% of the model's FLOPs went missing); the FLOPs must still cover the model's."""
+    (tmp_path / "wide.py").write_text(WIDE_CONFIG)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_tpu.py"), f"--config={tmp_path / 'wide.py'}",
+                        "--topology=v5e-16", "--mesh=fsdp", "--seq_len=128", "--batch_per_chip=32",
+                        "--max_batch_per_chip=0", "--json"], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(r.stdout.splitlines()[-1])
+    assert row["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1} and row["global_batch"] == 512 and row["fits"]
+    assert row["collective_matmul_loops"] > 0, row  # the real program has them
+    assert row["flop_count_loops"] == 0, row  # the counting compiles do not
+    # Non-matmul work (softmax, LayerNorm, GELU, dropout, AdamW) only adds to the matmuls.
+    assert 1.0 <= row["xla_over_analytic"] < 1.3, row
+    assert 0.75 < row["mfu_upper_bound"] <= 1.0, row
+
+
 # One compile (not aot_tpu.py's three per mesh, which add the FLOPs extrapolation), on the FSDP mesh:
 # the kernel must run per chip, inside shard_map, on its own 4 of the 16 examples.
 SPLASH_SCRIPT = """
