@@ -61,7 +61,9 @@ def get_config():  # BERT-large's widths, 2 layers, a small vocabulary
 def test_fsdp_flops_count_the_collective_matmul_loops(tmp_path):
     """On 16 chips the TPU compiler turns FSDP's gathered-weight matmuls of BERT-large's widths
     into collective-matmul loops, whose bodies XLA's cost analysis counts once (before this was
-    handled, 21-25% of the model's FLOPs went missing); the FLOPs must still cover the model's."""
+    handled, 21-25% of the model's FLOPs went missing); the FLOPs must still cover the model's.
+    The counting compiles must also compute the last layer everywhere, as the scanned program does
+    (with `sparse_last_layer` they would skip ~70% of one of the two layers, well below 1.0)."""
     (tmp_path / "wide.py").write_text(WIDE_CONFIG)
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_tpu.py"), f"--config={tmp_path / 'wide.py'}",
                         "--topology=v5e-16", "--mesh=fsdp", "--seq_len=128", "--batch_per_chip=32",
