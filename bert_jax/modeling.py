@@ -704,8 +704,9 @@ class BertModel(nn.Module):
 
     `output_positions` (`[batch, P]`, P may be 0) asks for the last layer at those positions only:
     `sequence_output` is then `[batch, P, hidden]`, the same values as the full output gathered
-    there. With `sparse_last_layer` (and unrolled layers) the last layer then computes only those
-    queries and the [CLS] ones the pooler reads.
+    there. Where `last_layer_queries` says it saves work (`sparse_last_layer`, unrolled layers, fewer
+    positions than `length`), the last layer then computes only those queries and the [CLS] ones
+    the pooler reads.
     """
 
     config: BertConfig
@@ -730,7 +731,9 @@ class BertModel(nn.Module):
         sequence_ids = (make_sequence_ids(input_mask, pack_ids)
                         if cfg.attention_impl == "dot_product" else None)
         encoder = Encoder(cfg, deterministic, name="encoder")
-        if output_positions is None or not cfg.sparse_last_layer:
+        n_cls = 1 if cls_positions is None else cls_positions.shape[1]
+        if output_positions is None or last_layer_queries(
+                cfg, input_ids.shape[-1], output_positions.shape[1], n_cls) is None:
             seq, states = encoder(x, mask, sequence_ids)
             pooled = Pooler(cfg, name="pooler")(seq, cls_positions)
             if output_positions is not None:
@@ -739,7 +742,6 @@ class BertModel(nn.Module):
             # The [CLS] rows first (the pooler's), then the positions asked for.
             batch = input_ids.shape[0]
             cls = jnp.zeros((batch, 1), jnp.int32) if cls_positions is None else cls_positions
-            n_cls = cls.shape[1]
             queries = jnp.concatenate([cls.astype(jnp.int32), output_positions.astype(jnp.int32)], axis=1)
             out, states = encoder(x, mask, sequence_ids, queries)
             pooled = Pooler(cfg, name="pooler")(
@@ -840,12 +842,10 @@ class BertForPreTraining(nn.Module):
                  pack_ids: Optional[Array] = None, cls_positions: Optional[Array] = None, *,
                  deterministic: bool = True) -> PreTrainingOutput:
         cfg = self.config
-        # The last layer at the masked positions and [CLS] only, where that saves work.
-        n_cls = 1 if cls_positions is None else cls_positions.shape[1]
-        sparse = last_layer_queries(cfg, input_ids.shape[1], masked_lm_positions.shape[1], n_cls) is not None
+        # The last layer's output at the masked positions (computed there only where that saves work).
         out = BertModel(cfg, name="bert")(
             input_ids, input_mask, segment_ids, position_ids, pack_ids, cls_positions,
-            masked_lm_positions if sparse else None, deterministic=deterministic)
+            masked_lm_positions, deterministic=deterministic)
         word_embeddings = self.variables["params"]["bert"]["embeddings"]["word_embeddings"]
         # The decoder reuses the embedding matrix: gather its hidden dim (FSDP) and keep the vocab
         # on the tensor axis, so the logits come out vocab-sharded. Pinning this layout matters for
@@ -853,9 +853,7 @@ class BertForPreTraining(nn.Module):
         # wrong gradients for the tied matrix on a data x fsdp x tensor = 2x2x2 mesh
         # (tests/test_training.py compares every mesh against one device).
         word_embeddings = nn.with_logical_constraint(nn.meta.unbox(word_embeddings), ("vocab", None))
-        masked = (out.sequence_output if sparse  # [batch, preds, hidden]
-                  else gather_positions(out.sequence_output, masked_lm_positions))
-        masked = nn.with_logical_constraint(masked, ACT_EMBED)
+        masked = nn.with_logical_constraint(out.sequence_output, ACT_EMBED)  # [batch, preds, hidden]
         mlm_logits = MlmHead(cfg, name="mlm")(masked, word_embeddings)
         nsp_logits = NspHead(cfg, name="nsp")(out.pooled_output)
         return PreTrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits, masked_output=masked,
