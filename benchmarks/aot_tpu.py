@@ -142,10 +142,6 @@ NO_COLLECTIVE_MATMUL_LOOPS = {"xla_tpu_enable_windowed_einsum_for_all_gather": F
                               "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
 
 
-def while_loops(hlo: str) -> int:
-    return len(re.findall(r"\swhile\(", hlo))
-
-
 def counted_flops(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,
                   predictions: int) -> tuple[float, int]:
     """XLA's FLOPs per chip of the full-depth step, and the loops left in the programs it counted.
@@ -160,18 +156,19 @@ def counted_flops(config, bert_config, devices, mesh_kind: str, batch_per_chip: 
     from bert_jax import modeling
 
     sparse = modeling.last_layer_queries(bert_config, seq_len, predictions) is not None
-    counts, loops = [], 0
+    counts, loops, options = [], 0, NO_COLLECTIVE_MATMUL_LOOPS
     for layers in (1, 2):
         small = bert_config.replace(num_hidden_layers=layers, scan_layers=False, sparse_last_layer=sparse)
         try:
             compiled, _, _ = compile_step(config, small, devices, mesh_kind, batch_per_chip, seq_len, predictions,
-                                          compiler_options=NO_COLLECTIVE_MATMUL_LOOPS)
+                                          compiler_options=options)
         except Exception as e:  # noqa: BLE001 - a libtpu without these options: count with the loops
-            if "No such compile option" not in str(e):
+            if options is None or "No such compile option" not in str(e):
                 raise
+            options = None
             compiled, _, _ = compile_step(config, small, devices, mesh_kind, batch_per_chip, seq_len, predictions)
         counts.append(xla_flops(compiled))
-        loops += while_loops(compiled.as_text())
+        loops += len(re.findall(r"\swhile\(", compiled.as_text()))
     per_layer = counts[1] - counts[0]
     return counts[0] + (bert_config.num_hidden_layers - 1) * per_layer, loops
 
