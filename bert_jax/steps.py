@@ -202,11 +202,18 @@ def apply_guarded_update(state: TrainState, grads: Any, loss: jax.Array,
     """
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
-    new_state = state.replace(step=state.step + 1, params=keep(new_params, state.params),
-                              opt_state=keep(new_opt_state, state.opt_state))
+
+    def update(params_and_opt_state):
+        params, opt_state = params_and_opt_state
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state
+
+    # A conditional, not `jnp.where(finite, new, old)` over the state: selecting keeps the old
+    # parameters and moments alive next to the new ones, so XLA copies them before updating in
+    # place and reads both again (BERT-base on CPU: 466 ms against 109 ms for the update).
+    new_params, new_opt_state = jax.lax.cond(finite, update, lambda operand: operand,
+                                             (state.params, state.opt_state))
+    new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state)
     return new_state, {"grad_norm": grad_norm, "finite": finite.astype(jnp.float32)}
 
 
