@@ -251,11 +251,56 @@ def test_google_adamw_matches_a_hand_computed_step():
 
 
 def test_clipping_at_global_norm_one():
-    tx = optim.make_optimizer("google_adamw", lambda s: 1.0, weight_decay=0.0, clip_norm=1.0)
-    chain_state = tx.init({"w": jnp.zeros(2)})
-    # The first element of the chain clips: a gradient of norm 5 enters Adam as norm 1.
-    clipped, _ = optax.clip_by_global_norm(1.0).update({"w": jnp.array([3.0, 4.0])}, chain_state[0])
-    np.testing.assert_allclose(clipped["w"], [0.6, 0.8], rtol=1e-6)
+    # Hand-computed: a gradient of global norm 5 leaves as norm 1, split over two leaves.
+    clip = optim.clip_by_global_norm(1.0)
+    g = {"w": jnp.array([3.0, 0.0]), "b": {"x": jnp.array([4.0])}}
+    clipped, state = clip.update(g, clip.init(g))
+    np.testing.assert_allclose(clipped["w"], [0.6, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(clipped["b"]["x"], [0.8], rtol=1e-6)
+    assert state == optax.clip_by_global_norm(1.0).init(g)  # same (empty) state: checkpoints restore
+    # optax's transform as the reference, above and below the threshold; below it nothing changes.
+    rng = np.random.default_rng(0)
+    for scale, max_norm in ((1.0, 1.0), (1e-3, 1.0), (0.3, 2.5), (0.6, 2.5)):
+        g = {"k": jnp.asarray(rng.standard_normal((7, 5)) * scale, jnp.float32),
+             "v": jnp.asarray(rng.standard_normal(11) * scale, jnp.float32)}
+        ours, _ = optim.clip_by_global_norm(max_norm).update(g, optax.EmptyState())
+        want, _ = optax.clip_by_global_norm(max_norm).update(g, optax.EmptyState())
+        for k in g:
+            np.testing.assert_allclose(ours[k], want[k], rtol=2e-7, atol=0)
+        if float(optax.tree.norm(g)) < max_norm:
+            for k in g:
+                np.testing.assert_array_equal(ours[k], g[k])
+    # make_optimizer's chain clips first. With a huge epsilon Adam's step is proportional to the
+    # gradient, so a gradient of norm 500 moves exactly as far as the same direction at norm 1.
+    tx = optim.make_optimizer("google_adamw", lambda s: 1.0, weight_decay=0.0, eps=1e3, clip_norm=1.0)
+    p = {"w": jnp.zeros(2)}
+    big, _ = tx.update({"w": jnp.array([300.0, 400.0])}, tx.init(p), p)
+    unit, _ = tx.update({"w": jnp.array([0.6, 0.8])}, tx.init(p), p)
+    np.testing.assert_allclose(big["w"], unit["w"], rtol=1e-6)
+    np.testing.assert_allclose(unit["w"], -0.1 * np.array([0.6, 0.8]) / 1e3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["adamw", "google_adamw", "lamb"])
+def test_guarded_update_skips_non_finite_steps_and_otherwise_is_the_plain_update(name):
+    tx = optim.make_optimizer(name, lambda s: 0.01, clip_norm=1.0)
+    params = {"w": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "bias": jnp.array([0.1, -0.1])}
+    state = steps.create_train_state(params, tx, jax.random.key(0))
+    grads = {"w": jnp.array([[0.3, -0.1], [2.0, 0.0]]), "bias": jnp.array([0.5, 0.25])}
+    guarded = jax.jit(functools.partial(steps.apply_guarded_update, tx=tx))
+    # Finite: exactly optax's update and apply_updates (the reference).
+    new, info = guarded(state, grads, jnp.float32(1.5))
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    want = optax.apply_updates(params, updates)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new.params, want)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new.opt_state, opt_state)
+    assert int(new.step) == 1 and float(info["finite"]) == 1.0
+    np.testing.assert_allclose(info["grad_norm"], np.sqrt(0.09 + 0.01 + 4.0 + 0.25 + 0.0625), rtol=1e-6)
+    # A NaN gradient or an infinite loss: parameters and moments stay, bit for bit; the step counts.
+    for bad_grads, loss in ((dict(grads, bias=jnp.array([np.nan, 0.0])), 1.5), (grads, np.inf)):
+        skipped, info = guarded(new, bad_grads, jnp.float32(loss))
+        assert int(skipped.step) == 2 and float(info["finite"]) == 0.0
+        jax.tree_util.tree_map(np.testing.assert_array_equal, skipped.params, new.params)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, skipped.opt_state, new.opt_state)
 
 
 def test_mesh_errors_name_the_config_field():
