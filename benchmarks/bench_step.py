@@ -239,11 +239,11 @@ def bench_hf(args, config, bert_config, batch_np):
     return {"compile_s": time.perf_counter() - t0}, Runner(compiled, state, batch)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def setup(args):
+    """The run's config, model config, one-axis data mesh and host batch, from the flags."""
     import jax
     import numpy as np
-    from bert_jax import modeling, pretrain, sharding, steps
+    from bert_jax import sharding
     from bert_jax.modeling import BertConfig
 
     config = load_config(args.config)
@@ -266,6 +266,15 @@ def main(argv=None):
     mesh = sharding.create_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     batch_np = make_batch(np.random.default_rng(0), args.batch, args.seq_len, predictions,
                           bert_config.vocab_size, args.packing)
+    return config, bert_config, mesh, batch_np, predictions
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import jax
+    from bert_jax import modeling, pretrain, steps
+
+    config, bert_config, mesh, batch_np, predictions = setup(args)
     if args.packing and args.hf:
         raise SystemExit("--hf does not support --packing (HF's BERT has no packed attention)")
 
