@@ -1,14 +1,22 @@
-"""Global-norm clipping: `optax.clip_by_global_norm` against `bert_jax.optim.clip_by_global_norm`.
+"""The optimizer update as the train step applies it, before and after two rewrites.
 
-    python benchmarks/bench_optimizer.py --config=configs/base.py [--rounds=5 --steps=3]
+    python benchmarks/bench_optimizer.py --config=configs/base.py [--rounds=5 --steps=5]
     python benchmarks/bench_optimizer.py --config=configs/base.py --step --seq_len=128 --batch=8
 
-Both variants are timed in one process, their rounds alternating so that both see the same
-machine load. Without `--step`: the optimizer update alone (clipping, then `optim.make_optimizer`'s
-AdamW with its weight-decay mask, then `optax.apply_updates`, state donated) on the config's full
-parameter tree, with a third variant without clipping as the floor. With `--step`: the whole
-pretraining step (`bench_step.py`'s, with its flags) built once with each clipping transform.
-Prints each variant's median and the ratio to optax's.
+`steps.apply_guarded_update` (clipping, the config's optimizer, `optax.apply_updates`, skipped
+when the loss or gradient norm is not finite) used to clip with `optax.clip_by_global_norm` and to
+skip with `jnp.where(finite, new, old)` over the whole state; it now clips with
+`optim.clip_by_global_norm` (one scalar factor) and skips with `lax.cond`. Variants, timed in one
+process with their rounds alternating so that all see the same machine load:
+
+- "before": optax's clipping and the `jnp.where` guard;
+- "optax clip, cond guard": only the guard rewritten;
+- "now": `steps.apply_guarded_update` as it is;
+- "no clip, no guard": optax's update alone (the floor; without `--step` only).
+
+Without `--step`: the update alone on the config's full parameter tree (fixed random gradients
+of global norm > 1, state donated). With `--step`: the whole pretraining step (`bench_step.py`'s, with its flags) built with
+each variant. Prints each variant's median and its ratio to "before".
 """
 
 from __future__ import annotations
@@ -22,18 +30,39 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402  (benchmarks/ is not a package)
 
 
-def update_runner(tx, params, grads):
-    """`tx`'s update and `apply_updates` as one jitted function of (state, grads), state donated."""
+def where_guarded_update(state, grads, loss, tx):
+    """The guard as it was: the update computed always, then selected element-wise."""
     import jax
+    import jax.numpy as jnp
     import optax
 
-    def update(state, grads):
-        params, opt_state = state
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
+    new_state = state.replace(step=state.step + 1, params=keep(new_params, state.params),
+                              opt_state=keep(new_opt_state, state.opt_state))
+    return new_state, {"grad_norm": grad_norm, "finite": finite.astype(jnp.float32)}
 
-    compiled = jax.jit(update, donate_argnums=0)
-    state = jax.block_until_ready(jax.tree_util.tree_map(lambda x: x.copy(), (params, tx.init(params))))
+
+def unguarded_update(state, grads, loss, tx):
+    import optax
+
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state), {}
+
+
+def update_runner(guarded_update, tx, state, grads):
+    """`guarded_update` as one jitted function of the state (donated), on fixed gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    compiled = jax.jit(lambda state, grads: guarded_update(state, grads, jnp.float32(1.0), tx=tx)[0],
+                       donate_argnums=0)
+    state = state.replace(opt_state=tx.init(state.params))  # this variant's chain
+    state = jax.block_until_ready(jax.tree_util.tree_map(lambda x: x.copy(), state))
     return (lambda state: compiled(state, grads)), state
 
 
@@ -50,18 +79,20 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
     import optax
-    from bert_jax import optim, pretrain, sharding
+    from bert_jax import optim, pretrain, sharding, steps
 
     config, bert_config, mesh, batch_np, _ = bench_step.setup(step_args)
-    ours_clip = optim.clip_by_global_norm
-    variants = [("optax.clip_by_global_norm", optax.clip_by_global_norm),
-                ("optim.clip_by_global_norm", ours_clip)]
+    ours_clip, ours_guard = optim.clip_by_global_norm, steps.apply_guarded_update
+    variants = [("before", optax.clip_by_global_norm, where_guarded_update),
+                ("optax clip, cond guard", optax.clip_by_global_norm, ours_guard),
+                ("now", ours_clip, ours_guard)]
     if not args.step:
-        variants.append(("no clipping", None))
+        variants.append(("no clip, no guard", None, unguarded_update))
     runners = {}
-    params = grads = None
-    for name, clip in variants:
-        optim.clip_by_global_norm = clip or ours_clip  # what make_optimizer chains before AdamW
+    state = grads = None
+    for name, clip, guard in variants:
+        # What make_optimizer chains before the optimizer, and what train_step applies it with.
+        optim.clip_by_global_norm, steps.apply_guarded_update = clip or ours_clip, guard
         try:
             if args.step:
                 _, runners[name] = bench_step.bench_ours(step_args, config, bert_config, mesh, batch_np)
@@ -70,12 +101,15 @@ def main(argv=None):
             if clip is None:
                 run_config.clip_norm = 0.0
             _, tx, _, init_state = pretrain.build(run_config, bert_config, mesh)
-            if params is None:
-                params = sharding.sharded_init(init_state, jax.random.key(0), mesh)[0].params
-                grads = jax.tree_util.tree_map(lambda x: jnp.full_like(x, 1e-3), params)
-            runners[name] = update_runner(tx, params, grads)
+            if state is None:
+                state = sharding.sharded_init(init_state, jax.random.key(0), mesh)[0]
+                leaves, treedef = jax.tree_util.tree_flatten(state.params)
+                keys = jax.random.split(jax.random.key(1), len(leaves))
+                grads = jax.tree_util.tree_unflatten(treedef, [  # global norm > 1: clipping acts
+                    0.01 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+            runners[name] = update_runner(guard, tx, state, grads)
         finally:
-            optim.clip_by_global_norm = ours_clip
+            optim.clip_by_global_norm, steps.apply_guarded_update = ours_clip, ours_guard
     times = {name: [] for name in runners}
     for r in range(args.rounds + 1):  # round 0 warms up
         for name, runner in runners.items():
@@ -91,13 +125,22 @@ def main(argv=None):
             runners[name] = (compiled, state)
     if args.step:
         times = {name: runner.durations for name, runner in runners.items()}
-    base = statistics.median(times["optax.clip_by_global_norm"])
+    # Every variant applied the same updates to the same state: their parameters must agree (but
+    # for the floor's, which were not clipped).
+    params = {name: (runner.state if args.step else runner[1]).params for name, runner in runners.items()}
+    diffs = {name: max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                       zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(params["before"])))
+             for name, p in params.items()}
+    base = statistics.median(times["before"])
     what = "pretraining step" if args.step else "optimizer update"
     print(f"{what}, {step_args.config}, {jax.devices()[0].device_kind}, {len(next(iter(times.values())))} "
           f"timings each (median):")
     for name, ts in times.items():
         m = statistics.median(ts)
-        print(f"  {name:28s} {m * 1e3:9.1f} ms   {m / base:.3f}x optax's")
+        diff = f"   parameters differ from before's by at most {diffs[name]:.1e}" if name != "before" else ""
+        print(f"  {name:24s} {m * 1e3:9.1f} ms   {m / base:.3f}x before{diff}")
+    return {name: {"median_s": statistics.median(ts), "max_param_diff_vs_before": diffs[name]}
+            for name, ts in times.items()}
 
 
 if __name__ == "__main__":

@@ -336,6 +336,24 @@ def test_flops_of_a_sparse_last_layer_by_hand():
     assert steps.train_flops_per_sequence(cfg, 4, 1, last_layer_positions=1) == 3 * (352 + 136 + 48 + 16)
 
 
+def test_bench_optimizer_variants_apply_the_same_update():
+    """benchmarks/bench_optimizer.py on the tiny config: the rewritten clipping and guard move
+    the parameters exactly as optax's clipping and the old `jnp.where` guard did."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "bench_optimizer.py")
+    spec = importlib.util.spec_from_file_location("bench_optimizer", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--config=configs/tiny.py", "--rounds=1", "--steps=2"])
+    assert set(result) == {"before", "optax clip, cond guard", "now", "no clip, no guard"}
+    assert result["optax clip, cond guard"]["max_param_diff_vs_before"] == 0.0
+    assert result["now"]["max_param_diff_vs_before"] < 1e-7
+    assert optim.clip_by_global_norm is not optax.clip_by_global_norm  # the benchmark restored it
+    assert steps.apply_guarded_update is not bench.where_guarded_update
+
+
 def test_bench_step_counts_what_each_step_executes():
     """benchmarks/bench_step.py on the tiny config, ours and HF's: the FLOPs it divides by."""
     import importlib.util
