@@ -111,15 +111,21 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     until its effect on differentiating through the update (meta-gradients) is analyzed; a
     training loop does not differentiate through its optimizer. The state is optax's
     `EmptyState`, so checkpoints written with optax's transform restore unchanged.
+
+    A caller that has already computed the updates' global norm passes it as the extra argument
+    `global_norm` (`optax.chain` forwards extra arguments; the other transforms ignore it):
+    `steps.apply_guarded_update` needs the norm outside its conditional, and XLA does not share
+    one computation across the conditional's boundary, so it would otherwise read every gradient
+    twice.
     """
 
-    def update(updates, state, params=None):
-        del params
-        norm = optax.tree.norm(updates)
+    def update(updates, state, params=None, *, global_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if global_norm is None else global_norm
         scale = max_norm / jnp.maximum(norm, max_norm)
         return jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), updates), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update)
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 def make_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float = 0.01,

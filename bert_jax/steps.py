@@ -205,7 +205,10 @@ def apply_guarded_update(state: TrainState, grads: Any, loss: jax.Array,
 
     def update(params_and_opt_state):
         params, opt_state = params_and_opt_state
-        updates, new_opt_state = tx.update(grads, opt_state, params)
+        # Clipping gets the norm computed above: inside the conditional XLA could not reuse it and
+        # would read every gradient again (transforms without extra arguments ignore it).
+        updates, new_opt_state = optax.with_extra_args_support(tx).update(
+            grads, opt_state, params, global_norm=grad_norm)
         return optax.apply_updates(params, updates), new_opt_state
 
     # A conditional, not `jnp.where(finite, new, old)` over the state: selecting keeps the old

@@ -258,6 +258,9 @@ def test_clipping_at_global_norm_one():
     np.testing.assert_allclose(clipped["w"], [0.6, 0.0], rtol=1e-6)
     np.testing.assert_allclose(clipped["b"]["x"], [0.8], rtol=1e-6)
     assert state == optax.clip_by_global_norm(1.0).init(g)  # same (empty) state: checkpoints restore
+    # A norm the caller already has (the guarded update's) is used instead of a second reduction.
+    given, _ = clip.update(g, state, global_norm=jnp.float32(10.0))
+    np.testing.assert_allclose(given["w"], [0.3, 0.0], rtol=1e-6)
     # optax's transform as the reference, above and below the threshold; below it nothing changes.
     rng = np.random.default_rng(0)
     for scale, max_norm in ((1.0, 1.0), (1e-3, 1.0), (0.3, 2.5), (0.6, 2.5)):
@@ -278,6 +281,9 @@ def test_clipping_at_global_norm_one():
     unit, _ = tx.update({"w": jnp.array([0.6, 0.8])}, tx.init(p), p)
     np.testing.assert_allclose(big["w"], unit["w"], rtol=1e-6)
     np.testing.assert_allclose(unit["w"], -0.1 * np.array([0.6, 0.8]) / 1e3, rtol=1e-3)
+    # The chain hands a given norm to the clipping (a deliberately wrong one shows that it is used).
+    tenth, _ = tx.update({"w": jnp.array([0.6, 0.8])}, tx.init(p), p, global_norm=jnp.float32(10.0))
+    np.testing.assert_allclose(tenth["w"], 0.1 * unit["w"], rtol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["adamw", "google_adamw", "lamb"])
