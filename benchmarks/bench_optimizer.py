@@ -129,8 +129,8 @@ def main(argv=None):
     # for the floor's, which were not clipped).
     params = {name: (runner.state if args.step else runner[1]).params for name, runner in runners.items()}
     diffs = {name: max(float(jnp.max(jnp.abs(a - b))) for a, b in
-                       zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(params["before"])))
-             for name, p in params.items()}
+                       zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(params["before"])))
+             for name, tree in params.items()}
     base = statistics.median(times["before"])
     what = "pretraining step" if args.step else "optimizer update"
     print(f"{what}, {step_args.config}, {jax.devices()[0].device_kind}, {len(next(iter(times.values())))} "
