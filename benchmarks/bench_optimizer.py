@@ -139,8 +139,13 @@ def main(argv=None):
         m = statistics.median(ts)
         diff = f"   parameters differ from before's by at most {diffs[name]:.1e}" if name != "before" else ""
         print(f"  {name:24s} {m * 1e3:9.1f} ms   {m / base:.3f}x before{diff}")
-    return {name: {"median_s": statistics.median(ts), "max_param_diff_vs_before": diffs[name]}
-            for name, ts in times.items()}
+    result = {name: {"median_s": statistics.median(ts), "max_param_diff_vs_before": diffs[name]}
+              for name, ts in times.items()}
+    if step_args.json:  # one line for bench_suite.py
+        import json
+        print(json.dumps({"benchmark": what, "config": step_args.config, "device": jax.devices()[0].device_kind,
+                          "timings_each": len(next(iter(times.values()))), "variants": result}))
+    return result
 
 
 if __name__ == "__main__":

@@ -43,6 +43,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+_T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    """Progress on stderr (stdout stays one JSON object with --json): where a killed run was."""
+    print(f"[bench_step {time.perf_counter() - _T0:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def load_config(path: str):
     spec = importlib.util.spec_from_file_location("bench_config", os.path.join(ROOT, path)
                                                   if not os.path.isabs(path) else path)
@@ -185,11 +193,14 @@ def bench_ours(args, config, bert_config, mesh, batch_np):
     # would charge it to the compile (on CPU both share the cores; it grows with the depth).
     jax.block_until_ready((state, batch))
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        log("lowering our step")
         t0 = time.perf_counter()
         lowered = jitted.lower(state, batch)
         t1 = time.perf_counter()
+        log(f"lowered in {t1 - t0:.1f} s; compiling")
         compiled = lowered.compile()
         t2 = time.perf_counter()
+        log(f"compiled in {t2 - t1:.1f} s")
     result = {"lower_s": t1 - t0, "compile_s": t2 - t1}
     return result, Runner(compiled, state, batch, mesh)
 
@@ -233,8 +244,10 @@ def bench_hf(args, config, bert_config, batch_np):
     jitted = jax.jit(step, donate_argnums=0)
     batch = jax.device_put({k: v for k, v in batch_np.items()})
     jax.block_until_ready((state, batch))  # as for ours: the initialization is not the compile's
+    log("compiling HF's step")
     t0 = time.perf_counter()
     compiled = jitted.lower(state, batch).compile()
+    log(f"compiled HF's step in {time.perf_counter() - t0:.1f} s")
     del steps
     return {"compile_s": time.perf_counter() - t0}, Runner(compiled, state, batch)
 
@@ -282,6 +295,7 @@ def main(argv=None):
     peak = pretrain.peak_flops_per_device()
     if peak and args.dtype == "float32" and device.platform == "gpu":
         peak = None  # the table holds bf16 peaks; fp32 MFU on GPU needs --peak_tflops or --measure_peak
+    log(f"{jax.device_count()} x {device.device_kind}; setting up")
     measured_peak = measure_matmul_peak(args.dtype) if args.measure_peak else None
     peak = args.peak_tflops * 1e12 or measured_peak or peak
     result = {
@@ -308,13 +322,16 @@ def main(argv=None):
             hf, hf_runner = bench_hf(args, config, bert_config, batch_np)
             result["hf_compile_s"] = hf["compile_s"]
         # Rounds alternate ours and HF so that both see the same machine load.
+        log(f"{args.warmup} warm-up step(s)")
         runner.run(args.warmup, record=False)
         if hf_runner:
             hf_runner.run(args.warmup, record=False)
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
+            log(f"timing round {r + 1} of {args.rounds}: {args.steps} step(s)")
             runner.run(args.steps)
             if hf_runner:
                 hf_runner.run(args.steps)
+        log(f"done: median step {runner.median * 1e3:.1f} ms")
         ours["step_s"] = result["step_s"] = runner.median
         result["loss"] = runner.loss
         flops = steps.train_flops_per_sequence(bert_config, args.seq_len, predictions) * args.batch

@@ -1,0 +1,247 @@
+"""A named set of benchmark runs, each in its own process with a time limit, results kept as they come.
+
+    python benchmarks/bench_suite.py --suite=gpu --out=$OUT/gpu.jsonl [--timeout_s=240] [--budget_s=570]
+    python benchmarks/bench_suite.py --suite=gpu --only=large_128,large_512_packed   # a subset, in suite order
+    python benchmarks/bench_suite.py --table=gpu.jsonl                                # re-render a results file
+    python benchmarks/bench_suite.py --list                                           # the suites and their runs
+
+Written for a lent GPU's few device-minutes, where one run that hangs must not cost the others:
+
+- every run is a fresh process (`bench_step.py` or `bench_optimizer.py` with `--json`), killed with
+  its whole process group when it passes `--timeout_s` or what is left of `--budget_s`;
+- each run's record (status `ok`, `timeout`, `error` or `skipped`, wall seconds, the parsed JSON
+  result, and the tail of its stderr, where `bench_step.py` logs its phases: so a timeout says
+  whether it was still compiling or already stepping) is appended to `--out` as one JSON line the
+  moment the run ends: whatever the device call's own limit cuts off, the finished runs are there;
+- runs are in priority order (the issue's targets first), and a run that cannot get 30 s of the
+  budget is recorded as skipped, not started.
+
+At the end (and with `--table`) it prints a markdown table of the records in RESULTS.md's columns.
+On the device tool's image (jax with CUDA, flax, optax, orbax; no ml_collections or tensorflow),
+carry an ml_collections wheel in an ignored folder and install it first, e.g.
+`pip install -q --no-deps .whl/*.whl && python benchmarks/bench_suite.py --suite=gpu --out=$OUT/gpu.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+_LARGE = ["--config=configs/large.py", "--dtype=bfloat16"]
+_BASE = ["--config=configs/base.py", "--dtype=bfloat16"]
+_GPU = ["--prng=rbg", "--steps=8", "--warmup=2"]
+
+# name -> (script, flags). Order is priority: a budget that runs out cuts the end of the list.
+SUITES: dict = {
+    "gpu": [
+        # The issue's two H100 targets: BERT-large length 128 (>= 2,050 seq/s), packed 512 (>= 850).
+        ("large_128", "bench_step.py", _LARGE + _GPU + ["--seq_len=128", "--batch=256", "--attention=dot_product"]),
+        ("large_512_packed", "bench_step.py", _LARGE + _GPU + [
+            "--seq_len=512", "--batch=32", "--attention=dot_product", "--packing", "--scan", "--remat=dots"]),
+        ("base_128", "bench_step.py", _BASE + _GPU + ["--seq_len=128", "--batch=256", "--attention=dot_product"]),
+        # Attention implementations compared (XLA's einsum path, with attention dropout).
+        ("base_128_einsum", "bench_step.py", _BASE + _GPU + ["--seq_len=128", "--batch=256"]),
+        # What sparse_last_layer and the optimizer rewrite bought on this device.
+        ("large_128_dense_last_layer", "bench_step.py", _LARGE + _GPU + [
+            "--seq_len=128", "--batch=256", "--attention=dot_product", "--dense_last_layer"]),
+        ("base_128_optimizer_variants", "bench_optimizer.py", _BASE + [
+            "--step", "--seq_len=128", "--batch=256", "--attention=dot_product", "--prng=rbg",
+            "--rounds=3", "--steps=4"]),
+        ("large_512_packed_unrolled", "bench_step.py", _LARGE + _GPU + [
+            "--seq_len=512", "--batch=32", "--attention=dot_product", "--packing", "--remat=dots"]),
+        ("large_128_scan_remat", "bench_step.py", _LARGE + _GPU + [
+            "--seq_len=128", "--batch=256", "--attention=dot_product", "--scan", "--remat=dots"]),
+    ],
+    "cpu": [
+        # The issue's CPU target: ours vs HF's FlaxBertForPreTraining, BERT-base, length 128, float32.
+        ("base_128_vs_hf", "bench_step.py", ["--config=configs/base.py", "--seq_len=128", "--batch=8",
+                                             "--steps=2", "--rounds=3", "--warmup=1", "--hf", "--measure_peak"]),
+        # Compile time: BERT-large <= 60 s, and 24 layers vs 12 <= 1.3x (with nn.scan; unrolled alongside).
+        *[(f"large_compile_{kind}{suffix}", "bench_step.py", ["--config=configs/large.py", "--batch=8",
+                                                            "--compile_only", *flags, *layers])
+          for kind, flags in (("scan", ["--scan"]), ("unrolled", []))
+          for suffix, layers in (("", []), ("_12_layers", ["--layers=12"]))],
+    ],
+    # Seconds on any machine: what the tests run.
+    "smoke": [
+        ("tiny_unrolled", "bench_step.py", ["--config=configs/test.py", "--seq_len=32", "--batch=8",
+                                            "--steps=2", "--warmup=1"]),
+        ("tiny_scan_packed", "bench_step.py", ["--config=configs/test.py", "--seq_len=32", "--batch=8",
+                                               "--steps=2", "--warmup=1", "--scan", "--packing"]),
+    ],
+}
+
+MIN_RUN_S = 30.0  # a run offered less than this is skipped, not started
+
+
+def tail(text: str, lines: int = 15, chars: int = 3000) -> str:
+    return "\n".join(text.splitlines()[-lines:])[-chars:]
+
+
+def run_one(cmd: list, timeout_s: float, env: dict | None = None) -> dict:
+    """Runs `cmd` in a new session; past `timeout_s` the whole group is killed. Never raises."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env=env, cwd=ROOT)
+    except OSError as e:
+        return {"status": "error", "wall_s": 0.0, "stderr_tail": f"could not start {cmd[0]!r}: {e}"}
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        status = "ok" if proc.returncode == 0 else "error"
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the run and anything it started
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        status = "timeout"
+    record = {"status": status, "wall_s": round(time.perf_counter() - t0, 2), "returncode": proc.returncode}
+    result = None
+    for line in reversed((out or "").splitlines()):
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+                break
+            except json.JSONDecodeError:
+                continue
+    if result is not None:
+        record["result"] = result
+    elif status == "ok":
+        record["status"] = "error"
+        record["stdout_tail"] = tail(out or "")
+    record["stderr_tail"] = tail(err or "")
+    return record
+
+
+def run_suite(runs: list, out_path: str | None, timeout_s: float, budget_s: float,
+              python: str = sys.executable) -> list:
+    """Runs `(name, script, flags)` in order; appends each record to `out_path` as it ends."""
+    start = time.perf_counter()
+    records = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if out_path:
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    for name, script, flags in runs:
+        left = budget_s - (time.perf_counter() - start)
+        cmd = [python, os.path.join(HERE, script), *flags, "--json"]
+        if left < MIN_RUN_S:
+            record = {"status": "skipped", "wall_s": 0.0,
+                      "stderr_tail": f"{left:.0f} s of the {budget_s:.0f} s budget left (< {MIN_RUN_S:.0f} s)"}
+        else:
+            limit = min(timeout_s, left)
+            print(f"[{time.perf_counter() - start:6.0f} s] {name}: {' '.join(flags)} (limit {limit:.0f} s)",
+                  file=sys.stderr, flush=True)
+            record = run_one(cmd, limit, env)
+            record["limit_s"] = round(limit, 1)
+        record = {"name": name, "script": script, "flags": flags, **record}
+        print(f"[{time.perf_counter() - start:6.0f} s] {name}: {record['status']} in {record['wall_s']:.0f} s",
+              file=sys.stderr, flush=True)
+        if record["status"] != "ok":
+            print("  " + record["stderr_tail"].replace("\n", "\n  "), file=sys.stderr, flush=True)
+        records.append(record)
+        if out_path:
+            with open(out_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    return records
+
+
+def read_records(path: str) -> list:
+    records = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"{path}:{n}: not a JSON record ({e.msg})") from None
+    return records
+
+
+def _fmt(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def table(records: list) -> str:
+    """Markdown rows: one per record; bench_optimizer records list their variants' medians."""
+    head = ("| run | device | model | T | batch | dtype | attention | layers | dropout | step ms | "
+            "sequences/s | TFLOP/s | MFU | lower + compile s | status |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for rec in records:
+        r = rec.get("result") or {}
+        status = rec["status"] if rec["status"] != "ok" else "ok"
+        if rec["status"] != "ok":
+            status += f" ({rec['wall_s']:.0f} s)"
+        if "variants" in r:  # bench_optimizer.py
+            parts = [f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in r["variants"].items()]
+            lines.append(f"| {rec['name']} | {r.get('device', '')} | optimizer variants: "
+                         + "; ".join(parts) + " |" + " |" * 12 + f" {status} |")
+            continue
+        model = f"L={r['layers']} H={r['hidden']}" if "layers" in r else ""
+        layers = ("scan" if r.get("scan") else "unrolled") if r else ""
+        if r.get("remat", "none") != "none":
+            layers += f" + remat {r['remat']}"
+        if r and not r.get("sparse_last_layer", True):
+            layers += ", dense last layer"
+        rate = r.get("sequences_per_s")
+        seqs = _fmt(rate, ",.0f" if rate is not None and rate >= 100 else ".3g")
+        if r.get("packing"):
+            seqs += " (packed, 3 per row)"
+        step = _fmt(r["step_s"] * 1e3 if "step_s" in r else None, ".1f")
+        compile_s = (f"{r['lower_s']:.1f} + {r['compile_s']:.1f}" if "lower_s" in r
+                     else _fmt(r.get("compile_s"), ".1f"))
+        dropout = "" if not r else ("on" if r.get("dropout") else "off")
+        if r.get("speedup_vs_hf"):
+            status += f"; {r['speedup_vs_hf']:.2f}x HF's {r['hf_step_s'] * 1e3:.0f} ms"
+        lines.append(
+            f"| {rec['name']} | {r.get('device', '')} | {model} | {r.get('seq_len', '')} | {r.get('batch', '')} | "
+            f"{r.get('dtype', '')} | {r.get('attention', '')} | {layers} | {dropout} | {step} | {seqs} | "
+            f"{_fmt(r.get('tflops_per_s'), '.3g')} | {_fmt(r.get('mfu'), '.1%')} | "
+            f"{compile_s} | {status} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", choices=sorted(SUITES))
+    p.add_argument("--only", default="", help="comma-separated run names (suite order kept)")
+    p.add_argument("--out", default="", help="JSON-lines file the records are appended to")
+    p.add_argument("--timeout_s", type=float, default=240.0, help="limit per run")
+    p.add_argument("--budget_s", type=float, default=570.0, help="limit for the whole suite")
+    p.add_argument("--table", default="", help="print the table of an existing results file and stop")
+    p.add_argument("--list", action="store_true", help="print the suites and stop")
+    args = p.parse_args(argv)
+    if args.list:
+        for suite, runs in SUITES.items():
+            print(f"{suite}:")
+            for name, script, flags in runs:
+                print(f"  {name:30s} {script} {' '.join(flags)}")
+        return None
+    if args.table:
+        print(table(read_records(args.table)))
+        return None
+    if not args.suite:
+        p.error("give --suite (or --table / --list)")
+    runs = SUITES[args.suite]
+    if args.only:
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = sorted(set(wanted) - {name for name, _, _ in runs})
+        if unknown:
+            p.error(f"--only: no run named {', '.join(unknown)} in suite {args.suite!r} "
+                    f"(it has {', '.join(name for name, _, _ in runs)})")
+        runs = [run for run in runs if run[0] in wanted]
+    records = run_suite(runs, args.out or None, args.timeout_s, args.budget_s)
+    print(table(records))
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""benchmarks/bench_suite.py: one process per run, killed at its limit, records kept as runs end."""
+
+import importlib.util
+import json
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def suite():
+    spec = importlib.util.spec_from_file_location("bench_suite", os.path.join(ROOT, "benchmarks", "bench_suite.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _script(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _alive(pid):
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_hung_run_is_killed_with_what_it_started_and_says_where_it_was(suite, tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    hang = _script(tmp_path, "hang.py", f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print("[bench_step 1.0 s] compiled in 0.5 s", file=sys.stderr, flush=True)
+        print("[bench_step 1.1 s] timing round 1 of 1", file=sys.stderr, flush=True)
+        time.sleep(120)
+    """)
+    t0 = time.perf_counter()
+    record = suite.run_one([sys.executable, hang], timeout_s=3)
+    assert time.perf_counter() - t0 < 30
+    assert record["status"] == "timeout" and "result" not in record
+    assert record["stderr_tail"].splitlines()[-1].endswith("timing round 1 of 1")
+    grandchild = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while _alive(grandchild) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(grandchild), "the run's own child survived the kill"
+
+
+def test_failures_and_missing_output_are_errors_with_their_tails(suite, tmp_path):
+    boom = _script(tmp_path, "boom.py", """
+        import sys
+        print("half a line of output")
+        sys.exit("RESOURCE_EXHAUSTED: out of memory allocating 56 GiB")
+    """)
+    record = suite.run_one([sys.executable, boom], timeout_s=60)
+    assert record["status"] == "error" and record["returncode"] == 1
+    assert "RESOURCE_EXHAUSTED" in record["stderr_tail"]
+    silent = _script(tmp_path, "silent.py", "print('no json here')\n")
+    record = suite.run_one([sys.executable, silent], timeout_s=60)
+    assert record["status"] == "error" and record["returncode"] == 0
+    assert record["stdout_tail"] == "no json here"
+    missing = suite.run_one([str(tmp_path / "no_such_program")], timeout_s=60)
+    assert missing["status"] == "error" and "no_such_program" in missing["stderr_tail"]
+
+
+def test_the_budget_skips_runs_it_cannot_fit_and_every_record_is_written_as_it_ends(suite, tmp_path):
+    ok = _script(tmp_path, "ok.py", """
+        import json, sys
+        print("some text first")
+        print(json.dumps({"flags": sys.argv[1:], "step_s": 0.5}))
+    """)
+    slow = _script(tmp_path, "slow.py", "import time; time.sleep(60)\n")
+    out = tmp_path / "sub" / "results.jsonl"
+    out.parent.mkdir()
+    out.write_text(json.dumps({"name": "earlier", "status": "ok", "wall_s": 1.0}) + "\n")  # appended to
+    runs = [("first", ok, ["--a=1"]), ("slow", slow, []), ("never", ok, [])]
+    # 'slow' gets the 4 s limit; afterwards < MIN_RUN_S of the budget is left, so 'never' is skipped.
+    records = suite.run_suite(runs, str(out), timeout_s=4, budget_s=suite.MIN_RUN_S + 3)
+    assert [r["status"] for r in records] == ["ok", "timeout", "skipped"]
+    assert records[0]["result"] == {"flags": ["--a=1", "--json"], "step_s": 0.5}
+    assert records[1]["limit_s"] == 4
+    assert [r["name"] for r in suite.read_records(str(out))] == ["earlier", "first", "slow", "never"]
+    assert suite.read_records(str(out))[1:] == records
+
+
+def test_a_real_bench_step_run_and_its_table_row(suite, tmp_path):
+    (name, script, flags), = [run for run in suite.SUITES["smoke"] if run[0] == "tiny_unrolled"]
+    out = tmp_path / "smoke.jsonl"
+    suite.main(["--suite=smoke", "--only=tiny_unrolled", f"--out={out}"])
+    (record,) = suite.read_records(str(out))
+    assert record["status"] == "ok", record["stderr_tail"]
+    result = record["result"]
+    assert (result["layers"], result["seq_len"], result["batch"], result["timed_steps"]) == (2, 32, 8, 2)
+    assert result["sequences_per_s"] == pytest.approx(8 / result["step_s"])
+    # bench_step.py logged its phases to stderr: a run killed later would show the last one.
+    assert "compiled in" in record["stderr_tail"] and "done: median step" in record["stderr_tail"]
+    row = suite.table([record]).splitlines()[2].split("|")
+    assert row[1].strip() == "tiny_unrolled" and row[-2].strip() == "ok"
+    assert row[10].strip() == f"{result['step_s'] * 1e3:.1f}"
+    assert row[11].strip() == f"{result['sequences_per_s']:,.0f}"
+
+
+def test_only_names_unknown_runs(suite, capsys):
+    with pytest.raises(SystemExit):
+        suite.main(["--suite=gpu", "--only=large_128,larg_512"])
+    err = capsys.readouterr().err
+    assert "larg_512" in err and "large_512_packed" in err
+
+
+def test_every_suite_run_parses_with_its_scripts_flags(suite):
+    """A typo in a suite's flags would cost a device-minute; parse them all here."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_step
+    finally:
+        sys.path.pop(0)
+    for runs in suite.SUITES.values():
+        for name, script, flags in runs:
+            assert os.path.exists(os.path.join(ROOT, "benchmarks", script)), name
+            if script == "bench_optimizer.py":  # its own flags, the rest are bench_step's
+                own = {"--step", "--rounds", "--steps"}
+                flags = [f for f in flags if f.split("=")[0] not in own]
+            args = bench_step.parse_args(flags + ["--json"])
+            assert os.path.exists(os.path.join(ROOT, args.config)), name
