@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -397,6 +398,38 @@ def _cudnn_applies(query: Array) -> bool:
             and query.shape[-1] % 8 == 0 and query.shape[-1] <= 128)
 
 
+_CUDNN_REFUSALS: set = set()  # the reasons already logged
+
+
+def _cudnn_trains(query: Array, key: Array, value: Array, mask: Array, scale: float) -> bool:
+    """Whether cuDNN's fused attention takes these shapes with a gradient, probed abstractly.
+
+    cuDNN's rules for training (e.g. with a mask, even lengths only) run in its custom VJP's
+    forward rule, which JAX traces only for a gradient, and, inside `jit`, `nn.scan` or `remat`,
+    only once the forward pass has been traced: too late to fall back to another kernel. So the
+    forward and its VJP are traced here with `jax.eval_shape` (no computation; at trace time
+    only, once per attention call traced). A refusal, whatever its type, sends the call to XLA's attention, and its reason is
+    logged once.
+    """
+    def forward_and_vjp(q, k, v, m):
+        fused = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=m, scale=scale,
+                                                             implementation="cudnn")
+        out, pullback = jax.vjp(fused, q, k, v)
+        return pullback(out)
+
+    try:
+        jax.eval_shape(forward_and_vjp, *(jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                          for x in (query, key, value, mask)))
+        return True
+    except Exception as e:  # noqa: BLE001  (any refusal: XLA's attention is always correct)
+        reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if reason not in _CUDNN_REFUSALS:
+            _CUDNN_REFUSALS.add(reason)
+            logging.warning("cuDNN fused attention refused q %s, kv %s (%s); using XLA's attention",
+                            tuple(query.shape), tuple(key.shape), reason)
+        return False
+
+
 def _dot_product_attention(query: Array, key: Array, value: Array, mask: Array,
                            scale: float) -> Array:
     """`jax.nn.dot_product_attention` on cuDNN's fused kernel where it applies, XLA elsewhere.
@@ -405,14 +438,13 @@ def _dot_product_attention(query: Array, key: Array, value: Array, mask: Array,
     an additive bias inside the cuDNN kernel, so padding, packing and causal masks all keep their
     exact meaning; on an H100 this cost 1.4% of a BERT-base step against cuDNN's per-row length
     mask, which would assume the padding sits at the end of every row (benchmarks/RESULTS.md).
+    Shapes cuDNN takes in inference but not in training go to XLA in both (`_cudnn_trains`):
+    one program whether or not it is differentiated.
     """
     full = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
-    if _cudnn_applies(query):
-        try:
-            return jax.nn.dot_product_attention(query, key, value, mask=full, scale=scale,
-                                                implementation="cudnn")
-        except (NotImplementedError, ValueError):
-            pass  # a shape or cuDNN version without a kernel for it: XLA's attention below
+    if _cudnn_applies(query) and _cudnn_trains(query, key, value, full, scale):
+        return jax.nn.dot_product_attention(query, key, value, mask=full, scale=scale,
+                                            implementation="cudnn")
     return jax.nn.dot_product_attention(query, key, value, mask=full, scale=scale,
                                         implementation="xla")
 

@@ -230,6 +230,78 @@ def test_outputs_do_not_depend_on_scan_remat_or_attention_impl():
         np.testing.assert_allclose(a, b, atol=2e-5 * max(1.0, float(np.max(np.abs(a)))), rtol=1e-5)
 
 
+def test_cudnn_dispatch_falls_back_to_xla_where_cudnn_refuses_a_training_shape(monkeypatch, caplog):
+    """On a GPU, `attention_impl='dot_product'` asks `jax.nn.dot_product_attention` for cuDNN.
+
+    cuDNN's rules for training are checked inside its custom VJP's forward rule, traced only for
+    a gradient, and inside a `jit` (here `ours`) only after the forward pass, where a try/except
+    around the call cannot catch them (with a mask it refuses odd lengths in training and takes
+    them in inference). A stand-in with that rule, on CPU: a
+    refused shape must go to XLA's attention in every layer, under `jit(grad)`, with the
+    outputs and gradients of the einsum path.
+    """
+    real = jax.nn.dot_product_attention
+    calls = []
+
+    def fake_cudnn(query, key, value, mask, scale):
+        xla = lambda q, k, v, m: real(q, k, v, mask=m, scale=scale, implementation="xla")
+
+        @jax.custom_vjp
+        def kernel(q, k, v, m):
+            return xla(q, k, v, m)
+
+        def fwd(q, k, v, m):  # traced only for a gradient: training
+            if q.shape[1] % 2 or k.shape[1] % 2:
+                calls.append(("refused", q.shape[1]))
+                raise NotImplementedError(f"Unsupported sequence length Q {q.shape[1]}, KV {k.shape[1]}.")
+            calls.append(("training", q.shape[1]))
+            return xla(q, k, v, m), (q, k, v, m)
+
+        def bwd(res, g):
+            q, k, v, m = res
+            return (*jax.vjp(lambda q, k, v: xla(q, k, v, m), q, k, v)[1](g), None)
+
+        kernel.defvjp(fwd, bwd)
+        return kernel(query, key, value, mask)
+
+    def dispatch(query, key, value, *, mask=None, scale=None, implementation=None, **kw):
+        if implementation == "cudnn":
+            assert query.dtype == jnp.bfloat16 and mask.shape == (query.shape[0], 1, query.shape[1], key.shape[1])
+            return fake_cudnn(query, key, value, mask, scale)
+        calls.append(("xla", query.shape[1]))
+        return real(query, key, value, mask=mask, scale=scale, implementation=implementation, **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", dispatch)
+    monkeypatch.setattr(modeling, "_cudnn_applies", lambda q: q.dtype in (jnp.bfloat16, jnp.float16))
+    monkeypatch.setattr(modeling, "_CUDNN_REFUSALS", set())
+    config = tiny_config(dtype="bfloat16", sparse_last_layer=False)
+    fused = config.replace(attention_impl="dot_product")
+    layers = config.num_hidden_layers
+    params = random_params(config)
+
+    def loss(cfg, p, inputs):
+        return jnp.sum(ours(cfg, p, inputs).mlm_logits.astype(jnp.float32) ** 2)
+
+    for length in (12, 11):
+        inputs = batch(length)
+        calls.clear()
+        got = jax.jit(jax.value_and_grad(functools.partial(loss, fused)))(params, inputs)
+        if length % 2 == 0:  # cuDNN in every layer, its training rule traced
+            assert {c[0] for c in calls} == {"training"} and len(calls) >= layers, calls
+        else:  # refused once per layer (the probe), then XLA's attention
+            assert sorted(calls) == sorted([("refused", 11), ("xla", 11)] * layers), calls
+        want = jax.jit(jax.value_and_grad(functools.partial(loss, config)))(params, inputs)
+        np.testing.assert_allclose(got[0], want[0], rtol=0.03)
+        for a, b in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(want[1])):
+            np.testing.assert_allclose(a, b, atol=0.05 * max(1.0, float(np.abs(b).max())), rtol=0)
+    assert "Unsupported sequence length Q 11, KV 11" in caplog.text
+    assert caplog.text.count("cuDNN fused attention refused") == 1  # logged once
+    # Inference at the refused length goes to XLA too: one program with or without a gradient.
+    calls.clear()
+    BertForPreTraining(fused).apply({"params": params}, **batch(11), deterministic=True)  # not `ours`: cached
+    assert sorted(calls) == sorted([("refused", 11), ("xla", 11)] * layers), calls
+
+
 def test_init_distribution():
     config = tiny_config(vocab_size=2000, hidden_size=64, num_attention_heads=4, intermediate_size=64)
     params = nn.meta.unbox(BertForPreTraining(config).init(jax.random.key(3), **modeling.dummy_inputs(config))["params"])
