@@ -408,8 +408,8 @@ def _cudnn_trains(query: Array, key: Array, value: Array, mask: Array, scale: fl
     forward rule, which JAX traces only for a gradient, and, inside `jit`, `nn.scan` or `remat`,
     only once the forward pass has been traced: too late to fall back to another kernel. So the
     forward and its VJP are traced here with `jax.eval_shape` (no computation; at trace time
-    only, once per attention call traced). A refusal, whatever its type, sends the call to XLA's attention, and its reason is
-    logged once.
+    only, once per attention call traced). A refusal, whatever its type, sends the call to
+    XLA's attention, and its reason is logged once.
     """
     def forward_and_vjp(q, k, v, m):
         fused = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=m, scale=scale,
