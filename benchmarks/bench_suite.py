@@ -177,9 +177,7 @@ def table(records: list) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for rec in records:
         r = rec.get("result") or {}
-        status = rec["status"] if rec["status"] != "ok" else "ok"
-        if rec["status"] != "ok":
-            status += f" ({rec['wall_s']:.0f} s)"
+        status = rec["status"] if rec["status"] == "ok" else f"{rec['status']} ({rec['wall_s']:.0f} s)"
         if "variants" in r:  # bench_optimizer.py
             parts = [f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in r["variants"].items()]
             lines.append(f"| {rec['name']} | {r.get('device', '')} | optimizer variants: "

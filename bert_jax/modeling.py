@@ -398,18 +398,17 @@ def _cudnn_applies(query: Array) -> bool:
             and query.shape[-1] % 8 == 0 and query.shape[-1] <= 128)
 
 
-_CUDNN_REFUSALS: set = set()  # the reasons already logged
-
-
-def _cudnn_trains(query: Array, key: Array, value: Array, mask: Array, scale: float) -> bool:
-    """Whether cuDNN's fused attention takes these shapes with a gradient, probed abstractly.
+@functools.lru_cache(maxsize=None)
+def _cudnn_trains(shapes: tuple, scale: float) -> bool:
+    """Whether cuDNN's fused attention takes q, k, v and mask of these `(shape, dtype)`s with a
+    gradient, probed abstractly.
 
     cuDNN's rules for training (e.g. with a mask, even lengths only) run in its custom VJP's
     forward rule, which JAX traces only for a gradient, and, inside `jit`, `nn.scan` or `remat`,
     only once the forward pass has been traced: too late to fall back to another kernel. So the
-    forward and its VJP are traced here with `jax.eval_shape` (no computation; at trace time
-    only, once per attention call traced). A refusal, whatever its type, sends the call to
-    XLA's attention, and its reason is logged once.
+    forward and its VJP are traced here with `jax.eval_shape` (no computation), once per set of
+    shapes (every layer has the same). A refusal, whatever its type, is logged and sends the
+    call to XLA's attention.
     """
     def forward_and_vjp(q, k, v, m):
         fused = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=m, scale=scale,
@@ -418,15 +417,12 @@ def _cudnn_trains(query: Array, key: Array, value: Array, mask: Array, scale: fl
         return pullback(out)
 
     try:
-        jax.eval_shape(forward_and_vjp, *(jax.ShapeDtypeStruct(x.shape, x.dtype)
-                                          for x in (query, key, value, mask)))
+        jax.eval_shape(forward_and_vjp, *(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes))
         return True
     except Exception as e:  # noqa: BLE001  (any refusal: XLA's attention is always correct)
         reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        if reason not in _CUDNN_REFUSALS:
-            _CUDNN_REFUSALS.add(reason)
-            logging.warning("cuDNN fused attention refused q %s, kv %s (%s); using XLA's attention",
-                            tuple(query.shape), tuple(key.shape), reason)
+        logging.warning("cuDNN fused attention refused q %s, kv %s (%s); using XLA's attention",
+                        shapes[0][0], shapes[1][0], reason)
         return False
 
 
@@ -442,7 +438,8 @@ def _dot_product_attention(query: Array, key: Array, value: Array, mask: Array,
     one program whether or not it is differentiated.
     """
     full = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
-    if _cudnn_applies(query) and _cudnn_trains(query, key, value, full, scale):
+    if _cudnn_applies(query) and _cudnn_trains(
+            tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in (query, key, value, full)), float(scale)):
         return jax.nn.dot_product_attention(query, key, value, mask=full, scale=scale,
                                             implementation="cudnn")
     return jax.nn.dot_product_attention(query, key, value, mask=full, scale=scale,
