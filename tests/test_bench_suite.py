@@ -1,6 +1,5 @@
 """benchmarks/bench_suite.py: one process per run, killed at its limit, records kept as runs end."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -12,12 +11,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def suite():
-    spec = importlib.util.spec_from_file_location("bench_suite", os.path.join(ROOT, "benchmarks", "bench_suite.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def suite(load_benchmark):
+    return load_benchmark("bench_suite")
 
 
 def _script(tmp_path, name, body):
@@ -119,13 +115,9 @@ def test_only_names_unknown_runs(suite, capsys):
     assert "larg_512" in err and "large_512_packed" in err
 
 
-def test_every_suite_run_parses_with_its_scripts_flags(suite):
+def test_every_suite_run_parses_with_its_scripts_flags(suite, load_benchmark):
     """A typo in a suite's flags would cost a device-minute; parse them all here."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench_step
-    finally:
-        sys.path.pop(0)
+    bench_step = load_benchmark("bench_step")
     for runs in suite.SUITES.values():
         for name, script, flags in runs:
             assert os.path.exists(os.path.join(ROOT, "benchmarks", script)), name

@@ -342,18 +342,12 @@ def test_flops_of_a_sparse_last_layer_by_hand():
     assert steps.train_flops_per_sequence(cfg, 4, 1, last_layer_positions=1) == 3 * (352 + 136 + 48 + 16)
 
 
-def test_bench_optimizer_variants_apply_the_same_update():
+def test_bench_optimizer_variants_apply_the_same_update(load_benchmark):
     """benchmarks/bench_optimizer.py on the tiny config: the `lax.cond` guard moves the parameters
     bit for bit as the old `jnp.where` guard did, and with our clipping they agree to rounding.
     (Adam's step barely depends on the gradient's scale, so this cannot pin the clipping itself:
     test_clipping_at_global_norm_one does, against optax.)"""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "bench_optimizer.py")
-    spec = importlib.util.spec_from_file_location("bench_optimizer", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_optimizer")
     result = bench.main(["--config=configs/tiny.py", "--rounds=1", "--steps=2"])
     assert set(result) == {"before", "optax clip, cond guard", "now", "no clip, no guard"}
     assert result["optax clip, cond guard"]["max_param_diff_vs_before"] == 0.0
@@ -362,15 +356,9 @@ def test_bench_optimizer_variants_apply_the_same_update():
     assert steps.apply_guarded_update is not bench.where_guarded_update
 
 
-def test_bench_step_counts_what_each_step_executes():
+def test_bench_step_counts_what_each_step_executes(load_benchmark):
     """benchmarks/bench_step.py on the tiny config, ours and HF's: the FLOPs it divides by."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "bench_step.py")
-    spec = importlib.util.spec_from_file_location("bench_step", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_step")
     common = ["--config=configs/tiny.py", "--seq_len=32", "--batch=8", "--predictions=5", "--steps=1",
               "--warmup=0", "--json", "--measure_peak"]
     sparse = bench.main(common + ["--hf"])
