@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bert_jax.modeling import BertConfig, BertModel, Dense
+from bert_jax.modeling import BertConfig, BertModel, Dense, Dropout
 
 HEAD_KINDS = ("classification", "regression", "span", "token", "multiple_choice")
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids")
@@ -57,7 +57,7 @@ class OutputLayer(nn.Module):
     def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
         cfg = self.config
         if self.dropout:
-            x = nn.Dropout(rate=cfg.hidden_dropout_prob)(x, deterministic=deterministic)
+            x = Dropout(rate=cfg.hidden_dropout_prob)(x, deterministic=deterministic)
         logits = Dense(cfg, (cfg.hidden_size,), (self.num_outputs,), ("embed", "classes"), name="output")(x)
         return logits.astype(jnp.float32)
 

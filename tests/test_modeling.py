@@ -404,6 +404,84 @@ def test_dropout_is_active_only_in_training():
             {"params": params}, **inputs, deterministic=False, rngs={"dropout": jax.random.key(1)})
 
 
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 4, 16, 16), (2, 3, 1, 5)])
+@pytest.mark.parametrize("keep_prob", [0.9, 0.5, 0.013])
+def test_keep_mask_is_jax_bernoulli_bit_for_bit(shape, keep_prob):
+    typed = jax.random.key(7)
+    for rng in (typed, jax.random.key_data(typed), jax.random.key(2 ** 31 + 5)):
+        ours = jax.jit(modeling.keep_mask, static_argnums=(1, 2))(rng, keep_prob, shape)
+        assert ours.dtype == jnp.bool_ and ours.shape == shape
+        np.testing.assert_array_equal(ours, jax.random.bernoulli(rng, keep_prob, shape))
+    # Batched keys (vmap), as nn.scan and vmapped code hand them out.
+    keys = jax.random.split(typed, 3)
+    np.testing.assert_array_equal(
+        jax.vmap(lambda k: modeling.keep_mask(k, keep_prob, shape))(keys),
+        jax.vmap(lambda k: jax.random.bernoulli(k, keep_prob, shape))(keys))
+    # Other generators are handed to jax.random itself.
+    rbg = jax.random.key(3, impl="rbg")
+    np.testing.assert_array_equal(modeling.keep_mask(rbg, keep_prob, shape),
+                                  jax.random.bernoulli(rbg, keep_prob, shape))
+
+
+def test_keep_mask_is_one_fused_pass_on_cpu():
+    """JAX's own CPU lowering of the threefry hash is a loop of five passes over the array."""
+    hlo = jax.jit(lambda k: modeling.keep_mask(k, 0.9, (64, 128))).lower(jax.random.key(0)).compile().as_text()
+    assert "while" not in hlo
+
+
+def test_dropout_module_equals_flax_dropout():
+    class Both(nn.Module):
+        rate: float
+        broadcast_dims: tuple = ()
+
+        @nn.compact
+        def __call__(self, x, deterministic):
+            return (modeling.Dropout(self.rate, self.broadcast_dims, name="ours")(x, deterministic),
+                    nn.Dropout(self.rate, self.broadcast_dims, name="flax")(x, deterministic))
+
+    x = jax.random.normal(jax.random.key(0), (4, 6, 10), jnp.bfloat16)
+    for rate, dims in [(0.1, ()), (0.5, (-2,)), (0.3, (0, 2)), (1.0, ()), (0.0, ())]:
+        for deterministic in (False, True):
+            # Same module path for both ("ours" and "flax" differ): pass the same explicit rng.
+            rng = jax.random.key(11)
+            ours = modeling.Dropout(rate, dims).apply({}, x, deterministic, rng=rng)
+            flax = nn.Dropout(rate, dims).apply({}, x, deterministic, rng=rng)
+            assert ours.dtype == flax.dtype
+            np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(flax, np.float32))
+            if not deterministic and 0.0 < rate < 1.0:
+                zeros = float(np.mean(np.asarray(ours) == 0))
+                assert 0.0 < zeros < 1.0
+    # Through make_rng (the "dropout" collection), both draw their masks from the same key.
+    ours, flax = Both(0.2).apply({}, x, False, rngs={"dropout": jax.random.key(4)})
+    assert ours.shape == flax.shape
+    assert 0.1 < float(np.mean(np.asarray(ours) == 0)) < 0.3
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_training_outputs_equal_those_with_flax_dropout_and_jax_bernoulli(monkeypatch, scan):
+    """Our dropout changes speed, not results: the same masks as flax's nn.Dropout (same module
+    names, so the same keys) and as jax.random.bernoulli in the attention probabilities."""
+    config = tiny_config(scan_layers=scan)
+    params = random_params(config)  # stacked layers under scan
+    inputs = batch()
+
+    def run():
+        out = BertForPreTraining(config).apply({"params": params}, **inputs, deterministic=False,
+                                               rngs={"dropout": jax.random.key(5)})
+        return np.asarray(out.mlm_logits), np.asarray(out.nsp_logits)
+
+    ours = run()
+    monkeypatch.setattr(modeling, "Dropout", nn.Dropout)
+    monkeypatch.setattr(modeling, "keep_mask", lambda rng, p, shape: jax.random.bernoulli(rng, p, shape))
+    reference = run()
+    for a, b in zip(ours, reference):
+        # One dropped element more or less would move logits by ~0.1; XLA may fuse the float ops
+        # around the masks differently (inside scan's loop it does), which moves them by ~1e-6.
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    deterministic = BertForPreTraining(config).apply({"params": params}, **inputs, deterministic=True)
+    assert not np.allclose(ours[0], deterministic.mlm_logits)
+
+
 def test_gelu_variants():
     x = jnp.array([-3.0, -1.0, 0.5, 2.0])
     erf = 0.5 * x * (1 + jax.scipy.special.erf(x / np.sqrt(2)))
