@@ -7,8 +7,9 @@
 
 Written for a lent GPU's few device-minutes, where one run that hangs must not cost the others:
 
-- every run is a fresh process (`bench_step.py` or `bench_optimizer.py` with `--json`), killed with
-  its whole process group when it passes `--timeout_s` or what is left of `--budget_s`;
+- every run is a fresh process (`bench_step.py`, `bench_optimizer.py` or `bench_dropout.py` with
+  `--json`), killed with its whole process group when it passes `--timeout_s` or what is left of
+  `--budget_s`;
 - each run's record (status `ok`, `timeout`, `error` or `skipped`, wall seconds, the parsed JSON
   result, and the tail of its stderr, where `bench_step.py` logs its phases: so a timeout says
   whether it was still compiling or already stepping) is appended to `--out` as one JSON line the
@@ -64,6 +65,10 @@ SUITES: dict = {
         # The CPU target: ours vs HF's FlaxBertForPreTraining, BERT-base, length 128, float32.
         ("base_128_vs_hf", "bench_step.py", ["--config=configs/base.py", "--seq_len=128", "--batch=8",
                                              "--steps=2", "--rounds=3", "--warmup=1", "--hf", "--measure_peak"]),
+        # Dropout masks: keep_mask against jax.random.bernoulli (the masks alone, then the step).
+        ("base_128_dropout_masks", "bench_dropout.py", ["--config=configs/base.py", "--seq_len=128", "--batch=8"]),
+        ("base_128_dropout_step", "bench_dropout.py", ["--config=configs/base.py", "--seq_len=128", "--batch=8",
+                                                       "--step", "--rounds=3"]),
         # Compile time: BERT-large <= 60 s, and 24 layers vs 12 <= 1.3x (with nn.scan; unrolled alongside).
         *[(f"large_compile_{kind}{suffix}", "bench_step.py", ["--config=configs/large.py", "--batch=8",
                                                             "--compile_only", *flags, *layers])
@@ -178,9 +183,9 @@ def table(records: list) -> str:
     for rec in records:
         r = rec.get("result") or {}
         status = rec["status"] if rec["status"] == "ok" else f"{rec['status']} ({rec['wall_s']:.0f} s)"
-        if "variants" in r:  # bench_optimizer.py
+        if "variants" in r:  # bench_optimizer.py, bench_dropout.py
             parts = [f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in r["variants"].items()]
-            lines.append(f"| {rec['name']} | {r.get('device', '')} | optimizer variants: "
+            lines.append(f"| {rec['name']} | {r.get('device', '')} | {r.get('benchmark', '')} variants: "
                          + "; ".join(parts) + " |" + " |" * 12 + f" {status} |")
             continue
         model = f"L={r['layers']} H={r['hidden']}" if "layers" in r else ""

@@ -121,7 +121,7 @@ def test_every_suite_run_parses_with_its_scripts_flags(suite, load_benchmark):
     for runs in suite.SUITES.values():
         for name, script, flags in runs:
             assert os.path.exists(os.path.join(ROOT, "benchmarks", script)), name
-            if script == "bench_optimizer.py":  # its own flags, the rest are bench_step's
+            if script in ("bench_optimizer.py", "bench_dropout.py"):  # own flags; the rest are bench_step's
                 own = {"--step", "--rounds", "--steps"}
                 flags = [f for f in flags if f.split("=")[0] not in own]
             args = bench_step.parse_args(flags + ["--json"])

@@ -423,10 +423,18 @@ def test_keep_mask_is_jax_bernoulli_bit_for_bit(shape, keep_prob):
                                   jax.random.bernoulli(rbg, keep_prob, shape))
 
 
-def test_keep_mask_is_one_fused_pass_on_cpu():
+def test_keep_mask_is_one_fused_pass_on_cpu_and_sharded_computes_its_shard_only():
     """JAX's own CPU lowering of the threefry hash is a loop of five passes over the array."""
     hlo = jax.jit(lambda k: modeling.keep_mask(k, 0.9, (64, 128))).lower(jax.random.key(0)).compile().as_text()
     assert "while" not in hlo
+    # Over 8 devices, each computes its [2, 128] rows: no full-size counter is ever built.
+    sharded = jax.sharding.NamedSharding(jax.make_mesh((8,), ("data",)), jax.sharding.PartitionSpec("data"))
+    draw = jax.jit(lambda k: modeling.keep_mask(k, 0.9, (16, 128)), out_shardings=sharded)
+    hlo = draw.lower(jax.random.key(0)).compile().as_text()
+    assert "u32[2,128]" in hlo and "u32[16,128]" not in hlo
+    mask = draw(jax.random.key(0))
+    assert mask.sharding == sharded
+    np.testing.assert_array_equal(mask, jax.random.bernoulli(jax.random.key(0), 0.9, (16, 128)))
 
 
 def test_dropout_module_equals_flax_dropout():

@@ -377,3 +377,21 @@ def test_bench_step_counts_what_each_step_executes(load_benchmark):
     assert sparse["hf_executed_tflop"] * 1e12 == pytest.approx(model_count + hf_extra)
     assert sparse["matmul_peak_tflops"] > 0 and 0 < sparse["matmul_bound_share"] < 1
     assert sparse["loss"] == pytest.approx(sparse["hf_loss"], rel=0.5)
+
+
+def test_bench_dropout_variants_draw_the_same_masks_and_make_the_same_steps(load_benchmark):
+    """benchmarks/bench_dropout.py on the tiny config: keep_mask's masks equal
+    jax.random.bernoulli's element for element, and the steps built on each move the parameters
+    identically."""
+    bench = load_benchmark("bench_dropout")
+    flags = ["--config=configs/tiny.py", "--seq_len=32", "--batch=8", "--rounds=1", "--steps=1"]
+    masks = bench.main(flags)
+    cfg = BertConfig.from_dict(bench.bench_step.load_config("configs/tiny.py").model.to_dict())
+    hidden = 8 * 32 * cfg.hidden_size
+    probs = 8 * cfg.num_attention_heads * 32 * 32
+    assert masks["elements"] == hidden * (1 + 2 * cfg.num_hidden_layers) + probs * cfg.num_hidden_layers
+    assert masks["masks_differing"] == 0
+    step = bench.main(flags + ["--step"])
+    assert set(step["variants"]) == {"jax.random.bernoulli", "keep_mask"}
+    assert step["max_param_diff"] == 0.0
+    assert modeling.keep_mask.__module__ == "bert_jax.modeling"  # the benchmark put it back

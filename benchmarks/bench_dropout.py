@@ -1,0 +1,129 @@
+"""Dropout masks: `modeling.keep_mask` against `jax.random.bernoulli`, which it reproduces bit for bit.
+
+    python benchmarks/bench_dropout.py --config=configs/base.py --seq_len=128 --batch=8
+    python benchmarks/bench_dropout.py --config=configs/base.py --seq_len=128 --batch=8 --step
+
+JAX lowers its threefry hash for CPU as a loop of five rounds over the whole array, which XLA
+cannot fuse with anything; `keep_mask` computes the same hash unrolled. Two variants, timed in one
+process with their rounds alternating so that both see the same machine load:
+
+- "jax.random.bernoulli": the masks as flax's `nn.Dropout` draws them (our model before);
+- "keep_mask": `bert_jax.modeling.keep_mask`, as the model draws them now.
+
+Without `--step`: every mask one training step of the config draws (the embeddings', two per
+layer on the hidden states, one per layer on the attention probabilities), from one key each, in
+one jitted function; the two variants' masks are compared element for element. With `--step`:
+the whole pretraining step (`bench_step.py`'s, with its flags) built with each variant; after the
+same steps on the same batch their parameters are compared. Prints each variant's median and the
+ratio; `--json` adds one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_step  # noqa: E402  (benchmarks/ is not a package)
+
+
+def mask_shapes(bert_config, batch: int, seq_len: int) -> list:
+    """The shapes of the dropout masks one training step draws (dense last layer)."""
+    hidden = (batch, seq_len, bert_config.hidden_size)
+    probs = (batch, bert_config.num_attention_heads, seq_len, seq_len)
+    shapes = [hidden] if bert_config.hidden_dropout_prob > 0 else []
+    for _ in range(bert_config.num_hidden_layers):
+        if bert_config.hidden_dropout_prob > 0:
+            shapes += [hidden, hidden]
+        if bert_config.attention_probs_dropout_prob > 0:
+            shapes.append(probs)
+    return shapes
+
+
+def masks_fn(draw, shapes, keep_prob: float):
+    """One jitted function drawing every mask from its own key; returns the masks."""
+    import jax
+
+    def fn(key):
+        keys = jax.random.split(key, len(shapes))
+        return [draw(k, keep_prob, s) for k, s in zip(keys, shapes)]
+
+    return jax.jit(fn)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--step", action="store_true", help="time the whole pretraining step instead")
+    p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds per variant")
+    p.add_argument("--steps", type=int, default=0, help="timings per round (default 2 with --step, else 5)")
+    args, rest = p.parse_known_args(argv)  # the rest are bench_step.py's flags
+    step_args = bench_step.parse_args(rest)
+    steps_per_round = args.steps or (2 if args.step else 5)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bert_jax import modeling
+
+    config, bert_config, mesh, batch_np, _ = bench_step.setup(step_args)
+    ours = modeling.keep_mask
+    variants = {"jax.random.bernoulli": lambda rng, p, shape: jax.random.bernoulli(rng, p, shape),
+                "keep_mask": ours}
+    shapes = mask_shapes(bert_config, step_args.batch, step_args.seq_len)
+    elements = sum(int(np.prod(s)) for s in shapes)
+    runners = {}
+    for name, draw in variants.items():
+        if args.step:
+            modeling.keep_mask = draw  # looked up when the step is traced, i.e. in bench_ours
+            try:
+                _, runners[name] = bench_step.bench_ours(step_args, config, bert_config, mesh, batch_np)
+            finally:
+                modeling.keep_mask = ours
+        else:
+            fn = masks_fn(draw, shapes, 1.0 - bert_config.hidden_dropout_prob)
+            jax.block_until_ready(fn(jax.random.key(0)))  # compile
+            runners[name] = fn
+    times = {name: [] for name in variants}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for name, runner in runners.items():
+            if args.step:
+                runner.run(steps_per_round, record=r > 0)
+                continue
+            for i in range(steps_per_round):
+                t0 = time.perf_counter()
+                jax.block_until_ready(runner(jax.random.key(i)))
+                if r > 0:
+                    times[name].append(time.perf_counter() - t0)
+    if args.step:
+        times = {name: runner.durations for name, runner in runners.items()}
+        trees = [runner.state.params for runner in runners.values()]
+        diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                   zip(*(jax.tree_util.tree_leaves(t) for t in trees)))
+        check = f"parameters after {runners['keep_mask'].state.step} steps differ by at most {diff:.1e}"
+    else:
+        a, b = (runner(jax.random.key(123)) for runner in runners.values())
+        differing = sum(int(jnp.sum(x != y)) for x, y in zip(a, b))
+        check = f"masks differing: {differing} of {elements:,} elements"
+        diff = differing
+    base = statistics.median(times["jax.random.bernoulli"])
+    what = "pretraining step" if args.step else f"the step's dropout masks ({len(shapes)} arrays, {elements:,} elements)"
+    print(f"{what}, {step_args.config}, batch {step_args.batch}, length {step_args.seq_len}, "
+          f"{jax.devices()[0].device_kind}, {len(times['keep_mask'])} timings each (median):")
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"  {name:22s} {m * 1e3:9.1f} ms   {base / m:.2f}x jax.random.bernoulli's speed")
+    print(f"  {check}")
+    result = {"benchmark": "pretraining step" if args.step else "dropout masks", "config": step_args.config,
+              "device": jax.devices()[0].device_kind, "elements": elements,
+              ("max_param_diff" if args.step else "masks_differing"): diff,
+              "variants": {name: {"median_s": statistics.median(ts)} for name, ts in times.items()}}
+    if step_args.json:
+        import json
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
