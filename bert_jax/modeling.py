@@ -353,14 +353,18 @@ def keep_mask(rng: Array, keep_prob: float, shape: tuple) -> Array:
     return uniform < np.float32(keep_prob)
 
 
-def dropout(x: Array, rate: float, rng: Array) -> Array:
-    """Inverted dropout: zero each element with probability `rate`, scale the rest by 1/(1-rate)."""
+def dropout(x: Array, rate: float, rng: Array, broadcast_dims: tuple = ()) -> Array:
+    """Inverted dropout: zero each element with probability `rate`, scale the rest by 1/(1-rate);
+    one mask value is shared along `broadcast_dims` (as in `flax.linen.Dropout`)."""
     if rate == 0.0:
         return x
     if rate == 1.0:
         return jnp.zeros_like(x)
     keep_prob = 1.0 - rate
-    return jax.lax.select(keep_mask(rng, keep_prob, x.shape), x / keep_prob, jnp.zeros_like(x))
+    dims = {d % x.ndim for d in broadcast_dims}
+    shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
+    keep = jnp.broadcast_to(keep_mask(rng, keep_prob, shape), x.shape)
+    return jax.lax.select(keep, x / keep_prob, jnp.zeros_like(x))
 
 
 class Dropout(nn.Dropout):
@@ -372,15 +376,9 @@ class Dropout(nn.Dropout):
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
         if self.rate == 0.0 or deterministic:
             return inputs
-        if self.rate == 1.0:
-            return jnp.zeros_like(inputs)
-        if rng is None:
+        if rng is None and self.rate != 1.0:
             rng = self.make_rng(self.rng_collection)
-        keep_prob = 1.0 - self.rate
-        dims = {d % inputs.ndim for d in self.broadcast_dims}
-        shape = tuple(1 if d in dims else n for d, n in enumerate(inputs.shape))
-        keep = jnp.broadcast_to(keep_mask(rng, keep_prob, shape), inputs.shape)
-        return jax.lax.select(keep, inputs / keep_prob, jnp.zeros_like(inputs))
+        return dropout(inputs, self.rate, rng, self.broadcast_dims)
 
 
 class Embeddings(nn.Module):
