@@ -20,20 +20,20 @@ ratio; `--json` adds one JSON line.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402  (benchmarks/ is not a package)
 
 
 def mask_shapes(bert_config, batch: int, seq_len: int) -> list:
-    """The shapes of the dropout masks one training step draws (dense last layer)."""
-    hidden = (batch, seq_len, bert_config.hidden_size)
-    probs = (batch, bert_config.num_attention_heads, seq_len, seq_len)
+    """`(shape, keep_prob)` of each dropout mask one training step draws (dense last layer)."""
+    hidden = ((batch, seq_len, bert_config.hidden_size), 1.0 - bert_config.hidden_dropout_prob)
+    probs = ((batch, bert_config.num_attention_heads, seq_len, seq_len),
+             1.0 - bert_config.attention_probs_dropout_prob)
     shapes = [hidden] if bert_config.hidden_dropout_prob > 0 else []
     for _ in range(bert_config.num_hidden_layers):
         if bert_config.hidden_dropout_prob > 0:
@@ -43,25 +43,26 @@ def mask_shapes(bert_config, batch: int, seq_len: int) -> list:
     return shapes
 
 
-def masks_fn(draw, shapes, keep_prob: float):
-    """One jitted function drawing every mask from its own key; returns the masks."""
-    import jax
+class MaskRunner:
+    """Every mask of `shapes` drawn with `draw`, from its own key, in one jitted function; each
+    call draws them once (a new key per call) and waits."""
 
-    def fn(key):
-        keys = jax.random.split(key, len(shapes))
-        return [draw(k, keep_prob, s) for k, s in zip(keys, shapes)]
+    def __init__(self, draw, shapes):
+        import jax
 
-    return jax.jit(fn)
+        self.fn = jax.jit(lambda key: [draw(k, p, shape) for k, (shape, p) in
+                                       zip(jax.random.split(key, len(shapes)), shapes)])
+        self.calls = 0
+
+    def __call__(self, key=None):
+        import jax
+
+        self.calls += 1
+        return jax.block_until_ready(self.fn(jax.random.key(self.calls) if key is None else key))
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--step", action="store_true", help="time the whole pretraining step instead")
-    p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds per variant")
-    p.add_argument("--steps", type=int, default=0, help="timings per round (default 2 with --step, else 5)")
-    args, rest = p.parse_known_args(argv)  # the rest are bench_step.py's flags
-    step_args = bench_step.parse_args(rest)
-    steps_per_round = args.steps or (2 if args.step else 5)
+    args, step_args = bench_step.parse_variant_args(__doc__.splitlines()[0], argv)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -72,7 +73,7 @@ def main(argv=None):
     variants = {"jax.random.bernoulli": lambda rng, p, shape: jax.random.bernoulli(rng, p, shape),
                 "keep_mask": ours}
     shapes = mask_shapes(bert_config, step_args.batch, step_args.seq_len)
-    elements = sum(int(np.prod(s)) for s in shapes)
+    elements = sum(int(np.prod(shape)) for shape, _ in shapes)
     runners = {}
     for name, draw in variants.items():
         if args.step:
@@ -82,31 +83,18 @@ def main(argv=None):
             finally:
                 modeling.keep_mask = ours
         else:
-            fn = masks_fn(draw, shapes, 1.0 - bert_config.hidden_dropout_prob)
-            jax.block_until_ready(fn(jax.random.key(0)))  # compile
-            runners[name] = fn
-    times = {name: [] for name in variants}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for name, runner in runners.items():
-            if args.step:
-                runner.run(steps_per_round, record=r > 0)
-                continue
-            for i in range(steps_per_round):
-                t0 = time.perf_counter()
-                jax.block_until_ready(runner(jax.random.key(i)))
-                if r > 0:
-                    times[name].append(time.perf_counter() - t0)
+            runners[name] = MaskRunner(draw, shapes)
+    units = {name: (functools.partial(runner.run, 1, record=False) if args.step else runner)
+             for name, runner in runners.items()}
+    times = bench_step.time_alternating(units, args.rounds, args.steps)
     if args.step:
-        times = {name: runner.durations for name, runner in runners.items()}
-        trees = [runner.state.params for runner in runners.values()]
-        diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-                   zip(*(jax.tree_util.tree_leaves(t) for t in trees)))
-        check = f"parameters after {runners['keep_mask'].state.step} steps differ by at most {diff:.1e}"
+        before, now = (runner.state for runner in runners.values())
+        diff = bench_step.max_abs_diff(before.params, now.params)
+        check = f"parameters after {int(now.step)} steps differ by at most {diff:.1e}"
     else:
         a, b = (runner(jax.random.key(123)) for runner in runners.values())
-        differing = sum(int(jnp.sum(x != y)) for x, y in zip(a, b))
-        check = f"masks differing: {differing} of {elements:,} elements"
-        diff = differing
+        diff = sum(int(jnp.sum(x != y)) for x, y in zip(a, b))
+        check = f"masks differing: {diff} of {elements:,} elements"
     base = statistics.median(times["jax.random.bernoulli"])
     what = "pretraining step" if args.step else f"the step's dropout masks ({len(shapes)} arrays, {elements:,} elements)"
     print(f"{what}, {step_args.config}, batch {step_args.batch}, length {step_args.seq_len}, "

@@ -21,10 +21,9 @@ each variant. Prints each variant's median and its ratio to "before".
 
 from __future__ import annotations
 
-import argparse
+import functools
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402  (benchmarks/ is not a package)
@@ -54,30 +53,31 @@ def unguarded_update(state, grads, loss, tx):
                          opt_state=opt_state), {}
 
 
-def update_runner(guarded_update, tx, state, grads):
-    """`guarded_update` as one jitted function of the state (donated), on fixed gradients."""
-    import jax
-    import jax.numpy as jnp
+class UpdateRunner:
+    """`guarded_update` as one jitted function of the state (donated) on fixed gradients; each
+    call applies it once and waits."""
 
-    compiled = jax.jit(lambda state, grads: guarded_update(state, grads, jnp.float32(1.0), tx=tx)[0],
-                       donate_argnums=0)
-    state = state.replace(opt_state=tx.init(state.params))  # this variant's chain
-    state = jax.block_until_ready(jax.tree_util.tree_map(lambda x: x.copy(), state))
-    return (lambda state: compiled(state, grads)), state
+    def __init__(self, guarded_update, tx, state, grads):
+        import jax
+        import jax.numpy as jnp
+
+        self.compiled = jax.jit(lambda state, grads: guarded_update(state, grads, jnp.float32(1.0), tx=tx)[0],
+                                donate_argnums=0)
+        state = state.replace(opt_state=tx.init(state.params))  # this variant's chain
+        self.state = jax.block_until_ready(jax.tree_util.tree_map(lambda x: x.copy(), state))
+        self.grads = grads
+
+    def __call__(self) -> None:
+        import jax
+
+        self.state = jax.block_until_ready(self.compiled(self.state, self.grads))
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--step", action="store_true", help="time the whole pretraining step instead")
-    p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds per variant")
-    p.add_argument("--steps", type=int, default=0, help="timings per round (default 2 with --step, else 5)")
-    args, rest = p.parse_known_args(argv)  # the rest are bench_step.py's flags
-    step_args = bench_step.parse_args(rest)
-    steps_per_round = args.steps or (2 if args.step else 5)
+    args, step_args = bench_step.parse_variant_args(__doc__.splitlines()[0], argv)
     import statistics
 
     import jax
-    import jax.numpy as jnp
     import optax
     from bert_jax import optim, pretrain, sharding, steps
 
@@ -107,30 +107,16 @@ def main(argv=None):
                 keys = jax.random.split(jax.random.key(1), len(leaves))
                 grads = jax.tree_util.tree_unflatten(treedef, [  # global norm > 1: clipping acts
                     0.01 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
-            runners[name] = update_runner(guard, tx, state, grads)
+            runners[name] = UpdateRunner(guard, tx, state, grads)
         finally:
             optim.clip_by_global_norm, steps.apply_guarded_update = ours_clip, ours_guard
-    times = {name: [] for name in runners}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for name, runner in runners.items():
-            if args.step:
-                runner.run(steps_per_round, record=r > 0)
-                continue
-            compiled, state = runner
-            for _ in range(steps_per_round):
-                t0 = time.perf_counter()
-                state = jax.block_until_ready(compiled(state))
-                if r > 0:
-                    times[name].append(time.perf_counter() - t0)
-            runners[name] = (compiled, state)
-    if args.step:
-        times = {name: runner.durations for name, runner in runners.items()}
+    units = {name: (functools.partial(runner.run, 1, record=False) if args.step else runner)
+             for name, runner in runners.items()}
+    times = bench_step.time_alternating(units, args.rounds, args.steps)
     # Every variant applied the same updates to the same state: their parameters must agree (but
     # for the floor's, which were not clipped).
-    params = {name: (runner.state if args.step else runner[1]).params for name, runner in runners.items()}
-    diffs = {name: max(float(jnp.max(jnp.abs(a - b))) for a, b in
-                       zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(params["before"])))
-             for name, tree in params.items()}
+    diffs = {name: bench_step.max_abs_diff(runner.state.params, runners["before"].state.params)
+             for name, runner in runners.items()}
     base = statistics.median(times["before"])
     what = "pretraining step" if args.step else "optimizer update"
     print(f"{what}, {step_args.config}, {jax.devices()[0].device_kind}, {len(next(iter(times.values())))} "
