@@ -85,6 +85,10 @@ def parse_args(argv=None):
     p.add_argument("--measure_peak", action="store_true",
                    help="time a square matmul in --dtype on the device and use its rate as the peak "
                         "(CPUs have no table entry); also reports each step's share of its matmul-bound time")
+    p.add_argument("--profile_dir", default="",
+                   help="after timing, trace --profile_steps steps with jax.profiler into this folder and "
+                        "sum the device time by kernel and kind (benchmarks/trace_summary.py)")
+    p.add_argument("--profile_steps", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -216,13 +220,27 @@ def max_abs_diff(a, b) -> float:
                                                                jax.tree_util.tree_leaves(b)))
 
 
-def bench_ours(args, config, bert_config, mesh, batch_np):
+def bench_ours(args, config, bert_config, mesh, batch_np, init_cache: dict | None = None):
+    """Compiles our step; returns `({lower_s, compile_s}, Runner)`. Scripts that build several
+    variants of the step pass one `init_cache` dict to every call: the first call keeps a copy of
+    its freshly initialized state there and the others start from copies of it instead of
+    initializing again (BERT-Large's initialization compiles for about a minute on a GPU)."""
     import jax
+    import jax.numpy as jnp
     import flax.linen as nn
     from bert_jax import pretrain, sharding, steps
 
     model, tx, schedule, init_state = pretrain.build(config, bert_config, mesh)
-    state, state_shardings = sharding.sharded_init(init_state, jax.random.key(0), mesh)
+    if init_cache:  # the cached state, if this variant's state has its structure, shapes and dtypes
+        shape = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+        same = shape(jax.eval_shape(lambda r: nn.meta.unbox(init_state(r)), jax.random.key(0))) == shape(
+            init_cache["state"])
+    if init_cache and same:
+        state, state_shardings = jax.tree.map(jnp.copy, init_cache["state"]), init_cache["shardings"]
+    else:
+        state, state_shardings = sharding.sharded_init(init_state, jax.random.key(0), mesh)
+        if init_cache is not None and not init_cache:  # a copy, before the donation consumes the state
+            init_cache.update(state=jax.tree.map(jnp.copy, state), shardings=state_shardings)
     batch_sharding = sharding.batch_sharding(mesh)
     step = functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, mesh=mesh)
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
@@ -289,6 +307,22 @@ def bench_hf(args, config, bert_config, batch_np):
     log(f"compiled HF's step in {time.perf_counter() - t0:.1f} s")
     del steps
     return {"compile_s": time.perf_counter() - t0}, Runner(compiled, state, batch)
+
+
+def profile(runner, profile_dir: str, steps: int) -> dict:
+    """Traces `steps` more steps of `runner`; the device time by kind and the top kernels, per step."""
+    import jax
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import trace_summary
+
+    log(f"tracing {steps} step(s) into {profile_dir}")
+    runner.run(1, record=False)
+    with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+        runner.run(steps, record=False)
+    summary = trace_summary.summarize_dir(profile_dir, steps, top=25)
+    log(trace_summary.format_summary(summary))
+    return summary
 
 
 def setup(args):
@@ -393,6 +427,8 @@ def main(argv=None):
                           executed_flop_ratio_hf_over_ours=hf_executed / executed)
             if measured_peak:
                 result["hf_matmul_bound_share"] = hf_executed / measured_peak / hf_step
+        if args.profile_dir:
+            result["profile"] = profile(runner, args.profile_dir, args.profile_steps)
     if args.json:
         print(json.dumps(result))
         return result
