@@ -25,6 +25,11 @@ rounds alternate between the two so that both see the same machine load.
 sequence) and reports effective (non-pad) tokens/s; unpacked rows are all real tokens.
 `--attention=dot_product` (cuDNN fused attention on GPUs) runs without attention-probability
 dropout, which the fused kernel does not have.
+
+`--profile_dir=DIR` traces `--profile_steps` more steps with `jax.profiler` after the timing and
+adds to the result (and logs) the device time per step by kind and the top kernels
+(`trace_summary.py`); `XLA_FLAGS=--xla_dump_to=... --xla_dump_hlo_as_text` beside it gives the
+optimized HLO that maps the kernels' names to the model's ops.
 """
 
 from __future__ import annotations
@@ -231,13 +236,16 @@ def bench_ours(args, config, bert_config, mesh, batch_np, init_cache: dict | Non
     from bert_jax import pretrain, sharding, steps
 
     model, tx, schedule, init_state = pretrain.build(config, bert_config, mesh)
-    if init_cache:  # the cached state, if this variant's state has its structure, shapes and dtypes
-        shape = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
-        same = shape(jax.eval_shape(lambda r: nn.meta.unbox(init_state(r)), jax.random.key(0))) == shape(
-            init_cache["state"])
-    if init_cache and same:
-        state, state_shardings = jax.tree.map(jnp.copy, init_cache["state"]), init_cache["shardings"]
+    cached = (init_cache or {}).get("state")
+    if cached is not None:  # usable if this variant's state has the same structure, shapes and dtypes
+        shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+        fresh = jax.eval_shape(lambda r: nn.meta.unbox(init_state(r)), jax.random.key(0))
+        cached = cached if shapes(fresh) == shapes(cached) else None
+    if cached is not None:
+        log("copying the first variant's initial state")
+        state, state_shardings = jax.tree.map(jnp.copy, cached), init_cache["shardings"]
     else:
+        log("initializing the state")
         state, state_shardings = sharding.sharded_init(init_state, jax.random.key(0), mesh)
         if init_cache is not None and not init_cache:  # a copy, before the donation consumes the state
             init_cache.update(state=jax.tree.map(jnp.copy, state), shardings=state_shardings)
