@@ -325,7 +325,6 @@ def profile(runner, profile_dir: str, steps: int) -> dict:
     import trace_summary
 
     log(f"tracing {steps} step(s) into {profile_dir}")
-    runner.run(1, record=False)
     with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
         runner.run(steps, record=False)
     summary = trace_summary.summarize_dir(profile_dir, steps, top=25)

@@ -25,7 +25,7 @@ import re
 
 # (kind, pattern) in order: the first match names a kernel's kind.
 KINDS = [
-    ("attention", re.compile(r"cudnn|fmha|flash|sdpa|splash|dot_product_attention|custom-call", re.I)),
+    ("attention", re.compile(r"cudnn|fmha|flash|sdpa|splash|dot_product_attention", re.I)),
     ("matmul", re.compile(r"gemm|xmma|cutlass|cublas|nvjet|sm\d+_.*(mma|gmma)|dot|matmul|convolution|"
                           r"ynn|onednn|eigen.*contract", re.I)),
     ("random bits", re.compile(r"rng|philox|threefry|random", re.I)),
