@@ -1,7 +1,7 @@
 """Checkpoint interop: Google TF1 <-> bert_jax <-> HuggingFace, and the conversion CLI.
 
     python -m bert_jax.convert --input=uncased_L-12_H-768_A-12 --output=/tmp/bert_base \\
-        [--input_format=google|hf|bert_jax] --output_format=bert_jax|hf|google
+        [--input_format=google|hf|bert_jax] --output_format=bert_jax|hf|google [--google_gelu=erf|tanh]
 
 Every format passes through one in-memory form, `Pretrained`: a `BertConfig`, the parameters as
 numpy float32 in `BertForPreTraining`'s layout with unrolled layers (`bert/encoder/layer_{i}`; the
@@ -16,10 +16,13 @@ first (`kernel` -> transposed `weight`, `embedding`/`scale` -> `weight`).
 Formats on disk:
 
 * google: `bert_model.ckpt.{index,data-*}` + `bert_config.json` + `vocab.txt`; read with
-  `tf.train.load_checkpoint` (tensorflow is imported here only, lazily). Google's `"gelu"` is the
-  tanh approximation; exporting an exact-erf model writes `"gelu"` plus `"bert_jax_hidden_act":
-  "gelu"`, which Google's code ignores and our import honours (Google's TF1 code itself would run
-  the tanh approximation: a warning says so).
+  `tf.train.load_checkpoint` (tensorflow is imported here only, lazily). Google's `"gelu"` is
+  ambiguous: google-research/bert computed the exact erf GELU until 2019-02-07 (the 2018 releases
+  were trained with it) and the tanh approximation since. `google_gelu` (`--google_gelu`) says which
+  to read: `"erf"` (default) or `"tanh"`; a line in the log says which was taken (see
+  docs/checkpoints.md). Exports write `"gelu"` plus `"bert_jax_hidden_act"` naming our exact
+  activation, which Google's code ignores and our import honours over `google_gelu` (Google's
+  current TF1 code runs `"gelu"` as the tanh approximation: exporting an erf model warns so).
 * hf: `config.json` + `model.safetensors` (or `model.safetensors.index.json` shards, or
   `flax_model.msgpack`) + `vocab.txt` + `tokenizer_config.json`. A PyTorch `pytorch_model.bin` is
   read only through `torch.load(weights_only=True)`, never unpickled otherwise.
@@ -34,6 +37,7 @@ Encoder-only checkpoints report the missing heads; variables we have no place fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import logging as std_logging
@@ -45,7 +49,7 @@ from typing import Optional, Sequence
 import numpy as np
 from absl import logging
 
-from bert_jax.modeling import BertConfig
+from bert_jax.modeling import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
 
 FORMATS = ("bert_jax", "google", "hf")
 HEADS = ("mlm", "nsp")
@@ -311,16 +315,18 @@ _GOOGLE_FIELDS = ("attention_probs_dropout_prob", "hidden_act", "hidden_dropout_
 
 
 def google_config_dict(config: BertConfig) -> dict:
-    """`bert_config.json` in Google's meaning (its "gelu" is the tanh approximation)."""
+    """`bert_config.json` in Google's words: every GELU is its `"gelu"`, and `"bert_jax_hidden_act"`
+    names which one, so that our import reads it back exactly whatever `google_gelu` says."""
     d = {k: getattr(config, k) for k in _GOOGLE_FIELDS}
     if config.causal_attention:
         raise ValueError("a causal (left-to-right) model has no Google or HF BERT equivalent")
-    if config.hidden_act in ("gelu_tanh", "gelu_new"):
+    if config.hidden_act in ("gelu", "gelu_tanh", "gelu_new"):
         d["hidden_act"] = "gelu"
-    elif config.hidden_act == "gelu":
-        logging.warning("exact-erf GELU model exported in Google's format: Google's TF1 code runs "
-                        "hidden_act='gelu' as the tanh approximation (bert_jax reads it back exactly)")
-        d["bert_jax_hidden_act"] = "gelu"
+        d["bert_jax_hidden_act"] = config.hidden_act
+    if config.hidden_act == "gelu":
+        logging.warning("exact-erf GELU model exported in Google's format: google-research/bert's code since "
+                        "2019-02-07 runs hidden_act='gelu' as the tanh approximation (bert_jax reads it back "
+                        "exactly)")
     return d
 
 
@@ -334,12 +340,11 @@ def tokenizer_config_json(do_lower_case: bool) -> str:
     return json.dumps({"do_lower_case": bool(do_lower_case), "tokenizer_class": "BertTokenizer"}, indent=2) + "\n"
 
 
-def read_google_config(path: str) -> BertConfig:
-    d = _load_json(path)
-    config = BertConfig.from_json_file(path, google_format=True)
-    if d.get("bert_jax_hidden_act"):
-        config = config.replace(hidden_act=d["bert_jax_hidden_act"])
-    return config
+def read_google_config(path: str, google_gelu: Optional[str] = None) -> BertConfig:
+    """Google's `bert_config.json`; its `"gelu"` read as `google_gelu` says ("erf" by default or
+    "tanh"; our export's `bert_jax_hidden_act` marker wins), see `BertConfig.from_dict`."""
+    _load_json(path)  # names the file, line and column of bad text
+    return BertConfig.from_json_file(path, google_format=True, google_gelu=google_gelu)
 
 
 def hf_config_dict(config: BertConfig, heads: Sequence[str]) -> dict:
@@ -449,12 +454,14 @@ def _require(path: str, what: str) -> str:
     return path
 
 
-def load_google(path: str) -> Pretrained:
+def load_google(path: str, google_gelu: Optional[str] = None) -> Pretrained:
+    """A Google TF1 checkpoint; `google_gelu` ("erf", the default, or "tanh") says what its "gelu" is."""
     prefix = _google_prefix(path)
     if prefix is None:
         raise FileNotFoundError(f"{path}: no TF checkpoint (*.index) found")
     directory = os.path.dirname(prefix)
-    config = read_google_config(_require(os.path.join(directory, "bert_config.json"), "bert_config.json"))
+    config = read_google_config(_require(os.path.join(directory, "bert_config.json"), "bert_config.json"),
+                                google_gelu)
     import tensorflow as tf  # only here: reading TF checkpoints
 
     reader = tf.train.load_checkpoint(prefix)
@@ -558,6 +565,11 @@ def load_bert_jax(path: str) -> Pretrained:
     import orbax.checkpoint as ocp
 
     kind, ckpt = source
+    if kind == "state":  # the newest step that passes its integrity manifest; damaged ones are named
+        from bert_jax import checkpointing
+        ckpt_dir = os.path.dirname(os.path.dirname(ckpt))
+        ckpt = os.path.join(ckpt_dir, str(checkpointing.newest_intact_step(ckpt_dir, _step_dirs(ckpt_dir))),
+                            "state")
     with ocp.StandardCheckpointer() as checkpointer:
         tree = checkpointer.restore(os.path.abspath(ckpt))
     if kind == "state":  # a TrainState: keep its params
@@ -614,11 +626,25 @@ def fetch(source: str, cache_dir: str) -> str:
     return os.path.dirname(min(configs, key=len))  # the 2018 releases have their own top folder
 
 
-def load_pretrained(path: str, format: Optional[str] = None) -> Pretrained:  # pylint: disable=redefined-builtin
-    """Reads a checkpoint in any supported format (detected from its files when `format` is None)."""
+def _check_google_gelu(google_gelu: Optional[str]) -> None:
+    """A bad value is an error whatever the format (only Google's reads it)."""
+    if google_gelu is not None and google_gelu not in GOOGLE_GELUS:
+        raise ValueError(f"google_gelu must be one of {tuple(GOOGLE_GELUS)}, got {google_gelu!r}")
+
+
+def load_pretrained(path: str, format: Optional[str] = None, *,  # pylint: disable=redefined-builtin
+                    google_gelu: Optional[str] = None) -> Pretrained:
+    """Reads a checkpoint in any supported format (detected from its files when `format` is None).
+
+    `google_gelu` says what a Google checkpoint's `hidden_act="gelu"` is: "erf" (default: the 2018
+    releases) or "tanh" (trained with google-research/bert code of 2019-02-07 or later); HF and
+    bert_jax checkpoints name their GELU exactly and ignore it.
+    """
+    _check_google_gelu(google_gelu)
     path = os.path.expanduser(path)
     format = format or detect_format(path)
-    loaders = {"google": load_google, "hf": load_hf, "bert_jax": load_bert_jax}
+    loaders = {"google": functools.partial(load_google, google_gelu=google_gelu), "hf": load_hf,
+               "bert_jax": load_bert_jax}
     if format not in loaders:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     pretrained = loaders[format](path)
@@ -630,12 +656,16 @@ def load_pretrained(path: str, format: Optional[str] = None) -> Pretrained:  # p
     return pretrained
 
 
-def load_config(path: str, format: Optional[str] = None, **overrides) -> BertConfig:  # pylint: disable=redefined-builtin
-    """Only the `BertConfig` of a checkpoint in any format (no weights are read)."""
+def load_config(path: str, format: Optional[str] = None, *,  # pylint: disable=redefined-builtin
+                google_gelu: Optional[str] = None, **overrides) -> BertConfig:
+    """Only the `BertConfig` of a checkpoint in any format (no weights are read); `google_gelu` as
+    in `load_pretrained`."""
+    _check_google_gelu(google_gelu)
     path = os.path.expanduser(path)
     format = format or detect_format(path)
     if format == "google":
-        config = read_google_config(os.path.join(os.path.dirname(_google_prefix(path)), "bert_config.json"))
+        config = read_google_config(os.path.join(os.path.dirname(_google_prefix(path)), "bert_config.json"),
+                                    google_gelu)
     elif format == "hf":
         config = _read_hf_config(path)
     else:
@@ -763,11 +793,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--do_lower_case", choices=("true", "false"), default=None,
                         help="casing to record (default: the input's, when it says)")
     parser.add_argument("--drop_heads", action="store_true", help="write the encoder only")
+    parser.add_argument("--google_gelu", choices=tuple(GOOGLE_GELUS), default=None,
+                        help=f"what a Google checkpoint's hidden_act='gelu' is: 'erf' (default "
+                             f"{DEFAULT_GOOGLE_GELU!r}: the 2018 releases) or 'tanh' (trained with "
+                             f"google-research/bert code of 2019-02-07 or later); see docs/checkpoints.md")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
     args = parser.parse_args(argv)
     logging.set_verbosity(logging.INFO)  # ours: missing heads, skipped variables; not orbax's chatter
     logging.get_absl_logger().addFilter(_NotOrbaxInfo())
-    p = load_pretrained(args.input, args.input_format)
+    std_logging.getLogger("bert_jax").setLevel(std_logging.INFO)  # e.g. the Google GELU chosen
+    if not std_logging.getLogger().handlers:
+        std_logging.basicConfig()
+    p = load_pretrained(args.input, args.input_format, google_gelu=args.google_gelu)
     if args.vocab_file:
         p.vocab_file = _require(args.vocab_file, "--vocab_file")
     if args.do_lower_case is not None:
@@ -785,7 +822,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     save_pretrained(p, args.output, args.output_format, overwrite=args.overwrite)
     from bert_jax.modeling import count_params
     print(json.dumps({"input": args.input, "input_format": p.format, "output": args.output,
-                      "output_format": args.output_format, "parameters": count_params(p.params),
+                      "output_format": args.output_format, "hidden_act": p.config.hidden_act,
+                      "parameters": count_params(p.params),
                       "heads": list(p.heads), "missing_heads": list(p.missing),
                       "skipped": list(p.skipped)}, indent=2))
     return 0

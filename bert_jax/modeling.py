@@ -34,6 +34,12 @@ ATTENTION_IMPLS = ("einsum", "dot_product")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16", "float16")
 
+# What Google's `bert_config.json` `hidden_act="gelu"` means, by `google_gelu`: google-research/bert
+# computed the exact erf GELU until its commit bee6030 (2019-02-07) and the tanh approximation since.
+# The released checkpoints of 2018 were trained with the erf form, which is the default.
+GOOGLE_GELUS = {"erf": "gelu", "tanh": "gelu_tanh"}
+DEFAULT_GOOGLE_GELU = "erf"
+
 # Logical names of activations (distinct from the parameters' names: the batch of activations is
 # sharded over (data, fsdp), so their hidden dimension must not also be sharded over fsdp).
 ACT_EMBED = ("activation_batch", "activation_length", "activation_embed")
@@ -51,8 +57,10 @@ class BertConfig:
     """Model hyper-parameters.
 
     The first block of fields is Google's `bert_config.json` (same names, same meaning, except that
-    `hidden_act="gelu"` here means the exact erf GELU as in HuggingFace; Google's TF1 "gelu" is our
-    `"gelu_tanh"`, and `from_json_file` maps it when it reads a Google file). The second block is ours.
+    `hidden_act="gelu"` here always means the exact erf GELU as in HuggingFace and `"gelu_tanh"` the
+    tanh approximation; Google's `"gelu"` means either, depending on when the checkpoint was trained,
+    and `from_json_file` resolves it with `google_gelu` when it reads a Google file, see
+    `GOOGLE_GELUS` and docs/checkpoints.md). The second block is ours.
     """
 
     vocab_size: int = 30522
@@ -130,28 +138,41 @@ class BertConfig:
 
     # --- files ---
     @classmethod
-    def from_dict(cls, d: dict, *, google_format: bool = False, **overrides) -> "BertConfig":
+    def from_dict(cls, d: dict, *, google_format: bool = False, google_gelu: Optional[str] = None,
+                  **overrides) -> "BertConfig":
         """Builds a config from a dict of hyper-parameters; unknown keys are ignored.
 
         Args:
           d: Google's `bert_config.json`, HF's `config.json` or our own `to_dict()`, parsed.
-          google_format: read `hidden_act="gelu"` in Google's TF1 meaning (the tanh approximation,
-            our `"gelu_tanh"`) instead of ours and HF's (exact erf).
+          google_format: `d` is Google's: its `hidden_act="gelu"` is resolved by `google_gelu`,
+            unless `d` carries the `"bert_jax_hidden_act"` marker our Google exports write, which
+            wins (it names the exact GELU the weights were trained with).
+          google_gelu: what Google's `"gelu"` means: `"erf"` (the default: the exact GELU of the
+            2018 releases, our and HF's `"gelu"`) or `"tanh"` (the approximation google-research/bert
+            computes since 2019-02-07, our `"gelu_tanh"`, HF's `"gelu_new"`). Ignored unless
+            `google_format`.
           **overrides: fields applied last (dtype, scan_layers, ...).
+
+        Example: `BertConfig.from_dict({"hidden_act": "gelu"}, google_format=True).hidden_act` is
+        `"gelu"`; with `google_gelu="tanh"` it is `"gelu_tanh"`.
         """
+        if google_gelu is not None and google_gelu not in GOOGLE_GELUS:
+            raise ValueError(f"google_gelu must be one of {tuple(GOOGLE_GELUS)}, got {google_gelu!r}")
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: d[k] for k in names if k in d}
         if google_format and kwargs.get("hidden_act") == "gelu":
-            kwargs["hidden_act"] = "gelu_tanh"
+            kwargs["hidden_act"] = _google_hidden_act(d, google_gelu)
         kwargs.update(overrides)
         return cls(**kwargs)
 
     @classmethod
-    def from_json_file(cls, path, *, google_format: Optional[bool] = None, **overrides) -> "BertConfig":
+    def from_json_file(cls, path, *, google_format: Optional[bool] = None, google_gelu: Optional[str] = None,
+                       **overrides) -> "BertConfig":
         """Reads Google's `bert_config.json`, HF's `config.json` or ours (extra keys ignored).
 
         `google_format=None` tells them apart: HF's files carry `model_type`, ours carry
-        `"bert_jax": true`; anything else is Google's, whose `"gelu"` is the tanh approximation.
+        `"bert_jax": true`; anything else is Google's, whose `"gelu"` is read as `google_gelu`
+        says (see `from_dict`; default `"erf"`).
         """
         try:
             with open(path, encoding="utf-8") as f:
@@ -163,7 +184,7 @@ class BertConfig:
         if google_format is None:
             google_format = not ("model_type" in d or d.get("bert_jax", False))
         try:
-            return cls.from_dict(d, google_format=google_format, **overrides)
+            return cls.from_dict(d, google_format=google_format, google_gelu=google_gelu, **overrides)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from e
 
@@ -175,6 +196,33 @@ class BertConfig:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             f.write("\n")
+
+
+def _google_hidden_act(d: dict, google_gelu: Optional[str]) -> str:
+    """Our `hidden_act` for a Google config whose `hidden_act` is "gelu"; logs the choice once."""
+    log = logging.getLogger(__name__)  # named, so that a CLI can show its INFO lines alone
+    marker = d.get("bert_jax_hidden_act")
+    if marker:  # written by our Google export: exact whatever the flag says
+        same = {"gelu_new": "gelu_tanh"}.get(marker, marker)  # two names of the tanh form
+        if google_gelu is not None and GOOGLE_GELUS[google_gelu] != same:
+            log.warning("Google config: google_gelu=%r ignored: the file's bert_jax_hidden_act=%r "
+                        "(written by bert_jax's export) names the GELU its weights use", google_gelu, marker)
+        else:
+            log.info("Google config: hidden_act=%r from the file's bert_jax_hidden_act marker", marker)
+        return marker
+    chosen = google_gelu or DEFAULT_GOOGLE_GELU
+    how = "the default" if google_gelu is None else "chosen"
+    if chosen == "erf":
+        line = (f'Google config: hidden_act="gelu" read as the exact erf GELU (google_gelu="erf", {how}; '
+                f'right for the 2018 releases); for a checkpoint trained with google-research/bert code of '
+                f'2019-02-07 or later pass google_gelu="tanh" (convert CLI: --google_gelu=tanh)')
+    else:
+        line = (f'Google config: hidden_act="gelu" read as the tanh-approximated GELU (google_gelu="tanh", '
+                f'{how}); for a checkpoint trained before 2019-02-07, e.g. the 2018 releases, pass '
+                f'google_gelu="erf" (convert CLI: --google_gelu=erf)')
+    # The default is a guess about how the checkpoint was trained: say it where it is seen.
+    (log.warning if google_gelu is None else log.info)(line)
+    return GOOGLE_GELUS[chosen]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.special
 
 from bert_jax import convert
 from bert_jax.modeling import BertConfig, BertForPreTraining, BertModel
@@ -68,8 +69,12 @@ def google_variables(seed=0, heads=True):
     return v
 
 
-def numpy_google_bert(v, ids, mask, seg, positions):
-    """Google's TF1 BERT forward (modeling.py + run_pretraining.py heads) in float64 numpy."""
+def numpy_google_bert(v, ids, mask, seg, positions, gelu="tanh"):
+    """Google's TF1 BERT forward (modeling.py + run_pretraining.py heads) in float64 numpy.
+
+    `gelu`: the form Google's "gelu" took: "erf" in google-research/bert until 2019-02-07 (the
+    2018 releases), "tanh" (the approximation) since.
+    """
     v = {k: x.astype(np.float64) for k, x in v.items()}
     hd = H // NH
 
@@ -78,8 +83,13 @@ def numpy_google_bert(v, ids, mask, seg, positions):
         var = ((x - m) ** 2).mean(-1, keepdims=True)
         return (x - m) / np.sqrt(var + 1e-12) * v[name + "/gamma"] + v[name + "/beta"]
 
-    def gelu(x):  # Google's "gelu": the tanh approximation
+    def gelu_tanh(x):
         return 0.5 * x * (1.0 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+    def gelu_erf(x):
+        return 0.5 * x * (1.0 + scipy.special.erf(x / np.sqrt(2.0)))
+
+    gelu = {"tanh": gelu_tanh, "erf": gelu_erf}[gelu]
 
     def dense(x, name):
         return x @ v[name + "/kernel"] + v[name + "/bias"]
@@ -179,17 +189,28 @@ def google_dir(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_google_import_matches_independent_forward(google_dir):
+@pytest.mark.parametrize("google_gelu", [None, "erf", "tanh"])
+def test_google_import_matches_independent_forward(google_dir, google_gelu, caplog):
+    """Google's "gelu" is the erf form by default (the 2018 releases), the tanh form on request;
+    either way the import equals Google's TF1 graph computed with that form."""
     path, variables = google_dir
     assert convert.detect_format(path) == "google"
-    p = convert.load_pretrained(path)
-    assert p.config.hidden_act == "gelu_tanh"  # Google's "gelu"
+    with caplog.at_level(logging.INFO):
+        p = convert.load_pretrained(path, google_gelu=google_gelu)
+    form = google_gelu or "erf"
+    assert p.config.hidden_act == {"erf": "gelu", "tanh": "gelu_tanh"}[form]
+    said = [r for r in caplog.records if "Google config" in r.getMessage()]
+    assert len(said) == 1 and f'google_gelu="{form}"' in said[0].getMessage()  # one line: the choice, ...
+    assert f'--google_gelu={"tanh" if form == "erf" else "erf"}' in said[0].getMessage()  # ... how to change it
+    assert said[0].levelno == (logging.WARNING if google_gelu is None else logging.INFO)
     assert p.do_lower_case is True  # from the release-style directory name
     assert p.vocab_file == os.path.join(path, "vocab.txt")
     assert p.missing == ()
     assert set(p.skipped) == {"global_step", "bert/pooler/dense/kernel/adam_m", "output_weights"}
     ids, mask, seg, positions = inputs()
-    ref = numpy_google_bert(variables, ids, mask, seg, positions)
+    ref = numpy_google_bert(variables, ids, mask, seg, positions, gelu=form)
+    other = numpy_google_bert(variables, ids, mask, seg, positions, gelu="tanh" if form == "erf" else "erf")
+    assert np.abs(ref["mlm"] - other["mlm"]).max() > 1e-3  # the test tells the two forms apart
     out = run_ours(p, ids, mask, seg, positions)
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(run_encoder(p, ids, mask, seg).sequence_output)[real],
@@ -206,7 +227,7 @@ def test_google_encoder_only_reports_missing_heads(tmp_path):
     assert p.missing == ("mlm", "nsp") and p.heads == () and p.do_lower_case is None
     ids, mask, seg, _ = inputs()
     out = BertModel(p.config).apply({"params": convert.model_params(p)["bert"]}, ids, mask, seg)
-    ref = numpy_google_bert(variables, ids, mask, seg, None)
+    ref = numpy_google_bert(variables, ids, mask, seg, None, gelu="erf")  # the default reading
     np.testing.assert_allclose(out.pooled_output, ref["pooled"], atol=1e-5)
 
 
@@ -238,13 +259,71 @@ def test_export_import_round_trip_is_bit_exact(google_dir, tmp_path, fmt, act):
         assert getattr(back.config, field) == getattr(src.config, field), field
     assert back.do_lower_case is True
     assert open(back.vocab_file).read() == open(src.vocab_file).read()
-    if fmt == "google":  # Google's own reading of the file: "gelu" (+ our marker when it is erf)
+    if fmt == "google":  # Google's own reading of the file: "gelu", + our marker naming which
         cfg = json.load(open(os.path.join(out, "bert_config.json")))
-        assert cfg["hidden_act"] == "gelu" and cfg.get("bert_jax_hidden_act") == ("gelu" if act == "gelu" else None)
+        assert cfg["hidden_act"] == "gelu" and cfg["bert_jax_hidden_act"] == act
         reader = tf.train.load_checkpoint(os.path.join(out, "bert_model.ckpt"))
         assert reader.get_variable_to_shape_map()["cls/seq_relationship/output_weights"] == [2, H]
         np.testing.assert_array_equal(reader.get_tensor("bert/encoder/layer_0/attention/self/query/kernel"),
                                       google_dir[1]["bert/encoder/layer_0/attention/self/query/kernel"])
+
+
+def test_google_gelu_in_config_reading(tmp_path):
+    """`google_gelu` resolves Google's "gelu" only: erf by default, tanh on request; our export's
+    `bert_jax_hidden_act` marker wins over it; other formats and activations are untouched."""
+    d = dict(GOOGLE_CONFIG)
+    assert BertConfig.from_dict(d, google_format=True).hidden_act == "gelu"
+    assert BertConfig.from_dict(d, google_format=True, google_gelu="erf").hidden_act == "gelu"
+    assert BertConfig.from_dict(d, google_format=True, google_gelu="tanh").hidden_act == "gelu_tanh"
+    assert BertConfig.from_dict(d, google_gelu="tanh").hidden_act == "gelu"  # ours/HF: "gelu" is erf
+    relu = dict(d, hidden_act="relu")
+    assert BertConfig.from_dict(relu, google_format=True, google_gelu="tanh").hidden_act == "relu"
+    for marker in ("gelu", "gelu_tanh", "gelu_new"):
+        for flag in (None, "erf", "tanh"):
+            cfg = BertConfig.from_dict(dict(d, bert_jax_hidden_act=marker), google_format=True, google_gelu=flag)
+            assert cfg.hidden_act == marker, (marker, flag)
+    with pytest.raises(ValueError, match=r"google_gelu must be one of \('erf', 'tanh'\), got 'exact'"):
+        BertConfig.from_dict(d, google_format=True, google_gelu="exact")
+    path = tmp_path / "bert_config.json"
+    path.write_text(json.dumps(d))
+    assert BertConfig.from_json_file(path).hidden_act == "gelu"
+    assert BertConfig.from_json_file(path, google_gelu="tanh").hidden_act == "gelu_tanh"
+    assert convert.read_google_config(str(path), "tanh").hidden_act == "gelu_tanh"
+    with pytest.raises(ValueError, match="google_gelu must be one of"):  # whatever the format
+        convert.load_config(str(tmp_path / "absent"), "hf", google_gelu="exact")
+
+
+@pytest.mark.parametrize("google_gelu", ["erf", "tanh"])
+def test_google_gelu_round_trips_and_hf_export_names_it(google_dir, tmp_path, google_gelu):
+    """Google -> ours -> Google -> ours keeps the chosen GELU (on re-import the export's marker wins
+    over any flag), and the HF export names it ("gelu" for erf, "gelu_new" for tanh): transformers
+    then computes Google's graph with that form."""
+    act, hf_act = {"erf": ("gelu", "gelu"), "tanh": ("gelu_tanh", "gelu_new")}[google_gelu]
+    flip = "tanh" if google_gelu == "erf" else "erf"
+    src = convert.load_pretrained(google_dir[0], google_gelu=google_gelu)
+    assert src.config.hidden_act == act
+    ours = convert.load_pretrained(convert.save_bert_jax(src, str(tmp_path / "ours")))
+    assert json.load(open(tmp_path / "ours" / "bert_config.json"))["hidden_act"] == act  # recorded
+    assert ours.config == src.config
+    google = convert.save_google(ours, str(tmp_path / "google"))
+    cfg = json.load(open(os.path.join(google, "bert_config.json")))
+    assert (cfg["hidden_act"], cfg["bert_jax_hidden_act"]) == ("gelu", act)
+    for flag in (None, google_gelu, flip):
+        back = convert.load_pretrained(google, google_gelu=flag)
+        assert back.config == src.config, flag
+        assert convert.load_config(google, google_gelu=flag) == src.config, flag
+    assert_trees_equal(back.params, src.params)
+    hf = convert.save_hf(back, str(tmp_path / "hf"))
+    assert json.load(open(os.path.join(hf, "config.json")))["hidden_act"] == hf_act
+    assert convert.load_pretrained(hf).config.hidden_act == act
+    model = transformers.FlaxBertModel.from_pretrained(hf)
+    assert model.config.hidden_act == hf_act
+    ids, mask, seg, positions = inputs()
+    ref = numpy_google_bert(google_dir[1], ids, mask, seg, positions, gelu=google_gelu)
+    out = model(ids, attention_mask=mask, token_type_ids=seg)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(out.last_hidden_state)[real], ref["sequence"][real], atol=1e-5)
+    np.testing.assert_allclose(out.pooler_output, ref["pooled"], atol=1e-5)
 
 
 def test_scanned_params_export_like_unrolled(google_dir, tmp_path):
@@ -284,7 +363,7 @@ def test_hf_export_loads_in_transformers_with_identical_outputs(google_dir, tmp_
     _, log = load_hf_logged(transformers.FlaxBertModel, convert.save_hf(encoder_only, str(tmp_path / "enc")),
                             caplog)
     assert "were not used" not in log and "newly initialized" not in log, log
-    assert pre.config.hidden_act == "gelu_new" and pre.config.architectures == ["BertForPreTraining"]
+    assert pre.config.hidden_act == "gelu" and pre.config.architectures == ["BertForPreTraining"]  # erf default
     assert transformers.BertTokenizer.from_pretrained(out).do_lower_case
     ids, mask, seg, positions = inputs()
     ours = run_ours(src, ids, mask, seg, positions)
@@ -439,6 +518,25 @@ def test_cli_chain_google_hf_bert_jax_google(google_dir, tmp_path, capsys, caplo
         np.testing.assert_array_equal(reader.get_tensor(name), value, err_msg=name)
     with pytest.raises(FileExistsError, match="not empty"):
         convert.main(["--input", b, "--output", c, "--output_format", "google"])
+
+
+def test_cli_google_gelu_flag(google_dir, tmp_path, capsys, caplog):
+    """--google_gelu picks the GELU of a Google checkpoint (default erf); one log line says which
+    (an INFO line when chosen: the CLI shows bert_jax's INFO lines); the HF export says it."""
+    for flag, act, hf_act in ((None, "gelu", "gelu"), ("erf", "gelu", "gelu"), ("tanh", "gelu_tanh", "gelu_new")):
+        out = str(tmp_path / f"hf_{flag}")
+        argv = ["--input", google_dir[0], "--output", out, "--output_format", "hf"]
+        caplog.clear()
+        assert convert.main(argv + ([f"--google_gelu={flag}"] if flag else [])) == 0
+        said = [r for r in caplog.records if r.getMessage().startswith("Google config")]
+        assert len(said) == 1 and f'google_gelu="{flag or "erf"}"' in said[0].getMessage()
+        assert said[0].levelno == (logging.WARNING if flag is None else logging.INFO)
+        assert json.loads(capsys.readouterr().out)["hidden_act"] == act
+        assert json.load(open(os.path.join(out, "config.json")))["hidden_act"] == hf_act
+    with pytest.raises(SystemExit):
+        convert.main(["--input", google_dir[0], "--output", str(tmp_path / "x"), "--output_format", "hf",
+                      "--google_gelu=exact"])
+    assert "invalid choice: 'exact'" in capsys.readouterr().err
 
 
 def test_pretraining_workdir_is_a_bert_jax_checkpoint(google_dir, tmp_path):

@@ -521,8 +521,12 @@ def test_config_files_google_hf_and_ours(tmp_path):
               "type_vocab_size": 2, "vocab_size": 30522}
     (tmp_path / "bert_config.json").write_text(json.dumps(google))
     cfg = BertConfig.from_json_file(tmp_path / "bert_config.json")
-    assert cfg.hidden_act == "gelu_tanh"  # Google's "gelu" is the tanh approximation
-    assert cfg == BertConfig(hidden_act="gelu_tanh")
+    # Google's "gelu": by default the exact erf form its 2018 checkpoints were trained with
+    # (docs/checkpoints.md); google_gelu="tanh" for models trained with its code since 2019-02.
+    assert cfg.hidden_act == "gelu"
+    assert cfg == BertConfig()
+    assert BertConfig.from_json_file(tmp_path / "bert_config.json", google_gelu="tanh") == BertConfig(
+        hidden_act="gelu_tanh")
     hf = dict(google, model_type="bert", architectures=["BertForMaskedLM"], layer_norm_eps=1e-12,
               pad_token_id=0, position_embedding_type="absolute", transformers_version="4.57")
     (tmp_path / "config.json").write_text(json.dumps(hf))
