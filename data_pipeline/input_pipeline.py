@@ -10,9 +10,9 @@ the numpy batches the training loop hands to `bert_jax.sharding.to_global`:
 - **Integrity, before training.** With `verify=True` each file is checked against the
   `dataset_info.json` manifest next to it (size, sha256, record count; `schema.py` writes it): a
   missing, empty, truncated, bit-flipped or garbage file raises `CorruptDataError` naming the file.
-  With `skip_corrupt=True` the bad file is instead repaired into a local copy holding exactly its
-  good records (`scan_tfrecord_file` walks the record framing and checks every CRC), and the lost
-  records are counted in `stats`. Only this host's files are hashed.
+  With `skip_corrupt=True` exactly the good records of the bad file are read, in place (no copy:
+  `scan_tfrecord_file` walks the record framing, checks every CRC and records where each good
+  record lies), and the lost records are counted in `stats`. Only this host's files are hashed.
 - **Training stream** (`PretrainingInput`): seeded file-order shuffle -> interleave -> seeded
   record shuffle (of the serialized records: small buffers, small checkpoints) -> `repeat` ->
   [packing] -> `batch(per_host_batch_size, drop_remainder=True)` -> parse -> [dynamic masking]
@@ -31,14 +31,18 @@ the numpy batches the training loop hands to `bert_jax.sharding.to_global`:
 - **Evaluation** (`make_eval_iterator` -> `EvalInput`): one finite pass, in file order, padded
   so every host yields the same number of batches; padding rows carry weight 0.
 
-Masking rules (google-research/bert `create_pretraining_data.py`, token-level, not whole-word):
+Masking rules (google-research/bert `create_pretraining_data.py`):
 the number of predictions is `min(max_predictions_per_seq, max(1, round(num_tokens * 0.15)))`,
 where `num_tokens` counts the *real* tokens including [CLS] and [SEP] (as the reference's
 `len(tokens)` does; `round` is half-to-even in both), further capped by the number of candidates;
 candidates are the real tokens other than [CLS], [SEP] and [PAD]; each chosen position becomes
 [MASK] with probability 0.8, else keeps its token with probability 0.5, else becomes an id drawn
 uniformly from `[0, vocab_size)`. Positions are sorted ascending and padded with position 0,
-id 0, weight 0.
+id 0, weight 0. With whole-word masking (`whole_word_mask`, by default as the records were made:
+`--do_whole_word_mask` in their dataset_info.json) the candidates are words instead, as in the
+reference: a word is a token and the `##` pieces after it (a boolean table over the vocabulary,
+`subword_table`), words are taken in random order while they fit the count (one that would
+overflow it is skipped, not split), and the 80/10/10 draw is made for each token.
 
 Batches (numpy, host-local; `B` = per_host_batch_size, `L` = max_seq_length,
 `P` = max_predictions_per_seq, `S` = max_seqs_per_pack, `Pp` = max_predictions_per_pack):
@@ -298,6 +302,7 @@ class RecordScan:
     size: int
     good_offsets: list  # byte offset of every record whose header and data CRCs check out
     bad_regions: list  # (offset, reason) of every corrupt or truncated stretch
+    good_lengths: list = dataclasses.field(default_factory=list)  # payload bytes of each good record
 
     @property
     def num_good(self) -> int:
@@ -335,7 +340,7 @@ def scan_tfrecord_file(path: str, max_resync_bytes: int = 64 << 20) -> RecordSca
             scan.bad_regions.append((scan.size, gzip_error + f" after {scan.size} uncompressed bytes"))
         return scan
     size = tf.io.gfile.stat(path).length
-    good, bad = [], []
+    good, bad, lengths = [], [], []
     reader = _random_reader(path) if size else None
     with tf.io.gfile.GFile(path, "rb") as f:
 
@@ -377,10 +382,11 @@ def scan_tfrecord_file(path: str, max_resync_bytes: int = 64 << 20) -> RecordSca
                 break
             if readable(offset):
                 good.append(offset)
+                lengths.append(length)
             else:
                 bad.append((offset, "record data CRC mismatch"))
             offset = end
-    return RecordScan(path=path, size=size, good_offsets=good, bad_regions=bad)
+    return RecordScan(path=path, size=size, good_offsets=good, bad_regions=bad, good_lengths=lengths)
 
 
 def _resync(f, begin: int, end: int, size: int, accept) -> Optional[int]:
@@ -428,12 +434,82 @@ def _count_records_by_framing(path: str) -> int:
     return count
 
 
-def _write_good_records(scan: RecordScan, out_path: str) -> None:
-    reader = _random_reader(scan.path)
-    with tf.io.TFRecordWriter(out_path) as writer:
-        for offset in scan.good_offsets:
-            record, _ = reader.read(offset)
-            writer.write(record)
+_CHUNK_BYTES = 1 << 20  # good records of a damaged file are read in runs of up to this many bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class _GoodRecords:
+    """Where the intact records of a damaged file are: read in place, never copied.
+
+    `source` is the file itself (for a gzip file, the uncompressed scratch copy the scan made);
+    `records` the (offset, payload length) of each record that passed its CRC checks.
+    """
+
+    source: str
+    size: int
+    records: tuple
+
+
+def _good_chunks(good: _GoodRecords) -> list[tuple[int, int, list]]:
+    """Runs of adjacent good records: (start, end, [(offset within the run, length)]), each run at
+    most `_CHUNK_BYTES` long unless one record is longer."""
+    chunks: list = []
+    for offset, length in good.records:
+        end = offset + 16 + length
+        if chunks and chunks[-1][1] == offset and end - chunks[-1][0] <= _CHUNK_BYTES:
+            chunks[-1][1] = end
+        else:
+            chunks.append([offset, end, []])
+        chunks[-1][2].append((offset + 12 - chunks[-1][0], length))
+    return [tuple(c) for c in chunks]
+
+
+def _file_datasets(files: "_HostFiles"):
+    """(a dataset of this host's read units, a function from one unit to its records' dataset).
+
+    Without damaged files the units are the paths and the function `_record_dataset` (the plain
+    pipeline). With some (lenient mode), a unit is (path, index): an intact file is read with
+    `TFRecordDataset`, a damaged one as runs of its good records (`FixedLengthRecordDataset` over
+    each run's byte range, cut into records at the offsets the scan found): nothing is copied.
+    """
+    paths = files.read_paths
+    if not files.good_records:
+        return tf.data.Dataset.from_tensor_slices(paths), _record_dataset
+    chunk_lo, chunk_hi, sources, starts, nbytes, footers, rec_lo, rec_hi = [], [], [], [], [], [], [], []
+    rel, lens = [], []
+    for path in paths:
+        chunk_lo.append(len(starts))
+        good = files.good_records.get(path)
+        for start, end, records in (_good_chunks(good) if good else []):
+            sources.append(good.source)
+            starts.append(start)
+            nbytes.append(end - start)
+            footers.append(good.size - end)
+            rec_lo.append(len(rel))
+            rel.extend(r for r, _ in records)
+            lens.extend(n for _, n in records)
+            rec_hi.append(len(rel))
+        chunk_hi.append(len(starts))
+    i64 = lambda x: tf.constant(x, tf.int64)
+    chunk_lo, chunk_hi, starts, nbytes, footers = map(i64, (chunk_lo, chunk_hi, starts, nbytes, footers))
+    rec_lo, rec_hi, rel, lens = map(i64, (rec_lo, rec_hi, rel, lens))
+    sources = tf.constant(sources, tf.string)
+
+    def read_chunk(c):
+        cut = lambda blob: tf.data.Dataset.from_tensor_slices(tf.strings.substr(
+            blob, rel[rec_lo[c]:rec_hi[c]], lens[rec_lo[c]:rec_hi[c]]))  # [records in the run]
+        return tf.data.FixedLengthRecordDataset(
+            sources[c], nbytes[c], header_bytes=starts[c], footer_bytes=footers[c]).flat_map(cut)
+
+    def read(path, i):
+        intact = tf.cast(tf.equal(chunk_lo[i], chunk_hi[i]), tf.int32)  # 1: a plain file
+        whole = tf.data.TFRecordDataset(
+            tf.reshape(path, [1])[:intact],
+            compression_type=tf.where(tf.strings.regex_full_match(path, r".*\.gz"), "GZIP", ""))
+        return whole.concatenate(tf.data.Dataset.range(chunk_lo[i], chunk_hi[i]).flat_map(read_chunk))
+
+    units = tf.data.Dataset.from_tensor_slices((paths, tf.range(len(paths), dtype=tf.int64)))
+    return units, read
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,11 +567,12 @@ class _HostFiles:
 
     all_files: list  # every expected file, sorted (the list hosts shard)
     infos: dict  # path -> FileInfo: from the manifest, or measured
-    read_paths: list  # what this host actually reads (repaired copies substituted)
+    read_paths: list  # what this host actually reads (its files less the unreadable ones)
     read_counts: list  # records in each read path; None = unverified, not counted yet
     host_files: list  # this host's share of all_files (original names)
     corrupt_files: list  # this host's files that were missing/corrupt (lenient mode)
     skipped_records: int  # records of this host's files that will not be read
+    good_records: dict = dataclasses.field(default_factory=dict)  # damaged path -> _GoodRecords
 
     def count(self, path: str) -> int:
         """Records in one of `all_files`: the manifest's count, else counted from the framing.
@@ -522,9 +599,10 @@ class _HostFiles:
 
 
 def _check_files(file_patterns: FilePatterns, *, process_index: int, process_count: int,
-                 verify: bool, skip_corrupt: bool, repair_dir: Optional[str],
+                 verify: bool, skip_corrupt: bool,
                  require_files_per_host: bool) -> _HostFiles:
-    """Lists, shards and (with `verify`) checks the files; repairs bad ones when lenient."""
+    """Lists, shards and (with `verify`) checks the files; finds the good records of bad ones
+    when lenient."""
     patterns = _split_patterns(file_patterns)
     found, unmatched = set(), []
     for pattern in patterns:
@@ -576,7 +654,7 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
             f"least one file (files are sharded per host); write more shards")
     mine = shard_files(all_files, process_index, process_count)
 
-    read_paths, read_counts, corrupt, skipped = [], [], [], 0
+    read_paths, read_counts, corrupt, skipped, good_records = [], [], [], 0, {}
     for path in mine:
         info = infos.get(path)
         problem = None
@@ -617,17 +695,14 @@ def _check_files(file_patterns: FilePatterns, *, process_index: int, process_cou
         log.warning("%s: %s; reading its %d good records, skipping %d", path, problem,
                     scan.num_good, lost)
         if scan.num_good:
-            if repair_dir is None:
-                repair_dir = tempfile.mkdtemp(prefix="bert_jax_repaired_")
-            tf.io.gfile.makedirs(repair_dir)
-            digest = hashlib.sha1(path.encode()).hexdigest()[:12]
-            out = os.path.join(repair_dir, f"{digest}-{os.path.basename(path).removesuffix('.gz')}")
-            _write_good_records(scan, out)
-            read_paths.append(out)
+            # Read in place (no copy to clean up): the scan's offsets locate every good record.
+            good_records[path] = _GoodRecords(scan.path, scan.size,
+                                              tuple(zip(scan.good_offsets, scan.good_lengths)))
+            read_paths.append(path)
             read_counts.append(scan.num_good)
     return _HostFiles(all_files=all_files, infos=infos, read_paths=read_paths,
                       read_counts=read_counts, host_files=mine, corrupt_files=corrupt,
-                      skipped_records=skipped)
+                      skipped_records=skipped, good_records=good_records)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -693,9 +768,91 @@ def dynamic_predictions_per_sequence(features: Mapping[str, tf.Tensor], *,
     return _num_predictions(num_real, num_candidates, max_predictions_per_seq, masked_lm_prob)
 
 
+def subword_table(vocab_file: str) -> np.ndarray:
+    """`[vocab_size]` bool, True where the token is a WordPiece continuation (`##...`).
+
+    Whole-word masking groups a word's pieces with it: a token whose id is True here belongs to
+    the word before it (google-research/bert's `token.startswith("##")`).
+    """
+    from data_pipeline import tokenization  # data_pipeline's own loader (Google's rules)
+    vocab = tokenization.load_vocab(vocab_file)
+    table = np.zeros(max(vocab.values()) + 1 if vocab else 0, bool)
+    for token, index in vocab.items():
+        table[index] = token.startswith("##")
+    return table
+
+
+def recorded_whole_word_mask(file_patterns: FilePatterns) -> Optional[bool]:
+    """`do_whole_word_mask` the records were made with, per the dataset_info.json beside each
+    pattern's files; None when none records it. Raises when the patterns' data disagree."""
+    found = {}
+    for pattern in _split_patterns(file_patterns):
+        value = dataset_info(pattern).get("flags", {}).get("do_whole_word_mask")
+        if isinstance(value, bool):
+            found[pattern] = value
+    if len(set(found.values())) > 1:
+        raise ValueError(f"the input patterns' data disagree on do_whole_word_mask ({found}): set "
+                         "whole_word_mask (config.dynamic_whole_word_mask) explicitly")
+    return next(iter(found.values()), None)
+
+
+def _whole_word_choice(original: tf.Tensor, group: tf.Tensor, candidate: tf.Tensor,
+                       num_pred: tf.Tensor, num_groups: int, subword: tf.Tensor, seed: tf.Tensor,
+                       max_steps: int) -> tf.Tensor:
+    """`[N, L]` bool: the tokens whole-word masking picks, Google's `do_whole_word_mask` rules.
+
+    A word is a candidate that is not a `##` piece (or the first candidate of its sequence)
+    followed by the `##` candidates after it; as in the reference, a `##` piece right after a
+    [SEP] joins the last word before that [SEP]. Words are taken in a uniformly random order
+    while they fit the sequence's `num_pred` tokens; a word that would overflow is skipped, not
+    split. That greedy pass is run as "take the first word in the order that still fits", once
+    per taken word (at most `max_steps` rounds: every word takes at least one token); the words
+    it takes are those of the pass, in the same order.
+    """
+    shape = tf.shape(original)
+    n, length = shape[0], shape[1]
+    pos = tf.broadcast_to(tf.range(length)[None, :], shape)  # [N, L]
+    ids = tf.clip_by_value(original, 0, tf.size(subword) - 1)
+    piece = tf.gather(subword, ids) & candidate  # [N, L] a `##` continuation
+    before = tf.cumsum(tf.cast(candidate, tf.int32), axis=1, exclusive=True)  # [N, L]
+    cand_order = tf.argsort(tf.where(candidate, pos, length + pos), axis=1, stable=True)  # [N, L]
+    prev = tf.gather(cand_order, tf.maximum(before - 1, 0), batch_dims=1)  # previous candidate
+    same_seq = (before > 0) & tf.equal(tf.gather(group, prev, batch_dims=1), group)
+    start = candidate & ~(piece & same_seq)  # [N, L] first piece of a word
+    word = tf.cumsum(tf.cast(start, tf.int32), axis=1)  # [N, L] 1-based word number
+    start_order = tf.argsort(tf.where(start, pos, length + pos), axis=1, stable=True)  # [N, L]
+    word_start = tf.where(candidate, tf.gather(start_order, tf.maximum(word - 1, 0), batch_dims=1),
+                          pos)  # [N, L] the position of each candidate's word start
+    rows = tf.broadcast_to(tf.range(n)[:, None], shape)  # [N, L]
+    word_len = tf.reshape(tf.math.unsorted_segment_sum(
+        tf.reshape(tf.cast(candidate, tf.int32), [-1]), tf.reshape(rows * length + word_start, [-1]),
+        n * length), shape)  # [N, L] pieces of the word starting here (0 elsewhere)
+    # A uniformly random order of the words: unique ranks, word starts first.
+    score = tf.where(start, tf.random.stateless_uniform(shape, seed), 2.0)  # [N, L]
+    rank = tf.argsort(tf.argsort(score, axis=1, stable=True), axis=1)  # [N, L]
+    segment = tf.reshape(rows * (num_groups + 1) + group, [-1])  # [N * L] (row, sequence)
+    num_segments = n * (num_groups + 1)
+
+    def per_sequence(x, reduce):  # [N, L] -> [N, G+1]
+        return tf.reshape(reduce(tf.reshape(x, [-1]), segment, num_segments), [n, num_groups + 1])
+
+    def step(k, taken, remaining, progressed):
+        room = tf.gather(remaining, group, batch_dims=1)  # [N, L]
+        eligible = start & ~taken & (word_len <= room)
+        best = per_sequence(tf.where(eligible, rank, length), tf.math.unsorted_segment_min)
+        pick = eligible & tf.equal(rank, tf.gather(best, group, batch_dims=1))  # [N, L]
+        used = per_sequence(tf.where(pick, word_len, 0), tf.math.unsorted_segment_sum)
+        return k + 1, taken | pick, remaining - used, tf.reduce_any(pick)
+
+    _, taken, _, _ = tf.while_loop(
+        lambda k, taken, remaining, progressed: (k < max_steps) & progressed, step,
+        (0, tf.zeros_like(start), num_pred, tf.constant(True)))
+    return candidate & tf.gather(taken, word_start, batch_dims=1)
+
+
 def dynamic_mask(features: Mapping[str, tf.Tensor], seed: tf.Tensor, *,
                  special_ids: Union[SpecialIds, Mapping[str, int]], max_predictions_per_seq: int,
-                 masked_lm_prob: float = 0.15) -> dict:
+                 masked_lm_prob: float = 0.15, subword: Optional[Any] = None) -> dict:
     """Re-masks a batch of rows with the reference's rules (see module docstring).
 
     Works on unpacked rows and on packed rows (with `pack_ids`): each packed sequence is masked
@@ -708,6 +865,9 @@ def dynamic_mask(features: Mapping[str, tf.Tensor], seed: tf.Tensor, *,
       special_ids: the [MASK]/[CLS]/[SEP]/[PAD] ids and the vocabulary size.
       max_predictions_per_seq: P, the per-sequence cap.
       masked_lm_prob: fraction of the real tokens to predict.
+      subword: `[vocab_size]` bool (`subword_table(vocab.txt)`): given, whole words are masked
+        (Google's `--do_whole_word_mask`: a word's `##` pieces with it, words that would
+        overflow the count skipped); None masks token by token.
 
     Returns:
       `features` with new `input_ids`, `masked_lm_positions`, `masked_lm_ids`,
@@ -739,7 +899,12 @@ def dynamic_mask(features: Mapping[str, tf.Tensor], seed: tf.Tensor, *,
 
     seeds = tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 4)
     positions_axis = tf.range(length)[None, :]  # [1, L]
-    if num_groups == 1:
+    if subword is not None:
+        table = tf.convert_to_tensor(np.asarray(subword, bool)) if not tf.is_tensor(subword) else subword
+        chosen_tokens = _whole_word_choice(original, group, candidate, num_pred, num_groups, table,
+                                           seeds[0], max_predictions_per_seq)  # [N, L]
+        picked = tf.where(chosen_tokens, positions_axis, length)
+    elif num_groups == 1:
         # One sequence per row: the `num_pred` lowest uniform scores among the candidates.
         score = tf.where(candidate, tf.random.stateless_uniform(shape, seeds[0]), 2.0)  # [N, L]
         _, lowest = tf.math.top_k(-score, k=min(width, original.shape[1] or width))  # [N, k]
@@ -960,7 +1125,7 @@ def _next_batch(iterator, files: _HostFiles, patterns: list, max_seq_length: int
         return _to_numpy(next(iterator))
     except tf.errors.DataLossError as e:
         # TF does not say which file: find it (the first of this host's files that fails a scan).
-        for path in files.read_paths:
+        for path in (p for p in files.read_paths if p not in files.good_records):
             scan = scan_tfrecord_file(path)
             if not scan.ok:
                 offset, reason = scan.bad_regions[0]
@@ -1028,13 +1193,14 @@ class PretrainingInput:
         dynamic_masking: bool = False,
         special_ids: Optional[Union[SpecialIds, Mapping[str, int]]] = None,
         masked_lm_prob: float = 0.15,
+        whole_word_mask: Optional[bool] = None,
+        subword: Optional[Sequence[bool]] = None,
         packing: bool = False,
         max_seqs_per_pack: int = 3,
         max_predictions_per_pack: Optional[int] = None,
         packing_window: int = 512,
         verify: bool = True,
         skip_corrupt: bool = False,
-        repair_dir: Optional[str] = None,
         cycle_length: int = 8,
     ):
         """Checks the files (see module docstring) and builds the tf.data pipeline.
@@ -1052,13 +1218,17 @@ class PretrainingInput:
           special_ids: `SpecialIds` or a dict with mask_id, cls_id, sep_id, vocab_size[, pad_id];
             required by dynamic masking.
           masked_lm_prob: fraction of tokens dynamic masking predicts.
+          whole_word_mask: dynamic masking masks whole words (Google's `--do_whole_word_mask`);
+            None = as the records were made (their dataset_info.json flags; token by token when
+            not recorded). Needs `subword`.
+          subword: `[vocab_size]` bool, True for `##` tokens (`subword_table(vocab.txt)`).
           packing: pack several records per row (packed-batch keys of the module docstring).
           max_seqs_per_pack: S, sequences per packed row at most.
           max_predictions_per_pack: Pp, the packed masked_lm width; default P * S.
           packing_window: records the packer sees at once (larger packs tighter, costs memory).
           verify: check every file against its dataset_info.json before reading.
-          skip_corrupt: skip (and count in `stats`) bad records and files instead of raising.
-          repair_dir: where repaired copies of bad files go (default: a temporary directory).
+          skip_corrupt: skip (and count in `stats`) bad records and files instead of raising;
+            the good records of a damaged file are read in place (nothing is copied).
           cycle_length: files read concurrently (interleave).
 
         Raises:
@@ -1073,6 +1243,16 @@ class PretrainingInput:
         if dynamic_masking and special_ids is None:
             raise ValueError("dynamic_masking=True needs special_ids (mask_id, cls_id, sep_id, "
                              "vocab_size; read them from vocab.txt)")
+        whole_word_mask = self._resolve_whole_word_mask(file_patterns, dynamic_masking,
+                                                        whole_word_mask)
+        if whole_word_mask:
+            if subword is None:
+                raise ValueError("whole-word dynamic masking needs subword (which ids are ## "
+                                 "pieces: input_pipeline.subword_table(vocab.txt))")
+            subword = np.asarray(subword, bool)
+            if subword.ndim != 1 or len(subword) < SpecialIds.from_any(special_ids).vocab_size:
+                raise ValueError(f"subword has shape {subword.shape}: one bool per vocabulary id "
+                                 f"expected (vocab_size={SpecialIds.from_any(special_ids).vocab_size})")
         if packing:
             if max_seqs_per_pack < 1:
                 raise ValueError(f"max_seqs_per_pack={max_seqs_per_pack} must be >= 1")
@@ -1093,6 +1273,8 @@ class PretrainingInput:
         self.dynamic_masking = dynamic_masking
         self.special_ids = SpecialIds.from_any(special_ids) if special_ids is not None else None
         self.masked_lm_prob = masked_lm_prob
+        self.whole_word_mask = whole_word_mask
+        self._subword = subword if whole_word_mask else None
         self.packing = packing
         self.max_seqs_per_pack = max_seqs_per_pack
         self.max_predictions_per_pack = max_predictions_per_pack
@@ -1102,8 +1284,7 @@ class PretrainingInput:
 
         self._files = _check_files(file_patterns, process_index=process_index,
                                    process_count=process_count, verify=verify,
-                                   skip_corrupt=skip_corrupt, repair_dir=repair_dir,
-                                   require_files_per_host=True)
+                                   skip_corrupt=skip_corrupt, require_files_per_host=True)
         if not self._files.read_paths:
             raise CorruptDataError(self._patterns[0], f"host {process_index} has no readable file "
                                    f"left ({len(self._files.corrupt_files)} corrupt or missing)")
@@ -1115,6 +1296,26 @@ class PretrainingInput:
         self._iterator = iter(self.dataset)
 
     # --- pipeline --------------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_whole_word_mask(file_patterns: FilePatterns, dynamic_masking: bool,
+                                 asked: Optional[bool]) -> bool:
+        """Whether dynamic masking masks whole words: as asked, else as the records were made."""
+        if not dynamic_masking:
+            if asked:
+                raise ValueError("whole_word_mask=True needs dynamic_masking=True (without it the "
+                                 "records' own masks are used, as they were written)")
+            return False
+        recorded = recorded_whole_word_mask(file_patterns)
+        if asked is None:
+            if recorded:
+                log.info("the records were made with do_whole_word_mask=True: dynamic masking "
+                         "masks whole words too (whole_word_mask=False to mask token by token)")
+            return bool(recorded)
+        if recorded is not None and recorded != asked:
+            log.warning("dynamic masking with whole_word_mask=%s although the records were made "
+                        "with do_whole_word_mask=%s", asked, recorded)
+        return bool(asked)
 
     def _finite_num_batches(self) -> int:
         """Batches every host can yield in one epoch (the minimum over hosts)."""
@@ -1128,10 +1329,10 @@ class PretrainingInput:
     def _build(self) -> tf.data.Dataset:
         seed, host = self.seed, self.process_index
         paths = self._files.read_paths
-        files = tf.data.Dataset.from_tensor_slices(paths).shuffle(
-            len(paths), seed=_mix(seed, host, 1), reshuffle_each_iteration=True)
+        units, read = _file_datasets(self._files)
+        files = units.shuffle(len(paths), seed=_mix(seed, host, 1), reshuffle_each_iteration=True)
         records = files.interleave(
-            _record_dataset, cycle_length=min(self.cycle_length, len(paths)),
+            read, cycle_length=min(self.cycle_length, len(paths)),
             block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         if self.shuffle_buffer_size > 1:
             records = records.shuffle(self.shuffle_buffer_size, seed=_mix(seed, host, 2),
@@ -1173,10 +1374,12 @@ class PretrainingInput:
             # (`Dataset.random(rerandomize_each_iteration=True)` before `repeat` would be simpler,
             # but TF 2.21 does not restore its per-epoch reseeding from a checkpoint.)
             salt = tf.constant(_mix(seed, host, 4), tf.int64)
+            subword = None if self._subword is None else tf.constant(self._subword)
 
             def remask(features, rand):
                 return dynamic_mask(features, tf.stack([rand, salt]), special_ids=self.special_ids,
-                                    max_predictions_per_seq=P, masked_lm_prob=self.masked_lm_prob)
+                                    max_predictions_per_seq=P, masked_lm_prob=self.masked_lm_prob,
+                                    subword=subword)
 
             ds = tf.data.Dataset.zip(ds, tf.data.Dataset.random(seed=_mix(seed, host, 3)))
             ds = ds.map(_graph_fn(remask), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -1243,6 +1446,8 @@ class PretrainingInput:
             "repeat": self.repeat, "dynamic_masking": self.dynamic_masking,
             "special_ids": dataclasses.asdict(self.special_ids) if self.special_ids else None,
             "masked_lm_prob": self.masked_lm_prob, "packing": self.packing,
+            # Only when on: states saved before the option existed still resume.
+            **({"whole_word_mask": True} if self.whole_word_mask else {}),
             "max_seqs_per_pack": self.max_seqs_per_pack if self.packing else None,
             "max_predictions_per_pack": self.max_predictions_per_pack,
             "packing_window": self.packing_window if self.packing else None,
@@ -1302,8 +1507,7 @@ class EvalInput:
 
     def __init__(self, file_patterns: FilePatterns, *, per_host_batch_size: int,
                  max_seq_length: int, max_predictions_per_seq: int, process_index: int = 0,
-                 process_count: int = 1, verify: bool = True, skip_corrupt: bool = False,
-                 repair_dir: Optional[str] = None):
+                 process_count: int = 1, verify: bool = True, skip_corrupt: bool = False):
         if per_host_batch_size <= 0:
             raise ValueError(f"per_host_batch_size={per_host_batch_size} must be positive")
         self.per_host_batch_size = per_host_batch_size
@@ -1312,8 +1516,7 @@ class EvalInput:
         # Eval may have fewer files than hosts: a host without files yields padding only.
         self._files = _check_files(file_patterns, process_index=process_index,
                                    process_count=process_count, verify=verify,
-                                   skip_corrupt=skip_corrupt, repair_dir=repair_dir,
-                                   require_files_per_host=False)
+                                   skip_corrupt=skip_corrupt, require_files_per_host=False)
         per_host = self._files.records_per_host(process_count)
         self.num_batches = max(-(-n // per_host_batch_size) for n in per_host)
         self.num_records = self._files.read_records
@@ -1343,7 +1546,8 @@ class EvalInput:
                "next_sentence_weights": tf.zeros([], tf.float32)}
         padding = tf.data.Dataset.from_tensors(pad).repeat()
         if paths:
-            rows = tf.data.Dataset.from_tensor_slices(paths).flat_map(_record_dataset).batch(256).map(
+            units, read = _file_datasets(self._files)
+            rows = units.flat_map(read).batch(256).map(
                 _graph_fn(real), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
             rows = rows.concatenate(padding)
         else:

@@ -8,6 +8,7 @@ which records it holds, even after (re-)masking: restoring `masked_lm_ids` at
 
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -281,8 +282,7 @@ def test_truncated_gzip_file_is_named_or_its_good_records_kept(tmp_path, verify)
             ds = make_input(pattern, verify=False, shuffle_buffer_size=1)
             for _ in range(10):
                 next(ds)
-    ds = make_input(pattern, skip_corrupt=True, repeat=False, per_host_batch_size=1, verify=verify,
-                    repair_dir=str(tmp_path / "repaired"))
+    ds = make_input(pattern, skip_corrupt=True, repeat=False, per_host_batch_size=1, verify=verify)
     seen = sorted(rid for batch in ds for rid in record_ids(batch))
     kept = [rid for rid in range(4, 10) if rid in seen]
     assert kept == list(range(4, 4 + len(kept))) and len(kept) < 6  # a prefix of file 1
@@ -435,6 +435,237 @@ def test_dynamic_mask_on_packed_rows_masks_each_sequence_on_its_own(width):
             # This sequence's own count (its length, its cap), never a special token.
             assert len(mine) == min(P, max(1, int(round(len(where) * 0.15))), n_cand)
             assert not np.isin(restored[r, mine], [CLS, SEP]).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-word dynamic masking
+# ---------------------------------------------------------------------------------------------
+
+SUBWORD_FROM = 2500  # test vocabulary: ids >= 2500 are `##` pieces
+SUBWORD = np.arange(VOCAB) >= SUBWORD_FROM
+
+
+def google_words(ids, n_real: int) -> list[list[int]]:
+    """Google's whole-word candidates (instances.py): a `##` piece joins the previous candidate."""
+    words: list[list[int]] = []
+    for i in range(n_real):
+        if ids[i] in (CLS, SEP):
+            continue
+        if words and ids[i] >= SUBWORD_FROM:
+            words[-1].append(i)
+        else:
+            words.append([i])
+    return words
+
+
+def _word_rows(n_rows: int, length: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of words of 1-4 pieces (some rows with a stray `##` right after [CLS] or [SEP])."""
+    ids = np.full((n_rows, length), PAD, np.int32)
+    lengths = rng.integers(8, length + 1, n_rows)
+    for r, n in enumerate(lengths):
+        tokens = [CLS]
+        sep_at = int(n) // 2
+        while len(tokens) < n - 1:
+            if len(tokens) == sep_at:
+                tokens.append(SEP)
+            start_piece = rng.random() < 0.1 and tokens[-1] in (CLS, SEP)
+            tokens.append(int(rng.integers(SUBWORD_FROM, VOCAB) if start_piece else rng.integers(1000, SUBWORD_FROM)))
+            for _ in range(rng.choice(4, p=[0.6, 0.25, 0.1, 0.05])):
+                tokens.append(int(rng.integers(SUBWORD_FROM, VOCAB)))
+        tokens = tokens[:n - 1] + [SEP]
+        ids[r, :n] = tokens
+    mask = (np.arange(length)[None] < lengths[:, None]).astype(np.int32)
+    return ids, mask
+
+
+def _blank_features(ids: np.ndarray, mask: np.ndarray, preds: int) -> dict:
+    n = len(ids)
+    return {"input_ids": tf.constant(ids), "input_mask": tf.constant(mask),
+            "segment_ids": tf.zeros_like(ids),
+            "masked_lm_positions": tf.zeros([n, preds], tf.int32),
+            "masked_lm_ids": tf.zeros([n, preds], tf.int32),
+            "masked_lm_weights": tf.zeros([n, preds], tf.float32)}
+
+
+def test_whole_word_dynamic_mask_rules_rates_and_google_distribution():
+    import random
+
+    from data_pipeline import instances
+
+    n_rows, length, preds = 3000, 64, 10
+    ids, mask = _word_rows(n_rows, length, np.random.default_rng(0))
+    out = {k: v.numpy() for k, v in ip.dynamic_mask(
+        _blank_features(ids, mask, preds), tf.constant([3, 4]), special_ids=SPECIAL,
+        max_predictions_per_seq=preds, subword=SUBWORD).items()}
+    pos, lab, w, new = (out["masked_lm_positions"], out["masked_lm_ids"],
+                        out["masked_lm_weights"], out["input_ids"])
+    kinds = {"mask": 0, "keep": 0, "random": 0}
+    masked_tokens = real_tokens = 0
+    ours = {1: [0, 0], 2: [0, 0], 3: [0, 0], 4: [0, 0]}  # word pieces -> [words masked, words]
+    for r in range(n_rows):
+        n = int(mask[r].sum())
+        k = int(w[r].sum())
+        chosen = set(pos[r, :k].tolist())
+        assert np.all(w[r, :k] == 1) and np.all(w[r, k:] == 0) and np.all(np.diff(pos[r, :k]) > 0)
+        assert not any(ids[r, p] in (CLS, SEP, PAD) for p in chosen) and all(p < n for p in chosen)
+        np.testing.assert_array_equal(lab[r, :k], ids[r, pos[r, :k]])
+        budget = min(preds, max(1, int(round(n * 0.15))))
+        assert k <= budget
+        words = google_words(ids[r], n)
+        for word in words:
+            hit = [p in chosen for p in word]
+            assert all(hit) or not any(hit), (r, word, sorted(chosen))  # whole words only
+            ours[min(len(word), 4)][0] += all(hit)
+            ours[min(len(word), 4)][1] += 1
+            # Google's greedy pass: a word left out would not have fit what was left.
+            assert all(hit) or len(word) > budget - k, (r, word, budget, k)
+        untouched = np.setdiff1d(np.arange(length), pos[r, :k])
+        np.testing.assert_array_equal(new[r, untouched], ids[r, untouched])
+        for p_, l_ in zip(pos[r, :k], lab[r, :k]):
+            kinds["mask" if new[r, p_] == MASK else "keep" if new[r, p_] == l_ else "random"] += 1
+        masked_tokens += k
+        real_tokens += n
+    for kind, prob in (("mask", 0.8), ("keep", 0.1), ("random", 0.1)):
+        sd = np.sqrt(masked_tokens * prob * (1 - prob))
+        assert abs(kinds[kind] - prob * masked_tokens) < 5 * sd, kinds
+    rate = masked_tokens / real_tokens
+    assert 0.13 < rate <= 0.155, rate  # 15% of the tokens, a little less when words do not fit
+
+    # The same rows through the static whole-word masking of create_pretraining_data
+    # (data_pipeline.instances, Google's code path): the same share of words masked, by length.
+    vocab_words = [f"w{i}" for i in range(VOCAB)]
+    name = lambda t: "[CLS]" if t == CLS else "[SEP]" if t == SEP else (
+        f"##{t}" if t >= SUBWORD_FROM else f"w{t}")
+    theirs = {1: [0, 0], 2: [0, 0], 3: [0, 0], 4: [0, 0]}
+    rng, stats, static_masked = random.Random(0), instances.MaskStats(), 0
+    for r in range(n_rows):
+        n = int(mask[r].sum())
+        tokens = [name(int(t)) for t in ids[r, :n]]
+        _, positions, _ = instances.create_masked_lm_predictions(
+            tokens, 0.15, preds, vocab_words, rng, True, stats)
+        chosen = set(positions)
+        static_masked += len(positions)
+        for word in google_words(ids[r], n):
+            theirs[min(len(word), 4)][0] += all(p in chosen for p in word)
+            theirs[min(len(word), 4)][1] += 1
+    assert all(ours[k][1] == theirs[k][1] > 50 for k in ours)  # the same words, in numbers
+    for pieces in ours:
+        a, b = ours[pieces][0] / ours[pieces][1], theirs[pieces][0] / theirs[pieces][1]
+        sd = np.sqrt(2 * b * (1 - b) / ours[pieces][1])
+        assert abs(a - b) < 5 * sd + 1e-3, (pieces, a, b)
+    assert abs(masked_tokens - static_masked) < 0.01 * static_masked, (masked_tokens, static_masked)
+    # Token-by-token masking of the same rows splits words: the option does something.
+    token_level = ip.dynamic_mask(_blank_features(ids, mask, preds), tf.constant([3, 4]),
+                                  special_ids=SPECIAL, max_predictions_per_seq=preds)
+    tpos, tw = token_level["masked_lm_positions"].numpy(), token_level["masked_lm_weights"].numpy()
+    split = sum(0 < len(set(word) & set(tpos[r][tw[r] > 0].tolist())) < len(word)
+                for r in range(200) for word in google_words(ids[r], int(mask[r].sum())))
+    assert split > 20
+
+
+def test_whole_word_dynamic_mask_by_hand():
+    # Words: [1..3] [4] [5, 6 + 8 (a ## right after [SEP] joins the word before, as in Google's
+    # code)] [9] [10..13] [14]; 16 real tokens -> round(2.4) = 2 tokens: only 1-piece words fit.
+    row = ([CLS, 1000, 2501, 2502, 1001, 1002, 2503, SEP, 2504, 1003, 1004, 2505, 2506, 2507, 1005, SEP]
+           + [PAD] * 4)
+    ids = np.array([row] * 64, np.int32)
+    mask = (ids != PAD).astype(np.int32)
+    out = ip.dynamic_mask(_blank_features(ids, mask, 6), tf.constant([7, 7]), special_ids=SPECIAL,
+                          max_predictions_per_seq=6, subword=SUBWORD)
+    pos, w = out["masked_lm_positions"].numpy(), out["masked_lm_weights"].numpy()
+    assert np.all(w.sum(1) == 2)
+    picked = {tuple(p[:2]) for p in pos.tolist()}
+    assert picked == {(4, 9), (4, 14), (9, 14)}  # every pair of the 1-piece words, nothing else
+
+
+def test_whole_word_dynamic_mask_on_packed_rows_keeps_sequences_apart():
+    ids, mask = _word_rows(60, L, np.random.default_rng(1))
+    records = []
+    for r in range(len(ids)):
+        records.append({"input_ids": ids[r], "input_mask": mask[r], "segment_ids": np.zeros(L, np.int32),
+                        "masked_lm_positions": np.zeros(P, np.int32), "masked_lm_ids": np.zeros(P, np.int32),
+                        "masked_lm_weights": np.zeros(P, np.float32),
+                        "next_sentence_labels": np.zeros(1, np.int32)})
+    features = _stack(records)
+    budget = ip.dynamic_predictions_per_sequence(features, special_ids=SPECIAL, max_predictions_per_seq=P)
+    packed = ip.pack_window(features, max_seq_length=L, max_seqs_per_pack=3,
+                            max_predictions_per_pack=3 * P, prediction_budget=budget)
+    out = {k: v.numpy() for k, v in ip.dynamic_mask(
+        packed, tf.constant([5, 6]), special_ids=SPECIAL, max_predictions_per_seq=P,
+        subword=SUBWORD).items()}
+    restored = originals(out)
+    packs = 0
+    for r in range(len(restored)):
+        chosen = set(out["masked_lm_positions"][r][out["masked_lm_weights"][r] > 0].tolist())
+        seqs = np.flatnonzero(out["next_sentence_weights"][r])
+        packs += len(seqs) > 1
+        for s in seqs:
+            where = np.flatnonzero(out["pack_ids"][r] == s + 1)
+            words = [[int(where[i]) for i in word] for word in google_words(restored[r, where], len(where))]
+            mine = chosen & set(where.tolist())
+            assert 0 < len(mine) <= min(P, max(1, int(round(len(where) * 0.15))))
+            for word in words:  # words never reach into the sequence before
+                assert set(word) <= mine or not set(word) & mine
+    assert packs > 0
+
+
+def _wwm_dataset(directory: Path, recorded) -> str:
+    paths = write_dataset(directory, [6, 6])
+    info = {"flags": {"do_whole_word_mask": recorded}} if recorded is not None else None
+    schema.write_dataset_info(str(directory), {p: 6 for p in paths}, info)
+    return str(directory / "part-*.tfrecord")
+
+
+def _split_words(batch: dict) -> tuple[int, int]:
+    """(words partly masked, words fully masked) over a batch (records' ids >= 2500 are ## pieces)."""
+    restored, partial, whole = originals(batch), 0, 0
+    for r in range(len(restored)):
+        chosen = set(batch["masked_lm_positions"][r][batch["masked_lm_weights"][r] > 0].tolist())
+        for word in google_words(restored[r], int(batch["input_mask"][r].sum())):
+            hit = len(set(word) & chosen)
+            partial += 0 < hit < len(word)
+            whole += hit == len(word) and len(word) > 1
+    return partial, whole
+
+
+@pytest.mark.parametrize("recorded, asked, expect_whole", [
+    (True, None, True),  # the records say whole words: honoured
+    (None, True, True),  # the records do not say, the user asks
+    (False, True, True),  # the user's explicit choice wins (a warning)
+    (True, False, False),
+    (None, None, False),  # nothing recorded, nothing asked: token by token, as before
+])
+def test_pipeline_whole_word_masking_follows_the_records_unless_told(tmp_path, recorded, asked,
+                                                                    expect_whole):
+    pattern = _wwm_dataset(tmp_path, recorded)
+    ds = make_input(pattern, dynamic_masking=True, special_ids=SPECIAL, per_host_batch_size=12,
+                    whole_word_mask=asked, subword=SUBWORD, shuffle_buffer_size=1)
+    assert ds.whole_word_mask is expect_whole
+    partial = whole = 0
+    for _ in range(40):  # 40 epochs of the 12 records
+        p_, w_ = _split_words(next(ds))
+        partial, whole = partial + p_, whole + w_
+    if expect_whole:
+        assert partial == 0 and whole > 0
+    else:
+        assert partial > 0
+
+
+def test_whole_word_masking_option_errors(tmp_path):
+    pattern = _wwm_dataset(tmp_path, True)
+    with pytest.raises(ValueError, match="subword"):
+        make_input(pattern, dynamic_masking=True, special_ids=SPECIAL)
+    with pytest.raises(ValueError, match="needs dynamic_masking=True"):
+        make_input(pattern, whole_word_mask=True, subword=SUBWORD)
+    with pytest.raises(ValueError, match="one bool per vocabulary id"):
+        make_input(pattern, dynamic_masking=True, special_ids=SPECIAL, subword=SUBWORD[:100])
+    assert make_input(pattern).whole_word_mask is False  # static masks: nothing to decide
+
+
+def test_subword_table_from_a_vocab_file(tmp_path):
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[CLS]\nplay\n##ing\n##s\n#\n")
+    assert ip.subword_table(str(vocab)).tolist() == [False, False, False, True, True, False]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,12 +837,16 @@ def test_damaged_file_is_caught_before_training_naming_it(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
-def test_lenient_mode_skips_exactly_the_bad_records_and_counts_them(tmp_path, kind):
-    paths = write_dataset(tmp_path, [4, 6, 5])
+def test_lenient_mode_skips_exactly_the_bad_records_and_counts_them(tmp_path, kind, monkeypatch):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    paths = write_dataset(tmp_path / "data", [4, 6, 5])
     good_left = DAMAGE[kind]
     _damage(paths[1], kind)
-    ds = make_input(str(tmp_path / "part-*.tfrecord"), skip_corrupt=True, repeat=False,
-                    per_host_batch_size=1, repair_dir=str(tmp_path / "repaired"))
+    ds = make_input(str(tmp_path / "data" / "part-*.tfrecord"), skip_corrupt=True, repeat=False,
+                    per_host_batch_size=1)
     assert ds.stats["skipped_records"] == 6 - good_left
     assert ds.stats["records_per_epoch"] == 15 - (6 - good_left)
     assert ds.stats["corrupt_files"] == [paths[1]]
@@ -619,6 +854,27 @@ def test_lenient_mode_skips_exactly_the_bad_records_and_counts_them(tmp_path, ki
     lost = {"bit_flip": {5}, "truncated_header": {9}, "truncated_payload": {9},
             "header_flip": {5}}.get(kind, set(range(4, 10)))  # file 1 holds records 4..9
     assert seen == sorted(set(range(15)) - lost)
+    # The good records are read in place: no repaired copy anywhere (issue 31).
+    assert list(temp.iterdir()) == [] and sorted(os.listdir(tmp_path / "data")) == sorted(
+        [os.path.basename(p) for p in paths if os.path.exists(p)] + [ip.MANIFEST_NAME])
+
+
+def test_lenient_mode_reads_the_good_records_byte_for_byte_in_runs(tmp_path, monkeypatch):
+    # Several damaged stretches, runs cut at a small chunk size: the exact records, in file order.
+    monkeypatch.setattr(ip, "_CHUNK_BYTES", 600)
+    paths = write_dataset(tmp_path, [12])
+    data = bytearray(Path(paths[0]).read_bytes())
+    offsets = _record_offsets(bytes(data))
+    for r in (0, 4, 5, 9):  # flip a payload byte of records 0, 4, 5, 9
+        data[offsets[r] + 12 + 20] ^= 0x10
+    Path(paths[0]).write_bytes(bytes(data))
+    good = [bytes(data[o + 12:o + 12 + int.from_bytes(data[o:o + 8], "little")])
+            for i, o in enumerate(offsets) if i not in (0, 4, 5, 9)]
+    files = ip._check_files(paths[0], process_index=0, process_count=1, verify=True,
+                            skip_corrupt=True, require_files_per_host=True)
+    units, read = ip._file_datasets(files)
+    assert [r.numpy() for r in units.flat_map(read)] == good
+    assert len(ip._good_chunks(files.good_records[paths[0]])) > 3  # really read in several runs
 
 
 def test_unverified_corruption_raises_while_reading_naming_the_file(tmp_path):
@@ -678,8 +934,7 @@ def test_lenient_eval_keeps_hosts_in_step_and_counts_the_loss(tmp_path):
     for h in range(2):
         ev = ip.make_eval_iterator(str(tmp_path / "part-*.tfrecord"), per_host_batch_size=4,
                                    max_seq_length=L, max_predictions_per_seq=P, process_index=h,
-                                   process_count=2, skip_corrupt=True,
-                                   repair_dir=str(tmp_path / f"repaired-{h}"))
+                                   process_count=2, skip_corrupt=True)
         batches = list(ev)
         lengths.append(len(batches))
         assert ev.stats["skipped_records"] == (1 if h == 1 else 0)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import io
 import json
 import logging
 import math
@@ -269,8 +268,16 @@ def check_vocab(tokenizer) -> None:
 
 
 def read_tsv(path: str) -> list[list[str]]:
-    """Tab-separated rows as GLUE's tools read them (no quoting; UTF-8, BOM dropped)."""
-    return [line.rstrip("\r\n").split("\t") for line in io.StringIO(read_text(path, bom=True), newline="")]
+    """Tab-separated rows as GLUE's tools read them (no quoting; UTF-8, BOM dropped).
+
+    Rows end at "\n" only, as `tf.gfile` lines do in Google's `_read_tsv`; a "\r" before it
+    (CRLF files, e.g. MRPC's originals) is dropped, and a stray "\r" inside a field stays in
+    the field (the tokenizer reads it as a space) instead of splitting the row in two.
+    """
+    lines = read_text(path, bom=True).split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the final newline ends the last row, it does not start one
+    return [(line[:-1] if line.endswith("\r") else line).split("\t") for line in lines]
 
 
 def read_text(path: str, *, bom: bool = False) -> str:

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline.tasks import Task, encode_pair, read_tsv, stack, tfds_examples, tokenize_all, check_vocab
+from data_pipeline.tasks import DataError, Task, encode_pair, read_tsv, stack, tfds_examples, tokenize_all, check_vocab
 
 
 @dataclasses.dataclass
@@ -253,7 +253,7 @@ class GlueTask(Task):
             row = first_row + offset  # 1-based line number
             if fields == [""]:
                 continue  # a trailing blank line
-            if len(fields) < width:
+            if len(fields) != width:  # missing or extra columns: which text is which is unknown
                 self.rows.bad(path, row, f"{len(fields)} tab-separated fields, expected {width}")
                 continue
             label = self._label(fields[columns[spec.label]], path, row) if labelled else None
@@ -262,6 +262,11 @@ class GlueTask(Task):
             guid = fields[id_column] if id_column is not None else str(row - first_row)
             text_b = fields[columns[spec.text_b]] if spec.text_b else None
             examples.append(Example(guid, fields[columns[spec.text_a]], text_b, label, f"{path}:{row}"))
+        if not examples:
+            rows = sum(fields != [""] for fields in body)
+            raise DataError(f"{path}: no rows after the header" if not rows else
+                            f"{path}: none of its {rows} rows is usable ({self.rows.counts.get(path, 0)} "
+                            "skipped as bad)")
         return examples
 
     def _read_tfds(self, split: str) -> list[Example]:
