@@ -68,5 +68,13 @@ def main(argv):
     modes[config.mode](config, _WORKDIR.value)
 
 
+def parse_flags(argv):
+    from bert_jax.config_overrides import unknown_overrides
+    unknown = unknown_overrides(argv)
+    if unknown:  # before ml_collections' traceback, naming the nearest valid keys
+        raise SystemExit("FATAL: unknown config key\n" + "\n".join(unknown))
+    return app.parse_flags_with_usage(argv)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
