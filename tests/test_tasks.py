@@ -1,16 +1,19 @@
 """data_pipeline.tasks without a model: metrics against independent computations, reading the
 distributed formats, bad input, featurization, post-processing, the SQuAD scorer's CLI."""
 
+import hashlib
 import json
+import os
 
 import numpy as np
 import pytest
 
-from data_pipeline import tasks
+from data_pipeline import tasks, tokenization
 from data_pipeline.tasks import glue, multiple_choice, ner, squad
 
 WORDS = ["the", "cat", "sat", "on", "mat", "john", "smith", "lives", "in", "paris", "cafe", "una", "##ffa",
          "##ble", "who", "where", "is", "was", "a", "dog", ".", ",", "?", "1996", "-", "08"]
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
 
 @pytest.fixture
@@ -107,6 +110,48 @@ def test_glue_bad_rows_name_file_and_row(tmp_path):
 
 
 
+def test_glue_row_with_extra_columns_is_a_bad_row_like_a_short_one(tmp_path):
+    rte = tmp_path / "RTE"
+    rte.mkdir()
+    (rte / "train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n"
+                                   "1\ta\tb\tc\tentailment\n2\ta\tb\tnot_entailment\t\n"
+                                   "3\ta\tb\tnot_entailment\n")
+    with pytest.raises(tasks.DataError, match=r"RTE/train.tsv: row 3: 5 tab-separated fields, expected 4"):
+        tasks.get_task("rte", str(tmp_path)).read("train")
+    lenient = tasks.get_task("rte", str(tmp_path), skip_bad_rows=True)
+    assert [e.guid for e in lenient.read("train")] == ["0", "3"]
+    assert lenient.skipped == {str(rte / "train.tsv"): 2}  # what the fine-tuning log's totals show
+    cola = tmp_path / "CoLA"  # headerless: 4 positional columns
+    cola.mkdir()
+    (cola / "train.tsv").write_text("gj04\t1\t\tThe cat sat.\ngj04\t0\t*\tCat the sat.\textra\n")
+    lenient = tasks.get_task("cola", str(tmp_path), skip_bad_rows=True)
+    assert [e.text_a for e in lenient.read("train")] == ["The cat sat."]
+    assert lenient.skipped == {str(cola / "train.tsv"): 1}
+
+
+def test_glue_rows_end_at_newline_only_a_stray_carriage_return_stays_in_its_field(tmp_path):
+    rte = tmp_path / "RTE"
+    rte.mkdir()
+    # A lone \r inside a field (it would split the row under universal newlines), CRLF endings.
+    (rte / "train.tsv").write_bytes(b"index\tsentence1\tsentence2\tlabel\r\n"
+                                    b"0\tone\rtwo\tb\tentailment\r\n1\ta\tb\r\tnot_entailment\n")
+    examples = tasks.get_task("rte", str(tmp_path)).read("train")  # strict: no bad row
+    assert [(e.guid, e.text_a, e.text_b, e.label) for e in examples] == [
+        ("0", "one\rtwo", "b", "entailment"), ("1", "a", "b\r", "not_entailment")]
+    assert tasks.read_tsv(str(rte / "train.tsv"))[1] == ["0", "one\rtwo", "b", "entailment"]
+
+
+def test_glue_header_only_file_names_its_path(tmp_path):
+    rte = tmp_path / "RTE"
+    rte.mkdir()
+    (rte / "dev.tsv").write_text("index\tsentence1\tsentence2\tlabel\n")
+    with pytest.raises(tasks.DataError, match=r"RTE/dev.tsv: no rows after the header"):
+        tasks.get_task("rte", str(tmp_path)).read("dev")
+    (rte / "dev.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tmaybe\n\n")
+    with pytest.raises(tasks.DataError, match=r"RTE/dev.tsv: none of its 1 rows is usable \(1 skipped as bad\)"):
+        tasks.get_task("rte", str(tmp_path), skip_bad_rows=True).read("dev")
+
+
 def test_task_files_that_are_not_utf8_name_the_line_and_column(tmp_path):
     """Latin-1 bytes in a labelled file (GLUE tsv, CoNLL, SQuAD json, SWAG csv) are named, not
     decoded into U+FFFD or a bare UnicodeDecodeError; a UTF-8 BOM is still fine for GLUE."""
@@ -180,8 +225,33 @@ def test_squad_normalization_and_f1_hand_worked():
     assert squad.f1_score_v1("cat", "dog") == 0.0
     assert squad.f1_score_v2("", "") == 1.0 and squad.f1_score_v2("dog", "") == 0.0
     gold = [("q1", ["red dog", "a dog"]), ("q2", ["Paris"]), ("q3", ["1996"])]
-    out = squad.evaluate_v1(gold, {"q1": "the big red dog", "q2": "paris"})  # q3 missing: scores 0
-    assert out == pytest.approx({"exact_match": 100 / 3, "f1": 100 * (0.8 + 1.0) / 3})
+    out = squad.evaluate_v1(gold, {"q1": "the big red dog", "q2": "paris", "q3": "1996"})
+    assert out == pytest.approx({"exact_match": 200 / 3, "f1": 100 * (0.8 + 1.0 + 1.0) / 3})
+
+
+def test_squad_partial_predictions_fail_unless_allowed(tmp_path, capsys):
+    gold = [("q1", ["red dog", "a dog"]), ("q2", ["Paris"]), ("q3", ["1996"]), ("q4", [])]
+    preds = {"q1": "the big red dog", "q2": "paris"}
+    for evaluate in (squad.evaluate_v1, squad.evaluate_v2):
+        with pytest.raises(ValueError, match=r"2 of 4 questions have no prediction \(e.g. q3, q4\).*allow_partial"):
+            evaluate(gold, preds)
+    # v1.1's official rule: a missing question scores 0 and stays in the total.
+    assert squad.evaluate_v1(gold[:3], preds, allow_partial=True) == pytest.approx(
+        {"exact_match": 100 / 3, "f1": 100 * 1.8 / 3})
+    assert "scoring a partial prediction file: 1 of 3 questions" in capsys.readouterr().err
+    # v2.0's official rule: only the predicted questions count (the script then fails on HasAns).
+    out = squad.evaluate_v2(gold, preds, allow_partial=True)
+    assert out["total"] == 2 and out["exact"] == 50.0 and out["HasAns_total"] == 2 and "NoAns_total" not in out
+    data = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": "John lives in Paris.", "qas": [
+        {"id": "q1", "question": "where?", "answers": [{"text": "Paris", "answer_start": 14}]},
+        {"id": "q2", "question": "who?", "answers": [{"text": "John", "answer_start": 0}]}]}]}]}
+    (tmp_path / "dev.json").write_text(json.dumps(data))
+    (tmp_path / "pred.json").write_text(json.dumps({"q1": "Paris"}))
+    args = [str(tmp_path / "dev.json"), str(tmp_path / "pred.json")]
+    assert squad.main(args) == 2
+    assert "pred.json: 1 of 2 questions have no prediction (e.g. q2)" in capsys.readouterr().err
+    assert squad.main(args + ["--allow_partial"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"exact_match": 50.0, "f1": 50.0}
 
 
 def test_squad_v2_scores_and_best_threshold_hand_worked():
@@ -325,6 +395,120 @@ def test_squad_v2_null_threshold(tmp_path, vocab):
     assert task.postprocess(examples, f, {"start_logits": start, "end_logits": end})["predictions"]["q"] == "John"
 
 
+def _window_labels(examples, f):
+    """[question id, window of that question, start, end] per feature row."""
+    seen = {}
+    out = []
+    for i, s, e in zip(f["example_index"], f["start_positions"], f["end_positions"]):
+        qid = examples[i].qas_id
+        out.append([qid, seen.get(qid, 0), int(s), int(e)])
+        seen[qid] = seen.get(qid, 0) + 1
+    return out
+
+
+def _random_logits(f, seed, bump):
+    """The reference runs' logits: RandomState(seed) normals, start then end, + `bump` on the context."""
+    rng = np.random.RandomState(seed)
+    start = rng.standard_normal(f["input_ids"].shape).astype(np.float32)
+    end = rng.standard_normal(f["input_ids"].shape).astype(np.float32)
+    context = f["token_word_index"] >= 0
+    start[context] += np.float32(bump)
+    end[context] += np.float32(bump)
+    return {"start_logits": start, "end_logits": end}
+
+
+def _sha256(value):
+    return hashlib.sha256(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
+
+
+def test_squad_labels_and_answer_texts_match_google_on_hard_cases(tmp_path):
+    """Training labels and predicted answer texts equal google-research/bert run_squad.py's on
+    answers inside words and word pieces, accents (composed and combining), [UNK] words, CJK,
+    newlines/double spaces/U+00A0/U+202F/U+200B in the context, a leading-space answer, and
+    windows (fixture written by run_squad.py itself; tests/fixtures/README.md). The answer
+    "20\u00a0kg" is one run_squad.py drops from training; here it is a counted bad row."""
+    with open(os.path.join(FIXTURES, "squad_google_hard_cases.json"), encoding="utf-8") as fh:
+        fx = json.load(fh)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(fx["vocab"]) + "\n", encoding="utf-8")
+    settings = fx["settings"]
+    for case in fx["cases"]:
+        name = "squad_v2" if case["version_2"] else "squad_v1"
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(fx[name]), encoding="utf-8")
+        task = tasks.get_task(name, split_files={"train": str(path), "dev": str(path)},
+                              doc_stride=settings["doc_stride"], max_query_length=settings["max_query_length"],
+                              n_best_size=settings["n_best_size"], max_answer_length=settings["max_answer_length"],
+                              skip_bad_rows=True)
+        tok = task.make_tokenizer(str(vocab), case["do_lower_case"])
+        examples = task.read("train")
+        f = task.featurize(examples, tok, settings["max_seq_length"], training=True)
+        assert _window_labels(examples, f) == case["labels"], (name, case["do_lower_case"])
+        dropped = [e.qas_id for e in examples if e.answers and "\u00a0" in e.answers[0]["text"]]
+        assert sum(task.skipped.values()) == len(dropped) == 1
+        assert dropped[0] not in {q for q, *_ in case["labels"]}
+        examples = task.read("dev")
+        f = task.featurize(examples, tok, settings["max_seq_length"], training=False)
+        assert len(f["input_ids"]) == case["n_eval_windows"]
+        for run in case["runs"]:
+            out = task.postprocess(examples, f, _random_logits(f, run["seed"], 1.5 if case["version_2"] else 0.0))
+            assert out["predictions"] == run["predictions"], (name, case["do_lower_case"], run["seed"])
+            if case["version_2"]:
+                assert out["null_odds"] == pytest.approx(run["null_odds"], abs=1e-9)
+
+
+def test_squad_answer_text_falls_back_to_the_whole_words_like_google():
+    basic = tokenization.BasicTokenizer(do_lower_case=True)
+    # Aligned: the span's own characters, case and accents kept; whitespace runs become one space
+    # (Google joins the whitespace words with single spaces).
+    assert squad.answer_text(["smith"], ["Smith's"], basic) == "Smith"
+    assert squad.answer_text(["##ffa", "##ble"], ["unaffable"], basic) == "ffable"
+    assert squad.answer_text(["sao", "paulo"], ["S\u00e3o", "Paulo,"], basic) == "S\u00e3o Paulo"
+    # The first match in the words, not necessarily the predicted one.
+    assert squad.answer_text(["1895"], ["1895-1895"], basic) == "1895"
+    # No alignment: an [UNK] piece, a dropped zero-width space, a U+00A0 inside a word -> all words.
+    assert squad.answer_text(["[UNK]"], ["qu\u00e6stor,"], basic) == "qu\u00e6stor,"
+    assert squad.answer_text(["width"], ["zero\u200bwidth"], basic) == "zero\u200bwidth"
+    assert squad.answer_text(["kg"], ["20\u00a0kg"], basic) == "20\u00a0kg"
+    assert squad.whitespace_words("a  bc\nd\u202fe\u00a0f") == (["a", "bc", "d", "e\u00a0f"],
+                                                                [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3])
+
+
+SQUAD_DATA = os.path.join(os.environ.get("BERT_JAX_SHARED_DATA", "/work/shared/data"), "squad")
+
+
+@pytest.mark.parametrize("config", ["v1_uncased", "v1_cased", "v2_uncased"])
+def test_squad_dev_sets_label_and_answer_like_google(config):
+    """Every window's training label and every prediction on the real dev sets equal run_squad.py's
+    (hashes of its outputs; the windows and answers that a character-offset mapping got wrong are
+    kept in full). Skips without the data (CI)."""
+    with open(os.path.join(FIXTURES, "squad_google_dev.json"), encoding="utf-8") as fh:
+        fx = json.load(fh)
+    ref = next(c for c in fx["configs"] if c["name"] == config)
+    path = os.path.join(SQUAD_DATA, ref["file"])
+    vocab = os.path.join(os.path.dirname(SQUAD_DATA), "vocab", ref["vocab"], "vocab.txt")
+    if not (os.path.exists(path) and os.path.exists(vocab)):
+        pytest.skip(f"needs {path} and {vocab}")
+    settings = fx["settings"]
+    name = "squad_v2" if ref["version_2"] else "squad_v1"
+    task = tasks.get_task(name, split_files={"train": path, "dev": path}, doc_stride=settings["doc_stride"],
+                          max_query_length=settings["max_query_length"], n_best_size=settings["n_best_size"],
+                          max_answer_length=settings["max_answer_length"])
+    tok = task.make_tokenizer(vocab, ref["do_lower_case"])
+    examples = task.read("train")
+    labels = _window_labels(examples, task.featurize(examples, tok, settings["max_seq_length"], training=True))
+    hard = {(q, w): [q, w, s, e] for q, w, s, e in ref["hard_labels"]}
+    assert [l for l in labels if (l[0], l[1]) in hard] == ref["hard_labels"]
+    assert len(labels) == ref["windows"] and _sha256(labels) == ref["labels_sha256"]
+    f = task.featurize(examples, tok, settings["max_seq_length"], training=False)
+    out = task.postprocess(examples, f, _random_logits(f, 0, 1.5 if ref["version_2"] else 0.0))
+    preds = out["predictions"]
+    assert {q: preds[q] for q in ref["hard_predictions"]} == ref["hard_predictions"]
+    assert len(preds) == ref["predictions"] and _sha256(sorted(preds.items())) == ref["predictions_sha256"]
+    if ref["version_2"]:
+        assert _sha256(sorted((q, round(x, 6)) for q, x in out["null_odds"].items())) == ref["null_odds_sha256"]
+
+
 # ---------------------------------------------------------------------------------------------
 # NER: conlleval semantics, reading, featurization
 # ---------------------------------------------------------------------------------------------
@@ -350,6 +534,40 @@ def test_conlleval_hand_worked_iob1_and_iob2():
     # A sentence boundary ends entities.
     assert ner.conlleval([["I-PER"], ["I-PER"]], [["I-PER"], ["I-PER"]])["entities_gold"] == 2
     assert ner.conlleval([["B-LOC"]], [["B-LOC"]])["f1_LOC"] == 1.0
+
+
+def _official():
+    with open(os.path.join(FIXTURES, "official_scorers.json"), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def test_squad_scorers_match_the_official_scripts_on_perturbed_predictions():
+    """evaluate_v1/evaluate_v2 against evaluate-v1.1.py / evaluate-v2.0.py's own output on 40 real
+    dev questions with perturbed answers (case, articles, punctuation, cut, padded, wrong, empty)."""
+    fx = _official()
+    v1 = fx["squad_v1.1"]
+    assert squad.evaluate_v1(squad.gold_from_json(v1["data"]["data"]), v1["predictions"]) == pytest.approx(
+        v1["official"], abs=1e-9)
+    v2 = fx["squad_v2.0"]
+    gold = squad.gold_from_json(v2["data"]["data"])
+    assert squad.evaluate_v2(gold, v2["predictions"]) == pytest.approx(v2["official"], abs=1e-9)
+    assert squad.evaluate_v2(gold, v2["predictions"], v2["na_probs"]) == pytest.approx(
+        v2["official_with_na_probs"], abs=1e-9)
+    assert squad.evaluate_v2(gold, v2["predictions"], v2["na_probs"], 0.5) == pytest.approx(
+        v2["official_with_na_probs_thresh_0.5"], abs=1e-9)
+
+
+def test_conlleval_matches_the_perl_script_on_perturbed_tags():
+    """ner.conlleval against conlleval (Perl) on 60 CoNLL-2003 valid sentences with perturbed
+    tags (wrong types, dropped entities, B/I swaps, spurious entities)."""
+    ref = _official()["conlleval"]
+    out = ner.conlleval(ref["gold"], ref["predicted"])
+    for key in ("entities_gold", "entities_predicted", "entities_correct"):
+        assert out[key] == ref[key], key
+    for key in ("accuracy", "precision", "recall", "f1"):
+        assert round(100 * out[key], 2) == ref[key], key
+    for kind, f1 in ref["f1_per_type"].items():
+        assert round(100 * out[f"f1_{kind}"], 2) == f1, kind
 
 
 def test_conll_reading_and_bad_tags(tmp_path):

@@ -3,17 +3,18 @@
 Featurization follows google-research/bert `run_squad.py` (max_seq_length 384, doc_stride 128,
 max_query_length 64): `[CLS] question [SEP] context window [SEP]`, context windows sliding by
 `doc_stride` tokens, each token scored in the window where it has the most context on both sides.
-Answers are mapped from characters to word pieces through the tokenizer's character offsets
-(`FullTokenizer.tokenize_with_offsets`) rather than Google's whitespace-token detour: the answer's
-first piece is the first one ending after its start character, its last piece the last one
-starting before its end. A training answer that is not at its `answer_start` in the context is a
-bad row (an error naming the file and question, or a counted skip). A training answer outside a
+Training labels are run_squad.py's: the answer's characters pick whitespace words, the words'
+pieces are narrowed to the tokenized answer text when it occurs among them (`_answer_span`), so an
+answer inside a word piece keeps the whole piece as Google labels it. A training answer that is
+not at its `answer_start`, or that run_squad.py cannot recover from the words (it skips those), is
+a bad row (an error naming the file and question, or a counted skip). A training answer outside a
 window (and every v2 unanswerable question) points at [CLS].
 
 Post-processing is Google's `write_predictions`: the top `n_best_size` (20) start and end logits of
 each window, valid spans only (inside the context, end >= start, at most `max_answer_length` (30)
 pieces, start piece at its max-context window), best `start + end` over the windows. The answer
-text is the context's original characters from the first piece's start to the last piece's end.
+text is Google's `get_final_text` (`answer_text`): the span's slice of its whitespace words joined
+by single spaces, or all of those words when the alignment fails.
 v2: the null score is the smallest `start[CLS] + end[CLS]` over the windows; `null_odds` is null
 score minus the best span's score, and the prediction is "" when it exceeds
 `null_score_diff_threshold`.
@@ -25,11 +26,14 @@ same scorer is a CLI with the official scripts' interface:
 
     python -m data_pipeline.tasks.squad dev-v1.1.json predictions.json
     python -m data_pipeline.tasks.squad dev-v2.0.json predictions.json --version_2 [--na_prob_file null_odds.json]
+
+A prediction file that misses questions is an error unless `--allow_partial` (`check_complete`).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import dataclasses
 import json
@@ -97,8 +101,36 @@ def f1_score_v2(gold: str, prediction: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def evaluate_v1(gold: Sequence[tuple[str, list]], predictions: dict) -> dict:
-    """`gold`: (question id, gold answer texts) in file order. A missing prediction scores 0."""
+def check_complete(gold: Sequence[tuple[str, list]], predictions: dict, allow_partial: bool,
+                   version: str) -> list[str]:
+    """The question ids without a prediction; an error naming them unless `allow_partial`.
+
+    The official scripts differ on a partial file: evaluate-v1.1.py prints "Unanswered question
+    <id> will receive score 0." and keeps the question in the total (each one scores 0);
+    evaluate-v2.0.py prints "Missing prediction for <id>", leaves it out of exact/f1/total, then
+    fails (KeyError) building HasAns/NoAns, whose question lists still hold it. A partial file is
+    more often a mistake (a truncated run, the wrong split) than a choice, so it is an error here;
+    `allow_partial=True` (CLI `--allow_partial`) scores it as described at `evaluate_v1` /
+    `evaluate_v2` and says so on stderr.
+    """
+    missing = [qid for qid, _ in gold if qid not in predictions]
+    if missing and not allow_partial:
+        raise ValueError(f"{len(missing)} of {len(gold)} questions have no prediction (e.g. "
+                         f"{', '.join(missing[:5])}); pass allow_partial=True (CLI --allow_partial) to score "
+                         f"the file anyway, as the official evaluate-{version}.py would")
+    if missing:
+        print(f"scoring a partial prediction file: {len(missing)} of {len(gold)} questions have no "
+              f"prediction (e.g. {', '.join(missing[:5])})", file=sys.stderr)
+    return missing
+
+
+def evaluate_v1(gold: Sequence[tuple[str, list]], predictions: dict, allow_partial: bool = False) -> dict:
+    """evaluate-v1.1.py: `gold` (question id, gold answer texts) in file order.
+
+    A question without a prediction is an error (`check_complete`); with `allow_partial=True` it
+    scores 0 and stays in the total, as in the official script.
+    """
+    check_complete(gold, predictions, allow_partial, "v1.1")
     em = f1 = 0.0
     for qid, answers in gold:
         if qid not in predictions:
@@ -129,12 +161,17 @@ def _best_threshold(predictions, scores, na_probs, has_answer) -> tuple[float, f
 
 
 def evaluate_v2(gold: Sequence[tuple[str, list]], predictions: dict, na_probs: Optional[dict] = None,
-                na_prob_thresh: float = 1.0) -> dict:
+                na_prob_thresh: float = 1.0, allow_partial: bool = False) -> dict:
     """evaluate-v2.0.py: `gold` (question id, gold texts, [] = unanswerable); `na_probs` per question.
 
     Returns exact, f1, total, HasAns_*/NoAns_* (when such questions exist) and, when `na_probs` is
     given, best_exact(_thresh) and best_f1(_thresh).
+
+    A question without a prediction is an error (`check_complete`); with `allow_partial=True` only
+    the predicted questions are scored: they alone make exact/f1/total, as in the official script,
+    and HasAns/NoAns (where the official script fails) and the best thresholds.
     """
+    check_complete(gold, predictions, allow_partial, "v2.0")
     # The official has-answer test is `bool(qa["answers"])`; gold texts that normalize to nothing
     # are dropped from the comparison (then [""] stands in).
     has_answer = {qid: bool(answers) for qid, answers in gold}
@@ -161,8 +198,8 @@ def evaluate_v2(gold: Sequence[tuple[str, list]], predictions: dict, na_probs: O
                 "f1": 100.0 * sum(f1[q] for q in qids) / max(n, 1), "total": n}
 
     out = block(list(exact))
-    has = [q for q, h in has_answer.items() if h]
-    no = [q for q, h in has_answer.items() if not h]
+    has = [q for q, h in has_answer.items() if h and q in exact]
+    no = [q for q, h in has_answer.items() if not h and q in exact]
     if has:
         out.update({f"HasAns_{k}": v for k, v in block(has).items()})
     if no:
@@ -245,8 +282,16 @@ class SquadV1(Task):
 
     # --- features ------------------------------------------------------------------------------
 
-    def _answer_span(self, ex: Example, spans: list) -> Optional[tuple[int, int]]:
-        """Word-piece (start, end) of the first gold answer; None (after `bad`) if it is off."""
+    def _answer_span(self, ex: Example, doc: "_Doc", tokenizer) -> Optional[tuple[int, int]]:
+        """Word-piece (start, end) of the first gold answer, as run_squad.py labels it; None (after
+        `bad`) if it is off.
+
+        Google goes through whitespace words: the answer's first and last characters pick words,
+        the span starts at the first piece of the first word and ends at the last piece of the
+        last, then shrinks to the first (leftmost start, then longest) run of pieces equal to the
+        tokenized answer text, when there is one. An answer that starts or ends inside a word
+        piece ("Japan" in "Japanese") keeps the whole piece.
+        """
         if not ex.answers:
             self.rows.bad(ex.where, "", "an answerable training question without answers")
             return None
@@ -256,29 +301,42 @@ class SquadV1(Task):
             self.rows.bad(ex.where, "", f"answer {text!r} is not at answer_start={start} in its context "
                           f"(found {ex.context[start:start + len(text)]!r})")
             return None
-        end = start + len(text)
-        inside = [i for i, (s, e) in enumerate(spans) if e > start and s < end]
-        if not inside:
+        first_word, last_word = doc.char_to_word[start], doc.char_to_word[start + len(text) - 1]
+        # run_squad drops an answer whose whitespace-collapsed text is not inside its words (an
+        # answer holding a space that only `str.split` knows, such as U+00A0); we name it.
+        if " ".join(text.split()) not in " ".join(doc.words[first_word:last_word + 1]):
+            self.rows.bad(ex.where, "", f"answer {text!r} cannot be recovered from the context's "
+                          "whitespace-separated words (run_squad.py skips such answers)")
+            return None
+        first = bisect.bisect_left(doc.piece_word, first_word)
+        last = bisect.bisect_left(doc.piece_word, last_word + 1) - 1
+        if last < first:
             self.rows.bad(ex.where, "", f"answer {text!r} covers no word piece of the context")
             return None
-        return inside[0], inside[-1]
+        wanted = tokenizer.tokenize(text)
+        n = len(wanted)
+        for s in range(first, last - n + 2) if n else ():
+            if doc.pieces[s:s + n] == wanted:
+                return s, s + n - 1
+        return first, last
 
     def featurize(self, examples, tokenizer, max_seq_length, *, training):
         check_vocab(tokenizer)
         keys = ("input_ids", "input_mask", "segment_ids", "start_positions", "end_positions", "weight",
-                "example_index", "token_start_char", "token_end_char", "token_is_max_context")
+                "example_index", "token_start_char", "token_end_char", "token_word_index", "token_is_max_context")
         rows = {k: [] for k in keys}
-        cache: dict = {}
+        # postprocess reads the pieces back from input_ids and re-tokenizes answers like Google.
+        self._vocab = (tokenizer.inv_vocab, tokenizer.do_lower_case)
+        doc = None
         cls_id, sep_id = tokenizer.vocab["[CLS]"], tokenizer.vocab["[SEP]"]
         for index, ex in enumerate(self._progress(examples, "featurize")):
-            if ex.context not in cache:
-                pieces, spans = tokenizer.tokenize_with_offsets(ex.context)
-                cache = {ex.context: (tokenizer.convert_tokens_to_ids(pieces), spans)}  # consecutive reuse
-            doc_ids, spans = cache[ex.context]
+            if doc is None or doc.context != ex.context:  # consecutive questions share a context
+                doc = _Doc.tokenize(ex.context, tokenizer)
+            doc_ids, spans = doc.ids, doc.spans
             query = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(ex.question)[:self.max_query_length])
             answer = None
             if training and not (self.version_2 and ex.is_impossible):
-                answer = self._answer_span(ex, spans)
+                answer = self._answer_span(ex, doc, tokenizer)
                 if answer is None:
                     continue  # counted by self.rows
             max_doc = max_seq_length - len(query) - 3
@@ -292,9 +350,11 @@ class SquadV1(Task):
                 offset = len(query) + 2  # where the window's first piece sits
                 start_char = np.full(max_seq_length, -1, np.int32)
                 end_char = np.full(max_seq_length, -1, np.int32)
+                word = np.full(max_seq_length, -1, np.int32)
                 max_context = np.zeros(max_seq_length, bool)
                 for j in range(w_len):
                     start_char[offset + j], end_char[offset + j] = spans[w_start + j]
+                    word[offset + j] = doc.piece_word[w_start + j]
                     max_context[offset + j] = is_max_context(windows, w_start, w_start + j)
                 start_pos = end_pos = 0
                 if answer is not None and w_start <= answer[0] and answer[1] < w_start + w_len:
@@ -304,7 +364,7 @@ class SquadV1(Task):
                              ("start_positions", start_pos), ("end_positions", end_pos),
                              ("weight", 1.0 if training else 0.0), ("example_index", index),
                              ("token_start_char", start_char), ("token_end_char", end_char),
-                             ("token_is_max_context", max_context)):
+                             ("token_word_index", word), ("token_is_max_context", max_context)):
                     rows[k].append(v)
         if not rows["input_ids"]:
             raise ValueError(f"task {self.name}: no features (every example was skipped as bad)")
@@ -313,7 +373,16 @@ class SquadV1(Task):
     # --- predictions ---------------------------------------------------------------------------
 
     def postprocess(self, examples, features, outputs):
-        """{"predictions": id -> text, "nbest": id -> [...], "null_odds": id -> float (v2)}."""
+        """{"predictions": id -> text, "nbest": id -> [...], "null_odds": id -> float (v2)}.
+
+        `features` must come from this task's `featurize` (it keeps the vocabulary that turns
+        input ids back into the pieces Google's answer text is built from).
+        """
+        if getattr(self, "_vocab", None) is None:
+            raise ValueError(f"task {self.name}: postprocess needs the features of this task's featurize")
+        from data_pipeline import tokenization
+        inv_vocab, do_lower_case = self._vocab
+        basic = tokenization.BasicTokenizer(do_lower_case)
         start_logits = np.asarray(outputs["start_logits"], np.float32)
         end_logits = np.asarray(outputs["end_logits"], np.float32)
         by_example = collections.defaultdict(list)
@@ -321,35 +390,46 @@ class SquadV1(Task):
             by_example[int(ex_index)].append(row)
         predictions, nbest_all, null_odds = {}, {}, {}
         n = self.n_best_size
+        words: list = []
+        words_of = None
         for ex_index, ex in enumerate(examples):
-            candidates = []  # (score, start logit, end logit, start char, end char)
+            if words_of != ex.context:
+                words, _ = whitespace_words(ex.context)
+                words_of = ex.context
+            # Scores add Python floats (float64), as Google's do, so near ties order the same.
+            candidates = []  # (score, start logit, end logit, row, start, end); row -1: the null span
             null = None  # (score, start logit, end logit), the smallest over windows
             for row in by_example.get(ex_index, []):
                 s_log, e_log = start_logits[row], end_logits[row]
                 if self.version_2:
-                    score = float(s_log[0] + e_log[0])
+                    score = float(s_log[0]) + float(e_log[0])
                     if null is None or score < null[0]:
                         null = (score, float(s_log[0]), float(e_log[0]))
                 starts = np.argsort(-s_log, kind="stable")[:n]
                 ends = np.argsort(-e_log, kind="stable")[:n]
-                sc, ec = features["token_start_char"][row], features["token_end_char"][row]
+                word = features["token_word_index"][row]
                 max_ctx = features["token_is_max_context"][row]
                 for s in starts:
-                    if sc[s] < 0 or not max_ctx[s]:
+                    if word[s] < 0 or not max_ctx[s]:
                         continue
                     for e in ends:
-                        if ec[e] < 0 or e < s or e - s + 1 > self.max_answer_length:
+                        if word[e] < 0 or e < s or e - s + 1 > self.max_answer_length:
                             continue
-                        candidates.append((float(s_log[s] + e_log[e]), float(s_log[s]), float(e_log[e]),
-                                           int(sc[s]), int(ec[e])))
+                        candidates.append((float(s_log[s]) + float(e_log[e]), float(s_log[s]), float(e_log[e]),
+                                           row, int(s), int(e)))
             if self.version_2 and null is not None:  # the null span competes as (0, 0)
-                candidates.append((null[0], null[1], null[2], -1, -1))
+                candidates.append((null[0], null[1], null[2], -1, 0, 0))
             candidates.sort(key=lambda c: -c[0])
             nbest, seen = [], set()
-            for score, s_logit, e_logit, c0, c1 in candidates:
+            for score, s_logit, e_logit, row, s, e in candidates:
                 if len(nbest) >= n:
                     break
-                text = ex.context[c0:c1] if c0 >= 0 else ""
+                if row < 0:
+                    text = ""
+                else:
+                    ids = features["input_ids"][row][s:e + 1]
+                    word = features["token_word_index"][row]
+                    text = answer_text([inv_vocab[int(i)] for i in ids], words[word[s]:word[e] + 1], basic)
                 if text in seen:
                     continue
                 seen.add(text)
@@ -357,7 +437,7 @@ class SquadV1(Task):
             if self.version_2 and null is not None:
                 if "" not in seen:
                     nbest.append({"text": "", "start_logit": null[1], "end_logit": null[2]})
-                if len(nbest) == 1:  # only the null answer: Google adds a nonce span
+                if len(nbest) == 1:  # only the null answer (Google's script fails here): a nonce span
                     nbest.insert(0, {"text": "empty", "start_logit": 0.0, "end_logit": 0.0})
             if not nbest:
                 nbest = [{"text": "empty", "start_logit": 0.0, "end_logit": 0.0}]
@@ -380,6 +460,7 @@ class SquadV1(Task):
         return out
 
     def score(self, examples, predictions):
+        # postprocess answers every example: a partial file cannot reach here.
         gold = [(e.qas_id, [a["text"] for a in e.answers]) for e in examples]
         if self.version_2:
             return evaluate_v2(gold, predictions["predictions"], predictions.get("null_odds"))
@@ -408,6 +489,86 @@ class SquadV2(SquadV1):
     version_2 = True
     tfds_name = "squad/v2.0"
     files = {"train": ("train-v2.0.json", "train.json"), "dev": ("dev-v2.0.json", "dev.json")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Google's whitespace words and answer text
+# ---------------------------------------------------------------------------------------------
+
+# run_squad.py splits a context into words at these characters only (not at U+00A0 and the other
+# separators `str.split` knows); its labels and answer texts are built from those words.
+_WORD_BREAKS = frozenset(" \t\r\n\u202f")
+
+
+def whitespace_words(context: str) -> tuple[list[str], list[int]]:
+    """(words, word index of each character) as run_squad.py's reader splits a context.
+
+    A break character belongs to the word before it (-1 before the first word).
+
+    Example: "a  bc\nd" -> (["a", "bc", "d"], [0, 0, 0, 1, 1, 1, 2]).
+    """
+    words: list[str] = []
+    char_to_word: list[int] = []
+    in_word = False
+    for ch in context:
+        if ch in _WORD_BREAKS:
+            in_word = False
+        elif in_word:
+            words[-1] += ch
+        else:
+            words.append(ch)
+            in_word = True
+        char_to_word.append(len(words) - 1)
+    return words, char_to_word
+
+
+@dataclasses.dataclass
+class _Doc:
+    """A context's word pieces (strings, ids, character spans) and whitespace words."""
+
+    context: str
+    pieces: list
+    ids: list
+    spans: list
+    words: list
+    char_to_word: list
+    piece_word: list  # the whitespace word each piece comes from (non-decreasing)
+
+    @classmethod
+    def tokenize(cls, context: str, tokenizer) -> "_Doc":
+        # A piece never crosses a word break (all five are whitespace to the basic tokenizer), so
+        # tokenizing the whole context gives the pieces run_squad.py gets word by word.
+        pieces, spans = tokenizer.tokenize_with_offsets(context)
+        words, char_to_word = whitespace_words(context)
+        return cls(context, pieces, tokenizer.convert_tokens_to_ids(pieces), spans, words, char_to_word,
+                   [char_to_word[start] for start, _ in spans])
+
+
+def answer_text(pieces: Sequence[str], words: Sequence[str], basic_tokenizer) -> str:
+    """The answer text of a predicted span, as run_squad.py's `get_final_text` makes it.
+
+    `pieces` are the span's word pieces, `words` the whitespace words they come from. The pieces
+    are glued back into normalized text ("john smith"); the words, joined by single spaces, are
+    the original text ("John Smith's"). If the normalized text is found in the basic-tokenized
+    original and both have the same characters besides spaces, the characters line up one to one
+    and the answer is the original's slice under the match ("John Smith"); otherwise (an [UNK]
+    piece, a character that normalization drops or expands) it is the whole original text.
+    """
+    normalized = " ".join(pieces).replace(" ##", "").replace("##", "")
+    normalized = " ".join(normalized.split())
+    original = " ".join(words)
+    tokenized = " ".join(basic_tokenizer.tokenize(original))
+    at = tokenized.find(normalized)  # the first match, as Google's: not necessarily the span's own
+    if at < 0:
+        return original
+    original_chars = [i for i, ch in enumerate(original) if ch != " "]
+    tokenized_rank = {i: k for k, i in enumerate(j for j, ch in enumerate(tokenized) if ch != " ")}
+    if len(original_chars) != len(tokenized_rank):
+        return original
+    first, last = tokenized_rank.get(at), tokenized_rank.get(at + len(normalized) - 1)
+    if first is None or last is None:
+        return original
+    return original[original_chars[first]:original_chars[last] + 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,6 +632,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="v2: null_odds.json (question id -> no-answer score)")
     parser.add_argument("--na_prob_thresh", "--na-prob-thresh", type=float, default=1.0,
                         help="v2: predict no-answer when the na score exceeds this")
+    parser.add_argument("--allow_partial", "--allow-partial", action="store_true",
+                        help="score a prediction file that misses some questions (v1.1: they score 0; "
+                             "v2.0: only the predicted ones are scored); an error otherwise")
     args = parser.parse_args(argv)
     try:
         dataset = read_json(args.data_file)
@@ -486,12 +650,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError) as e:  # bad input: one line naming the file, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.version_2:
-        print(json.dumps(evaluate_v2(gold, predictions, na_probs, args.na_prob_thresh), indent=2))
-    else:
-        if dataset.get("version") != "1.1":
-            print(f"Evaluation expects v-1.1, but got dataset with v-{dataset.get('version')}", file=sys.stderr)
-        print(json.dumps(evaluate_v1(gold, predictions)))
+    try:
+        if args.version_2:
+            result = json.dumps(evaluate_v2(gold, predictions, na_probs, args.na_prob_thresh, args.allow_partial),
+                                indent=2)
+        else:
+            if dataset.get("version") != "1.1":
+                print(f"Evaluation expects v-1.1, but got dataset with v-{dataset.get('version')}", file=sys.stderr)
+            result = json.dumps(evaluate_v1(gold, predictions, args.allow_partial))
+    except ValueError as e:  # a partial prediction file without --allow_partial
+        print(f"error: {args.pred_file}: {e}", file=sys.stderr)
+        return 2
+    print(result)
     return 0
 
 
