@@ -10,6 +10,12 @@
   select form on CPU; same values).
 - `make_optimizer`: global-norm clipping (1.0) then AdamW, Google's AdamWeightDecay (no bias
   correction, epsilon 1e-6, decay 0.01), or LAMB.
+- LAMB (You et al. 2019, as in the LAMB paper's BERT code and NVIDIA's): optax's `lamb` chain
+  with the trust ratio replaced by `scale_by_layerwise_trust_ratio`, which (1) leaves LayerNorm
+  parameters and biases at ratio 1, like weight decay (the LAMB authors' TF optimizer defaults
+  `exclude_from_layer_adaptation` to `exclude_from_weight_decay`; NVIDIA's FusedLAMB skips the
+  ratio where the decay is 0), and (2) takes one ratio per layer also when the encoder is scanned
+  (`stacked_layers_mask`). optax.lamb applies one ratio to every leaf, a stacked one included.
 
 Clipping note: original BERT clipped each replica's gradient before the cross-replica average;
 we clip the averaged (global-batch) gradient, which does not depend on the number of devices.
@@ -33,6 +39,9 @@ import optax
 
 OPTIMIZERS = ("adamw", "google_adamw", "lamb")
 NO_DECAY_NAMES = ("bias", "scale", "output_bias")  # LayerNorm scale/bias, every bias
+# Where `modeling.Encoder` puts the layers of `nn.scan` (`scan_layers=True`): `encoder/layers/...`,
+# every leaf with a leading layer axis (`modeling.stack_layers`); unrolled, `encoder/layer_{i}/...`.
+STACKED_LAYERS_PATH = ("encoder", "layers")
 
 
 def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, *, power: float = 1.0,
@@ -60,14 +69,31 @@ def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, *, 
     return optax.join_schedules([warmup, decay], [warmup_steps])
 
 
+def _names(path) -> tuple[str, ...]:
+    """The dict keys of a pytree path (attribute keys such as a flax box's `.value` dropped)."""
+    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
 def weight_decay_mask(params: Any) -> Any:
     """True for parameters that get weight decay (kernels and embeddings)."""
 
     def keep(path, _):
-        name = path[-1].key if hasattr(path[-1], "key") else str(path[-1])
-        return name not in NO_DECAY_NAMES
+        names = _names(path)
+        return not names or names[-1] not in NO_DECAY_NAMES
 
     return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def _is_stacked(names: tuple[str, ...]) -> bool:
+    n = len(STACKED_LAYERS_PATH)
+    return any(names[i:i + n] == STACKED_LAYERS_PATH for i in range(len(names) - n + 1))
+
+
+def stacked_layers_mask(params: Any) -> Any:
+    """True for leaves of scanned encoder layers (leading axis = layer), by their path
+    `.../encoder/layers/...` (`STACKED_LAYERS_PATH`); works for a model, a pretraining or a
+    fine-tuning tree."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _is_stacked(_names(path)), params)
 
 
 class ScaleByAdamNoBiasCorrectionState(NamedTuple):
@@ -95,6 +121,38 @@ def scale_by_adam_without_bias_correction(b1: float = 0.9, b2: float = 0.999,
         return out, ScaleByAdamNoBiasCorrectionState(mu, nu)
 
     return optax.GradientTransformation(init, update)
+
+
+def scale_by_layerwise_trust_ratio(mask: Any = weight_decay_mask) -> optax.GradientTransformation:
+    """LAMB's trust ratio `||w|| / ||update||` (1 where either norm is 0), one per layer.
+
+    `optax.scale_by_trust_ratio` per leaf, except that:
+    - leaves where `mask(params)` is False (LayerNorm parameters and biases, by default the weight
+      decay mask) are left unscaled, i.e. ratio 1, as in the LAMB paper's BERT code and NVIDIA's;
+    - leaves of scanned layers (`stacked_layers_mask`) get one ratio per slice of their leading
+      layer axis (norms over the other axes), so a scanned encoder trains like an unrolled one
+      rather than sharing one norm across all its layers.
+
+    Stateless (`EmptyState`, as optax's), so the optimizer state has optax.lamb's structure.
+    """
+    per_leaf = optax.scale_by_trust_ratio()
+
+    def ratio(update, param):
+        return per_leaf.update(update, optax.EmptyState(), param)[0]
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("scale_by_layerwise_trust_ratio needs the parameters")
+
+        def scale(path, u, p, adapt):
+            if not adapt:
+                return u
+            return jax.vmap(ratio)(u, p) if _is_stacked(_names(path)) else ratio(u, p)
+
+        adapt = mask(params) if callable(mask) else mask
+        return jax.tree_util.tree_map_with_path(scale, updates, params, adapt), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -135,7 +193,9 @@ def make_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float =
 
     Args:
       name: "adamw" (optax.adamw, bias-corrected), "google_adamw" (Google's AdamWeightDecay:
-        no bias correction, decoupled decay added before the learning rate), or "lamb".
+        no bias correction, decoupled decay added before the learning rate), or "lamb"
+        (bias-corrected Adam direction plus decay, times the layer-wise trust ratio of
+        `scale_by_layerwise_trust_ratio`; LayerNorm parameters and biases get neither).
       schedule: learning-rate schedule.
       clip_norm: global-norm clipping threshold; None disables it.
     """
@@ -149,8 +209,13 @@ def make_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float =
             optax.scale_by_learning_rate(schedule),
         )
     elif name == "lamb":
-        opt = optax.lamb(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                         mask=weight_decay_mask)
+        # optax.lamb's chain (same state), with the trust ratio masked and per layer.
+        opt = optax.chain(
+            optax.scale_by_adam(b1, b2, eps),
+            optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
+            scale_by_layerwise_trust_ratio(weight_decay_mask),
+            optax.scale_by_learning_rate(schedule),
+        )
     else:
         raise ValueError(f"config.optimizer must be one of {OPTIMIZERS}, got {name!r}")
     if clip_norm is not None and clip_norm > 0:

@@ -250,6 +250,134 @@ def test_google_adamw_matches_a_hand_computed_step():
         optim.make_optimizer("sgd", lambda s: 0.1)
 
 
+def lamb_reference(params, grads, lrs, *, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.1):
+    """LAMB as You et al. 2019 (Algorithm 2) and NVIDIA's BERT code, in plain numpy.
+
+    `params` and each of `grads`: {"a/b/name": array}, one entry per variable (unrolled layers:
+    a layer's kernel is its own variable). Adam's moments are bias-corrected (as optax and NVIDIA
+    do); weight decay is added to the Adam direction; then each variable moves by
+    `lr * ||w|| / ||r|| * r` (ratio 1 if either norm is 0). LayerNorm parameters ("scale") and
+    biases get neither decay nor the ratio. Returns the parameters after each step.
+    """
+    w = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in w.items()}
+    v = {k: np.zeros_like(x) for k, x in w.items()}
+    history = []
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        for k in w:
+            gk = np.asarray(g[k], np.float64)
+            m[k] = b1 * m[k] + (1 - b1) * gk
+            v[k] = b2 * v[k] + (1 - b2) * gk ** 2
+            r = (m[k] / (1 - b1 ** t)) / (np.sqrt(v[k] / (1 - b2 ** t)) + eps)
+            excluded = k.split("/")[-1] in ("scale", "bias")
+            ratio = 1.0
+            if not excluded:
+                r = r + weight_decay * w[k]
+                w_norm, r_norm = np.linalg.norm(w[k]), np.linalg.norm(r)
+                ratio = w_norm / r_norm if w_norm > 0 and r_norm > 0 else 1.0
+            w[k] = w[k] - lr * ratio * r
+        history.append(dict(w))
+    return history
+
+
+def _flat(tree):
+    """{"a/b/name": numpy array}; scanned layers unstacked to `encoder/layer_{i}`."""
+    if "layers" in tree.get("encoder", {}) or "layers" in tree.get("bert", {}).get("encoder", {}):
+        tree = modeling.unstack_layers(tree)
+    return {"/".join(str(k.key) for k in path): np.asarray(x)
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _lamb_trees(seed=0, layers=3):
+    """A small tree with our names (embeddings + LayerNorm, encoder layers with kernels, biases and
+    a LayerNorm, a pooler), unrolled and scanned (stacked leaves), plus three steps of gradients.
+    The layers differ in scale (layer 1's kernel starts at zero), so one norm shared across the
+    stacked layers gives a different update from one per layer."""
+    rng = np.random.default_rng(seed)
+
+    def tree(scale):
+        normal = lambda *shape: (rng.standard_normal(shape) * scale).astype(np.float32)
+        layer = lambda i: {"attention": {"query": {"kernel": normal(4, 2, 3) * 3.0 ** i * (i != 1),
+                                                   "bias": normal(2, 3) * (i + 1)}},
+                           "output_norm": {"scale": 1.0 + normal(4) * (i + 1), "bias": normal(4)}}
+        return {"embeddings": {"word_embeddings": normal(6, 4),
+                               "LayerNorm": {"scale": 1.0 + normal(4), "bias": normal(4)}},
+                "encoder": {f"layer_{i}": layer(i) for i in range(layers)},
+                "pooler": {"dense": {"kernel": normal(4, 4), "bias": normal(4)}}}
+
+    params = tree(0.5)
+    grads = [tree(0.1 * (t + 1)) for t in range(3)]
+    stack = lambda t: jax.tree_util.tree_map(np.asarray, modeling.stack_layers(t, layers))
+    return params, grads, stack(params), [stack(g) for g in grads]
+
+
+def _run_optimizer(tx, params, grads):
+    state, out = tx.init(params), []
+    for g in grads:
+        updates, state = jax.jit(tx.update)(g, state, params)
+        params = optax.apply_updates(params, updates)
+        out.append(params)
+    return out
+
+
+def test_lamb_matches_the_papers_algorithm_per_layer_unrolled_and_scanned():
+    params, grads, stacked, stacked_grads = _lamb_trees()
+    lrs = [0.01, 0.02, 0.03]
+    tx = optim.make_optimizer("lamb", lambda count: 0.01 * (count + 1), weight_decay=0.1, clip_norm=None)
+    want = lamb_reference(_flat(params), [_flat(g) for g in grads], lrs, weight_decay=0.1)
+    # optax.lamb's state (no state for the ratio): checkpoints of earlier LAMB runs restore.
+    assert jax.tree_util.tree_structure(tx.init(stacked)) == jax.tree_util.tree_structure(
+        optax.lamb(lambda count: 0.1, mask=optim.weight_decay_mask).init(stacked))
+    assert optim.stacked_layers_mask(stacked)["encoder"]["layers"]["attention"]["query"]["kernel"]
+    for got_steps in (_run_optimizer(tx, params, grads), _run_optimizer(tx, stacked, stacked_grads)):
+        for step, (got, ref) in enumerate(zip(got_steps, want)):
+            got = _flat(got)
+            assert sorted(got) == sorted(ref)
+            for k in ref:
+                np.testing.assert_allclose(got[k], ref[k], rtol=2e-5, atol=1e-7, err_msg=f"step {step}: {k}")
+
+
+def test_stacked_layers_mask_finds_exactly_the_scanned_encoder_leaves():
+    model = lambda scan: BertForPreTraining(CONFIG.replace(scan_layers=scan))
+    shapes = {scan: nn.meta.unbox(jax.eval_shape(
+        lambda: model(scan).init(jax.random.key(0), **modeling.dummy_inputs(CONFIG))["params"]))
+        for scan in (False, True)}
+    assert not any(jax.tree_util.tree_leaves(optim.stacked_layers_mask(shapes[False])))
+    stacked = optim.stacked_layers_mask(shapes[True])
+    for path, flag in jax.tree_util.tree_flatten_with_path(stacked)[0]:
+        names = [k.key for k in path]
+        assert flag == (names[:3] == ["bert", "encoder", "layers"]), names
+    layer_leaves = jax.tree_util.tree_leaves(shapes[True]["bert"]["encoder"]["layers"])
+    assert layer_leaves and all(x.shape[0] == CONFIG.num_hidden_layers for x in layer_leaves)
+    # A fine-tuning tree (BertForTask: {"bert": ..., head}) has the same path below "bert".
+    assert optim.stacked_layers_mask({"bert": {"encoder": {"layers": {"k": 0}}}, "classifier": {"k": 0}}) == {
+        "bert": {"encoder": {"layers": {"k": True}}}, "classifier": {"k": False}}
+
+
+def test_lamb_update_of_a_scanned_model_equals_the_unrolled_models_layer_by_layer():
+    model = BertForPreTraining(CONFIG)
+    params = nn.meta.unbox(model.init(jax.random.key(0), **modeling.dummy_inputs(CONFIG))["params"])
+    # Layers of different scale (a converted checkpoint's layers need not look alike).
+    params["bert"]["encoder"]["layer_1"] = jax.tree_util.tree_map(lambda x: 3.0 * x,
+                                                                  params["bert"]["encoder"]["layer_1"])
+    keys = iter(jax.random.split(jax.random.key(1), 1000))
+    grads = [jax.tree_util.tree_map(lambda x: 0.01 * jax.random.normal(next(keys), x.shape), params)
+             for _ in range(2)]
+    stack = lambda t: modeling.stack_layers(t, CONFIG.num_hidden_layers)
+    scanned_shapes = jax.eval_shape(lambda: BertForPreTraining(CONFIG.replace(scan_layers=True)).init(
+        jax.random.key(0), **modeling.dummy_inputs(CONFIG))["params"])
+    assert jax.tree_util.tree_structure(stack(params)) == jax.tree_util.tree_structure(
+        nn.meta.unbox(scanned_shapes))
+    tx = optim.make_optimizer("lamb", lambda count: 1e-2, clip_norm=1.0)
+    unrolled = _run_optimizer(tx, params, grads)
+    scanned = _run_optimizer(tx, stack(params), [stack(g) for g in grads])
+    for a, b in zip(unrolled, scanned):
+        a, b = _flat(a), _flat(b)
+        assert sorted(a) == sorted(b)
+        for k in a:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
 def test_clipping_at_global_norm_one():
     # Hand-computed: a gradient of global norm 5 leaves as norm 1, split over two leaves.
     clip = optim.clip_by_global_norm(1.0)
