@@ -1,13 +1,21 @@
-"""The README stays true: its configuration reference lists every field of configs/base.py, and the
-test command CI runs is the one it shows."""
+"""The README and docs/ stay true: the configuration reference lists every field of configs/base.py,
+every command they show names flags and config keys that exist, their links resolve, and the test
+command CI runs is the one the README shows."""
 
+import ast
 import re
+import shlex
 from pathlib import Path
 
+import pytest
+
+from bert_jax.config_overrides import unknown_overrides
 from configs import base
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md"] + DOCS
 
 
 def _flatten(d, prefix=""):
@@ -21,14 +29,123 @@ def _flatten(d, prefix=""):
 
 
 def test_configuration_reference_lists_every_base_field():
-    section = README.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "configuration.md").read_text()
     listed = set(re.findall(r"^\| `([\w.]+)` \|", section, re.M))
     fields = _flatten(base.get_config().to_dict())
-    assert fields - listed == set(), f"fields missing from the README's reference: {sorted(fields - listed)}"
-    assert listed - fields == set(), f"README lists fields base.py does not have: {sorted(listed - fields)}"
+    assert fields - listed == set(), f"fields missing from docs/configuration.md: {sorted(fields - listed)}"
+    assert listed - fields == set(), f"docs/configuration.md lists fields base.py does not have: {sorted(listed - fields)}"
 
 
 def test_ci_runs_the_readme_test_command():
     block = README.split("<!-- test-command -->", 1)[1].split("<!-- /test-command -->", 1)[0]
     assert re.search(r"^python -m pytest -q (-n \d+ )?tests$", block, re.M), block
     assert "test-command" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_readme_is_a_door():
+    assert len(README.splitlines()) <= 250
+    for page in ("model", "data", "pretraining", "finetuning", "checkpoints", "performance", "troubleshooting",
+                 "configuration", "reliability"):
+        assert f"(docs/{page}.md" in README, page
+
+
+def test_links_between_pages_resolve():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)}: broken link {target}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands: every `python -m MODULE --flag` / `python benchmarks/X.py --flag` in a code block
+# ---------------------------------------------------------------------------------------------
+
+
+def _commands(text: str):
+    """Shell commands of the fenced code blocks, continuation lines joined, comments dropped."""
+    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:  # an unbalanced quote in a non-shell block (e.g. python output)
+                continue
+            if "python" in words:
+                yield line, words[words.index("python") + 1:]
+
+
+def _module_file(words):
+    if words[:1] == ["-m"] and len(words) > 1:
+        path = ROOT / (words[1].replace(".", "/") + ".py")
+        return (path if path.exists() else None), words[2:]
+    if words and words[0].endswith(".py"):
+        return ROOT / words[0], words[1:]
+    return None, words
+
+
+def _defined_flags(path: Path, seen=None) -> set:
+    """Flag names the file defines (absl DEFINE_*, argparse add_argument), and those of the
+    project modules it imports (flags defined in a helper module count for its CLI)."""
+    seen = set() if seen is None else seen
+    if path in seen or not path.exists():
+        return set()
+    seen.add(path)
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            attr = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if attr.startswith("DEFINE") and strings:
+                names.add(strings[0])
+                if "bool" in attr:
+                    names.add("no" + strings[0])
+            elif attr == "add_argument":
+                names |= {s.lstrip("-").replace("-", "_") for s in strings if s.startswith("--")}
+                names |= {s.lstrip("-") for s in strings if s.startswith("--")}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""])
+            for m in modules:
+                if m.split(".")[0] in ("bert_jax", "data_pipeline"):
+                    for candidate in (ROOT / (m.replace(".", "/") + ".py"), ROOT / m.replace(".", "/") / "__init__.py"):
+                        names |= _defined_flags(candidate, seen)
+    return names
+
+
+def _all_commands():
+    out = []
+    for page in PAGES:
+        for line, words in _commands(page.read_text()):
+            path, args = _module_file(words)
+            if path is not None:
+                out.append((f"{page.relative_to(ROOT)}: {line.strip()}", path, args))
+    return out
+
+
+COMMANDS = _all_commands()
+
+
+def test_the_pages_show_commands_for_every_stage():
+    modules = {path.relative_to(ROOT).as_posix() for _, path, _ in COMMANDS}
+    for m in ("bert_jax/main.py", "bert_jax/convert.py", "data_pipeline/create_pretraining_data.py",
+              "data_pipeline/train_vocab.py", "bert_jax/extract_features.py", "bert_jax/fill_mask.py"):
+        assert m in modules, m
+
+
+@pytest.mark.parametrize("where,path,args", COMMANDS, ids=[c[0][:90] for c in COMMANDS])
+def test_documented_commands_name_real_flags_and_config_keys(where, path, args):
+    assert path.exists(), f"{where}: no such script {path}"
+    flags = [a.strip("[]") for a in args if a.strip("[]").startswith("--")]
+    names = {f[2:].split("=", 1)[0] for f in flags}
+    if path == ROOT / "bert_jax" / "main.py":
+        config = next((f.split("=", 1)[1] for f in flags if f.startswith("--config=")), None)
+        assert config, f"{where}: bert_jax.main without --config"
+        assert (ROOT / config.split(":")[0]).exists(), f"{where}: no config file {config}"
+        argv = [f"--config={ROOT / config}"] + [f for f in flags if f.startswith("--config.")]
+        assert unknown_overrides(argv) == [], where
+        names = {n for n in names if not n.startswith("config")}
+    unknown = names - _defined_flags(path)
+    assert not unknown, f"{where}: {path.relative_to(ROOT)} defines no flag {sorted(unknown)}"
