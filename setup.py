@@ -8,6 +8,7 @@ INSTALL_REQUIRES = [
     "flax>=0.12.0",
     "optax>=0.2.8",
     "orbax-checkpoint>=0.12.8",
+    "google-crc32c>=1.9",  # checkpoint integrity manifests: hardware CRC-32C (bert_jax/checkpoint_integrity.py)
     "numpy>=2.0",
     "ml-collections>=1.1.0",
     "absl-py>=2.1",

@@ -13,8 +13,10 @@ On-disk layout of `directory` (a step exists once orbax has renamed its temporar
         state/                       the train-state pytree (orbax StandardCheckpointHandler, OCDBT)
         meta/metadata                the caller's JSON dict (input position, data files, config hash)
         checkpointer_info/metadata   our bookkeeping, e.g. how many processes wrote input state
+        bert_jax_integrity.json      size + CRC-32C of every file of the step (checkpoint_integrity.py)
       input_state/<step>/process_<i>/   per-host input-pipeline state (e.g. a tf.train.Checkpoint
                                         of the tf.data iterator), written by `input_state_writer`
+      damaged/<step>-<time>/{<step>,input_state}/   steps that failed verification, moved aside
 
 Consistency of the per-host input state with the step: each process writes its own
 `input_state/<step>/process_<i>/` synchronously, *before* orbax starts the save, and orbax's save
@@ -22,6 +24,17 @@ begins with a barrier across processes; so when the step is committed every host
 already on disk. A folder whose step never committed (a crash mid-save) is cleared when that step
 is written again, and folders of steps that orbax no longer keeps are deleted only after orbax has
 deleted the step itself, so a committed step never lacks its input state.
+
+Integrity (docs/reliability.md): orbax's post-finalization hook, which runs on the primary
+process once every host's data is written and before the rename that commits the step, records
+size and CRC-32C of every file of the step, input state of all hosts included, in the step's
+`bert_jax_integrity.json`; the two files orbax writes during the rename are added once the save is
+known to be committed ("sealing"). Before anything of a step is read, `latest_step`, `restore`,
+`restore_latest`, `restore_part` and `saved_keys` check it against that manifest. A damaged
+newest step (or one orbax cannot read) is, as `on_damaged` says, named in one log line and moved
+to `damaged/` ("fallback": the newest intact step is used) or raised as `CheckpointCorruptError`
+("stop"); the line names the step, the file, the fault and the remedy. Steps saved by an older
+bert_jax (no manifest) restore unverified, with one warning.
 
 Preemption:
 
@@ -36,8 +49,8 @@ In both cases `save` then saves regardless of the interval. The intended loop::
 
     ckpt = Checkpointer(workdir / "checkpoints", save_interval_steps=1000, max_to_keep=3)
     if ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(abstract_state)       # ShapeDtypeStructs with target shardings
-        input_iterator_restore(ckpt.input_state_dir(ckpt.latest_step()))
+        start, state, meta = ckpt.restore_latest(abstract_state)  # ShapeDtypeStructs with target shardings
+        input_iterator_restore(ckpt.input_state_dir(start))
     for step in range(start + 1, num_steps + 1):
         state, metrics = train_step(state, next(batches))
         stop = ckpt.should_stop(step)
@@ -62,12 +75,14 @@ function).
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
 import shutil
 import signal
 import threading
+import time
 import warnings
 from typing import Any, Callable, Optional
 
@@ -76,13 +91,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from bert_jax import checkpoint_integrity as integrity
+
 PyTree = Any
 
 _STATE = "state"
 _META = "meta"
 _INFO = "checkpointer_info"
 _INPUT_STATE = "input_state"
-_FORMAT_VERSION = 1
+# 2: every step carries an integrity manifest (checkpoint_integrity.py); 1: older bert_jax, none.
+_FORMAT_VERSION = 2
+_DAMAGED = "damaged"
+ON_DAMAGED = ("fallback", "stop")
 # How many offending keys an error message lists before it summarizes.
 _MAX_LISTED = 10
 
@@ -93,6 +113,10 @@ class CheckpointSaveError(RuntimeError):
 
 class CheckpointRestoreError(ValueError):
     """A checkpoint does not match the restore target (keys, shapes, dtypes, input state)."""
+
+
+class CheckpointCorruptError(CheckpointRestoreError):
+    """A step on disk is not what was saved (fails its integrity manifest, or cannot be read)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +215,89 @@ def _check_against_metadata(target: PyTree, saved: PyTree, where: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Integrity: verify a step before anything in it is read; move damaged steps aside
+# ---------------------------------------------------------------------------------------------
+
+
+def _input_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, _INPUT_STATE, str(step))
+
+
+def check_step(directory: str | os.PathLike, step: int) -> tuple[str, Optional[integrity.Damage]]:
+    """("ok" | "unverified" | "damaged", damage) of a committed step, from its integrity manifest.
+
+    "unverified": the step has no manifest and was written by a bert_jax older than manifests
+    (its `checkpointer_info` says format 1, or it has none); it restores as before. A step whose
+    bookkeeping says it was written with a manifest but has none is damaged.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    step_dir = os.path.join(directory, str(step))
+    manifest, damage = integrity.verify(step_dir, _input_dir(directory, step), step)
+    if damage is not None:
+        return "damaged", damage
+    if manifest is not None:
+        return "ok", None
+    info_path = os.path.join(step_dir, _INFO, "metadata")
+    try:
+        with open(info_path, encoding="utf-8") as f:
+            version = json.load(f).get("format_version", 1)
+    except FileNotFoundError:
+        return "unverified", None
+    except (ValueError, AttributeError, UnicodeDecodeError) as e:
+        return "damaged", integrity.Damage(f"{_INFO}/metadata",
+                                           f"unreadable ({e}) and the step has no integrity manifest")
+    if version >= 2:
+        return "damaged", integrity.Damage(integrity.MANIFEST, "missing, but this step was saved with one "
+                                                               "(deleted?): it cannot be verified")
+    return "unverified", None
+
+
+def _damage_message(directory: str, step: int, damage: integrity.Damage, intact: Optional[int]) -> str:
+    """One line: the step, the file, what is wrong with it, and what to do."""
+    step_dir = os.path.join(directory, str(step))
+    if intact is None:
+        remedy = (f"no earlier intact step to resume from: put the file back from a copy, or move {step_dir} "
+                  f"(and {_input_dir(directory, step)}) out of {directory} to start afresh")
+    else:
+        remedy = (f"resume from step {intact}, the newest intact one, with "
+                  f"config.on_damaged_checkpoint='fallback' (moves step {step} to {directory}/{_DAMAGED}/), "
+                  f"or move {step_dir} (and {_input_dir(directory, step)}) out of {directory} yourself")
+    return f"checkpoint step {step} in {directory} is damaged: {damage}. To go on: {remedy}"
+
+
+def _move_aside(directory: str, step: int) -> str:
+    """Renames a damaged step (and its input state) to `<directory>/damaged/<step>-<time>/`; never deletes."""
+    dest = os.path.join(directory, _DAMAGED, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    base, n = dest, 1
+    while os.path.exists(dest):
+        dest, n = f"{base}-{n}", n + 1
+    os.makedirs(dest)
+    # Input state first: a crash in between leaves the step in place and missing its input
+    # state (damaged again next time), never input state that pruning would delete.
+    if os.path.isdir(_input_dir(directory, step)):
+        os.rename(_input_dir(directory, step), os.path.join(dest, _INPUT_STATE))
+    os.rename(os.path.join(directory, str(step)), os.path.join(dest, str(step)))
+    return dest
+
+
+def _read_error(step: int, directory: str, cause: BaseException) -> CheckpointCorruptError:
+    first_line = (str(cause).strip().splitlines() or [""])[0][:300]
+    damage = integrity.Damage(_STATE, f"orbax could not read it ({type(cause).__name__}: {first_line})")
+    error = CheckpointCorruptError(
+        f"checkpoint step {step} in {directory} is damaged: {damage}. To go on: restore an earlier step "
+        f"(Checkpointer.restore_latest does, with on_damaged='fallback'), or move "
+        f"{os.path.join(directory, str(step))} out of {directory}")
+    error.step, error.damage = step, damage
+    error.__cause__ = cause
+    return error
+
+
+def _is_read_failure(e: BaseException) -> bool:
+    """orbax/tensorstore errors while reading a step, as opposed to a wrong target or no memory."""
+    return isinstance(e, Exception) and not isinstance(e, (CheckpointRestoreError, MemoryError))
+
+
+# ---------------------------------------------------------------------------------------------
 # Checkpointer
 # ---------------------------------------------------------------------------------------------
 
@@ -210,6 +317,11 @@ class Checkpointer:
             step right after `save` returns: the values of save time are what is written.
         handle_sigterm: install the single-process SIGTERM handler. Ignored (JAX handles SIGTERM)
             when `jax.distributed` is initialized.
+        on_damaged: what `latest_step`/`restore_latest` do when the newest step fails its
+            integrity check or cannot be read: "fallback" (log one line naming the step, the file
+            and the fault, move the step to `<directory>/damaged/<step>-<time>/`, use the newest
+            intact step) or "stop" (raise `CheckpointCorruptError` with that line). With no intact
+            step to fall back to, both raise and move nothing.
     """
 
     def __init__(
@@ -220,7 +332,10 @@ class Checkpointer:
         max_to_keep: int,
         async_save: bool = True,
         handle_sigterm: bool = True,
+        on_damaged: str = "fallback",
     ):
+        if on_damaged not in ON_DAMAGED:
+            raise ValueError(f"on_damaged must be one of {ON_DAMAGED}, got {on_damaged!r}")
         if save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         if max_to_keep < 1:
@@ -229,15 +344,25 @@ class Checkpointer:
         self._interval = save_interval_steps
         self._process_index = jax.process_index()
         self._process_count = jax.process_count()
+        self._async = async_save
+        self._on_damaged = on_damaged
+        self._saving_step: Optional[int] = None  # the step `_write_manifest` runs for
+        self._checked: dict[int, Optional[integrity.Damage]] = {}  # verification results by step
         options = ocp.CheckpointManagerOptions(
             # `max_to_keep` is deprecated in favour of a preservation policy.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
-            enable_async_checkpointing=async_save,
+            # Always orbax's async path (a synchronous save waits right after starting it): only it
+            # has the post-finalization hook where the integrity manifest is written.
+            enable_async_checkpointing=True,
             # Synchronous directory creation: a folder that cannot be created (read-only or
             # missing workdir) then raises from `save` itself. Created asynchronously, the
             # failure left orbax's other background threads waiting ~300 s for a signal that
             # never came, which delayed the process exit by as much.
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            # The hook runs on the primary process once every process's data is written and the
+            # items are finalized, before the rename that commits the step: the manifest is part
+            # of the commit, and covers the files of all hosts.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
+                                           post_finalization_callback=self._write_manifest),
             # A kill -9 mid-save leaves `<step>.orbax-checkpoint-tmp`; it is never a step, and
             # this removes it at startup.
             cleanup_tmp_directories=True,
@@ -292,24 +417,66 @@ class Checkpointer:
         return sorted(steps)
 
     def latest_step(self) -> Optional[int]:
-        """The newest committed step, or None when there is none (a fresh workdir).
+        """The newest committed step that passes its integrity check, or None (a fresh workdir).
+
+        Newer steps that fail it are handled as `on_damaged` says (see the class): moved aside
+        with one log line each, or a `CheckpointCorruptError`.
 
         Raises:
-            CheckpointRestoreError: the newest step folder holds no train state (a folder that
-                is not ours, or a damaged one), naming it and the step a resume would use.
+            CheckpointRestoreError: the newest step folder holds no train state and no integrity
+                manifest (a folder that is not ours), naming it and the step a resume would use.
+            CheckpointCorruptError: a damaged newest step, with on_damaged="stop" or nothing
+                intact to fall back to.
         """
         steps = self.all_steps()
         if not steps:
             return None
         from etils import epath  # orbax's path library: local and gs:// alike
 
-        if not (epath.Path(self._directory) / str(steps[-1]) / _STATE).exists():
+        newest = epath.Path(self._directory) / str(steps[-1])
+        if not (newest / _STATE).exists() and not (newest / integrity.MANIFEST).exists():
             earlier = [s for s in steps[:-1] if (epath.Path(self._directory) / str(s) / _STATE).exists()]
             then = f"resume from step {earlier[-1]}" if earlier else "start afresh"
             raise CheckpointRestoreError(
                 f"{os.path.join(self._directory, str(steps[-1]))} has no '{_STATE}' item: not a checkpoint "
                 f"bert_jax wrote, or a damaged one; move it out of {self._directory} to {then}")
-        return steps[-1]
+        return self._newest_intact(steps)
+
+    def _verified(self, step: int) -> Optional[integrity.Damage]:
+        """The step's damage (None when intact or unverifiable), checked once per Checkpointer."""
+        if step not in self._checked:
+            status, damage = check_step(self._directory, step)
+            if status == "unverified":
+                logging.warning("checkpointing: step %d in %s has no integrity manifest (saved by an older "
+                                "bert_jax): restoring it unverified", step, self._directory)
+            self._checked[step] = damage
+        return self._checked[step]
+
+    def _newest_intact(self, steps: list[int]) -> Optional[int]:
+        damaged, intact = [], None
+        for step in reversed(steps):
+            damage = self._verified(step)
+            if damage is None:
+                intact = step
+                break
+            damaged.append((step, damage))
+        if not damaged:
+            return intact
+        if self._on_damaged == "stop" or intact is None:
+            step, damage = damaged[0]
+            error = CheckpointCorruptError(_damage_message(self._directory, step, damage, intact))
+            error.step, error.damage = step, damage
+            raise error
+        for step, damage in damaged:
+            moved = _move_aside(self._directory, step) if self._process_index == 0 else "damaged/"
+            logging.error("checkpointing: checkpoint step %d in %s is damaged: %s; moved it to %s and resume from "
+                          "step %d (config.on_damaged_checkpoint='stop' stops instead)",
+                          step, self._directory, damage, moved, intact)
+            self._checked.pop(step, None)
+        if self._process_count > 1:
+            multihost_utils.sync_global_devices("bert_jax_checkpointing_moved_damaged")
+        self._mngr.reload()  # orbax lists the steps it has seen; the moved ones are gone
+        return intact
 
     # --- saving ---------------------------------------------------------------------------------
 
@@ -368,6 +535,7 @@ class Checkpointer:
         # folders may be pruned or a new step started; orbax would wait here anyway.
         self.wait_until_finished()
         info = {"format_version": _FORMAT_VERSION, "input_state_process_count": None}
+        self._saving_step = step
         try:
             if input_state_writer is not None:
                 path = self.input_state_dir(step)
@@ -393,7 +561,22 @@ class Checkpointer:
         self._pending_step = step
         if self._stop_step is not None:
             logging.info("checkpointing: saving step %d because of preemption", step)
+        if not self._async:
+            self.wait_until_finished()
         return True
+
+    def _write_manifest(self) -> None:
+        """orbax's post-finalization hook (primary process, background thread): the step's manifest.
+
+        Raising here fails the save: the step is then never committed.
+        """
+        step = self._saving_step
+        final = os.path.join(self._directory, str(step))
+        candidates = glob.glob(glob.escape(final) + ".orbax-checkpoint-tmp*")
+        # Local filesystems: the temporary folder orbax is about to rename; object stores commit
+        # in place with a marker file, so the data is in the final folder already.
+        step_dir = max(candidates, key=os.path.getmtime) if candidates else final
+        integrity.write_manifest(step_dir, _input_dir(self._directory, step), step)
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight is committed; raises `CheckpointSaveError` if it failed."""
@@ -402,6 +585,13 @@ class Checkpointer:
             self._mngr.wait_until_finished()
         except Exception as e:  # pylint: disable=broad-except
             self._fail(self._pending_step, e)
+        if self._pending_step is not None and self._process_index == 0:
+            try:
+                integrity.seal_manifest(os.path.join(self._directory, str(self._pending_step)))
+            except (OSError, ValueError) as e:
+                # The unsealed manifest still covers every file but orbax's two commit-time writes.
+                logging.warning("checkpointing: could not seal the integrity manifest of step %d: %s",
+                                self._pending_step, e)
         self._pending_step = None
         self._prune_input_state()
 
@@ -495,7 +685,7 @@ class Checkpointer:
             abstract_state: the target: a pytree of `jax.ShapeDtypeStruct(shape, dtype,
                 sharding=...)` (or of `jax.Array`s, whose shardings are used) with the same
                 structure, shapes and dtypes as the saved state; the shardings may use any mesh.
-            step: the step to restore; default the latest committed one.
+            step: the step to restore; default `latest_step()` (the newest intact one).
             check_input_state: when the step was saved with input state, require
                 `input_state_dir(step)` to exist for this process and the process count to be the
                 one that saved it. Pass False to restore the model but restart the data.
@@ -508,6 +698,8 @@ class Checkpointer:
         Raises:
             CheckpointRestoreError: missing/unexpected keys, shape or dtype mismatch (a bf16
                 target for f32 data is refused, not cast), no sharding, missing input state.
+            CheckpointCorruptError: the step fails its integrity check, or orbax cannot read it
+                (no fallback here: use `restore_latest` to resume past a damaged step).
             FileNotFoundError: no such committed step (or no checkpoint at all).
         """
         if abstract_state is None:
@@ -517,33 +709,77 @@ class Checkpointer:
             )
         steps = self.all_steps()
         if step is None:
-            if not steps:
+            step = self.latest_step()
+            if step is None:
                 raise FileNotFoundError(f"no committed checkpoint in {self._directory}")
-            step = steps[-1]
         elif step not in steps:
             raise FileNotFoundError(
                 f"step {step} is not a committed checkpoint in {self._directory} (have {steps})"
             )
         target = _to_abstract(abstract_state)
-        saved = self._mngr.item_metadata(step)[_STATE]
+        # Verify before use: nothing of a damaged step is read.
+        damage = self._verified(step)
+        if damage is not None:
+            intact = next((s for s in reversed(steps) if s < step and self._verified(s) is None), None)
+            error = CheckpointCorruptError(_damage_message(self._directory, step, damage, intact))
+            error.step, error.damage = step, damage
+            raise error
+        try:
+            saved = self._mngr.item_metadata(step)[_STATE]
+        except Exception as e:  # pylint: disable=broad-except
+            raise _read_error(step, self._directory, e) from e
         saved_tree = getattr(saved, "tree", saved)
         _check_against_metadata(target, saved_tree, f"checkpoint step {step} in {self._directory}")
-        # The small JSON items first, so that a missing input state fails before the big read.
-        small = self._mngr.restore(
-            step,
-            args=ocp.args.Composite(**{_META: ocp.args.JsonRestore(), _INFO: ocp.args.JsonRestore()}),
-        )
+        try:
+            # The small JSON items first, so that a missing input state fails before the big read.
+            small = self._mngr.restore(
+                step,
+                args=ocp.args.Composite(**{_META: ocp.args.JsonRestore(), _INFO: ocp.args.JsonRestore()}),
+            )
+        except Exception as e:  # pylint: disable=broad-except
+            raise _read_error(step, self._directory, e) from e
         if check_input_state:
             self._check_input_state(step, small[_INFO] or {})
-        restored = self._mngr.restore(
-            step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
-        )
+        try:
+            restored = self._mngr.restore(
+                step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
+            )
+        except Exception as e:  # pylint: disable=broad-except
+            if not _is_read_failure(e):
+                raise
+            raise _read_error(step, self._directory, e) from e
         # Rebuild by key path so custom nodes (flax struct.dataclass, optax namedtuples) come back
         # as the very types the caller passed, whatever containers orbax returns them in.
         by_key = _flat(restored[_STATE])
         treedef = jax.tree_util.tree_structure(target)
         state = jax.tree_util.tree_unflatten(treedef, [by_key[key] for key in _flat(target)])
         return state, dict(small[_META] or {})
+
+    def restore_latest(
+        self, abstract_state: PyTree, *, check_input_state: bool = True
+    ) -> tuple[int, PyTree, dict]:
+        """Resumes: (step, state, meta) of the newest intact step, falling back past damaged ones.
+
+        A step fails when its integrity check fails or orbax cannot read it; it is then handled
+        as `on_damaged` says (moved aside with one log line, or `CheckpointCorruptError`), and the
+        next newest step is tried. Arguments and the rest as in `restore`.
+
+        Raises:
+            FileNotFoundError: no committed checkpoint.
+            CheckpointCorruptError: on_damaged="stop", or no intact step is left.
+        """
+        while True:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no committed checkpoint in {self._directory}")
+            try:
+                state, meta = self.restore(abstract_state, step, check_input_state=check_input_state)
+                return step, state, meta
+            except CheckpointCorruptError as e:
+                if self._process_count > 1:
+                    raise  # hosts may disagree on a read error; never fall back on one host alone
+                # Remembered as damaged: latest_step moves it aside, or raises, as configured.
+                self._checked[step] = e.damage
 
     def _check_input_state(self, step: int, info: dict) -> None:
         count = info.get("input_state_process_count")
@@ -619,8 +855,8 @@ class Checkpointer:
 # ---------------------------------------------------------------------------------------------
 
 
-def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Optional[int] = None
-                 ) -> tuple[dict, int]:
+def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Optional[int] = None,
+                 *, on_damaged: str = "fallback") -> tuple[dict, int]:
     """Restores only some top-level fields of a saved train state (e.g. `{"params": ...}`), read-only.
 
     For evaluation and export: the optimizer state is neither read nor needed, so a workdir
@@ -631,7 +867,10 @@ def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Option
     Args:
         directory: a `Checkpointer` directory.
         abstract_part: {field: pytree of jax.ShapeDtypeStruct(shape, dtype, sharding=...)}.
-        step: the step to restore; default the latest committed one.
+        step: the step to restore; default the newest intact one (verified against its
+            integrity manifest; a damaged newer step is named in one log line and skipped, never
+            moved, with on_damaged="fallback", or raised with "stop").
+        on_damaged: "fallback" or "stop", for the default step only; an explicit damaged step raises.
 
     Returns:
         (part, step): `part` has the structure of `abstract_part`, bitwise equal to what was saved.
@@ -639,9 +878,10 @@ def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Option
     Raises:
         FileNotFoundError: no committed checkpoint (or not that step) in `directory`.
         CheckpointRestoreError: a field, key, shape or dtype the checkpoint does not have.
+        CheckpointCorruptError: the step is damaged (see `on_damaged`) or orbax cannot read it.
     """
     directory = os.path.abspath(os.fspath(directory))
-    step, saved_tree = _saved_state_metadata(directory, step)
+    step, saved_tree = _saved_state_metadata(directory, step, on_damaged)
     target = _to_abstract(abstract_part)
     have = {k: v for k, v in _flat(saved_tree).items()
             if any(k == f or k.startswith(f + "/") for f in abstract_part)}
@@ -649,11 +889,16 @@ def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Option
     if missing:
         raise CheckpointRestoreError(f"checkpoint step {step} in {directory} has no field(s) {missing}")
     _check_against_metadata(_flat(target), have, f"checkpoint step {step} in {directory}")
-    restored = ocp.PyTreeCheckpointer().restore(
-        os.path.join(directory, str(step), _STATE),
-        args=ocp.args.PyTreeRestore(item=target,
-                                    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                    partial_restore=True))
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            os.path.join(directory, str(step), _STATE),
+            args=ocp.args.PyTreeRestore(item=target,
+                                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                        partial_restore=True))
+    except Exception as e:  # pylint: disable=broad-except
+        if not _is_read_failure(e):
+            raise
+        raise _read_error(step, directory, e) from e
     by_key = _flat(restored)
     treedef = jax.tree_util.tree_structure(target)
     return jax.tree_util.tree_unflatten(treedef, [by_key[key] for key in _flat(target)]), step
@@ -678,8 +923,45 @@ def _without_read_only_notices():
         logger.removeFilter(notice_filter)
 
 
-def _saved_state_metadata(directory: str, step: Optional[int]) -> tuple[int, PyTree]:
-    """(step, the saved state's metadata tree) of a committed step (default the latest), read-only."""
+def newest_intact_step(directory: str | os.PathLike, steps: list[int], on_damaged: str = "fallback"
+                       ) -> Optional[int]:
+    """The newest of `steps` (committed steps of a Checkpointer directory) that passes its
+    integrity check, read-only: damaged newer ones are named in one log line each (fallback) or
+    raised as `CheckpointCorruptError` (stop), never moved. None when `steps` is empty.
+    """
+    if on_damaged not in ON_DAMAGED:
+        raise ValueError(f"on_damaged must be one of {ON_DAMAGED}, got {on_damaged!r}")
+    directory = os.path.abspath(os.fspath(directory))
+    damaged = []
+    for step in sorted(steps, reverse=True):
+        status, damage = check_step(directory, step)
+        if status == "unverified":
+            logging.warning("checkpointing: step %d in %s has no integrity manifest (saved by an older "
+                            "bert_jax): reading it unverified", step, directory)
+        if damage is None:
+            for bad, bad_damage in damaged:
+                logging.error("checkpointing: checkpoint step %d in %s is damaged: %s; reading step %d instead",
+                              bad, directory, bad_damage, step)
+            return step
+        damaged.append((step, damage))
+        if on_damaged == "stop":
+            break
+    if not damaged:
+        return None
+    step, damage = damaged[0]
+    intact = None
+    if on_damaged == "stop":
+        intact = next((s for s in sorted(steps, reverse=True) if s < step and check_step(directory, s)[1] is None),
+                      None)
+    error = CheckpointCorruptError(_damage_message(directory, step, damage, intact))
+    error.step, error.damage = step, damage
+    raise error
+
+
+def _saved_state_metadata(directory: str, step: Optional[int], on_damaged: str = "fallback"
+                          ) -> tuple[int, PyTree]:
+    """(step, the saved state's metadata tree) of a verified committed step (default the newest
+    intact one), read-only."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoint directory {directory}")
     with warnings.catch_warnings(), _without_read_only_notices():
@@ -694,17 +976,26 @@ def _saved_state_metadata(directory: str, step: Optional[int]) -> tuple[int, PyT
         if step is None:
             if not steps:
                 raise FileNotFoundError(f"no committed checkpoint in {directory}")
-            step = steps[-1]
+            step = newest_intact_step(directory, steps, on_damaged)
         elif step not in steps:
             raise FileNotFoundError(f"step {step} is not a committed checkpoint in {directory} (have {steps})")
-        saved = mngr.item_metadata(step)[_STATE]
+        else:
+            status, damage = check_step(directory, step)
+            if damage is not None:
+                error = CheckpointCorruptError(_damage_message(directory, step, damage, None))
+                error.step, error.damage = step, damage
+                raise error
+        try:
+            saved = mngr.item_metadata(step)[_STATE]
+        except Exception as e:  # pylint: disable=broad-except
+            raise _read_error(step, directory, e) from e
     finally:
         mngr.close()
     return step, getattr(saved, "tree", saved)
 
 
 def saved_keys(directory: str | os.PathLike, step: Optional[int] = None) -> list[str]:
-    """The '/'-joined key paths of a committed step's saved state (default the latest), read-only.
+    """The '/'-joined key paths of a committed step's saved state (default the newest intact), read-only.
 
     Raises:
         FileNotFoundError: no committed checkpoint (or not that step) in `directory`.

@@ -16,6 +16,10 @@ featurization, post-processing and the metric; there is no per-task branch here)
   decay to 0, global-norm clipping; the paper's defaults live in the configs;
 - epochs over the in-memory features, reshuffled each epoch with `seed + epoch`; the last batch
   is completed with weight-0 rows, so nothing is dropped;
+- or google-research/bert's `run_classifier.py` / `run_squad.py` recipe (docs/finetuning.md):
+  `optimizer="google_adamw"`, `google_lr_schedule=True` and `num_train_steps_from="examples"`:
+  `int(len(train_examples) / global_batch_size * num_train_epochs)` steps of full batches from
+  one stream of the feature rows, pass after pass (`train_plan`, `stream_batches`);
 - after each epoch: every eval split is predicted, post-processed and scored; the epoch whose
   first eval split has the best `task.primary_metric` is kept in `W/best/` (parameters) with its
   predictions in `W/best_predictions/`; the last state is in `W/checkpoints/` (resumable, also after
@@ -29,6 +33,7 @@ featurization, post-processing and the metric; there is no per-task branch here)
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -73,6 +78,100 @@ def eval_step(params: Any, batch: dict, *, model: heads.BertForTask) -> tuple[di
     """The head's outputs (to post-process on the host) and summed losses of one global batch."""
     out = model.apply({"params": params}, *(batch[k] for k in heads.MODEL_INPUTS), deterministic=True)
     return out, heads.loss_sums(model.head, out, batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps, schedule and batches of a run
+# ---------------------------------------------------------------------------------------------
+
+STEPS_FROM = ("epochs", "examples")
+
+
+def train_plan(config: ml_collections.ConfigDict, num_examples: int, num_rows: int) -> tuple[int, int, list]:
+    """(total steps, warmup steps, the step at which each epoch ends) for `config`.
+
+    `num_train_steps_from="epochs"`: `num_train_epochs` passes over the `num_rows` feature rows,
+    each in `ceil(rows / batch)` batches (the last completed with weight-0 rows).
+    `"examples"`: google-research/bert's count, `int(num_examples / batch * epochs)` steps, where
+    an example is a question for SQuAD (a feature row is a window of one) and a sentence pair
+    for GLUE; the batches are full ones cut from one stream of feature rows (`stream_batches`), and
+    an "epoch" (an evaluation) ends with the batch that completes a pass over the rows, or at the
+    last step.
+
+    Example: 10 examples (10 rows), batch 4, 3 epochs, warmup_proportion 0.1: "epochs" gives
+    3 * 3 = 9 steps and epochs ending at [3, 6, 9]; "examples" gives int(10 / 4 * 3) = 7 steps,
+    int(7 * 0.1) = 0 warmup, epochs ending at [3, 5, 7].
+    """
+    batch, epochs = config.global_batch_size, config.num_train_epochs
+    steps_from = config.get("num_train_steps_from", "epochs")
+    if steps_from == "epochs":
+        if epochs != int(epochs):
+            raise ValueError(f"config.num_train_epochs={epochs} must be a whole number with "
+                             "num_train_steps_from='epochs' (a fraction needs 'examples')")
+        per_epoch = -(-num_rows // batch)
+        total = int(epochs) * per_epoch
+    elif steps_from == "examples":
+        total = int(num_examples / batch * epochs)  # run_classifier.py, run_squad.py
+    else:
+        raise ValueError(f"config.num_train_steps_from must be one of {STEPS_FROM}, got {steps_from!r}")
+    if total <= 0:
+        raise ValueError(f"config.num_train_epochs={epochs} with {num_rows} training rows ({num_examples} "
+                         f"examples) and global_batch_size={batch} gives no training step "
+                         f"(num_train_steps_from={steps_from!r})")
+    if not 0 <= config.warmup_proportion <= 1:
+        raise ValueError(f"config.warmup_proportion={config.warmup_proportion} must be in [0, 1]")
+    if steps_from == "epochs":
+        ends = [per_epoch * (e + 1) for e in range(int(epochs))]
+    else:
+        ends, passes = [], 0
+        while not ends or ends[-1] < total:
+            passes += 1  # the batch holding the last row of pass `passes` ends an epoch
+            end = min(-(-passes * num_rows // batch), total)
+            if not ends or end > ends[-1]:
+                ends.append(end)
+    return total, int(total * config.warmup_proportion), ends
+
+
+def make_optimizer(config: ml_collections.ConfigDict, total_steps: int, warmup_steps: int):
+    """(learning-rate schedule, optimizer) of `config` for a run of `total_steps`."""
+    schedule = optim.learning_rate_schedule(config.learning_rate, warmup_steps, total_steps,
+                                            google_style=config.get("google_lr_schedule", False))
+    tx = optim.make_optimizer(config.optimizer, schedule, weight_decay=config.weight_decay,
+                              b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+                              clip_norm=config.clip_norm or None)
+    return schedule, tx
+
+
+def count_examples(split) -> int:
+    """Training examples as Google's scripts count them: those that gave at least one feature
+    row (an example skipped as a bad row does not count; Google's readers drop it too)."""
+    if "example_index" in split.features:
+        return len(np.unique(split.features["example_index"]))
+    return len(split.examples)
+
+
+def stream_batches(features: dict, keys, global_batch_size: int, steps, *, seed: int,
+                   process_index: int = 0, process_count: int = 1):
+    """The batches of `steps` (step k: rows `[k*B, (k+1)*B)`) of one stream of feature rows: pass
+    `p` over the `n` rows is `RandomState(seed + p).permutation(n)` (the permutation the epoch
+    loop uses for epoch p), and a batch may span two passes, as Google's `d.repeat()` then
+    `d.batch(drop_remainder=True)`. Every row is real (weight as featurized). Each host yields its
+    slice `[p*b, (p+1)*b)` of every global batch, as `data_pipeline.tasks.batches`.
+    """
+    n = len(features["weight"])
+    if global_batch_size % process_count:
+        raise ValueError(f"batch size {global_batch_size} must divide by {process_count} processes")
+    per_host = global_batch_size // process_count
+    orders: dict = {}
+    for k in steps:
+        stream = np.arange(k * global_batch_size, (k + 1) * global_batch_size)[
+            process_index * per_host:(process_index + 1) * per_host]
+        for p in set(stream // n) - set(orders):
+            orders[p] = np.random.RandomState(seed + int(p)).permutation(n)
+        rows = np.array([orders[j // n][j % n] for j in stream], np.int64)
+        out = {key: features[key][rows] for key in keys}
+        out["weight"] = features["weight"][rows].astype(np.float32)
+        yield out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,18 +260,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     # --- model, optimizer, state ---
     model = heads.BertForTask(bert_config, task.head, task.num_outputs)
     num_train = len(train.features["weight"])
-    steps_per_epoch = tasks_lib.num_batches(num_train, config.global_batch_size)
-    total_steps = int(config.num_train_epochs) * steps_per_epoch
-    if total_steps <= 0:
-        raise ValueError(f"config.num_train_epochs={config.num_train_epochs} with {num_train} training rows "
-                         f"and global_batch_size={config.global_batch_size} gives no training step")
-    if not 0 <= config.warmup_proportion <= 1:
-        raise ValueError(f"config.warmup_proportion={config.warmup_proportion} must be in [0, 1]")
-    warmup = int(config.warmup_proportion * total_steps)
-    schedule = optim.learning_rate_schedule(config.learning_rate, warmup, total_steps)
-    tx = optim.make_optimizer(config.optimizer, schedule, weight_decay=config.weight_decay,
-                              b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
-                              clip_norm=config.clip_norm or None)
+    total_steps, warmup, epoch_ends = train_plan(config, count_examples(train), num_train)
+    stream = config.get("num_train_steps_from", "epochs") == "examples"
+    logging.info("%d training steps (%d warmup), evaluations after steps %s", total_steps, warmup, epoch_ends)
+    schedule, tx = make_optimizer(config, total_steps, warmup)
     dummy = heads.dummy_batch(task.head, max_len, task.num_outputs)
 
     def init_state(rng):
@@ -193,12 +284,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
         raise ValueError(f"config.checkpoint_every_steps={every}: 0 (each epoch) or a positive step count")
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"),
                                       save_interval_steps=every or total_steps + 1,
-                                      max_to_keep=1, async_save=config.async_checkpointing)
+                                      max_to_keep=1, async_save=config.async_checkpointing,
+                                      on_damaged=config.get("on_damaged_checkpoint", "fallback"))
     best_ckpt = checkpointing.Checkpointer(os.path.join(workdir, "best"), save_interval_steps=1, max_to_keep=1,
                                            async_save=False, handle_sigterm=False)
     start_step, meta = ckpt.latest_step(), {}
-    if start_step is not None:
-        state, meta = ckpt.restore(abstract_state, start_step, check_input_state=False)
+    if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
+        start_step, state, meta = ckpt.restore_latest(abstract_state, check_input_state=False)
         logging.info("resumed from step %d", start_step)
     else:
         start_step = 0
@@ -231,26 +323,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     stop = False
     try:
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            for epoch in range(start_step // steps_per_epoch, int(config.num_train_epochs)):
-                skip = step - epoch * steps_per_epoch  # batches of this epoch already trained
-                bar = tqdm(total=steps_per_epoch, initial=skip, desc=f"{task.name} epoch {epoch + 1}",
+            for epoch in range(sum(end <= start_step for end in epoch_ends), len(epoch_ends)):
+                begin, end = ([0] + epoch_ends)[epoch], epoch_ends[epoch]
+                skip = step - begin  # batches of this epoch already trained
+                bar = tqdm(total=end - begin, initial=skip, desc=f"{task.name} epoch {epoch + 1}",
                            disable=jax.process_index() > 0, dynamic_ncols=True)
                 pending, window = [], time.time()
                 train_sums = {"loss_sum": 0.0, "weight": 0.0}
-                batches = tasks_lib.batches(train.features, keys, config.global_batch_size,
-                                            process_index=jax.process_index(),
-                                            process_count=jax.process_count(),
-                                            shuffle_seed=config.seed + epoch)
-                for i, batch in enumerate(batches):
-                    if i < skip:
-                        continue
+                hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+                if stream:
+                    batches = stream_batches(train.features, keys, config.global_batch_size, range(step, end),
+                                             seed=config.seed, **hosts)
+                else:
+                    batches = itertools.islice(tasks_lib.batches(
+                        train.features, keys, config.global_batch_size, shuffle_seed=config.seed + epoch,
+                        **hosts), skip, None)
+                for batch in batches:
                     global_batch = sharding.to_global(batch, mesh)
                     with jax.transfer_guard_host_to_device("disallow"):
                         state, metrics = p_train(state, global_batch)
                     step += 1
                     pending.append(metrics)
                     bar.update(1)
-                    last = i == steps_per_epoch - 1
+                    last = step == end
                     if step % config.log_every_steps == 0 or last:
                         _log(pending, step, window, writer, bar, config, train_sums)
                         pending, window = [], time.time()
@@ -264,7 +359,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                     if every and not last:
                         ckpt.save(step, state, {"history": history, "best": best})
                 bar.close()
-                if stop and step % steps_per_epoch:
+                if stop and step != end:
                     logging.warning("SIGTERM/preemption: saved step %d, exiting", step)
                     break
                 # --- evaluation after the epoch ---

@@ -103,15 +103,85 @@ def config_fingerprint(config: ml_collections.ConfigDict) -> str:
     return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()
 
 
+def _flat_config(config: ml_collections.ConfigDict) -> dict:
+    """{"model.hidden_size": 768, ...}: every leaf of the resolved config, as JSON values."""
+    out = {}
+
+    def walk(d, prefix):
+        for k in sorted(d):
+            if isinstance(d[k], dict):
+                walk(d[k], f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = d[k]
+
+    walk(json.loads(config.to_json(sort_keys=True)), "")
+    return out
+
+
+def config_differences(mine: dict, theirs: dict, limit: int = 8) -> list[str]:
+    """`config.key: a != b` for each flattened key whose values differ (or that one side lacks)."""
+    missing = object()
+    keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k, missing) != theirs.get(k, missing))
+    lines = [f"config.{k}: {json.dumps(mine.get(k, '<absent>'))} != {json.dumps(theirs.get(k, '<absent>'))}"
+             for k in keys[:limit]]
+    return lines + ([f"... and {len(keys) - limit} more"] if len(keys) > limit else [])
+
+
 def check_same_config_on_all_hosts(config: ml_collections.ConfigDict) -> None:
-    """Exits every host before compiling when one host resolved a different config."""
+    """Exits every host before compiling when one host resolved a different config, naming the keys
+    that differ from process 0's (every host gathers every host's config, so all exit together)."""
     if jax.process_count() == 1:
         return
     digest = np.frombuffer(bytes.fromhex(config_fingerprint(config)), dtype=np.uint8)
-    try:
-        multihost_utils.assert_equal(digest, "hosts resolved different configs")
-    except AssertionError as e:
-        raise SystemExit(f"process {jax.process_index()}: config mismatch across hosts: {e}") from e
+    digests = np.asarray(multihost_utils.process_allgather(digest))  # [hosts, 32]
+    if (digests == digests[0]).all():
+        return
+    text = np.frombuffer(config.to_json(sort_keys=True).encode(), dtype=np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.array([text.size], np.int32))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:text.size] = text
+    texts = np.asarray(multihost_utils.process_allgather(padded))  # [hosts, longest]
+    flat = [_flat_config(ml_collections.ConfigDict(json.loads(bytes(t[:n]).decode())))
+            for t, n in zip(texts, lengths)]
+    report = [f"process {host} vs process 0: " + "; ".join(config_differences(flat[host], flat[0]))
+              for host in range(1, len(flat)) if not (digests[host] == digests[0]).all()]
+    raise SystemExit(f"process {jax.process_index()}: config mismatch across hosts (every host must get "
+                     f"the same config file and overrides): " + " | ".join(report))
+
+
+def check_sequence_lengths(config: ml_collections.ConfigDict, bert_config: BertConfig, phases: list) -> None:
+    """Each phase's length against the position table and against its records, before compiling
+    (else: a trace error without the field, or a tf parse error, at phase 2 hours into a run)."""
+    from data_pipeline import input_pipeline
+    for i, phase in enumerate(phases):
+        where = f"config.phases[{i}]." if config.phases else "config."
+        if phase.max_seq_length > bert_config.max_position_embeddings:
+            raise ValueError(
+                f"{where}max_seq_length={phase.max_seq_length} exceeds config.model.max_position_embeddings="
+                f"{bert_config.max_position_embeddings}: the model has no position embedding past "
+                f"{bert_config.max_position_embeddings} (lower the length or enlarge the model's table)")
+        length, predictions = input_pipeline.record_shape(phase.train_data)
+        if (length, predictions) != (phase.max_seq_length, phase.max_predictions_per_seq):
+            raise ValueError(
+                f"the records {phase.train_data} were written with max_seq_length={length}, "
+                f"max_predictions_per_seq={predictions}, but {where}max_seq_length={phase.max_seq_length}, "
+                f"{where}max_predictions_per_seq={phase.max_predictions_per_seq}: set these to the records' "
+                f"values, or write records at this length (create_pretraining_data --max_seq_length=... "
+                f"--max_predictions_per_seq=...)")
+
+
+SCHEDULE_KEYS = ("learning_rate", "warmup_steps", "num_train_steps", "lr_decay_power", "google_lr_schedule",
+                 "optimizer")
+
+
+def report_schedule_change(config: ml_collections.ConfigDict, meta: dict, step: int) -> None:
+    """A resumed run whose learning rate or schedule differs from the checkpoint's says so, with both
+    values (allowed: e.g. a longer run, or a lower rate after a loss spike)."""
+    saved = meta.get("schedule") or {}
+    for key in SCHEDULE_KEYS:
+        if key in saved and saved[key] != config.get(key):
+            logging.warning("resuming step %d with config.%s=%r; the checkpoint was trained with config.%s=%r",
+                            step, key, config.get(key), key, saved[key])
 
 
 def special_token_ids(vocab_file: str) -> Optional[dict]:
@@ -309,6 +379,10 @@ class ShardedInput:
 def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> ShardedInput:
     from data_pipeline import input_pipeline
 
+    # Which ids are `##` pieces: whole-word dynamic masking (asked, or as the records were made).
+    subword = (input_pipeline.subword_table(config.vocab_file)
+               if config.dynamic_masking and config.vocab_file else None)
+
     def make(shard: int, num_shards: int, shards_per_host: int):
         per_host = config.global_batch_size // jax.process_count()
         if per_host % shards_per_host:
@@ -325,6 +399,8 @@ def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> Shard
             shuffle_buffer_size=config.shuffle_buffer_size,
             dynamic_masking=config.dynamic_masking,
             special_ids=special_ids,
+            whole_word_mask=config.get("dynamic_whole_word_mask"),
+            subword=subword,
             packing=config.packing,
             max_seqs_per_pack=config.max_seqs_per_pack,
             verify=config.verify_data,
@@ -385,6 +461,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     check_same_config_on_all_hosts(config)
     bert_config = bert_config_from(config)
     phases = resolve_phases(config)
+    check_sequence_lengths(config, bert_config, phases)
     mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
     check_mesh(config, bert_config, mesh)
     if config.objective not in ("mlm", "ltr"):
@@ -412,13 +489,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     ckpt = checkpointing.Checkpointer(
         os.path.join(workdir, "checkpoints"), save_interval_steps=config.checkpoint_every_steps,
-        max_to_keep=config.keep_checkpoints, async_save=config.async_checkpointing)
+        max_to_keep=config.keep_checkpoints, async_save=config.async_checkpointing,
+        on_damaged=config.get("on_damaged_checkpoint", "fallback"))
     start_step = ckpt.latest_step()
     meta: dict = {}
-    if start_step is not None:
-        state, meta = ckpt.restore(abstract_state, start_step)
+    if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
+        start_step, state, meta = ckpt.restore_latest(abstract_state)
         logging.info("resumed from step %d", start_step)
         start_step = int(start_step)
+        report_schedule_change(config, meta, start_step)
     else:
         state, _ = sharding.sharded_init(init_state, jax.random.key(config.seed), mesh, rules)
         start_step = 0
@@ -493,7 +572,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         pending, window_start, input_seconds = [], time.time(), 0.0
                     # Saved before evaluating: an evaluation that fails loses no training.
                     stop = ckpt.should_stop(step)
-                    ckpt.save(step, state, {"phase": phase_index, "step": step},
+                    ckpt.save(step, state, {"phase": phase_index, "step": step,
+                                            "schedule": {k: config.get(k) for k in SCHEDULE_KEYS}},
                               force=stop or step == phase.end_step,
                               input_state_writer=batches.save_state)
                     if stop:

@@ -4,6 +4,7 @@ Every other config imports this one and overrides what differs.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.ConfigDict:
@@ -46,6 +47,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.max_predictions_per_seq = 20  # masked-LM predictions per sequence at length 128
     config.shuffle_buffer_size = 10_000  # records held for shuffling, per host
     config.dynamic_masking = False  # re-mask each epoch instead of using the records' masks
+    # dynamic masking of whole words (all ## pieces with their word); None = as the records were made
+    config.dynamic_whole_word_mask = config_dict.placeholder(bool)
     config.packing = False  # pack several short sequences per row (MLPerf style)
     config.max_seqs_per_pack = 3  # sequences per packed row at most
     config.skip_corrupt_records = False  # True: skip (and count) corrupt records instead of failing
@@ -88,6 +91,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint_every_steps = 1000  # save interval
     config.keep_checkpoints = 3  # most recent checkpoints kept
     config.async_checkpointing = True  # write checkpoints in the background
+    config.on_damaged_checkpoint = "fallback"  # newest step damaged: "fallback" to the newest intact one, or "stop"
     config.nonfinite = "stop"  # stop | skip: on a non-finite loss or gradient
     config.max_consecutive_nonfinite = 10  # in skip mode, abort after this many bad steps in a row
     # pretrain: initial weights when the workdir has no checkpoint yet; evaluate: what to score.

@@ -5,6 +5,14 @@
 
 Tasks: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli. The paper: batch 32, 3 epochs, the best
 learning rate of {5e-5, 4e-5, 3e-5, 2e-5} on dev; warmup over 10% of the steps, dropout 0.1.
+
+google-research/bert's run_classifier.py exactly (its optimizer, schedule and number of steps;
+docs/finetuning.md, "Reproducing run_classifier.py / run_squad.py"):
+
+    --config.optimizer=google_adamw --config.google_lr_schedule=True --config.num_train_steps_from=examples
+
+Not the default: the default trains whole epochs (every feature row seen num_train_epochs times,
+evaluated after each), with bias-corrected AdamW; workdirs of earlier runs resume unchanged.
 """
 
 import ml_collections
@@ -40,11 +48,22 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.model = base.get_model_config()  # used without init_checkpoint; else only dtype/scan/remat/attention
 
     # --- optimization (paper: Adam, warmup 10%, linear decay, dropout 0.1) ---
+    # Google's scripts exactly: optimizer=google_adamw, google_lr_schedule=True,
+    # num_train_steps_from=examples (docs/finetuning.md). The defaults below train whole epochs.
     config.global_batch_size = 32  # sequences per step, over all hosts
     config.eval_batch_size = 0  # 0 = global_batch_size
-    config.num_train_epochs = 3  # passes over the training set
+    # Passes over the training set (whole with num_train_steps_from=epochs; any float with examples).
+    config.num_train_epochs = 3.0
+    # How many steps: "epochs" = num_train_epochs * ceil(feature rows / batch), the last batch of
+    # each epoch completed with weight-0 rows; "examples" = Google's
+    # int(training examples / batch * num_train_epochs) full batches from one stream of feature rows
+    # (SQuAD counts questions, not windows), evaluated after each pass over the rows.
+    config.num_train_steps_from = "epochs"
     config.learning_rate = 2e-5  # peak learning rate
-    config.warmup_proportion = 0.1  # fraction of the steps with linear warmup
+    config.warmup_proportion = 0.1  # fraction of the steps with linear warmup: int(steps * proportion)
+    # False: warmup, then linear decay from the peak to 0 over the remaining steps. True: Google's
+    # optimization.py, linear decay from step 0 over all steps, overridden during warmup.
+    config.google_lr_schedule = False
     config.optimizer = "adamw"  # adamw | google_adamw (no bias correction, as TF1 BERT) | lamb
     config.weight_decay = 0.01  # decoupled weight decay (not on LayerNorm or biases)
     config.adam_b1 = 0.9  # Adam beta1

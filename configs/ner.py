@@ -5,6 +5,10 @@
 
 Cased models suit NER (the paper's NER results use cased BERT). Scores dev and test after each
 epoch (conlleval entity F1); predictions in conlleval's column format in W/.
+
+Google's optimizer, schedule and step count (as run_classifier.py; Google released no script for
+this task): `--config.optimizer=google_adamw --config.google_lr_schedule=True
+--config.num_train_steps_from=examples` (docs/finetuning.md). Not the default (configs/glue.py).
 """
 
 import ml_collections

@@ -6,6 +6,11 @@
 Paper: v1.1 3 epochs, lr 5e-5, batch 32; v2.0 2 epochs, lr 5e-5, batch 48
 (`--config.task=squad_v2 --config.num_train_epochs=2 --config.global_batch_size=48`).
 Writes W/predictions.json, W/nbest_predictions.json (and W/null_odds.json for v2).
+
+google-research/bert's run_squad.py exactly (docs/finetuning.md, "Reproducing run_classifier.py /
+run_squad.py"): `--config.optimizer=google_adamw --config.google_lr_schedule=True
+--config.num_train_steps_from=examples`: int(questions / batch * epochs) steps over the windows.
+Not the default (whole epochs over the windows, bias-corrected AdamW; configs/glue.py says why).
 """
 
 import ml_collections

@@ -4,6 +4,10 @@
         --config.init_checkpoint=PATH --workdir=W
 
 Paper: 3 epochs, lr 2e-5, batch 16. SWAG_DIR holds train.csv, val.csv (and test.csv).
+
+Google's optimizer, schedule and step count (as run_classifier.py; Google released no script for
+this task): `--config.optimizer=google_adamw --config.google_lr_schedule=True
+--config.num_train_steps_from=examples` (docs/finetuning.md). Not the default (configs/glue.py).
 """
 
 import ml_collections

@@ -202,6 +202,31 @@ def test_interval_force_keep_k_and_input_state(tmp_path):
     ckpt.close()
 
 
+def test_every_step_gets_an_integrity_manifest_sealed_once_committed(tmp_path):
+    """Written before orbax's commit (so a committed step always has one), sealed after it."""
+    from bert_jax import checkpoint_integrity as integrity
+    from bert_jax import checkpointing
+
+    with Checkpointer(tmp_path / "sync", save_interval_steps=1, max_to_keep=2, async_save=False,
+                      handle_sigterm=False) as ckpt:
+        assert ckpt.save(1, _small_state(1), {})
+        assert integrity.read_manifest(str(tmp_path / "sync" / "1"))["sealed"]  # synchronous: at once
+    ckpt = Checkpointer(tmp_path / "async", save_interval_steps=1, max_to_keep=2, handle_sigterm=False)
+    assert ckpt.save(1, _small_state(1), {}, input_state_writer=lambda p: open(os.path.join(p, "x"), "w").close())
+    ckpt._mngr.wait_until_finished()  # committed, not yet seen by the Checkpointer
+    manifest = integrity.read_manifest(str(tmp_path / "async" / "1"))
+    assert not manifest["sealed"] and "input_state/process_0/x" in manifest["files"]
+    assert "commit_success.txt" not in manifest["files"]  # written by orbax's rename, after the manifest
+    assert checkpointing.check_step(tmp_path / "async", 1) == ("ok", None)  # unsealed still verifies
+    ckpt.wait_until_finished()
+    manifest = integrity.read_manifest(str(tmp_path / "async" / "1"))
+    assert manifest["sealed"] and {"commit_success.txt", "_CHECKPOINT_METADATA"} <= set(manifest["files"])
+    state, _ = ckpt.restore(_abstract_of(_small_state()))
+    assert float(state["params"]["w"][0, 0]) == 1.0
+    ckpt.close()
+    assert checkpointing.check_step(tmp_path / "async", 1) == ("ok", None)  # restoring changed no file
+
+
 def test_state_may_be_donated_as_soon_as_save_returns(tmp_path):
     # pretrain.py jits its step with donate_argnums=0 and runs it right after `save`. JAX then
     # either donates (orbax has its copy) or, while orbax still holds the buffers, skips the
