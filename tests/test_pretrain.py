@@ -116,6 +116,21 @@ def test_kill9_and_resume_gives_the_uninterrupted_loss_sequence(data, tmp_path):
     assert got == want  # bitwise: the same floats, step for step
 
 
+def test_a_changed_schedule_on_resume_and_a_zero_learning_rate_are_reported(data, tmp_path):
+    first = run(cmd(tmp_path / "w", data, "--config.num_train_steps=4"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "config.learning_rate=0:" not in first.stderr
+    longer = run(cmd(tmp_path / "w", data, "--config.num_train_steps=6", "--config.learning_rate=2e-4"))
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert ("resuming step 4 with config.num_train_steps=6; the checkpoint was trained with "
+            "config.num_train_steps=4") in longer.stderr
+    assert "config.learning_rate=0.0002; the checkpoint was trained with config.learning_rate=0.0001" in longer.stderr
+    assert "warmup_steps" not in longer.stderr  # unchanged keys are not reported
+    zero = run(cmd(tmp_path / "z", data, "--config.num_train_steps=2", "--config.learning_rate=0"))
+    assert zero.returncode == 0, zero.stderr[-3000:]
+    assert "config.learning_rate=0: the parameters will not change" in zero.stderr
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data, tmp_path):
     work = tmp_path / "w"
     proc = subprocess.Popen(cmd(work, data, "--config.num_train_steps=100000",
@@ -183,8 +198,20 @@ def test_a_host_with_a_different_config_stops_every_host_before_compiling(data, 
                 q.kill()
             pytest.fail("hosts with different configs did not exit")
     assert all(c != 0 for c in codes)
-    assert "config mismatch" in procs[0].stderr.read() + procs[1].stderr.read()
+    errors = [p.stderr.read() for p in procs]
+    for text in errors:  # each host names the key and both values, not hash bytes
+        assert "config mismatch across hosts" in text
+        assert "process 1 vs process 0: config.learning_rate: 0.0002 != 0.0001" in text, text[-2000:]
     assert not (tmp_path / "w0" / "train_log.jsonl").exists()
+
+
+def test_an_unknown_config_key_is_named_with_the_nearest_valid_ones(data, tmp_path):
+    r = run(cmd(tmp_path / "w", data, "--config.learning_rat=1e-3", "--config.model.hiden_size=64"), timeout=120)
+    assert r.returncode != 0
+    assert "--config.learning_rat: " in r.stderr and "has no key 'config.learning_rat'; nearest: " \
+        "config.learning_rate" in r.stderr, r.stderr[-2000:]
+    assert "nearest: config.model.hidden_size" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "w").exists()
 
 
 def test_nonfinite_loss_stops_with_a_diagnostic(data, tmp_path):
@@ -450,7 +477,17 @@ def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path)
     cases = [(dict(learning_rate=-1e-4), r"config.learning_rate=-0.0001 must not be negative"),
              (dict(global_batch_size=0), r"config.global_batch_size=0 must be at least 1"),
              (dict(checkpoint_every_steps=0), r"config.checkpoint_every_steps=0 must be at least 1"),
-             (dict(eval_data=f"{data}/nothing*.tfrecord", eval_every_steps=2), r"nothing\*.tfrecord' matches no file")]
+             (dict(eval_data=f"{data}/nothing*.tfrecord", eval_every_steps=2), r"nothing\*.tfrecord' matches no file"),
+             # The records are length 32 with 5 predictions; the test model's position table is 64.
+             (dict(max_seq_length=128), r"config.max_seq_length=128 exceeds config.model.max_position_embeddings=64"),
+             (dict(max_seq_length=48), r"written with max_seq_length=32, max_predictions_per_seq=5, but "
+                                       r"config.max_seq_length=48, config.max_predictions_per_seq=5"),
+             (dict(max_predictions_per_seq=7), r"config.max_predictions_per_seq=7: set these to the records'"),
+             (dict(phases=[dict(fraction=0.5, max_seq_length=32, max_predictions_per_seq=5,
+                                train_data=f"{data}/train-*.tfrecord"),
+                           dict(fraction=0.5, max_seq_length=48, max_predictions_per_seq=7,
+                                train_data=f"{data}/train-*.tfrecord")]),
+              r"but config.phases\[1\].max_seq_length=48")]
     for i, (overrides, message) in enumerate(cases):
         with pytest.raises(Exception, match=message):
             pretrain.run(config(**overrides), str(tmp_path / f"w{i}"))
