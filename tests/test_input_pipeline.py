@@ -1,5 +1,6 @@
-"""Tests of data_pipeline.input_pipeline: sharding, exactly-once epochs, exact resume, dynamic
-masking and packing invariants, corrupt-file detection and lenient skipping, padded eval.
+"""Tests of data_pipeline.input_pipeline and the modules under it (record_scan, records, masking,
+packing): sharding, exactly-once epochs, exact resume, dynamic masking and packing invariants,
+corrupt-file detection and lenient skipping, padded eval.
 
 Every record written here carries its own id in token 1 (`ID_BASE + rid`), so a batch tells
 which records it holds, even after (re-)masking: restoring `masked_lm_ids` at
@@ -16,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 from data_pipeline import input_pipeline as ip
-from data_pipeline import schema
+from data_pipeline import packing as packing_module, records as records_module, schema
 
 L, P = 32, 5  # max_seq_length, max_predictions_per_seq of the test records
 PAD, CLS, SEP, MASK, VOCAB = 0, 101, 102, 103, 30000
@@ -743,8 +744,8 @@ def test_xla_packer_equals_the_plain_loop():
         preds = tf.constant(rng.integers(0, P + 1, n), tf.int32)
         groups = tf.constant(np.sort(rng.integers(0, 2, n)), tf.int32)
         args = (lengths, preds, groups, tf.constant(L), tf.constant(1 + trial), tf.constant(2 * P))
-        plain = [x.numpy() for x in ip._first_fit_loop(*args)]
-        xla = [x.numpy() for x in ip._first_fit_xla(*args)]
+        plain = [x.numpy() for x in packing_module._first_fit_loop(*args)]
+        xla = [x.numpy() for x in packing_module._first_fit_xla(*args)]
         for a, b in zip(plain, xla):
             np.testing.assert_array_equal(a, b)
 
@@ -861,7 +862,7 @@ def test_lenient_mode_skips_exactly_the_bad_records_and_counts_them(tmp_path, ki
 
 def test_lenient_mode_reads_the_good_records_byte_for_byte_in_runs(tmp_path, monkeypatch):
     # Several damaged stretches, runs cut at a small chunk size: the exact records, in file order.
-    monkeypatch.setattr(ip, "_CHUNK_BYTES", 600)
+    monkeypatch.setattr(records_module, "_CHUNK_BYTES", 600)
     paths = write_dataset(tmp_path, [12])
     data = bytearray(Path(paths[0]).read_bytes())
     offsets = _record_offsets(bytes(data))
@@ -870,11 +871,11 @@ def test_lenient_mode_reads_the_good_records_byte_for_byte_in_runs(tmp_path, mon
     Path(paths[0]).write_bytes(bytes(data))
     good = [bytes(data[o + 12:o + 12 + int.from_bytes(data[o:o + 8], "little")])
             for i, o in enumerate(offsets) if i not in (0, 4, 5, 9)]
-    files = ip._check_files(paths[0], process_index=0, process_count=1, verify=True,
-                            skip_corrupt=True, require_files_per_host=True)
-    units, read = ip._file_datasets(files)
+    files = records_module.check_files(paths[0], process_index=0, process_count=1, verify=True,
+                                       skip_corrupt=True, require_files_per_host=True)
+    units, read = records_module.file_datasets(files)
     assert [r.numpy() for r in units.flat_map(read)] == good
-    assert len(ip._good_chunks(files.good_records[paths[0]])) > 3  # really read in several runs
+    assert len(records_module._good_chunks(files.good_records[paths[0]])) > 3  # really read in several runs
 
 
 def test_unverified_corruption_raises_while_reading_naming_the_file(tmp_path):
