@@ -1,4 +1,4 @@
-"""Dropout masks: `modeling.keep_mask` against `jax.random.bernoulli`, which it reproduces bit for bit.
+"""Dropout masks: `dropout.keep_mask` against `jax.random.bernoulli`, which it reproduces bit for bit.
 
     python benchmarks/bench_dropout.py --config=configs/base.py --seq_len=128 --batch=8
     python benchmarks/bench_dropout.py --config=configs/base.py --seq_len=128 --batch=8 --step
@@ -8,7 +8,7 @@ cannot fuse with anything; `keep_mask` computes the same hash unrolled. Two vari
 process with their rounds alternating so that both see the same machine load:
 
 - "jax.random.bernoulli": the masks as flax's `nn.Dropout` draws them (our model before);
-- "keep_mask": `bert_jax.modeling.keep_mask`, as the model draws them now.
+- "keep_mask": `bert_jax.dropout.keep_mask`, as the model draws them now.
 
 Without `--step`: every mask one training step of the config draws (the embeddings', two per
 layer on the hidden states, one per layer on the attention probabilities), from one key each, in
@@ -66,10 +66,10 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from bert_jax import modeling
+    from bert_jax import dropout
 
     config, bert_config, mesh, batch_np, _ = bench_step.setup(step_args)
-    ours = modeling.keep_mask
+    ours = dropout.keep_mask
     variants = {"jax.random.bernoulli": lambda rng, p, shape: jax.random.bernoulli(rng, p, shape),
                 "keep_mask": ours}
     shapes = mask_shapes(bert_config, step_args.batch, step_args.seq_len)
@@ -77,12 +77,12 @@ def main(argv=None):
     runners, init_cache = {}, {}  # --step: every variant starts from one initialization
     for name, draw in variants.items():
         if args.step:
-            modeling.keep_mask = draw  # looked up when the step is traced, i.e. in bench_ours
+            dropout.keep_mask = draw  # looked up when the step is traced, i.e. in bench_ours
             try:
                 _, runners[name] = bench_step.bench_ours(step_args, config, bert_config, mesh, batch_np,
                                                          init_cache=init_cache)
             finally:
-                modeling.keep_mask = ours
+                dropout.keep_mask = ours
         else:
             runners[name] = MaskRunner(draw, shapes)
     init_cache.clear()  # the copy's memory back before the timing

@@ -3,7 +3,12 @@
 This module owns the network and nothing else: `BertConfig` (a frozen dataclass with the fields of
 Google's `bert_config.json` plus our performance options), the embeddings, self-attention,
 feed-forward, the encoder over L layers (optionally through `nn.scan` and `nn.remat`), the pooler,
-and the pretraining heads (masked LM tied to the word embeddings, next-sentence prediction).
+and the pretraining heads (masked LM tied to the word embeddings, next-sentence prediction), and
+the parameter-tree utilities around them (counts, stacking layers for `nn.scan`).
+
+Two subjects it uses live beside it: `bert_jax.attention` (the masks and the attention kernels:
+einsum, cuDNN, TPU splash) and `bert_jax.dropout` (`keep_mask`, `Dropout`). Their public names are
+importable from here too.
 
 Numerics: parameters are created in `param_dtype` (float32); matmuls run in the compute `dtype`
 (bfloat16 on accelerators); LayerNorm, the attention softmax and all logits are float32.
@@ -27,6 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Re-exported: `modeling.attention`, `modeling.keep_mask`, ... stay importable from here.
+from bert_jax.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids  # noqa: F401
+from bert_jax.dropout import Dropout, dropout, keep_mask  # noqa: F401
+
 Array = jax.Array
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "gelu_new", "relu")
@@ -41,9 +50,9 @@ GOOGLE_GELUS = {"erf": "gelu", "tanh": "gelu_tanh"}
 DEFAULT_GOOGLE_GELU = "erf"
 
 # Logical names of activations (distinct from the parameters' names: the batch of activations is
-# sharded over (data, fsdp), so their hidden dimension must not also be sharded over fsdp).
+# sharded over (data, fsdp), so their hidden dimension must not also be sharded over fsdp). q, k and
+# v's, ACT_HEADS, are `bert_jax.attention`'s.
 ACT_EMBED = ("activation_batch", "activation_length", "activation_embed")
-ACT_HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 ACT_MLP = ("activation_batch", "activation_length", "activation_mlp")
 
 
@@ -332,101 +341,9 @@ def _dense(config: BertConfig, features, names: tuple, name: str) -> Dense:
     return Dense(config, (in_dim,), out_shape, names, name=name)
 
 
-# --- Dropout ---
-#
-# jax.random.bernoulli with a threefry key lowers on CPU to a loop of five rounds over the whole
-# array (JAX's CPU lowering of the threefry hash is "rolled" to keep compile time down), so XLA
-# cannot fuse the hash with the mask: dropout's random bits took ~10 ns per element, ~0.4 s of a
-# BERT-base training step (batch 8, length 128) on a 2-core CPU. `keep_mask` computes the same
-# hash unrolled, as elementwise ops that XLA fuses into one pass (8x faster on CPU; GPU and TPU
-# already lower it unrolled), and returns exactly jax.random.bernoulli's mask: the same bits, the
-# same float comparison, so training is unchanged bit for bit.
-
-# Threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
-_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-_THREEFRY_PARITY = 0x1BD11BDA
-
-
-def _threefry2x32(k0: Array, k1: Array, x0: Array, x1: Array) -> tuple[Array, Array]:
-    """The Threefry-2x32 block function, unrolled: keys `k0, k1` (uint32 scalars) and counters."""
-    ks = (k0, k1, k0 ^ k1 ^ np.uint32(_THREEFRY_PARITY))
-    x0, x1 = x0 + ks[0], x1 + ks[1]
-    for i in range(5):
-        for r in _THREEFRY_ROTATIONS[i % 2]:
-            x0 = x0 + x1
-            x1 = x0 ^ ((x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r)))
-        x0 = x0 + ks[(i + 1) % 3]
-        x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
-    return x0, x1
-
-
-def _threefry_key_data(rng: Array) -> Optional[Array]:
-    """`rng`'s uint32[2] data when it is a single threefry key (typed, or raw under the default
-    threefry implementation) and JAX draws its bits the partitionable way; None otherwise."""
-    if jax.config.jax_enable_x64 or not jax.config.jax_threefry_partitionable:
-        return None
-    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        if rng.shape != () or str(jax.random.key_impl(rng)) != "threefry2x32":
-            return None
-        return jax.random.key_data(rng)
-    if jax.config.jax_default_prng_impl != "threefry2x32" or rng.shape != (2,) or rng.dtype != jnp.uint32:
-        return None
-    return rng
-
-
-def keep_mask(rng: Array, keep_prob: float, shape: tuple) -> Array:
-    """`jax.random.bernoulli(rng, keep_prob, shape)`, bit for bit, in one fused pass.
-
-    For a threefry key (JAX's default), with JAX's partitionable bit layout (its default, and set
-    by our training loops), the bits of element i are the hash of the 64-bit counter i; the
-    counter is built from broadcast iotas, so a sharded mask is computed shard by shard. Other
-    keys (`rbg`, `unsafe_rbg`), 64-bit mode and arrays of 2**32 elements or more go to
-    `jax.random.bernoulli` itself.
-    """
-    key = _threefry_key_data(rng)
-    size = int(np.prod(shape))
-    if key is None or size >= 2 ** 32:
-        return jax.random.bernoulli(rng, keep_prob, shape)
-    # The row-major index of every element (the counter's low word; its high word is 0).
-    index = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for dim in reversed(range(len(shape))):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * np.uint32(stride)
-        stride *= shape[dim]
-    hi, lo = _threefry2x32(key[0], key[1], np.uint32(0), index)
-    bits = hi ^ lo
-    # jax.random.uniform's float32 in [0, 1): 23 random mantissa bits under the exponent of 1.0.
-    one = np.array(1.0, np.float32).view(np.uint32)
-    uniform = jax.lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - np.float32(1.0)
-    return uniform < np.float32(keep_prob)
-
-
-def dropout(x: Array, rate: float, rng: Array, broadcast_dims: tuple = ()) -> Array:
-    """Inverted dropout: zero each element with probability `rate`, scale the rest by 1/(1-rate);
-    one mask value is shared along `broadcast_dims` (as in `flax.linen.Dropout`)."""
-    if rate == 0.0:
-        return x
-    if rate == 1.0:
-        return jnp.zeros_like(x)
-    keep_prob = 1.0 - rate
-    dims = {d % x.ndim for d in broadcast_dims}
-    shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
-    keep = jnp.broadcast_to(keep_mask(rng, keep_prob, shape), x.shape)
-    return jax.lax.select(keep, x / keep_prob, jnp.zeros_like(x))
-
-
-class Dropout(nn.Dropout):
-    """`flax.linen.Dropout` (same fields, same "dropout" rng, same masks) with `keep_mask`."""
-
-    @nn.compact
-    def __call__(self, inputs: Array, deterministic: Optional[bool] = None,
-                 rng: Optional[Array] = None) -> Array:
-        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-        if self.rate == 0.0 or deterministic:
-            return inputs
-        if rng is None and self.rate != 1.0:
-            rng = self.make_rng(self.rng_collection)
-        return dropout(inputs, self.rate, rng, self.broadcast_dims)
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
 
 
 class Embeddings(nn.Module):
@@ -450,243 +367,6 @@ class Embeddings(nn.Module):
         x = LayerNorm(cfg, name="LayerNorm")(x)
         x = Dropout(rate=cfg.hidden_dropout_prob)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, ACT_EMBED)
-
-
-def make_attention_mask(input_mask: Array, pack_ids: Optional[Array] = None,
-                        causal: bool = False) -> Array:
-    """Boolean attention mask `[batch, 1, query, key]`.
-
-    Args:
-      input_mask: `[batch, length]`, 1 for real tokens and 0 for padding. As in Google's reference,
-        masking is on keys only: a padding query still attends to the real keys.
-      pack_ids: optional `[batch, length]` id of the packed sequence each token belongs to
-        (1, 2, ... and 0 for padding). Tokens attend only within their own sequence.
-      causal: also forbid attending to later positions (left-to-right model).
-    """
-    keys = input_mask.astype(bool)[:, None, None, :]  # [batch, 1, 1, key]
-    mask = keys
-    if pack_ids is not None:
-        same = pack_ids[:, :, None] == pack_ids[:, None, :]  # [batch, query, key]
-        mask = jnp.logical_and(mask, same[:, None, :, :])
-    if causal:
-        length = input_mask.shape[-1]
-        tril = jnp.tril(jnp.ones((length, length), dtype=bool))  # [query, key]
-        mask = jnp.logical_and(mask, tril[None, None])
-    return mask
-
-
-def make_sequence_ids(input_mask: Array, pack_ids: Optional[Array] = None) -> Array:
-    """The attention mask as one id per token, `[batch, length]` int32: what the TPU kernel takes.
-
-    A query attends to exactly the keys with its own id (the splash kernel's `SegmentIds`; not
-    BERT's token-type `segment_ids`). Real tokens get their pack id (1 when unpacked), padding 0.
-    Every real query then sees the real keys of its own sequence, as `make_attention_mask` says.
-    Padding queries differ: they attend to the padding keys instead of the real ones. Their
-    outputs never reach a real token (no real query attends to a padding key) nor any loss, and
-    this way no query is left without a key (the kernel's softmax needs one in every row).
-
-    Example (one row, two packed sequences and one padding token):
-
-        input_mask = [1, 1, 1, 1, 0], pack_ids = [1, 1, 2, 2, 0]  ->  [1, 1, 2, 2, 0]
-    """
-    ids = jnp.ones_like(input_mask, jnp.int32) if pack_ids is None else pack_ids.astype(jnp.int32)
-    return jnp.where(input_mask.astype(bool), ids, 0)
-
-
-def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
-              sequence_ids: Optional[Array] = None, causal: bool = False,
-              dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
-    """Scaled dot-product attention with a boolean mask; the softmax runs in float32.
-
-    Args:
-      query, key, value: `[batch, length, heads, head_dim]`.
-      mask: boolean, broadcastable to `[batch, heads, query, key]`.
-      impl: "einsum" (explicit einsum + float32 softmax) or "dot_product": on TPU the Pallas
-        splash (flash) attention kernel where it applies (`_splash_applies`), on GPU
-        `jax.nn.dot_product_attention` with cuDNN's fused kernel where it applies, XLA's
-        attention elsewhere.
-      sequence_ids: `[batch, length]` from `make_sequence_ids`, the same mask in the form the
-        TPU kernel takes (without it the kernel is not used). Outputs at padding queries then
-        differ from the other paths (see `make_sequence_ids`).
-      causal: whether `mask` includes the left-to-right mask (the TPU kernel applies it itself).
-      dropout_rate, dropout_rng: dropout on the attention probabilities (einsum only).
-
-    Masked logits get a large negative finite value (not -inf), so a fully padded row yields
-    uniform weights instead of NaN.
-    """
-    head_dim = query.shape[-1]
-    scale = 1.0 / np.sqrt(head_dim)
-    if impl == "dot_product":
-        if dropout_rate > 0.0 and dropout_rng is not None:
-            raise ValueError(
-                "attention_impl='dot_product' has no attention-probability dropout: set "
-                "attention_probs_dropout_prob=0 or attention_impl='einsum' for training")
-        if sequence_ids is not None and _splash_applies(query):
-            return _splash_attention(query, key, value, sequence_ids, causal=causal)
-        return _dot_product_attention(query, key, value, mask, scale)
-    # [batch, heads, query, key], accumulated and kept in float32.
-    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
-    logits = logits * scale
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    if dropout_rate > 0.0 and dropout_rng is not None:
-        probs = dropout(probs, dropout_rate, dropout_rng)
-    probs = probs.astype(value.dtype)
-    # [batch, query, heads, head_dim]
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, value)
-
-
-def _cudnn_applies(query: Array) -> bool:
-    """cuDNN's fused (flash) attention: GPUs, 16-bit inputs, head sizes it has kernels for."""
-    return (jax.default_backend() == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16)
-            and query.shape[-1] % 8 == 0 and query.shape[-1] <= 128)
-
-
-@functools.lru_cache(maxsize=None)
-def _cudnn_trains(shapes: tuple, scale: float) -> bool:
-    """Whether cuDNN's fused attention takes q, k, v and mask of these `(shape, dtype)`s with a
-    gradient, probed abstractly.
-
-    cuDNN's rules for training (e.g. with a mask, even lengths only) run in its custom VJP's
-    forward rule, which JAX traces only for a gradient, and, inside `jit`, `nn.scan` or `remat`,
-    only once the forward pass has been traced: too late to fall back to another kernel. So the
-    forward and its VJP are traced here with `jax.eval_shape` (no computation), once per set of
-    shapes (every layer has the same). A refusal, whatever its type, is logged and sends the
-    call to XLA's attention.
-    """
-    def forward_and_vjp(q, k, v, m):
-        fused = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=m, scale=scale,
-                                                             implementation="cudnn")
-        out, pullback = jax.vjp(fused, q, k, v)
-        return pullback(out)
-
-    try:
-        jax.eval_shape(forward_and_vjp, *(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes))
-        return True
-    except Exception as e:  # noqa: BLE001  (any refusal: XLA's attention is always correct)
-        reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        logging.warning("cuDNN fused attention refused q %s, kv %s (%s); using XLA's attention",
-                        shapes[0][0], shapes[1][0], reason)
-        return False
-
-
-def _dot_product_attention(query: Array, key: Array, value: Array, mask: Array,
-                           scale: float) -> Array:
-    """`jax.nn.dot_product_attention` on cuDNN's fused kernel where it applies, XLA elsewhere.
-
-    (`implementation=None` means XLA: cuDNN must be asked for by name.) The boolean mask becomes
-    an additive bias inside the cuDNN kernel, so padding, packing and causal masks all keep their
-    exact meaning; on an H100 this cost 1.4% of a BERT-base step against cuDNN's per-row length
-    mask, which would assume the padding sits at the end of every row (benchmarks/RESULTS.md).
-    Shapes cuDNN takes in inference but not in training go to XLA in both (`_cudnn_trains`):
-    one program whether or not it is differentiated.
-    """
-    full = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
-    if _cudnn_applies(query) and _cudnn_trains(
-            tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in (query, key, value, full)), float(scale)):
-        return jax.nn.dot_product_attention(query, key, value, mask=full, scale=scale,
-                                            implementation="cudnn")
-    return jax.nn.dot_product_attention(query, key, value, mask=full, scale=scale,
-                                        implementation="xla")
-
-
-# --- Pallas splash attention (TPU) ---
-
-# Sequence tiles of the splash kernel, largest first: the length must be a multiple of one. Its
-# key tiles must be multiples of the TPU's 128 lanes; 512 is MaxText's default tile.
-_SPLASH_BLOCKS = (512, 256, 128)
-# Head sizes: BERT's 64 and the common 128 and 256, each compiled ahead of time for v5e slices at
-# lengths 128 to 1024 (smaller sizes compile too but leave most of the 128 lanes idle).
-_SPLASH_HEAD_DIMS = (64, 128, 256)
-
-
-def _target_platform() -> str:
-    """The platform being compiled for: that of the mesh set with `jax.set_mesh` if any (an
-    ahead-of-time compile on a CPU host targets TPU devices this way), else the default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else mesh.abstract_device
-    return jax.default_backend() if device is None else device.platform
-
-
-def _splash_shards(query: Array) -> Optional[jax.sharding.PartitionSpec]:
-    """The partition spec of `[batch, length, heads, head_dim]` activations on the current mesh
-    (from the logical axis rules, as `SelfAttention` constrains q, k and v), or None when the
-    kernel cannot run per shard: the length or head_dim sharded, or a size that does not divide."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return jax.sharding.PartitionSpec()
-    spec = nn.logical_to_mesh_axes(ACT_HEADS)
-    dims = [() if a is None else ((a,) if isinstance(a, str) else tuple(a)) for a in spec]
-    if dims[1] or dims[3]:
-        return None  # each shard must see whole sequences and whole heads
-    for axes, size in zip(dims, query.shape):
-        if any(a not in mesh.axis_names for a in axes):
-            return None
-        if size % int(np.prod([mesh.shape[a] for a in axes])):
-            return None
-    return jax.sharding.PartitionSpec(*(a or None for a in dims))
-
-
-def _splash_applies(query: Array) -> bool:
-    """The splash kernel: compiling for TPU, a length that tiles, a head size and dtype it has
-    kernels for, and q/k/v that split over the mesh by whole sequences and heads."""
-    length, head_dim = query.shape[1], query.shape[-1]
-    return (_target_platform() == "tpu" and query.dtype in (jnp.bfloat16, jnp.float32)
-            and any(length % b == 0 for b in _SPLASH_BLOCKS) and head_dim in _SPLASH_HEAD_DIMS
-            and _splash_shards(query) is not None)
-
-
-def _splash_kernel(heads: int, length: int, causal: bool, interpret: bool):
-    """The splash kernel for one example's `[heads, length, head_dim]`.
-
-    Built afresh in every trace (a few small numpy block tables): its tables become arrays of
-    the trace being built, which must not outlive it (so no cache).
-    """
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    block = next(b for b in _SPLASH_BLOCKS if length % b == 0)
-    static = splash.CausalMask((length, length)) if causal else splash.FullMask((length, length))
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                              block_q_dq=block, block_kv_dq=block)
-    return splash.make_splash_mha(splash.MultiHeadMask([static] * heads), block_sizes=sizes,
-                                  head_shards=1, q_seq_shards=1, interpret=interpret)
-
-
-def _splash_attention(query: Array, key: Array, value: Array, sequence_ids: Array, *,
-                      causal: bool, interpret: bool = False) -> Array:
-    """Pallas splash attention on TPU: `[batch, length, heads, head_dim]` in and out.
-
-    The kernel takes one example's heads-major q, k, v (vmapped over the batch), computes the
-    logits and softmax in float32 and does not scale the logits, so the queries are scaled here.
-    `sequence_ids` (`make_sequence_ids`) is the mask; `causal` adds the kernel's causal mask,
-    whose all-masked tiles it skips. XLA cannot partition a Mosaic kernel, so on the mesh of
-    `jax.set_mesh` it runs under `jax.shard_map`, each device on its own examples and heads
-    (`_splash_shards`); without a mesh it is one call, right for a program on one device (a
-    program sharded without `jax.set_mesh` fails to compile: our loops all set the mesh).
-    `interpret=True` runs the kernel as ordinary JAX ops, on any backend (the tests, on CPU).
-    """
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    length = query.shape[1]
-    query = query * jnp.asarray(1.0 / np.sqrt(query.shape[-1]), query.dtype)
-
-    def per_shard(q, k, v, ids):
-        kernel = _splash_kernel(q.shape[2], length, causal, interpret)
-        one = lambda q, k, v, ids: kernel(q, k, v, segment_ids=splash.SegmentIds(ids, ids))
-        # [batch, length, heads, head_dim] -> [batch, heads, length, head_dim] and back.
-        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        return jnp.swapaxes(jax.vmap(one)(q, k, v, ids), 1, 2)
-
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return per_shard(query, key, value, sequence_ids)
-    spec = _splash_shards(query)
-    ids_spec = jax.sharding.PartitionSpec(spec[0], None)  # [batch, length]: split as the batch
-    # check_vma=False: the kernel's pallas_calls do not declare how their outputs vary over the
-    # mesh, which the check requires; every output is per shard, as out_specs says.
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec, ids_spec),
-                         out_specs=spec, check_vma=False)(query, key, value, sequence_ids)
 
 
 class SelfAttention(nn.Module):
@@ -720,10 +400,13 @@ class SelfAttention(nn.Module):
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
             x = gather_positions(x, query_positions)  # the residual, [batch, queries, hidden]
+            # [batch, queries, heads, head_dim]
             q = jnp.einsum("blh,hnd->blnd", x.astype(cfg.compute_dtype), kernels[0]) + biases[0]
+            # [batch, length, 2, heads, head_dim]
             kv = jnp.einsum("blh,hsnd->blsnd", xc, jnp.stack(kernels[1:], axis=1)) + jnp.stack(biases[1:])
-            k, v = kv[:, :, 0], kv[:, :, 1]
+            k, v = kv[:, :, 0], kv[:, :, 1]  # each [batch, length, heads, head_dim]
             if mask.shape[2] != 1:  # per-query rows (packing, causal): those of the queries kept
+                # [batch, 1, queries, key]
                 mask = jnp.take_along_axis(
                     mask, query_positions.astype(jnp.int32)[:, None, :, None], axis=2)
             # A few queries against every key: the explicit path (the fused kernels want equal
@@ -733,6 +416,7 @@ class SelfAttention(nn.Module):
         k = nn.with_logical_constraint(k, ACT_HEADS)
         v = nn.with_logical_constraint(v, ACT_HEADS)
         train_dropout = not self.deterministic and cfg.attention_probs_dropout_prob > 0.0
+        # [batch, length, heads, head_dim] (length: the queries')
         ctx = attention(q, k, v, mask, impl=impl, sequence_ids=seq_ids,
                         causal=cfg.causal_attention, dropout_rate=cfg.attention_probs_dropout_prob,
                         dropout_rng=self.make_rng("dropout") if train_dropout else None)
@@ -752,10 +436,11 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.config
+        # [batch, length, intermediate]
         h = _dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate")(x)
         h = activation_fn(cfg.hidden_act)(h)
         h = nn.with_logical_constraint(h, ACT_MLP)
-        out = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output")(h)
+        out = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output")(h)  # [batch, length, hidden]
         out = Dropout(rate=cfg.hidden_dropout_prob)(out, deterministic=self.deterministic)
         return LayerNorm(cfg, name="output_norm")(out + x)
 
@@ -774,6 +459,11 @@ class EncoderLayer(nn.Module):
         x = FeedForward(self.config, self.deterministic, name="ffn")(x)
         x = nn.with_logical_constraint(x, ACT_EMBED)
         return x, x
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoder and model
+# ---------------------------------------------------------------------------------------------
 
 
 def _remat_policy(name: str):
@@ -817,6 +507,7 @@ class Encoder(nn.Module):
                 length=cfg.num_hidden_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
+            # [batch, length, hidden]; states [layers, batch, length, hidden]
             x, states = scanned(cfg, self.deterministic, name="layers")(x, mask, sequence_ids)
             if query_positions is not None:
                 return gather_positions(x, query_positions), None
@@ -843,7 +534,7 @@ class Pooler(nn.Module):
         else:
             # [batch, num_seqs, hidden]
             first = jnp.take_along_axis(sequence_output, cls_positions[..., None], axis=1)
-        pooled = _dense(cfg, cfg.hidden_size, ("embed", "mlp"), "dense")(first)
+        pooled = _dense(cfg, cfg.hidden_size, ("embed", "mlp"), "dense")(first)  # as `first`
         return jnp.tanh(pooled.astype(jnp.float32)).astype(cfg.compute_dtype)
 
 
@@ -898,7 +589,9 @@ class BertModel(nn.Module):
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         input_mask, segment_ids, position_ids = _default_inputs(
             input_ids, input_mask, segment_ids, position_ids)
+        # [batch, length, hidden]
         x = Embeddings(cfg, name="embeddings")(input_ids, segment_ids, position_ids, deterministic)
+        # [batch, 1, 1 or length (query), length (key)]
         mask = make_attention_mask(input_mask, pack_ids, cfg.causal_attention)
         # The same mask as one id per token, for the TPU kernel of "dot_product" (see `attention`).
         sequence_ids = (make_sequence_ids(input_mask, pack_ids)
@@ -907,19 +600,21 @@ class BertModel(nn.Module):
         n_cls = 1 if cls_positions is None else cls_positions.shape[1]
         if output_positions is None or last_layer_queries(
                 cfg, input_ids.shape[-1], output_positions.shape[1], n_cls) is None:
-            seq, states = encoder(x, mask, sequence_ids)
+            seq, states = encoder(x, mask, sequence_ids)  # [batch, length, hidden]
             pooled = Pooler(cfg, name="pooler")(seq, cls_positions)
             if output_positions is not None:
-                seq = gather_positions(seq, output_positions)
+                seq = gather_positions(seq, output_positions)  # [batch, P, hidden]
         else:
             # The [CLS] rows first (the pooler's), then the positions asked for.
             batch = input_ids.shape[0]
             cls = jnp.zeros((batch, 1), jnp.int32) if cls_positions is None else cls_positions
+            # [batch, n_cls + P]
             queries = jnp.concatenate([cls.astype(jnp.int32), output_positions.astype(jnp.int32)], axis=1)
-            out, states = encoder(x, mask, sequence_ids, queries)
+            out, states = encoder(x, mask, sequence_ids, queries)  # [batch, n_cls + P, hidden]
             pooled = Pooler(cfg, name="pooler")(
                 out, None if cls_positions is None else jnp.broadcast_to(jnp.arange(n_cls), cls.shape))
-            seq = out[:, n_cls:]
+            seq = out[:, n_cls:]  # [batch, P, hidden]
+        # [layers + 1, batch, length, hidden]
         hidden = jnp.concatenate([x[None], states]) if output_hidden_states else None
         return BertOutput(sequence_output=seq, pooled_output=pooled, hidden_states=hidden)
 
@@ -957,7 +652,7 @@ class MlmHead(nn.Module):
     @nn.compact
     def __call__(self, x: Array, word_embeddings: Array) -> Array:
         cfg = self.config
-        h = _dense(cfg, cfg.hidden_size, ("embed", "mlp"), "transform")(x)
+        h = _dense(cfg, cfg.hidden_size, ("embed", "mlp"), "transform")(x)  # [batch, predictions, hidden]
         h = nn.with_logical_constraint(h, ACT_MLP)
         h = activation_fn(cfg.hidden_act)(h)
         h = LayerNorm(cfg, name="transform_norm")(h)
@@ -968,7 +663,7 @@ class MlmHead(nn.Module):
         emb = jnp.pad(word_embeddings, ((0, pad), (0, 0))).astype(cfg.compute_dtype)  # [vocab_p, hidden]
         # [batch, predictions, vocab_p]
         logits = jnp.einsum("bph,vh->bpv", h, emb, preferred_element_type=jnp.float32)
-        logits = logits[..., :cfg.vocab_size] + bias.astype(jnp.float32)
+        logits = logits[..., :cfg.vocab_size] + bias.astype(jnp.float32)  # [batch, predictions, vocab]
         return logits
 
 
@@ -980,7 +675,7 @@ class NspHead(nn.Module):
     @nn.compact
     def __call__(self, pooled: Array) -> Array:
         cfg = self.config
-        logits = _dense(cfg, 2, ("embed", "classes"), "dense")(pooled)
+        logits = _dense(cfg, 2, ("embed", "classes"), "dense")(pooled)  # [batch, 2] or [batch, num_seqs, 2]
         return logits.astype(jnp.float32)
 
 

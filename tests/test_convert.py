@@ -1,7 +1,7 @@
 """Checkpoint interop: Google TF1 and HuggingFace in and out, the bert_jax format, the CLI.
 
 The Google checkpoint is written here with TF1's own `Saver` from names typed out of the issue's
-list (not from `bert_jax.convert`'s table), and the imported model is checked against an
+list (not from `bert_jax.formats.google`'s table), and the imported model is checked against an
 independent numpy forward pass of Google's TF1 BERT on those same variables. HuggingFace files are
 read and written by transformers' Flax BERT, the reference for the HF side.
 """
@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import pickle
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -579,3 +581,9 @@ def test_fetch_downloads_and_unpacks_a_release_zip_once(google_dir, tmp_path):
         z.writestr("../evil/bert_config.json", "{}")
     with pytest.raises(ValueError, match="unsafe path"):
         convert.fetch(bad.as_uri(), str(tmp_path / "c3"))
+
+
+def test_convert_and_formats_import_tensorflow_only_to_read_or_write_google_checkpoints():
+    code = ("import bert_jax.convert, bert_jax.formats.google, bert_jax.formats.hf, bert_jax.formats.bert_jax, sys; "
+            "assert 'tensorflow' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,7 +1,7 @@
 """Pallas splash attention (attention_impl="dot_product" on TPU), run on CPU in Pallas interpret mode.
 
 The kernel is checked against the einsum path on real tokens (padding queries attend differently by
-design, see `modeling.make_sequence_ids`): forward and gradients, float32 and bfloat16, with padding,
+design, see `attention.make_sequence_ids`): forward and gradients, float32 and bfloat16, with padding,
 packing and the causal mask; under `shard_map` on a (data, fsdp, tensor) mesh of 8 CPU devices; and
 inside the model, where the sequence ids travel through the scanned encoder. tests/test_aot_tpu.py
 compiles it for a TPU slice.
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bert_jax import modeling, sharding
+from bert_jax import attention, sharding
 from bert_jax.modeling import BertConfig, BertModel
 
 BATCH, LENGTH, HEADS, HEAD_DIM = 4, 128, 2, 64
@@ -51,9 +51,9 @@ def outputs_and_grads(fn, q, k, v, input_mask):
 
 
 def test_sequence_ids_worked_example():
-    ids = modeling.make_sequence_ids(jnp.array([[1, 1, 1, 1, 0]]), jnp.array([[1, 1, 2, 2, 0]]))
+    ids = attention.make_sequence_ids(jnp.array([[1, 1, 1, 1, 0]]), jnp.array([[1, 1, 2, 2, 0]]))
     np.testing.assert_array_equal(ids, [[1, 1, 2, 2, 0]])
-    np.testing.assert_array_equal(modeling.make_sequence_ids(jnp.array([[1, 1, 0]])), [[1, 1, 0]])
+    np.testing.assert_array_equal(attention.make_sequence_ids(jnp.array([[1, 1, 0]])), [[1, 1, 0]])
 
 
 @pytest.mark.parametrize("case", ["padding", "packing", "causal"])
@@ -61,12 +61,12 @@ def test_sequence_ids_worked_example():
 def test_splash_matches_einsum_on_real_tokens(case, dtype):
     input_mask, pack_ids, causal = masks(case)
     q, k, v = qkv(dtype)
-    mask = modeling.make_attention_mask(input_mask, pack_ids, causal)
-    ids = modeling.make_sequence_ids(input_mask, pack_ids)
-    splash = jax.jit(functools.partial(modeling._splash_attention, sequence_ids=ids, causal=causal,
+    mask = attention.make_attention_mask(input_mask, pack_ids, causal)
+    ids = attention.make_sequence_ids(input_mask, pack_ids)
+    splash = jax.jit(functools.partial(attention._splash_attention, sequence_ids=ids, causal=causal,
                                        interpret=True))
     # The reference: float32 einsum on the same (for bfloat16, already rounded) inputs.
-    einsum = jax.jit(lambda q, k, v: modeling.attention(q, k, v, mask, impl="einsum"))
+    einsum = jax.jit(lambda q, k, v: attention.attention(q, k, v, mask, impl="einsum"))
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     got, got_grads = outputs_and_grads(splash, q, k, v, input_mask)
     want, want_grads = outputs_and_grads(einsum, *f32, input_mask)
@@ -87,9 +87,9 @@ def test_splash_matches_einsum_on_real_tokens(case, dtype):
 def test_splash_under_shard_map_matches_one_device():
     mesh = sharding.create_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     input_mask, pack_ids, causal = masks("causal")
-    ids = modeling.make_sequence_ids(input_mask, pack_ids)
+    ids = attention.make_sequence_ids(input_mask, pack_ids)
     q, k, v = qkv("float32")
-    splash = functools.partial(modeling._splash_attention, causal=causal, interpret=True)
+    splash = functools.partial(attention._splash_attention, causal=causal, interpret=True)
     want, want_grads = outputs_and_grads(lambda q, k, v: splash(q, k, v, ids), q, k, v, input_mask)
     heads = NamedSharding(mesh, P(sharding.BATCH_AXES, None, "tensor", None))
     rows = NamedSharding(mesh, P(sharding.BATCH_AXES, None))
@@ -98,7 +98,7 @@ def test_splash_under_shard_map_matches_one_device():
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
         # q, k, v split over (data, fsdp) and tensor: each device runs the kernel on its own
         # examples and heads (XLA cannot partition a Mosaic kernel itself).
-        assert modeling._splash_shards(q) == P(sharding.BATCH_AXES, None, "tensor", None)
+        assert attention._splash_shards(q) == P(sharding.BATCH_AXES, None, "tensor", None)
         assert "shard_map" in str(jax.make_jaxpr(step)(q, k, v, ids, input_mask))
         got, got_grads = step(q, k, v, ids, input_mask)
     assert got.sharding.is_equivalent_to(heads, got.ndim)  # and stays split
@@ -108,42 +108,42 @@ def test_splash_under_shard_map_matches_one_device():
 
 def test_splash_is_not_used_where_it_cannot_run_per_shard():
     q = jax.ShapeDtypeStruct((BATCH, LENGTH, HEADS, HEAD_DIM), jnp.float32)
-    assert modeling._splash_shards(q) == P()  # no mesh: one device
+    assert attention._splash_shards(q) == P()  # no mesh: one device
     rules = dict(sharding.DEFAULT_RULES)
     with jax.set_mesh(sharding.create_mesh({"data": 2, "fsdp": 1, "tensor": 4})):
         with nn.logical_axis_rules(sharding.DEFAULT_RULES):
-            assert modeling._splash_shards(q) is None  # 2 heads over a tensor axis of 4
+            assert attention._splash_shards(q) is None  # 2 heads over a tensor axis of 4
         with nn.logical_axis_rules(tuple({**rules, "activation_length": "data"}.items())):
-            assert modeling._splash_shards(q) is None  # a split sequence: keys on other devices
+            assert attention._splash_shards(q) is None  # a split sequence: keys on other devices
 
 
 def test_dot_product_off_tpu_stays_xla_attention():
     """On CPU (and GPU) "dot_product" is what it was: the sequence ids are ignored, every row
     (padding queries included) equals the einsum path."""
-    assert modeling._target_platform() == "cpu"
+    assert attention._target_platform() == "cpu"
     input_mask, pack_ids, causal = masks("causal")
     q, k, v = qkv("float32")
-    assert not modeling._splash_applies(q)
-    mask = modeling.make_attention_mask(input_mask, pack_ids, causal)
-    got = modeling.attention(q, k, v, mask, impl="dot_product", causal=causal,
-                             sequence_ids=modeling.make_sequence_ids(input_mask, pack_ids))
-    np.testing.assert_allclose(got, modeling.attention(q, k, v, mask, impl="einsum"), atol=1e-5, rtol=0)
+    assert not attention._splash_applies(q)
+    mask = attention.make_attention_mask(input_mask, pack_ids, causal)
+    got = attention.attention(q, k, v, mask, impl="dot_product", causal=causal,
+                              sequence_ids=attention.make_sequence_ids(input_mask, pack_ids))
+    np.testing.assert_allclose(got, attention.attention(q, k, v, mask, impl="einsum"), atol=1e-5, rtol=0)
     # The platform compiled for is the mesh's: a TPU mesh on a CPU host (ahead-of-time compiles).
     tpu = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("data",), abstract_device=tpu)):
-        assert modeling._target_platform() == "tpu"
+        assert attention._target_platform() == "tpu"
 
 
 def test_model_with_splash_matches_einsum(monkeypatch):
     """The sequence ids reach the kernel through the scanned encoder; packed rows with padding."""
-    calls, kernel = [], modeling._splash_attention
+    calls, kernel = [], attention._splash_attention
 
     def splash(*args, **kwargs):
         calls.append(kwargs["causal"])
         return kernel(*args, **kwargs, interpret=True)
 
-    monkeypatch.setattr(modeling, "_splash_applies", lambda query: True)
-    monkeypatch.setattr(modeling, "_splash_attention", splash)
+    monkeypatch.setattr(attention, "_splash_applies", lambda query: True)
+    monkeypatch.setattr(attention, "_splash_attention", splash)
     config = BertConfig(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=256, max_position_embeddings=LENGTH, scan_layers=True,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

@@ -1,0 +1,234 @@
+"""HuggingFace checkpoints: names, config, read, write.
+
+On disk: `config.json` + `model.safetensors` (or `model.safetensors.index.json` shards, or
+`flax_model.msgpack`) + `vocab.txt` + `tokenizer_config.json`. A PyTorch `pytorch_model.bin` is read
+only through `torch.load(weights_only=True)`, never unpickled otherwise. Writes are safetensors.
+
+HF's PyTorch names (`bert.encoder.layer.3.attention.self.query.weight`, `[out, in]` weights) are
+derived from Google's (`bert_jax.formats.google`) by rule, as HF's own TF->PT converter does. HF's
+Flax `flax_model.msgpack` names are mapped to the PyTorch names first (`kernel` -> transposed
+`weight`, `embedding`/`scale` -> `weight`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Sequence
+
+import numpy as np
+from absl import logging
+
+from bert_jax.formats.common import (HEADS, Pretrained, _load_json, _maybe, _prepare_dir, _read_casing,
+                                     _require, _set, _write_tokenizer_files)
+from bert_jax.formats.google import _GOOGLE_FIELDS, _table, from_google, to_google
+from bert_jax.modeling import BertConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# Google names <-> HuggingFace (PyTorch) names
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_name(google: str) -> tuple[str, bool]:
+    """Google's TF1 name -> (HF PyTorch name, whether the array is transposed)."""
+    special = {"cls/predictions/output_bias": "cls.predictions.bias",
+               "cls/seq_relationship/output_weights": "cls.seq_relationship.weight",
+               "cls/seq_relationship/output_bias": "cls.seq_relationship.bias"}
+    if google in special:
+        return special[google], False
+    name = re.sub(r"layer_(\d+)", r"layer.\1", google).replace("/", ".")
+    if name.endswith("_embeddings"):
+        return name + ".weight", False
+    for old, new in ((".gamma", ".weight"), (".beta", ".bias"), (".kernel", ".weight")):
+        if name.endswith(old):
+            return name[: -len(old)] + new, old == ".kernel"
+    return name, False
+
+
+def to_hf(params: dict, config: BertConfig) -> dict[str, np.ndarray]:
+    """Our parameters -> `{hf_name: array}` as in transformers' PyTorch `BertForPreTraining`."""
+    out = {}
+    for google, value in to_google(params, config).items():
+        name, transpose = hf_name(google)
+        out[name] = np.ascontiguousarray(value.T if transpose else value)
+    return out
+
+
+def _normalize_hf_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF variants -> `bert.`-prefixed PyTorch names with `.weight`/`.bias` LayerNorms."""
+    bare = not any(k.startswith("bert.") for k in tensors)
+    out = {}
+    for name, value in tensors.items():
+        if name.endswith(".gamma"):
+            name = name[: -len(".gamma")] + ".weight"
+        elif name.endswith(".beta"):
+            name = name[: -len(".beta")] + ".bias"
+        if bare and name.split(".")[0] in ("embeddings", "encoder", "pooler"):
+            name = "bert." + name
+        out[name] = value
+    return out
+
+
+def from_hf(tensors: dict[str, np.ndarray], config: BertConfig, *,
+            where: str = "checkpoint") -> tuple[dict, tuple, tuple]:
+    """`{hf_name: array}` (BertForPreTraining, BertModel, old gamma/beta names) -> like `from_google`."""
+    tensors = _normalize_hf_names(tensors)
+    by_hf = {hf_name(e.google)[0]: (e.google, hf_name(e.google)[1]) for e in _table(config)}
+    variables, unknown = {}, []
+    for name, value in tensors.items():
+        if name in by_hf:
+            google, transpose = by_hf[name]
+            value = np.asarray(value, np.float32)
+            variables[google] = value.T if transpose else value
+        else:
+            unknown.append(name)
+    decoder = tensors.get("cls.predictions.decoder.weight")
+    if decoder is not None and "bert.embeddings.word_embeddings.weight" in tensors and not np.array_equal(
+            np.asarray(decoder, np.float32), np.asarray(tensors["bert.embeddings.word_embeddings.weight"], np.float32)):
+        logging.warning("%s: cls.predictions.decoder.weight differs from the word embeddings; BERT ties "
+                        "them, so the decoder matrix is dropped", where)
+    params, missing, _ = from_google(variables, config, where=where)
+    return params, missing, tuple(sorted(unknown))
+
+
+def flax_to_hf_names(tree: dict) -> dict[str, np.ndarray]:
+    """HF Flax parameter tree (`flax_model.msgpack`) -> PyTorch-style names and layouts."""
+    out = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, prefix + (str(k),))
+                continue
+            v = np.asarray(v)
+            name, leaf = ".".join(prefix), str(k)
+            if leaf == "kernel":
+                out[f"{name}.weight"] = v.T
+            elif leaf in ("embedding", "scale"):
+                out[f"{name}.weight"] = v
+            else:
+                out[f"{name}.{leaf}"] = v
+
+    walk(tree, ())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_config_dict(config: BertConfig, heads: Sequence[str]) -> dict:
+    if config.causal_attention:
+        raise ValueError("a causal (left-to-right) model has no Google or HF BERT equivalent")
+    act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "gelu_new": "gelu_new", "relu": "relu"}[config.hidden_act]
+    d = {k: getattr(config, k) for k in _GOOGLE_FIELDS}
+    d.update(hidden_act=act, layer_norm_eps=config.layer_norm_eps, model_type="bert", pad_token_id=0,
+             position_embedding_type="absolute",
+             architectures=["BertForPreTraining" if set(heads) == set(HEADS) else "BertModel"])
+    return d
+
+
+def _read_hf_config(path: str) -> BertConfig:
+    config_path = _require(os.path.join(path, "config.json"), "config.json")
+    d = _load_json(config_path)
+    if d.get("model_type", "bert") != "bert":
+        raise ValueError(f"{config_path}: model_type={d.get('model_type')!r}, expected 'bert'")
+    if d.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"{config_path}: position_embedding_type={d['position_embedding_type']!r} "
+                         f"is not supported (BERT uses 'absolute')")
+    # HF's names for the two GELUs (both tanh variants are the same formula).
+    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_python": "gelu"}
+    try:
+        config = BertConfig.from_dict({**d, "hidden_act": act.get(d.get("hidden_act"), d.get("hidden_act", "gelu"))})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{config_path}: {e}") from e
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and writing
+# ---------------------------------------------------------------------------------------------
+
+
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "flax_model.msgpack", "pytorch_model.bin")
+
+
+def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
+    def read_safetensors(path):
+        from safetensors import SafetensorError, safe_open
+        out = {}
+        try:
+            try:
+                with safe_open(path, framework="np") as f:
+                    flax_names = (f.metadata() or {}).get("format") == "flax"
+                    for k in f.keys():
+                        out[k] = f.get_tensor(k)
+            except (TypeError, ValueError):  # bfloat16 has no numpy dtype: read through jax
+                with safe_open(path, framework="flax") as f:
+                    flax_names = (f.metadata() or {}).get("format") == "flax"
+                    for k in f.keys():
+                        out[k] = np.asarray(f.get_tensor(k), np.float32)
+        except SafetensorError as e:
+            raise ValueError(f"{path}: not a readable safetensors file ({e}); a truncated or damaged "
+                             "download?") from None
+        if flax_names:  # written by a transformers Flax model: Flax leaf names and layouts
+            tree: dict = {}
+            for k, v in out.items():
+                _set(tree, tuple(k.split(".")), v)
+            return flax_to_hf_names(tree)
+        return out
+
+    p = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(p):
+        return read_safetensors(p)
+    p = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(p):
+        with open(p, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        out = {}
+        for name in files:
+            out.update(read_safetensors(os.path.join(directory, name)))
+        return out
+    p = os.path.join(directory, "flax_model.msgpack")
+    if os.path.isfile(p):
+        from flax import serialization
+        with open(p, "rb") as f:
+            tree = serialization.msgpack_restore(f.read())
+        return flax_to_hf_names(tree)
+    p = os.path.join(directory, "pytorch_model.bin")
+    if os.path.isfile(p):
+        try:
+            import torch
+        except ImportError:
+            raise ValueError(
+                f"{p} is a PyTorch pickle and torch is not installed. bert_jax never unpickles files "
+                f"itself: install torch (the file is then read with torch.load(weights_only=True)), or "
+                f"convert it to model.safetensors where torch is available, e.g. "
+                f"transformers.BertModel.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)"
+            ) from None
+        state = torch.load(p, map_location="cpu", weights_only=True)
+        return {k: v.float().numpy() for k, v in state.items()}
+    raise FileNotFoundError(f"{directory}: no model.safetensors, flax_model.msgpack or pytorch_model.bin")
+
+
+def load_hf(path: str) -> Pretrained:
+    config = _read_hf_config(path)
+    params, missing, skipped = from_hf(_read_hf_tensors(path), config, where=path)
+    return Pretrained(config, params, _maybe(os.path.join(path, "vocab.txt")), _read_casing(path), "hf",
+                      missing, skipped)
+
+
+def save_hf(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
+    """Writes `config.json` + `model.safetensors` (PyTorch names) + `vocab.txt` + `tokenizer_config.json`."""
+    from safetensors.numpy import save_file
+
+    _prepare_dir(path, overwrite)
+    save_file(to_hf(p.params, p.config), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config_dict(p.config, p.heads), f, indent=2, sort_keys=True)
+        f.write("\n")
+    _write_tokenizer_files(p, path)
+    return path
