@@ -6,11 +6,11 @@
 
 Any Beam runner by name (DirectRunner, DataflowRunner, FlinkRunner, SparkRunner, ...). Every shard
 (an input file, or one of `--tfds_num_shards` slices of a TFDS split) is one element, processed by
-the local path's own per-shard function, `create_pretraining_data.shard_records`, with its random
-stream `shard_rng(random_seed, shard)`; each output file is then written from the shards' buckets
-that map to it (`create_pretraining_data.output_index`), in shard order. So for the same flags,
-seed and inputs the files are byte for byte the local path's, whatever the runner or the number
-of workers, and dataset_info.json holds the same fields (timing and peak RSS aside) plus `runner`.
+the local path's own per-shard function, `shards.shard_records`, with its random stream
+`shard_rng(random_seed, shard)`; each output file is then written from the shards' buckets that map
+to it (`shards.output_index`), in shard order. So for the same flags, seed and inputs the files are
+byte for byte the local path's, whatever the runner or the number of workers, and dataset_info.json
+holds the same fields (timing and peak RSS aside) plus `runner`.
 
 The pipeline:
 
@@ -73,7 +73,9 @@ except ImportError as e:  # the core install does not have Beam
     raise ImportError("--runner=beam needs Apache Beam: pip install -e '.[beam]' "
                       f"(or pip install apache-beam) ({e})") from e
 
-from data_pipeline import corpora, create_pretraining_data as cpd, instances as inst, schema, tfrecord
+from data_pipeline import corpora, instances as inst, schema, tfrecord
+from data_pipeline.shards import (Options, ShardTotals, dataset_info, init_worker, output_dir, output_index,
+                                  shard_records, worker_options)
 
 NAMESPACE = "create_pretraining_data"
 COUNTERS = ("shards", "documents", "empty_documents", "lines_with_bad_utf8", "instances", "records_written")
@@ -128,14 +130,14 @@ _SHARD_LOCK = threading.Lock()
 _LOADED: Optional[tuple] = None  # (job, the Options this process's worker state was loaded with)
 
 
-def _load_worker(job: str, opts: cpd.Options, num_outputs: int, vocab: bytes) -> None:
+def _load_worker(job: str, opts: Options, num_outputs: int, vocab: bytes) -> None:
     """`init_worker` from the vocabulary's bytes, once per process and job (call under _SHARD_LOCK).
 
     Loaded again when something else in the process (the local path, another job in a notebook)
     loaded its own state since.
     """
     global _LOADED
-    if _LOADED is not None and _LOADED[0] == job and cpd.worker_options() is _LOADED[1]:
+    if _LOADED is not None and _LOADED[0] == job and worker_options() is _LOADED[1]:
         return
     with tempfile.TemporaryDirectory(prefix="bert-vocab-") as tmp:
         path = os.path.join(tmp, "vocab.txt")
@@ -143,14 +145,14 @@ def _load_worker(job: str, opts: cpd.Options, num_outputs: int, vocab: bytes) ->
             f.write(vocab)
         # Read once, into the tokenizer; shard_records reads no file named in the options.
         worker_opts = dataclasses.replace(opts, vocab_file=path)
-        cpd.init_worker(worker_opts, num_outputs)
+        init_worker(worker_opts, num_outputs)
     _LOADED = (job, worker_opts)
 
 
 class _ProcessShard(beam.DoFn):
-    """One shard: `create_pretraining_data.shard_records`, buckets written to temporary files."""
+    """One shard: `shards.shard_records`, buckets written to temporary files."""
 
-    def __init__(self, opts: cpd.Options, num_outputs: int, temp_dir: str):
+    def __init__(self, opts: Options, num_outputs: int, temp_dir: str):
         self._opts, self._num_outputs, self._temp_dir = opts, num_outputs, temp_dir
         # The vocabulary travels with the DoFn: workers on other machines cannot read the
         # driver's --vocab_file (dataset_info.json's vocab_sha256 is the driver's file's).
@@ -162,7 +164,7 @@ class _ProcessShard(beam.DoFn):
         index = task[0]
         with _SHARD_LOCK:
             _load_worker(self._temp_dir, self._opts, self._num_outputs, self._vocab)
-            chunks, counts, read_stats, mask_stats, rss_mb = cpd.shard_records(task)
+            chunks, counts, read_stats, mask_stats, rss_mb = shard_records(task)
         for bucket, (chunk, n) in enumerate(zip(chunks, counts)):
             if n:
                 with _create(_bucket_path(self._temp_dir, index, bucket)) as f:
@@ -179,20 +181,20 @@ class _ProcessShard(beam.DoFn):
 class _AddTotals(beam.CombineFn):
     """The shards' statistics added up by the local path's own `ShardTotals`."""
 
-    def create_accumulator(self) -> cpd.ShardTotals:
-        return cpd.ShardTotals()
+    def create_accumulator(self) -> ShardTotals:
+        return ShardTotals()
 
-    def add_input(self, totals: cpd.ShardTotals, shard: _ShardDone) -> cpd.ShardTotals:
+    def add_input(self, totals: ShardTotals, shard: _ShardDone) -> ShardTotals:
         totals.add(shard.read_stats, shard.mask_stats, shard.rss_mb)
         return totals
 
-    def merge_accumulators(self, accumulators: Iterable[cpd.ShardTotals]) -> cpd.ShardTotals:
-        merged = cpd.ShardTotals()
+    def merge_accumulators(self, accumulators: Iterable[ShardTotals]) -> ShardTotals:
+        merged = ShardTotals()
         for t in accumulators:
             merged.add(t.read_stats, t.mask_stats, t.worker_rss_mb)
         return merged
 
-    def extract_output(self, totals: cpd.ShardTotals) -> cpd.ShardTotals:
+    def extract_output(self, totals: ShardTotals) -> ShardTotals:
         return totals
 
 
@@ -231,7 +233,7 @@ class _WriteFile(beam.DoFn):
             for shard, num_records in sorted(sizes):
                 # The bucket the local driver sends to this file: output_index(before, bucket) == index.
                 bucket = (index - before) % num_outputs
-                assert cpd.output_index(before, bucket, num_outputs) == index
+                assert output_index(before, bucket, num_outputs) == index
                 n = bucket_size(num_records, bucket, num_outputs)
                 if n:
                     writer.write(_read(_bucket_path(self._temp_dir, shard, bucket)), n)
@@ -242,7 +244,7 @@ class _WriteFile(beam.DoFn):
         yield index, schema.manifest_entry(writer.num_records, out.num_bytes, out.sha256.hexdigest())
 
 
-def _write_summary(_, path: str, totals: cpd.ShardTotals, files: List[Tuple[int, dict]],
+def _write_summary(_, path: str, totals: ShardTotals, files: List[Tuple[int, dict]],
                    shards: List[_ShardDone], driver: Tuple[str, int]) -> None:
     summary = {
         "read_stats": dataclasses.asdict(totals.read_stats),
@@ -256,7 +258,7 @@ def _write_summary(_, path: str, totals: cpd.ShardTotals, files: List[Tuple[int,
         f.write(json.dumps(summary).encode())
 
 
-def build(pipeline: "beam.Pipeline", opts: cpd.Options, sources: Sequence[tuple], outputs: Sequence[str],
+def build(pipeline: "beam.Pipeline", opts: Options, sources: Sequence[tuple], outputs: Sequence[str],
           compression: str, temp_dir: str) -> None:
     """Adds the steps to `pipeline`; its last writes `temp_dir/summary.json` (see the module doc)."""
     num_outputs = len(outputs)
@@ -348,7 +350,7 @@ def _delete_temp_dir(path: str) -> None:
         logging.warning("could not delete the temporary directory %s: %r", path, e)
 
 
-def run(opts: cpd.Options, *, sources: Sequence[tuple], outputs: Sequence[str], compression: str = "none",
+def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], compression: str = "none",
         num_workers: int = 1, beam_runner: str = "DirectRunner", pipeline_args: Sequence[str] = (),
         flags_used: Optional[dict] = None) -> dict:
     """`create_pretraining_data.run`'s fast mode as a Beam pipeline; waits for it to finish.
@@ -374,7 +376,7 @@ def run(opts: cpd.Options, *, sources: Sequence[tuple], outputs: Sequence[str], 
     if compression not in ("none", "gzip"):
         raise ValueError(f"--compression={compression!r}: 'none' or 'gzip'")
     _check_local_inputs(sources)
-    out_dir = cpd.output_dir(outputs)
+    out_dir = output_dir(outputs)
     temp_dir = FileSystems.join(out_dir, f".beam-tmp-{uuid.uuid4().hex}")
     options = pipeline_options(beam_runner, num_workers, pipeline_args)
     started = time.time()
@@ -388,9 +390,9 @@ def run(opts: cpd.Options, *, sources: Sequence[tuple], outputs: Sequence[str], 
         summary = json.loads(_read(FileSystems.join(temp_dir, SUMMARY_NAME)))
     finally:
         _delete_temp_dir(temp_dir)
-    totals = cpd.ShardTotals(corpora.ReadStats(**summary["read_stats"]), inst.MaskStats(**summary["mask_stats"]),
+    totals = ShardTotals(corpora.ReadStats(**summary["read_stats"]), inst.MaskStats(**summary["mask_stats"]),
                              summary["worker_rss_mb"])
-    info = cpd.dataset_info(opts, totals, num_instances=summary["num_instances"], seconds=time.time() - started,
+    info = dataset_info(opts, totals, num_instances=summary["num_instances"], seconds=time.time() - started,
                             mode="fast", compression=compression, flags_used=flags_used,
                             workers_rss=summary["ran_outside_driver"])
     found = counters(result)

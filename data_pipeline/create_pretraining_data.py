@@ -25,7 +25,8 @@ Two modes:
 
 `--runner=beam` runs the fast mode as an Apache Beam pipeline on any Beam runner
 (`--beam_runner`, `--beam_pipeline_options`; `beam_pipeline.py`): the same per-shard function
-and file assignment, so the same files as the local path for the same flags, seed and inputs.
+and file assignment (`shards.py`), so the same files as the local path for the same flags, seed and
+inputs.
 
 Outputs: the TFRecords (gzip with `--compression=gzip`) and `dataset_info.json` next to them: the
 flags, seed, vocab sha256, reading and masking statistics, and the manifest (records, bytes, sha256
@@ -35,22 +36,23 @@ per file) that the input pipeline verifies before training.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import glob
 import json
 import multiprocessing
 import os
 import random
-import resource
 import shlex
 import sys
 import time
 from typing import List, Optional, Sequence
 
-import numpy as np
 from absl import app, flags
 
-from data_pipeline import corpora, fast_instances, instances as inst, schema, tfrecord, tokenization
+from data_pipeline import corpora, instances as inst, schema, shards, tfrecord, tokenization
+# The per-shard work and its options live in shards.py (the Beam runner shares them); importable from here too.
+from data_pipeline.shards import (  # noqa: F401
+    BATCH_INSTANCES, Options, ShardTotals, dataset_info, init_worker, output_dir, output_index, shard_records,
+    shard_rng, worker_options)
 
 FLAGS = flags.FLAGS
 
@@ -95,34 +97,6 @@ def define_flags():
                         "string, split as a shell would, e.g. \"--project=p --region=us-central1 "
                         "--temp_location=gs://b/tmp --setup_file=./setup.py\".")
 
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    vocab_file: str
-    do_lower_case: bool = True
-    do_whole_word_mask: bool = False
-    max_seq_length: int = 128
-    max_predictions_per_seq: int = 20
-    random_seed: int = 12345
-    dupe_factor: int = 10
-    masked_lm_prob: float = 0.15
-    short_seq_prob: float = 0.1
-
-    def validate(self) -> None:
-        if self.max_seq_length < 5:
-            raise ValueError(f"--max_seq_length={self.max_seq_length}: needs room for [CLS] A [SEP] B [SEP] (>= 5)")
-        if self.max_predictions_per_seq < 1:
-            raise ValueError(f"--max_predictions_per_seq={self.max_predictions_per_seq} must be >= 1")
-        if not 0.0 < self.masked_lm_prob < 1.0:
-            raise ValueError(f"--masked_lm_prob={self.masked_lm_prob} must be in (0, 1)")
-        if not 0.0 <= self.short_seq_prob <= 1.0:
-            raise ValueError(f"--short_seq_prob={self.short_seq_prob} must be in [0, 1]")
-        if self.dupe_factor < 1:
-            raise ValueError(f"--dupe_factor={self.dupe_factor} must be >= 1")
-        if not os.path.exists(self.vocab_file):
-            raise FileNotFoundError(f"--vocab_file={self.vocab_file}: not found")
-        tokenization.require_tokens(tokenization.load_vocab(self.vocab_file), f"--vocab_file={self.vocab_file}",
-                                    ("[CLS]", "[SEP]", "[MASK]"))
 
 
 def expand_inputs(patterns: str | Sequence[str]) -> List[str]:
@@ -184,27 +158,8 @@ def reference_records(input_files: Sequence[str], opts: Options, read_stats: cor
 
 
 # ---------------------------------------------------------------------------------------------
-# Fast mode: one shard per task
+# Fast mode: one shard per task (`shards.shard_records`), over a local process pool
 # ---------------------------------------------------------------------------------------------
-
-
-_WORKER: dict = {}
-BATCH_INSTANCES = 4096  # instances masked, encoded and framed at once (bounds worker memory)
-
-
-def init_worker(opts: Options, num_outputs: int = 1) -> None:
-    """Loads what `shard_records` needs into this process (the local pool's workers, Beam's DoFns)."""
-    tok = tokenization.FastTokenizer(opts.vocab_file, do_lower_case=opts.do_lower_case)
-    _WORKER.update(opts=opts, tok=tok, vocab=fast_instances.Vocab.from_dict(tok.vocab), num_outputs=num_outputs)
-
-
-def worker_options() -> Optional[Options]:
-    """The options this process's worker state was loaded with (`init_worker`), or None."""
-    return _WORKER.get("opts")
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def _worker_pool(num_workers: int, opts: Options, num_outputs: int):
@@ -219,7 +174,7 @@ def _worker_pool(num_workers: int, opts: Options, num_outputs: int):
     threaded = any(m in sys.modules for m in ("tensorflow", "jax", "torch"))
     if sys.platform.startswith("linux") and not threaded:
         init_worker(opts, num_outputs)
-        _WORKER["tok"].encode_batch(["\u00e9"])  # builds the Unicode tables, once, before forking
+        shards._WORKER["tok"].encode_batch(["\u00e9"])  # builds the Unicode tables, once, before forking
         return multiprocessing.get_context("fork").Pool(num_workers)
     return multiprocessing.get_context("spawn").Pool(num_workers, initializer=init_worker,
                                                       initargs=(opts, num_outputs))
@@ -237,127 +192,9 @@ def _bounded_imap(pool, fn, tasks, window: int):
         yield pending.popleft().get()
 
 
-def shard_rng(random_seed: int, shard_index: int) -> np.random.Generator:
-    """The fast mode's random stream of one shard: a function of (seed, shard) only."""
-    return np.random.default_rng([random_seed % 2**64, shard_index])
-
-
-def shard_records(task) -> tuple:
-    """One input shard -> (framed TFRecord bytes per output bucket, records per bucket, read
-    stats, mask stats, this process's peak RSS in MB).
-
-    Record m of the shard (in its shuffled order) goes to bucket m % num_outputs; the driver
-    writes bucket b to file `output_index(records written before the shard, b, num_outputs)`,
-    which is the reference's round-robin over the output files.
-    """
-    shard_index, source = task
-    opts: Options = _WORKER["opts"]
-    tok = _WORKER["tok"]
-    vocab: fast_instances.Vocab = _WORKER["vocab"]
-    num_outputs: int = _WORKER["num_outputs"]
-    read_stats, mask_stats = corpora.ReadStats(), inst.MaskStats()
-    if source[0] == "text":
-        docs = corpora.read_google_text(source[1], read_stats)
-    else:
-        _, name, split, key, data_dir, num_shards, download = source
-        docs = corpora.read_tfds_documents(name, split, key, data_dir, shard_index, num_shards, read_stats,
-                                           download=download)
-    shard = fast_instances.tokenize_shard(docs, tok.encode_batch)
-    read_stats.documents_without_tokens += shard.num_input_documents - shard.num_documents
-    read_stats.one_sentence_documents += int(np.sum(shard.doc_end - shard.doc_first == 1))
-    rng = shard_rng(opts.random_seed, shard_index)
-    pairs = fast_instances.make_pairs(shard, max_seq_length=opts.max_seq_length,
-                                      short_seq_prob=opts.short_seq_prob, dupe_factor=opts.dupe_factor, rng=rng)
-    pairs = fast_instances.truncate_pairs(pairs, opts.max_seq_length - 3, rng)
-    order = rng.permutation(len(pairs))  # the reference's final shuffle (within the shard)
-    buckets: List[List[bytes]] = [[] for _ in range(num_outputs)]
-    counts = np.zeros(num_outputs, np.int64)
-    for begin in range(0, len(order), BATCH_INSTANCES):
-        index = order[begin:begin + BATCH_INSTANCES]
-        bucket = (begin + np.arange(len(index))) % num_outputs
-        by_bucket = np.argsort(bucket, kind="stable")
-        features = fast_instances.masked_features(
-            shard.ids, pairs.take(index[by_bucket]), vocab, max_seq_length=opts.max_seq_length,
-            max_predictions_per_seq=opts.max_predictions_per_seq, masked_lm_prob=opts.masked_lm_prob,
-            do_whole_word_mask=opts.do_whole_word_mask, rng=rng, stats=mask_stats)
-        buffer, starts, lengths = schema.encode_examples(features, head=tfrecord.HEADER_BYTES,
-                                                         tail=tfrecord.FOOTER_BYTES)
-        tfrecord.frame(buffer, starts, lengths)
-        per_bucket = np.bincount(bucket, minlength=num_outputs)
-        ends = np.cumsum(per_bucket)
-        slot_end = np.append(starts[1:] - tfrecord.HEADER_BYTES, len(buffer))
-        cut = 0
-        for b in range(num_outputs):
-            if per_bucket[b]:
-                end = int(slot_end[ends[b] - 1])
-                buckets[b].append(buffer[cut:end].tobytes())
-                cut = end
-        counts += per_bucket
-    return [b"".join(parts) for parts in buckets], counts, read_stats, mask_stats, _peak_rss_mb()
-
-
 # ---------------------------------------------------------------------------------------------
-# Driver (the parts the Beam runner, `beam_pipeline.py`, shares)
+# Driver
 # ---------------------------------------------------------------------------------------------
-
-
-def output_index(records_before: int, bucket: int, num_outputs: int) -> int:
-    """The output file of bucket `bucket` of a shard (see `shard_records`) that follows
-    `records_before` records: the reference's round-robin, record n of the whole output going to
-    file n % num_outputs.
-
-    Example: with 3 files and 7 records before a shard, the shard's record 0 (bucket 0) is
-    record 7 overall and goes to file 1: `output_index(7, 0, 3) == 1`.
-    """
-    return (records_before + bucket) % num_outputs
-
-
-@dataclasses.dataclass
-class ShardTotals:
-    """The shards' statistics added up (what dataset_info.json reports)."""
-
-    read_stats: corpora.ReadStats = dataclasses.field(default_factory=corpora.ReadStats)
-    mask_stats: inst.MaskStats = dataclasses.field(default_factory=inst.MaskStats)
-    worker_rss_mb: float = 0.0  # the largest peak RSS a shard's process reported
-
-    def add(self, read_stats: corpora.ReadStats, mask_stats: inst.MaskStats, rss_mb: float) -> None:
-        self.read_stats.add(read_stats)
-        self.mask_stats.add(mask_stats)
-        self.worker_rss_mb = max(self.worker_rss_mb, rss_mb)
-
-
-def output_dir(outputs: Sequence[str]) -> str:
-    """The one directory of all `outputs` (dataset_info.json goes there)."""
-    out_dirs = {os.path.dirname(os.path.abspath(p)) if "://" not in p else os.path.dirname(p) for p in outputs}
-    if len(out_dirs) != 1:
-        raise ValueError("--output_file: all outputs must be in one directory (dataset_info.json goes there)")
-    return out_dirs.pop()
-
-
-def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds: float, mode: str,
-                 compression: str, flags_used: Optional[dict], workers_rss: bool) -> dict:
-    """dataset_info.json's fields besides the manifest (`schema.write_dataset_info` adds that).
-
-    Args:
-      workers_rss: whether the shards ran in processes other than this one (then their peak RSS
-        is reported as the workers'; otherwise as None, the work having run in the parent).
-    """
-    return {
-        "flags": flags_used or dataclasses.asdict(opts),
-        "random_seed": opts.random_seed,
-        "mode": mode,
-        "vocab_sha256": schema.sha256_file(opts.vocab_file),
-        "max_seq_length": opts.max_seq_length,
-        "max_predictions_per_seq": opts.max_predictions_per_seq,
-        "compression": compression,
-        "read_stats": dataclasses.asdict(totals.read_stats),
-        "mask_stats": totals.mask_stats.summary(),
-        "num_instances": num_instances,
-        "seconds": seconds,
-        "instances_per_second": num_instances / max(seconds, 1e-9),
-        "peak_rss_mb": {"parent": round(_peak_rss_mb(), 1),
-                        "workers": round(totals.worker_rss_mb, 1) if workers_rss else None},
-    }
 
 
 def output_paths(output_file: str, num_output_shards: int, compression: str) -> List[str]:

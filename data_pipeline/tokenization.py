@@ -1,20 +1,23 @@
-"""Google-exact BERT tokenization, character offsets, and a fast batch path.
+"""Google-exact BERT tokenization and character offsets; the package's tokenizer entry point.
 
-This module owns everything that turns raw text into WordPiece tokens and ids:
+This module owns the reference rules that turn raw text into WordPiece tokens and ids:
 
 * `BasicTokenizer`, `WordpieceTokenizer`, `FullTokenizer`: a plain, per-character Python
   implementation of the rules of google-research/bert `tokenization.py` (text cleaning, CJK
   spacing, lower casing with accent stripping, punctuation splitting, greedy longest-match-first
-  WordPiece with a 200-character word limit). It is the reference every other path is tested
-  against, so it favours being obviously right over being fast.
+  WordPiece with a 200-character word limit), over the character classes of `char_classes.py`.
+  It is the reference every other path is tested against, so it favours being obviously right
+  over being fast.
 * `FullTokenizer.tokenize_with_offsets`: the same tokens plus, for each one, the `(start, end)`
   character span it came from in the original text (SQuAD answer mapping, NER label alignment).
-* `FastBasicTokenizer`, `FastTokenizer`: the same tokens and ids, 20-30 times faster once
-  warm, by memoizing whitespace-delimited chunks (see `_ChunkMemoTokenizer` for why that is
-  exact, and benchmarks/RESULTS.md for the numbers).
-* `SentencePieceTokenizer`: a trained SentencePiece `.model` behind the same API, for users who
-  want an ALBERT/multilingual style tokenizer instead of a WordPiece `vocab.txt`;
-  `create_tokenizer` picks between the two by file name.
+* `load_vocab`, `require_tokens`: reading a WordPiece `vocab.txt` as Google's loader does.
+
+Built on it, and importable from here too (`tokenization.FastTokenizer`, ...):
+
+* `fast_tokenization.py`: `FastBasicTokenizer`, `FastTokenizer`, the same tokens and ids 20-30
+  times faster once warm (the batch path of data preparation and fine-tuning).
+* `sentencepiece_tokenization.py`: `SentencePieceTokenizer` and `create_tokenizer`, which picks
+  between a SentencePiece `.model` and a WordPiece `vocab.txt` by file name.
 
 Nothing here imports jax or bert_jax.
 """
@@ -22,15 +25,13 @@ Nothing here imports jax or bert_jax.
 from __future__ import annotations
 
 import collections
-import functools
-import itertools
+import importlib
 import logging
-import os
 import re
-import sys
 import unicodedata
-import warnings
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from data_pipeline.char_classes import is_cjk_char, is_dropped, is_punctuation, is_whitespace
 
 # Special tokens that `keep_special_tokens=True` preserves when a user types them in raw text
 # (fill-in-the-blank prompts such as "Paris is the [MASK] of France."). Google's tokenizer
@@ -107,67 +108,6 @@ def convert_by_vocab(vocab: Dict, items: Iterable) -> List:
     return [vocab[item] for item in items]
 
 
-# --- character classes (the reference's definitions) -----------------------------------
-
-
-def _is_whitespace(char: str) -> bool:
-    """Space, tab, newline, carriage return, or any Unicode space separator (Zs)."""
-    # Tab, newline and carriage return are category Cc but are treated as whitespace.
-    if char in " \t\n\r":
-        return True
-    return unicodedata.category(char) == "Zs"
-
-
-def _is_control(char: str) -> bool:
-    """Control (Cc) or format (Cf) characters, except tab, newline and carriage return.
-
-    Only Cc and Cf: private-use (Co) and unassigned (Cn) characters are kept, as in Google's code
-    (HuggingFace's normalizer drops them too, one reason its full pipeline is not used for
-    non-ASCII text in `FastTokenizer`).
-    """
-    if char in "\t\n\r":
-        return False
-    return unicodedata.category(char) in ("Cc", "Cf")
-
-
-def _is_punctuation(char: str) -> bool:
-    """ASCII non-alphanumeric symbols (33-47, 58-64, 91-96, 123-126) or Unicode P*."""
-    cp = ord(char)
-    # "$", "+", "^", "`" ... are symbols (S*), not punctuation, in Unicode, but the reference
-    # splits every non-alphanumeric printable ASCII character.
-    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
-        return True
-    return unicodedata.category(char).startswith("P")
-
-
-# The CJK Unified Ideographs blocks of the reference, inclusive. Hangul, Hiragana and Katakana
-# are deliberately absent: those scripts separate words with spaces.
-_CJK_RANGES = (
-    (0x4E00, 0x9FFF),
-    (0x3400, 0x4DBF),
-    (0x20000, 0x2A6DF),
-    (0x2A700, 0x2B73F),
-    (0x2B740, 0x2B81F),
-    (0x2B820, 0x2CEAF),
-    (0xF900, 0xFAFF),
-    (0x2F800, 0x2FA1F),
-)
-
-
-def _is_cjk_char(cp: int) -> bool:
-    """Whether code point `cp` is a CJK ideograph in the reference's sense."""
-    for low, high in _CJK_RANGES:
-        if low <= cp <= high:
-            return True
-    return False
-
-
-def _is_dropped(char: str) -> bool:
-    """Characters the cleaning step deletes: NUL, U+FFFD and control characters."""
-    cp = ord(char)
-    return cp == 0 or cp == 0xFFFD or _is_control(char)
-
-
 # --- BasicTokenizer ---------------------------------------------------------------------
 
 
@@ -217,16 +157,16 @@ class BasicTokenizer:
     def _clean_text(text: str) -> str:
         output = []
         for char in text:
-            if _is_dropped(char):
+            if is_dropped(char):
                 continue
-            output.append(" " if _is_whitespace(char) else char)
+            output.append(" " if is_whitespace(char) else char)
         return "".join(output)
 
     @staticmethod
     def _space_cjk_chars(text: str) -> str:
         output = []
         for char in text:
-            if _is_cjk_char(ord(char)):
+            if is_cjk_char(ord(char)):
                 output.extend((" ", char, " "))
             else:
                 output.append(char)
@@ -242,7 +182,7 @@ class BasicTokenizer:
         output: List[List[str]] = []
         start_new_word = True
         for char in text:
-            if _is_punctuation(char):
+            if is_punctuation(char):
                 output.append([char])
                 start_new_word = True
             else:
@@ -282,15 +222,15 @@ class BasicTokenizer:
         words: List[List[Tuple[str, int, int]]] = []
         current: List[Tuple[str, int, int]] = []
         for index, char in enumerate(text, start=offset):
-            if _is_dropped(char):
+            if is_dropped(char):
                 continue
             # Google splits with `str.split()`, which also breaks at characters such as U+2028
             # that cleaning does not turn into spaces; `isspace` is that test.
-            if _is_whitespace(char) or char.isspace():
+            if is_whitespace(char) or char.isspace():
                 if current:
                     words.append(current)
                 current = []
-            elif _is_cjk_char(ord(char)):
+            elif is_cjk_char(ord(char)):
                 if current:
                     words.append(current)
                 current = []
@@ -305,7 +245,7 @@ class BasicTokenizer:
                 word = _strip_accents_chars(_lower_chars(word))
             piece: List[Tuple[str, int, int]] = []
             for item in word:
-                if _is_punctuation(item[0]):
+                if is_punctuation(item[0]):
                     if piece:
                         yield "".join(c for c, _, _ in piece), piece
                     piece = []
@@ -501,362 +441,26 @@ class FullTokenizer:
         return convert_by_vocab(self.inv_vocab, ids)
 
 
-# --- FastTokenizer -----------------------------------------------------------------------
-
-
-class _UnicodeTables(NamedTuple):
-    dropped: Dict[int, None]  # str.translate table deleting NUL, U+FFFD, Cc and Cf
-    dropped_re: "re.Pattern[str]"  # one character that `dropped` deletes
-    marks: Dict[int, None]  # str.translate table dropping every Mn character
-    cjk_re: "re.Pattern[str]"  # one CJK ideograph
-    word_re: "re.Pattern[str]"  # one punctuation character, or a run of anything else
-
-
-@functools.lru_cache(maxsize=None)
-def _unicode_tables() -> _UnicodeTables:
-    """Whole-string equivalents of the per-character rules, for non-ASCII text.
-
-    Built once (half a second) from a scan of every code point through the same predicates the
-    plain path uses, so both paths agree on every character of this Python's Unicode version.
-    """
-    dropped: Dict[int, None] = {}
-    marks: Dict[int, None] = {}
-    punct: List[int] = []
-    # One C-speed pass for the categories; the predicates then run only on candidates (a
-    # superset of what they accept), which keeps them the single definition of each rule.
-    categories = list(map(unicodedata.category, map(chr, range(sys.maxunicode + 1))))
-    for cp, category in enumerate(categories):
-        first = category[0]
-        if first == "C" or cp == 0xFFFD:
-            if _is_dropped(chr(cp)):
-                dropped[cp] = None
-        elif category == "Mn":
-            marks[cp] = None
-        elif (first == "P" or cp < 128) and _is_punctuation(chr(cp)):
-            punct.append(cp)
-    punct_class = _char_class(_ranges(punct))
-    return _UnicodeTables(dropped=dropped, dropped_re=re.compile(_char_class(_ranges(dropped))),
-                          marks=marks, cjk_re=re.compile(_char_class(_CJK_RANGES)),
-                          word_re=re.compile(rf"{punct_class}|[^\s{punct_class[1:-1]}]+"))
-
-
-def _ranges(code_points: Iterable[int]) -> List[Tuple[int, int]]:
-    """Sorted code points -> inclusive (low, high) runs."""
-    runs: List[List[int]] = []
-    for cp in code_points:
-        if runs and runs[-1][1] == cp - 1:
-            runs[-1][1] = cp
-        else:
-            runs.append([cp, cp])
-    return [(low, high) for low, high in runs]
-
-
-def _char_class(ranges: Iterable[Sequence[int]]) -> str:
-    """A regex character class "[...]" matching the inclusive code point ranges."""
-    parts = []
-    for low, high in ranges:
-        parts.append(re.escape(chr(low)) if low == high
-                     else f"{re.escape(chr(low))}-{re.escape(chr(high))}")
-    return "[" + "".join(parts) + "]"
-
-
-# ASCII text needs none of the Unicode tables: these are the same rules restricted to ASCII.
-_MAYBE_CJK_RE = re.compile("[\u3400-\U0010ffff]")
-_ASCII_CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-_ASCII_DELETE = {cp: None for cp in range(128) if _is_dropped(chr(cp))}
-_ASCII_PUNCT = _char_class([(33, 47), (58, 64), (91, 96), (123, 126)])
-_ASCII_WORD_RE = re.compile(rf"{_ASCII_PUNCT}|[^\s{_ASCII_PUNCT[1:-1]}]+")
-
-
-def _chunk_text(text: str) -> List[str]:
-    """Google's cleaned, CJK-spaced, whitespace-split chunks of `text`.
-
-    Example: "Hi\x00 there中文" -> ["Hi", "there", "中", "文"]
-    """
-    if text.isascii():
-        if not text.isprintable() and _ASCII_CONTROL_RE.search(text):
-            text = text.translate(_ASCII_DELETE)
-        return text.split()
-    tables = _unicode_tables()
-    # Whitespace needs no mapping to " ": every character the reference calls whitespace is
-    # also whitespace to `str.split`. The big regexes cost ~20 ns a character, so cheap C-speed
-    # tests skip them on usual text: printable text has no Cc/Cf character (U+FFFD is
-    # printable, hence its own test), and every CJK range lies above U+3400.
-    if (not text.isprintable() or "\ufffd" in text) and tables.dropped_re.search(text):
-        text = text.translate(tables.dropped)
-    if _MAYBE_CJK_RE.search(text):
-        text = tables.cjk_re.sub(r" \g<0> ", text)
-    return text.split()
-
-
-class _Memo(dict):
-    """A dict that computes missing values and stores up to `limit` of them.
-
-    Keys longer than `max_key_chars` are computed every time: they are rarely repeated (long
-    URLs, base64 blobs, a 1 MB "word") and would hold memory for nothing.
-    """
-
-    def __init__(self, compute, limit: int, max_key_chars: int = 256):
-        super().__init__()
-        self._compute = compute
-        self._limit = limit
-        self._max_key_chars = max_key_chars
-
-    def __missing__(self, key):
-        value = self._compute(key)
-        if len(self) < self._limit and len(key) <= self._max_key_chars:
-            self[key] = value
-        return value
-
-
-class _ChunkMemoTokenizer:
-    """Per-text machinery of the fast tokenizers: chunk a text, concatenate memoized outputs.
-
-    Why it is exact: Google's pipeline cleans the text and spaces out CJK ideographs, splits on
-    whitespace, and from then on treats every whitespace-delimited chunk on its own (lower
-    casing, accent stripping, punctuation split and WordPiece never look past a chunk). So the
-    tokens of a text are the concatenation of the tokens of its chunks, and a chunk's tokens can
-    be computed once and memoized. Natural text repeats chunks (Zipf), so after warm-up almost
-    every chunk costs one dict lookup, and the per-character work happens in C inside
-    `str.split`, `str.translate` and `re`. Kept special tokens cut the text into segments that
-    the reference also tokenizes separately.
-    """
-
-    keep_special_tokens: bool
-
-    def _run(self, text: str, memo: _Memo, special) -> List:
-        """Outputs of one text through `memo`; `special` maps a kept special token."""
-        if not (self.keep_special_tokens and "[" in text):
-            return list(itertools.chain.from_iterable(map(memo.__getitem__, _chunk_text(text))))
-        output: List = []
-        for segment, is_special in _split_special(text, True):
-            if is_special:
-                output.append(special(segment))
-            else:
-                output.extend(itertools.chain.from_iterable(
-                    map(memo.__getitem__, _chunk_text(segment))))
-        return output
-
-    def _batch(self, texts: Iterable[Union[str, bytes]], memo: _Memo, special) -> List[List]:
-        # The common case (printable ASCII, no special-token handling) is inlined: at ~14 tokens
-        # per line, two more Python calls per text would cost a tenth of the time.
-        get = memo.__getitem__
-        chain = itertools.chain.from_iterable
-        check_special = self.keep_special_tokens
-        output: List[List] = []
-        append = output.append
-        for text in texts:
-            if text.__class__ is not str:
-                text = convert_to_unicode(text)
-            if text.isascii() and text.isprintable() and not (check_special and "[" in text):
-                append(list(chain(map(get, text.split()))))
-            else:
-                append(self._run(text, memo, special))
-        return output
-
-
-class FastBasicTokenizer(_ChunkMemoTokenizer):
-    """`BasicTokenizer` with identical output, memoized per whitespace-delimited chunk.
-
-    Used by `FastTokenizer` and by `train_vocab` to pre-split a corpus the way the tokenizer
-    will see it.
-    """
-
-    def __init__(self, do_lower_case: bool = True, keep_special_tokens: bool = False,
-                 cache_size: int = 500_000):
-        """Constructs a FastBasicTokenizer.
-
-        Args:
-          do_lower_case: as in `BasicTokenizer`.
-          keep_special_tokens: as in `BasicTokenizer`.
-          cache_size: most chunks memoized (memory bound); past it, new chunks are computed
-            every time.
-        """
-        self.do_lower_case = do_lower_case
-        self.keep_special_tokens = keep_special_tokens
-        self._chunk_words = _Memo(self.split_chunk, cache_size)
-
-    def split_chunk(self, chunk: str) -> Tuple[str, ...]:
-        """Basic tokens of one chunk (a cleaned, CJK-spaced, whitespace-free string).
-
-        Lower casing and accent stripping run on the whole chunk, which equals the reference's
-        per-word operations because a chunk is exactly one of its words; the punctuation split
-        is a regex built from the same predicate.
-        """
-        if chunk.isascii():
-            word_re = _ASCII_WORD_RE
-            if self.do_lower_case:
-                chunk = chunk.lower()
-        else:
-            tables = _unicode_tables()
-            word_re = tables.word_re
-            if self.do_lower_case:
-                chunk = unicodedata.normalize("NFD", chunk.lower()).translate(tables.marks)
-        return tuple(word_re.findall(chunk))
-
-    def tokenize(self, text: Union[str, bytes]) -> List[str]:
-        """Basic tokens of one text; equal to `BasicTokenizer.tokenize(text)`."""
-        return self._run(convert_to_unicode(text), self._chunk_words, str)
-
-    def tokenize_batch(self, texts: Iterable[Union[str, bytes]]) -> List[List[str]]:
-        """Basic tokens of each text."""
-        return self._batch(texts, self._chunk_words, str)
-
-
-class FastTokenizer(_ChunkMemoTokenizer):
-    """Batch tokenizer whose tokens and ids equal `FullTokenizer`'s, many times faster.
-
-    Chunks of text (see `_ChunkMemoTokenizer`) are memoized to their word pieces and ids; a
-    missed chunk goes through `FastBasicTokenizer.split_chunk`, and each of its words through
-    `WordpieceTokenizer`, itself memoized per word. The first pass over a corpus therefore runs
-    at a few times the plain speed, and later text at 20-30 times (benchmarks/RESULTS.md).
-
-    HuggingFace `tokenizers` was measured and not used: on this 2-core machine it is about 4x
-    slower than the memoized path, and its BERT normalizer departs from Google's outside ASCII
-    (a final capital sigma becomes "σ" not "ς"; private-use and unassigned characters are
-    dropped; the CJK range U+2B820-U+2B91F is not spaced).
-
-    Example:
-      fast = FastTokenizer("vocab.txt")
-      fast.encode_batch(["Hello, world!", ""])  # -> [[7592, 1010, 2088, 999], []]
-    """
-
-    def __init__(self, vocab_file: str, do_lower_case: bool = True,
-                 keep_special_tokens: bool = False, cache_size: int = 500_000):
-        """Constructs a FastTokenizer.
-
-        Args:
-          vocab_file: WordPiece vocab.txt.
-          do_lower_case: as in `FullTokenizer`.
-          keep_special_tokens: as in `FullTokenizer`.
-          cache_size: most chunks (and, separately, words) memoized, about 150 bytes each;
-            past it, new chunks are computed every time. Natural text's frequent chunks fit
-            well within the default.
-        """
-        self.vocab_file = vocab_file
-        self.vocab = load_vocab(vocab_file)
-        self.inv_vocab = {index: token for token, index in self.vocab.items()}
-        self.do_lower_case = do_lower_case
-        self.keep_special_tokens = keep_special_tokens
-        self.basic_tokenizer = FastBasicTokenizer(do_lower_case, keep_special_tokens, cache_size)
-        self._wordpiece = WordpieceTokenizer(self.vocab)
-        self._word_pieces = _Memo(self._split_word, cache_size)
-        self._chunk_tokens = _Memo(self._tokenize_chunk, cache_size)
-        self._chunk_ids = _Memo(self._encode_chunk, cache_size)
-
-    def _split_word(self, word: str) -> Tuple[str, ...]:
-        pieces = self._wordpiece.split_word(word)
-        return (UNK_TOKEN,) if pieces is None else tuple(pieces)
-
-    def _tokenize_chunk(self, chunk: str) -> Tuple[str, ...]:
-        pieces: List[str] = []
-        for word in self.basic_tokenizer.split_chunk(chunk):
-            pieces.extend(self._word_pieces[word])
-        return tuple(pieces)
-
-    def _encode_chunk(self, chunk: str) -> Tuple[int, ...]:
-        # Not through the token memo: batches of ids should not pay memory for strings too.
-        return tuple(self.vocab[token] for token in self._tokenize_chunk(chunk))
-
-    def _special_token(self, token: str) -> str:
-        # A kept special token is a whole vocabulary entry, never word-pieced.
-        return token if token in self.vocab else UNK_TOKEN
-
-    def _special_id(self, token: str) -> int:
-        return self.vocab[self._special_token(token)]
-
-    def tokenize(self, text: Union[str, bytes]) -> List[str]:
-        """Word pieces of one text; equal to `FullTokenizer.tokenize(text)`."""
-        return self._run(convert_to_unicode(text), self._chunk_tokens, self._special_token)
-
-    def encode(self, text: Union[str, bytes]) -> List[int]:
-        """Ids of one text; equal to `FullTokenizer.convert_tokens_to_ids(tokenize(text))`."""
-        return self._run(convert_to_unicode(text), self._chunk_ids, self._special_id)
-
-    def tokenize_batch(self, texts: Iterable[Union[str, bytes]]) -> List[List[str]]:
-        """Word pieces of each text."""
-        return self._batch(texts, self._chunk_tokens, self._special_token)
-
-    def encode_batch(self, texts: Iterable[Union[str, bytes]]) -> List[List[int]]:
-        """Ids of each text."""
-        return self._batch(texts, self._chunk_ids, self._special_id)
-
-    def convert_tokens_to_ids(self, tokens: Iterable[str]) -> List[int]:
-        return convert_by_vocab(self.vocab, tokens)
-
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> List[str]:
-        return convert_by_vocab(self.inv_vocab, ids)
-
-
-# --- SentencePiece ------------------------------------------------------------------------
-
-
-class SentencePieceTokenizer:
-    """A trained SentencePiece `.model` behind the `FullTokenizer` API (ALBERT style).
-
-    The model's own normalizer runs; `do_lower_case` lowercases first (as ALBERT's uncased
-    models expect). For a model saved by `train_vocab --spm_model_prefix`, which was trained on
-    `BasicTokenizer` output, pass `basic_tokenize=True` and the same `do_lower_case`.
-    Special tokens the model defines as user symbols ("[CLS]", "[SEP]", "[MASK]") are kept
-    whole wherever they appear in raw text; that is SentencePiece's own behaviour.
-
-    Attributes:
-      vocab: piece -> id, in id order.
-      inv_vocab: id -> piece.
-    """
-
-    def __init__(self, model_file: str, do_lower_case: bool = False,
-                 basic_tokenize: bool = False):
-        import sentencepiece  # Optional dependency: only this class needs it.
-
-        self._model = sentencepiece.SentencePieceProcessor(model_file=model_file)
-        self.do_lower_case = do_lower_case
-        self._basic = FastBasicTokenizer(do_lower_case, True) if basic_tokenize else None
-        self.vocab = collections.OrderedDict(
-            (self._model.id_to_piece(i), i) for i in range(self._model.get_piece_size()))
-        self.inv_vocab = {index: piece for piece, index in self.vocab.items()}
-
-    def tokenize(self, text: Union[str, bytes]) -> List[str]:
-        """Pieces of `text` ("\u2581" marks a word start); `[]` for empty text."""
-        text = convert_to_unicode(text)
-        if self._basic is not None:
-            text = " ".join(self._basic.tokenize(text))
-        elif self.do_lower_case:
-            text = text.lower()
-        return self._model.encode(text, out_type=str)
-
-    def convert_tokens_to_ids(self, tokens: Iterable[str]) -> List[int]:
-        """Ids of pieces; a piece the model lacks maps to its unknown id."""
-        return [self._model.piece_to_id(token) for token in tokens]
-
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> List[str]:
-        return convert_by_vocab(self.inv_vocab, ids)
-
-
-SPM_SIDECAR_SUFFIX = ".tokenizer.json"  # train_vocab writes PREFIX.tokenizer.json beside PREFIX.model
-
-
-def create_tokenizer(vocab_file: str, do_lower_case: bool = True,
-                     keep_special_tokens: bool = False, basic_tokenize: Optional[bool] = None):
-    """`SentencePieceTokenizer` for a `.model` file, `FullTokenizer` for a vocab.txt.
-
-    For a `.model`, `basic_tokenize=None` reads `PREFIX.tokenizer.json` when it exists (written by
-    `train_vocab --spm_model_prefix=PREFIX`, whose model learned from `BasicTokenizer` output):
-    its `basic_tokenize` and `do_lower_case` are the ones the model was trained with, and win over
-    `do_lower_case` here (with a warning when they differ). Without that file the model's own
-    normalizer runs on the raw text (an ALBERT-style model).
-    """
-    if vocab_file.endswith(".model"):
-        sidecar = vocab_file[: -len(".model")] + SPM_SIDECAR_SUFFIX
-        if basic_tokenize is None and os.path.exists(sidecar):
-            import json
-            with open(sidecar, encoding="utf-8") as f:
-                trained = json.load(f)
-            basic_tokenize = bool(trained.get("basic_tokenize", False))
-            if "do_lower_case" in trained and bool(trained["do_lower_case"]) != bool(do_lower_case):
-                warnings.warn(f"{vocab_file} was trained with do_lower_case={trained['do_lower_case']} "
-                              f"({sidecar}); using that, not do_lower_case={do_lower_case}")
-                do_lower_case = bool(trained["do_lower_case"])
-        return SentencePieceTokenizer(vocab_file, do_lower_case=do_lower_case,
-                                      basic_tokenize=bool(basic_tokenize))
-    return FullTokenizer(vocab_file, do_lower_case, keep_special_tokens)
+# --- the fast path and SentencePiece, importable from here ------------------------------
+
+# Those modules build on this one, so importing them here would be an import cycle: their names
+# are looked up on first use instead (PEP 562), and `tokenization.FastTokenizer` keeps working.
+_ELSEWHERE = {
+    "FastBasicTokenizer": "fast_tokenization",
+    "FastTokenizer": "fast_tokenization",
+    "SentencePieceTokenizer": "sentencepiece_tokenization",
+    "SPM_SIDECAR_SUFFIX": "sentencepiece_tokenization",
+    "create_tokenizer": "sentencepiece_tokenization",
+}
+
+
+def __getattr__(name: str):
+    if name not in _ELSEWHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"data_pipeline.{_ELSEWHERE[name]}"), name)
+    globals()[name] = value  # later lookups are plain module attributes
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_ELSEWHERE))

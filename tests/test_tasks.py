@@ -474,7 +474,8 @@ def test_squad_answer_text_falls_back_to_the_whole_words_like_google():
                                                                 [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3])
 
 
-SQUAD_DATA = os.path.join(os.environ.get("BERT_JAX_SHARED_DATA", "/work/shared/data"), "squad")
+SQUAD_DATA = os.path.join(os.environ.get("BERT_JAX_SHARED_DATA", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data")), "squad")
 
 
 @pytest.mark.parametrize("config", ["v1_uncased", "v1_cased", "v2_uncased"])

@@ -8,6 +8,7 @@ all of them; the task tells it only the head kind (`HEAD_KINDS`) and the number 
 
     glue.py              CoLA, SST-2, MRPC, STS-B, QQP, MNLI (m/mm), QNLI, RTE, WNLI
     squad.py             SQuAD v1.1 and v2.0 (also the official scorer's CLI)
+    squad_eval.py        the official SQuAD v1.1 / v2.0 scorers and their CLI
     ner.py               CoNLL-2003 NER (IOB1/IOB2, conlleval scoring)
     multiple_choice.py   SWAG
 
