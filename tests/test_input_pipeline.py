@@ -856,7 +856,9 @@ def test_lenient_mode_skips_exactly_the_bad_records_and_counts_them(tmp_path, ki
             "header_flip": {5}}.get(kind, set(range(4, 10)))  # file 1 holds records 4..9
     assert seen == sorted(set(range(15)) - lost)
     # The good records are read in place: no repaired copy anywhere (issue 31).
-    assert list(temp.iterdir()) == [] and sorted(os.listdir(tmp_path / "data")) == sorted(
+    # (TensorFlow's autograph may leave its own `__autograph_generated_file*.py` there.)
+    ours = [p for p in temp.iterdir() if not p.name.startswith("__autograph_generated_file")]
+    assert ours == [] and sorted(os.listdir(tmp_path / "data")) == sorted(
         [os.path.basename(p) for p in paths if os.path.exists(p)] + [ip.MANIFEST_NAME])
 
 
