@@ -4,7 +4,7 @@ The lowest stage of the training input, under `records` (`record_scan` -> `recor
 `masking`, `packing` -> `input_pipeline`): `scan_tfrecord_file` finds where every intact record
 of a damaged file lies (and what is wrong with the rest), so that `records` can read exactly the
 good records in place; a gzip file is first decompressed as far as its stream allows. The CRC-32C
-is `tfrecord`'s (numpy), the one implementation: header CRCs of a run of records are checked in
+is `tfrecord`'s (google-crc32c), the one implementation: header CRCs of a run of records are checked in
 one call, data CRCs by TF's random-access reader.
 
 A TFRecord is `uint64 length | uint32 masked_crc32c(length) | data | uint32 masked_crc32c(data)`.
@@ -85,7 +85,7 @@ class _Headers:
 
     An offset not yet checked starts a batch: the next `n` headers are read as if each length
     were right (each header at the end of the record before) and their CRCs computed together
-    (`tfrecord.crc32c`; one numpy call costs about what 20 headers in pure Python do). `n` doubles
+    (`tfrecord.crc32c`, one call per batch). `n` doubles
     while the headers check out (a run of good records) and is 1 again after a bad one, so a
     resynchronization over garbage reads no more than one header per candidate offset.
     """
