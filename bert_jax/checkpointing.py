@@ -3,20 +3,16 @@
 This module owns everything a training loop needs to survive being stopped: when to save, what a
 step on disk contains, which steps are kept, how a step is restored onto any mesh, and how a
 SIGTERM (single process) or the multi-host preemption sync point turns into "save now and stop".
-It wraps one orbax `CheckpointManager`; there is no hand-written checkpoint format.
+It wraps one orbax `CheckpointManager`; there is no hand-written checkpoint format. Its parts:
 
-On-disk layout of `directory` (a step exists once orbax has renamed its temporary folder, so a
-`kill -9` at any moment leaves the previous committed step as the latest)::
+    checkpointing.py          `Checkpointer`: saving, keep-K, restoring, resuming (this module)
+    checkpoint_steps.py       the on-disk layout, the errors, verifying a step, moving damaged ones aside
+    checkpoint_integrity.py   the integrity manifest of a step (sizes and CRC-32C of its files)
+    checkpoint_reading.py     restore targets and key checks; read-only `restore_part`, `saved_keys`,
+                              `newest_intact_step`
+    preemption.py             SIGTERM / the multi-host preemption sync point -> `should_stop`
 
-    <directory>/
-      <step>/                        committed step (orbax; `<step>.orbax-checkpoint-tmp` while saving)
-        state/                       the train-state pytree (orbax StandardCheckpointHandler, OCDBT)
-        meta/metadata                the caller's JSON dict (input position, data files, config hash)
-        checkpointer_info/metadata   our bookkeeping, e.g. how many processes wrote input state
-        bert_jax_integrity.json      size + CRC-32C of every file of the step (checkpoint_integrity.py)
-      input_state/<step>/process_<i>/   per-host input-pipeline state (e.g. a tf.train.Checkpoint
-                                        of the tf.data iterator), written by `input_state_writer`
-      damaged/<step>-<time>/{<step>,input_state}/   steps that failed verification, moved aside
+Every public name of those is importable from here too (`checkpointing.restore_part`, ...).
 
 Consistency of the per-host input state with the step: each process writes its own
 `input_state/<step>/process_<i>/` synchronously, *before* orbax starts the save, and orbax's save
@@ -25,27 +21,14 @@ already on disk. A folder whose step never committed (a crash mid-save) is clear
 is written again, and folders of steps that orbax no longer keeps are deleted only after orbax has
 deleted the step itself, so a committed step never lacks its input state.
 
-Integrity (docs/reliability.md): orbax's post-finalization hook, which runs on the primary
-process once every host's data is written and before the rename that commits the step, records
-size and CRC-32C of every file of the step, input state of all hosts included, in the step's
-`bert_jax_integrity.json`; the two files orbax writes during the rename are added once the save is
-known to be committed ("sealing"). Before anything of a step is read, `latest_step`, `restore`,
-`restore_latest`, `restore_part` and `saved_keys` check it against that manifest. A damaged
-newest step (or one orbax cannot read) is, as `on_damaged` says, named in one log line and moved
-to `damaged/` ("fallback": the newest intact step is used) or raised as `CheckpointCorruptError`
-("stop"); the line names the step, the file, the fault and the remedy. Steps saved by an older
-bert_jax (no manifest) restore unverified, with one warning.
+Integrity: every step carries a manifest written before orbax commits it, and is checked against
+it before anything of it is read; a damaged newest step is moved aside or raised, as `on_damaged`
+says (checkpoint_steps.py, docs/reliability.md).
 
-Preemption:
-
-* Single process (`jax.distributed` not initialized): `Checkpointer` installs a SIGTERM handler
-  that only sets a flag; `should_stop(step)` returns True at the first step after the signal.
-* Multi-host (`jax.distributed.initialize` was called): JAX itself catches SIGTERM, and
-  `should_stop(step)` asks `multihost_utils.reached_preemption_sync_point(step)`, which becomes
-  True on every host at the same step. It must be called by every host at every step, including
-  the last one, or a preemption notice is silently lost.
-
-In both cases `save` then saves regardless of the interval. The intended loop::
+Preemption (preemption.py): `should_stop(step)` turns True at the first step after a SIGTERM
+(single process) or at the multi-host preemption sync point (the same step on every host); it must
+be called by every host at every step. `save` then saves regardless of the interval. The intended
+loop::
 
     ckpt = Checkpointer(workdir / "checkpoints", save_interval_steps=1000, max_to_keep=3)
     if ckpt.latest_step() is not None:
@@ -74,232 +57,26 @@ function).
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import logging
 import os
 import shutil
-import signal
-import threading
-import time
-import warnings
 from typing import Any, Callable, Optional
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from bert_jax import checkpoint_integrity as integrity
+from bert_jax.checkpoint_reading import check_against_metadata, flat, is_typed_key, listed, rebuild_like, to_abstract
+from bert_jax.checkpoint_reading import newest_intact_step, restore_part, saved_keys  # noqa: F401  (re-exported)
+from bert_jax.checkpoint_steps import (FORMAT_VERSION, INFO, INPUT_STATE, META, ON_DAMAGED, STATE,
+                                       CheckpointCorruptError, CheckpointRestoreError, CheckpointSaveError, check_step,
+                                       corrupt_error, input_dir, is_read_failure, move_aside, read_error)
+from bert_jax.preemption import Preemption
 
 PyTree = Any
-
-_STATE = "state"
-_META = "meta"
-_INFO = "checkpointer_info"
-_INPUT_STATE = "input_state"
-# 2: every step carries an integrity manifest (checkpoint_integrity.py); 1: older bert_jax, none.
-_FORMAT_VERSION = 2
-_DAMAGED = "damaged"
-ON_DAMAGED = ("fallback", "stop")
-# How many offending keys an error message lists before it summarizes.
-_MAX_LISTED = 10
-
-
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint save failed (synchronously or in the background); the run must stop."""
-
-
-class CheckpointRestoreError(ValueError):
-    """A checkpoint does not match the restore target (keys, shapes, dtypes, input state)."""
-
-
-class CheckpointCorruptError(CheckpointRestoreError):
-    """A step on disk is not what was saved (fails its integrity manifest, or cannot be read)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Pytree helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def _key_name(entry: Any) -> str:
-    """One path entry as orbax names it: dataclass fields, dict keys and indices all become strings."""
-    for attr in ("name", "key", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def _flat(tree: PyTree) -> dict[str, Any]:
-    """{'opt_state/1/0/mu/dense/kernel': leaf, ...}; the same keys for a dataclass and its metadata."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {"/".join(_key_name(e) for e in path): leaf for path, leaf in leaves}
-
-
-def _listed(keys: list[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:_MAX_LISTED])
-    more = len(keys) - _MAX_LISTED
-    return shown + (f" and {more} more" if more > 0 else "")
-
-
-def _is_typed_key(leaf: Any) -> bool:
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _to_abstract(abstract_state: PyTree) -> PyTree:
-    """Validates the restore target and turns concrete `jax.Array` leaves into ShapeDtypeStructs.
-
-    Every leaf needs a sharding: without one orbax would fall back to the sharding stored in the
-    checkpoint, i.e. the mesh of the run that saved it, which is exactly what must not happen when
-    restoring onto another mesh.
-    """
-    problems = []
-
-    def convert(key: str, leaf: Any) -> Any:
-        if _is_typed_key(leaf):
-            problems.append(f"{key!r} is a typed PRNG key; restore its jax.random.key_data (uint32)")
-        elif isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
-            if getattr(leaf, "sharding", None) is None:
-                problems.append(f"{key!r} has no sharding")
-            else:
-                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-        else:
-            problems.append(f"{key!r} is a {type(leaf).__name__}, not a jax.ShapeDtypeStruct")
-        return leaf
-
-    flat = _flat(abstract_state)
-    leaves = [convert(key, leaf) for key, leaf in flat.items()]
-    if problems:
-        raise CheckpointRestoreError(
-            "restore target must be a pytree of jax.ShapeDtypeStruct(shape, dtype, sharding=...) "
-            "for the target mesh: " + "; ".join(problems[:_MAX_LISTED])
-        )
-    treedef = jax.tree_util.tree_structure(abstract_state)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _check_against_metadata(target: PyTree, saved: PyTree, where: str) -> None:
-    """Raises `CheckpointRestoreError` naming every key whose presence, shape or dtype differs.
-
-    orbax's own messages name neither the key (shape mismatch) nor the difference (structure
-    mismatch), and a lower-precision target would be cast silently (bf16 for f32 data), so we
-    compare against the saved metadata first.
-    """
-    want, have = _flat(target), _flat(saved)
-    missing = sorted(set(want) - set(have))
-    unexpected = sorted(set(have) - set(want))
-    errors = []
-    if missing:
-        errors.append(f"missing from the checkpoint: {_listed(missing)}")
-    if unexpected:
-        errors.append(f"in the checkpoint but not in the target: {_listed(unexpected)}")
-    shapes, dtypes = [], []
-    for key in sorted(set(want) & set(have)):
-        w, h = want[key], have[key]
-        if tuple(w.shape) != tuple(h.shape):
-            shapes.append(f"{key!r}: checkpoint {tuple(h.shape)} vs target {tuple(w.shape)}")
-        if h.dtype is not None and np.dtype(w.dtype) != np.dtype(h.dtype):
-            dtypes.append(f"{key!r}: checkpoint {np.dtype(h.dtype)} vs target {np.dtype(w.dtype)}")
-    if shapes:
-        errors.append("shape mismatch: " + "; ".join(shapes[:_MAX_LISTED]))
-    if dtypes:
-        errors.append(
-            "dtype mismatch (restore in the saved dtype and cast explicitly): "
-            + "; ".join(dtypes[:_MAX_LISTED])
-        )
-    if errors:
-        raise CheckpointRestoreError(f"{where} does not match the restore target: " + ". ".join(errors))
-
-
-# ---------------------------------------------------------------------------------------------
-# Integrity: verify a step before anything in it is read; move damaged steps aside
-# ---------------------------------------------------------------------------------------------
-
-
-def _input_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, _INPUT_STATE, str(step))
-
-
-def check_step(directory: str | os.PathLike, step: int) -> tuple[str, Optional[integrity.Damage]]:
-    """("ok" | "unverified" | "damaged", damage) of a committed step, from its integrity manifest.
-
-    "unverified": the step has no manifest and was written by a bert_jax older than manifests
-    (its `checkpointer_info` says format 1, or it has none); it restores as before. A step whose
-    bookkeeping says it was written with a manifest but has none is damaged.
-    """
-    directory = os.path.abspath(os.fspath(directory))
-    step_dir = os.path.join(directory, str(step))
-    manifest, damage = integrity.verify(step_dir, _input_dir(directory, step), step)
-    if damage is not None:
-        return "damaged", damage
-    if manifest is not None:
-        return "ok", None
-    info_path = os.path.join(step_dir, _INFO, "metadata")
-    try:
-        with open(info_path, encoding="utf-8") as f:
-            version = json.load(f).get("format_version", 1)
-    except FileNotFoundError:
-        return "unverified", None
-    except (ValueError, AttributeError, UnicodeDecodeError) as e:
-        return "damaged", integrity.Damage(f"{_INFO}/metadata",
-                                           f"unreadable ({e}) and the step has no integrity manifest")
-    if version >= 2:
-        return "damaged", integrity.Damage(integrity.MANIFEST, "missing, but this step was saved with one "
-                                                               "(deleted?): it cannot be verified")
-    return "unverified", None
-
-
-def _damage_message(directory: str, step: int, damage: integrity.Damage, intact: Optional[int]) -> str:
-    """One line: the step, the file, what is wrong with it, and what to do."""
-    step_dir = os.path.join(directory, str(step))
-    if intact is None:
-        remedy = (f"no earlier intact step to resume from: put the file back from a copy, or move {step_dir} "
-                  f"(and {_input_dir(directory, step)}) out of {directory} to start afresh")
-    else:
-        remedy = (f"resume from step {intact}, the newest intact one, with "
-                  f"config.on_damaged_checkpoint='fallback' (moves step {step} to {directory}/{_DAMAGED}/), "
-                  f"or move {step_dir} (and {_input_dir(directory, step)}) out of {directory} yourself")
-    return f"checkpoint step {step} in {directory} is damaged: {damage}. To go on: {remedy}"
-
-
-def _move_aside(directory: str, step: int) -> str:
-    """Renames a damaged step (and its input state) to `<directory>/damaged/<step>-<time>/`; never deletes."""
-    dest = os.path.join(directory, _DAMAGED, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
-    base, n = dest, 1
-    while os.path.exists(dest):
-        dest, n = f"{base}-{n}", n + 1
-    os.makedirs(dest)
-    # Input state first: a crash in between leaves the step in place and missing its input
-    # state (damaged again next time), never input state that pruning would delete.
-    if os.path.isdir(_input_dir(directory, step)):
-        os.rename(_input_dir(directory, step), os.path.join(dest, _INPUT_STATE))
-    os.rename(os.path.join(directory, str(step)), os.path.join(dest, str(step)))
-    return dest
-
-
-def _read_error(step: int, directory: str, cause: BaseException) -> CheckpointCorruptError:
-    first_line = (str(cause).strip().splitlines() or [""])[0][:300]
-    damage = integrity.Damage(_STATE, f"orbax could not read it ({type(cause).__name__}: {first_line})")
-    error = CheckpointCorruptError(
-        f"checkpoint step {step} in {directory} is damaged: {damage}. To go on: restore an earlier step "
-        f"(Checkpointer.restore_latest does, with on_damaged='fallback'), or move "
-        f"{os.path.join(directory, str(step))} out of {directory}")
-    error.step, error.damage = step, damage
-    error.__cause__ = cause
-    return error
-
-
-def _is_read_failure(e: BaseException) -> bool:
-    """orbax/tensorstore errors while reading a step, as opposed to a wrong target or no memory."""
-    return isinstance(e, Exception) and not isinstance(e, (CheckpointRestoreError, MemoryError))
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpointer
-# ---------------------------------------------------------------------------------------------
 
 
 class Checkpointer:
@@ -372,20 +149,15 @@ class Checkpointer:
             self._directory,
             options=options,
             item_handlers={
-                _STATE: ocp.StandardCheckpointHandler(),
-                _META: ocp.JsonCheckpointHandler(),
-                _INFO: ocp.JsonCheckpointHandler(),
+                STATE: ocp.StandardCheckpointHandler(),
+                META: ocp.JsonCheckpointHandler(),
+                INFO: ocp.JsonCheckpointHandler(),
             },
         )
         self._pending_step: Optional[int] = None  # a save started by us, not yet known finished
         self._error: Optional[CheckpointSaveError] = None
         self._closed = False
-        self._stop_step: Optional[int] = None
-        self._sigterm_seen = threading.Event()
-        self._previous_handler: Any = None
-        self._distributed = jax.distributed.is_initialized()
-        if handle_sigterm and not self._distributed:
-            self._install_sigterm_handler()
+        self._preemption = Preemption(handle_sigterm)
         self._prune_input_state()
 
     # --- paths and queries ----------------------------------------------------------------------
@@ -406,7 +178,7 @@ class Checkpointer:
             process_index: defaults to `jax.process_index()`.
         """
         index = self._process_index if process_index is None else process_index
-        return os.path.join(self._directory, _INPUT_STATE, str(step), f"process_{index}")
+        return os.path.join(self._directory, INPUT_STATE, str(step), f"process_{index}")
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (a save still in flight is not listed)."""
@@ -434,11 +206,11 @@ class Checkpointer:
         from etils import epath  # orbax's path library: local and gs:// alike
 
         newest = epath.Path(self._directory) / str(steps[-1])
-        if not (newest / _STATE).exists() and not (newest / integrity.MANIFEST).exists():
-            earlier = [s for s in steps[:-1] if (epath.Path(self._directory) / str(s) / _STATE).exists()]
+        if not (newest / STATE).exists() and not (newest / integrity.MANIFEST).exists():
+            earlier = [s for s in steps[:-1] if (epath.Path(self._directory) / str(s) / STATE).exists()]
             then = f"resume from step {earlier[-1]}" if earlier else "start afresh"
             raise CheckpointRestoreError(
-                f"{os.path.join(self._directory, str(steps[-1]))} has no '{_STATE}' item: not a checkpoint "
+                f"{os.path.join(self._directory, str(steps[-1]))} has no '{STATE}' item: not a checkpoint "
                 f"bert_jax wrote, or a damaged one; move it out of {self._directory} to {then}")
         return self._newest_intact(steps)
 
@@ -464,11 +236,9 @@ class Checkpointer:
             return intact
         if self._on_damaged == "stop" or intact is None:
             step, damage = damaged[0]
-            error = CheckpointCorruptError(_damage_message(self._directory, step, damage, intact))
-            error.step, error.damage = step, damage
-            raise error
+            raise corrupt_error(self._directory, step, damage, intact)
         for step, damage in damaged:
-            moved = _move_aside(self._directory, step) if self._process_index == 0 else "damaged/"
+            moved = move_aside(self._directory, step) if self._process_index == 0 else "damaged/"
             logging.error("checkpointing: checkpoint step %d in %s is damaged: %s; moved it to %s and resume from "
                           "step %d (config.on_damaged_checkpoint='stop' stops instead)",
                           step, self._directory, damage, moved, intact)
@@ -514,13 +284,13 @@ class Checkpointer:
         """
         self._raise_if_failed()
         self._poll_pending()
-        due = force or self._stop_step is not None or step % self._interval == 0
+        due = force or self._preemption.stop_step is not None or step % self._interval == 0
         if not due or step == self._pending_step or step in self._mngr.all_steps():
             return False
-        typed = [key for key, leaf in _flat(state).items() if _is_typed_key(leaf)]
+        typed = [key for key, leaf in flat(state).items() if is_typed_key(leaf)]
         if typed:
             raise TypeError(
-                f"typed PRNG keys cannot be checkpointed ({_listed(typed)}): "
+                f"typed PRNG keys cannot be checkpointed ({listed(typed)}): "
                 "store jax.random.key_data(key) and jax.random.wrap_key_data after restoring"
             )
         if not isinstance(meta, dict):
@@ -534,7 +304,7 @@ class Checkpointer:
         # Our previous save must be finished (and its failure raised) before its input-state
         # folders may be pruned or a new step started; orbax would wait here anyway.
         self.wait_until_finished()
-        info = {"format_version": _FORMAT_VERSION, "input_state_process_count": None}
+        info = {"format_version": FORMAT_VERSION, "input_state_process_count": None}
         self._saving_step = step
         try:
             if input_state_writer is not None:
@@ -548,9 +318,9 @@ class Checkpointer:
                 step,
                 args=ocp.args.Composite(
                     **{
-                        _STATE: ocp.args.StandardSave(state),
-                        _META: ocp.args.JsonSave(meta),
-                        _INFO: ocp.args.JsonSave(info),
+                        STATE: ocp.args.StandardSave(state),
+                        META: ocp.args.JsonSave(meta),
+                        INFO: ocp.args.JsonSave(info),
                     }
                 ),
                 # We decided above; orbax's own policy would also save step 0 / refuse old steps.
@@ -559,7 +329,7 @@ class Checkpointer:
         except Exception as e:  # pylint: disable=broad-except
             self._fail(step, e)
         self._pending_step = step
-        if self._stop_step is not None:
+        if self._preemption.stop_step is not None:
             logging.info("checkpointing: saving step %d because of preemption", step)
         if not self._async:
             self.wait_until_finished()
@@ -576,7 +346,7 @@ class Checkpointer:
         # Local filesystems: the temporary folder orbax is about to rename; object stores commit
         # in place with a marker file, so the data is in the final folder already.
         step_dir = max(candidates, key=os.path.getmtime) if candidates else final
-        integrity.write_manifest(step_dir, _input_dir(self._directory, step), step)
+        integrity.write_manifest(step_dir, input_dir(self._directory, step), step)
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight is committed; raises `CheckpointSaveError` if it failed."""
@@ -611,7 +381,7 @@ class Checkpointer:
             error = e
         finally:
             self._closed = True
-            self._restore_sigterm_handler()
+            self._preemption.close()
             try:
                 self._mngr.close()
             except Exception as e:  # pylint: disable=broad-except
@@ -638,37 +408,7 @@ class Checkpointer:
         `multihost_utils.reached_preemption_sync_point(step)` is, i.e. at the same step on every
         host. After it returned True once, `save` saves whatever the interval, and it stays True.
         """
-        if self._stop_step is not None:
-            return True
-        if self._distributed:
-            try:
-                reached = multihost_utils.reached_preemption_sync_point(step)
-            except RuntimeError:
-                # The preemption service is disabled (jax_enable_preemption_service=False):
-                # nothing is caught, a SIGTERM kills the process, the last save is the fallback.
-                reached = False
-        else:
-            reached = self._sigterm_seen.is_set()
-        if reached:
-            self._stop_step = step
-            logging.warning("checkpointing: stop requested (preemption) at step %d", step)
-        return reached
-
-    def _install_sigterm_handler(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            logging.warning("checkpointing: not in the main thread, SIGTERM is not handled")
-            return
-
-        def handler(signum, frame):  # pylint: disable=unused-argument
-            # Only a flag: the loop saves at its next step boundary, where the state is whole.
-            self._sigterm_seen.set()
-
-        self._previous_handler = signal.signal(signal.SIGTERM, handler)
-
-    def _restore_sigterm_handler(self) -> None:
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        return self._preemption.should_stop(step)
 
     # --- restoring ------------------------------------------------------------------------------
 
@@ -716,44 +456,37 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"step {step} is not a committed checkpoint in {self._directory} (have {steps})"
             )
-        target = _to_abstract(abstract_state)
+        target = to_abstract(abstract_state)
         # Verify before use: nothing of a damaged step is read.
         damage = self._verified(step)
         if damage is not None:
             intact = next((s for s in reversed(steps) if s < step and self._verified(s) is None), None)
-            error = CheckpointCorruptError(_damage_message(self._directory, step, damage, intact))
-            error.step, error.damage = step, damage
-            raise error
+            raise corrupt_error(self._directory, step, damage, intact)
         try:
-            saved = self._mngr.item_metadata(step)[_STATE]
+            saved = self._mngr.item_metadata(step)[STATE]
         except Exception as e:  # pylint: disable=broad-except
-            raise _read_error(step, self._directory, e) from e
+            raise read_error(step, self._directory, e) from e
         saved_tree = getattr(saved, "tree", saved)
-        _check_against_metadata(target, saved_tree, f"checkpoint step {step} in {self._directory}")
+        check_against_metadata(target, saved_tree, f"checkpoint step {step} in {self._directory}")
         try:
             # The small JSON items first, so that a missing input state fails before the big read.
             small = self._mngr.restore(
                 step,
-                args=ocp.args.Composite(**{_META: ocp.args.JsonRestore(), _INFO: ocp.args.JsonRestore()}),
+                args=ocp.args.Composite(**{META: ocp.args.JsonRestore(), INFO: ocp.args.JsonRestore()}),
             )
         except Exception as e:  # pylint: disable=broad-except
-            raise _read_error(step, self._directory, e) from e
+            raise read_error(step, self._directory, e) from e
         if check_input_state:
-            self._check_input_state(step, small[_INFO] or {})
+            self._check_input_state(step, small[INFO] or {})
         try:
             restored = self._mngr.restore(
-                step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
+                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
             )
         except Exception as e:  # pylint: disable=broad-except
-            if not _is_read_failure(e):
+            if not is_read_failure(e):
                 raise
-            raise _read_error(step, self._directory, e) from e
-        # Rebuild by key path so custom nodes (flax struct.dataclass, optax namedtuples) come back
-        # as the very types the caller passed, whatever containers orbax returns them in.
-        by_key = _flat(restored[_STATE])
-        treedef = jax.tree_util.tree_structure(target)
-        state = jax.tree_util.tree_unflatten(treedef, [by_key[key] for key in _flat(target)])
-        return state, dict(small[_META] or {})
+            raise read_error(step, self._directory, e) from e
+        return rebuild_like(target, restored[STATE]), dict(small[META] or {})
 
     def restore_latest(
         self, abstract_state: PyTree, *, check_input_state: bool = True
@@ -829,7 +562,7 @@ class Checkpointer:
         Only steps at or below the latest committed one: a folder above it may belong to a save
         that another host is starting right now, and is cleared when that step is written.
         """
-        root = os.path.join(self._directory, _INPUT_STATE)
+        root = os.path.join(self._directory, INPUT_STATE)
         if not os.path.isdir(root):
             return
         kept = set(self._mngr.all_steps())
@@ -849,155 +582,3 @@ class Checkpointer:
             except OSError:
                 pass
 
-
-# ---------------------------------------------------------------------------------------------
-# Read-only: one part of a saved state
-# ---------------------------------------------------------------------------------------------
-
-
-def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Optional[int] = None,
-                 *, on_damaged: str = "fallback") -> tuple[dict, int]:
-    """Restores only some top-level fields of a saved train state (e.g. `{"params": ...}`), read-only.
-
-    For evaluation and export: the optimizer state is neither read nor needed, so a workdir
-    trained with another optimizer, clipping, or number of hosts (per-host input state) restores
-    the same. Nothing in `directory` is created, cleaned or deleted, so a training run may still be
-    writing there.
-
-    Args:
-        directory: a `Checkpointer` directory.
-        abstract_part: {field: pytree of jax.ShapeDtypeStruct(shape, dtype, sharding=...)}.
-        step: the step to restore; default the newest intact one (verified against its
-            integrity manifest; a damaged newer step is named in one log line and skipped, never
-            moved, with on_damaged="fallback", or raised with "stop").
-        on_damaged: "fallback" or "stop", for the default step only; an explicit damaged step raises.
-
-    Returns:
-        (part, step): `part` has the structure of `abstract_part`, bitwise equal to what was saved.
-
-    Raises:
-        FileNotFoundError: no committed checkpoint (or not that step) in `directory`.
-        CheckpointRestoreError: a field, key, shape or dtype the checkpoint does not have.
-        CheckpointCorruptError: the step is damaged (see `on_damaged`) or orbax cannot read it.
-    """
-    directory = os.path.abspath(os.fspath(directory))
-    step, saved_tree = _saved_state_metadata(directory, step, on_damaged)
-    target = _to_abstract(abstract_part)
-    have = {k: v for k, v in _flat(saved_tree).items()
-            if any(k == f or k.startswith(f + "/") for f in abstract_part)}
-    missing = [f for f in abstract_part if not any(k == f or k.startswith(f + "/") for k in have)]
-    if missing:
-        raise CheckpointRestoreError(f"checkpoint step {step} in {directory} has no field(s) {missing}")
-    _check_against_metadata(_flat(target), have, f"checkpoint step {step} in {directory}")
-    try:
-        restored = ocp.PyTreeCheckpointer().restore(
-            os.path.join(directory, str(step), _STATE),
-            args=ocp.args.PyTreeRestore(item=target,
-                                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                        partial_restore=True))
-    except Exception as e:  # pylint: disable=broad-except
-        if not _is_read_failure(e):
-            raise
-        raise _read_error(step, directory, e) from e
-    by_key = _flat(restored)
-    treedef = jax.tree_util.tree_structure(target)
-    return jax.tree_util.tree_unflatten(treedef, [by_key[key] for key in _flat(target)]), step
-
-
-class _ReadOnlyNoticeFilter(logging.Filter):
-    """Drops orbax's warnings that a read-only manager is read-only (we asked for it)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not ("read_only=True, setting save_interval_steps" in message
-                    or "Given directory is read only" in message)
-
-
-@contextlib.contextmanager
-def _without_read_only_notices():
-    logger, notice_filter = logging.getLogger("absl"), _ReadOnlyNoticeFilter()
-    logger.addFilter(notice_filter)
-    try:
-        yield
-    finally:
-        logger.removeFilter(notice_filter)
-
-
-def newest_intact_step(directory: str | os.PathLike, steps: list[int], on_damaged: str = "fallback"
-                       ) -> Optional[int]:
-    """The newest of `steps` (committed steps of a Checkpointer directory) that passes its
-    integrity check, read-only: damaged newer ones are named in one log line each (fallback) or
-    raised as `CheckpointCorruptError` (stop), never moved. None when `steps` is empty.
-    """
-    if on_damaged not in ON_DAMAGED:
-        raise ValueError(f"on_damaged must be one of {ON_DAMAGED}, got {on_damaged!r}")
-    directory = os.path.abspath(os.fspath(directory))
-    damaged = []
-    for step in sorted(steps, reverse=True):
-        status, damage = check_step(directory, step)
-        if status == "unverified":
-            logging.warning("checkpointing: step %d in %s has no integrity manifest (saved by an older "
-                            "bert_jax): reading it unverified", step, directory)
-        if damage is None:
-            for bad, bad_damage in damaged:
-                logging.error("checkpointing: checkpoint step %d in %s is damaged: %s; reading step %d instead",
-                              bad, directory, bad_damage, step)
-            return step
-        damaged.append((step, damage))
-        if on_damaged == "stop":
-            break
-    if not damaged:
-        return None
-    step, damage = damaged[0]
-    intact = None
-    if on_damaged == "stop":
-        intact = next((s for s in sorted(steps, reverse=True) if s < step and check_step(directory, s)[1] is None),
-                      None)
-    error = CheckpointCorruptError(_damage_message(directory, step, damage, intact))
-    error.step, error.damage = step, damage
-    raise error
-
-
-def _saved_state_metadata(directory: str, step: Optional[int], on_damaged: str = "fallback"
-                          ) -> tuple[int, PyTree]:
-    """(step, the saved state's metadata tree) of a verified committed step (default the newest
-    intact one), read-only."""
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"no checkpoint directory {directory}")
-    with warnings.catch_warnings(), _without_read_only_notices():
-        warnings.simplefilter("ignore")
-        mngr = ocp.CheckpointManager(
-            directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-            # Every item the Checkpointer writes has its handler, or orbax warns about the others.
-            item_handlers={_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler(),
-                           _INFO: ocp.JsonCheckpointHandler()})
-    try:
-        steps = sorted(mngr.all_steps())
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"no committed checkpoint in {directory}")
-            step = newest_intact_step(directory, steps, on_damaged)
-        elif step not in steps:
-            raise FileNotFoundError(f"step {step} is not a committed checkpoint in {directory} (have {steps})")
-        else:
-            status, damage = check_step(directory, step)
-            if damage is not None:
-                error = CheckpointCorruptError(_damage_message(directory, step, damage, None))
-                error.step, error.damage = step, damage
-                raise error
-        try:
-            saved = mngr.item_metadata(step)[_STATE]
-        except Exception as e:  # pylint: disable=broad-except
-            raise _read_error(step, directory, e) from e
-    finally:
-        mngr.close()
-    return step, getattr(saved, "tree", saved)
-
-
-def saved_keys(directory: str | os.PathLike, step: Optional[int] = None) -> list[str]:
-    """The '/'-joined key paths of a committed step's saved state (default the newest intact), read-only.
-
-    Raises:
-        FileNotFoundError: no committed checkpoint (or not that step) in `directory`.
-    """
-    return sorted(_flat(_saved_state_metadata(os.path.abspath(os.fspath(directory)), step)[1]))

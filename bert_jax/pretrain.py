@@ -5,10 +5,12 @@ TFRecords. Both read the ml_collections config here and pass explicit arguments 
 
 The loop, in order of what can go wrong:
 - every host checks, before compiling, that all hosts resolved the same config (a mismatch exits
-  all of them) and that the batch and the model divide over the mesh;
+  all of them), that the batch and the model divide over the mesh, and that the data, the
+  vocabulary and the model agree (pretrain_checks.py);
 - the state is initialized directly into its shards, or restored from the newest committed
   checkpoint in `workdir/checkpoints` (params, optimizer state, RNG, step) together with each host's
-  input-pipeline position, so a resumed run sees exactly the batches it would have seen;
+  input-pipeline position, so a resumed run sees exactly the batches it would have seen
+  (pretrain_input.py);
 - the data manifest (`dataset_info.json`) is verified before the first step;
 - a non-finite loss or gradient never touches the parameters; `nonfinite="stop"` ends the run with
   a diagnostic, `"skip"` goes on until `max_consecutive_nonfinite` bad steps in a row;
@@ -23,22 +25,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
-import numpy as np
-from jax.experimental import multihost_utils
 
 from bert_jax import checkpointing, modeling, optim, sharding, steps
 from bert_jax.modeling import BertConfig, BertForPreTraining
+# The checks before compiling, and the input; their names are importable from here too.
+from bert_jax.pretrain_checks import (SCHEDULE_KEYS, check_mesh, check_same_config_on_all_hosts,  # noqa: F401
+                                      check_sequence_lengths, check_token_ids, check_vocab_matches_data,
+                                      config_differences, config_fingerprint, data_casing, report_schedule_change,
+                                      special_token_ids)
+from bert_jax.pretrain_input import ShardedInput, make_eval_input, make_train_input, run_eval  # noqa: F401
 
 # Peak dense bf16 FLOP/s per device, for MFU (by jax's device_kind prefix).
 PEAK_FLOPS = {
@@ -99,101 +103,6 @@ def resolve_phases(config: ml_collections.ConfigDict) -> list[Phase]:
     return phases
 
 
-def config_fingerprint(config: ml_collections.ConfigDict) -> str:
-    return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()
-
-
-def _flat_config(config: ml_collections.ConfigDict) -> dict:
-    """{"model.hidden_size": 768, ...}: every leaf of the resolved config, as JSON values."""
-    out = {}
-
-    def walk(d, prefix):
-        for k in sorted(d):
-            if isinstance(d[k], dict):
-                walk(d[k], f"{prefix}{k}.")
-            else:
-                out[f"{prefix}{k}"] = d[k]
-
-    walk(json.loads(config.to_json(sort_keys=True)), "")
-    return out
-
-
-def config_differences(mine: dict, theirs: dict, limit: int = 8) -> list[str]:
-    """`config.key: a != b` for each flattened key whose values differ (or that one side lacks)."""
-    missing = object()
-    keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k, missing) != theirs.get(k, missing))
-    lines = [f"config.{k}: {json.dumps(mine.get(k, '<absent>'))} != {json.dumps(theirs.get(k, '<absent>'))}"
-             for k in keys[:limit]]
-    return lines + ([f"... and {len(keys) - limit} more"] if len(keys) > limit else [])
-
-
-def check_same_config_on_all_hosts(config: ml_collections.ConfigDict) -> None:
-    """Exits every host before compiling when one host resolved a different config, naming the keys
-    that differ from process 0's (every host gathers every host's config, so all exit together)."""
-    if jax.process_count() == 1:
-        return
-    digest = np.frombuffer(bytes.fromhex(config_fingerprint(config)), dtype=np.uint8)
-    digests = np.asarray(multihost_utils.process_allgather(digest))  # [hosts, 32]
-    if (digests == digests[0]).all():
-        return
-    text = np.frombuffer(config.to_json(sort_keys=True).encode(), dtype=np.uint8)
-    lengths = np.asarray(multihost_utils.process_allgather(np.array([text.size], np.int32))).reshape(-1)
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[:text.size] = text
-    texts = np.asarray(multihost_utils.process_allgather(padded))  # [hosts, longest]
-    flat = [_flat_config(ml_collections.ConfigDict(json.loads(bytes(t[:n]).decode())))
-            for t, n in zip(texts, lengths)]
-    report = [f"process {host} vs process 0: " + "; ".join(config_differences(flat[host], flat[0]))
-              for host in range(1, len(flat)) if not (digests[host] == digests[0]).all()]
-    raise SystemExit(f"process {jax.process_index()}: config mismatch across hosts (every host must get "
-                     f"the same config file and overrides): " + " | ".join(report))
-
-
-def check_sequence_lengths(config: ml_collections.ConfigDict, bert_config: BertConfig, phases: list) -> None:
-    """Each phase's length against the position table and against its records, before compiling
-    (else: a trace error without the field, or a tf parse error, at phase 2 hours into a run)."""
-    from data_pipeline import input_pipeline
-    for i, phase in enumerate(phases):
-        where = f"config.phases[{i}]." if config.phases else "config."
-        if phase.max_seq_length > bert_config.max_position_embeddings:
-            raise ValueError(
-                f"{where}max_seq_length={phase.max_seq_length} exceeds config.model.max_position_embeddings="
-                f"{bert_config.max_position_embeddings}: the model has no position embedding past "
-                f"{bert_config.max_position_embeddings} (lower the length or enlarge the model's table)")
-        length, predictions = input_pipeline.record_shape(phase.train_data)
-        if (length, predictions) != (phase.max_seq_length, phase.max_predictions_per_seq):
-            raise ValueError(
-                f"the records {phase.train_data} were written with max_seq_length={length}, "
-                f"max_predictions_per_seq={predictions}, but {where}max_seq_length={phase.max_seq_length}, "
-                f"{where}max_predictions_per_seq={phase.max_predictions_per_seq}: set these to the records' "
-                f"values, or write records at this length (create_pretraining_data --max_seq_length=... "
-                f"--max_predictions_per_seq=...)")
-
-
-SCHEDULE_KEYS = ("learning_rate", "warmup_steps", "num_train_steps", "lr_decay_power", "google_lr_schedule",
-                 "optimizer")
-
-
-def report_schedule_change(config: ml_collections.ConfigDict, meta: dict, step: int) -> None:
-    """A resumed run whose learning rate or schedule differs from the checkpoint's says so, with both
-    values (allowed: e.g. a longer run, or a lower rate after a loss spike)."""
-    saved = meta.get("schedule") or {}
-    for key in SCHEDULE_KEYS:
-        if key in saved and saved[key] != config.get(key):
-            logging.warning("resuming step %d with config.%s=%r; the checkpoint was trained with config.%s=%r",
-                            step, key, config.get(key), key, saved[key])
-
-
-def special_token_ids(vocab_file: str) -> Optional[dict]:
-    if not vocab_file:
-        return None
-    from data_pipeline import tokenization  # the loop module may touch the data side
-    vocab = tokenization.load_vocab(vocab_file)
-    tokenization.require_tokens(vocab, f"config.vocab_file={vocab_file}", ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
-    return dict(pad_id=vocab["[PAD]"], cls_id=vocab["[CLS]"], sep_id=vocab["[SEP]"],
-                mask_id=vocab["[MASK]"], vocab_size=max(vocab.values()) + 1)  # ids, not distinct tokens
-
-
 def peak_flops_per_device() -> Optional[float]:
     kind = jax.devices()[0].device_kind
     for prefix, flops in PEAK_FLOPS.items():
@@ -223,24 +132,6 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
         return steps.create_train_state(params, tx, dropout_rng)
 
     return model, tx, schedule, init_state
-
-
-def check_mesh(config, bert_config: BertConfig, mesh) -> None:
-    for field in ("global_batch_size", "checkpoint_every_steps"):
-        if config[field] < 1:
-            raise ValueError(f"config.{field}={config[field]} must be at least 1")
-    if config.eval_batch_size < 0:
-        raise ValueError(f"config.eval_batch_size={config.eval_batch_size} must be >= 0 (0: global_batch_size)")
-    sharding.check_divisibility(
-        mesh, global_batch_size=config.global_batch_size,
-        num_attention_heads=bert_config.num_attention_heads,
-        intermediate_size=bert_config.intermediate_size, hidden_size=bert_config.hidden_size)
-    k = config.grad_accum_steps
-    if k < 1 or config.global_batch_size % k or (config.global_batch_size // k) % sharding.axis_size(
-            mesh, sharding.BATCH_AXES):
-        raise ValueError(
-            f"config.grad_accum_steps={k}: global_batch_size={config.global_batch_size} / {k} must be "
-            f"a whole number divisible by data*fsdp={sharding.axis_size(mesh, sharding.BATCH_AXES)}")
 
 
 def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
@@ -281,164 +172,6 @@ def _write_if_changed(path: str, data: bytes) -> None:
         pass
     with open(path, "wb") as f:
         f.write(data)
-
-
-def check_token_ids(batch: dict, vocab_size: int, data: str) -> None:
-    """Raises naming the data and config.model.vocab_size when a batch holds an id past the
-    embedding table (on an accelerator it would be clamped or turn the loss into NaN)."""
-    for key in ("input_ids", "masked_lm_ids"):
-        if key in batch and batch[key].size:
-            largest = int(batch[key].max())
-            if largest >= vocab_size:
-                raise ValueError(f"{data}: {key} holds token id {largest} but config.model.vocab_size={vocab_size}: "
-                                 "the data was made with a larger vocabulary than the model's")
-
-
-def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
-    """Raises when `vocab_file` is not the vocabulary the data was made with: ids would mean
-    other tokens (dynamic masking's random tokens, fill-in-the-blank). The data's
-    dataset_info.json records that vocabulary's sha256 and path; equal bytes pass, and so does
-    another file with the same tokens (line endings, final newline). When the recorded file is
-    gone and the bytes differ, the tokens cannot be compared: a warning."""
-    if not vocab_file:
-        return
-    import tensorflow as tf  # tf.io.gfile: gs:// paths too (the input pipeline's import anyway)
-
-    from data_pipeline import input_pipeline, schema, tokenization
-
-    digest = None
-    for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
-        info = input_pipeline.dataset_info(pattern)
-        want = info.get("vocab_sha256")
-        if not want:
-            continue
-        if digest is None:
-            digest = schema.sha256_file(vocab_file)  # as create_pretraining_data records it
-        if digest == want:
-            continue
-        made_with = info.get("flags", {}).get("vocab_file")
-        if made_with and tf.io.gfile.exists(made_with):
-            if list(tokenization.load_vocab(made_with).items()) == list(tokenization.load_vocab(vocab_file).items()):
-                continue  # the same tokens and ids in another file
-            raise ValueError(f"config.vocab_file={vocab_file} is not the vocabulary {pattern} was made with "
-                             f"({made_with}, per its dataset_info.json): their tokens differ, so the "
-                             "data's token ids would mean other tokens")
-        logging.warning("config.vocab_file=%s differs byte-wise from the vocabulary %s was made with (%s, "
-                        "no longer readable; sha256 %s... in its dataset_info.json): make sure it has the "
-                        "same tokens", vocab_file, pattern, made_with, want[:12])
-
-
-def data_casing(phases: Sequence[Phase]) -> Optional[bool]:
-    """`do_lower_case` the training data was made with (its dataset_info.json flags), if recorded
-    and the same for every phase; None otherwise."""
-    from data_pipeline import input_pipeline
-
-    found = {input_pipeline.dataset_info(p.train_data).get("flags", {}).get("do_lower_case") for p in phases}
-    if len(found) > 1:
-        logging.warning("the phases' data disagree on do_lower_case (%s): no casing recorded in the workdir",
-                        sorted(found, key=str))
-        return None
-    value = found.pop()
-    return value if isinstance(value, bool) else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Input
-# ---------------------------------------------------------------------------------------------
-
-
-class ShardedInput:
-    """This host's share of `num_shards` file shards, one pipeline each, rows concatenated.
-
-    With `config.data_shards` fixed, the global batch does not depend on how many processes read
-    it: 1 process reading 2 shards yields exactly the batches of 2 processes reading 1 each. That
-    is what makes a run reproducible across host counts (and testable on one machine).
-    """
-
-    def __init__(self, make, num_shards: int):
-        count, index = jax.process_count(), jax.process_index()
-        if num_shards % count:
-            raise ValueError(f"config.data_shards={num_shards} must be a multiple of the number of "
-                             f"processes ({count})")
-        per_host = num_shards // count
-        self.shards = [make(index * per_host + j, num_shards, per_host) for j in range(per_host)]
-
-    def __next__(self) -> dict:
-        parts = [next(s) for s in self.shards]
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-    def save_state(self, directory: str) -> None:
-        for j, s in enumerate(self.shards):
-            s.save_state(os.path.join(directory, f"shard_{j}"))
-
-    def restore_state(self, directory: str) -> None:
-        for j, s in enumerate(self.shards):
-            s.restore_state(os.path.join(directory, f"shard_{j}"))
-
-
-def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> ShardedInput:
-    from data_pipeline import input_pipeline
-
-    # Which ids are `##` pieces: whole-word dynamic masking (asked, or as the records were made).
-    subword = (input_pipeline.subword_table(config.vocab_file)
-               if config.dynamic_masking and config.vocab_file else None)
-
-    def make(shard: int, num_shards: int, shards_per_host: int):
-        per_host = config.global_batch_size // jax.process_count()
-        if per_host % shards_per_host:
-            raise ValueError(f"config.global_batch_size={config.global_batch_size} must divide into "
-                             f"config.data_shards={num_shards} equal parts")
-        return input_pipeline.PretrainingInput(
-            phase.train_data,
-            per_host_batch_size=per_host // shards_per_host,
-            max_seq_length=phase.max_seq_length,
-            max_predictions_per_seq=phase.max_predictions_per_seq,
-            seed=config.seed,
-            process_index=shard,
-            process_count=num_shards,
-            shuffle_buffer_size=config.shuffle_buffer_size,
-            dynamic_masking=config.dynamic_masking,
-            special_ids=special_ids,
-            whole_word_mask=config.get("dynamic_whole_word_mask"),
-            subword=subword,
-            packing=config.packing,
-            max_seqs_per_pack=config.max_seqs_per_pack,
-            verify=config.verify_data,
-            skip_corrupt=config.skip_corrupt_records,
-        )
-
-    return ShardedInput(make, config.data_shards or jax.process_count())
-
-
-def make_eval_input(config, data: str):
-    """One padded pass over `data`, at the records' own length and prediction count (whatever the
-    training phase's are: a 128 -> 512 run evaluates on the same held-out records throughout)."""
-    from data_pipeline import input_pipeline
-    max_seq_length, max_predictions_per_seq = input_pipeline.record_shape(data)
-    global_batch = config.eval_batch_size or config.global_batch_size
-    return input_pipeline.make_eval_iterator(
-        data,
-        per_host_batch_size=global_batch // jax.process_count(),
-        max_seq_length=max_seq_length,
-        max_predictions_per_seq=max_predictions_per_seq,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        verify=config.verify_data,
-        skip_corrupt=config.skip_corrupt_records,
-    )
-
-
-def run_eval(p_eval, params, batches, mesh, max_batches: int = 0) -> dict:
-    """Sums over one pass (or `max_batches`) of a finite, padded eval iterator."""
-    totals = None
-    for i, batch in enumerate(batches):
-        if max_batches and i >= max_batches:
-            break
-        sums = p_eval(params, sharding.to_global(batch, mesh))
-        totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
-    if totals is None:
-        raise ValueError("the evaluation data yielded no batch (fewer records than one batch per host?)")
-    return steps.summarize(jax.device_get(totals))
 
 
 # ---------------------------------------------------------------------------------------------

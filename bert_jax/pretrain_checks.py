@@ -1,0 +1,232 @@
+"""Pretraining's checks before compiling: the settings, the mesh, the data and the vocabulary agree.
+
+A mistake in a pretraining config should stop the run at startup, on every host, with a message
+that names the field and the fix, rather than as a trace error, a silent clamp, or a NaN hours in.
+`pretrain.run` calls these in order:
+
+- `check_same_config_on_all_hosts`: every host resolved the same config (else all hosts exit,
+  naming the keys that differ);
+- `check_sequence_lengths`: each phase's length fits the position table and is the records' length;
+- `check_mesh`: the batch, gradient accumulation and the model divide over the mesh;
+- `special_token_ids`, `check_vocab_matches_data`: the vocabulary has the special tokens and is the
+  one the data was made with; `check_token_ids` checks each batch against the embedding table;
+- `report_schedule_change`: a resumed run says when its learning-rate schedule differs from the
+  checkpoint's (allowed, but worth a line);
+- `data_casing`: the casing the data was made with, for the workdir's tokenizer config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from bert_jax import sharding
+from bert_jax.modeling import BertConfig
+
+if TYPE_CHECKING:
+    from bert_jax.pretrain import Phase
+
+# The config fields of the learning-rate schedule, saved with each checkpoint to compare on resume.
+SCHEDULE_KEYS = ("learning_rate", "warmup_steps", "num_train_steps", "lr_decay_power", "google_lr_schedule",
+                 "optimizer")
+
+
+# ---------------------------------------------------------------------------------------------
+# The config: the same on every host
+# ---------------------------------------------------------------------------------------------
+
+
+def config_fingerprint(config: ml_collections.ConfigDict) -> str:
+    """sha256 of the resolved config's canonical JSON."""
+    return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()
+
+
+def _flat_config(config: ml_collections.ConfigDict) -> dict:
+    """{"model.hidden_size": 768, ...}: every leaf of the resolved config, as JSON values."""
+    out = {}
+
+    def walk(d, prefix):
+        for k in sorted(d):
+            if isinstance(d[k], dict):
+                walk(d[k], f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = d[k]
+
+    walk(json.loads(config.to_json(sort_keys=True)), "")
+    return out
+
+
+def config_differences(mine: dict, theirs: dict, limit: int = 8) -> list[str]:
+    """`config.key: a != b` for each flattened key whose values differ (or that one side lacks)."""
+    missing = object()
+    keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k, missing) != theirs.get(k, missing))
+    lines = [f"config.{k}: {json.dumps(mine.get(k, '<absent>'))} != {json.dumps(theirs.get(k, '<absent>'))}"
+             for k in keys[:limit]]
+    return lines + ([f"... and {len(keys) - limit} more"] if len(keys) > limit else [])
+
+
+def check_same_config_on_all_hosts(config: ml_collections.ConfigDict) -> None:
+    """Exits every host before compiling when one host resolved a different config, naming the keys
+    that differ from process 0's (every host gathers every host's config, so all exit together)."""
+    if jax.process_count() == 1:
+        return
+    digest = np.frombuffer(bytes.fromhex(config_fingerprint(config)), dtype=np.uint8)
+    digests = np.asarray(multihost_utils.process_allgather(digest))  # [hosts, 32]
+    if (digests == digests[0]).all():
+        return
+    text = np.frombuffer(config.to_json(sort_keys=True).encode(), dtype=np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.array([text.size], np.int32))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:text.size] = text
+    texts = np.asarray(multihost_utils.process_allgather(padded))  # [hosts, longest]
+    flat = [_flat_config(ml_collections.ConfigDict(json.loads(bytes(t[:n]).decode())))
+            for t, n in zip(texts, lengths)]
+    report = [f"process {host} vs process 0: " + "; ".join(config_differences(flat[host], flat[0]))
+              for host in range(1, len(flat)) if not (digests[host] == digests[0]).all()]
+    raise SystemExit(f"process {jax.process_index()}: config mismatch across hosts (every host must get "
+                     f"the same config file and overrides): " + " | ".join(report))
+
+
+# ---------------------------------------------------------------------------------------------
+# The settings against the model and the mesh
+# ---------------------------------------------------------------------------------------------
+
+
+def check_mesh(config, bert_config: BertConfig, mesh) -> None:
+    """The batch sizes and intervals are positive, and the batch (per accumulation step) and the
+    model's heads and widths divide over the mesh."""
+    for field in ("global_batch_size", "checkpoint_every_steps"):
+        if config[field] < 1:
+            raise ValueError(f"config.{field}={config[field]} must be at least 1")
+    if config.eval_batch_size < 0:
+        raise ValueError(f"config.eval_batch_size={config.eval_batch_size} must be >= 0 (0: global_batch_size)")
+    sharding.check_divisibility(
+        mesh, global_batch_size=config.global_batch_size,
+        num_attention_heads=bert_config.num_attention_heads,
+        intermediate_size=bert_config.intermediate_size, hidden_size=bert_config.hidden_size)
+    k = config.grad_accum_steps
+    if k < 1 or config.global_batch_size % k or (config.global_batch_size // k) % sharding.axis_size(
+            mesh, sharding.BATCH_AXES):
+        raise ValueError(
+            f"config.grad_accum_steps={k}: global_batch_size={config.global_batch_size} / {k} must be "
+            f"a whole number divisible by data*fsdp={sharding.axis_size(mesh, sharding.BATCH_AXES)}")
+
+
+def check_sequence_lengths(config: ml_collections.ConfigDict, bert_config: BertConfig, phases: list) -> None:
+    """Each phase's length against the position table and against its records, before compiling
+    (else: a trace error without the field, or a tf parse error, at phase 2 hours into a run)."""
+    from data_pipeline import input_pipeline
+    for i, phase in enumerate(phases):
+        where = f"config.phases[{i}]." if config.phases else "config."
+        if phase.max_seq_length > bert_config.max_position_embeddings:
+            raise ValueError(
+                f"{where}max_seq_length={phase.max_seq_length} exceeds config.model.max_position_embeddings="
+                f"{bert_config.max_position_embeddings}: the model has no position embedding past "
+                f"{bert_config.max_position_embeddings} (lower the length or enlarge the model's table)")
+        length, predictions = input_pipeline.record_shape(phase.train_data)
+        if (length, predictions) != (phase.max_seq_length, phase.max_predictions_per_seq):
+            raise ValueError(
+                f"the records {phase.train_data} were written with max_seq_length={length}, "
+                f"max_predictions_per_seq={predictions}, but {where}max_seq_length={phase.max_seq_length}, "
+                f"{where}max_predictions_per_seq={phase.max_predictions_per_seq}: set these to the records' "
+                f"values, or write records at this length (create_pretraining_data --max_seq_length=... "
+                f"--max_predictions_per_seq=...)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The vocabulary and the data
+# ---------------------------------------------------------------------------------------------
+
+
+def special_token_ids(vocab_file: str) -> Optional[dict]:
+    """The ids of [PAD], [CLS], [SEP], [MASK] in `vocab_file` and its size in ids (None without one);
+    raises naming the file when one of those tokens is missing."""
+    if not vocab_file:
+        return None
+    from data_pipeline import tokenization  # the loop's checks may touch the data side
+    vocab = tokenization.load_vocab(vocab_file)
+    tokenization.require_tokens(vocab, f"config.vocab_file={vocab_file}", ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
+    return dict(pad_id=vocab["[PAD]"], cls_id=vocab["[CLS]"], sep_id=vocab["[SEP]"],
+                mask_id=vocab["[MASK]"], vocab_size=max(vocab.values()) + 1)  # ids, not distinct tokens
+
+
+def check_token_ids(batch: dict, vocab_size: int, data: str) -> None:
+    """Raises naming the data and config.model.vocab_size when a batch holds an id past the
+    embedding table (on an accelerator it would be clamped or turn the loss into NaN)."""
+    for key in ("input_ids", "masked_lm_ids"):
+        if key in batch and batch[key].size:
+            largest = int(batch[key].max())
+            if largest >= vocab_size:
+                raise ValueError(f"{data}: {key} holds token id {largest} but config.model.vocab_size={vocab_size}: "
+                                 "the data was made with a larger vocabulary than the model's")
+
+
+def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
+    """Raises when `vocab_file` is not the vocabulary the data was made with: ids would mean
+    other tokens (dynamic masking's random tokens, fill-in-the-blank). The data's
+    dataset_info.json records that vocabulary's sha256 and path; equal bytes pass, and so does
+    another file with the same tokens (line endings, final newline). When the recorded file is
+    gone and the bytes differ, the tokens cannot be compared: a warning."""
+    if not vocab_file:
+        return
+    import tensorflow as tf  # tf.io.gfile: gs:// paths too (the input pipeline's import anyway)
+
+    from data_pipeline import input_pipeline, schema, tokenization
+
+    digest = None
+    for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
+        info = input_pipeline.dataset_info(pattern)
+        want = info.get("vocab_sha256")
+        if not want:
+            continue
+        if digest is None:
+            digest = schema.sha256_file(vocab_file)  # as create_pretraining_data records it
+        if digest == want:
+            continue
+        made_with = info.get("flags", {}).get("vocab_file")
+        if made_with and tf.io.gfile.exists(made_with):
+            if list(tokenization.load_vocab(made_with).items()) == list(tokenization.load_vocab(vocab_file).items()):
+                continue  # the same tokens and ids in another file
+            raise ValueError(f"config.vocab_file={vocab_file} is not the vocabulary {pattern} was made with "
+                             f"({made_with}, per its dataset_info.json): their tokens differ, so the "
+                             "data's token ids would mean other tokens")
+        logging.warning("config.vocab_file=%s differs byte-wise from the vocabulary %s was made with (%s, "
+                        "no longer readable; sha256 %s... in its dataset_info.json): make sure it has the "
+                        "same tokens", vocab_file, pattern, made_with, want[:12])
+
+
+def data_casing(phases: Sequence[Phase]) -> Optional[bool]:
+    """`do_lower_case` the training data was made with (its dataset_info.json flags), if recorded
+    and the same for every phase; None otherwise."""
+    from data_pipeline import input_pipeline
+
+    found = {input_pipeline.dataset_info(p.train_data).get("flags", {}).get("do_lower_case") for p in phases}
+    if len(found) > 1:
+        logging.warning("the phases' data disagree on do_lower_case (%s): no casing recorded in the workdir",
+                        sorted(found, key=str))
+        return None
+    value = found.pop()
+    return value if isinstance(value, bool) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming
+# ---------------------------------------------------------------------------------------------
+
+
+def report_schedule_change(config: ml_collections.ConfigDict, meta: dict, step: int) -> None:
+    """A resumed run whose learning rate or schedule differs from the checkpoint's says so, with both
+    values (allowed: e.g. a longer run, or a lower rate after a loss spike)."""
+    saved = meta.get("schedule") or {}
+    for key in SCHEDULE_KEYS:
+        if key in saved and saved[key] != config.get(key):
+            logging.warning("resuming step %d with config.%s=%r; the checkpoint was trained with config.%s=%r",
+                            step, key, config.get(key), key, saved[key])
+

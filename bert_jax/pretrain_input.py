@@ -1,0 +1,119 @@
+"""Pretraining's input: the training batches of a phase, the evaluation pass, and its scores.
+
+`make_train_input` builds this host's share of a phase's data (`ShardedInput`: a fixed number of
+file shards, so the global batch does not depend on the host count) from
+`data_pipeline.input_pipeline`; it yields host-local numpy batches and saves/restores its position
+with each checkpoint. `make_eval_input` is one padded pass over held-out records and `run_eval`
+sums `eval_step` over it. The batches become global arrays in `run_eval` here and in the loop
+(`sharding.to_global`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bert_jax import sharding, steps
+
+if TYPE_CHECKING:
+    from bert_jax.pretrain import Phase
+
+
+class ShardedInput:
+    """This host's share of `num_shards` file shards, one pipeline each, rows concatenated.
+
+    With `config.data_shards` fixed, the global batch does not depend on how many processes read
+    it: 1 process reading 2 shards yields exactly the batches of 2 processes reading 1 each. That
+    is what makes a run reproducible across host counts (and testable on one machine).
+    """
+
+    def __init__(self, make, num_shards: int):
+        count, index = jax.process_count(), jax.process_index()
+        if num_shards % count:
+            raise ValueError(f"config.data_shards={num_shards} must be a multiple of the number of "
+                             f"processes ({count})")
+        per_host = num_shards // count
+        self.shards = [make(index * per_host + j, num_shards, per_host) for j in range(per_host)]
+
+    def __next__(self) -> dict:
+        parts = [next(s) for s in self.shards]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def save_state(self, directory: str) -> None:
+        for j, s in enumerate(self.shards):
+            s.save_state(os.path.join(directory, f"shard_{j}"))
+
+    def restore_state(self, directory: str) -> None:
+        for j, s in enumerate(self.shards):
+            s.restore_state(os.path.join(directory, f"shard_{j}"))
+
+
+def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> ShardedInput:
+    """This host's training batches of `phase`: its rows of `config.global_batch_size`, from
+    `config.data_shards` file shards (default one per process)."""
+    from data_pipeline import input_pipeline
+
+    # Which ids are `##` pieces: whole-word dynamic masking (asked, or as the records were made).
+    subword = (input_pipeline.subword_table(config.vocab_file)
+               if config.dynamic_masking and config.vocab_file else None)
+
+    def make(shard: int, num_shards: int, shards_per_host: int):
+        per_host = config.global_batch_size // jax.process_count()
+        if per_host % shards_per_host:
+            raise ValueError(f"config.global_batch_size={config.global_batch_size} must divide into "
+                             f"config.data_shards={num_shards} equal parts")
+        return input_pipeline.PretrainingInput(
+            phase.train_data,
+            per_host_batch_size=per_host // shards_per_host,
+            max_seq_length=phase.max_seq_length,
+            max_predictions_per_seq=phase.max_predictions_per_seq,
+            seed=config.seed,
+            process_index=shard,
+            process_count=num_shards,
+            shuffle_buffer_size=config.shuffle_buffer_size,
+            dynamic_masking=config.dynamic_masking,
+            special_ids=special_ids,
+            whole_word_mask=config.get("dynamic_whole_word_mask"),
+            subword=subword,
+            packing=config.packing,
+            max_seqs_per_pack=config.max_seqs_per_pack,
+            verify=config.verify_data,
+            skip_corrupt=config.skip_corrupt_records,
+        )
+
+    return ShardedInput(make, config.data_shards or jax.process_count())
+
+
+def make_eval_input(config, data: str):
+    """One padded pass over `data`, at the records' own length and prediction count (whatever the
+    training phase's are: a 128 -> 512 run evaluates on the same held-out records throughout)."""
+    from data_pipeline import input_pipeline
+    max_seq_length, max_predictions_per_seq = input_pipeline.record_shape(data)
+    global_batch = config.eval_batch_size or config.global_batch_size
+    return input_pipeline.make_eval_iterator(
+        data,
+        per_host_batch_size=global_batch // jax.process_count(),
+        max_seq_length=max_seq_length,
+        max_predictions_per_seq=max_predictions_per_seq,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        verify=config.verify_data,
+        skip_corrupt=config.skip_corrupt_records,
+    )
+
+
+def run_eval(p_eval, params, batches, mesh, max_batches: int = 0) -> dict:
+    """Sums over one pass (or `max_batches`) of a finite, padded eval iterator."""
+    totals = None
+    for i, batch in enumerate(batches):
+        if max_batches and i >= max_batches:
+            break
+        sums = p_eval(params, sharding.to_global(batch, mesh))
+        totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
+    if totals is None:
+        raise ValueError("the evaluation data yielded no batch (fewer records than one batch per host?)")
+    return steps.summarize(jax.device_get(totals))
