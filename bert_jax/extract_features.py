@@ -250,6 +250,8 @@ def _define_flags():
     flags.DEFINE_integer("max_seq_length", 128, "Maximum sequence length (longer input is truncated).")
     flags.DEFINE_string("init_checkpoint", None, "Checkpoint: Google TF1, HuggingFace or bert_jax.")
     flags.DEFINE_string("vocab_file", None, "vocab.txt; default: the checkpoint's.")
+    flags.DEFINE_enum("google_gelu", None, ["erf", "tanh"], "A Google checkpoint's \"gelu\": erf (default: "
+                      "the 2018 releases) or tanh (trained with google-research/bert since 2019-02).")
     flags.DEFINE_bool("do_lower_case", True, "Lower-case the input (uncased models); default: the "
                       "checkpoint's casing when it records one, else true.")
     flags.DEFINE_integer("batch_size", 32, "Examples per batch.")
@@ -277,7 +279,7 @@ def main(argv):
         raise ValueError(f"--batch_size={FLAGS.batch_size} must be at least 1")
     if FLAGS.max_seq_length < 3:
         raise ValueError(f"--max_seq_length={FLAGS.max_seq_length}: must be at least 3 ([CLS] x [SEP])")
-    pretrained = convert.load_pretrained(FLAGS.init_checkpoint)
+    pretrained = convert.load_pretrained(FLAGS.init_checkpoint, google_gelu=FLAGS.google_gelu)
     config = pretrained.config
     if FLAGS.bert_config_file:
         config = BertConfig.from_json_file(FLAGS.bert_config_file)

@@ -46,12 +46,14 @@ def fill_mask(params: dict, bert_config, tokenizer, texts: Sequence[str], top_k:
     return results
 
 
-def load(init_checkpoint: str, vocab_file: Optional[str] = None, do_lower_case: Optional[bool] = None):
-    """(params, BertConfig, tokenizer) for `fill_mask` from a checkpoint in any format."""
+def load(init_checkpoint: str, vocab_file: Optional[str] = None, do_lower_case: Optional[bool] = None,
+         google_gelu: Optional[str] = None):
+    """(params, BertConfig, tokenizer) for `fill_mask` from a checkpoint in any format (`google_gelu`:
+    what a Google checkpoint's "gelu" is, "erf" by default or "tanh"; docs/checkpoints.md)."""
     from bert_jax import convert
     from data_pipeline import tokenization
 
-    p = convert.load_pretrained(init_checkpoint)
+    p = convert.load_pretrained(init_checkpoint, google_gelu=google_gelu)
     if "mlm" not in p.params:
         raise ValueError(f"{init_checkpoint} has no masked-LM head (an encoder-only checkpoint): "
                          f"fill-in-the-blank needs one")
@@ -77,12 +79,14 @@ def main(argv=None) -> int:
     parser.add_argument("--top_k", type=int, default=5, help="guesses per [MASK] (>= 1)")
     parser.add_argument("--vocab_file", default=None)
     parser.add_argument("--do_lower_case", choices=("true", "false"), default=None)
+    parser.add_argument("--google_gelu", choices=("erf", "tanh"), default=None,
+                        help="a Google checkpoint's \"gelu\": erf (default: the 2018 releases) or tanh")
     args = parser.parse_args(argv)
     if args.top_k < 1:
         parser.error(f"--top_k={args.top_k} must be at least 1")
     lower = None if args.do_lower_case is None else args.do_lower_case == "true"
     try:
-        params, config, tokenizer = load(args.init_checkpoint, args.vocab_file, lower)
+        params, config, tokenizer = load(args.init_checkpoint, args.vocab_file, lower, args.google_gelu)
         results = fill_mask(params, config, tokenizer, args.text, args.top_k)
     except (ValueError, FileNotFoundError) as e:  # bad input: one line, not a traceback
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

@@ -196,7 +196,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     init_params, vocab_file, do_lower_case = None, config.vocab_file, config.do_lower_case
     if config.init_checkpoint:
         from bert_jax import convert
-        pretrained = convert.load_pretrained(config.init_checkpoint)
+        pretrained = convert.load_pretrained(config.init_checkpoint, google_gelu=config.get("google_gelu"))
         init_params = convert.model_params(pretrained, bert_config, heads=False)
         vocab_file = vocab_file or pretrained.vocab_file
         if do_lower_case is None:

@@ -79,7 +79,7 @@ def bert_config_from(config: ml_collections.ConfigDict) -> BertConfig:
         ours = {k: v for k, v in config.model.to_dict().items()
                 if k in ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl",
                          "vocab_pad_multiple", "sparse_last_layer")}
-        return convert.load_config(init, **ours)
+        return convert.load_config(init, google_gelu=config.get("google_gelu"), **ours)
     return BertConfig.from_dict(config.model.to_dict())
 
 
@@ -236,7 +236,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         start_step = 0
         if config.init_checkpoint:  # continued pretraining from released (or our) weights
             state = state.replace(params=init_from_checkpoint(
-                config.init_checkpoint, bert_config, state.params, state_shardings.params))
+                config.init_checkpoint, bert_config, state.params, state_shardings.params,
+                google_gelu=config.get("google_gelu")))
             logging.info("initialized from %s", config.init_checkpoint)
 
     writer = metric_writers.create_default_writer(
@@ -427,13 +428,13 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def init_from_checkpoint(path: str, bert_config: BertConfig, fresh_params: dict, shardings: dict,
-                         *, require_heads: bool = False) -> dict:
+                         *, require_heads: bool = False, google_gelu: Optional[str] = None) -> dict:
     """`fresh_params` with every part `path` (any format) has replaced by its weights, on `shardings`.
 
     Heads the checkpoint lacks keep their fresh initialization (logged), unless `require_heads`.
     """
     from bert_jax import convert
-    pretrained = convert.load_pretrained(path)
+    pretrained = convert.load_pretrained(path, google_gelu=google_gelu)
     if pretrained.missing:
         if require_heads:
             raise ValueError(f"config.init_checkpoint={path} has no {' and no '.join(pretrained.missing)} "
@@ -467,7 +468,8 @@ def load_params(config, bert_config: BertConfig, mesh):
     train_state_dir = os.path.isdir(os.path.join(path, "checkpoints")) or (
         convert.detect_format(path) == "bert_jax" and not os.path.isdir(os.path.join(path, "params")))
     if not train_state_dir:  # an export, a Google or a HuggingFace checkpoint
-        return init_from_checkpoint(path, bert_config, {}, shardings, require_heads=True), shardings
+        return init_from_checkpoint(path, bert_config, {}, shardings, require_heads=True,
+                                    google_gelu=config.get("google_gelu")), shardings
     ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
     try:
         saved_scanned = any("/encoder/layers/" in key for key in checkpointing.saved_keys(ckpt_dir))

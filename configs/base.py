@@ -97,4 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
     # pretrain: initial weights when the workdir has no checkpoint yet; evaluate: what to score.
     # Any format: a bert_jax workdir or export, a Google TF1 checkpoint, a HuggingFace directory.
     config.init_checkpoint = ""
+    # What a Google TF1 init_checkpoint's hidden_act="gelu" is: None = "erf" (the 2018 releases),
+    # "tanh" for models trained with google-research/bert's code since 2019-02 (docs/checkpoints.md).
+    config.google_gelu = config_dict.placeholder(str)
     return config

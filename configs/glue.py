@@ -43,6 +43,7 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     # --- model ---
     # The encoder: any format bert_jax.convert reads (bert_jax workdir/export, Google TF1, HF).
     config.init_checkpoint = ""
+    config.google_gelu = config_dict.placeholder(str)  # a Google checkpoint's "gelu": None/"erf" or "tanh"
     config.vocab_file = ""  # "" = the checkpoint's vocab.txt
     config.do_lower_case = config_dict.placeholder(bool)  # None = the checkpoint's casing (else True)
     config.model = base.get_model_config()  # used without init_checkpoint; else only dtype/scan/remat/attention

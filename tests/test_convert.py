@@ -541,6 +541,18 @@ def test_cli_google_gelu_flag(google_dir, tmp_path, capsys, caplog):
     assert "invalid choice: 'exact'" in capsys.readouterr().err
 
 
+def test_google_gelu_reaches_the_tools_that_read_an_init_checkpoint(google_dir):
+    """config.google_gelu (pretraining, evaluation, fine-tuning) and fill_mask's google_gelu read a
+    Google checkpoint's "gelu" as asked; erf when not asked."""
+    from bert_jax import fill_mask, pretrain
+    from configs import base, glue
+    for flag, act in ((None, "gelu"), ("erf", "gelu"), ("tanh", "gelu_tanh")):
+        for config in (base.get_config(), glue.get_config()):
+            config.init_checkpoint, config.google_gelu = google_dir[0], flag
+            assert pretrain.bert_config_from(config).hidden_act == act, (flag, config.mode)
+        assert fill_mask.load(google_dir[0], google_gelu=flag)[1].hidden_act == act
+
+
 def test_pretraining_workdir_is_a_bert_jax_checkpoint(google_dir, tmp_path):
     """A workdir's newest TrainState (checkpoints/<step>/state) loads like an export."""
     import optax
