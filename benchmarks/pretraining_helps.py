@@ -1,0 +1,538 @@
+"""Does pretraining with bert_jax make fine-tuning better? BERT-Tiny, from scratch, on CPU (issue 28).
+
+    python benchmarks/pretraining_helps.py --workdir=/tmp/ph [--pretrain_steps=N] \\
+        [--tasks=sst2,cola,stsb,mrpc,rte] [--seeds=0,1,2] [--max_train_examples=N] [--quick]
+
+Stages, each skipped when its outputs exist (rerun the command to resume after a stop):
+
+1. data: the corpora (WikiText-2 raw, Gutenberg, tiny-shakespeare) -> Google's text format under
+   W/corpus (WikiText-2's last tenth of articles held out), then records under W/records with
+   `python -m data_pipeline.create_pretraining_data` and the released uncased vocab
+   (configs/pretrain_small.py says why not a trained one).
+2. pretrain: `python -m bert_jax.main --config=configs/pretrain_small.py --workdir=W/pretrain`
+   (resumes from its own checkpoints).
+3. finetune: per task and seed, the pretrained encoder and the same shape from a fresh random
+   init (W/random_init, a bert_jax export of `BertForPreTraining.init`) fine-tuned with identical
+   settings by `bert_jax.finetune.run`; W/finetune/<arm>/<task>/seed<k>/result.json.
+4. report: W/pretraining_helps.json (dev scores, both arms, every seed) and
+   W/pretraining_helps.png (pretraining MLM loss/accuracy; fine-tuning scores with seed spread).
+
+MRPC: `data_pipeline.tasks.glue` reads the raw `msr_paraphrase_train.txt`, but GLUE's MRPC dev
+split (dev_ids.tsv) is not in shared/data; the labelled `msr_paraphrase_test.txt` (= GLUE's MRPC
+test) is scored as "dev" here, through `config.split_files.dev`.
+
+--quick (what tests/test_pretraining_helps.py runs): the test-sized model of configs/test.py
+shape, a few steps, the data under --corpus_dir/--glue_dir/--vocab_file the caller gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
+sys.path.insert(0, ROOT)
+
+TASK_DIRS = {"sst2": "SST-2", "cola": "CoLA", "stsb": "STS-B", "mrpc": "MRPC", "rte": "RTE"}
+ARMS = ("pretrained", "random")
+
+
+def log(msg: str) -> None:
+    print(f"[pretraining_helps {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: corpus -> Google's text format -> records
+# ---------------------------------------------------------------------------------------------
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def wikitext_documents(path: str) -> list[list[str]]:
+    """WikiText-2 raw: an article starts at a ` = Title = ` line; its paragraphs are split into
+    sentences; ` @-@ `, ` @,@ `, ` @.@ ` (WikiText's escapes) become `-`, `,`, `.`."""
+    from data_pipeline import corpora
+
+    docs: list[list[str]] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            if re.fullmatch(r"= [^=].* =", line):  # a top-level title: a new article
+                docs.append([])
+                continue
+            if line.startswith("= ="):  # a section heading: not a sentence
+                continue
+            line = line.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
+            if not docs:
+                docs.append([])
+            docs[-1].extend(corpora.split_sentences(line))
+    return [d for d in docs if d]
+
+
+def gutenberg_documents(path: str) -> list[list[str]]:
+    """A Project Gutenberg book without its licence header/footer; a chapter is a document
+    (or 40 paragraphs where a book has no CHAPTER headings)."""
+    from data_pipeline import corpora
+
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        text = f.read()
+    start = re.search(r"\*\*\* ?START OF.*?\*\*\*", text)
+    end = re.search(r"\*\*\* ?END OF.*?\*\*\*", text)
+    text = text[start.end() if start else 0:end.start() if end else len(text)]
+    docs: list[list[str]] = [[]]
+    for para in _paragraphs(text):
+        if re.match(r"(CHAPTER|Chapter) [0-9IVXLC]+", para) or len(docs[-1]) > 400:
+            docs.append([])
+            continue
+        docs[-1].extend(corpora.split_sentences(para))
+    return [d for d in docs if len(d) > 1]
+
+
+def shakespeare_documents(path: str, speeches_per_doc: int = 40) -> list[list[str]]:
+    """tiny-shakespeare: speeches (`Name:` then its lines) without the name, 40 to a document."""
+    from data_pipeline import corpora
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        speeches = _paragraphs(f.read())
+    docs = []
+    for i in range(0, len(speeches), speeches_per_doc):
+        doc = []
+        for speech in speeches[i:i + speeches_per_doc]:
+            speech = re.sub(r"^[A-Za-z' ]+:\s*", "", speech)
+            doc.extend(corpora.split_sentences(speech))
+        if len(doc) > 1:
+            docs.append(doc)
+    return docs
+
+
+def stage_corpus(corpus_dir: str, out: str) -> dict:
+    """Writes out/{wikitext,gutenberg,shakespeare}.txt (training) and out/heldout.txt."""
+    from data_pipeline import corpora
+
+    done = os.path.join(out, "corpus_info.json")
+    if os.path.exists(done):
+        log(f"corpus: {out} exists, skipped")
+        return json.load(open(done, encoding="utf-8"))
+    os.makedirs(out, exist_ok=True)
+    wiki = []
+    for path in sorted(glob.glob(os.path.join(corpus_dir, "wikitext-2-raw", "*.raw"))):
+        wiki.extend(wikitext_documents(path))
+    held = max(1, len(wiki) // 10)
+    parts = {
+        "wikitext": wiki[:-held],
+        "heldout": wiki[-held:],
+        "gutenberg": [d for p in sorted(glob.glob(os.path.join(corpus_dir, "gutenberg", "*.txt")))
+                      for d in gutenberg_documents(p)],
+        "shakespeare": [d for p in sorted(glob.glob(os.path.join(corpus_dir, "tinyshakespeare", "*.txt")))
+                        for d in shakespeare_documents(p)],
+    }
+    info = {}
+    for name, docs in parts.items():
+        if docs:
+            corpora.write_google_text(os.path.join(out, f"{name}.txt"), docs)
+        info[name] = {"documents": len(docs), "sentences": sum(map(len, docs))}
+    with open(done, "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=1)
+    log(f"corpus: {info}")
+    return info
+
+
+def create_records(inputs: list[str], output: str, vocab: str, *, dupe_factor: int, seq_len: int,
+                   predictions: int, shards: int, workers: int) -> None:
+    cmd = [sys.executable, "-m", "data_pipeline.create_pretraining_data", f"--input_file={','.join(inputs)}",
+           f"--output_file={output}", f"--vocab_file={vocab}", "--do_lower_case=true",
+           f"--max_seq_length={seq_len}", f"--max_predictions_per_seq={predictions}",
+           f"--dupe_factor={dupe_factor}", f"--num_workers={workers}", f"--num_output_shards={shards}"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+
+
+def stage_records(corpus: str, out: str, vocab: str, *, dupe_factor: int, seq_len: int, predictions: int,
+                  workers: int) -> dict:
+    """W/records/train-*.tfrecord (+ dataset_info.json) and W/records/heldout-*.tfrecord."""
+    done = os.path.join(out, "records_done.json")
+    if os.path.exists(done):
+        log(f"records: {out} exists, skipped")
+        return json.load(open(done, encoding="utf-8"))
+    os.makedirs(out, exist_ok=True)
+    started = time.time()
+    train = [os.path.join(corpus, f"{n}.txt") for n in ("wikitext", "gutenberg", "shakespeare")]
+    train = [p for p in train if os.path.exists(p)]
+    # Two subfolders: each run writes its own dataset_info.json next to its records.
+    create_records(train, os.path.join(out, "train", "train.tfrecord"), vocab, dupe_factor=dupe_factor,
+                   seq_len=seq_len, predictions=predictions, shards=max(2, workers), workers=workers)
+    create_records([os.path.join(corpus, "heldout.txt")], os.path.join(out, "heldout", "heldout.tfrecord"),
+                   vocab, dupe_factor=1, seq_len=seq_len, predictions=predictions, shards=1, workers=1)
+    info = {"wall_s": round(time.time() - started, 1)}
+    for split in ("train", "heldout"):
+        with open(os.path.join(out, split, "dataset_info.json"), encoding="utf-8") as f:
+            di = json.load(f)
+        info[split] = {k: di[k] for k in ("instances", "num_instances", "records") if k in di}
+    with open(done, "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=1)
+    log(f"records: {info}")
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: pretraining (a subprocess of bert_jax.main; it resumes from its own checkpoints)
+# ---------------------------------------------------------------------------------------------
+
+
+def pretrain_overrides(args, records: str) -> dict:
+    """`--config.x=y` for configs/pretrain_small.py: the data paths, the step count, --quick's shape."""
+    o = {"train_data": os.path.join(records, "train", "train.tfrecord-*"),
+         "eval_data": os.path.join(records, "heldout", "heldout.tfrecord*"),
+         "vocab_file": args.vocab_file}
+    if args.quick:  # configs/test.py's shape with the vocab's real size
+        o.update({"model.hidden_size": 32, "model.num_attention_heads": 4, "model.intermediate_size": 64,
+                  "model.max_position_embeddings": 64, "max_seq_length": args.max_seq_length,
+                  "max_predictions_per_seq": 5, "global_batch_size": 8, "log_every_steps": 1,
+                  "eval_every_steps": args.pretrain_steps or 4, "eval_steps": 1, "shuffle_buffer_size": 64,
+                  "checkpoint_every_steps": 1000, "async_checkpointing": False})
+    if args.pretrain_steps:
+        o["num_train_steps"] = args.pretrain_steps
+        o["warmup_steps"] = max(1, args.pretrain_steps // 10)  # the recipe's 10%
+        if not args.quick:
+            o["eval_every_steps"] = max(1, args.pretrain_steps // 4)
+            o["checkpoint_every_steps"] = max(1, args.pretrain_steps // 4)
+    with open(args.vocab_file, encoding="utf-8") as f:
+        o["model.vocab_size"] = sum(1 for _ in f)
+    return o
+
+
+def pretrain_config(overrides: dict):
+    """configs/pretrain_small.py with `overrides` applied (dotted keys), as main.py would."""
+    from configs import pretrain_small
+
+    config = pretrain_small.get_config()
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
+def _finished(pretrain_dir: str, steps: int) -> bool:
+    return os.path.exists(os.path.join(pretrain_dir, "checkpoints", str(steps), "commit_success.txt"))
+
+
+def stage_pretrain(args, pretrain_dir: str, overrides: dict) -> bool:
+    """Runs the pretraining unless its last checkpoint exists; True if it ran."""
+    steps = int(pretrain_config(overrides).num_train_steps)
+    if _finished(pretrain_dir, steps):
+        log(f"pretrain: {pretrain_dir} has step {steps}, skipped")
+        return False
+    cmd = [sys.executable, "-m", "bert_jax.main", "--config=configs/pretrain_small.py", f"--workdir={pretrain_dir}"]
+    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+    log("pretrain: " + " ".join(cmd[1:]))
+    os.makedirs(pretrain_dir, exist_ok=True)
+    env = dict(os.environ)
+    if args.quick:  # compiles several times faster on CPU; the test-sized model runs 4 steps
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    with open(os.path.join(pretrain_dir, "console.log"), "a", encoding="utf-8") as out:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode or not _finished(pretrain_dir, steps):
+        raise RuntimeError(f"pretraining failed (exit {proc.returncode}); see {pretrain_dir}/console.log")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 3: fine-tuning, pretrained vs random init
+# ---------------------------------------------------------------------------------------------
+
+
+def stage_random_init(path: str, overrides: dict, vocab: str, seed: int = 0) -> str:
+    """A bert_jax export of a fresh `BertForPreTraining.init` of the pretrained model's shape."""
+    if os.path.exists(os.path.join(path, "bert_config.json")):
+        log(f"random init: {path} exists, skipped")
+        return path
+    import jax
+    import numpy as np
+    from flax import linen as nn
+    from bert_jax import convert, modeling, pretrain
+
+    cfg = pretrain.bert_config_from(pretrain_config(overrides))
+    params = modeling.BertForPreTraining(cfg).init(jax.random.key(seed), **modeling.dummy_inputs(cfg))["params"]
+    params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(params))
+    convert.save_pretrained(convert.Pretrained(cfg, params, vocab, True), path, "bert_jax")
+    log(f"random init: wrote {path}")
+    return path
+
+
+def subsample_train(task: str, glue_dir: str, out_dir: str, n: int, seed: int = 0) -> str:
+    """The task's training file with `n` rows drawn without replacement (header kept); the
+    reader splits rows at newlines only (`tasks.read_tsv`), so sampling lines samples rows."""
+    import random
+    from data_pipeline.tasks import glue
+
+    spec = glue.SPECS[task]
+    folder = os.path.join(glue_dir, spec.folder)
+    source = next(os.path.join(folder, f) for f in spec.splits["train"] if os.path.exists(os.path.join(folder, f)))
+    with open(source, encoding="utf-8-sig", newline="") as f:
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    headerless = task == "cola" and spec.text_a not in lines[0].split("\t")
+    header, body = ([], lines) if headerless else ([lines[0]], lines[1:])
+    if n and n < len(body):
+        body = [body[i] for i in sorted(random.Random(seed).sample(range(len(body)), n))]
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{task}_train_{len(body)}.tsv")
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write("\n".join(header + body) + "\n")
+    return path
+
+
+def finetune_config(args, task: str, init: str, seed: int, train_file: str):
+    from configs import glue as glue_config
+
+    config = glue_config.get_config()
+    config.task = task
+    config.data_dir = args.glue_dir
+    config.init_checkpoint = init
+    config.seed = seed
+    config.split_files.train = train_file
+    if task == "mrpc" and not os.path.exists(os.path.join(args.glue_dir, "MRPC", "dev.tsv")):
+        config.split_files.dev = os.path.join(args.glue_dir, "MRPC", "msr_paraphrase_test.txt")
+    config.predict_test = False
+    config.max_seq_length = args.max_seq_length
+    config.global_batch_size = args.finetune_batch_size
+    config.num_train_epochs = args.finetune_epochs
+    config.learning_rate = args.finetune_lr
+    config.log_every_steps = 1000
+    config.async_checkpointing = False
+    if args.quick:
+        config.xla_backend_optimization_level = 0  # faster compiles; the model is tiny
+    return config
+
+
+def stage_finetune(args, inits: dict) -> dict:
+    """`{task: {arm: {seed: results}}}`; a run whose result.json exists is read, not rerun."""
+    from bert_jax import finetune
+
+    out: dict = {}
+    for task in args.tasks:
+        train_file = subsample_train(task, args.glue_dir, os.path.join(args.workdir, "glue_train"),
+                                     args.max_train_examples)
+        for seed in args.seeds:
+            for arm in ARMS:
+                run_dir = os.path.join(args.workdir, "finetune", arm, task, f"seed{seed}")
+                done = os.path.join(run_dir, "result.json")
+                if not os.path.exists(done):
+                    if os.path.isdir(run_dir):  # a stopped run: start it over (its checkpoints are stale)
+                        import shutil
+                        shutil.rmtree(run_dir)
+                    started = time.time()
+                    results = finetune.run(finetune_config(args, task, inits[arm], seed, train_file), run_dir)
+                    record = {"results": results, "wall_s": round(time.time() - started, 1),
+                              "train_file": train_file}
+                    with open(done, "w", encoding="utf-8") as f:
+                        json.dump(record, f, indent=1)
+                    log(f"finetune {task} {arm} seed {seed}: score {results.get('score')} "
+                        f"({record['wall_s']} s)")
+                else:
+                    log(f"finetune {task} {arm} seed {seed}: done, skipped")
+                with open(done, encoding="utf-8") as f:
+                    out.setdefault(task, {}).setdefault(arm, {})[str(seed)] = json.load(f)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 4: report
+# ---------------------------------------------------------------------------------------------
+
+
+def _score(results: dict) -> float:
+    """The task's GLUE number as a fraction: `score`, the mean of its official metrics."""
+    for key in ("score", "dev/score"):
+        if key in results:
+            return float(results[key])
+    scores = [v for k, v in results.items() if k.endswith("score")]
+    return float(scores[0])
+
+
+def pretraining_curves(pretrain_dir: str) -> dict:
+    """`{tag: [[step, value], ...]}` of the MLM/NSP losses and accuracies (TensorBoard events)."""
+    from bert_jax import plot
+
+    scalars = plot.read_scalars(pretrain_dir)
+    keep = ("train/mlm_loss", "train/mlm_accuracy", "train/nsp_accuracy", "eval/masked_lm_loss",
+            "eval/masked_lm_accuracy", "eval/next_sentence_accuracy")
+    return {t: [[int(s), float(v)] for s, v in zip(*scalars[t])] for t in keep if t in scalars}
+
+
+def summarize(finetuned: dict) -> dict:
+    tasks = {}
+    for task, arms in finetuned.items():
+        row = {}
+        for arm in ARMS:
+            seeds = {s: _score(r["results"]) for s, r in arms.get(arm, {}).items()}
+            vals = list(seeds.values())
+            row[arm] = {"per_seed": seeds, "mean": statistics.mean(vals) if vals else None,
+                        "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                        "metrics": {s: r["results"] for s, r in arms.get(arm, {}).items()}}
+        if row["pretrained"]["mean"] is not None and row["random"]["mean"] is not None:
+            row["delta_points"] = 100 * (row["pretrained"]["mean"] - row["random"]["mean"])
+        tasks[task] = row
+    means = {arm: [t[arm]["mean"] for t in tasks.values() if t[arm]["mean"] is not None] for arm in ARMS}
+    average = {arm: statistics.mean(v) if v else None for arm, v in means.items()}
+    return {"tasks": tasks, "average": average}
+
+
+def draw(path: str, curves: dict, summary: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (train_tag, eval_tag, title) in zip(axes[:2], (
+            ("train/mlm_loss", "eval/masked_lm_loss", "MLM loss"),
+            ("train/mlm_accuracy", "eval/masked_lm_accuracy", "MLM accuracy"))):
+        for tag, style, label in ((train_tag, "-", "train"), (eval_tag, "o-", "held-out")):
+            if tag in curves:
+                steps, values = zip(*curves[tag])
+                ax.plot(steps, values, style, label=label)
+        ax.set_title(f"pretraining: {title}")
+        ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    ax = axes[2]
+    tasks = list(summary["tasks"])
+    for k, (arm, color) in enumerate((("pretrained", "tab:blue"), ("random", "tab:orange"))):
+        for i, task in enumerate(tasks):
+            row = summary["tasks"][task][arm]
+            x = i + (k - 0.5) * 0.3
+            vals = [100 * v for v in row["per_seed"].values()]
+            if not vals:
+                continue
+            ax.bar(x, statistics.mean(vals), width=0.3, color=color, alpha=0.6,
+                   label=arm if i == 0 else None)
+            ax.scatter([x] * len(vals), vals, color="k", s=10, zorder=3)
+    ax.set_xticks(range(len(tasks)), tasks)
+    ax.set_ylabel("dev score (x100; dots = seeds)")
+    ax.set_title("fine-tuning: pretrained vs random init")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workdir", required=True, help="everything the stages write (resumable)")
+    p.add_argument("--corpus_dir", default=os.path.join(DATA, "corpus"))
+    p.add_argument("--glue_dir", default=os.path.join(DATA, "glue"))
+    p.add_argument("--vocab_file", default=os.path.join(DATA, "vocab", "bert-base-uncased", "vocab.txt"))
+    p.add_argument("--pretrain_steps", type=int, default=0, help="0 = configs/pretrain_small.py's")
+    p.add_argument("--tasks", default="sst2,cola,stsb,mrpc,rte")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--max_train_examples", type=int, default=0, help="subsample each training set (0 = all)")
+    p.add_argument("--max_seq_length", type=int, default=128)
+    p.add_argument("--finetune_lr", type=float, default=3e-4, help="same for both arms")
+    p.add_argument("--finetune_epochs", type=float, default=3.0)
+    p.add_argument("--finetune_batch_size", type=int, default=32)
+    p.add_argument("--dupe_factor", type=int, default=5)
+    p.add_argument("--num_workers", type=int, default=2)
+    p.add_argument("--output_dir", default="", help="also copy the JSON and PNG here")
+    p.add_argument("--quick", action="store_true", help="a few steps of a test-sized model (the test)")
+    args = p.parse_args(argv)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    unknown = set(args.tasks) - set(TASK_DIRS)
+    if unknown:
+        p.error(f"--tasks: unknown {sorted(unknown)}; expected some of {sorted(TASK_DIRS)}")
+    if args.quick:
+        args.pretrain_steps = args.pretrain_steps or 4
+        args.max_seq_length = min(args.max_seq_length, 32)
+        args.dupe_factor = 1
+        args.num_workers = 1
+        args.finetune_epochs = min(args.finetune_epochs, 1.0)
+        args.finetune_batch_size = 8
+    args.workdir = os.path.abspath(args.workdir)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    os.makedirs(args.workdir, exist_ok=True)
+    times_path = os.path.join(args.workdir, "stage_wall_s.json")
+    times = json.load(open(times_path, encoding="utf-8")) if os.path.exists(times_path) else {}
+
+    def timed(name, fn, *a, **kw):
+        started = time.time()
+        value = fn(*a, **kw)
+        elapsed = round(time.time() - started, 1)
+        if elapsed > 1.0 or name not in times:  # a skipped stage keeps its earlier time
+            times[name] = elapsed
+        with open(times_path, "w", encoding="utf-8") as f:
+            json.dump(times, f, indent=1)
+        return value
+
+    corpus, records = os.path.join(args.workdir, "corpus"), os.path.join(args.workdir, "records")
+    pretrain_dir = os.path.join(args.workdir, "pretrain")
+    corpus_info = timed("corpus", stage_corpus, args.corpus_dir, corpus)
+    records_info = timed("records", stage_records, corpus, records, args.vocab_file, dupe_factor=args.dupe_factor,
+                         seq_len=args.max_seq_length, predictions=5 if args.quick else 20,
+                         workers=args.num_workers)
+    overrides = pretrain_overrides(args, records)
+    timed("pretrain", stage_pretrain, args, pretrain_dir, overrides)
+    inits = {"pretrained": pretrain_dir,
+             "random": timed("random_init", stage_random_init, os.path.join(args.workdir, "random_init"),
+                             overrides, args.vocab_file)}
+    finetuned = timed("finetune", stage_finetune, args, inits)
+
+    summary = summarize(finetuned)
+    curves = pretraining_curves(pretrain_dir)
+    report = {
+        "issue": 28,
+        "recipe": {"config": "configs/pretrain_small.py", "overrides": overrides, "quick": args.quick,
+                   "corpus": corpus_info, "records": records_info,
+                   "finetune": {"lr": args.finetune_lr, "epochs": args.finetune_epochs,
+                                "batch": args.finetune_batch_size, "max_seq_length": args.max_seq_length,
+                                "max_train_examples": args.max_train_examples, "seeds": args.seeds},
+                   "mrpc_dev": "msr_paraphrase_test.txt (GLUE MRPC test; GLUE's dev split is not available)"},
+        "stage_wall_s": times,  # of the last invocation that ran each stage
+        "finetune_runs_wall_s": {arm: round(sum(r["wall_s"] for t in finetuned.values()
+                                                for r in t.get(arm, {}).values()), 1) for arm in ARMS},
+        "pretraining_curves": curves,
+        **summary,
+    }
+    json_path = os.path.join(args.workdir, "pretraining_helps.json")
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    png_path = os.path.join(args.workdir, "pretraining_helps.png")
+    draw(png_path, curves, summary)
+    if args.output_dir:
+        import shutil
+        os.makedirs(args.output_dir, exist_ok=True)
+        for p in (json_path, png_path):
+            shutil.copy(p, args.output_dir)
+    for task, row in summary["tasks"].items():
+        log(f"{task}: pretrained {row['pretrained']['mean']} ± {row['pretrained']['std']}, "
+            f"random {row['random']['mean']} ± {row['random']['std']}")
+    log(f"wrote {json_path} and {png_path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""benchmarks/pretraining_helps.py end to end with --quick, on a toy corpus and GLUE folder written here.
+
+The study itself (BERT-Tiny on the shared corpora) is too slow for CI; this checks the pipeline:
+every stage writes its outputs, the report has both arms for every task and seed, and a rerun
+skips every finished stage.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import pretraining_helps  # noqa: E402  pylint: disable=wrong-import-position
+
+WORDS = ("the a cat dog sat ran on under mat house good bad film story king queen said went "
+         "to of and was is it he she they we red blue green old new").split()
+
+
+def sentence(rng, n=6):
+    words = list(rng.choice(WORDS, n))
+    return " ".join(words).capitalize() + "."
+
+
+def write_data(root, rng):
+    """A toy corpus in the three raw formats, a vocab of its words, and SST-2/RTE folders."""
+    corpus = root / "corpus"
+    for d in ("wikitext-2-raw", "gutenberg", "tinyshakespeare"):
+        (corpus / d).mkdir(parents=True)
+    wiki = []
+    for a in range(4):
+        wiki.append(f" = Article {a} = ")
+        for _ in range(3):
+            wiki.append(" " + " ".join(sentence(rng) for _ in range(4)))
+        wiki.append(" = = Section = = ")
+        wiki.append(" " + " ".join(sentence(rng) for _ in range(4)))
+    (corpus / "wikitext-2-raw" / "wiki.test.raw").write_text("\n".join(wiki) + "\n")
+    book = ["Licence header.", "", "*** START OF THIS PROJECT GUTENBERG EBOOK TOY ***", ""]
+    for c in range(2):
+        book += [f"CHAPTER {c + 1}", ""]
+        for _ in range(5):
+            book += [sentence(rng), sentence(rng), ""]
+    book += ["*** END OF THIS PROJECT GUTENBERG EBOOK TOY ***", "Licence footer."]
+    (corpus / "gutenberg" / "toy.txt").write_text("\n".join(book) + "\n")
+    plays = "".join(f"King:\n{sentence(rng)}\n{sentence(rng)}\n\n" for _ in range(50))
+    (corpus / "tinyshakespeare" / "input.txt").write_text(plays)
+
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list(".,=:")) + "\n")
+
+    glue = root / "glue"
+    (glue / "SST-2").mkdir(parents=True)
+    for split, n in (("train", 48), ("dev", 16)):
+        rows = [(sentence(rng, 5).replace(".", "") + (" good" if i % 2 else " bad"), i % 2) for i in range(n)]
+        (glue / "SST-2" / f"{split}.tsv").write_text(
+            "sentence\tlabel\n" + "".join(f"{s}\t{label}\n" for s, label in rows))
+    return corpus, vocab, glue
+
+
+@pytest.fixture
+def compile_cache(tmp_path):
+    """The two fine-tuning runs share shapes: compile once (as tests/test_finetune.py does)."""
+    import jax
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {n: getattr(jax.config, n) for n in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    yield
+    for n, v in before.items():
+        jax.config.update(n, v)
+
+
+def test_quick_pipeline_and_resume(tmp_path, capsys, compile_cache):
+    corpus, vocab, glue = write_data(tmp_path, np.random.RandomState(0))
+    work = tmp_path / "work"
+    out = tmp_path / "out"
+    argv = [f"--workdir={work}", f"--corpus_dir={corpus}", f"--glue_dir={glue}", f"--vocab_file={vocab}",
+            "--tasks=sst2", "--seeds=0",  # one seed: the test stays under a minute on one core
+            "--max_train_examples=32", "--quick", f"--output_dir={out}"]
+    report = pretraining_helps.main(argv)
+
+    # stage 1: corpus in Google's format (held-out shard apart), records with their dataset_info
+    info = json.loads((work / "corpus" / "corpus_info.json").read_text())
+    assert info["heldout"]["documents"] >= 1 and info["wikitext"]["documents"] >= 1
+    assert info["gutenberg"]["documents"] == 2  # one per chapter, licence text dropped
+    assert "Licence" not in (work / "corpus" / "gutenberg.txt").read_text()
+    assert "King:" not in (work / "corpus" / "shakespeare.txt").read_text()
+    for split in ("train", "heldout"):
+        assert json.loads((work / "records" / split / "dataset_info.json").read_text())["num_instances"] > 0
+    # stage 2: the pretraining reached its last step and logged MLM curves
+    assert (work / "pretrain" / "checkpoints" / "4" / "commit_success.txt").exists()
+    assert len(report["pretraining_curves"]["train/mlm_loss"]) == 4
+    assert "eval/masked_lm_accuracy" in report["pretraining_curves"]
+    # stage 3: a random-init export of the same shape, and both arms for every seed
+    assert (work / "random_init" / "bert_config.json").exists()
+    sst2 = report["tasks"]["sst2"]
+    for arm in ("pretrained", "random"):
+        assert sorted(sst2[arm]["per_seed"]) == ["0"]
+        assert all(0.0 <= s <= 1.0 for s in sst2[arm]["per_seed"].values())
+    assert len((work / "glue_train" / "sst2_train_32.tsv").read_text().splitlines()) == 33  # header + 32
+    # stage 4: JSON + PNG, copied to --output_dir
+    saved = json.loads((out / "pretraining_helps.json").read_text())
+    assert set(saved["tasks"]["sst2"]) >= {"pretrained", "random", "delta_points"}
+    assert (out / "pretraining_helps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # A rerun skips every stage and gives the same scores.
+    capsys.readouterr()
+    again = pretraining_helps.main(argv)
+    printed = capsys.readouterr().out
+    for stage in ("corpus:", "records:", "pretrain:", "random init:"):
+        assert f"{stage} " in printed and "skipped" in printed.split(stage, 1)[1].split("\n", 1)[0]
+    assert printed.count("done, skipped") == 2
+    assert again["tasks"] == report["tasks"]
