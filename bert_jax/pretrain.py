@@ -39,7 +39,7 @@ from bert_jax import checkpointing, modeling, optim, sharding, steps
 from bert_jax.modeling import BertConfig, BertForPreTraining
 # The checks before compiling, and the input; their names are importable from here too.
 from bert_jax.pretrain_checks import (SCHEDULE_KEYS, check_mesh, check_same_config_on_all_hosts,  # noqa: F401
-                                      check_sequence_lengths, check_token_ids, check_vocab_matches_data,
+                                      check_sequence_lengths, flatten_dict, check_token_ids, check_vocab_matches_data,
                                       config_differences, config_fingerprint, data_casing, report_schedule_change,
                                       special_token_ids)
 from bert_jax.pretrain_input import ShardedInput, make_eval_input, make_train_input, run_eval  # noqa: F401
@@ -332,17 +332,6 @@ def hparams(config: ml_collections.ConfigDict, bert_config: BertConfig) -> dict:
     flat = {k: v for k, v in flatten_dict(config.to_dict()).items() if not k.startswith("model.")}
     flat.update(flatten_dict({"model": dataclasses.asdict(bert_config)}))
     return {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
-
-
-def flatten_dict(d: dict, prefix: str = "") -> dict:
-    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (config dicts for TensorBoard's hparams)."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten_dict(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _log(pending, step, window_start, writer, bar, flops, global_batch, seq_len, peak, consecutive_bad,

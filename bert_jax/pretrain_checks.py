@@ -48,18 +48,14 @@ def config_fingerprint(config: ml_collections.ConfigDict) -> str:
     return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()
 
 
-def _flat_config(config: ml_collections.ConfigDict) -> dict:
-    """{"model.hidden_size": 768, ...}: every leaf of the resolved config, as JSON values."""
+def flatten_dict(d: dict, prefix: str = "") -> dict:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (config dicts: TensorBoard's hparams, host comparisons)."""
     out = {}
-
-    def walk(d, prefix):
-        for k in sorted(d):
-            if isinstance(d[k], dict):
-                walk(d[k], f"{prefix}{k}.")
-            else:
-                out[f"{prefix}{k}"] = d[k]
-
-    walk(json.loads(config.to_json(sort_keys=True)), "")
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten_dict(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
     return out
 
 
@@ -86,8 +82,7 @@ def check_same_config_on_all_hosts(config: ml_collections.ConfigDict) -> None:
     padded = np.zeros(int(lengths.max()), np.uint8)
     padded[:text.size] = text
     texts = np.asarray(multihost_utils.process_allgather(padded))  # [hosts, longest]
-    flat = [_flat_config(ml_collections.ConfigDict(json.loads(bytes(t[:n]).decode())))
-            for t, n in zip(texts, lengths)]
+    flat = [flatten_dict(json.loads(bytes(t[:n]).decode())) for t, n in zip(texts, lengths)]
     report = [f"process {host} vs process 0: " + "; ".join(config_differences(flat[host], flat[0]))
               for host in range(1, len(flat)) if not (digests[host] == digests[0]).all()]
     raise SystemExit(f"process {jax.process_index()}: config mismatch across hosts (every host must get "

@@ -40,9 +40,9 @@ def crc32c(buffer: np.ndarray, starts, lengths) -> np.ndarray:
     """
     starts = np.asarray(starts, np.int64).tolist()
     lengths = np.asarray(lengths, np.int64).tolist()
-    data = np.ascontiguousarray(buffer, np.uint8).tobytes()
-    value = google_crc32c.value
-    return np.fromiter((value(data[s:s + n]) for s, n in zip(starts, lengths)), np.uint32, len(starts))
+    data = np.ascontiguousarray(buffer, np.uint8)
+    value = google_crc32c.value  # takes bytes: copy each message, never the whole buffer
+    return np.fromiter((value(data[s:s + n].tobytes()) for s, n in zip(starts, lengths)), np.uint32, len(starts))
 
 
 def mask_crc(crc: np.ndarray) -> np.ndarray:
