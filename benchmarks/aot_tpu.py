@@ -37,146 +37,27 @@ chip), `tensor` (tensor parallel over 4 chips, data parallel over the rest).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import re
 import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v4-8")  # quiets libtpu's host detection
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# name -> (topology, chip config, chips, HBM GiB, peak bf16 TFLOP/s, HBM GB/s) per chip, public specs
-SLICES = {
-    "v4-32": ("v4:2x2x4", "megacore", 16, 32, 275, 1228),
-    "v5p-64": ("v5p:2x4x4", "megacore", 32, 95, 459, 2765),
-    "v5e-16": ("v5e:4x4", "default", 16, 16, 197, 819),
-    "v5e-4": ("v5e:2x2", "default", 4, 16, 197, 819),  # small: the unit test's
-}
-MESHES = ("data", "fsdp", "tensor")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+from bert_jax.planning import aot, chips  # noqa: E402  (after sys.path)
+from bert_jax.planning.aot import analyze, compile_step, counted_flops, mesh_axes, slice_devices  # noqa: E402,F401
 
-
-def slice_devices(name: str):
-    from jax.experimental import topologies
-
-    topology, chip_config, chips = SLICES[name][:3]
-    devices = topologies.get_topology_desc(
-        topology_name=topology, platform="tpu", chip_config_name=chip_config,
-        chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
-    if len(devices) != chips:
-        raise RuntimeError(f"{name}: expected {chips} chips, the topology has {len(devices)} devices")
-    return devices
-
-
-def mesh_axes(kind: str, chips: int) -> dict:
-    if kind == "data":
-        return {"data": chips, "fsdp": 1, "tensor": 1}
-    if kind == "fsdp":
-        return {"data": 1, "fsdp": chips, "tensor": 1}
-    if kind == "tensor":
-        return {"data": chips // 4, "fsdp": 1, "tensor": 4}
-    raise ValueError(f"--mesh: unknown mesh {kind!r} (use {', '.join(MESHES)})")
-
-
-def compile_step(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,
-                 predictions: int, compiler_options: dict | None = None):
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    from bert_jax import pretrain, sharding, steps
-
-    mesh = sharding.create_mesh(mesh_axes(mesh_kind, len(devices)), devices=devices)
-    model, tx, schedule, init_state = pretrain.build(config, bert_config, mesh)
-    abstract = jax.eval_shape(init_state, jax.random.key(0))
-    state_shardings = sharding.logical_to_sharding(abstract, mesh)
-    abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
-    # Global batch: per-chip batch x chips that hold distinct rows (data x fsdp).
-    rows = batch_per_chip * sharding.axis_size(mesh, sharding.BATCH_AXES)
-    bs = sharding.batch_sharding(mesh)
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=bs)
-    batch = {k: spec((rows, seq_len), jnp.int32) for k in ("input_ids", "input_mask", "segment_ids")}
-    batch.update(masked_lm_positions=spec((rows, predictions), jnp.int32),
-                 masked_lm_ids=spec((rows, predictions), jnp.int32),
-                 masked_lm_weights=spec((rows, predictions), jnp.float32),
-                 next_sentence_labels=spec((rows, 1), jnp.int32))
-    step = functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, mesh=mesh)
-    jitted = jax.jit(step, in_shardings=(state_shardings, bs), out_shardings=(state_shardings, None),
-                     donate_argnums=0)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
-        t0 = time.perf_counter()
-        compiled = jitted.lower(abstract_state, batch).compile(compiler_options=compiler_options)
-    return compiled, time.perf_counter() - t0, rows
-
-
-def analyze(compiled, hbm_gib: float) -> dict:
-    mem = compiled.memory_analysis()
-    fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    used = fixed + mem.temp_size_in_bytes
-    hlo = compiled.as_text()
-    counts = {c: len(re.findall(rf"\b{c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
-    # Collective matmuls: loops whose body is XLA's windowed dot (a scanned layer's appear once).
-    windowed = len(re.findall(r"\swhile\(.*body=%[\w.]*windowed_dot_general", hlo))
-    return {"hbm_gib": used / 2**30, "hbm_capacity_gib": hbm_gib, "fits": used <= hbm_gib * 2**30,
-            "hbm_fixed_gib": fixed / 2**30, "hbm_temp_gib": mem.temp_size_in_bytes / 2**30,
-            "collectives": {k: v for k, v in counts.items() if v}, "collective_matmul_loops": windowed,
-            # Pallas kernels lower to Mosaic custom calls (the scanned layer's body appears once).
-            "pallas_kernels": hlo.count('custom_call_target="tpu_custom_call"')}
-
-
-def xla_flops(compiled) -> float:
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost.get("flops", 0.0))
-
-
-# The TPU compiler turns a matmul with a gathered (FSDP) or reduce-scattered operand into a loop
-# ("windowed einsum", collective matmul) that overlaps each chunk's transfer with its share of the
-# matmul. Turned off, the program does the same arithmetic without the loop.
-NO_COLLECTIVE_MATMUL_LOOPS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
-                              "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
-
-
-def counted_flops(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,
-                  predictions: int) -> tuple[float, int]:
-    """XLA's FLOPs per chip of the full-depth step, and the loops left in the programs it counted.
-
-    XLA's cost analysis counts a loop's body once: the scanned encoder's, and each collective
-    matmul's (FSDP's gathered weights: without this it counts 21-25% fewer FLOPs than the model
-    needs). So the count comes from two unrolled compiles of 1 and 2 layers (same widths, mesh
-    and batch) without collective-matmul loops, extrapolated linearly in depth. Their last layer
-    is computed as in the real program (at the masked positions only when it is unrolled with
-    `sparse_last_layer`; a scanned encoder computes it everywhere).
-    """
-    from bert_jax import modeling
-
-    sparse = modeling.last_layer_queries(bert_config, seq_len, predictions) is not None
-    counts, loops, options = [], 0, NO_COLLECTIVE_MATMUL_LOOPS
-    for layers in (1, 2):
-        small = bert_config.replace(num_hidden_layers=layers, scan_layers=False, sparse_last_layer=sparse)
-        try:
-            compiled, _, _ = compile_step(config, small, devices, mesh_kind, batch_per_chip, seq_len, predictions,
-                                          compiler_options=options)
-        except Exception as e:  # noqa: BLE001 - a libtpu without these options: count with the loops
-            if options is None or "No such compile option" not in str(e):
-                raise
-            options = None
-            compiled, _, _ = compile_step(config, small, devices, mesh_kind, batch_per_chip, seq_len, predictions)
-        counts.append(xla_flops(compiled))
-        loops += len(re.findall(r"\swhile\(", compiled.as_text()))
-    per_layer = counts[1] - counts[0]
-    return counts[0] + (bert_config.num_hidden_layers - 1) * per_layer, loops
+aot.quiet_libtpu_env()
 
 
 def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
     from bert_jax import steps
 
-    topology, _, chips, hbm, peak_tflops, _ = SLICES[slice_name]
+    spec = chips.parse_slice(slice_name)
+    topology, n_chips, hbm, peak_tflops = spec.topology_name, spec.chips, spec.chip.hbm_gib, spec.chip.peak_flops / 1e12
     devices = slice_devices(slice_name)
     predictions = args.predictions or max(1, round(args.seq_len * 20 / 128))
     tried: dict = {}
@@ -186,7 +67,7 @@ def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
         does not fit (RESOURCE_EXHAUSTED), which counts as "does not fit"."""
         if b not in tried:
             try:
-                compiled, seconds, rows = compile_step(config, bert_config, devices, mesh_kind, b, args.seq_len,
+                compiled, seconds, rows, _ = compile_step(config, bert_config, devices, mesh_kind, b, args.seq_len,
                                                        predictions)
                 tried[b] = dict(analyze(compiled, hbm), compile_s=seconds, global_batch=rows)
             except Exception as e:  # noqa: BLE001 - only out-of-memory is expected here
@@ -201,14 +82,14 @@ def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
         b //= 2
     if not attempt(b)["fits"]:
         raise RuntimeError(f"{slice_name} {mesh_kind}: even a per-chip batch of 1 does not fit: {tried[b]}")
-    result = {"slice": slice_name, "topology": topology, "chips": chips, "mesh": mesh_axes(mesh_kind, chips),
+    result = {"slice": slice_name, "topology": topology, "chips": n_chips, "mesh": mesh_axes(mesh_kind, n_chips),
               "batch_per_chip": b, **tried[b]}
     rows = result["global_batch"]
     flops, loops = counted_flops(config, bert_config, devices, mesh_kind, b, args.seq_len, predictions)
     result["xla_flops"] = flops  # per chip
     # Loops left in the counting compiles (expected none): their bodies are counted once.
     result["flop_count_loops"] = loops
-    analytic = steps.train_flops_per_sequence(bert_config, args.seq_len, predictions) * rows / chips
+    analytic = steps.train_flops_per_sequence(bert_config, args.seq_len, predictions) * rows / n_chips
     result["analytic_flops_per_chip"] = analytic
     result["xla_over_analytic"] = result["xla_flops"] / analytic
     # Compute ceiling: the share of the chip's work that is model FLOPs (recomputation, duplicated
@@ -228,7 +109,8 @@ def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/large.py")
-    p.add_argument("--topology", default="v4-32,v5p-64,v5e-16", help=f"comma-separated, of {', '.join(SLICES)}")
+    p.add_argument("--topology", default="v4-32,v5p-64,v5e-16",
+                   help="comma-separated slices: v4-N, v5p-N (N TensorCores), v5e-N, v6e-N (N chips), or v4:AxBxC")
     p.add_argument("--mesh", default="data,fsdp,tensor", help="comma-separated, of data, fsdp, tensor")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--predictions", type=int, default=0)
@@ -270,8 +152,10 @@ def main(argv=None):
     config, bert_config = load_configs(args)
     results = []
     for slice_name in args.topology.split(","):
-        if slice_name not in SLICES:
-            raise SystemExit(f"--topology: unknown slice {slice_name!r} (use {', '.join(SLICES)})")
+        try:
+            chips.parse_slice(slice_name)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         for mesh_kind in args.mesh.split(","):
             r = run_one(args, config, bert_config, slice_name, mesh_kind)
             r.update(config=args.config, seq_len=args.seq_len, dtype=args.dtype, remat=args.remat,

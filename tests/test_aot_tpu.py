@@ -90,7 +90,7 @@ sys.path.insert(0, sys.argv[1])
 import aot_tpu
 args = aot_tpu.parse_args(["--config=configs/tiny.py", "--seq_len=128", "--attention=dot_product"])
 config, bert_config = aot_tpu.load_configs(args)
-compiled, _, rows = aot_tpu.compile_step(config, bert_config, aot_tpu.slice_devices("v5e-4"), "fsdp",
+compiled, _, rows, _ = aot_tpu.compile_step(config, bert_config, aot_tpu.slice_devices("v5e-4"), "fsdp",
                                          batch_per_chip=4, seq_len=128, predictions=20)
 hlo = compiled.as_text()
 calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]

@@ -1,0 +1,298 @@
+"""Plan a pod run before renting it: projected step time, scaling and time-to-train from the compiled step.
+
+    pip install 'libtpu==0.0.42.*'      # the TPU compiler; no TPU needed
+    python -m bert_jax.plan --config=configs/large.py --topology=v4-8,v4-32,v4-128,v4-512 \\
+        [--mesh=data,fsdp,tensor] [--seq_len=128] [--batch_per_chip=32] [--recipes=paper,lamb] \\
+        [--json=plan.json]
+
+For each slice and mesh the pretraining step (`steps.train_step`, as `bert_jax.main` runs it) is
+compiled for the slice's real devices (`planning.aot`), and the step time is projected with the
+model of `planning.cost` (stated there): compute at the chip's peak, HBM traffic at its bandwidth
+(XLA's FLOPs and bytes accessed), and every collective of the compiled program (`planning.hlo`:
+bytes, replica groups, executions) on the slice's interconnect: the groups' devices' physical
+coordinates say which torus axes each collective crosses. Chip figures: `planning.chips` (public
+specifications, cited). Reported per slice and mesh: the per-chip batch that fits (halved from
+--batch_per_chip until the TPU compiler accepts it), HBM per chip, the step time with and without
+overlapping the collectives with compute, sequences/s, MFU, and the collectives' share; per mesh,
+weak-scaling efficiency from the smallest slice; per slice, the recommended mesh; per recipe, the
+projected wall time and chip-hours on every slice that can run it.
+
+Recipes (--recipes): `paper` = BERT-Large as Devlin et al.: 900k steps at length 128 + 100k at 512,
+batch 256; `lamb` = You et al. 2019: 7,038 steps at 128 with batch 65,536 + 1,563 at 512 with
+batch 32,768. A phase's step time on a slice comes from the plan's compile at that length on the
+recommended mesh, scaled to the recipe's per-chip batch: compute, traffic and batch-sized
+collectives in proportion to the rows, the optimizer's and the gradients' part fixed (per-chip
+batches above what fits run as gradient accumulation: the same rows per chip in several passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+RECIPES = {
+    "paper": [{"seq_len": 128, "steps": 900_000, "batch": 256}, {"seq_len": 512, "steps": 100_000, "batch": 256}],
+    "lamb": [{"seq_len": 128, "steps": 7_038, "batch": 65_536}, {"seq_len": 512, "steps": 1_563, "batch": 32_768}],
+}
+
+
+def load_config(path: str, seq_len: int, dtype: str):
+    """`(ConfigDict, BertConfig)` of a config file (the one `bert_jax.main` would train)."""
+    import importlib.util
+    from bert_jax.modeling import BertConfig
+
+    spec = importlib.util.spec_from_file_location("plan_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    config.model.dtype = dtype
+    config.max_seq_length = seq_len
+    return config, BertConfig.from_dict(config.model.to_dict())
+
+
+def comm_seconds(collectives, mesh, net) -> tuple[float, float, dict]:
+    """Seconds per step of every collective on the slice's interconnect; the part that grows with
+    the batch (activations: groups inside one tensor-parallel group); the split by kind."""
+    import numpy as np
+    from bert_jax.planning import cost
+
+    flat = list(mesh.devices.flat)  # the program's device ids are positions in this list
+    tensor_groups = []
+    if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1:
+        pos = np.arange(len(flat)).reshape(mesh.devices.shape)
+        axis = mesh.axis_names.index("tensor")
+        tensor_groups = [set(g) for g in np.moveaxis(pos, axis, -1).reshape(-1, mesh.shape["tensor"]).tolist()]
+    total, batch_sized, by_kind = 0.0, 0.0, {}
+    for c in collectives:
+        group = c.groups[0] if c.groups else []
+        if c.kind == "collective-permute":
+            axes = [(0, 2)] if group else []  # neighbours: one hop, pipelined beyond
+        else:
+            axes = cost.spanned_axes([tuple(flat[i].coords) for i in group])
+        seconds = cost.collective_s(c.kind, c.bytes, c.full_bytes, axes, net) * c.executions
+        total += seconds
+        if group and any(set(group) <= g for g in tensor_groups):
+            batch_sized += seconds
+        row = by_kind.setdefault(c.kind, {"executions": 0, "bytes": 0, "elements": 0, "seconds": 0.0})
+        row["executions"] += c.executions
+        row["bytes"] += c.bytes * c.executions
+        row["elements"] += c.elements * c.executions
+        row["seconds"] += seconds
+    return total, batch_sized, by_kind
+
+
+def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int, batch_per_chip: int) -> dict:
+    """Compile, read the program, project the step (module docstring)."""
+    from bert_jax import steps
+    from bert_jax.planning import aot, chips, cost, hlo
+
+    spec = chips.parse_slice(slice_name)
+    devices = aot.slice_devices(slice_name)
+    predictions = max(1, round(seq_len * 20 / 128))
+    started = time.perf_counter()
+    b = batch_per_chip
+    while True:
+        try:
+            compiled, _, rows, mesh = aot.compile_step(config, bert_config, devices, mesh_kind, b, seq_len, predictions)
+            analysis = aot.analyze(compiled, spec.chip.hbm_gib)
+            if analysis["fits"]:
+                break
+        except Exception as e:  # noqa: BLE001 - the TPU compiler refuses what does not fit
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+        if b == 1:
+            raise RuntimeError(f"{slice_name} {mesh_kind}: a per-chip batch of 1 does not fit at length {seq_len}")
+        b //= 2
+    found = hlo.collectives(compiled.as_text())
+    net = cost.Interconnect(spec.chip.link_bw, spec.wraparound)
+    comm_s, batch_comm_s, by_kind = comm_seconds(found, mesh, net)
+    costs, loops = aot.counted_costs(config, bert_config, devices, mesh_kind, b, seq_len, predictions)
+    t = cost.step_time(costs["flops"], costs["bytes"], comm_s, peak_flops=spec.chip.peak_flops,
+                       hbm_bw=spec.chip.hbm_bw, layers=bert_config.num_hidden_layers)
+    model_flops = steps.train_flops_per_sequence(bert_config, seq_len, predictions) * rows / spec.chips
+    # The optimizer's share of the traffic (reads and writes the state once per step: fixed in the
+    # batch): the arguments' bytes, read and written.
+    state_bytes = analysis["hbm_fixed_gib"] * 2**30
+    out = {
+        "slice": slice_name, "topology": spec.topology_name, "chips": spec.chips, "mesh_kind": mesh_kind,
+        "mesh": aot.mesh_axes(mesh_kind, spec.chips), "seq_len": seq_len, "batch_per_chip": b,
+        "global_batch": rows, "hbm_gib": analysis["hbm_gib"], "hbm_capacity_gib": spec.chip.hbm_gib,
+        "xla_flops": costs["flops"], "xla_bytes": costs["bytes"], "model_flops": model_flops,
+        "fixed_bytes": min(2 * state_bytes, costs["bytes"]), "flop_count_loops": loops,
+        "compute_s": t.compute_s, "memory_s": t.memory_s, "comm_s": comm_s, "comm": by_kind,
+        "batch_comm_s": batch_comm_s, "peak_flops": spec.chip.peak_flops, "hbm_bw": spec.chip.hbm_bw,
+        "step_s_no_overlap": t.no_overlap_s, "step_s": t.overlap_s, "roofline_s": t.roofline_s,
+        "layers": bert_config.num_hidden_layers, "wraparound": list(spec.wraparound),
+        "unknown_trip_counts": sum(c.unknown_trip_count for c in found),
+    }
+    out["sequences_per_s"] = rows / out["step_s"]
+    out["sequences_per_s_no_overlap"] = rows / out["step_s_no_overlap"]
+    out["mfu"] = cost.mfu(model_flops, out["step_s"], spec.chip.peak_flops)
+    out["mfu_no_overlap"] = cost.mfu(model_flops, out["step_s_no_overlap"], spec.chip.peak_flops)
+    out["plan_s"] = time.perf_counter() - started
+    return out
+
+
+def scaled_step_s(row: dict, batch_per_chip: float, overlap: bool = True) -> float:
+    """The step time of `row`'s program at another per-chip batch (module docstring): compute,
+    the batch-sized traffic and the activation collectives in proportion to the rows, the
+    optimizer's traffic and the gradient/weight collectives fixed."""
+    from bert_jax.planning import cost
+
+    k = batch_per_chip / row["batch_per_chip"]
+    traffic = row["fixed_bytes"] + (row["xla_bytes"] - row["fixed_bytes"]) * k
+    comm = row["comm_s"] + row["batch_comm_s"] * (k - 1)
+    t = cost.StepTime(row["compute_s"] * k, traffic / row["hbm_bw"], comm, row["layers"])
+    return t.overlap_s if overlap else t.no_overlap_s
+
+
+def recipe_plan(name: str, phases: list, rows_by_len: dict) -> list:
+    """Per slice (the recommended mesh at each length): wall time and chip-hours, or why not."""
+    from bert_jax.planning import cost
+
+    out = []
+    slices = sorted({r["slice"] for rs in rows_by_len.values() for r in rs}, key=lambda s: _chips(rows_by_len, s))
+    for slice_name in slices:
+        entry, per_phase = {"recipe": name, "slice": slice_name}, []
+        for phase in phases:
+            best = recommended([r for r in rows_by_len.get(phase["seq_len"], []) if r["slice"] == slice_name])
+            if best is None:
+                entry["error"] = f"no plan at length {phase['seq_len']} (add it to --seq_len)"
+                break
+            ways = best["global_batch"] // best["batch_per_chip"]  # chips holding distinct rows
+            per_chip = phase["batch"] / ways
+            if per_chip < 1:
+                entry["error"] = (f"batch {phase['batch']} over {ways} data-parallel chips is under one row per chip "
+                                  f"({best['mesh_kind']} mesh)")
+                break
+            passes = math.ceil(per_chip / best["batch_per_chip"])  # gradient accumulation beyond what fits
+            step_s = passes * scaled_step_s(best, per_chip / passes)
+            per_phase.append({"seq_len": phase["seq_len"], "steps": phase["steps"], "batch": phase["batch"],
+                              "mesh": best["mesh_kind"], "batch_per_chip": per_chip, "accumulation": passes,
+                              "step_s": step_s, "chips": best["chips"]})
+        if "error" not in entry:
+            entry.update(cost.time_to_train(per_phase), phases=per_phase)
+        out.append(entry)
+    return out
+
+
+def _chips(rows_by_len: dict, slice_name: str) -> int:
+    return next(r["chips"] for rs in rows_by_len.values() for r in rs if r["slice"] == slice_name)
+
+
+def recommended(rows: list) -> dict | None:
+    """The fastest mesh (projected sequences/s with overlap) of a slice's plans."""
+    return max(rows, key=lambda r: r["sequences_per_s"]) if rows else None
+
+
+def weak_scaling(rows: list) -> dict:
+    """`{mesh: {chips: efficiency}}` at each mesh's per-chip batch (as planned)."""
+    from bert_jax.planning import cost
+
+    out = {}
+    for mesh_kind in sorted({r["mesh_kind"] for r in rows}):
+        rates = {r["chips"]: r["sequences_per_s"] / r["chips"] for r in rows if r["mesh_kind"] == mesh_kind}
+        if len(rates) > 1:
+            out[mesh_kind] = cost.weak_scaling(rates)
+    return out
+
+
+def print_header() -> None:
+    print(f"{'slice':9s} {'mesh':6s} {'len':>4s} {'b/chip':>6s} {'HBM GiB':>8s} {'compute':>8s} {'HBM':>7s} "
+          f"{'comm':>7s} {'step':>8s} {'no-ovl':>8s} {'seq/s':>9s} {'MFU':>5s}  plan", flush=True)
+
+
+def print_rows(rows: list) -> None:
+    for r in rows:
+        print(f"{r['slice']:9s} {r['mesh_kind']:6s} {r['seq_len']:4d} {r['batch_per_chip']:6d} "
+              f"{r['hbm_gib']:8.2f} {r['compute_s'] * 1e3:6.1f}ms {r['memory_s'] * 1e3:5.1f}ms "
+              f"{r['comm_s'] * 1e3:5.1f}ms {r['step_s'] * 1e3:6.1f}ms {r['step_s_no_overlap'] * 1e3:6.1f}ms "
+              f"{r['sequences_per_s']:9.0f} {r['mfu']:5.0%}  {r['plan_s']:.0f}s", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/large.py")
+    p.add_argument("--topology", default="v4-16,v4-64,v4-256",
+                   help="comma-separated slices: v4-N, v5p-N (N TensorCores), v5e-N, v6e-N (N chips), or v4:AxBxC")
+    p.add_argument("--mesh", default="data,fsdp,tensor", help="comma-separated, of data, fsdp, tensor")
+    p.add_argument("--seq_len", default="128", help="comma-separated lengths to plan (the recipes need 128,512)")
+    p.add_argument("--batch_per_chip", type=int, default=32, help="rows per chip, halved until the step fits")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--recipes", default="", help=f"comma-separated, of {', '.join(RECIPES)}")
+    p.add_argument("--json", default="", help="write the whole plan here")
+    args = p.parse_args(argv)
+    from bert_jax.planning import aot, chips
+
+    try:
+        args.slices = [chips.parse_slice(s).name for s in args.topology.split(",") if s]
+    except ValueError as e:
+        p.error(str(e))
+    args.meshes = [m for m in args.mesh.split(",") if m]
+    for m in args.meshes:
+        if m not in aot.MESHES:
+            p.error(f"--mesh: unknown mesh {m!r} (use {', '.join(aot.MESHES)})")
+    args.seq_lens = [int(v) for v in args.seq_len.split(",") if v]
+    args.recipe_names = [r for r in args.recipes.split(",") if r]
+    for r in args.recipe_names:
+        if r not in RECIPES:
+            p.error(f"--recipes: unknown recipe {r!r} (use {', '.join(RECIPES)})")
+        missing = {ph["seq_len"] for ph in RECIPES[r]} - set(args.seq_lens)
+        if missing:
+            p.error(f"--recipes={r} needs --seq_len to include {sorted(missing)}")
+    if not os.path.exists(args.config):
+        p.error(f"--config: no such file {args.config}")
+    return args
+
+
+def main(argv=None) -> dict:
+    from bert_jax.planning import aot
+
+    aot.quiet_libtpu_env()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    args = parse_args(argv)
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        sys.exit("bert_jax.plan needs the TPU compiler: pip install 'libtpu==0.0.42.*' (no TPU needed)")
+    rows_by_len: dict = {}
+    rows = []
+    print_header()
+    for seq_len in args.seq_lens:
+        config, bert_config = load_config(args.config, seq_len, args.dtype)
+        if seq_len > bert_config.max_position_embeddings:
+            sys.exit(f"--seq_len={seq_len} exceeds {args.config}'s max_position_embeddings="
+                     f"{bert_config.max_position_embeddings}")
+        for slice_name in args.slices:
+            for mesh_kind in args.meshes:
+                row = plan_one(config, bert_config, slice_name, mesh_kind, seq_len, args.batch_per_chip)
+                rows.append(row)
+                rows_by_len.setdefault(seq_len, []).append(row)
+                print_rows([row])
+    report = {"config": args.config, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"), "plans": rows,
+              "weak_scaling": {seq: weak_scaling(rs) for seq, rs in rows_by_len.items()},
+              "recommended": {seq: {s: recommended([r for r in rs if r["slice"] == s])["mesh_kind"]
+                                    for s in args.slices} for seq, rs in rows_by_len.items()},
+              "recipes": [e for r in args.recipe_names for e in recipe_plan(r, RECIPES[r], rows_by_len)]}
+    for seq, table in report["weak_scaling"].items():
+        for mesh_kind, eff in table.items():
+            print(f"weak scaling, length {seq}, {mesh_kind}: " +
+                  ", ".join(f"{n} chips {e:.0%}" for n, e in eff.items()))
+    for e in report["recipes"]:
+        if "error" in e:
+            print(f"recipe {e['recipe']} on {e['slice']}: {e['error']}")
+        else:
+            print(f"recipe {e['recipe']} on {e['slice']}: {e['wall_days']:.2f} days, {e['chip_hours']:,.0f} chip-hours "
+                  f"({', '.join(f'''{p['steps']} x {p['step_s'] * 1e3:.1f} ms''' for p in e['phases'])})")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

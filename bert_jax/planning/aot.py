@@ -1,0 +1,163 @@
+"""Ahead-of-time compilation of the sharded pretraining step for a TPU slice, on any machine.
+
+libtpu (the TPU compiler, `pip install 'libtpu==0.0.42.*'`) compiles for a slice's real device
+topology (`jax.experimental.topologies`) without a TPU, as MaxText checks its configs. What a plan
+reads from the compiled program:
+
+* per-chip HBM (arguments + outputs - donated aliases + temporaries, `memory_analysis()`);
+* XLA's FLOPs and bytes accessed per chip (`cost_analysis()`), from 1- and 2-layer unrolled
+  compiles without collective-matmul loops, extrapolated in depth (`counted_costs`): XLA's cost
+  analysis counts a loop's body once, both the scanned encoder's and the loops the TPU compiler
+  makes of FSDP's gathered-weight matmuls;
+* the collectives of the real (scanned) program with their bytes, groups and executions
+  (`planning.hlo`), and the Pallas kernels in it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+
+from bert_jax.planning import chips as chips_lib
+from bert_jax.planning import hlo as hlo_lib
+
+MESHES = ("data", "fsdp", "tensor")
+COLLECTIVES = hlo_lib.KINDS
+
+
+def quiet_libtpu_env() -> None:
+    """Compiling only: no TPU host detection, and libtpu's one-process lock does not stop a
+    compile beside another process that loaded libtpu (any jax process does when it is installed)."""
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v4-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def slice_devices(name: str):
+    """The devices of slice `name` (e.g. "v4-128", "v5e-16"), with their physical `coords`."""
+    from jax.experimental import topologies
+
+    s = chips_lib.parse_slice(name)
+    devices = topologies.get_topology_desc(
+        topology_name=s.topology_name, platform="tpu", chip_config_name=s.chip.chip_config,
+        chips_per_host_bounds=s.chip.chips_per_host_bounds, num_slices=1).devices
+    if len(devices) != s.chips:
+        raise RuntimeError(f"{name}: expected {s.chips} chips, the topology has {len(devices)} devices")
+    return devices
+
+
+def mesh_axes(kind: str, chips: int, tensor: int = 4) -> dict:
+    if kind == "data":
+        return {"data": chips, "fsdp": 1, "tensor": 1}
+    if kind == "fsdp":
+        return {"data": 1, "fsdp": chips, "tensor": 1}
+    if kind == "tensor":
+        if chips % tensor:
+            raise ValueError(f"tensor mesh: {chips} chips do not divide by tensor={tensor}")
+        return {"data": chips // tensor, "fsdp": 1, "tensor": tensor}
+    raise ValueError(f"--mesh: unknown mesh {kind!r} (use {', '.join(MESHES)})")
+
+
+def compile_step(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,
+                 predictions: int, compiler_options: dict | None = None):
+    """`(compiled, seconds, global rows, mesh)` of `steps.train_step` on `devices`."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from bert_jax import pretrain, sharding, steps
+
+    mesh = sharding.create_mesh(mesh_axes(mesh_kind, len(devices)), devices=devices)
+    model, tx, schedule, init_state = pretrain.build(config, bert_config, mesh)
+    abstract = jax.eval_shape(init_state, jax.random.key(0))
+    state_shardings = sharding.logical_to_sharding(abstract, mesh)
+    abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
+    # Global batch: per-chip batch x chips that hold distinct rows (data x fsdp).
+    rows = batch_per_chip * sharding.axis_size(mesh, sharding.BATCH_AXES)
+    bs = sharding.batch_sharding(mesh)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=bs)
+    batch = {k: spec((rows, seq_len), jnp.int32) for k in ("input_ids", "input_mask", "segment_ids")}
+    batch.update(masked_lm_positions=spec((rows, predictions), jnp.int32),
+                 masked_lm_ids=spec((rows, predictions), jnp.int32),
+                 masked_lm_weights=spec((rows, predictions), jnp.float32),
+                 next_sentence_labels=spec((rows, 1), jnp.int32))
+    step = functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, mesh=mesh)
+    jitted = jax.jit(step, in_shardings=(state_shardings, bs), out_shardings=(state_shardings, None),
+                     donate_argnums=0)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        t0 = time.perf_counter()
+        compiled = jitted.lower(abstract_state, batch).compile(compiler_options=compiler_options)
+    return compiled, time.perf_counter() - t0, rows, mesh
+
+
+def analyze(compiled, hbm_gib: float) -> dict:
+    """HBM per chip, the collectives by kind, collective-matmul loops and Pallas kernels."""
+    mem = compiled.memory_analysis()
+    fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    used = fixed + mem.temp_size_in_bytes
+    text = compiled.as_text()
+    counts = {c: len(re.findall(rf"\b{c}(?:-start)?\(", text)) for c in COLLECTIVES}
+    # Collective matmuls: loops whose body is XLA's windowed dot (a scanned layer's appear once).
+    windowed = len(re.findall(r"\swhile\(.*body=%[\w.]*windowed_dot_general", text))
+    return {"hbm_gib": used / 2**30, "hbm_capacity_gib": hbm_gib, "fits": used <= hbm_gib * 2**30,
+            "hbm_fixed_gib": fixed / 2**30, "hbm_temp_gib": mem.temp_size_in_bytes / 2**30,
+            "collectives": {k: v for k, v in counts.items() if v}, "collective_matmul_loops": windowed,
+            # Pallas kernels lower to Mosaic custom calls (the scanned layer's body appears once).
+            "pallas_kernels": text.count('custom_call_target="tpu_custom_call"')}
+
+
+def xla_costs(compiled) -> dict:
+    """`{"flops", "bytes"}` of XLA's cost analysis (per chip; a loop body counted once)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
+
+
+def xla_flops(compiled) -> float:
+    return xla_costs(compiled)["flops"]
+
+
+# The TPU compiler turns a matmul with a gathered (FSDP) or reduce-scattered operand into a loop
+# ("windowed einsum", collective matmul) that overlaps each chunk's transfer with its share of the
+# matmul. Turned off, the program does the same arithmetic without the loop.
+NO_COLLECTIVE_MATMUL_LOOPS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                              "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
+
+
+def counted_costs(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,
+                  predictions: int) -> tuple[dict, int]:
+    """XLA's FLOPs and bytes accessed per chip of the full-depth step, and the loops left in the
+    programs it counted.
+
+    XLA's cost analysis counts a loop's body once: the scanned encoder's, and each collective
+    matmul's (FSDP's gathered weights: without this it counts 21-25% fewer FLOPs than the model
+    needs). So the counts come from two unrolled compiles of 1 and 2 layers (same widths, mesh
+    and batch) without collective-matmul loops, extrapolated linearly in depth. Their last layer
+    is computed as in the real program (at the masked positions only when it is unrolled with
+    `sparse_last_layer`; a scanned encoder computes it everywhere).
+    """
+    from bert_jax import modeling
+
+    sparse = modeling.last_layer_queries(bert_config, seq_len, predictions) is not None
+    counts, loops, options = [], 0, NO_COLLECTIVE_MATMUL_LOOPS
+    for layers in (1, 2):
+        small = bert_config.replace(num_hidden_layers=layers, scan_layers=False, sparse_last_layer=sparse)
+        try:
+            compiled = compile_step(config, small, devices, mesh_kind, batch_per_chip, seq_len, predictions,
+                                    compiler_options=options)[0]
+        except Exception as e:  # noqa: BLE001 - a libtpu without these options: count with the loops
+            if options is None or "No such compile option" not in str(e):
+                raise
+            options = None
+            compiled = compile_step(config, small, devices, mesh_kind, batch_per_chip, seq_len, predictions)[0]
+        counts.append(xla_costs(compiled))
+        loops += len(re.findall(r"\swhile\(", compiled.as_text()))
+    depth = bert_config.num_hidden_layers - 1
+    return {k: counts[0][k] + depth * (counts[1][k] - counts[0][k]) for k in counts[0]}, loops
+
+
+def counted_flops(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,
+                  predictions: int) -> tuple[float, int]:
+    costs, loops = counted_costs(config, bert_config, devices, mesh_kind, batch_per_chip, seq_len, predictions)
+    return costs["flops"], loops

@@ -1,0 +1,181 @@
+"""bert_jax.planning.hlo: the collectives of compiled programs (8 CPU devices) against what the
+mesh and the shapes say they must be, and hand-written HLO in the forms the CPU compiler does not
+print (explicit and iota replica groups, async start/done pairs, tuples, nested loops)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from bert_jax.planning import hlo
+
+
+def as_sets(groups):
+    return {frozenset(g) for g in groups}
+
+
+def mesh_groups(mesh, axis):
+    """Positions (= the program's device ids) of the devices that share every other mesh coordinate."""
+    pos = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    i = mesh.axis_names.index(axis)
+    return as_sets(np.moveaxis(pos, i, -1).reshape(-1, pos.shape[i]).tolist())
+
+
+def test_fsdp_gather_and_data_reduction_of_a_compiled_step():
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None)))
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P(("data", "fsdp"), None)))
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)
+
+    text = jax.jit(step, out_shardings=NamedSharding(mesh, P("fsdp", None))).lower(w, x).compile().as_text()
+    found = hlo.collectives(text)
+    gathers = [c for c in found if c.kind == "all-gather"]
+    # FSDP: the weight gathered whole over the fsdp axis, once.
+    assert len(gathers) == 1 and gathers[0].bytes == 256 * 512 * 4 and gathers[0].executions == 1
+    assert as_sets(gathers[0].groups) == mesh_groups(mesh, "fsdp")
+    # The gradient reduced over both axes (all-reduce or reduce-scatter, however XLA splits it):
+    # every group of every reduction lies within one fsdp or one data group.
+    reductions = [c for c in found if c.kind in ("all-reduce", "reduce-scatter")]
+    assert reductions
+    allowed = mesh_groups(mesh, "fsdp") | mesh_groups(mesh, "data")
+    for c in reductions:
+        assert as_sets(c.groups) <= allowed
+    axes = {("fsdp" if as_sets(c.groups) <= mesh_groups(mesh, "fsdp") else "data") for c in reductions}
+    assert axes == {"fsdp", "data"}
+
+
+def test_scan_multiplies_by_the_trip_count():
+    mesh = jax.make_mesh((8,), ("data",))
+    xs = jax.ShapeDtypeStruct((5, 16, 32), jnp.float32, sharding=NamedSharding(mesh, P(None, "data", None)))
+
+    def f(xs):
+        def body(carry, x):
+            return carry + jnp.sum(x, axis=0), None  # a sum over the sharded rows: one all-reduce per step
+        return jax.lax.scan(body, jnp.zeros(32), xs)[0]
+
+    found = hlo.collectives(jax.jit(f).lower(xs).compile().as_text())
+    reduces = [c for c in found if c.kind == "all-reduce"]
+    assert sum(c.executions for c in reduces) == 5
+    assert all(c.bytes == 32 * 4 and as_sets(c.groups) == {frozenset(range(8))} for c in reduces)
+    assert hlo.summarize(found)["all-reduce"]["bytes"] == 5 * 32 * 4
+
+
+HAND = """HloModule m, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%inner_body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %p = (s32[], f32[64]{0}) parameter(0)
+  %v = f32[64]{0} get-tuple-element(%p), index=1
+  %cp-start = (f32[64]{0}, f32[64]{0}, u32[], u32[]) collective-permute-start(%v), channel_id=4, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cp-done = f32[64]{0} collective-permute-done(%cp-start)
+  ROOT %t = (s32[], f32[64]{0}) tuple(%i, %cp-done)
+}
+
+%inner_cond (p: (s32[], f32[64])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+%outer_body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %p = (s32[], f32[64]{0}) parameter(0)
+  %w = (s32[], f32[64]{0}) while(%p), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  %x = f32[64]{0} get-tuple-element(%w), index=1
+  %ar = (f32[64]{0}, bf16[10,10]{1,0}) all-reduce(%x, %y), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true, to_apply=%add
+  ROOT %t = (s32[], f32[64]{0}) tuple(%i, %x)
+}
+
+%br0 (x: f32[64]) -> f32[64] {
+  ROOT %x = f32[64]{0} parameter(0)
+}
+
+%br1 (x: f32[64]) -> f32[64] {
+  %x = f32[64]{0} parameter(0)
+  ROOT %guarded = f32[64]{0} all-reduce(%x), channel_id=5, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+}
+
+%counted_cond (p: (u32[], f32[64])) -> pred[] {
+  %k = u32[]{:T(128)} constant(6), metadata={op_name="windowed"}
+  %p = (u32[], f32[64]{0}) parameter(0)
+  %g = u32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%g, %k), direction=LT, metadata={op_name="windowed"}
+}
+
+%counted_body (p: (u32[], f32[64])) -> (u32[], f32[64]) {
+  %p = (u32[], f32[64]{0}) parameter(0)
+  %v = f32[64]{0} get-tuple-element(%p), index=1
+  %chunk = f32[64]{0} all-gather(%v), channel_id=6, replica_groups=[1,8]<=[8], dimensions={0}
+  %sunk = f32[512]{0} all-gather(%v), channel_id=7, replica_groups=[1,8]<=[8], dimensions={0}, frontend_attributes={chain_id="1"}
+  ROOT %t = (u32[], f32[64]{0}) tuple(%i, %chunk)
+}
+
+%outer_cond (p: (s32[], f32[64])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[64], g: bf16[4,128]) -> f32[64] {
+  %a = f32[64]{0} parameter(0)
+  %g = bf16[4,128]{1,0:T(8,128)(2,1)} parameter(1)
+  %ag-start = ((bf16[4,128]{1,0}), bf16[16,128]{1,0}) all-gather-start(%g), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %ag-done = bf16[16,128]{1,0} all-gather-done(%ag-start)
+  %sunk.0 = f32[512]{0} all-gather(%a), channel_id=8, replica_groups=[1,8]<=[8], dimensions={0}, frontend_attributes={chain_id="1"}
+  %rs = f32[8]{0} reduce-scatter(%a), channel_id=3, replica_groups={}, dimensions={0}, to_apply=%add
+  %w = (s32[], f32[64]{0}) while(%t0), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"24"}}
+  %w2 = (s32[], f32[64]{0}) while(%t1), condition=%outer_cond, body=%outer_body
+  %cnd = f32[64]{0} conditional(%i0, %a, %a), branch_computations={%br0, %br1}
+  %w3 = (u32[], f32[64]{0}) while(%t3), condition=%counted_cond, body=%counted_body
+  ROOT %r = f32[64]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_hand_written_forms():
+    found = {c.name: c for c in hlo.collectives(HAND)}
+    assert set(found) == {"ag-done", "rs", "ar", "cp-done", "guarded", "chunk", "sunk (chain 1: 2 pieces)"}
+    # a chain (two async pieces of one gather, one of them in the chunk loop): one collective, once
+    sunk = found["sunk (chain 1: 2 pieces)"]
+    assert (sunk.executions, sunk.bytes) == (1, 512 * 4)
+    chunk = found["chunk"]  # a collective-matmul-style loop: no trip count, `counter < 6`
+    assert chunk.executions == 6 and not chunk.unknown_trip_count and chunk.group_size == 8
+    guarded = found["guarded"]  # in a conditional branch: counted as run, flagged
+    assert guarded.conditional and guarded.executions == 1 and guarded.group_size == 2
+    assert not found["ag-done"].conditional
+    ag = found["ag-done"]  # the done op's result, the start op's explicit groups
+    assert (ag.kind, ag.bytes, ag.groups, ag.executions) == ("all-gather", 16 * 128 * 2,
+                                                             [[0, 1, 2, 3], [4, 5, 6, 7]], 1)
+    rs = found["rs"]  # {} = every device; full buffer = shard x 8
+    assert (rs.bytes, rs.full_bytes, rs.groups) == (32, 256, [list(range(8))])
+    ar = found["ar"]  # iota groups: arange(8).reshape(4,2).T -> rows [0,2,4,6], [1,3,5,7]; tuple bytes summed
+    assert ar.groups == [[0, 2, 4, 6], [1, 3, 5, 7]] and ar.bytes == 64 * 4 + 100 * 2 and ar.elements == 164
+    # outer loops: 24 + 1 (no trip count: counted once, flagged)
+    assert ar.executions == 25 and ar.unknown_trip_count
+    cp = found["cp-done"]  # nested: 3 per outer iteration
+    assert cp.kind == "collective-permute" and cp.executions == 75 and cp.groups == [[0, 1], [1, 2], [2, 3], [3, 0]]
+    assert cp.bytes == 64 * 4
+
+
+def test_mesh_form_with_device_ids():
+    attrs = ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, "
+             "dimensions={0}")
+    # devices: arange(8).reshape(2,4).T.ravel() = [0,4,1,5,2,6,3,7] laid on (4,1,2); groups vary axis_0
+    assert hlo.parse_groups(attrs, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hlo.parse_groups("replica_groups=mesh['x'=2,'y'=4] {'x','y'}", 8) == [list(range(8))]
+    # ids listed: laid on the mesh in that order
+    listed = "replica_groups=mesh['x'=2,'y'=2], device_ids=[3,1,2,0] {'y'}"
+    assert hlo.parse_groups(listed, 4) == [[3, 1], [2, 0]]
+    assert hlo.parse_groups("replica_groups=mesh['x'=2,'y'=2], device_ids=[2,2] {'x'}", 4) == [[0, 2], [1, 3]]
+    assert hlo.parse_groups("replica_groups=mesh['x'=2,'y'=4] {'x'}", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("text,expected", [("f32[2,3]{1,0}", 24), ("bf16[]", 2), ("pred[7]", 7),
+                                           ("(f32[2]{0}, s32[])", 12), ("f8e4m3fn[16]", 16),
+                                           ("bf16[8,128]{1,0:T(8,128)(2,1)}", 2048)])
+def test_type_bytes(text, expected):
+    assert hlo.type_bytes(text) == expected
