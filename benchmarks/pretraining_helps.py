@@ -43,6 +43,7 @@ sys.path.insert(0, ROOT)
 
 TASK_DIRS = {"sst2": "SST-2", "cola": "CoLA", "stsb": "STS-B", "mrpc": "MRPC", "rte": "RTE"}
 ARMS = ("pretrained", "random")
+TRAIN_SHARDS = 16  # training text files, each a mix of every source (stage_corpus says why)
 
 
 def log(msg: str) -> None:
@@ -138,11 +139,18 @@ def stage_corpus(corpus_dir: str, out: str) -> dict:
         "shakespeare": [d for p in sorted(glob.glob(os.path.join(corpus_dir, "tinyshakespeare", "*.txt")))
                         for d in shakespeare_documents(p)],
     }
-    info = {}
-    for name, docs in parts.items():
-        if docs:
-            corpora.write_google_text(os.path.join(out, f"{name}.txt"), docs)
-        info[name] = {"documents": len(docs), "sentences": sum(map(len, docs))}
+    info = {name: {"documents": len(docs), "sentences": sum(map(len, docs))} for name, docs in parts.items()}
+    corpora.write_google_text(os.path.join(out, "heldout.txt"), parts.pop("heldout"))
+    # The training documents of every source, shuffled (seeded) and dealt round-robin into
+    # TRAIN_SHARDS files: `create_pretraining_data` writes a shard's instances (shuffled within
+    # it) one shard after another, so one file per source would give a stream in source order
+    # (WikiText, then Gutenberg, then Shakespeare) that a 10k-record shuffle buffer cannot mix.
+    import random
+    train_docs = [d for docs in parts.values() for d in docs]
+    random.Random(0).shuffle(train_docs)
+    for k in range(TRAIN_SHARDS):
+        corpora.write_google_text(os.path.join(out, f"train-{k:02d}.txt"), train_docs[k::TRAIN_SHARDS])
+    info["train_shards"] = TRAIN_SHARDS
     with open(done, "w", encoding="utf-8") as f:
         json.dump(info, f, indent=1)
     log(f"corpus: {info}")
@@ -167,11 +175,10 @@ def stage_records(corpus: str, out: str, vocab: str, *, dupe_factor: int, seq_le
         return json.load(open(done, encoding="utf-8"))
     os.makedirs(out, exist_ok=True)
     started = time.time()
-    train = [os.path.join(corpus, f"{n}.txt") for n in ("wikitext", "gutenberg", "shakespeare")]
-    train = [p for p in train if os.path.exists(p)]
+    train = sorted(glob.glob(os.path.join(corpus, "train-*.txt")))
     # Two subfolders: each run writes its own dataset_info.json next to its records.
     create_records(train, os.path.join(out, "train", "train.tfrecord"), vocab, dupe_factor=dupe_factor,
-                   seq_len=seq_len, predictions=predictions, shards=max(2, workers), workers=workers)
+                   seq_len=seq_len, predictions=predictions, shards=len(train), workers=workers)
     create_records([os.path.join(corpus, "heldout.txt")], os.path.join(out, "heldout", "heldout.tfrecord"),
                    vocab, dupe_factor=1, seq_len=seq_len, predictions=predictions, shards=1, workers=1)
     info = {"wall_s": round(time.time() - started, 1)}
@@ -273,31 +280,55 @@ def stage_random_init(path: str, overrides: dict, vocab: str, seed: int = 0) -> 
     return path
 
 
+def _rows(task: str, path: str) -> tuple[list[str], list[str]]:
+    """(header lines, data lines) of a GLUE file; the reader splits rows at newlines only
+    (`tasks.read_tsv`), so sampling lines samples rows."""
+    from data_pipeline.tasks import glue
+
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    headerless = task == "cola" and glue.SPECS[task].text_a not in lines[0].split("\t")
+    return ([], lines) if headerless else ([lines[0]], lines[1:])
+
+
+def _write_rows(path: str, header: list[str], body: list[str]) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write("\n".join(header + body) + "\n")
+    return path
+
+
 def subsample_train(task: str, glue_dir: str, out_dir: str, n: int, seed: int = 0) -> str:
-    """The task's training file with `n` rows drawn without replacement (header kept); the
-    reader splits rows at newlines only (`tasks.read_tsv`), so sampling lines samples rows."""
+    """The task's training file with `n` rows drawn without replacement (header kept)."""
     import random
     from data_pipeline.tasks import glue
 
     spec = glue.SPECS[task]
     folder = os.path.join(glue_dir, spec.folder)
     source = next(os.path.join(folder, f) for f in spec.splits["train"] if os.path.exists(os.path.join(folder, f)))
-    with open(source, encoding="utf-8-sig", newline="") as f:
-        lines = f.read().split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    headerless = task == "cola" and spec.text_a not in lines[0].split("\t")
-    header, body = ([], lines) if headerless else ([lines[0]], lines[1:])
+    header, body = _rows(task, source)
     if n and n < len(body):
         body = [body[i] for i in sorted(random.Random(seed).sample(range(len(body)), n))]
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{task}_train_{len(body)}.tsv")
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        f.write("\n".join(header + body) + "\n")
-    return path
+    return _write_rows(os.path.join(out_dir, f"{task}_train_{len(body)}.tsv"), header, body)
 
 
-def finetune_config(args, task: str, init: str, seed: int, train_file: str):
+def selection_split(task: str, train_file: str, fraction: float, seed: int = 0) -> tuple[str, str]:
+    """`train_file` cut in two (seeded): (fit, select). The learning rate is chosen by training on
+    `fit` and scoring on `select`, both parts of the training set; the dev sets we report are
+    never used for a choice."""
+    import random
+
+    header, body = _rows(task, train_file)
+    chosen = set(random.Random(seed).sample(range(len(body)), max(1, int(round(fraction * len(body))))))
+    stem = os.path.splitext(train_file)[0]
+    fit = _write_rows(f"{stem}_fit.tsv", header, [r for i, r in enumerate(body) if i not in chosen])
+    select = _write_rows(f"{stem}_select.tsv", header, [r for i, r in enumerate(body) if i in chosen])
+    return fit, select
+
+
+def finetune_config(args, task: str, init: str, seed: int, train_file: str, lr: float, dev_file: str = ""):
     from configs import glue as glue_config
 
     config = glue_config.get_config()
@@ -306,13 +337,15 @@ def finetune_config(args, task: str, init: str, seed: int, train_file: str):
     config.init_checkpoint = init
     config.seed = seed
     config.split_files.train = train_file
-    if task == "mrpc" and not os.path.exists(os.path.join(args.glue_dir, "MRPC", "dev.tsv")):
+    if dev_file:
+        config.split_files.dev = dev_file
+    elif task == "mrpc" and not os.path.exists(os.path.join(args.glue_dir, "MRPC", "dev.tsv")):
         config.split_files.dev = os.path.join(args.glue_dir, "MRPC", "msr_paraphrase_test.txt")
     config.predict_test = False
     config.max_seq_length = args.max_seq_length
     config.global_batch_size = args.finetune_batch_size
     config.num_train_epochs = args.finetune_epochs
-    config.learning_rate = args.finetune_lr
+    config.learning_rate = lr
     config.log_every_steps = 1000
     config.async_checkpointing = False
     if args.quick:
@@ -320,35 +353,78 @@ def finetune_config(args, task: str, init: str, seed: int, train_file: str):
     return config
 
 
-def stage_finetune(args, inits: dict) -> dict:
-    """`{task: {arm: {seed: results}}}`; a run whose result.json exists is read, not rerun."""
+def _finetune_once(args, run_dir: str, config, what: str) -> dict:
+    """`bert_jax.finetune.run` into run_dir, or its result.json when that run finished before."""
     from bert_jax import finetune
 
+    done = os.path.join(run_dir, "result.json")
+    if not os.path.exists(done):
+        if os.path.isdir(run_dir):  # a stopped run: start it over (its checkpoints are stale)
+            import shutil
+            shutil.rmtree(run_dir)
+        started = time.time()
+        results = finetune.run(config, run_dir)
+        record = {"results": results, "wall_s": round(time.time() - started, 1),
+                  "train_file": config.split_files.train, "dev_file": config.split_files.dev,
+                  "learning_rate": config.learning_rate, "seed": config.seed}
+        with open(done, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        log(f"{what}: score {results.get('score')} ({record['wall_s']} s)")
+    else:
+        log(f"{what}: done, skipped")
+    with open(done, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def choose_lr(args, task: str, arm: str, init: str, train_file: str) -> tuple[float, dict]:
+    """The learning rate of `args.finetune_lrs` with the best score on a held-back part of the
+    training set (seed 0, trained on the rest); one value = no selection."""
+    if len(args.finetune_lrs) == 1:
+        return args.finetune_lrs[0], {}
+    fit, select = selection_split(task, train_file, args.select_fraction)
+    scores = {}
+    for lr in args.finetune_lrs:
+        run_dir = os.path.join(args.workdir, "select", arm, task, f"lr{lr:g}")
+        record = _finetune_once(args, run_dir, finetune_config(args, task, init, 0, fit, lr, select),
+                                f"select {task} {arm} lr {lr:g}")
+        scores[f"{lr:g}"] = _score(record["results"])
+    best = max(args.finetune_lrs, key=lambda lr: (scores[f"{lr:g}"], -lr))  # ties: the smaller rate
+    return best, scores
+
+
+def compile_cache(path: str) -> None:
+    """A persistent XLA cache for the fine-tuning runs: every run of a task has the same shapes
+    (the selection runs, both arms, every seed), so all but the first load their programs."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:  # the caller's (the test's) cache
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def stage_finetune(args, inits: dict) -> dict:
+    """`{task: {arm: {seed: record}}}` and `{task: {arm: {"lr", "selection"}}}`; a run whose
+    result.json exists is read, not rerun."""
+    compile_cache(os.path.join(args.workdir, "xla_cache"))
     out: dict = {}
+    chosen: dict = {}
     for task in args.tasks:
         train_file = subsample_train(task, args.glue_dir, os.path.join(args.workdir, "glue_train"),
                                      args.max_train_examples)
-        for seed in args.seeds:
-            for arm in ARMS:
+        for arm in ARMS:
+            lr, selection = choose_lr(args, task, arm, inits[arm], train_file)
+            chosen.setdefault(task, {})[arm] = {"lr": lr, "selection_scores": selection}
+            for seed in args.seeds:
                 run_dir = os.path.join(args.workdir, "finetune", arm, task, f"seed{seed}")
-                done = os.path.join(run_dir, "result.json")
-                if not os.path.exists(done):
-                    if os.path.isdir(run_dir):  # a stopped run: start it over (its checkpoints are stale)
-                        import shutil
-                        shutil.rmtree(run_dir)
-                    started = time.time()
-                    results = finetune.run(finetune_config(args, task, inits[arm], seed, train_file), run_dir)
-                    record = {"results": results, "wall_s": round(time.time() - started, 1),
-                              "train_file": train_file}
-                    with open(done, "w", encoding="utf-8") as f:
-                        json.dump(record, f, indent=1)
-                    log(f"finetune {task} {arm} seed {seed}: score {results.get('score')} "
-                        f"({record['wall_s']} s)")
-                else:
-                    log(f"finetune {task} {arm} seed {seed}: done, skipped")
-                with open(done, encoding="utf-8") as f:
-                    out.setdefault(task, {}).setdefault(arm, {})[str(seed)] = json.load(f)
-    return out
+                config = finetune_config(args, task, inits[arm], seed, train_file, lr)
+                record = _finetune_once(args, run_dir, config, f"finetune {task} {arm} seed {seed} lr {lr:g}")
+                if record.get("learning_rate", lr) != lr:
+                    raise RuntimeError(f"{run_dir} was trained with lr {record['learning_rate']}, not the "
+                                       f"chosen {lr}: remove it (or the workdir) to rerun")
+                out.setdefault(task, {}).setdefault(arm, {})[str(seed)] = record
+    return out, chosen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,9 +522,13 @@ def parse_args(argv=None):
     p.add_argument("--pretrain_steps", type=int, default=0, help="0 = configs/pretrain_small.py's")
     p.add_argument("--tasks", default="sst2,cola,stsb,mrpc,rte")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--max_train_examples", type=int, default=0, help="subsample each training set (0 = all)")
+    p.add_argument("--max_train_examples", type=int, default=2000,
+                   help="rows drawn from each training set (0 = all): the low-resource regime, and the 2-hour budget")
     p.add_argument("--max_seq_length", type=int, default=128)
-    p.add_argument("--finetune_lr", type=float, default=3e-4, help="same for both arms")
+    p.add_argument("--finetune_lrs", default="1e-4,3e-4,1e-3",
+                   help="learning-rate grid; each arm and task takes the best on a held-back part of train")
+    p.add_argument("--select_fraction", type=float, default=0.2,
+                   help="part of the (subsampled) training set held back to choose the learning rate")
     p.add_argument("--finetune_epochs", type=float, default=3.0)
     p.add_argument("--finetune_batch_size", type=int, default=32)
     p.add_argument("--dupe_factor", type=int, default=5)
@@ -458,6 +538,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.finetune_lrs = [float(v) for v in args.finetune_lrs.split(",") if v]
     unknown = set(args.tasks) - set(TASK_DIRS)
     if unknown:
         p.error(f"--tasks: unknown {sorted(unknown)}; expected some of {sorted(TASK_DIRS)}")
@@ -499,7 +580,7 @@ def main(argv=None) -> dict:
     inits = {"pretrained": pretrain_dir,
              "random": timed("random_init", stage_random_init, os.path.join(args.workdir, "random_init"),
                              overrides, args.vocab_file)}
-    finetuned = timed("finetune", stage_finetune, args, inits)
+    finetuned, chosen = timed("finetune", stage_finetune, args, inits)
 
     summary = summarize(finetuned)
     curves = pretraining_curves(pretrain_dir)
@@ -507,13 +588,15 @@ def main(argv=None) -> dict:
         "issue": 28,
         "recipe": {"config": "configs/pretrain_small.py", "overrides": overrides, "quick": args.quick,
                    "corpus": corpus_info, "records": records_info,
-                   "finetune": {"lr": args.finetune_lr, "epochs": args.finetune_epochs,
+                   "finetune": {"lr_grid": args.finetune_lrs, "select_fraction": args.select_fraction,
+                                "epochs": args.finetune_epochs,
                                 "batch": args.finetune_batch_size, "max_seq_length": args.max_seq_length,
                                 "max_train_examples": args.max_train_examples, "seeds": args.seeds},
                    "mrpc_dev": "msr_paraphrase_test.txt (GLUE MRPC test; GLUE's dev split is not available)"},
         "stage_wall_s": times,  # of the last invocation that ran each stage
         "finetune_runs_wall_s": {arm: round(sum(r["wall_s"] for t in finetuned.values()
                                                 for r in t.get(arm, {}).values()), 1) for arm in ARMS},
+        "learning_rates": chosen,  # per task and arm: the chosen rate and the selection scores
         "pretraining_curves": curves,
         **summary,
     }

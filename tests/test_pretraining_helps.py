@@ -83,15 +83,26 @@ def test_quick_pipeline_and_resume(tmp_path, capsys, compile_cache):
     out = tmp_path / "out"
     argv = [f"--workdir={work}", f"--corpus_dir={corpus}", f"--glue_dir={glue}", f"--vocab_file={vocab}",
             "--tasks=sst2", "--seeds=0",  # one seed: the test stays under a minute on one core
-            "--max_train_examples=32", "--quick", f"--output_dir={out}"]
+            "--max_train_examples=32", "--finetune_lrs=1e-3,3e-3", "--quick", f"--output_dir={out}"]
     report = pretraining_helps.main(argv)
 
     # stage 1: corpus in Google's format (held-out shard apart), records with their dataset_info
     info = json.loads((work / "corpus" / "corpus_info.json").read_text())
     assert info["heldout"]["documents"] >= 1 and info["wikitext"]["documents"] >= 1
     assert info["gutenberg"]["documents"] == 2  # one per chapter, licence text dropped
-    assert "Licence" not in (work / "corpus" / "gutenberg.txt").read_text()
-    assert "King:" not in (work / "corpus" / "shakespeare.txt").read_text()
+    # the training text: 16 files, each a mix of the sources (documents dealt round-robin after a
+    # seeded shuffle), together every training document once and no held-out one
+    shards = sorted((work / "corpus").glob("train-*.txt"))
+    assert len(shards) == pretraining_helps.TRAIN_SHARDS
+    docs = [d for p in shards for d in p.read_text().split("\n\n") if d.strip()]
+    assert len(docs) == sum(info[s]["documents"] for s in ("wikitext", "gutenberg", "shakespeare"))
+    heldout = [d for d in (work / "corpus" / "heldout.txt").read_text().split("\n\n") if d.strip()]
+    assert len(heldout) == info["heldout"]["documents"] and not set(heldout) & set(docs)
+    text = "".join(p.read_text() for p in shards)
+    assert "Licence" not in text and "King:" not in text
+    assert len({p.read_text() for p in shards}) > 1
+    records = json.loads((work / "records" / "train" / "dataset_info.json").read_text())
+    assert len(records["files"]) == pretraining_helps.TRAIN_SHARDS
     for split in ("train", "heldout"):
         assert json.loads((work / "records" / split / "dataset_info.json").read_text())["num_instances"] > 0
     # stage 2: the pretraining reached its last step and logged MLM curves
@@ -108,6 +119,21 @@ def test_quick_pipeline_and_resume(tmp_path, capsys, compile_cache):
                 .read_text().splitlines()[1:]]
         assert rows and sst2[arm]["per_seed"]["0"] == pytest.approx(sum(p == g for _, p, g in rows) / len(rows))
     assert len((work / "glue_train" / "sst2_train_32.tsv").read_text().splitlines()) == 33  # header + 32
+    # the learning rate: each arm's best on a held-back fifth of the 32 training rows, never on dev
+    full = (work / "glue_train" / "sst2_train_32.tsv").read_text().splitlines()
+    fit = (work / "glue_train" / "sst2_train_32_fit.tsv").read_text().splitlines()
+    select = (work / "glue_train" / "sst2_train_32_select.tsv").read_text().splitlines()
+    assert len(select) == 1 + 6 and sorted(fit[1:] + select[1:]) == sorted(full[1:])
+    for arm in ("pretrained", "random"):
+        chosen = report["learning_rates"]["sst2"][arm]
+        scores = chosen["selection_scores"]
+        assert set(scores) == {"0.001", "0.003"}
+        assert scores[f"{chosen['lr']:g}"] == max(scores.values())
+        for lr in (1e-3, 3e-3):
+            run = json.loads((work / "select" / arm / "sst2" / f"lr{lr:g}" / "result.json").read_text())
+            assert run["dev_file"].endswith("_select.tsv") and run["learning_rate"] == lr
+        final = json.loads((work / "finetune" / arm / "sst2" / "seed0" / "result.json").read_text())
+        assert final["learning_rate"] == chosen["lr"] and final["dev_file"] == ""
     # stage 4: JSON + PNG, copied to --output_dir
     saved = json.loads((out / "pretraining_helps.json").read_text())
     assert set(saved["tasks"]["sst2"]) >= {"pretrained", "random", "delta_points"}
@@ -119,5 +145,5 @@ def test_quick_pipeline_and_resume(tmp_path, capsys, compile_cache):
     printed = capsys.readouterr().out
     for stage in ("corpus:", "records:", "pretrain:", "random init:"):
         assert f"{stage} " in printed and "skipped" in printed.split(stage, 1)[1].split("\n", 1)[0]
-    assert printed.count("done, skipped") == 2
+    assert printed.count("done, skipped") == 2 + 4  # the two final runs and the four selection runs
     assert again["tasks"] == report["tasks"]
