@@ -508,6 +508,27 @@ def draw(path: str, curves: dict, summary: dict) -> None:
     plt.close(fig)
 
 
+METRIC_NAMES = {"sst2": "accuracy", "cola": "MCC", "stsb": "mean of Pearson and Spearman", "mrpc": "mean of F1 and accuracy",
+                "rte": "accuracy"}
+
+
+def markdown(report: dict) -> str:
+    """The RESULTS.md table of a report: dev scores x 100, mean ± std over seeds, the chosen rates."""
+    lines = ["| task (score) | pretrained | random init | Δ | per seed (pretrained / random) | lr (pretrained / random) |",
+             "|---|---|---|---|---|---|"]
+    for task, row in report["tasks"].items():
+        p, r = row["pretrained"], row["random"]
+        seeds = lambda arm: " ".join(f"{100 * v:.1f}" for v in arm["per_seed"].values())
+        lrs = report.get("learning_rates", {}).get(task, {})
+        lr = " / ".join(f"{lrs[a]['lr']:g}" for a in ARMS if a in lrs)
+        lines.append(f"| {TASK_DIRS[task]} ({METRIC_NAMES.get(task, 'score')}) | {100 * p['mean']:.1f} ± {100 * p['std']:.1f} "
+                     f"| {100 * r['mean']:.1f} ± {100 * r['std']:.1f} | {row['delta_points']:+.1f} | {seeds(p)} / {seeds(r)} | {lr} |")
+    avg = report["average"]
+    lines.append(f"| average | {100 * avg['pretrained']:.1f} | {100 * avg['random']:.1f} | "
+                 f"{100 * (avg['pretrained'] - avg['random']):+.1f} | | |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # The pipeline
 # ---------------------------------------------------------------------------------------------
@@ -613,6 +634,7 @@ def main(argv=None) -> dict:
     for task, row in summary["tasks"].items():
         log(f"{task}: pretrained {row['pretrained']['mean']} ± {row['pretrained']['std']}, "
             f"random {row['random']['mean']} ± {row['random']['std']}")
+    print(markdown(report), flush=True)
     log(f"wrote {json_path} and {png_path}")
     return report
 
