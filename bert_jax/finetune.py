@@ -191,6 +191,9 @@ def make_task(config: ml_collections.ConfigDict):
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Fine-tunes `config.init_checkpoint` on `config.task`; returns the final eval results."""
 
+    if config.model.get("fp8"):
+        raise ValueError("config.model.fp8=True: FP8 training is a pretraining option (bert_jax.pretrain); "
+                         "fine-tuning runs in config.model.dtype (e.g. bfloat16): set config.model.fp8=False")
     task = make_task(config)
     bert_config = pretrain.bert_config_from(config)
     init_params, vocab_file, do_lower_case = None, config.vocab_file, config.do_lower_case

@@ -66,6 +66,13 @@ class BertConfig:
     # Heads that read a few positions (pretraining's masked LM + NSP, sentence classification): the
     # last layer's queries run at those positions only. Exact; ignored with scan_layers.
     sparse_last_layer: bool = True
+    # FP8 matmuls for training on Hopper GPUs (flax's `fp8_ops`: e4m3 inputs and weights, e5m2
+    # gradients, per-tensor scales from a 1,024-step amax history, "delayed scaling"). The scaling
+    # state lives in the `_overwrite_with_gradient` variable collection (`FP8_COLLECTION`), which the
+    # pretraining step carries and checkpoints; the parameters are unchanged. A training-time
+    # option, not part of the model: `to_dict` (and so bert_config.json) leaves it out, and a model
+    # applied without that collection cannot run with it (fine-tuning and inference run without).
+    fp8: bool = False
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -92,6 +99,8 @@ class BertConfig:
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"BertConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if not isinstance(self.fp8, (bool, np.bool_)):
+            raise ValueError(f"BertConfig.fp8 must be true or false, got {self.fp8!r}")
         if self.vocab_pad_multiple < 1:
             raise ValueError(f"BertConfig.vocab_pad_multiple must be >= 1, got {self.vocab_pad_multiple}")
 
@@ -169,8 +178,11 @@ class BertConfig:
             raise ValueError(f"{path}: {e}") from e
 
     def to_dict(self) -> dict:
-        """Our fields in our meaning, marked so that `from_json_file` reads them back exactly."""
-        return {**dataclasses.asdict(self), "bert_jax": True}
+        """Our fields in our meaning, marked so that `from_json_file` reads them back exactly
+        (all but `fp8`, a training-time option)."""
+        d = dataclasses.asdict(self)
+        del d["fp8"]  # how a run trains, not what the model is (see the field)
+        return {**d, "bert_jax": True}
 
     def to_json_file(self, path) -> None:
         with open(path, "w", encoding="utf-8") as f:

@@ -26,6 +26,7 @@ import functools
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
+from flax.linen import fp8_ops
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +43,10 @@ Array = jax.Array
 # Logical names of activations (distinct from the parameters' names: the batch of activations is
 # sharded over (data, fsdp), so their hidden dimension must not also be sharded over fsdp). q, k and
 # v's, ACT_HEADS, are `bert_jax.attention`'s.
+# The variable collection of the FP8 scaling state (`BertConfig.fp8`): amax histories and scales
+# whose "gradient" is their next value (flax's convention).
+FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
+
 ACT_EMBED = ("activation_batch", "activation_length", "activation_embed")
 ACT_MLP = ("activation_batch", "activation_length", "activation_mlp")
 
@@ -126,9 +131,12 @@ class Dense(nn.Module):
         n_in = len(self.in_shape)
         x = x.astype(cfg.compute_dtype)
         # Contract x's last n_in axes with the kernel's first n_in axes.
-        y = jax.lax.dot_general(
-            x, kernel.astype(cfg.compute_dtype),
-            ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+        dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+        # FP8: the inputs and the kernel quantized to e4m3, the output gradient to e5m2, with the
+        # scales of this layer's own state (its submodule "fp8"); XLA rewrites the scaled dot into
+        # an FP8 GEMM on Hopper GPUs.
+        dot = fp8_ops.Fp8DirectDotGeneralOp(name="fp8") if cfg.fp8 else jax.lax.dot_general
+        y = dot(x, kernel.astype(cfg.compute_dtype), dims)
         return y + bias.astype(cfg.compute_dtype)
 
 
@@ -204,7 +212,15 @@ class SelfAttention(nn.Module):
         biases = [b.astype(cfg.compute_dtype) for b in biases]
         xc = x.astype(cfg.compute_dtype)
         impl, seq_ids = cfg.attention_impl, sequence_ids
-        if query_positions is None:
+        # FP8 (see Dense): the query and the key/value projections always as two matmuls, so that
+        # the layer has the same scaling state whether or not it runs at a few query positions.
+        einsum_q = fp8_ops.Fp8Einsum(name="query_fp8") if cfg.fp8 else jnp.einsum
+        einsum_kv = fp8_ops.Fp8Einsum(name="key_value_fp8") if cfg.fp8 else jnp.einsum
+        if query_positions is None and cfg.fp8:
+            q = einsum_q("blh,hnd->blnd", xc, kernels[0]) + biases[0]
+            kv = einsum_kv("blh,hsnd->blsnd", xc, jnp.stack(kernels[1:], axis=1)) + jnp.stack(biases[1:])
+            k, v = kv[:, :, 0], kv[:, :, 1]
+        elif query_positions is None:
             kernel = jnp.stack(kernels, axis=1)  # [hidden, 3, heads, head_dim]
             # [batch, length, 3, heads, head_dim]
             qkv = jnp.einsum("blh,hsnd->blsnd", xc, kernel) + jnp.stack(biases)
@@ -213,9 +229,9 @@ class SelfAttention(nn.Module):
         else:
             x = gather_positions(x, query_positions)  # the residual, [batch, queries, hidden]
             # [batch, queries, heads, head_dim]
-            q = jnp.einsum("blh,hnd->blnd", x.astype(cfg.compute_dtype), kernels[0]) + biases[0]
+            q = einsum_q("blh,hnd->blnd", x.astype(cfg.compute_dtype), kernels[0]) + biases[0]
             # [batch, length, 2, heads, head_dim]
-            kv = jnp.einsum("blh,hsnd->blsnd", xc, jnp.stack(kernels[1:], axis=1)) + jnp.stack(biases[1:])
+            kv = einsum_kv("blh,hsnd->blsnd", xc, jnp.stack(kernels[1:], axis=1)) + jnp.stack(biases[1:])
             k, v = kv[:, :, 0], kv[:, :, 1]  # each [batch, length, heads, head_dim]
             if mask.shape[2] != 1:  # per-query rows (packing, causal): those of the queries kept
                 # [batch, 1, queries, key]
@@ -313,7 +329,7 @@ class Encoder(nn.Module):
         if cfg.scan_layers:
             scanned = nn.scan(
                 layer_cls,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, FP8_COLLECTION: 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=nn.broadcast,
                 length=cfg.num_hidden_layers,
@@ -474,9 +490,37 @@ class MlmHead(nn.Module):
         # tiles); the parameters keep the real size so checkpoints and counts are exact.
         emb = jnp.pad(word_embeddings, ((0, pad), (0, 0))).astype(cfg.compute_dtype)  # [vocab_p, hidden]
         # [batch, predictions, vocab_p]
-        logits = jnp.einsum("bph,vh->bpv", h, emb, preferred_element_type=jnp.float32)
+        logits = (jnp.einsum("bph,vh->bpv", h, emb, preferred_element_type=jnp.float32)
+                  if h.dtype == jnp.float32 else _low_precision_grad_logits(h, emb))
         logits = logits[..., :cfg.vocab_size] + bias.astype(jnp.float32)  # [batch, predictions, vocab]
         return logits
+
+
+@jax.custom_vjp
+def _low_precision_grad_logits(h: Array, emb: Array) -> Array:
+    """`einsum("bph,vh->bpv")` of low-precision (bf16/f16) operands with float32 logits, whose
+    backward runs in the operands' dtype (float32 accumulation) instead of float32.
+
+    Autodiff of the float32-output einsum would send the float32 logits gradient into both
+    transposed matmuls, promoting them to float32 GEMMs (2.2 ms of BERT-Large's H100 step) for
+    gradients that are then cast back to bf16 anyway.
+    """
+    return jnp.einsum("bph,vh->bpv", h, emb, preferred_element_type=jnp.float32)
+
+
+def _low_precision_grad_logits_fwd(h, emb):
+    return _low_precision_grad_logits(h, emb), (h, emb)
+
+
+def _low_precision_grad_logits_bwd(res, g):
+    h, emb = res
+    g = g.astype(h.dtype)
+    dh = jnp.einsum("bpv,vh->bph", g, emb, preferred_element_type=jnp.float32).astype(h.dtype)
+    demb = jnp.einsum("bpv,bph->vh", g, h, preferred_element_type=jnp.float32).astype(emb.dtype)
+    return dh, demb
+
+
+_low_precision_grad_logits.defvjp(_low_precision_grad_logits_fwd, _low_precision_grad_logits_bwd)
 
 
 class NspHead(nn.Module):

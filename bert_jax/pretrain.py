@@ -128,8 +128,9 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
 
     def init_state(rng):
         params_rng, dropout_rng = jax.random.split(rng)
-        params = model.init(params_rng, **modeling.dummy_inputs(bert_config))["params"]
-        return steps.create_train_state(params, tx, dropout_rng)
+        variables = model.init(params_rng, **modeling.dummy_inputs(bert_config))
+        return steps.create_train_state(variables["params"], tx, dropout_rng,
+                                        fp8=variables.get(modeling.FP8_COLLECTION))
 
     return model, tx, schedule, init_state
 
@@ -144,7 +145,7 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
     os.makedirs(workdir, exist_ok=True)
     config_file = os.path.join(workdir, "bert_config.json")
     try:
-        unchanged = BertConfig.from_json_file(config_file) == bert_config
+        unchanged = BertConfig.from_json_file(config_file) == bert_config.replace(fp8=False)
     except (OSError, ValueError):
         unchanged = False
     if not unchanged:
@@ -251,7 +252,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                    objective=config.objective, mesh=mesh)
     p_train = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                       out_shardings=(state_shardings, None), donate_argnums=0)
-    p_eval = jax.jit(functools.partial(steps.eval_step, model=model, objective=config.objective),
+    # Evaluation runs the weights in the compute dtype: FP8 is how the training step multiplies.
+    eval_model = BertForPreTraining(bert_config.replace(fp8=False))
+    p_eval = jax.jit(functools.partial(steps.eval_step, model=eval_model, objective=config.objective),
                      in_shardings=(state_shardings.params, batch_sharding))
 
     peak = peak_flops_per_device()
@@ -402,7 +405,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     bert_config = bert_config_from(config)
     mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
     params, params_shardings = load_params(config, bert_config, mesh)
-    model = BertForPreTraining(bert_config)
+    model = BertForPreTraining(bert_config.replace(fp8=False))  # as in training's evaluations
     p_eval = jax.jit(functools.partial(steps.eval_step, model=model, objective=config.objective),
                      in_shardings=(params_shardings, sharding.batch_sharding(mesh)))
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):

@@ -152,6 +152,8 @@ def logical_to_sharding(abstract_boxed: Any, mesh: Mesh, rules=DEFAULT_RULES) ->
     shapes = nn.meta.unbox(abstract_boxed)
 
     def fix(spec, shape):
+        if shape is None:  # an empty field (e.g. TrainState.fp8 without FP8) stays empty
+            return None
         if not isinstance(spec, P):
             return NamedSharding(mesh, P())
         dims = list(spec) + [None] * (len(shape.shape) - len(spec))

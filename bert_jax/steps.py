@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bert_jax.modeling import BertConfig
+from bert_jax.modeling import FP8_COLLECTION, BertConfig
 from bert_jax.sharding import BATCH_AXES
 
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "position_ids",
@@ -44,12 +44,21 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array  # raw uint32 key data (checkpointable); per-step keys are fold_in(rng, step)
+    # The FP8 scaling state (`BertConfig.fp8`: the model's `FP8_COLLECTION`), None without FP8.
+    # Not trained: each step's backward pass returns its next value in place of a gradient.
+    fp8: Any = None
 
 
-def create_train_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+def create_train_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array,
+                       fp8: Any = None) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       rng=jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
-                      else rng)
+                      else rng, fp8=fp8)
+
+
+def model_variables(params: Any, fp8: Any = None) -> dict:
+    """The variables `model.apply` takes: the parameters, and the FP8 scaling state if any."""
+    return {"params": params} if fp8 is None else {"params": params, FP8_COLLECTION: fp8}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,33 +170,40 @@ def train_step(state: TrainState, batch: dict, *, model, tx: optax.GradientTrans
     mlm_total = jnp.sum(batch["masked_lm_weights"].astype(jnp.float32))
     nsp_total = jnp.sum(nsp_labels_and_weights(batch)[1])
 
-    def loss_fn(params, micro, key):
-        out = model.apply({"params": params}, **_model_inputs(micro), deterministic=False,
+    def loss_fn(params, fp8, micro, key):
+        out = model.apply(model_variables(params, fp8), **_model_inputs(micro), deterministic=False,
                           rngs={"dropout": key})
         sums = pretraining_sums(out, micro)
         return combine_loss(sums, mlm_total, nsp_total, use_nsp), sums
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    # The FP8 state's "gradient" is its next value (None without FP8).
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
     if accum_steps == 1:
-        (loss, sums), grads = grad_fn(state.params, batch, rng)
+        (loss, sums), (grads, fp8) = grad_fn(state.params, state.fp8, batch, rng)
     else:
         micro_batches = _split_micro_batches(batch, accum_steps, mesh)
 
         def body(carry, xs):
             i, micro = xs
-            (loss_i, sums_i), grads_i = grad_fn(state.params, micro, jax.random.fold_in(rng, i))
-            g, l, s = carry
+            g, l, s, fp8_i = carry
+            # Each micro-batch scales with the state the one before it left (as separate steps would).
+            (loss_i, sums_i), (grads_i, fp8_i) = grad_fn(state.params, fp8_i, micro,
+                                                         jax.random.fold_in(rng, i))
             return (jax.tree_util.tree_map(jnp.add, g, grads_i), l + loss_i,
-                    jax.tree_util.tree_map(jnp.add, s, sums_i)), None
+                    jax.tree_util.tree_map(jnp.add, s, sums_i), fp8_i), None
 
         zeros_g = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         zeros_s = {k: jnp.zeros((), jnp.float32) for k in
                    ("mlm_loss_sum", "mlm_correct", "mlm_weight", "nsp_loss_sum", "nsp_correct", "nsp_weight")}
-        (grads, loss, sums), _ = jax.lax.scan(
-            body, (zeros_g, jnp.zeros((), jnp.float32), zeros_s),
+        (grads, loss, sums, fp8), _ = jax.lax.scan(
+            body, (zeros_g, jnp.zeros((), jnp.float32), zeros_s, state.fp8),
             (jnp.arange(accum_steps), micro_batches))
 
     new_state, guard = apply_guarded_update(state, grads, loss, tx)
+    if fp8 is not None:  # a non-finite step leaves the scales as they were, like the parameters
+        finite = guard["finite"] > 0
+        new_state = new_state.replace(fp8=jax.tree_util.tree_map(
+            lambda new, old: jnp.where(finite, new, old), fp8, state.fp8))
     metrics = dict(sums, loss=loss, learning_rate=schedule(state.step), **guard)
     return new_state, metrics
 

@@ -30,6 +30,7 @@ def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.Conf
     m.vocab_pad_multiple = 128  # pad the MLM decoder's vocab dim for speed (params keep real size)
     m.causal_attention = False  # left-to-right encoder (paper Table 5 ablation)
     m.sparse_last_layer = True  # last layer only where the heads read (masked LM, [CLS]); exact
+    m.fp8 = False  # FP8 matmuls with delayed scaling in pretraining (H100); state checkpointed
     return m
 
 
