@@ -5,7 +5,6 @@ kernel's own largest value), and that state saved and restored exactly by a resu
 import functools
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -185,7 +184,7 @@ def test_scanned_layers_stack_the_state_and_the_config_file_leaves_fp8_out(tmp_p
 
 
 def test_a_resumed_fp8_run_repeats_the_uninterrupted_one_bit_for_bit(tmp_path):
-    tf = pytest.importorskip("tensorflow")  # noqa: F841 (the records and the input pipeline)
+    pytest.importorskip("tensorflow")  # the records and the input pipeline
     sys.path.insert(0, str(Path(__file__).parent))
     import test_pretrain as tp
 
