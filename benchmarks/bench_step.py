@@ -78,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--prng", default="threefry2x32", choices=["threefry2x32", "rbg", "unsafe_rbg"],
                    help="random-bit generator of dropout (config.prng_impl)")
     p.add_argument("--no_dropout", action="store_true", help="dropout off (its cost, measured)")
+    p.add_argument("--hidden_act", default="", help="override the config's activation (e.g. gelu_tanh)")
+    p.add_argument("--fp8", action="store_true", help="FP8 matmuls with delayed scaling (BertConfig.fp8)")
     p.add_argument("--dense_last_layer", action="store_true",
                    help="config.model.sparse_last_layer=False: the last layer at every position")
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
@@ -225,6 +227,20 @@ def max_abs_diff(a, b) -> float:
                                                                jax.tree_util.tree_leaves(b)))
 
 
+def initial_fp8_state(abstract, shardings):
+    """The FP8 scaling state as flax's `Fp8DotGeneralBase` initializes it (scales 1, amax
+    histories 0), without compiling the model's initialization again; None stays None."""
+    import jax
+    import jax.numpy as jnp
+
+    if abstract is None:
+        return None
+    def init(path, x, s):
+        fill = 1.0 if jax.tree_util.keystr(path).endswith("_scale']") else 0.0
+        return jax.device_put(jnp.full(x.shape, fill, x.dtype), s)
+    return jax.tree_util.tree_map_with_path(init, abstract, shardings)
+
+
 def bench_ours(args, config, bert_config, mesh, batch_np, init_cache: dict | None = None):
     """Compiles our step; returns `({lower_s, compile_s}, Runner)`. Scripts that build several
     variants of the step pass one `init_cache` dict to every call: the first call keeps a copy of
@@ -239,11 +255,15 @@ def bench_ours(args, config, bert_config, mesh, batch_np, init_cache: dict | Non
     cached = (init_cache or {}).get("state")
     if cached is not None:  # usable if this variant's state has the same structure, shapes and dtypes
         shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
-        fresh = jax.eval_shape(lambda r: nn.meta.unbox(init_state(r)), jax.random.key(0))
-        cached = cached if shapes(fresh) == shapes(cached) else None
+        boxed = jax.eval_shape(init_state, jax.random.key(0))
+        fresh = nn.meta.unbox(boxed)
+        # The FP8 scaling state apart: a variant with FP8 takes the others' parameters and moments.
+        cached = cached if shapes(fresh.replace(fp8=None)) == shapes(cached.replace(fp8=None)) else None
     if cached is not None:
         log("copying the first variant's initial state")
-        state, state_shardings = jax.tree.map(jnp.copy, cached), init_cache["shardings"]
+        state_shardings = sharding.logical_to_sharding(boxed, mesh)
+        state = jax.tree.map(jnp.copy, cached.replace(fp8=None)).replace(
+            fp8=initial_fp8_state(fresh.fp8, state_shardings.fp8))
     else:
         log("initializing the state")
         state, state_shardings = sharding.sharded_init(init_state, jax.random.key(0), mesh)
@@ -352,6 +372,9 @@ def setup(args):
     config.model.remat_policy = args.remat
     if args.layers:
         config.model.num_hidden_layers = args.layers
+    if args.hidden_act:
+        config.model.hidden_act = args.hidden_act
+    config.model.fp8 = args.fp8
     config.global_batch_size = args.batch
     config.max_seq_length = args.seq_len
     predictions = args.predictions or max(1, round(args.seq_len * 20 / 128))
@@ -385,7 +408,7 @@ def main(argv=None):
         "hidden": bert_config.hidden_size, "seq_len": args.seq_len, "batch": args.batch,
         "predictions": predictions, "dtype": args.dtype, "attention": args.attention, "scan": args.scan,
         "remat": args.remat, "packing": args.packing, "prng": args.prng,
-        "dropout": not args.no_dropout,
+        "dropout": not args.no_dropout, "hidden_act": bert_config.hidden_act, "fp8": bert_config.fp8,
     }
     # The positions the last layer computes: the masked ones and each row's [CLS] (3 when packed).
     queries = modeling.last_layer_queries(bert_config, args.seq_len, predictions, 3 if args.packing else 1)

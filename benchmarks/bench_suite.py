@@ -48,6 +48,11 @@ SUITES: dict = {
         ("large_512_packed", "bench_step.py", _LARGE + _GPU + [
             "--seq_len=512", "--batch=32", "--attention=dot_product", "--packing"]),
         ("base_128", "bench_step.py", _BASE + _GPU + ["--seq_len=128", "--batch=256", "--attention=dot_product"]),
+        # Issue 30: the tanh GELU (cuBLASLt epilogue) and FP8, against bf16, in one process each.
+        ("large_128_fp8_variants", "bench_fp8.py", _LARGE + _GPU + [
+            "--seq_len=128", "--batch=256", "--attention=dot_product", "--rounds=3", "--steps=5"]),
+        ("base_128_fp8_variants", "bench_fp8.py", _BASE + _GPU + [
+            "--seq_len=128", "--batch=256", "--attention=dot_product", "--rounds=3", "--steps=5"]),
         # Attention implementations compared (XLA's einsum path, with attention dropout).
         ("base_128_einsum", "bench_step.py", _BASE + _GPU + ["--seq_len=128", "--batch=256"]),
         # What sparse_last_layer and the optimizer rewrite bought on this device.
