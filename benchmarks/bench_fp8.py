@@ -18,7 +18,8 @@ analysis (FLOPs and bytes accessed), the latter for the pod planner's calibratio
 
 Variants: `bf16` (the config as is: the exact erf GELU), `gelu_tanh` (the tanh GELU that
 Google's code uses since 2019, which cuBLASLt can fuse into the GEMM's epilogue), `fp8`
-(`BertConfig.fp8`), `fp8_gelu_tanh` (both).
+(`BertConfig.fp8`), `fp8_gelu_tanh` (both), `fused` (`BertConfig.fused_ops`: the Pallas
+dropout + residual + LayerNorm kernels), `fused_gelu_tanh`.
 
 `--parity`: trains the config from one initialization on the same batches (an .npz written by
 `--make_parity_batches` from real pretraining records, so the GPU machine needs no tensorflow)
@@ -45,6 +46,8 @@ VARIANTS = {
     "gelu_tanh": {"hidden_act": "gelu_tanh"},
     "fp8": {"fp8": True},
     "fp8_gelu_tanh": {"fp8": True, "hidden_act": "gelu_tanh"},
+    "fused": {"fused_ops": True},
+    "fused_gelu_tanh": {"fused_ops": True, "hidden_act": "gelu_tanh"},
 }
 BATCH_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
               "masked_lm_weights", "next_sentence_labels")

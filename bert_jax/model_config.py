@@ -73,6 +73,10 @@ class BertConfig:
     # option, not part of the model: `to_dict` (and so bert_config.json) leaves it out, and a model
     # applied without that collection cannot run with it (fine-tuning and inference run without).
     fp8: bool = False
+    # Dropout + residual add + LayerNorm at the end of each sub-layer as one Pallas kernel each way
+    # (`bert_jax.fused`; Triton on GPUs). The same parameters, masks and arithmetic; where the
+    # kernels do not apply (hidden size not a power of two, several devices) the layer is unfused.
+    fused_ops: bool = False
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -99,8 +103,9 @@ class BertConfig:
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"BertConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if not isinstance(self.fp8, (bool, np.bool_)):
-            raise ValueError(f"BertConfig.fp8 must be true or false, got {self.fp8!r}")
+        for name in ("fp8", "fused_ops"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"BertConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.vocab_pad_multiple < 1:
             raise ValueError(f"BertConfig.vocab_pad_multiple must be >= 1, got {self.vocab_pad_multiple}")
 

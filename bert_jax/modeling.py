@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Re-exported: `modeling.attention`, `modeling.keep_mask`, ... stay importable from here.
+from bert_jax import fused
 from bert_jax.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids  # noqa: F401
 from bert_jax.dropout import Dropout, dropout, keep_mask  # noqa: F401
 from bert_jax.model_config import (  # noqa: F401
@@ -189,6 +190,43 @@ class Embeddings(nn.Module):
         return nn.with_logical_constraint(x, ACT_EMBED)
 
 
+class _DropoutRng(nn.Module):
+    """Draws the "dropout" key that a `Dropout` module of the same name would draw."""
+
+    @nn.compact
+    def __call__(self) -> Array:
+        return self.make_rng("dropout")
+
+
+class _NormParams(nn.Module):
+    """`LayerNorm`'s `scale` and `bias`, unapplied (same names, shapes and initializers)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Array]:
+        cfg = self.config
+        return (self.param("scale", _ones(("embed",)), (cfg.hidden_size,), cfg.params_dtype),
+                self.param("bias", _zeros(("embed",)), (cfg.hidden_size,), cfg.params_dtype))
+
+
+def dropout_add_norm(cfg: BertConfig, deterministic: bool, out: Array, residual: Array) -> Array:
+    """`LayerNorm(dropout(out) + residual)`, the end of every sub-layer (call it from a module's
+    compact `__call__`: it creates the submodules "Dropout_0" and "output_norm" there). With
+    `cfg.fused_ops` where `bert_jax.fused` applies: one Pallas kernel each way, with the same
+    parameters and the same dropout mask."""
+    rate = cfg.hidden_dropout_prob
+    if cfg.fused_ops and fused.supported(cfg.hidden_size):
+        keep = None
+        if not deterministic and rate > 0.0:
+            keep = keep_mask(_DropoutRng(name="Dropout_0")(), 1.0 - rate, out.shape)
+        scale, bias = _NormParams(cfg, name="output_norm")()
+        return fused.dropout_add_layernorm(out, residual, keep, scale, bias, keep_prob=1.0 - rate,
+                                           eps=cfg.layer_norm_eps)
+    out = Dropout(rate=rate, name="Dropout_0")(out, deterministic=deterministic)
+    return LayerNorm(cfg, name="output_norm")(out + residual)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention + output projection + dropout + residual + LayerNorm (post-LN)."""
 
@@ -251,8 +289,7 @@ class SelfAttention(nn.Module):
         # [batch, length, heads, head_dim] -> [batch, length, hidden]
         out = Dense(cfg, (heads, head_dim), (cfg.hidden_size,), ("heads", "kv", "embed"),
                     name="output")(ctx)
-        out = Dropout(rate=cfg.hidden_dropout_prob)(out, deterministic=self.deterministic)
-        return LayerNorm(cfg, name="output_norm")(out + x)
+        return dropout_add_norm(cfg, self.deterministic, out, x)
 
 
 class FeedForward(nn.Module):
@@ -269,8 +306,7 @@ class FeedForward(nn.Module):
         h = activation_fn(cfg.hidden_act)(h)
         h = nn.with_logical_constraint(h, ACT_MLP)
         out = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output")(h)  # [batch, length, hidden]
-        out = Dropout(rate=cfg.hidden_dropout_prob)(out, deterministic=self.deterministic)
-        return LayerNorm(cfg, name="output_norm")(out + x)
+        return dropout_add_norm(cfg, self.deterministic, out, x)
 
 
 class EncoderLayer(nn.Module):

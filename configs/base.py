@@ -31,6 +31,7 @@ def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.Conf
     m.causal_attention = False  # left-to-right encoder (paper Table 5 ablation)
     m.sparse_last_layer = True  # last layer only where the heads read (masked LM, [CLS]); exact
     m.fp8 = False  # FP8 matmuls with delayed scaling in pretraining (H100); state checkpointed
+    m.fused_ops = False  # dropout + residual + LayerNorm as one Pallas kernel each way (GPU)
     return m
 
 

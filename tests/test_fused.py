@@ -1,0 +1,93 @@
+"""`BertConfig.fused_ops`: the Pallas dropout + residual + LayerNorm kernels (here in Pallas'
+interpreter) against the unfused path: one sub-layer end and the whole pretraining model, values
+and gradients, in float32 (to float rounding) and bfloat16 (to bf16 rounding), with the same
+dropout masks."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax import dropout, fused, modeling
+
+
+def _unfused(cfg, keep, keep_prob, h, x, scale, bias):
+    d = h if keep is None else jax.lax.select(keep, h / jnp.asarray(keep_prob, h.dtype), jnp.zeros_like(h))
+    return modeling.LayerNorm(cfg).apply({"params": {"scale": scale, "bias": bias}}, d + x)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-6), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("with_dropout", [True, False])
+def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(dtype, tol, with_dropout):
+    cfg = modeling.BertConfig(hidden_size=128, num_attention_heads=4, dtype=dtype)
+    rng = np.random.default_rng(0)
+    shape = (3, 40, 128)  # 120 rows: blocks of 8, not of the 16 the kernel prefers
+    h, x, dy = (jnp.asarray(rng.normal(0, 1, shape), cfg.compute_dtype) for _ in range(3))
+    scale = jnp.asarray(rng.normal(1, 0.1, (128,)), jnp.float32)
+    bias = jnp.asarray(rng.normal(0, 0.1, (128,)), jnp.float32)
+    keep = dropout.keep_mask(jax.random.key(3), 0.9, shape) if with_dropout else None
+    ref = functools.partial(_unfused, cfg, keep, 0.9)
+    fus = functools.partial(lambda h, x, s, b: fused.dropout_add_layernorm(
+        h, x, keep, s, b, keep_prob=0.9, eps=cfg.layer_norm_eps))
+    want, want_vjp = jax.vjp(ref, h, x, scale, bias)
+    got, got_vjp = jax.vjp(fus, h, x, scale, bias)
+    assert got.dtype == want.dtype == cfg.compute_dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+    for name, a, b in zip(("dh", "dx", "dscale", "dbias"), got_vjp(dy), want_vjp(dy)):
+        assert a.dtype == b.dtype, name
+        b = np.asarray(b, np.float32)
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=tol * max(1.0, np.abs(b).max()),
+                                   rtol=tol, err_msg=name)
+    if with_dropout:  # dropped positions get no gradient through h
+        assert np.all(np.asarray(got_vjp(dy)[0], np.float32)[~np.asarray(keep)] == 0)
+
+
+def _model_loss(cfg, params, batch, key):
+    out = modeling.BertForPreTraining(cfg).apply({"params": params}, **{
+        k: batch[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")},
+        deterministic=False, rngs={"dropout": key})
+    return jnp.sum(out.mlm_logits.astype(jnp.float32) ** 2) * 1e-3 + jnp.sum(out.nsp_logits), out
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 6e-2)])
+def test_the_fused_model_trains_like_the_unfused_one(dtype, tol):
+    cfg = modeling.BertConfig(vocab_size=300, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=256, dtype=dtype)
+    fused_cfg = cfg.replace(fused_ops=True)
+    batch = modeling.dummy_inputs(cfg, batch=2, length=24, predictions=4)
+    batch["input_ids"] = jnp.asarray(np.random.default_rng(1).integers(5, 300, (2, 24)), jnp.int32)
+    params = nn.meta.unbox(modeling.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
+    fused_params = nn.meta.unbox(modeling.BertForPreTraining(fused_cfg).init(jax.random.key(0), **batch)["params"])
+    # The same parameter tree: names, shapes, initial values.
+    assert jax.tree.structure(params) == jax.tree.structure(fused_params)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fused_params)))
+    key = jax.random.key(7)
+    (loss, out), grads = jax.value_and_grad(functools.partial(_model_loss, cfg), has_aux=True)(params, batch, key)
+    (f_loss, f_out), f_grads = jax.value_and_grad(functools.partial(_model_loss, fused_cfg), has_aux=True)(
+        params, batch, key)
+    # The kernels really run (and dropout is on: the loss differs from a deterministic pass).
+    assert "pallas_call" in str(jax.make_jaxpr(functools.partial(_model_loss, fused_cfg))(params, batch, key))
+    det = modeling.BertForPreTraining(cfg).apply({"params": params}, **{
+        k: batch[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")})
+    assert not np.allclose(np.asarray(det.mlm_logits), np.asarray(out.mlm_logits))
+    np.testing.assert_allclose(np.asarray(f_out.mlm_logits), np.asarray(out.mlm_logits), atol=tol * 10, rtol=tol)
+    np.testing.assert_allclose(float(f_loss), float(loss), rtol=tol)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(f_grads), jax.tree.leaves(grads)):
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, atol=tol * max(1e-3, np.abs(b).max()), rtol=tol,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_hidden_sizes_that_are_not_powers_of_two_use_the_unfused_path():
+    assert fused.supported(1024) and fused.supported(128) and not fused.supported(768)
+    cfg = modeling.BertConfig(vocab_size=100, hidden_size=96, num_hidden_layers=1, num_attention_heads=4,
+                              intermediate_size=128, fused_ops=True)
+    batch = modeling.dummy_inputs(cfg, batch=1, length=8, predictions=2)
+    params = modeling.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"]
+    jaxpr = str(jax.make_jaxpr(lambda p: modeling.BertForPreTraining(cfg).apply({"params": p}, **batch))(params))
+    assert "pallas_call" not in jaxpr
+    with pytest.raises(ValueError, match="fused_ops"):
+        modeling.BertConfig(fused_ops=1)
