@@ -123,13 +123,10 @@ def speed(args, step_args) -> dict:
                            "jax": jax.__version__, "config": step_args.config, "seq_len": step_args.seq_len,
                            "batch": step_args.batch, "attention": step_args.attention, "variants": {}}
     for name in args.variants.split(","):
-        variant_config = bert_config.replace(**VARIANTS[name])
-        for key, value in VARIANTS[name].items():
-            config.model[key] = value
         bench_step.log(f"variant {name}")
-        compile_info, runner = bench_step.bench_ours(step_args, config, variant_config, mesh, batch_np, cache)
-        for key in VARIANTS[name]:  # back to the config as loaded
-            config.model[key] = bert_config.__getattribute__(key)
+        # `bench_ours` builds the model from the BertConfig it is given (config.model unused).
+        compile_info, runner = bench_step.bench_ours(step_args, config, bert_config.replace(**VARIANTS[name]),
+                                                     mesh, batch_np, cache)
         runners[name] = runner
         facts = _hlo_facts(runner.step)
         if args.hlo_dir:
@@ -150,7 +147,8 @@ def speed(args, step_args) -> dict:
     base = None
     for name, runner in runners.items():
         row = result["variants"][name]
-        row.update(step_s=runner.median, median_s=runner.median, step_min_s=min(runner.durations), loss=runner.loss,
+        row.update(step_s=runner.median, median_s=runner.median,  # median_s: bench_suite's table
+                   step_min_s=min(runner.durations), loss=runner.loss,
                    sequences_per_s=step_args.batch / runner.median,
                    tflops_per_s=flops / runner.median / 1e12)
         if peak:
@@ -165,12 +163,9 @@ def speed(args, step_args) -> dict:
 
 
 def parity(args, step_args) -> dict:
-    import functools
-    import flax.linen as nn
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from bert_jax import pretrain, sharding, steps
+    from bert_jax import sharding
 
     data = np.load(args.parity)
     n = min(args.parity_steps, data["input_ids"].shape[0])
@@ -179,42 +174,30 @@ def parity(args, step_args) -> dict:
     config.num_train_steps, config.warmup_steps = n, max(1, n // 10)
     device = jax.devices()[0]
     result = {"date": time.strftime("%Y-%m-%d"), "device": device.device_kind, "jax": jax.__version__,
-              "benchmark": "bench_fp8 --parity", "config": step_args.config, "steps": n, "batch": step_args.batch, "seq_len": step_args.seq_len,
+              "benchmark": "bench_fp8 --parity", "config": step_args.config, "steps": n,
+              "batch": step_args.batch, "seq_len": step_args.seq_len,
               "learning_rate": config.learning_rate, "warmup_steps": config.warmup_steps, "runs": {}}
     batches = [{k: np.asarray(data[k][i], np.float32 if k == "masked_lm_weights" else np.int32)
                 for k in BATCH_KEYS} for i in range(n)]
-    cache: dict = {}
+    cache: dict = {}  # every run starts from the first one's initial parameters
     for name, fp8, seed in (("bf16", False, 0), ("bf16_seed1", False, 1), ("fp8", True, 0)):
-        cfg = bert_config.replace(fp8=fp8)
-        config.model.fp8 = fp8
-        model, tx, schedule, init_state = pretrain.build(config, cfg, mesh)
-        if not cache:
-            state, shardings = sharding.sharded_init(init_state, jax.random.key(0), mesh)
-            cache["state"] = jax.tree.map(jnp.copy, state)
-        else:
-            boxed = jax.eval_shape(init_state, jax.random.key(0))
-            shardings = sharding.logical_to_sharding(boxed, mesh)
-            state = jax.tree.map(jnp.copy, cache["state"].replace(fp8=None)).replace(
-                fp8=bench_step.initial_fp8_state(nn.meta.unbox(boxed).fp8, shardings.fp8))
+        _, runner = bench_step.bench_ours(step_args, config, bert_config.replace(fp8=fp8), mesh,
+                                          batches[0], cache)
         # The dropout seed: the same initial parameters, another stream of dropout masks.
-        state = state.replace(rng=jax.random.key_data(jax.random.key(seed)))
-        step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, mesh=mesh),
-                       in_shardings=(shardings, sharding.batch_sharding(mesh)),
-                       out_shardings=(shardings, None), donate_argnums=0)
+        state = runner.state.replace(rng=jax.random.key_data(jax.random.key(seed)))
         losses, mlm_acc, times = [], [], []
         bench_step.log(f"parity run {name}: {n} steps")
-        for i, b in enumerate(batches):
+        for b in batches:
             t0 = time.perf_counter()
-            state, metrics = step(state, sharding.to_global(b, mesh))
-            loss = float(metrics["loss"])  # waits for the step
+            state, metrics = runner.step(state, sharding.to_global(b, mesh))
+            losses.append(float(metrics["loss"]))  # waits for the step
             times.append(time.perf_counter() - t0)
-            losses.append(loss)
             mlm_acc.append(float(metrics["mlm_correct"]) / max(float(metrics["mlm_weight"]), 1e-9))
         result["runs"][name] = {"loss": losses, "mlm_accuracy": mlm_acc,
                                 "median_step_s": statistics.median(times[5:])}
         bench_step.log(f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                        f"median step {result['runs'][name]['median_step_s'] * 1e3:.1f} ms")
-        del state
+        del state, runner
     result.update(parity_summary(result["runs"]))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1), file=sys.stderr)
     return result

@@ -44,12 +44,12 @@ Array = jax.Array
 # Logical names of activations (distinct from the parameters' names: the batch of activations is
 # sharded over (data, fsdp), so their hidden dimension must not also be sharded over fsdp). q, k and
 # v's, ACT_HEADS, are `bert_jax.attention`'s.
+ACT_EMBED = ("activation_batch", "activation_length", "activation_embed")
+ACT_MLP = ("activation_batch", "activation_length", "activation_mlp")
+
 # The variable collection of the FP8 scaling state (`BertConfig.fp8`): amax histories and scales
 # whose "gradient" is their next value (flax's convention).
 FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
-
-ACT_EMBED = ("activation_batch", "activation_length", "activation_embed")
-ACT_MLP = ("activation_batch", "activation_length", "activation_mlp")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,25 +252,23 @@ class SelfAttention(nn.Module):
         impl, seq_ids = cfg.attention_impl, sequence_ids
         # FP8 (see Dense): the query and the key/value projections always as two matmuls, so that
         # the layer has the same scaling state whether or not it runs at a few query positions.
-        einsum_q = fp8_ops.Fp8Einsum(name="query_fp8") if cfg.fp8 else jnp.einsum
-        einsum_kv = fp8_ops.Fp8Einsum(name="key_value_fp8") if cfg.fp8 else jnp.einsum
-        if query_positions is None and cfg.fp8:
-            q = einsum_q("blh,hnd->blnd", xc, kernels[0]) + biases[0]
-            kv = einsum_kv("blh,hsnd->blsnd", xc, jnp.stack(kernels[1:], axis=1)) + jnp.stack(biases[1:])
-            k, v = kv[:, :, 0], kv[:, :, 1]
-        elif query_positions is None:
+        if query_positions is None and not cfg.fp8:
             kernel = jnp.stack(kernels, axis=1)  # [hidden, 3, heads, head_dim]
             # [batch, length, 3, heads, head_dim]
             qkv = jnp.einsum("blh,hsnd->blsnd", xc, kernel) + jnp.stack(biases)
             # Each: [batch, length, heads, head_dim]
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
-            x = gather_positions(x, query_positions)  # the residual, [batch, queries, hidden]
-            # [batch, queries, heads, head_dim]
+            einsum_q = fp8_ops.Fp8Einsum(name="query_fp8") if cfg.fp8 else jnp.einsum
+            einsum_kv = fp8_ops.Fp8Einsum(name="key_value_fp8") if cfg.fp8 else jnp.einsum
+            if query_positions is not None:
+                x = gather_positions(x, query_positions)  # the residual, [batch, queries, hidden]
+            # [batch, queries, heads, head_dim] (queries: every position without query_positions)
             q = einsum_q("blh,hnd->blnd", x.astype(cfg.compute_dtype), kernels[0]) + biases[0]
             # [batch, length, 2, heads, head_dim]
             kv = einsum_kv("blh,hsnd->blsnd", xc, jnp.stack(kernels[1:], axis=1)) + jnp.stack(biases[1:])
             k, v = kv[:, :, 0], kv[:, :, 1]  # each [batch, length, heads, head_dim]
+        if query_positions is not None:
             if mask.shape[2] != 1:  # per-query rows (packing, causal): those of the queries kept
                 # [batch, 1, queries, key]
                 mask = jnp.take_along_axis(

@@ -134,8 +134,9 @@ def test_the_train_step_carries_the_scaling_state_one_amax_per_step():
         state, metrics = step(state, batch)
     for path, history in _fp8_leaves(state.fp8, "input_amax_history").items():
         assert np.count_nonzero(history) == 3, path  # one entry per step, newest first
+    histories = _fp8_leaves(state.fp8, "kernel_amax_history")
     for path, scale in _fp8_leaves(state.fp8, "kernel_scale").items():  # scale = amax / 448
-        history = _fp8_leaves(state.fp8, "kernel_amax_history")[path.replace("kernel_scale", "kernel_amax_history")]
+        history = histories[path.replace("kernel_scale", "kernel_amax_history")]
         # The scale in the state is the one the last step used: from the two steps before it.
         np.testing.assert_allclose(scale[0], np.max(history[1:]) / E4M3_MAX, rtol=1e-6)
     # The state is part of the computation: the same parameters and batch with the initial
