@@ -8,7 +8,7 @@
 For each slice and mesh the pretraining step (`steps.train_step`, as `bert_jax.main` runs it) is
 compiled for the slice's real devices (`planning.aot`), and the step time is projected with the
 model of `planning.cost` (stated there): compute at the chip's peak, HBM traffic at its bandwidth
-(XLA's FLOPs and bytes accessed), and every collective of the compiled program (`planning.hlo`:
+(XLA's FLOPs; the HBM traffic of the program's instructions, by memory space), and every collective of the compiled program (`planning.hlo`:
 bytes, replica groups, executions) on the slice's interconnect: the groups' devices' physical
 coordinates say which torus axes each collective crosses. Chip figures: `planning.chips` (public
 specifications, cited). Reported per slice and mesh: the per-chip batch that fits (halved from
@@ -115,7 +115,8 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
     net = cost.Interconnect(spec.chip.link_bw, spec.wraparound)
     comm_s, batch_comm_s, by_kind = comm_seconds(found, mesh, net)
     costs, loops = aot.counted_costs(config, bert_config, devices, mesh_kind, b, seq_len, predictions)
-    t = cost.step_time(costs["flops"], costs["bytes"], comm_s, peak_flops=spec.chip.peak_flops,
+    traffic = hlo.memory_traffic(compiled.as_text())  # the real program's HBM traffic
+    t = cost.step_time(costs["flops"], traffic.hbm, comm_s, peak_flops=spec.chip.peak_flops,
                        hbm_bw=spec.chip.hbm_bw, layers=bert_config.num_hidden_layers)
     model_flops = steps.train_flops_per_sequence(bert_config, seq_len, predictions) * rows / spec.chips
     # The optimizer's share of the traffic (reads and writes the state once per step: fixed in the
@@ -125,8 +126,11 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
         "slice": slice_name, "topology": spec.topology_name, "chips": spec.chips, "mesh_kind": mesh_kind,
         "mesh": aot.mesh_axes(mesh_kind, spec.chips), "seq_len": seq_len, "batch_per_chip": b,
         "global_batch": rows, "hbm_gib": analysis["hbm_gib"], "hbm_capacity_gib": spec.chip.hbm_gib,
-        "xla_flops": costs["flops"], "xla_bytes": costs["bytes"], "model_flops": model_flops,
-        "fixed_bytes": min(2 * state_bytes, costs["bytes"]), "flop_count_loops": loops,
+        "xla_flops": costs["flops"], "model_flops": model_flops, "flop_count_loops": loops,
+        # HBM traffic (planning.hlo.memory_traffic) and, for comparison, XLA's "bytes accessed",
+        # which on TPU also counts on-chip accesses (docs/pod_planning.md)
+        "hbm_bytes": traffic.hbm, "hbm_copy_bytes": traffic.copies, "on_chip_bytes": traffic.on_chip,
+        "xla_bytes": costs["bytes"], "fixed_bytes": min(2 * state_bytes, traffic.hbm),
         "compute_s": t.compute_s, "memory_s": t.memory_s, "comm_s": comm_s, "comm": by_kind,
         "batch_comm_s": batch_comm_s, "peak_flops": spec.chip.peak_flops, "hbm_bw": spec.chip.hbm_bw,
         "step_s_no_overlap": t.no_overlap_s, "step_s": t.overlap_s, "roofline_s": t.roofline_s,
@@ -148,7 +152,7 @@ def scaled_step_s(row: dict, batch_per_chip: float, overlap: bool = True) -> flo
     from bert_jax.planning import cost
 
     k = batch_per_chip / row["batch_per_chip"]
-    traffic = row["fixed_bytes"] + (row["xla_bytes"] - row["fixed_bytes"]) * k
+    traffic = row["fixed_bytes"] + (row["hbm_bytes"] - row["fixed_bytes"]) * k
     comm = row["comm_s"] + row["batch_comm_s"] * (k - 1)
     t = cost.StepTime(row["compute_s"] * k, traffic / row["hbm_bw"], comm, row["layers"])
     return t.overlap_s if overlap else t.no_overlap_s

@@ -8,9 +8,10 @@ reads from the compiled program:
 * XLA's FLOPs and bytes accessed per chip (`cost_analysis()`), from 1- and 2-layer unrolled
   compiles without collective-matmul loops, extrapolated in depth (`counted_costs`): XLA's cost
   analysis counts a loop's body once, both the scanned encoder's and the loops the TPU compiler
-  makes of FSDP's gathered-weight matmuls;
-* the collectives of the real (scanned) program with their bytes, groups and executions
-  (`planning.hlo`), and the Pallas kernels in it.
+  makes of FSDP's gathered-weight matmuls (the bytes are kept for comparison only: on TPU they
+  also count on-chip accesses);
+* the collectives of the real (scanned) program with their bytes, groups and executions, and its
+  HBM traffic by memory space (`planning.hlo`), and the Pallas kernels in it.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ Everything here is arithmetic on numbers the compiled program and public specifi
 tests/test_planning_cost.py checks it against hand-computed cases.
 
 Compute and memory (per chip, per step)
-    compute_s = XLA FLOPs / peak FLOP/s;  memory_s = XLA bytes accessed / HBM bandwidth.
-    The program's cost analysis gives totals, not per-op pairs: a step takes between
+    compute_s = XLA FLOPs / peak FLOP/s;  memory_s = HBM traffic / HBM bandwidth, the traffic
+    read off the program's instructions (`planning.hlo.memory_traffic`: operands and results
+    in HBM, and the copies to and from on-chip memory).
+    Both are totals, not per-op pairs: a step takes between
     max(compute_s, memory_s) (every op overlaps its traffic with other ops' math) and
     compute_s + memory_s (no op does both at once). `core_s` is the sum unless said otherwise.
 
