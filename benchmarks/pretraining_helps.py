@@ -208,6 +208,8 @@ def pretrain_overrides(args, records: str) -> dict:
                   "max_predictions_per_seq": 5, "global_batch_size": 8, "log_every_steps": 1,
                   "eval_every_steps": args.pretrain_steps or 4, "eval_steps": 1, "shuffle_buffer_size": 64,
                   "checkpoint_every_steps": 1000, "async_checkpointing": False})
+    if args.no_nsp:  # masked LM only (RoBERTa's finding; here: NSP does not learn on this corpus)
+        o["use_nsp"] = False
     if args.pretrain_steps:
         o["num_train_steps"] = args.pretrain_steps
         o["warmup_steps"] = max(1, args.pretrain_steps // 10)  # the recipe's 10%
@@ -541,6 +543,7 @@ def parse_args(argv=None):
     p.add_argument("--glue_dir", default=os.path.join(DATA, "glue"))
     p.add_argument("--vocab_file", default=os.path.join(DATA, "vocab", "bert-base-uncased", "vocab.txt"))
     p.add_argument("--pretrain_steps", type=int, default=0, help="0 = configs/pretrain_small.py's")
+    p.add_argument("--no_nsp", action="store_true", help="pretrain with masked LM only (no next-sentence loss)")
     p.add_argument("--tasks", default="sst2,cola,stsb,mrpc,rte")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--max_train_examples", type=int, default=2000,
