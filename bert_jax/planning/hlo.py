@@ -202,6 +202,14 @@ def _loop(comps: dict, rest: str):
     return body and body.group(1), cond and cond.group(1), trips, bool(known)
 
 
+def _branches(rest: str) -> list[str]:
+    """The computations a `conditional` chooses between."""
+    branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+    if branches:
+        return re.findall(r"%?([\w.\-]+)", branches.group(1))
+    return re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rest)
+
+
 def collectives(hlo: str) -> list[Collective]:
     """Every collective of an optimized HLO module, with the times one step runs it."""
     comps, entry, num_devices = _computations(hlo)
@@ -223,10 +231,7 @@ def collectives(hlo: str) -> list[Collective]:
                 if cond:
                     edges.append((caller, cond, ((trips or 0) + 1, chunk or (trips or 0) + 1), trips is None, False))
             elif op == "conditional":
-                branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
-                names = (re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else
-                         re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rest))
-                edges.extend((caller, callee, (1, 1), False, True) for callee in names)
+                edges.extend((caller, callee, (1, 1), False, True) for callee in _branches(rest))
             else:
                 for callee in re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", rest):
                     edges.append((caller, callee, (1, 1), False, False))
@@ -487,8 +492,9 @@ def memory_traffic(hlo: str) -> Traffic:
     `known_trip_count` times (or the bound read off a counted condition; unknown: once), a
     `conditional` its costliest branch, a `call` its callee once. Collectives are left to the
     network term. XLA's own cost analysis ("bytes accessed") counts differently: on TPU it also
-    counts accesses inside fusions and those of on-chip buffers (BERT-Large on v4: 3.1x this
-    HBM traffic at length 128, 1.5x at 512; docs/pod_planning.md).
+    counts accesses inside fusions and those of on-chip buffers (BERT-Large on v4: 2.5x this
+    HBM traffic at length 128, where much of the step lives in CMEM; equal at 512;
+    docs/pod_planning.md).
     """
     comps, entry, _ = _computations(hlo)
     memo: dict = {}
@@ -507,16 +513,9 @@ def memory_traffic(hlo: str) -> Traffic:
         seen = seen | {comp}
         spaces: dict = {}
         copies = 0
-        types = {}  # name -> type text, for the operands
-        for line in comps.get(comp, []):
-            inst = _instruction(line)
-            if inst:
-                types[inst[0]] = inst[1]
-        for line in comps.get(comp, []):
-            inst = _instruction(line)
-            if not inst:
-                continue
-            _, type_text, op, rest = inst
+        insts = [i for i in map(_instruction, comps.get(comp, [])) if i]
+        types = {i[0]: i[1] for i in insts}  # name -> type text, for the operands
+        for _, type_text, op, rest in insts:
             if op == "while":
                 body, cond, trips, _ = _loop(comps, rest)
                 for callee, times in ((body, trips or 1), (cond, (trips or 0) + 1)):
@@ -525,10 +524,7 @@ def memory_traffic(hlo: str) -> Traffic:
                         add(spaces, s, times)
                         copies += c * times
             elif op == "conditional":
-                branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
-                names = (re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else
-                         re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rest))
-                costs = [visit(n, seen) for n in names]
+                costs = [visit(n, seen) for n in _branches(rest)]
                 if costs:
                     s, c = max(costs, key=lambda sc: sum(sc[0].values()) + sc[1])
                     add(spaces, s)
