@@ -493,8 +493,8 @@ def memory_traffic(hlo: str) -> Traffic:
     `conditional` its costliest branch, a `call` its callee once. Collectives are left to the
     network term. XLA's own cost analysis ("bytes accessed") counts differently: on TPU it also
     counts accesses inside fusions and those of on-chip buffers (BERT-Large on v4: 2.5x this
-    HBM traffic at length 128, where much of the step lives in CMEM; equal at 512;
-    docs/pod_planning.md).
+    HBM traffic at length 128, where much of the step lives in CMEM; at 512 the two totals
+    happen to meet; docs/pod_planning.md).
     """
     comps, entry, _ = _computations(hlo)
     memo: dict = {}
