@@ -8,8 +8,9 @@
 For each slice and mesh the pretraining step (`steps.train_step`, as `bert_jax.main` runs it) is
 compiled for the slice's real devices (`planning.aot`), and the step time is projected with the
 model of `planning.cost` (stated there): compute at the chip's peak, HBM traffic at its bandwidth
-(XLA's FLOPs; the HBM traffic of the program's instructions, by memory space), and every collective of the compiled program (`planning.hlo`:
-bytes, replica groups, executions) on the slice's interconnect: the groups' devices' physical
+(XLA's FLOPs; the HBM traffic of the program's instructions, by memory space), and every
+collective of the compiled program (`planning.hlo`: bytes, replica groups, executions) on the
+slice's interconnect: the groups' devices' physical
 coordinates say which torus axes each collective crosses. Chip figures: `planning.chips` (public
 specifications, cited). Reported per slice and mesh: the per-chip batch that fits (halved from
 --batch_per_chip until the TPU compiler accepts it), HBM per chip, the step time with and without
