@@ -76,9 +76,8 @@ def test_plan_a_v5e_2x2_slice(tmp_path):
         assert row["compute_s"] == pytest.approx(row["xla_flops"] / 197e12)
         assert row["memory_s"] == pytest.approx(row["hbm_bytes"] / 819e9)
         # The step reads and writes the float32 parameters and both Adam moments at least once
-        # (wherever the compiler keeps them), and the copies between memories are HBM traffic.
+        # (wherever the compiler keeps them).
         assert row["hbm_bytes"] + row["on_chip_bytes"] >= 6 * 4 * model["params"] / (1 if row is data else 4)
-        assert row["hbm_bytes"] >= row["hbm_copy_bytes"] >= 0
         core = row["compute_s"] + row["memory_s"]
         assert row["step_s"] == pytest.approx(max(core, row["comm_s"]) + row["comm_s"] / 2)
         assert row["step_s_no_overlap"] == pytest.approx(core + row["comm_s"])

@@ -65,18 +65,28 @@ class Collective:
         return self.bytes * self.group_size if self.kind == "reduce-scatter" else self.bytes
 
 
+# An array in an HLO type: element type, dimensions, and the layout if printed (`{1,0:T(8,128)S(3)}`).
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\](\{[^}]*\})?")
+
+
+def _element_bits(dtype: str):
+    """Bits per element of an XLA primitive type, or None for one this table does not know."""
+    return 8 if dtype.startswith("f8") else _BITS.get(dtype)
+
+
+def _elements(dims: str) -> int:
+    return int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+
+
 def _arrays(text: str) -> list[tuple[int, int]]:
     """`[(bits per element, elements), ...]` of an HLO type: `f32[128,256]{1,0}`, `bf16[]`,
     `(f32[2]{0}, s32[])`, TPU layouts."""
     out = []
-    for dtype, dims in re.findall(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]", text):
-        if dtype.startswith("f8"):
-            bits = 8
-        elif dtype in _BITS:
-            bits = _BITS[dtype]
-        else:
+    for dtype, dims, _ in _ARRAY.findall(text):
+        bits = _element_bits(dtype)
+        if bits is None:
             raise ValueError(f"unknown HLO element type {dtype!r} in {text!r}")
-        out.append((bits, int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1))
+        out.append((bits, _elements(dims)))
     return out
 
 
@@ -318,7 +328,6 @@ def summarize(found: list[Collective]) -> dict:
 _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
                "replica-id", "opt-barrier", "add-dependency", "domain", "while", "conditional", "call",
                "copy-start", "copy-done", "slice-start", "slice-done", "send", "send-done", "recv", "recv-done"}
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\](\{[^}]*\})?")
 
 
 @dataclasses.dataclass
@@ -343,12 +352,12 @@ def _space_bytes(text: str) -> dict:
     names the space, none = 0 (HBM)."""
     out: dict = {}
     for dtype, dims, layout in _ARRAY.findall(text):
-        if dtype not in _BITS and not dtype.startswith("f8"):
+        bits = _element_bits(dtype)
+        if bits is None:
             continue
-        space = re.search(r"S\((\d+)\)", layout or "")
+        space = re.search(r"S\((\d+)\)", layout)
         key = int(space.group(1)) if space else 0
-        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        out[key] = out.get(key, 0) + n * (8 if dtype.startswith("f8") else _BITS[dtype]) // 8
+        out[key] = out.get(key, 0) + _elements(dims) * bits // 8
     return out
 
 
@@ -375,8 +384,7 @@ _PASS_THROUGH = ("bitcast", "copy", "convert", "reshape", "transpose")  # elemen
 
 def _arrays_of(type_text: str) -> list[str]:
     """The array types of a (possibly tuple) type, in order."""
-    return ["".join(m) for m in re.findall(r"(\b[a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?\[[0-9,]*\])(\{[^}]*\})?",
-                                           type_text)]
+    return [m.group(0) for m in _ARRAY.finditer(type_text)]
 
 
 def _fusion_parts(comps: dict, callee: str, memo: dict) -> tuple[dict, list]:
