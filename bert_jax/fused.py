@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 Array = jax.Array
 MAX_BLOCK_ROWS = 16
@@ -49,11 +50,26 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def _backend_args() -> dict:
+    """Triton, named: since jax 0.10 a `pallas_call` without compiler parameters lowers through
+    Mosaic GPU on NVIDIA GPUs, whose copies take at most 256 elements along a dimension."""
+    if _interpret():
+        return {"interpret": True}
+    return {"compiler_params": pl_triton.CompilerParams(num_warps=4, num_stages=1)}
+
+
+def _scale_up(v, keep_prob: float):
+    """`v / keep_prob` rounded to `v`'s dtype. Triton divides no bfloat16 tensors: the quotient in
+    float32, rounded once to bfloat16, is the correctly rounded bfloat16 quotient (float32 carries
+    more than 2 x 8 + 2 bits), the value XLA's bfloat16 division gives."""
+    return (v.astype(jnp.float32) / jnp.float32(keep_prob)).astype(v.dtype)
+
+
 def _sum_input(h_ref, x_ref, keep_ref, keep_prob: float):
     """`dropout(h) + x` exactly as the unfused path computes it: in the compute dtype."""
     h = h_ref[...]
     if keep_ref is not None:
-        h = jnp.where(keep_ref[...] != 0, h / jnp.asarray(keep_prob, h.dtype), jnp.zeros_like(h))
+        h = jnp.where(keep_ref[...] != 0, _scale_up(h, keep_prob), jnp.zeros_like(h))
     return (h + x_ref[...]).astype(jnp.float32)
 
 
@@ -89,8 +105,7 @@ def _backward_kernel(*refs, keep_prob: float, dropout: bool):
     ds = ds.astype(dx_ref.dtype)  # the gradient of the sum, in the compute dtype as autodiff has it
     dx_ref[...] = ds
     if dropout:
-        dh_ref[...] = jnp.where(keep_ref[...] != 0, ds / jnp.asarray(keep_prob, ds.dtype),
-                                jnp.zeros_like(ds))
+        dh_ref[...] = jnp.where(keep_ref[...] != 0, _scale_up(ds, keep_prob), jnp.zeros_like(ds))
     else:
         dh_ref[...] = ds
     dscale_ref[...] = jnp.sum(dy * x_hat, axis=0)[None, :]
@@ -116,7 +131,7 @@ def _forward(h, x, keep, scale, bias, keep_prob, eps):
         grid=(rows // block,), in_specs=in_specs, out_specs=[row, stat, stat],
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype),
                    jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)],
-        interpret=_interpret(), name="dropout_add_layernorm_fwd")(*inputs)
+        name="dropout_add_layernorm_fwd", **_backend_args())(*inputs)
 
 
 def _backward(h, x, keep, scale, mean, rstd, dy, keep_prob):
@@ -134,7 +149,7 @@ def _backward(h, x, keep, scale, mean, rstd, dy, keep_prob):
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype), jax.ShapeDtypeStruct((rows, hidden), x.dtype),
                    jax.ShapeDtypeStruct((blocks, hidden), jnp.float32),
                    jax.ShapeDtypeStruct((blocks, hidden), jnp.float32)],
-        interpret=_interpret(), name="dropout_add_layernorm_bwd")(*inputs)
+        name="dropout_add_layernorm_bwd", **_backend_args())(*inputs)
     return dh, dx, jnp.sum(dscale, axis=0), jnp.sum(dbias, axis=0)
 
 

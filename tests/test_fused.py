@@ -91,3 +91,34 @@ def test_hidden_sizes_that_are_not_powers_of_two_use_the_unfused_path():
     assert "pallas_call" not in jaxpr
     with pytest.raises(ValueError, match="fused_ops"):
         modeling.BertConfig(fused_ops=1)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("with_dropout", [True, False])
+def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dropout):
+    """What a GPU would compile, lowered here: both passes become Triton calls. Since jax 0.10 a
+    `pallas_call` with no compiler parameters lowers through Mosaic GPU (which rejects these
+    blocks), and Triton's lowering has no bfloat16 division (the dropout scaling)."""
+    monkeypatch.setattr(fused, "_interpret", lambda: False)
+    shape, hidden = (4, 64, 1024), 1024
+
+    def grads(h, x, keep, scale, bias):
+        def loss(h, x, scale, bias):
+            y = fused.dropout_add_layernorm(h, x, keep if with_dropout else None, scale, bias,
+                                            keep_prob=0.9, eps=1e-12)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(h, x, scale, bias)
+
+    args = (jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
+            jax.ShapeDtypeStruct(shape, jnp.bool_), jax.ShapeDtypeStruct((hidden,), jnp.float32),
+            jax.ShapeDtypeStruct((hidden,), jnp.float32))
+    exported = jax.export.export(
+        jax.jit(grads), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    text = exported.mlir_module()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    names = sorted(name for line in calls for name in ("dropout_add_layernorm_fwd", "dropout_add_layernorm_bwd")
+                   if f'name = "{name}"' in line)
+    assert names == ["dropout_add_layernorm_bwd", "dropout_add_layernorm_fwd"], calls
+    assert all("@__gpu$xla.gpu.triton" in line for line in calls if "dropout_add_layernorm" in line)
+    assert "mosaic_gpu" not in text
