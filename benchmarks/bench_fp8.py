@@ -63,6 +63,16 @@ def parse(argv=None):
     p.add_argument("--records", default="", help="pretraining TFRecords (glob) for --make_parity_batches")
     p.add_argument("--out_json", default="", help="also write the result here")
     p.add_argument("--hlo_dir", default="", help="write each variant's optimized HLO here (gzip)")
+    p.add_argument("--parallel_compile", action="store_true",
+                   help="lower every variant, then compile them all at once in threads")
+    p.add_argument("--gpu_lock", default="",
+                   help="a file to hold locked (flock) while timing or stepping, so that two processes "
+                        "sharing one GPU compile side by side but never time at once")
+    p.add_argument("--kernel", action="store_true",
+                   help="time the fused dropout + residual + LayerNorm kernel against XLA's passes "
+                        "(forward + backward, --batch x --seq_len rows of the config's hidden size) and "
+                        "check both against a float32 reference")
+    p.add_argument("--kernel_iters", type=int, default=50)
     args, rest = p.parse_known_args(argv)
     step_args = bench_step.parse_args(rest)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
@@ -110,6 +120,28 @@ def _hlo_facts(compiled) -> dict:
             "cublas_gemms": len(gemms), "fp8_gemms": len(fp8)}
 
 
+class _Lock:
+    """`flock` on `path` for the duration of a `with` (no-op without a path)."""
+
+    def __init__(self, path: str):
+        self.path, self.file = path, None
+
+    def __enter__(self):
+        if self.path:
+            import fcntl
+            self.file = open(self.path, "a+")
+            t0 = time.perf_counter()
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+            if time.perf_counter() - t0 > 0.5:
+                bench_step.log(f"waited {time.perf_counter() - t0:.1f} s for {self.path}")
+        return self
+
+    def __exit__(self, *exc):
+        if self.file is not None:
+            self.file.close()  # releases the lock
+            self.file = None
+
+
 def speed(args, step_args) -> dict:
     import jax
     from bert_jax import pretrain, steps
@@ -121,45 +153,131 @@ def speed(args, step_args) -> dict:
     runners, result = {}, {"date": time.strftime("%Y-%m-%d"), "device": device.device_kind,
                            "benchmark": "bench_fp8",
                            "jax": jax.__version__, "config": step_args.config, "seq_len": step_args.seq_len,
-                           "batch": step_args.batch, "attention": step_args.attention, "variants": {}}
+                           "batch": step_args.batch, "attention": step_args.attention,
+                           "layers": bert_config.num_hidden_layers, "scan": step_args.scan,
+                           "packing": step_args.packing, "parallel_compile": args.parallel_compile,
+                           "variants": {}}
     for name in args.variants.split(","):
         bench_step.log(f"variant {name}")
         # `bench_ours` builds the model from the BertConfig it is given (config.model unused).
         compile_info, runner = bench_step.bench_ours(step_args, config, bert_config.replace(**VARIANTS[name]),
-                                                     mesh, batch_np, cache)
+                                                     mesh, batch_np, cache, compile=not args.parallel_compile)
         runners[name] = runner
+        result["variants"][name] = compile_info
+    if args.parallel_compile:
+        bench_step.compile_runners(runners, result["variants"])
+    for name, runner in runners.items():
         facts = _hlo_facts(runner.step)
         if args.hlo_dir:
             import gzip
             os.makedirs(args.hlo_dir, exist_ok=True)
             with gzip.open(os.path.join(args.hlo_dir, f"{name}.hlo.txt.gz"), "wt") as f:
                 f.write(runner.step.as_text())
-        result["variants"][name] = {**compile_info, **facts}
+        result["variants"][name].update(facts)
         bench_step.log(f"{name}: {facts}")
     cache.clear()  # the initial state's spare copy: memory for the steps
-    for runner in runners.values():
-        runner.run(step_args.warmup, record=False)
-    for r in range(args.rounds):
-        bench_step.log(f"round {r + 1} of {args.rounds}")
+    with _Lock(args.gpu_lock):
         for runner in runners.values():
-            runner.run(step_args.steps)
+            runner.run(step_args.warmup, record=False)
+        for r in range(args.rounds):
+            bench_step.log(f"round {r + 1} of {args.rounds}")
+            for runner in runners.values():
+                runner.run(step_args.steps)
+        if step_args.profile_dir:  # bench_step's flag: a subfolder per variant
+            for name, runner in runners.items():
+                result["variants"][name]["profile"] = bench_step.profile(
+                    runner, os.path.join(step_args.profile_dir, name), step_args.profile_steps)
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:  # this process's, all variants' states included
+        result["peak_gb_in_use"] = stats["peak_bytes_in_use"] / 1e9
     flops = steps.train_flops_per_sequence(bert_config, step_args.seq_len, predictions) * step_args.batch
+    sequences = step_args.batch * (3 if step_args.packing else 1)  # bench_step's packed rows: 3 each
     base = None
     for name, runner in runners.items():
         row = result["variants"][name]
         row.update(step_s=runner.median, median_s=runner.median,  # median_s: bench_suite's table
                    step_min_s=min(runner.durations), loss=runner.loss,
-                   sequences_per_s=step_args.batch / runner.median,
+                   sequences_per_s=sequences / runner.median,
                    tflops_per_s=flops / runner.median / 1e12)
         if peak:
             row["mfu"] = flops / runner.median / peak
         base = base or runner.median
         row["speedup_vs_first"] = base / runner.median
-        print(f"{name:>14}: {runner.median * 1e3:7.1f} ms  {row['sequences_per_s']:8.1f} seq/s"
+        print(f"{name:>16}: {runner.median * 1e3:7.1f} ms  {row['sequences_per_s']:8.1f} seq/s"
               + (f"  MFU {row['mfu']:.1%}" if peak else "")
-              + f"  x{row['speedup_vs_first']:.3f}  fp8 GEMMs {row['fp8_gemms']}  loss {runner.loss:.4f}",
-              file=sys.stderr)
+              + f"  x{row['speedup_vs_first']:.3f}  fp8 GEMMs {row['fp8_gemms']}  loss {runner.loss:.4f}"
+              + f"  compile {row['compile_s']:.0f} s", file=sys.stderr)
     return result
+
+
+def kernel(args, step_args) -> dict:
+    """The fused kernel against XLA's passes at one sub-layer end: `LayerNorm(dropout(h) + x)`,
+    forward and backward (the gradients of h, x, scale and bias for a fixed random dy), rows =
+    batch x length. Both are checked against the same function in float32 on the same bf16 inputs
+    (relative L2 error of y and every gradient), fresh random inputs, then timed (median of
+    `--kernel_iters` calls each, alternating)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bert_jax import dropout, fused, modeling
+
+    config = bench_step.load_config(step_args.config)
+    hidden = config.model.hidden_size
+    cfg = modeling.BertConfig(hidden_size=hidden, num_attention_heads=config.model.num_attention_heads,
+                              dtype=step_args.dtype)
+    keep_prob = 1.0 - config.model.hidden_dropout_prob
+    shape = (step_args.batch, step_args.seq_len, hidden)
+    ks = jax.random.split(jax.random.key(1), 6)
+    h, x, dy = (jax.random.normal(k, shape, jnp.float32).astype(cfg.compute_dtype) for k in ks[:3])
+    scale = 1.0 + 0.1 * jax.random.normal(ks[3], (hidden,), jnp.float32)
+    bias = 0.1 * jax.random.normal(ks[4], (hidden,), jnp.float32)
+    keep = dropout.keep_mask(ks[5], keep_prob, shape)
+
+    def unfused(h, x, scale, bias):
+        d = jax.lax.select(keep, h / jnp.asarray(keep_prob, h.dtype), jnp.zeros_like(h))
+        return modeling.LayerNorm(cfg.replace(dtype=str(h.dtype))).apply(
+            {"params": {"scale": scale, "bias": bias}}, d + x)
+
+    def kern(h, x, scale, bias):
+        return fused.dropout_add_layernorm(h, x, keep, scale, bias, keep_prob=keep_prob, eps=cfg.layer_norm_eps)
+
+    def fwd_bwd(f):
+        def run(h, x, scale, bias, dy):
+            y, vjp = jax.vjp(f, h, x, scale, bias)
+            return (y, *vjp(dy))
+        return jax.jit(run)
+
+    ref = fwd_bwd(unfused)(*(a.astype(jnp.float32) for a in (h, x)), scale, bias, dy.astype(jnp.float32))
+    runs = {"xla": fwd_bwd(unfused), "fused": fwd_bwd(kern)}
+    out = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "benchmark": "bench_fp8 --kernel", "rows": int(np.prod(shape[:2])), "hidden": hidden,
+           "dtype": step_args.dtype, "keep_prob": keep_prob, "impl": {}}
+    names = ("y", "dh", "dx", "dscale", "dbias")
+    for name, f in runs.items():
+        got = jax.block_until_ready(f(h, x, scale, bias, dy))
+        out["impl"][name] = {"rel_l2_error_vs_float32": {
+            n: float(jnp.linalg.norm((g.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel()))
+            for n, g, r in zip(names, got, ref)}}
+    with _Lock(args.gpu_lock):
+        times = bench_step.time_alternating({n: (lambda f=f: jax.block_until_ready(f(h, x, scale, bias, dy)))
+                                             for n, f in runs.items()}, rounds=1, steps=args.kernel_iters)
+    # The fewest bytes one forward + backward must move: read h, x, mask; write y (forward); read
+    # h, x, mask, dy; write dh, dx (backward); the row statistics and vectors are small.
+    item = jnp.dtype(cfg.compute_dtype).itemsize
+    elems = int(np.prod(shape))
+    min_bytes = elems * (3 * item + 1) + elems * (4 * item + 1 + 2 * item)
+    for name, t in times.items():
+        median = statistics.median(t)
+        out["impl"][name].update(median_s=median, gb_per_s_at_min_bytes=min_bytes / median / 1e9)
+    out["min_bytes"] = min_bytes
+    out["speedup_fused_vs_xla"] = out["impl"]["xla"]["median_s"] / out["impl"]["fused"]["median_s"]
+    for name, row in out["impl"].items():
+        errs = ", ".join(f"{k} {v:.1e}" for k, v in row["rel_l2_error_vs_float32"].items())
+        print(f"kernel {name:>6}: {row['median_s'] * 1e3:7.3f} ms fwd+bwd "
+              f"({row['gb_per_s_at_min_bytes']:.0f} GB/s at the minimum bytes); error vs float32: {errs}",
+              file=sys.stderr)
+    print(f"kernel: fused x{out['speedup_fused_vs_xla']:.2f} XLA's passes", file=sys.stderr)
+    return out
 
 
 def parity(args, step_args) -> dict:
@@ -175,25 +293,30 @@ def parity(args, step_args) -> dict:
     device = jax.devices()[0]
     result = {"date": time.strftime("%Y-%m-%d"), "device": device.device_kind, "jax": jax.__version__,
               "benchmark": "bench_fp8 --parity", "config": step_args.config, "steps": n,
+              "scan": step_args.scan, "prng": step_args.prng,
               "batch": step_args.batch, "seq_len": step_args.seq_len,
               "learning_rate": config.learning_rate, "warmup_steps": config.warmup_steps, "runs": {}}
     batches = [{k: np.asarray(data[k][i], np.float32 if k == "masked_lm_weights" else np.int32)
                 for k in BATCH_KEYS} for i in range(n)]
     cache: dict = {}  # every run starts from the first one's initial parameters
+    compiled: dict = {}  # fp8 -> the compiled step (the second bf16 run reuses the first's)
     for name, fp8, seed in (("bf16", False, 0), ("bf16_seed1", False, 1), ("fp8", True, 0)):
-        _, runner = bench_step.bench_ours(step_args, config, bert_config.replace(fp8=fp8), mesh,
-                                          batches[0], cache)
+        info, runner = bench_step.bench_ours(step_args, config, bert_config.replace(fp8=fp8), mesh,
+                                             batches[0], cache, compile=fp8 not in compiled)
+        compiled.setdefault(fp8, runner.step)
         # The dropout seed: the same initial parameters, another stream of dropout masks.
         state = runner.state.replace(rng=jax.random.key_data(jax.random.key(seed)))
+        step = compiled[fp8]
         losses, mlm_acc, times = [], [], []
         bench_step.log(f"parity run {name}: {n} steps")
-        for b in batches:
-            t0 = time.perf_counter()
-            state, metrics = runner.step(state, sharding.to_global(b, mesh))
-            losses.append(float(metrics["loss"]))  # waits for the step
-            times.append(time.perf_counter() - t0)
-            mlm_acc.append(float(metrics["mlm_correct"]) / max(float(metrics["mlm_weight"]), 1e-9))
-        result["runs"][name] = {"loss": losses, "mlm_accuracy": mlm_acc,
+        with _Lock(args.gpu_lock):
+            for b in batches:
+                t0 = time.perf_counter()
+                state, metrics = step(state, sharding.to_global(b, mesh))
+                losses.append(float(metrics["loss"]))  # waits for the step
+                times.append(time.perf_counter() - t0)
+                mlm_acc.append(float(metrics["mlm_correct"]) / max(float(metrics["mlm_weight"]), 1e-9))
+        result["runs"][name] = {"loss": losses, "mlm_accuracy": mlm_acc, "compile_s": info.get("compile_s"),
                                 "median_step_s": statistics.median(times[5:])}
         bench_step.log(f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                        f"median step {result['runs'][name]['median_step_s'] * 1e3:.1f} ms")
@@ -227,7 +350,8 @@ def main(argv=None):
     if args.make_parity_batches:
         print(json.dumps(make_parity_batches(args, step_args)))
         return
-    result = parity(args, step_args) if args.parity else speed(args, step_args)
+    result = (parity(args, step_args) if args.parity else kernel(args, step_args) if args.kernel
+              else speed(args, step_args))
     if args.out_json:
         with open(args.out_json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Issue 30's GPU measurements in one device call: three lanes of processes share the GPU, their
+# compiles side by side, their timed steps never at once (bench_fp8.py --gpu_lock).
+#   lane A: BERT-Large, T=128, batch 256, 24 layers unrolled: bf16 / gelu_tanh / fused_gelu_tanh /
+#           fp8_gelu_tanh timed in alternating rounds, each profiled (2 steps) and its HLO kept;
+#   lane B: tests/test_fused.py on the GPU (the Triton kernels against the unfused path), the
+#           kernel alone against XLA's passes, then (once lane A is done, for its memory) BERT-Large
+#           packed 512 (32 rows of 3 sequences) bf16 vs fused_gelu_tanh;
+#   lane C: FP8's loss curve against bf16's (BERT-Base, 300 steps of real records, scanned), then
+#           BERT-Base T=128 batch 256: bf16 / gelu_tanh / fp8_gelu_tanh.
+# Every phase runs under the time left (a phase that would not fit is skipped and says so).
+#   bash benchmarks/gpu_fused_fp8.sh OUT_DIR [BUDGET_S]      (the device tool: OUT_DIR=$OUT)
+set -u
+OUT_DIR=${1:?an output folder}; BUDGET=${2:-540}
+mkdir -p "$OUT_DIR"; DEADLINE=$(( $(date +%s) + BUDGET ))
+if ls .whl/*.whl >/dev/null 2>&1; then  # ml_collections, google-crc32c: not in the GPU image
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
+COMMON="--dtype=bfloat16 --attention=dot_product --prng=rbg --gpu_lock=/tmp/gpu.lock"
+T=$(date +%s)
+
+phase() {  # phase LOG NAME NEEDED_S MEM_FRACTION command...
+  local log=$1 name=$2 need=$3 mem=$4; shift 4
+  local left=$(( DEADLINE - $(date +%s) ))
+  if [ "$left" -lt "$need" ]; then echo "== $name: skipped, $left s left (needs ~$need)" >>"$log"; return; fi
+  echo "== $name: start at +$(( $(date +%s) - T )) s, $left s left: $*" >>"$log"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$mem timeout -k 10 "$left" "$@" >>"$log" 2>&1
+  echo "== $name: rc=$? at +$(( $(date +%s) - T )) s" >>"$log"
+}
+
+lane_a() {
+  local log=$OUT_DIR/lane_a.log
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv >>"$log" 2>&1
+  python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" >>"$log" 2>&1
+  phase "$log" large24 200 0.68 python3 benchmarks/bench_fp8.py --config=configs/large.py $COMMON \
+    --seq_len=128 --batch=256 --variants=bf16,gelu_tanh,fused_gelu_tanh,fp8_gelu_tanh --parallel_compile \
+    --warmup=2 --rounds=3 --steps=5 --profile_dir=/tmp/prof_large --profile_steps=2 --hlo_dir=/tmp/hlo_large \
+    --out_json="$OUT_DIR/large24.json"
+  touch /tmp/lane_a.done
+  [ -d /tmp/hlo_large ] && tar -cf "$OUT_DIR/hlo_large.tar" -C /tmp hlo_large/bf16.hlo.txt.gz hlo_large/fused_gelu_tanh.hlo.txt.gz
+}
+
+lane_b() {
+  local log=$OUT_DIR/lane_b.log
+  phase "$log" test_fused 60 0.08 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py
+  phase "$log" kernel 40 0.08 python3 benchmarks/bench_fp8.py --config=configs/large.py $COMMON \
+    --seq_len=128 --batch=256 --kernel --kernel_iters=50 --out_json=/tmp/kernel.json
+  [ -f /tmp/kernel.json ] && { echo "== kernel.json"; cat /tmp/kernel.json; echo; } >>"$log"
+  while [ ! -e /tmp/lane_a.done ] && [ "$(date +%s)" -lt "$DEADLINE" ]; do sleep 2; done
+  phase "$log" packed512 150 0.68 python3 benchmarks/bench_fp8.py --config=configs/large.py $COMMON \
+    --seq_len=512 --batch=32 --packing --variants=bf16,fused_gelu_tanh --parallel_compile \
+    --warmup=2 --rounds=3 --steps=5 --out_json="$OUT_DIR/packed512.json"
+}
+
+lane_c() {
+  local log=$OUT_DIR/lane_c.log
+  phase "$log" parity 120 0.12 python3 benchmarks/bench_fp8.py --config=configs/base.py $COMMON --scan \
+    --parity=gpu_carry/parity_128x128.npz --parity_steps=300 --out_json="$OUT_DIR/parity.json"
+  phase "$log" base128 120 0.2 python3 benchmarks/bench_fp8.py --config=configs/base.py $COMMON \
+    --seq_len=128 --batch=256 --variants=bf16,gelu_tanh,fp8_gelu_tanh --parallel_compile \
+    --warmup=2 --rounds=3 --steps=5 --out_json="$OUT_DIR/base128.json"
+}
+
+rm -f /tmp/lane_a.done
+lane_a & lane_b & lane_c & wait
+echo "all lanes done at +$(( $(date +%s) - T )) s"
+for f in "$OUT_DIR"/lane_*.log; do
+  echo "#### $(basename "$f")"
+  grep -E "^==|seq/s|^kernel|passed|failed|error|Error|fp8_within|_mean_abs_diff|parity run|loss .* ->" "$f" | cut -c1-300 | tail -40
+done
