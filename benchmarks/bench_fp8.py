@@ -31,6 +31,7 @@ within the second run's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -73,6 +74,14 @@ def parse(argv=None):
                         "(forward + backward, --batch x --seq_len rows of the config's hidden size) and "
                         "check both against a float32 reference")
     p.add_argument("--kernel_iters", type=int, default=50)
+    p.add_argument("--kernel_sweep", default="",
+                   help="with --kernel: first time each pass alone over a set of launch shapes (rows per "
+                        "program, warps, the backward's rows per step), keep the fastest of each and write "
+                        "them to this JSON file")
+    p.add_argument("--fused_blocks_from", default="",
+                   help="a JSON file written by --kernel_sweep: the fused kernels' launch shapes (waits up to "
+                        "--fused_blocks_wait s for it, e.g. from a sweep running beside; else the defaults)")
+    p.add_argument("--fused_blocks_wait", type=float, default=150.0)
     args, rest = p.parse_known_args(argv)
     step_args = bench_step.parse_args(rest)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
@@ -159,6 +168,8 @@ def speed(args, step_args) -> dict:
                            "variants": {}}
     for name in args.variants.split(","):
         bench_step.log(f"variant {name}")
+        if VARIANTS[name].get("fused_ops") and args.fused_blocks_from and "fused_blocks" not in result:
+            result["fused_blocks"] = _load_fused_blocks(args.fused_blocks_from, args.fused_blocks_wait)
         # `bench_ours` builds the model from the BertConfig it is given (config.model unused).
         compile_info, runner = bench_step.bench_ours(step_args, config, bert_config.replace(**VARIANTS[name]),
                                                      mesh, batch_np, cache, compile=not args.parallel_compile)
@@ -210,6 +221,80 @@ def speed(args, step_args) -> dict:
     return result
 
 
+def _load_fused_blocks(path: str, wait_s: float) -> dict:
+    """Sets `fused.FORWARD`/`BACKWARD` from a --kernel_sweep file, once it exists."""
+    from bert_jax import fused
+
+    t0 = time.perf_counter()
+    while not os.path.exists(path) and time.perf_counter() - t0 < wait_s:
+        time.sleep(1.0)
+    if not os.path.exists(path):
+        bench_step.log(f"{path}: not written after {wait_s:.0f} s; the kernels' default launch shapes")
+        return {"forward": dict(fused.FORWARD), "backward": dict(fused.BACKWARD), "from": "defaults"}
+    with open(path, encoding="utf-8") as f:
+        best = json.load(f)
+    if not best.get("forward") or not best.get("backward"):  # the sweep found nothing
+        bench_step.log(f"{path}: no launch shapes; the kernels' defaults")
+        return {"forward": dict(fused.FORWARD), "backward": dict(fused.BACKWARD), "from": "defaults"}
+    fused.FORWARD, fused.BACKWARD = dict(best["forward"]), dict(best["backward"])
+    bench_step.log(f"fused launch shapes from {path}: {best['forward']} / {best['backward']}")
+    return {"forward": fused.FORWARD, "backward": fused.BACKWARD, "from": path}
+
+
+FORWARD_SHAPES = [(1, 4), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)]
+BACKWARD_SHAPES = [(8, 1, 4), (16, 1, 4), (16, 2, 4), (32, 2, 4), (32, 4, 8), (64, 2, 4), (64, 4, 8),
+                   (128, 4, 8), (16, 16, 8)]
+
+
+def _sweep(args, h, x, keep, scale, bias, dy, keep_prob, eps, ref) -> dict:
+    """Each pass of the kernel alone, at each launch shape: median time and relative L2 error
+    against the float32 reference (y for the forward, dh for the backward); the fastest shape
+    whose error is at bf16 rounding's level wins."""
+    import jax
+    import jax.numpy as jnp
+    from bert_jax import fused
+
+    hidden = h.shape[-1]
+    h2, x2, dy2 = (a.reshape(-1, hidden) for a in (h, x, dy))
+    keep2 = keep.reshape(-1, hidden).astype(jnp.int8)
+    rel = lambda got, want: float(jnp.linalg.norm((got.astype(jnp.float32) - want).ravel())
+                                  / jnp.linalg.norm(want.ravel()))
+    saved = dict(fused.FORWARD), dict(fused.BACKWARD)
+    rows = {"forward": [], "backward": []}
+    _, mean, rstd = fused._forward(h2, x2, keep2, scale, bias, keep_prob, eps)  # the residuals, once
+    for kind, shapes in (("forward", FORWARD_SHAPES), ("backward", BACKWARD_SHAPES)):
+        for shape in shapes:
+            if kind == "forward":
+                fused.FORWARD = dict(block_rows=shape[0], num_warps=shape[1])
+                fn = jax.jit(lambda h, x, k, s, b: fused._forward(h, x, k, s, b, keep_prob, eps)[0])
+                f = functools.partial(fn, h2, x2, keep2, scale, bias)  # arguments, not constants
+                want = ref[0].reshape(-1, hidden)
+            else:
+                fused.BACKWARD = dict(block_rows=shape[0], chunk_rows=shape[1], num_warps=shape[2])
+                fn = jax.jit(lambda *a: fused._backward(*a, keep_prob)[0])
+                f = functools.partial(fn, h2, x2, keep2, scale, mean, rstd, dy2)
+                want = ref[1].reshape(-1, hidden)
+            config = dict(fused.FORWARD if kind == "forward" else fused.BACKWARD)
+            try:
+                error = rel(jax.block_until_ready(f()), want)
+                with _Lock(args.gpu_lock):
+                    times = bench_step.time_alternating({"k": lambda: jax.block_until_ready(f())}, rounds=1,
+                                                        steps=args.kernel_iters)["k"]
+                row = {**config, "median_s": statistics.median(times), "rel_l2_error": error}
+            except Exception as e:  # a launch shape Triton refuses: noted, not fatal
+                row = {**config, "failed": f"{type(e).__name__}: {str(e)[:300]}"}
+            rows[kind].append(row)
+            bench_step.log(f"sweep {kind} {row}")
+    fused.FORWARD, fused.BACKWARD = saved
+    best = {}
+    for kind, found in rows.items():
+        good = [r for r in found if "median_s" in r and r["rel_l2_error"] < 2e-2]
+        if good:
+            pick = min(good, key=lambda r: r["median_s"])
+            best[kind] = {k: v for k, v in pick.items() if k in ("block_rows", "chunk_rows", "num_warps")}
+    return {"rows": rows, "best": best}
+
+
 def kernel(args, step_args) -> dict:
     """The fused kernel against XLA's passes at one sub-layer end: `LayerNorm(dropout(h) + x)`,
     forward and backward (the gradients of h, x, scale and bias for a fixed random dy), rows =
@@ -233,33 +318,43 @@ def kernel(args, step_args) -> dict:
     bias = 0.1 * jax.random.normal(ks[4], (hidden,), jnp.float32)
     keep = dropout.keep_mask(ks[5], keep_prob, shape)
 
-    def unfused(h, x, scale, bias):
+    def unfused(h, x, scale, bias, keep):
         d = jax.lax.select(keep, h / jnp.asarray(keep_prob, h.dtype), jnp.zeros_like(h))
         return modeling.LayerNorm(cfg.replace(dtype=str(h.dtype))).apply(
             {"params": {"scale": scale, "bias": bias}}, d + x)
 
-    def kern(h, x, scale, bias):
+    def kern(h, x, scale, bias, keep):
         return fused.dropout_add_layernorm(h, x, keep, scale, bias, keep_prob=keep_prob, eps=cfg.layer_norm_eps)
 
     def fwd_bwd(f):
-        def run(h, x, scale, bias, dy):
-            y, vjp = jax.vjp(f, h, x, scale, bias)
+        def run(h, x, scale, bias, dy, keep):  # every array an argument: no baked-in constants
+            y, vjp = jax.vjp(functools.partial(f, keep=keep), h, x, scale, bias)
             return (y, *vjp(dy))
         return jax.jit(run)
 
-    ref = fwd_bwd(unfused)(*(a.astype(jnp.float32) for a in (h, x)), scale, bias, dy.astype(jnp.float32))
-    runs = {"xla": fwd_bwd(unfused), "fused": fwd_bwd(kern)}
+    ref = fwd_bwd(unfused)(*(a.astype(jnp.float32) for a in (h, x)), scale, bias, dy.astype(jnp.float32), keep)
     out = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "benchmark": "bench_fp8 --kernel", "rows": int(np.prod(shape[:2])), "hidden": hidden,
            "dtype": step_args.dtype, "keep_prob": keep_prob, "impl": {}}
+    if args.kernel_sweep:
+        out["sweep"] = _sweep(args, h, x, keep, scale, bias, dy, keep_prob, cfg.layer_norm_eps, ref)
+        best = {"forward": out["sweep"]["best"].get("forward", dict(fused.FORWARD)),
+                "backward": out["sweep"]["best"].get("backward", dict(fused.BACKWARD))}
+        fused.FORWARD, fused.BACKWARD = dict(best["forward"]), dict(best["backward"])
+        with open(args.kernel_sweep + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(best, f)
+        os.replace(args.kernel_sweep + ".tmp", args.kernel_sweep)  # whole, for a reader waiting on it
+        bench_step.log(f"sweep: fastest {best}")
+    out["launch"] = {"forward": dict(fused.FORWARD), "backward": dict(fused.BACKWARD)}
+    runs = {"xla": fwd_bwd(unfused), "fused": fwd_bwd(kern)}
     names = ("y", "dh", "dx", "dscale", "dbias")
     for name, f in runs.items():
-        got = jax.block_until_ready(f(h, x, scale, bias, dy))
+        got = jax.block_until_ready(f(h, x, scale, bias, dy, keep))
         out["impl"][name] = {"rel_l2_error_vs_float32": {
             n: float(jnp.linalg.norm((g.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel()))
             for n, g, r in zip(names, got, ref)}}
     with _Lock(args.gpu_lock):
-        times = bench_step.time_alternating({n: (lambda f=f: jax.block_until_ready(f(h, x, scale, bias, dy)))
+        times = bench_step.time_alternating({n: (lambda f=f: jax.block_until_ready(f(h, x, scale, bias, dy, keep)))
                                              for n, f in runs.items()}, rounds=1, steps=args.kernel_iters)
     # The fewest bytes one forward + backward must move: read h, x, mask; write y (forward); read
     # h, x, mask, dy; write dh, dx (backward); the row statistics and vectors are small.

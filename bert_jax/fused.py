@@ -31,7 +31,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 Array = jax.Array
-MAX_BLOCK_ROWS = 16
+
+# Launch shapes, per pass: rows per program (halved until it divides the row count) and Triton warps;
+# the backward pass walks its block `chunk_rows` rows at a time and keeps the scale and bias
+# gradients' partial sums in registers, one [hidden] partial per block. Set from a sweep on an
+# H200 at BERT-Large's shapes (`benchmarks/bench_fp8.py --kernel_sweep`, benchmarks/RESULTS.md).
+FORWARD = {"block_rows": 4, "num_warps": 4}
+BACKWARD = {"block_rows": 32, "chunk_rows": 2, "num_warps": 4}
 
 
 def supported(hidden: int) -> bool:
@@ -39,8 +45,8 @@ def supported(hidden: int) -> bool:
     return hidden >= 16 and hidden & (hidden - 1) == 0
 
 
-def _block_rows(rows: int) -> int:
-    block = MAX_BLOCK_ROWS
+def _block_rows(rows: int, most: int) -> int:
+    block = most
     while rows % block:
         block //= 2
     return block
@@ -50,12 +56,12 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def _backend_args() -> dict:
+def _backend_args(num_warps: int) -> dict:
     """Triton, named: since jax 0.10 a `pallas_call` without compiler parameters lowers through
     Mosaic GPU on NVIDIA GPUs, whose copies take at most 256 elements along a dimension."""
     if _interpret():
         return {"interpret": True}
-    return {"compiler_params": pl_triton.CompilerParams(num_warps=4, num_stages=1)}
+    return {"compiler_params": pl_triton.CompilerParams(num_warps=num_warps, num_stages=1)}
 
 
 def _scale_up(v, keep_prob: float):
@@ -65,51 +71,57 @@ def _scale_up(v, keep_prob: float):
     return (v.astype(jnp.float32) / jnp.float32(keep_prob)).astype(v.dtype)
 
 
-def _sum_input(h_ref, x_ref, keep_ref, keep_prob: float):
+def _sum_input(h, x, keep, keep_prob: float):
     """`dropout(h) + x` exactly as the unfused path computes it: in the compute dtype."""
-    h = h_ref[...]
-    if keep_ref is not None:
-        h = jnp.where(keep_ref[...] != 0, _scale_up(h, keep_prob), jnp.zeros_like(h))
-    return (h + x_ref[...]).astype(jnp.float32)
+    if keep is not None:
+        h = jnp.where(keep != 0, _scale_up(h, keep_prob), jnp.zeros_like(h))
+    return (h + x).astype(jnp.float32)
 
 
 def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: bool):
     if dropout:
         h_ref, x_ref, keep_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref = refs
+        keep = keep_ref[...]
     else:
-        (h_ref, x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref), keep_ref = refs, None
-    s = _sum_input(h_ref, x_ref, keep_ref, keep_prob)  # [rows, hidden] float32
-    mean = jnp.mean(s, axis=1, keepdims=True)
-    centered = s - mean
-    rstd = jax.lax.rsqrt(jnp.mean(centered * centered, axis=1, keepdims=True) + eps)
-    y = centered * rstd * scale_ref[...][None, :] + bias_ref[...][None, :]
+        (h_ref, x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref), keep = refs, None
+    s = _sum_input(h_ref[...], x_ref[...], keep, keep_prob)  # [rows, hidden] float32
+    mean = jnp.mean(s, axis=1)
+    centered = s - mean[:, None]
+    rstd = jax.lax.rsqrt(jnp.mean(centered * centered, axis=1) + eps)
+    y = centered * rstd[:, None] * scale_ref[...][None, :] + bias_ref[...][None, :]
     y_ref[...] = y.astype(y_ref.dtype)
-    mean_ref[...] = mean[:, 0]
-    rstd_ref[...] = rstd[:, 0]
+    mean_ref[...] = mean
+    rstd_ref[...] = rstd
 
 
-def _backward_kernel(*refs, keep_prob: float, dropout: bool):
+def _backward_kernel(*refs, keep_prob: float, dropout: bool, chunk: int, chunks: int):
     if dropout:
         (h_ref, x_ref, keep_ref, scale_ref, mean_ref, rstd_ref, dy_ref,
          dh_ref, dx_ref, dscale_ref, dbias_ref) = refs
     else:
         (h_ref, x_ref, scale_ref, mean_ref, rstd_ref, dy_ref,
          dh_ref, dx_ref, dscale_ref, dbias_ref), keep_ref = refs, None
-    s = _sum_input(h_ref, x_ref, keep_ref, keep_prob)
-    mean, rstd = mean_ref[...][:, None], rstd_ref[...][:, None]
-    x_hat = (s - mean) * rstd
-    dy = dy_ref[...].astype(jnp.float32)
-    g = dy * scale_ref[...][None, :]
-    ds = rstd * (g - jnp.mean(g, axis=1, keepdims=True)
-                 - x_hat * jnp.mean(g * x_hat, axis=1, keepdims=True))
-    ds = ds.astype(dx_ref.dtype)  # the gradient of the sum, in the compute dtype as autodiff has it
-    dx_ref[...] = ds
-    if dropout:
-        dh_ref[...] = jnp.where(keep_ref[...] != 0, _scale_up(ds, keep_prob), jnp.zeros_like(ds))
-    else:
-        dh_ref[...] = ds
-    dscale_ref[...] = jnp.sum(dy * x_hat, axis=0)[None, :]
-    dbias_ref[...] = jnp.sum(dy, axis=0)[None, :]
+    scale = scale_ref[...][None, :]
+
+    def rows(i, carry):
+        dscale, dbias = carry
+        r = pl.ds(i * chunk, chunk)
+        keep = None if keep_ref is None else keep_ref[r, :]
+        s = _sum_input(h_ref[r, :], x_ref[r, :], keep, keep_prob)
+        rstd = rstd_ref[r][:, None]
+        x_hat = (s - mean_ref[r][:, None]) * rstd
+        dy = dy_ref[r, :].astype(jnp.float32)
+        g = dy * scale
+        ds = rstd * (g - jnp.mean(g, axis=1)[:, None] - x_hat * jnp.mean(g * x_hat, axis=1)[:, None])
+        ds = ds.astype(dx_ref.dtype)  # the gradient of the sum, in the compute dtype as autodiff has it
+        dx_ref[r, :] = ds
+        dh_ref[r, :] = ds if keep is None else jnp.where(keep != 0, _scale_up(ds, keep_prob), jnp.zeros_like(ds))
+        return dscale + jnp.sum(dy * x_hat, axis=0), dbias + jnp.sum(dy, axis=0)
+
+    zero = jnp.zeros(scale_ref.shape, jnp.float32)
+    dscale, dbias = jax.lax.fori_loop(0, chunks, rows, (zero, zero))
+    dscale_ref[...] = dscale[None, :]
+    dbias_ref[...] = dbias[None, :]
 
 
 def _specs(rows_block: int, hidden: int):
@@ -121,7 +133,7 @@ def _specs(rows_block: int, hidden: int):
 
 def _forward(h, x, keep, scale, bias, keep_prob, eps):
     rows, hidden = h.shape
-    block = _block_rows(rows)
+    block = _block_rows(rows, FORWARD["block_rows"])
     row, vec, stat = _specs(block, hidden)
     dropout = keep is not None
     inputs = (h, x, keep, scale, bias) if dropout else (h, x, scale, bias)
@@ -131,12 +143,13 @@ def _forward(h, x, keep, scale, bias, keep_prob, eps):
         grid=(rows // block,), in_specs=in_specs, out_specs=[row, stat, stat],
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype),
                    jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)],
-        name="dropout_add_layernorm_fwd", **_backend_args())(*inputs)
+        name="dropout_add_layernorm_fwd", **_backend_args(FORWARD["num_warps"]))(*inputs)
 
 
 def _backward(h, x, keep, scale, mean, rstd, dy, keep_prob):
     rows, hidden = h.shape
-    block = _block_rows(rows)
+    block = _block_rows(rows, BACKWARD["block_rows"])
+    chunk = min(BACKWARD["chunk_rows"], block)
     row, vec, stat = _specs(block, hidden)
     part = pl.BlockSpec((1, hidden), lambda i: (i, 0))
     dropout = keep is not None
@@ -144,12 +157,13 @@ def _backward(h, x, keep, scale, mean, rstd, dy, keep_prob):
     in_specs = ([row, row, row, vec, stat, stat, row] if dropout else [row, row, vec, stat, stat, row])
     blocks = rows // block
     dh, dx, dscale, dbias = pl.pallas_call(
-        functools.partial(_backward_kernel, keep_prob=keep_prob, dropout=dropout),
+        functools.partial(_backward_kernel, keep_prob=keep_prob, dropout=dropout, chunk=chunk,
+                          chunks=block // chunk),
         grid=(blocks,), in_specs=in_specs, out_specs=[row, row, part, part],
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype), jax.ShapeDtypeStruct((rows, hidden), x.dtype),
                    jax.ShapeDtypeStruct((blocks, hidden), jnp.float32),
                    jax.ShapeDtypeStruct((blocks, hidden), jnp.float32)],
-        name="dropout_add_layernorm_bwd", **_backend_args())(*inputs)
+        name="dropout_add_layernorm_bwd", **_backend_args(BACKWARD["num_warps"]))(*inputs)
     return dh, dx, jnp.sum(dscale, axis=0), jnp.sum(dbias, axis=0)
 
 
