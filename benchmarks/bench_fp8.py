@@ -69,6 +69,10 @@ def parse(argv=None):
     p.add_argument("--gpu_lock", default="",
                    help="a file to hold locked (flock) while timing or stepping, so that two processes "
                         "sharing one GPU compile side by side but never time at once")
+    p.add_argument("--slot_lock", default="",
+                   help="a file locked from the first timed step to the process's exit: processes that each "
+                        "need most of the GPU's memory for their steps compile side by side, then step one "
+                        "after the other")
     p.add_argument("--kernel", action="store_true",
                    help="time the fused dropout + residual + LayerNorm kernel against XLA's passes "
                         "(forward + backward, --batch x --seq_len rows of the config's hidden size) and "
@@ -151,6 +155,9 @@ class _Lock:
             self.file = None
 
 
+_SLOT: list = []
+
+
 def speed(args, step_args) -> dict:
     import jax
     from bert_jax import pretrain, steps
@@ -187,6 +194,8 @@ def speed(args, step_args) -> dict:
         result["variants"][name].update(facts)
         bench_step.log(f"{name}: {facts}")
     cache.clear()  # the initial state's spare copy: memory for the steps
+    # Held until the process exits (and frees its memory): the lock goes with the open file.
+    _SLOT.append(_Lock(args.slot_lock).__enter__())
     with _Lock(args.gpu_lock):
         for runner in runners.values():
             runner.run(step_args.warmup, record=False)
