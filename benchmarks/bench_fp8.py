@@ -49,6 +49,7 @@ VARIANTS = {
     "fp8_gelu_tanh": {"fp8": True, "hidden_act": "gelu_tanh"},
     "fused": {"fused_ops": True},
     "fused_gelu_tanh": {"fused_ops": True, "hidden_act": "gelu_tanh"},
+    "fp8_fused_gelu_tanh": {"fp8": True, "fused_ops": True, "hidden_act": "gelu_tanh"},
 }
 BATCH_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
               "masked_lm_weights", "next_sentence_labels")
@@ -73,6 +74,7 @@ def parse(argv=None):
                    help="a file locked from the first timed step to the process's exit: processes that each "
                         "need most of the GPU's memory for their steps compile side by side, then step one "
                         "after the other")
+    p.add_argument("--profile_variants", default="", help="with --profile_dir: only these (comma-separated)")
     p.add_argument("--kernel", action="store_true",
                    help="time the fused dropout + residual + LayerNorm kernel against XLA's passes "
                         "(forward + backward, --batch x --seq_len rows of the config's hidden size) and "
@@ -204,7 +206,8 @@ def speed(args, step_args) -> dict:
             for runner in runners.values():
                 runner.run(step_args.steps)
         if step_args.profile_dir:  # bench_step's flag: a subfolder per variant
-            for name, runner in runners.items():
+            chosen = args.profile_variants.split(",") if args.profile_variants else list(runners)
+            for name, runner in ((n, r) for n, r in runners.items() if n in chosen):
                 result["variants"][name]["profile"] = bench_step.profile(
                     runner, os.path.join(step_args.profile_dir, name), step_args.profile_steps)
     stats = device.memory_stats() or {}

@@ -36,8 +36,8 @@ Array = jax.Array
 # the backward pass walks its block `chunk_rows` rows at a time and keeps the scale and bias
 # gradients' partial sums in registers, one [hidden] partial per block. Set from a sweep on an
 # H200 at BERT-Large's shapes (`benchmarks/bench_fp8.py --kernel_sweep`, benchmarks/RESULTS.md).
-FORWARD = {"block_rows": 4, "num_warps": 4}
-BACKWARD = {"block_rows": 32, "chunk_rows": 2, "num_warps": 4}
+FORWARD = {"block_rows": 8, "num_warps": 8}
+BACKWARD = {"block_rows": 8, "chunk_rows": 1, "num_warps": 4}
 
 
 def supported(hidden: int) -> bool:
