@@ -7,8 +7,8 @@
 
 Written for a lent GPU's few device-minutes, where one run that hangs must not cost the others:
 
-- every run is a fresh process (`bench_step.py`, `bench_optimizer.py` or `bench_dropout.py` with
-  `--json`), killed with its whole process group when it passes `--timeout_s` or what is left of
+- every run is a fresh process (`bench_step.py`, `bench_fp8.py`, `bench_optimizer.py` or
+  `bench_dropout.py` with `--json`), killed with its whole process group when it passes `--timeout_s` or what is left of
   `--budget_s`;
 - each run's record (status `ok`, `timeout`, `error` or `skipped`, wall seconds, the parsed JSON
   result, and the tail of its stderr, where `bench_step.py` logs its phases: so a timeout says
@@ -48,11 +48,20 @@ SUITES: dict = {
         ("large_512_packed", "bench_step.py", _LARGE + _GPU + [
             "--seq_len=512", "--batch=32", "--attention=dot_product", "--packing"]),
         ("base_128", "bench_step.py", _BASE + _GPU + ["--seq_len=128", "--batch=256", "--attention=dot_product"]),
-        # Issue 30: the tanh GELU (cuBLASLt epilogue) and FP8, against bf16, in one process each.
-        ("large_128_fp8_variants", "bench_fp8.py", _LARGE + _GPU + [
-            "--seq_len=128", "--batch=256", "--attention=dot_product", "--rounds=3", "--steps=5"]),
-        ("base_128_fp8_variants", "bench_fp8.py", _BASE + _GPU + [
-            "--seq_len=128", "--batch=256", "--attention=dot_product", "--rounds=3", "--steps=5"]),
+        # Issue 30: the fused kernels (Pallas/Triton), the tanh GELU and FP8 against bf16, the variants
+        # of one model in one process, compiled side by side, timed in alternating rounds.
+        ("large_128_variants", "bench_fp8.py", _LARGE + _GPU + [
+            "--seq_len=128", "--batch=256", "--attention=dot_product", "--rounds=3", "--steps=5",
+            "--parallel_compile", "--variants=bf16,gelu_tanh,fused_gelu_tanh,fp8_gelu_tanh,fp8_fused_gelu_tanh"]),
+        ("large_512_packed_variants", "bench_fp8.py", _LARGE + _GPU + [
+            "--seq_len=512", "--batch=32", "--attention=dot_product", "--packing", "--rounds=3", "--steps=5",
+            "--parallel_compile", "--variants=bf16,fused_gelu_tanh"]),
+        ("base_128_variants", "bench_fp8.py", _BASE + _GPU + [
+            "--seq_len=128", "--batch=256", "--attention=dot_product", "--rounds=3", "--steps=5",
+            "--parallel_compile", "--variants=bf16,gelu_tanh,fp8_gelu_tanh"]),
+        # The dropout + residual + LayerNorm kernel alone against XLA's passes (its launch shapes swept).
+        ("large_fused_kernel", "bench_fp8.py", _LARGE + [
+            "--seq_len=128", "--batch=256", "--kernel", "--kernel_sweep=/tmp/bert_jax_fused_blocks.json"]),
         # Attention implementations compared (XLA's einsum path, with attention dropout).
         ("base_128_einsum", "bench_step.py", _BASE + _GPU + ["--seq_len=128", "--batch=256"]),
         # What sparse_last_layer and the optimizer rewrite bought on this device.
@@ -183,15 +192,16 @@ def _fmt(value, spec: str) -> str:
 
 
 def table(records: list) -> str:
-    """Markdown rows: one per record; bench_optimizer records list their variants' medians."""
+    """Markdown rows: one per record; records with variants (or a kernel's implementations) list
+    their medians."""
     head = ("| run | device | model | T | batch | dtype | attention | layers | dropout | step ms | "
             "sequences/s | TFLOP/s | MFU | lower + compile s | status |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for rec in records:
         r = rec.get("result") or {}
         status = rec["status"] if rec["status"] == "ok" else f"{rec['status']} ({rec['wall_s']:.0f} s)"
-        if "variants" in r:  # bench_optimizer.py, bench_dropout.py
-            parts = [f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in r["variants"].items()]
+        if "variants" in r or "impl" in r:  # bench_fp8.py, bench_optimizer.py, bench_dropout.py
+            parts = [f"{k} {v['median_s'] * 1e3:.3g} ms" for k, v in (r.get("variants") or r["impl"]).items()]
             lines.append(f"| {rec['name']} | {r.get('device', '')} | {r.get('benchmark', '')} variants: "
                          + "; ".join(parts) + " |" + " |" * 12 + f" {status} |")
             continue

@@ -117,12 +117,15 @@ def test_only_names_unknown_runs(suite, capsys):
 
 def test_every_suite_run_parses_with_its_scripts_flags(suite, load_benchmark):
     """A typo in a suite's flags would cost a device-minute; parse them all here."""
-    bench_step = load_benchmark("bench_step")
+    bench_step, bench_fp8 = load_benchmark("bench_step"), load_benchmark("bench_fp8")
     for runs in suite.SUITES.values():
         for name, script, flags in runs:
             assert os.path.exists(os.path.join(ROOT, "benchmarks", script)), name
             if script in ("bench_optimizer.py", "bench_dropout.py"):  # own flags; the rest are bench_step's
                 own = {"--step", "--rounds", "--steps"}
                 flags = [f for f in flags if f.split("=")[0] not in own]
-            args = bench_step.parse_args(flags + ["--json"])
+            if script == "bench_fp8.py":  # its own parser, then bench_step's for the rest
+                _, args = bench_fp8.parse(flags + ["--json"])
+            else:
+                args = bench_step.parse_args(flags + ["--json"])
             assert os.path.exists(os.path.join(ROOT, args.config)), name
