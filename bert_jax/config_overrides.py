@@ -61,3 +61,58 @@ def unknown_overrides(argv: Sequence[str]) -> list[str]:
             hint = f"; nearest: {', '.join(near)}" if near else ""
             messages.append(f"--{key}: {file_path} has no key {key!r}{hint}")
     return messages
+
+
+def _parse_value(key: str, text: str, current):
+    """`text` as the type of the field's current value (ml_collections' flags do the same)."""
+    import ast
+
+    if isinstance(current, bool):
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"--{key}={text}: expected true or false")
+    if isinstance(current, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"--{key}={text}: expected an integer") from None
+    if isinstance(current, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"--{key}={text}: expected a number") from None
+    if isinstance(current, str):
+        return text
+    try:  # None or a container: a Python literal, else the text itself
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def apply_overrides(config, overrides: Sequence[str], path: str = "the config file") -> list[str]:
+    """Sets each `--config.a.b=value` of `overrides` on `config` (a ConfigDict), the value parsed
+    as the field's type, for command-line tools outside absl's flags (`bert_jax.plan`). A key the
+    config does not define or a value of the wrong type raises ValueError naming the flag. Returns
+    the keys set."""
+    valid = _flat_keys(config)
+    done = []
+    for arg in overrides:
+        if not arg.startswith("--config.") or "=" not in arg:
+            raise ValueError(f"{arg}: expected --config.key=value")
+        dotted, text = arg[len("--"):].split("=", 1)
+        parts = dotted.split(".")[1:]
+        node = config
+        for part in parts[:-1]:
+            if not (hasattr(node, "keys") and part in node.keys()):
+                node = None
+                break
+            node = node[part]
+        if node is None or not hasattr(node, "keys") or parts[-1] not in node.keys():
+            near = difflib.get_close_matches(dotted, valid, n=3, cutoff=0.6)
+            hint = f"; nearest: {', '.join(near)}" if near else ""
+            raise ValueError(f"--{dotted}: {path} has no key {dotted!r}{hint}")
+        node[parts[-1]] = _parse_value(dotted, text, node[parts[-1]])
+        done.append(dotted)
+    return done

@@ -3,7 +3,7 @@
     pip install 'libtpu==0.0.42.*'      # the TPU compiler; no TPU needed
     python -m bert_jax.plan --config=configs/large.py --topology=v4-8,v4-32,v4-128,v4-512 \\
         [--mesh=data,fsdp,tensor] [--seq_len=128] [--batch_per_chip=32] [--recipes=paper,lamb] \\
-        [--json=plan.json]
+        [--json=plan.json] [--config.model.attention_impl=dot_product ...]
 
 For each slice and mesh the pretraining step (`steps.train_step`, as `bert_jax.main` runs it) is
 compiled for the slice's real devices (`planning.aot`), and the step time is projected with the
@@ -16,7 +16,9 @@ specifications, cited). Reported per slice and mesh: the per-chip batch that fit
 --batch_per_chip until the TPU compiler accepts it), HBM per chip, the step time with and without
 overlapping the collectives with compute, sequences/s, MFU, and the collectives' share; per mesh,
 weak-scaling efficiency from the smallest slice; per slice, the recommended mesh; per recipe, the
-projected wall time and chip-hours on every slice that can run it.
+projected wall time and chip-hours on every slice that can run it. `--config.key=value` overrides
+the config file as `bert_jax.main` takes them (the dtype, the length and the batch come from the
+planner's own flags; layers are always scanned).
 
 Recipes (--recipes): `paper` = BERT-Large as Devlin et al.: 900k steps at length 128 + 100k at 512,
 batch 256; `lamb` = You et al. 2019: 7,038 steps at 128 with batch 65,536 + 1,563 at 512 with
@@ -41,15 +43,23 @@ RECIPES = {
 }
 
 
-def load_config(path: str, seq_len: int, dtype: str):
-    """`(ConfigDict, BertConfig)` of a config file (the one `bert_jax.main` would train)."""
+# Set by the planner itself (from its own flags, or always): not overridable with --config.
+PLANNER_KEYS = {"config.model.dtype": "--dtype", "config.model.scan_layers": "(always scanned)",
+                "config.max_seq_length": "--seq_len", "config.global_batch_size": "--batch_per_chip"}
+
+
+def load_config(path: str, seq_len: int, dtype: str, overrides=()):
+    """`(ConfigDict, BertConfig)` of a config file (the one `bert_jax.main` would train), with
+    `--config.key=value` overrides (e.g. `--config.model.attention_impl=dot_product`)."""
     import importlib.util
+    from bert_jax.config_overrides import apply_overrides
     from bert_jax.modeling import BertConfig
 
     spec = importlib.util.spec_from_file_location("plan_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config()
+    apply_overrides(config, overrides, path)
     config.model.dtype = dtype
     # The real program with scanned layers, as the docs say: compile memory and time flat in
     # depth (BERT-Large unrolled took 14 GB of host memory on v4-8 before it was stopped);
@@ -234,7 +244,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--recipes", default="", help=f"comma-separated, of {', '.join(RECIPES)}")
     p.add_argument("--json", default="", help="write the whole plan here")
-    args = p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    # --config.key=value overrides, as bert_jax.main takes them: checked here, before any compile.
+    args.overrides = [a for a in rest if a.startswith("--config.")]
+    if len(args.overrides) != len(rest):
+        p.error(f"unrecognized arguments: {' '.join(a for a in rest if not a.startswith('--config.'))}")
+    for a in args.overrides:
+        key = a[len("--"):].split("=", 1)[0]
+        if key in PLANNER_KEYS:
+            p.error(f"--{key}: the planner sets it ({PLANNER_KEYS[key]})")
     from bert_jax.planning import aot, chips
 
     try:
@@ -255,6 +273,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--recipes={r} needs --seq_len to include {sorted(missing)}")
     if not os.path.exists(args.config):
         p.error(f"--config: no such file {args.config}")
+    try:
+        load_config(args.config, args.seq_lens[0] if args.seq_lens else 128, args.dtype, args.overrides)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -272,7 +294,7 @@ def main(argv=None) -> dict:
     rows = []
     print_header()
     for seq_len in args.seq_lens:
-        config, bert_config = load_config(args.config, seq_len, args.dtype)
+        config, bert_config = load_config(args.config, seq_len, args.dtype, args.overrides)
         if seq_len > bert_config.max_position_embeddings:
             sys.exit(f"--seq_len={seq_len} exceeds {args.config}'s max_position_embeddings="
                      f"{bert_config.max_position_embeddings}")
@@ -282,7 +304,7 @@ def main(argv=None) -> dict:
                 rows.append(row)
                 rows_by_len.setdefault(seq_len, []).append(row)
                 print_rows([row])
-    report = {"config": args.config, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"), "plans": rows,
+    report = {"config": args.config, "overrides": args.overrides, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"), "plans": rows,
               "weak_scaling": {seq: weak_scaling(rs) for seq, rs in rows_by_len.items()},
               "recommended": {seq: {s: recommended([r for r in rs if r["slice"] == s])["mesh_kind"]
                                     for s in args.slices} for seq, rs in rows_by_len.items()},

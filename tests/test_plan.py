@@ -130,6 +130,27 @@ def test_bad_flags_name_the_flag(capsys):
         with pytest.raises(SystemExit):
             plan.parse_args(argv)
         assert message in capsys.readouterr().err
+    for argv, message in ((["--config.model.attention_imp=dot_product"], "nearest: config.model.attention_impl"),
+                          (["--config.model.num_hidden_layers=two"], "expected an integer"),
+                          (["--config.model.scan_layers=false"], "the planner sets it"),
+                          (["--config.max_seq_length=512"], "--seq_len"), (["--bogus=1"], "unrecognized")):
+        with pytest.raises(SystemExit):
+            plan.parse_args(argv)
+        assert message in capsys.readouterr().err
     r = subprocess.run([sys.executable, "-m", "bert_jax.plan", "--topology=v4-7"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--topology 'v4-7'" in r.stderr and "TensorCores" in r.stderr
+
+
+def test_config_overrides_reach_the_planned_model():
+    """`--config.key=value` as bert_jax.main takes it: parsed as the field's type, applied before
+    the planner's own settings (dtype, length, scanned layers)."""
+    args = plan.parse_args(["--config=configs/test.py", "--config.model.attention_impl=dot_product",
+                            "--config.model.num_hidden_layers=3", "--config.model.fused_ops=true",
+                            "--config.learning_rate=2e-4", "--seq_len=64"])
+    config, bc = plan.load_config(args.config, 64, "bfloat16", args.overrides)
+    assert (bc.attention_impl, bc.num_hidden_layers, bc.fused_ops) == ("dot_product", 3, True)
+    assert config.learning_rate == 2e-4 and isinstance(config.learning_rate, float)
+    assert (bc.dtype, bc.scan_layers, config.max_seq_length) == ("bfloat16", True, 64)
+    plain, plain_bc = plan.load_config(args.config, 64, "bfloat16")
+    assert (plain_bc.attention_impl, plain_bc.num_hidden_layers, plain_bc.fused_ops) != ("dot_product", 3, True)
