@@ -40,6 +40,9 @@ Array = jax.Array
 # H200 at BERT-Large's shapes (`benchmarks/bench_fp8.py --kernel_sweep`, benchmarks/RESULTS.md).
 FORWARD = {"block_rows": 8, "num_warps": 8}
 BACKWARD = {"block_rows": 8, "chunk_rows": 1, "num_warps": 4}
+# Pallas' interpreter (CPUs, tests) pays for every program and loop step: few, large blocks there.
+INTERPRET_FORWARD = {"block_rows": 256, "num_warps": 4}
+INTERPRET_BACKWARD = {"block_rows": 256, "chunk_rows": 256, "num_warps": 4}
 
 
 def supported(hidden: int) -> bool:
@@ -56,6 +59,11 @@ def _block_rows(rows: int, most: int) -> int:
 
 def _interpret() -> bool:
     return jax.default_backend() != "gpu"
+
+
+def _launch() -> tuple[dict, dict]:
+    """The forward's and the backward's launch shapes on this backend."""
+    return (INTERPRET_FORWARD, INTERPRET_BACKWARD) if _interpret() else (FORWARD, BACKWARD)
 
 
 def _backend_args(num_warps: int) -> dict:
@@ -121,7 +129,10 @@ def _backward_kernel(*refs, keep_prob: float, dropout: bool, chunk: int, chunks:
         return dscale + jnp.sum(dy * x_hat, axis=0), dbias + jnp.sum(dy, axis=0)
 
     zero = jnp.zeros(scale_ref.shape, jnp.float32)
-    dscale, dbias = jax.lax.fori_loop(0, chunks, rows, (zero, zero))
+    if chunks == 1:  # the whole block at once (the interpreter's launch): no loop to run
+        dscale, dbias = rows(0, (zero, zero))
+    else:
+        dscale, dbias = jax.lax.fori_loop(0, chunks, rows, (zero, zero))
     dscale_ref[...] = dscale[None, :]
     dbias_ref[...] = dbias[None, :]
 
@@ -135,7 +146,8 @@ def _specs(rows_block: int, hidden: int):
 
 def _forward(h, x, keep, scale, bias, keep_prob, eps):
     rows, hidden = h.shape
-    block = _block_rows(rows, FORWARD["block_rows"])
+    shape = _launch()[0]
+    block = _block_rows(rows, shape["block_rows"])
     row, vec, stat = _specs(block, hidden)
     dropout = keep is not None
     inputs = (h, x, keep, scale, bias) if dropout else (h, x, scale, bias)
@@ -145,13 +157,14 @@ def _forward(h, x, keep, scale, bias, keep_prob, eps):
         grid=(rows // block,), in_specs=in_specs, out_specs=[row, stat, stat],
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype),
                    jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)],
-        name="dropout_add_layernorm_fwd", **_backend_args(FORWARD["num_warps"]))(*inputs)
+        name="dropout_add_layernorm_fwd", **_backend_args(shape["num_warps"]))(*inputs)
 
 
 def _backward(h, x, keep, scale, mean, rstd, dy, keep_prob):
     rows, hidden = h.shape
-    block = _block_rows(rows, BACKWARD["block_rows"])
-    chunk = min(BACKWARD["chunk_rows"], block)
+    shape = _launch()[1]
+    block = _block_rows(rows, shape["block_rows"])
+    chunk = min(shape["chunk_rows"], block)
     row, vec, stat = _specs(block, hidden)
     part = pl.BlockSpec((1, hidden), lambda i: (i, 0))
     dropout = keep is not None
@@ -165,7 +178,7 @@ def _backward(h, x, keep, scale, mean, rstd, dy, keep_prob):
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype), jax.ShapeDtypeStruct((rows, hidden), x.dtype),
                    jax.ShapeDtypeStruct((blocks, hidden), jnp.float32),
                    jax.ShapeDtypeStruct((blocks, hidden), jnp.float32)],
-        name="dropout_add_layernorm_bwd", **_backend_args(BACKWARD["num_warps"]))(*inputs)
+        name="dropout_add_layernorm_bwd", **_backend_args(shape["num_warps"]))(*inputs)
     return dh, dx, jnp.sum(dscale, axis=0), jnp.sum(dbias, axis=0)
 
 

@@ -21,10 +21,18 @@ def _unfused(cfg, keep, keep_prob, h, x, scale, bias):
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-6), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("with_dropout", [True, False])
-def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(dtype, tol, with_dropout):
+@pytest.mark.parametrize("launch", ["gpu", "chunked"])
+def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypatch, dtype, tol, with_dropout,
+                                                                       launch):
+    # The GPU's launch shapes (8-row blocks, the backward a row at a time), and blocks the backward
+    # walks in two steps: the interpreter runs the kernels as a GPU would launch them.
+    shapes = {"gpu": (fused.FORWARD, fused.BACKWARD),
+              "chunked": ({"block_rows": 16, "num_warps": 4}, {"block_rows": 32, "chunk_rows": 4, "num_warps": 4})}
+    monkeypatch.setattr(fused, "INTERPRET_FORWARD", shapes[launch][0])
+    monkeypatch.setattr(fused, "INTERPRET_BACKWARD", shapes[launch][1])
     cfg = modeling.BertConfig(hidden_size=128, num_attention_heads=4, dtype=dtype)
     rng = np.random.default_rng(0)
-    shape = (3, 40, 128)  # 120 rows: blocks of 8, not of the 16 the kernel prefers
+    shape = (3, 40, 128)  # 120 rows: blocks of 8 (halved from 16 or 32 until they divide)
     h, x, dy = (jnp.asarray(rng.normal(0, 1, shape), cfg.compute_dtype) for _ in range(3))
     scale = jnp.asarray(rng.normal(1, 0.1, (128,)), jnp.float32)
     bias = jnp.asarray(rng.normal(0, 0.1, (128,)), jnp.float32)
@@ -65,8 +73,9 @@ def test_the_fused_model_trains_like_the_unfused_one(dtype, tol):
     assert jax.tree.structure(params) == jax.tree.structure(fused_params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fused_params)))
     key = jax.random.key(7)
-    (loss, out), grads = jax.value_and_grad(functools.partial(_model_loss, cfg), has_aux=True)(params, batch, key)
-    (f_loss, f_out), f_grads = jax.value_and_grad(functools.partial(_model_loss, fused_cfg), has_aux=True)(
+    (loss, out), grads = jax.jit(jax.value_and_grad(functools.partial(_model_loss, cfg), has_aux=True))(
+        params, batch, key)
+    (f_loss, f_out), f_grads = jax.jit(jax.value_and_grad(functools.partial(_model_loss, fused_cfg), has_aux=True))(
         params, batch, key)
     # The kernels really run (and dropout is on: the loss differs from a deterministic pass).
     assert "pallas_call" in str(jax.make_jaxpr(functools.partial(_model_loss, fused_cfg))(params, batch, key))
