@@ -28,6 +28,17 @@ def _flat_keys(d, prefix="config") -> list[str]:
     return out
 
 
+def _parent(config, dotted: str):
+    """The ConfigDict holding `config.a.b`'s last key, or None where the config lacks the key."""
+    node = config
+    parts = dotted.split(".")[1:]
+    for part in parts:
+        if not (hasattr(node, "keys") and part in node.keys()):
+            return None
+        parent, node = node, node[part]
+    return parent if parts else None
+
+
 def unknown_overrides(argv: Sequence[str]) -> list[str]:
     """One message per `--config.a.b=...` whose key the config file does not define."""
     path = _config_path(argv)
@@ -49,14 +60,7 @@ def unknown_overrides(argv: Sequence[str]) -> list[str]:
         if not a.startswith("--config."):
             continue
         key = "config." + a[len("--config."):].split("=", 1)[0]
-        node, ok = config, True
-        for part in key.split(".")[1:]:
-            if hasattr(node, "keys") and part in node.keys():
-                node = node[part]
-            else:
-                ok = False
-                break
-        if not ok:
+        if _parent(config, key) is None:
             near = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
             hint = f"; nearest: {', '.join(near)}" if near else ""
             messages.append(f"--{key}: {file_path} has no key {key!r}{hint}")
@@ -102,17 +106,12 @@ def apply_overrides(config, overrides: Sequence[str], path: str = "the config fi
         if not arg.startswith("--config.") or "=" not in arg:
             raise ValueError(f"{arg}: expected --config.key=value")
         dotted, text = arg[len("--"):].split("=", 1)
-        parts = dotted.split(".")[1:]
-        node = config
-        for part in parts[:-1]:
-            if not (hasattr(node, "keys") and part in node.keys()):
-                node = None
-                break
-            node = node[part]
-        if node is None or not hasattr(node, "keys") or parts[-1] not in node.keys():
+        node = _parent(config, dotted)
+        if node is None:
             near = difflib.get_close_matches(dotted, valid, n=3, cutoff=0.6)
             hint = f"; nearest: {', '.join(near)}" if near else ""
             raise ValueError(f"--{dotted}: {path} has no key {dotted!r}{hint}")
-        node[parts[-1]] = _parse_value(dotted, text, node[parts[-1]])
+        leaf = dotted.rsplit(".", 1)[1]
+        node[leaf] = _parse_value(dotted, text, node[leaf])
         done.append(dotted)
     return done
