@@ -158,7 +158,13 @@ class _Lock:
             self.file = None
 
 
-_SLOT: list = []
+_HELD: list = []  # open lock files, released when the process exits
+
+
+def _hold_until_exit(path: str) -> None:
+    """Takes the lock on `path` (if any) and keeps it until the process, and its memory, are gone."""
+    if path:
+        _HELD.append(_Lock(path).__enter__())
 
 
 def speed(args, step_args) -> dict:
@@ -197,8 +203,7 @@ def speed(args, step_args) -> dict:
         result["variants"][name].update(facts)
         bench_step.log(f"{name}: {facts}")
     cache.clear()  # the initial state's spare copy: memory for the steps
-    # Held until the process exits (and frees its memory): the lock goes with the open file.
-    _SLOT.append(_Lock(args.slot_lock).__enter__())
+    _hold_until_exit(args.slot_lock)
     with _Lock(args.gpu_lock):
         for runner in runners.values():
             runner.run(step_args.warmup, record=False)
@@ -241,17 +246,23 @@ def _load_fused_blocks(path: str, wait_s: float) -> dict:
     t0 = time.perf_counter()
     while not os.path.exists(path) and time.perf_counter() - t0 < wait_s:
         time.sleep(1.0)
-    if not os.path.exists(path):
-        bench_step.log(f"{path}: not written after {wait_s:.0f} s; the kernels' default launch shapes")
-        return {"forward": dict(fused.FORWARD), "backward": dict(fused.BACKWARD), "from": "defaults"}
-    with open(path, encoding="utf-8") as f:
-        best = json.load(f)
-    if not best.get("forward") or not best.get("backward"):  # the sweep found nothing
-        bench_step.log(f"{path}: no launch shapes; the kernels' defaults")
+    best = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            best = json.load(f)
+    if not best.get("forward") or not best.get("backward"):  # not written in time, or the sweep found none
+        bench_step.log(f"{path}: no launch shapes after {wait_s:.0f} s at most; the kernels' defaults")
         return {"forward": dict(fused.FORWARD), "backward": dict(fused.BACKWARD), "from": "defaults"}
     fused.FORWARD, fused.BACKWARD = dict(best["forward"]), dict(best["backward"])
     bench_step.log(f"fused launch shapes from {path}: {best['forward']} / {best['backward']}")
     return {"forward": fused.FORWARD, "backward": fused.BACKWARD, "from": path}
+
+
+def _rel_l2(got, want) -> float:
+    """‖got − want‖ / ‖want‖, `got` taken to float32."""
+    import jax.numpy as jnp
+
+    return float(jnp.linalg.norm((got.astype(jnp.float32) - want).ravel()) / jnp.linalg.norm(want.ravel()))
 
 
 FORWARD_SHAPES = [(1, 4), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)]
@@ -270,8 +281,6 @@ def _sweep(args, h, x, keep, scale, bias, dy, keep_prob, eps, ref) -> dict:
     hidden = h.shape[-1]
     h2, x2, dy2 = (a.reshape(-1, hidden) for a in (h, x, dy))
     keep2 = keep.reshape(-1, hidden).astype(jnp.int8)
-    rel = lambda got, want: float(jnp.linalg.norm((got.astype(jnp.float32) - want).ravel())
-                                  / jnp.linalg.norm(want.ravel()))
     saved = dict(fused.FORWARD), dict(fused.BACKWARD)
     rows = {"forward": [], "backward": []}
     _, mean, rstd = fused._forward(h2, x2, keep2, scale, bias, keep_prob, eps)  # the residuals, once
@@ -289,7 +298,7 @@ def _sweep(args, h, x, keep, scale, bias, dy, keep_prob, eps, ref) -> dict:
                 want = ref[1].reshape(-1, hidden)
             config = dict(fused.FORWARD if kind == "forward" else fused.BACKWARD)
             try:
-                error = rel(jax.block_until_ready(f()), want)
+                error = _rel_l2(jax.block_until_ready(f()), want)
                 with _Lock(args.gpu_lock):
                     times = bench_step.time_alternating({"k": lambda: jax.block_until_ready(f())}, rounds=1,
                                                         steps=args.kernel_iters)["k"]
@@ -363,9 +372,7 @@ def kernel(args, step_args) -> dict:
     names = ("y", "dh", "dx", "dscale", "dbias")
     for name, f in runs.items():
         got = jax.block_until_ready(f(h, x, scale, bias, dy, keep))
-        out["impl"][name] = {"rel_l2_error_vs_float32": {
-            n: float(jnp.linalg.norm((g.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel()))
-            for n, g, r in zip(names, got, ref)}}
+        out["impl"][name] = {"rel_l2_error_vs_float32": {n: _rel_l2(g, r) for n, g, r in zip(names, got, ref)}}
     with _Lock(args.gpu_lock):
         times = bench_step.time_alternating({n: (lambda f=f: jax.block_until_ready(f(h, x, scale, bias, dy, keep)))
                                              for n, f in runs.items()}, rounds=1, steps=args.kernel_iters)

@@ -39,6 +39,12 @@ def _parent(config, dotted: str):
     return parent if parts else None
 
 
+def _no_such_key(dotted: str, valid: list[str], path: str) -> str:
+    near = difflib.get_close_matches(dotted, valid, n=3, cutoff=0.6)
+    hint = f"; nearest: {', '.join(near)}" if near else ""
+    return f"--{dotted}: {path} has no key {dotted!r}{hint}"
+
+
 def unknown_overrides(argv: Sequence[str]) -> list[str]:
     """One message per `--config.a.b=...` whose key the config file does not define."""
     path = _config_path(argv)
@@ -61,9 +67,7 @@ def unknown_overrides(argv: Sequence[str]) -> list[str]:
             continue
         key = "config." + a[len("--config."):].split("=", 1)[0]
         if _parent(config, key) is None:
-            near = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
-            hint = f"; nearest: {', '.join(near)}" if near else ""
-            messages.append(f"--{key}: {file_path} has no key {key!r}{hint}")
+            messages.append(_no_such_key(key, valid, file_path))
     return messages
 
 
@@ -108,9 +112,7 @@ def apply_overrides(config, overrides: Sequence[str], path: str = "the config fi
         dotted, text = arg[len("--"):].split("=", 1)
         node = _parent(config, dotted)
         if node is None:
-            near = difflib.get_close_matches(dotted, valid, n=3, cutoff=0.6)
-            hint = f"; nearest: {', '.join(near)}" if near else ""
-            raise ValueError(f"--{dotted}: {path} has no key {dotted!r}{hint}")
+            raise ValueError(_no_such_key(dotted, valid, path))
         leaf = dotted.rsplit(".", 1)[1]
         node[leaf] = _parse_value(dotted, text, node[leaf])
         done.append(dotted)
