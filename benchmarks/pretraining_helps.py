@@ -118,8 +118,32 @@ def shakespeare_documents(path: str, speeches_per_doc: int = 40) -> list[list[st
     return docs
 
 
-def stage_corpus(corpus_dir: str, out: str) -> dict:
-    """Writes out/{wikitext,gutenberg,shakespeare}.txt (training) and out/heldout.txt."""
+def task_text_documents(glue_dir: str, tasks: list[str], rows_per_doc: int = 20) -> dict:
+    """The GLUE tasks' *training* text, unlabelled, as documents (task-adaptive pretraining,
+    Gururangan et al. 2020, "Don't Stop Pretraining"): a sentence-pair row (STS-B, MRPC, RTE) is
+    one document, its first text then its second (so next-sentence prediction sees the pair as a
+    real continuation, whatever its label); single-sentence rows (SST-2, CoLA), which come
+    shuffled and unrelated, go `rows_per_doc` to a document. Never a dev or test file, never a
+    label."""
+    from data_pipeline import corpora
+    from data_pipeline.tasks import glue
+
+    parts = {}
+    for task in tasks:
+        examples = glue.GlueTask(task, glue_dir).read("train")
+        if glue.SPECS[task].text_b is not None:
+            docs = [corpora.split_sentences(e.text_a) + corpora.split_sentences(e.text_b) for e in examples]
+        else:
+            docs = [[e.text_a for e in examples[i:i + rows_per_doc]]
+                    for i in range(0, len(examples), rows_per_doc)]
+        docs = [[s.strip() for s in d if s.strip()] for d in docs]
+        parts[f"task_{task}"] = [d for d in docs if len(d) > 1]
+    return parts
+
+
+def stage_corpus(corpus_dir: str, out: str, task_text: dict | None = None) -> dict:
+    """Writes out/train-*.txt (training, every source mixed) and out/heldout.txt; `task_text`
+    (from `task_text_documents`) adds its documents to the training sources."""
     from data_pipeline import corpora
 
     done = os.path.join(out, "corpus_info.json")
@@ -138,6 +162,7 @@ def stage_corpus(corpus_dir: str, out: str) -> dict:
                       for d in gutenberg_documents(p)],
         "shakespeare": [d for p in sorted(glob.glob(os.path.join(corpus_dir, "tinyshakespeare", "*.txt")))
                         for d in shakespeare_documents(p)],
+        **(task_text or {}),
     }
     info = {name: {"documents": len(docs), "sentences": sum(map(len, docs))} for name, docs in parts.items()}
     corpora.write_google_text(os.path.join(out, "heldout.txt"), parts.pop("heldout"))
@@ -544,6 +569,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab_file", default=os.path.join(DATA, "vocab", "bert-base-uncased", "vocab.txt"))
     p.add_argument("--pretrain_steps", type=int, default=0, help="0 = configs/pretrain_small.py's")
     p.add_argument("--no_nsp", action="store_true", help="pretrain with masked LM only (no next-sentence loss)")
+    p.add_argument("--task_text", default="",
+                   help="comma-separated GLUE tasks whose unlabelled training text joins the pretraining "
+                        "corpus (task-adaptive pretraining; e.g. sst2,cola,stsb,mrpc,rte). Default: none")
     p.add_argument("--tasks", default="sst2,cola,stsb,mrpc,rte")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--max_train_examples", type=int, default=2000,
@@ -561,11 +589,13 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="a few steps of a test-sized model (the test)")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
+    args.task_text = [t for t in args.task_text.split(",") if t]
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.finetune_lrs = [float(v) for v in args.finetune_lrs.split(",") if v]
-    unknown = set(args.tasks) - set(TASK_DIRS)
-    if unknown:
-        p.error(f"--tasks: unknown {sorted(unknown)}; expected some of {sorted(TASK_DIRS)}")
+    for flag in ("tasks", "task_text"):
+        unknown = set(getattr(args, flag)) - set(TASK_DIRS)
+        if unknown:
+            p.error(f"--{flag}: unknown {sorted(unknown)}; expected some of {sorted(TASK_DIRS)}")
     if args.quick:
         args.pretrain_steps = args.pretrain_steps or 4
         args.max_seq_length = min(args.max_seq_length, 32)
@@ -595,7 +625,8 @@ def main(argv=None) -> dict:
 
     corpus, records = os.path.join(args.workdir, "corpus"), os.path.join(args.workdir, "records")
     pretrain_dir = os.path.join(args.workdir, "pretrain")
-    corpus_info = timed("corpus", stage_corpus, args.corpus_dir, corpus)
+    task_text = task_text_documents(args.glue_dir, args.task_text) if args.task_text else None
+    corpus_info = timed("corpus", stage_corpus, args.corpus_dir, corpus, task_text)
     records_info = timed("records", stage_records, corpus, records, args.vocab_file, dupe_factor=args.dupe_factor,
                          seq_len=args.max_seq_length, predictions=5 if args.quick else 20,
                          workers=args.num_workers)
@@ -611,7 +642,7 @@ def main(argv=None) -> dict:
     report = {
         "issue": 28,
         "recipe": {"config": "configs/pretrain_small.py", "overrides": overrides, "quick": args.quick,
-                   "corpus": corpus_info, "records": records_info,
+                   "corpus": corpus_info, "records": records_info, "task_text": args.task_text,
                    "finetune": {"lr_grid": args.finetune_lrs, "select_fraction": args.select_fraction,
                                 "epochs": args.finetune_epochs,
                                 "batch": args.finetune_batch_size, "max_seq_length": args.max_seq_length,

@@ -61,10 +61,27 @@ def data(tmp_path_factory):
     return d
 
 
+_CACHE = {}  # the compilation cache the runs of this module share (set by `compilation_cache`)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent XLA cache for the module's subprocesses: most runs compile the same step of
+    configs/test.py, which a cached executable serves in half the run's time. (A cached executable
+    is the same program: the kill -9 and multi-process tests still compare bit for bit against a
+    run that compiled.)"""
+    _CACHE["dir"] = str(tmp_path_factory.mktemp("xla_cache"))
+    yield _CACHE["dir"]
+    _CACHE.clear()
+
+
 def env(devices: int = 2) -> dict:
     e = dict(os.environ)
     e.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
+    if "dir" in _CACHE:
+        e.update(JAX_COMPILATION_CACHE_DIR=_CACHE["dir"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return e
 
 
@@ -120,15 +137,14 @@ def test_a_changed_schedule_on_resume_and_a_zero_learning_rate_are_reported(data
     first = run(cmd(tmp_path / "w", data, "--config.num_train_steps=4"))
     assert first.returncode == 0, first.stderr[-3000:]
     assert "config.learning_rate=0:" not in first.stderr
-    longer = run(cmd(tmp_path / "w", data, "--config.num_train_steps=6", "--config.learning_rate=2e-4"))
+    # One resumed run reports both: the changed keys against the checkpoint's, and the zero rate.
+    longer = run(cmd(tmp_path / "w", data, "--config.num_train_steps=6", "--config.learning_rate=0"))
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert ("resuming step 4 with config.num_train_steps=6; the checkpoint was trained with "
             "config.num_train_steps=4") in longer.stderr
-    assert "config.learning_rate=0.0002; the checkpoint was trained with config.learning_rate=0.0001" in longer.stderr
+    assert "config.learning_rate=0.0; the checkpoint was trained with config.learning_rate=0.0001" in longer.stderr
     assert "warmup_steps" not in longer.stderr  # unchanged keys are not reported
-    zero = run(cmd(tmp_path / "z", data, "--config.num_train_steps=2", "--config.learning_rate=0"))
-    assert zero.returncode == 0, zero.stderr[-3000:]
-    assert "config.learning_rate=0: the parameters will not change" in zero.stderr
+    assert "config.learning_rate=0: the parameters will not change" in longer.stderr
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data, tmp_path):

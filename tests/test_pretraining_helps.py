@@ -83,6 +83,7 @@ def test_quick_pipeline_and_resume(tmp_path, capsys, compile_cache):
     out = tmp_path / "out"
     argv = [f"--workdir={work}", f"--corpus_dir={corpus}", f"--glue_dir={glue}", f"--vocab_file={vocab}",
             "--tasks=sst2", "--seeds=0",  # one seed: the test stays under a minute on one core
+            "--task_text=sst2",  # task-adaptive pretraining: SST-2's training sentences join the corpus
             "--max_train_examples=32", "--finetune_lrs=1e-3,3e-3", "--quick", f"--output_dir={out}"]
     report = pretraining_helps.main(argv)
 
@@ -95,7 +96,14 @@ def test_quick_pipeline_and_resume(tmp_path, capsys, compile_cache):
     shards = sorted((work / "corpus").glob("train-*.txt"))
     assert len(shards) == pretraining_helps.TRAIN_SHARDS
     docs = [d for p in shards for d in p.read_text().split("\n\n") if d.strip()]
-    assert len(docs) == sum(info[s]["documents"] for s in ("wikitext", "gutenberg", "shakespeare"))
+    assert len(docs) == sum(info[s]["documents"] for s in ("wikitext", "gutenberg", "shakespeare", "task_sst2"))
+    # --task_text: every SST-2 training sentence, 20 to a document; no dev sentence, no label
+    train_rows = [r.split("\t") for r in (glue / "SST-2" / "train.tsv").read_text().splitlines()[1:]]
+    dev_rows = [r.split("\t") for r in (glue / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
+    assert info["task_sst2"] == {"documents": 48 // 20 + 1, "sentences": 48}
+    lines = {line for d in docs for line in d.splitlines()}
+    assert {s for s, _ in train_rows} <= lines and not {s for s, _ in dev_rows} & lines
+    assert not any("\t" in line for line in lines)
     heldout = [d for d in (work / "corpus" / "heldout.txt").read_text().split("\n\n") if d.strip()]
     assert len(heldout) == info["heldout"]["documents"] and not set(heldout) & set(docs)
     text = "".join(p.read_text() for p in shards)
