@@ -125,7 +125,11 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
     found = hlo.collectives(compiled.as_text())
     net = cost.Interconnect(spec.chip.link_bw, spec.wraparound)
     comm_s, batch_comm_s, by_kind = comm_seconds(found, mesh, net)
-    costs, loops = aot.counted_costs(config, bert_config, devices, mesh_kind, b, seq_len, predictions)
+    # The FLOP-counting compiles: on the chip's 4-chip slice under data parallelism (the same
+    # per-chip program, chips.smallest_slice), on the slice itself for the sharded meshes.
+    count_slice = chips.smallest_slice(spec) if mesh_kind == "data" else spec
+    count_devices = devices if count_slice.dims == spec.dims else aot.slice_devices(count_slice.name)
+    costs, loops = aot.counted_costs(config, bert_config, count_devices, mesh_kind, b, seq_len, predictions)
     traffic = hlo.memory_traffic(compiled.as_text())  # the real program's HBM traffic
     t = cost.step_time(costs["flops"], traffic.hbm, comm_s, peak_flops=spec.chip.peak_flops,
                        hbm_bw=spec.chip.hbm_bw, layers=bert_config.num_hidden_layers)
@@ -138,6 +142,7 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
         "mesh": aot.mesh_axes(mesh_kind, spec.chips), "seq_len": seq_len, "batch_per_chip": b,
         "global_batch": rows, "hbm_gib": analysis["hbm_gib"], "hbm_capacity_gib": spec.chip.hbm_gib,
         "xla_flops": costs["flops"], "model_flops": model_flops, "flop_count_loops": loops,
+        "flop_count_slice": count_slice.topology_name,
         # HBM traffic (planning.hlo.memory_traffic) and, for comparison, XLA's "bytes accessed",
         # which on TPU also counts on-chip accesses (docs/pod_planning.md)
         "hbm_bytes": traffic.hbm, "hbm_copy_bytes": traffic.copies, "on_chip_bytes": traffic.on_chip,

@@ -50,6 +50,7 @@ def test_plan_a_v5e_2x2_slice(tmp_path):
     data, fsdp, tensor = report["plans"]
     assert (data["mesh"], tensor["mesh"]) == ({"data": 4, "fsdp": 1, "tensor": 1}, {"data": 1, "fsdp": 1, "tensor": 4})
     assert data["global_batch"] == 16 and tensor["global_batch"] == 4 and data["flop_count_loops"] == 0
+    assert data["flop_count_slice"] == fsdp["flop_count_slice"] == "v5e:2x2"
 
     # Data parallel: the gradient all-reduce carries every parameter once, plus the tied word
     # embedding's decoder half (the MLM decoder's gradient is reduced apart from the lookup's,
@@ -120,6 +121,16 @@ def test_scaled_step_and_recipes_by_hand():
     small = [{"seq_len": 128, "steps": 10, "batch": 4}]  # 4 rows over 8 chips: impossible
     (entry,) = plan.recipe_plan("tiny", small, {128: [row()]})
     assert "under one row per chip" in entry["error"]
+
+
+def test_a_data_parallel_plan_counts_flops_on_the_chips_4_chip_slice():
+    from bert_jax.planning import chips
+
+    for name, want in (("v4-2048", "v4:2x2x1"), ("v5p-16", "v5p:2x2x1"), ("v5e-256", "v5e:2x2"), ("v6e-8", "v6e:2x2")):
+        small = chips.smallest_slice(chips.parse_slice(name))
+        assert (small.topology_name, small.chips) == (want, 4)
+        again = chips.parse_slice(small.name)  # a name aot.slice_devices takes
+        assert (again.dims, again.chip) == (small.dims, small.chip)
 
 
 def test_bad_flags_name_the_flag(capsys):

@@ -97,6 +97,16 @@ class Slice:
         return self.chip.wraparound(self.dims)
 
 
+def smallest_slice(s: Slice) -> Slice:
+    """The 4-chip slice of `s`'s chip (2x2x1, or 2x2): where a data-parallel plan counts its FLOPs.
+    Under data parallelism every chip runs the same program on its own rows, so XLA's per-chip
+    FLOPs and bytes do not depend on the slice (equal on v4-8 and v4-32, v5e-4 and v5e-16,
+    docs/pod_planning.md), and the two counting compiles need not be partitioned for 1,024 chips."""
+    shapes = _SHAPES_3D if s.chip.torus_dims == 3 else _SHAPES_2D
+    dims = shapes[4]
+    return Slice(f"{s.chip.topology_prefix}:{'x'.join(map(str, dims))}", s.chip, dims)
+
+
 def parse_slice(name: str) -> Slice:
     """"v4-128" (64 chips: v4/v5p names count TensorCores), "v5e-16" (16 chips), or an explicit
     shape "v4:4x4x8"."""
