@@ -338,3 +338,46 @@ def test_memory_traffic_of_compiled_programs():
     assert b - a == c - b > 0
     # ... and per step at least the carry and one row of xs are read and the carry written.
     assert (b - a) / 20 >= 3 * 4000
+
+
+# A Pallas kernel's custom call prints its backend_config over several lines, some starting with
+# "}}" (splash attention's on TPU): the rest of the computation (here the gradient all-reduce and
+# a copy after it) still belongs to it.
+MULTILINE = """HloModule k, is_scheduled=true, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (p: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %p = (s32[], f32[256]{0}) parameter(0)
+  %v = f32[256]{0} get-tuple-element(%p), index=1
+  %k = f32[256]{0} custom-call(%v), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "TUxJUgA=",
+"xprof_metadata":"{\\"block_q\\": 512}"
+}}, metadata={op_name="splash"}
+  %ar = f32[256]{0} all-reduce(%k), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+  %c = f32[256]{0:S(1)} copy(%ar)
+  ROOT %t = (s32[], f32[256]{0}) tuple(%i, %c)
+}
+
+%cond (p: (s32[], f32[256])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[256]) -> f32[256] {
+  %a = f32[256]{0} parameter(0)
+  %w = (s32[], f32[256]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"24"}}
+  ROOT %r = f32[256]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_kernel_config_over_several_lines_does_not_end_its_computation():
+    (ar,) = hlo.collectives(MULTILINE)
+    assert (ar.name, ar.executions, ar.bytes) == ("ar", 24, 256 * 4)
+    comps, entry, devices = hlo._computations(MULTILINE)
+    assert (entry, devices) == ("main", 4)
+    assert [line.split("=")[0].strip().lstrip("%") for line in comps["body"]] == ["p", "v", "k", "ar", "c", "ROOT %t"]
+    assert '"xprof_metadata"' in comps["body"][2] and comps["body"][2].endswith('metadata={op_name="splash"}')

@@ -164,16 +164,22 @@ def _computations(hlo: str):
     replicas = re.search(r"replica_count=(\d+)", header.group(0)) if header else None
     num_devices = (int(partitions.group(1)) if partitions else 1) * (int(replicas.group(1)) if replicas else 1)
     for line in hlo.splitlines():
-        m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if m and not line.startswith(" "):
-            current = m.group(2)
-            comps[current] = []
-            if m.group(1):
-                entry = current
-        elif line.startswith("}"):
+        if current is None:
+            m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+            if m:
+                current = m.group(2)
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+        elif line.rstrip() == "}":  # the computation's end: a lone brace
             current = None
-        elif current is not None and "=" in line:
-            comps[current].append(line)
+        elif line.startswith("  "):  # an instruction
+            if "=" in line:
+                comps[current].append(line)
+        elif comps[current]:
+            # A continuation: a string attribute printed over several lines (a Pallas kernel's
+            # backend_config, whose JSON lines may start with "}}"), part of the instruction above.
+            comps[current][-1] += " " + line.strip()
     return comps, entry, num_devices
 
 
