@@ -14,9 +14,11 @@ slice's interconnect: the groups' devices' physical
 coordinates say which torus axes each collective crosses. Chip figures: `planning.chips` (public
 specifications, cited). Reported per slice and mesh: the per-chip batch that fits (halved from
 --batch_per_chip until the TPU compiler accepts it), HBM per chip, the step time with and without
-overlapping the collectives with compute, sequences/s, MFU, and the collectives' share; per mesh,
-weak-scaling efficiency from the smallest slice; per slice, the recommended mesh; per recipe, the
-projected wall time and chip-hours on every slice that can run it. `--config.key=value` overrides
+overlapping the collectives with compute, sequences/s, MFU, and the collectives' share, and the
+calibrated sequences/s (compute and memory at the fraction of the peak-rate projection a measured
+step achieved, `planning.chips.ACHIEVED`: what to budget for); per mesh, weak-scaling efficiency
+from the smallest slice; per slice, the recommended mesh; per recipe, the projected wall time and
+chip-hours on every slice that can run it, at the peaks and calibrated. `--config.key=value` overrides
 the config file as `bert_jax.main` takes them (the dtype, the length and the batch come from the
 planner's own flags; layers are always scanned).
 
@@ -153,30 +155,38 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
         "layers": bert_config.num_hidden_layers, "wraparound": list(spec.wraparound),
         "unknown_trip_counts": sum(c.unknown_trip_count for c in found),
     }
+    tc = cost.calibrated(t, chips.ACHIEVED)  # at the measured fraction of the peaks (planning.chips)
+    out.update(achieved=chips.ACHIEVED, step_s_calibrated=tc.overlap_s)
     out["sequences_per_s"] = rows / out["step_s"]
+    out["sequences_per_s_calibrated"] = rows / out["step_s_calibrated"]
     out["sequences_per_s_no_overlap"] = rows / out["step_s_no_overlap"]
     out["mfu"] = cost.mfu(model_flops, out["step_s"], spec.chip.peak_flops)
     out["mfu_no_overlap"] = cost.mfu(model_flops, out["step_s_no_overlap"], spec.chip.peak_flops)
+    out["mfu_calibrated"] = cost.mfu(model_flops, out["step_s_calibrated"], spec.chip.peak_flops)
     out["plan_s"] = time.perf_counter() - started
     return out
 
 
-def scaled_step_s(row: dict, batch_per_chip: float, overlap: bool = True) -> float:
+def scaled_step_s(row: dict, batch_per_chip: float, overlap: bool = True, achieved: float = 1.0) -> float:
     """The step time of `row`'s program at another per-chip batch (module docstring): compute,
     the batch-sized traffic and the activation collectives in proportion to the rows, the
-    optimizer's traffic and the gradient/weight collectives fixed."""
+    optimizer's traffic and the gradient/weight collectives fixed; compute and traffic at
+    `achieved` of the peak rates (1 = the peak-rate projection; planning.chips.ACHIEVED)."""
     from bert_jax.planning import cost
 
     k = batch_per_chip / row["batch_per_chip"]
     traffic = row["fixed_bytes"] + (row["hbm_bytes"] - row["fixed_bytes"]) * k
     comm = row["comm_s"] + row["batch_comm_s"] * (k - 1)
     t = cost.StepTime(row["compute_s"] * k, traffic / row["hbm_bw"], comm, row["layers"])
+    if achieved != 1.0:
+        t = cost.calibrated(t, achieved)
     return t.overlap_s if overlap else t.no_overlap_s
 
 
 def recipe_plan(name: str, phases: list, rows_by_len: dict) -> list:
-    """Per slice (the recommended mesh at each length): wall time and chip-hours, or why not."""
-    from bert_jax.planning import cost
+    """Per slice (the recommended mesh at each length): wall time and chip-hours, at the peak
+    rates and calibrated (`entry["calibrated"]`), or why not."""
+    from bert_jax.planning import chips, cost
 
     out = []
     slices = sorted({r["slice"] for rs in rows_by_len.values() for r in rs}, key=lambda s: _chips(rows_by_len, s))
@@ -195,11 +205,13 @@ def recipe_plan(name: str, phases: list, rows_by_len: dict) -> list:
                 break
             passes = math.ceil(per_chip / best["batch_per_chip"])  # gradient accumulation beyond what fits
             step_s = passes * scaled_step_s(best, per_chip / passes)
+            calibrated_s = passes * scaled_step_s(best, per_chip / passes, achieved=chips.ACHIEVED)
             per_phase.append({"seq_len": phase["seq_len"], "steps": phase["steps"], "batch": phase["batch"],
                               "mesh": best["mesh_kind"], "batch_per_chip": per_chip, "accumulation": passes,
-                              "step_s": step_s, "chips": best["chips"]})
+                              "step_s": step_s, "step_s_calibrated": calibrated_s, "chips": best["chips"]})
         if "error" not in entry:
             entry.update(cost.time_to_train(per_phase), phases=per_phase)
+            entry["calibrated"] = cost.time_to_train([dict(p, step_s=p["step_s_calibrated"]) for p in per_phase])
         out.append(entry)
     return out
 
@@ -227,7 +239,7 @@ def weak_scaling(rows: list) -> dict:
 
 def print_header() -> None:
     print(f"{'slice':9s} {'mesh':6s} {'len':>4s} {'b/chip':>6s} {'HBM GiB':>8s} {'compute':>8s} {'HBM':>7s} "
-          f"{'comm':>7s} {'step':>8s} {'no-ovl':>8s} {'seq/s':>9s} {'MFU':>5s}  plan", flush=True)
+          f"{'comm':>7s} {'step':>8s} {'no-ovl':>8s} {'seq/s':>9s} {'MFU':>5s} {'cal seq/s':>9s}  plan", flush=True)
 
 
 def print_rows(rows: list) -> None:
@@ -235,7 +247,8 @@ def print_rows(rows: list) -> None:
         print(f"{r['slice']:9s} {r['mesh_kind']:6s} {r['seq_len']:4d} {r['batch_per_chip']:6d} "
               f"{r['hbm_gib']:8.2f} {r['compute_s'] * 1e3:6.1f}ms {r['memory_s'] * 1e3:5.1f}ms "
               f"{r['comm_s'] * 1e3:5.1f}ms {r['step_s'] * 1e3:6.1f}ms {r['step_s_no_overlap'] * 1e3:6.1f}ms "
-              f"{r['sequences_per_s']:9.0f} {r['mfu']:5.0%}  {r['plan_s']:.0f}s", flush=True)
+              f"{r['sequences_per_s']:9.0f} {r['mfu']:5.0%} {r['sequences_per_s_calibrated']:9.0f}  "
+              f"{r['plan_s']:.0f}s", flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -322,8 +335,10 @@ def main(argv=None) -> dict:
         if "error" in e:
             print(f"recipe {e['recipe']} on {e['slice']}: {e['error']}")
         else:
+            cal = e["calibrated"]
             print(f"recipe {e['recipe']} on {e['slice']}: {e['wall_days']:.2f} days, {e['chip_hours']:,.0f} chip-hours "
-                  f"({', '.join(f'''{p['steps']} x {p['step_s'] * 1e3:.1f} ms''' for p in e['phases'])})")
+                  f"({', '.join(f'''{p['steps']} x {p['step_s'] * 1e3:.1f} ms''' for p in e['phases'])}); "
+                  f"calibrated {cal['wall_days']:.2f} days, {cal['chip_hours']:,.0f} chip-hours")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)

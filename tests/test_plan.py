@@ -83,6 +83,9 @@ def test_plan_a_v5e_2x2_slice(tmp_path):
         assert row["step_s"] == pytest.approx(max(core, row["comm_s"]) + row["comm_s"] / 2)
         assert row["step_s_no_overlap"] == pytest.approx(core + row["comm_s"])
         assert row["sequences_per_s"] == pytest.approx(row["global_batch"] / row["step_s"])
+        a = row["achieved"]
+        assert row["step_s_calibrated"] == pytest.approx(max(core / a, row["comm_s"]) + row["comm_s"] / 2)
+        assert row["sequences_per_s_calibrated"] == pytest.approx(row["global_batch"] / row["step_s_calibrated"])
         assert 0 < row["mfu"] < 1 and row["xla_flops"] >= row["model_flops"]
     # Tensor parallel: activations reduced inside the 4-chip group, which grow with the batch.
     assert tensor["batch_comm_s"] > 0 and data["batch_comm_s"] == 0
@@ -117,6 +120,12 @@ def test_scaled_step_and_recipes_by_hand():
     assert (p2["batch_per_chip"], p2["accumulation"]) == (8, 1)
     assert entry["wall_s"] == pytest.approx(1000 * p1["step_s"] + 100 * p2["step_s"])
     assert entry["chip_hours"] == pytest.approx(entry["wall_s"] * 8 / 3600)
+    # calibrated: compute and traffic at planning.chips.ACHIEVED of the peaks, the collectives not
+    from bert_jax.planning import chips
+    a = chips.ACHIEVED
+    assert plan.scaled_step_s(r, 16, achieved=a) == pytest.approx(max(0.065 / a, 0.03) + 0.03 / 24)
+    assert entry["calibrated"]["wall_s"] == pytest.approx(
+        1000 * 2 * plan.scaled_step_s(rows[128][0], 32, achieved=a) + 100 * plan.scaled_step_s(rows[512][0], 8, achieved=a))
 
     small = [{"seq_len": 128, "steps": 10, "batch": 4}]  # 4 rows over 8 chips: impossible
     (entry,) = plan.recipe_plan("tiny", small, {128: [row()]})

@@ -52,6 +52,18 @@ def test_step_time_overlap_and_rates():
     assert t.overlap_s == pytest.approx(1.5 + 0.3)  # max(1.5, 0.9) + 0.9/3
     comm_bound = cost.step_time(1e12, 0, 3.0, peak_flops=1e12, hbm_bw=1e12, layers=2)
     assert comm_bound.overlap_s == pytest.approx(3.0 + 1.5)
+    half = cost.calibrated(t, 0.5)  # compute and memory at half the peaks; the collectives as they were
+    assert (half.compute_s, half.memory_s, half.comm_s) == pytest.approx((2.0, 1.0, 0.9))
+    assert half.overlap_s == pytest.approx(3.0 + 0.3)
+    with pytest.raises(ValueError, match="achieved fraction"):
+        cost.calibrated(t, 0.0)
+    # The H100 measurement behind planning.chips.ACHIEVED: 120.6 ms projected, 178.7 ms measured.
+    from bert_jax.planning import chips
+    assert chips.ACHIEVED == pytest.approx(0.675, abs=5e-4)
+    h100 = cost.step_time(59.84e12, 201.2e9, 0.0, peak_flops=chips.H100["peak_flops"],
+                          hbm_bw=chips.H100["hbm_bw"], layers=24)
+    assert h100.core_s == pytest.approx(0.1206, abs=5e-4)
+    assert cost.calibrated(h100, chips.ACHIEVED).overlap_s == pytest.approx(0.1787, abs=1e-3)
     assert cost.mfu(4e11, 2.0, 1e12) == pytest.approx(0.2)
     assert cost.weak_scaling({32: 90.0, 8: 100.0, 256: 80.0}) == pytest.approx({8: 1.0, 32: 0.9, 256: 0.8})
     ttt = cost.time_to_train([{"steps": 900_000, "step_s": 0.1, "chips": 64},

@@ -38,6 +38,8 @@ The step
                    compute (gradient reductions during the backward pass, FSDP gathers ahead of
                    the layer that needs them) except the last layer's share, which has nothing
                    left to hide behind.
+    calibrated:    the same with compute_s and memory_s divided by the fraction of the peak-rate
+                   projection that a measured step achieved (`calibrated`, planning.chips.ACHIEVED).
 """
 
 from __future__ import annotations
@@ -132,6 +134,14 @@ class StepTime:
     @property
     def overlap_s(self) -> float:
         return max(self.core_s, self.comm_s) + self.comm_s / max(1, self.layers)
+
+
+def calibrated(t: StepTime, achieved: float) -> StepTime:
+    """`t` with its compute and memory terms at `achieved` of the peak rates (a measured step's
+    fraction of its projection, `planning.chips.ACHIEVED`); the collectives unchanged."""
+    if not 0 < achieved <= 1:
+        raise ValueError(f"achieved fraction of peak must be in (0, 1], got {achieved}")
+    return StepTime(t.compute_s / achieved, t.memory_s / achieved, t.comm_s, t.layers)
 
 
 def step_time(flops: float, bytes_accessed: float, comm_s: float, *, peak_flops: float, hbm_bw: float,
