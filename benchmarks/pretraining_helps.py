@@ -1,7 +1,12 @@
 """Does pretraining with bert_jax make fine-tuning better? BERT-Tiny, from scratch, on CPU (issue 28).
 
     python benchmarks/pretraining_helps.py --workdir=/tmp/ph [--pretrain_steps=N] \\
-        [--tasks=sst2,cola,stsb,mrpc,rte] [--seeds=0,1,2] [--max_train_examples=N] [--quick]
+        [--tasks=sst2,cola,stsb,mrpc,rte] [--seeds=0,1,2] [--max_train_examples=N] [--quick] \\
+        [--task_text=sst2,cola,stsb,mrpc,rte] [--no_nsp]
+
+--task_text: task-adaptive pretraining (Gururangan et al. 2020): the named GLUE tasks' training
+text, without labels, joins the corpus (`task_text_documents` says how it becomes documents);
+dev and test files are never read for it.
 
 Stages, each skipped when its outputs exist (rerun the command to resume after a stop):
 

@@ -96,7 +96,11 @@ compiled, _, rows, _ = aot_tpu.compile_step(config, bert_config, aot_tpu.slice_d
                                          batch_per_chip=4, seq_len=128, predictions=20)
 hlo = compiled.as_text()
 calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+from bert_jax.planning import hlo as hlo_lib
+op = r"%([\\w.\\-]+) = [^\\n]*?\\b(?:all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\\("
+parsed = "\\n".join(line for lines in hlo_lib._computations(hlo)[0].values() for line in lines)
 print(json.dumps(dict(aot_tpu.analyze(compiled, 16), rows=rows, attention=bert_config.attention_impl,
+                      collectives_in_text=sorted(re.findall(op, hlo)), collectives_parsed=sorted(re.findall(op, parsed)),
                       kernels=sorted(re.match(r"\\s*(?:ROOT )?%(\\w+?)(?:\\.\\d+)? =", c).group(1) for c in calls),
                       per_chip_qkv=all("bf16[4,2,128,64]" in c for c in calls))))
 """
@@ -114,3 +118,6 @@ def test_dot_product_attention_compiles_to_the_pallas_splash_kernel():
     assert [k.split("_segmented")[0] for k in row["kernels"]] == [
         "splash_mha_dkv", "splash_mha_dq", "splash_mha_fwd"], row["kernels"]
     assert row["per_chip_qkv"], row  # [examples per chip, heads, length, head_dim]
+    # The kernels' configs print over several lines: the planner's reading of the program still
+    # holds every collective of it (it lost the scanned layer's after the kernels before).
+    assert row["collectives_in_text"] and row["collectives_parsed"] == row["collectives_in_text"]
