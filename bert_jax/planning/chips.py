@@ -75,7 +75,7 @@ H100 = {"name": "NVIDIA H100 SXM", "peak_flops": 989e12, "hbm_gib": 80e9 / 2**30
 # (2026-11-24): 120.6 ms projected at peak (60.5 ms of matmuls at 989 TFLOP/s + 60.1 ms of bytes
 # at 3.35 TB/s) against 178.7 ms measured. A plan's calibrated figures run the compute and memory
 # terms at this fraction of the peaks (the collectives stay at the links' rates: nothing measured
-# them); checked on the H200 (two programs) and against MLPerf's TPU v4 rate.
+# them); checked on the H200 (two programs), bracketed by MLPerf's TPU v4 rate.
 ACHIEVED = round(120.6 / 178.7, 3)  # 0.675
 
 # Chips -> physical shape, as Cloud TPU provisions them.
@@ -108,8 +108,9 @@ class Slice:
 def smallest_slice(s: Slice) -> Slice:
     """The 4-chip slice of `s`'s chip (2x2x1, or 2x2): where a data-parallel plan counts its FLOPs.
     Under data parallelism every chip runs the same program on its own rows, so XLA's per-chip
-    FLOPs and bytes do not depend on the slice (equal on v4-8 and v4-32, v5e-4 and v5e-16,
-    docs/pod_planning.md), and the two counting compiles need not be partitioned for 1,024 chips."""
+    FLOPs and bytes hardly depend on the slice (equal for the test-sized model on v4-8 and v4-32,
+    v5e-4 and v5e-16; for BERT-Large 0.15% above v4-2048's: docs/pod_planning.md), and the two
+    counting compiles need not be partitioned for 1,024 chips."""
     shapes = _SHAPES_3D if s.chip.torus_dims == 3 else _SHAPES_2D
     dims = shapes[4]
     return Slice(f"{s.chip.topology_prefix}:{'x'.join(map(str, dims))}", s.chip, dims)
