@@ -2,18 +2,23 @@
 
     python benchmarks/pretraining_helps.py --workdir=/tmp/ph [--pretrain_steps=N] \\
         [--tasks=sst2,cola,stsb,mrpc,rte] [--seeds=0,1,2] [--max_train_examples=N] [--quick] \\
-        [--task_text=sst2,cola,stsb,mrpc,rte] [--no_nsp]
+        [--task_text=sst2,cola,stsb,mrpc,rte] [--no_nsp] [--train_vocab_size=N]
 
 --task_text: task-adaptive pretraining (Gururangan et al. 2020): the named GLUE tasks' training
 text, without labels, joins the corpus (`task_text_documents` says how it becomes documents);
 dev and test files are never read for it.
+
+--train_vocab_size=N: a WordPiece vocabulary of N lines trained on the corpus's training shards
+(`data_pipeline.train_vocab`; never the held-out shard or a GLUE file) instead of the released
+uncased one; both arms and the fine-tuning tokenize with it.
 
 Stages, each skipped when its outputs exist (rerun the command to resume after a stop):
 
 1. data: the corpora (WikiText-2 raw, Gutenberg, tiny-shakespeare) -> Google's text format under
    W/corpus (WikiText-2's last tenth of articles held out), then records under W/records with
    `python -m data_pipeline.create_pretraining_data` and the released uncased vocab
-   (configs/pretrain_small.py says why not a trained one).
+   (configs/pretrain_small.py says why), or with --train_vocab_size one trained on W/corpus's
+   training shards (W/vocab/vocab.txt).
 2. pretrain: `python -m bert_jax.main --config=configs/pretrain_small.py --workdir=W/pretrain`
    (resumes from its own checkpoints).
 3. finetune: per task and seed, the pretrained encoder and the same shape from a fresh random
@@ -185,6 +190,23 @@ def stage_corpus(corpus_dir: str, out: str, task_text: dict | None = None) -> di
         json.dump(info, f, indent=1)
     log(f"corpus: {info}")
     return info
+
+
+def stage_vocab(corpus: str, out: str, vocab_size: int) -> str:
+    """out/vocab.txt: `vocab_size` WordPiece lines trained on corpus/train-*.txt (lower-cased, as
+    the uncased fine-tuning tasks), never on the held-out shard."""
+    from data_pipeline import train_vocab
+
+    path = os.path.join(out, "vocab.txt")
+    if os.path.exists(path):
+        log(f"vocab: {path} exists, skipped")
+        return path
+    os.makedirs(out, exist_ok=True)
+    stats, _ = train_vocab.train_vocab(sorted(glob.glob(os.path.join(corpus, "train-*.txt"))), vocab_size,
+                                    path + ".tmp", do_lower_case=True)
+    os.replace(path + ".tmp", path)  # written whole, so an interrupted stage reruns
+    log(f"vocab: {vocab_size} lines from {stats.lines} lines, {stats.distinct_words} distinct words -> {path}")
+    return path
 
 
 def create_records(inputs: list[str], output: str, vocab: str, *, dupe_factor: int, seq_len: int,
@@ -577,6 +599,9 @@ def parse_args(argv=None):
     p.add_argument("--task_text", default="",
                    help="comma-separated GLUE tasks whose unlabelled training text joins the pretraining "
                         "corpus (task-adaptive pretraining; e.g. sst2,cola,stsb,mrpc,rte). Default: none")
+    p.add_argument("--train_vocab_size", type=int, default=0,
+                   help="train a WordPiece vocab of this many lines on the corpus's training shards "
+                        "(data_pipeline.train_vocab) instead of using --vocab_file. Default: 0 (--vocab_file)")
     p.add_argument("--tasks", default="sst2,cola,stsb,mrpc,rte")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--max_train_examples", type=int, default=2000,
@@ -632,6 +657,9 @@ def main(argv=None) -> dict:
     pretrain_dir = os.path.join(args.workdir, "pretrain")
     task_text = task_text_documents(args.glue_dir, args.task_text) if args.task_text else None
     corpus_info = timed("corpus", stage_corpus, args.corpus_dir, corpus, task_text)
+    if args.train_vocab_size:
+        args.vocab_file = timed("vocab", stage_vocab, corpus, os.path.join(args.workdir, "vocab"),
+                                args.train_vocab_size)
     records_info = timed("records", stage_records, corpus, records, args.vocab_file, dupe_factor=args.dupe_factor,
                          seq_len=args.max_seq_length, predictions=5 if args.quick else 20,
                          workers=args.num_workers)
@@ -648,6 +676,7 @@ def main(argv=None) -> dict:
         "issue": 28,
         "recipe": {"config": "configs/pretrain_small.py", "overrides": overrides, "quick": args.quick,
                    "corpus": corpus_info, "records": records_info, "task_text": args.task_text,
+                   "vocab": {"file": args.vocab_file, "trained_size": args.train_vocab_size},
                    "finetune": {"lr_grid": args.finetune_lrs, "select_fraction": args.select_fraction,
                                 "epochs": args.finetune_epochs,
                                 "batch": args.finetune_batch_size, "max_seq_length": args.max_seq_length,

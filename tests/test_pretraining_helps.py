@@ -155,3 +155,27 @@ def test_quick_pipeline_and_resume(tmp_path, capsys, compile_cache):
         assert f"{stage} " in printed and "skipped" in printed.split(stage, 1)[1].split("\n", 1)[0]
     assert printed.count("done, skipped") == 2 + 4  # the two final runs and the four selection runs
     assert again["tasks"] == report["tasks"]
+
+
+def test_trained_vocab_reads_only_the_training_shards(tmp_path, capsys):
+    """--train_vocab_size: a WordPiece vocab trained on W/corpus/train-*.txt; a word that only the
+    held-out shard has gets no entry of its own, and a rerun keeps the file."""
+    corpus, _, _ = write_data(tmp_path, np.random.RandomState(0))
+    raw = corpus / "wikitext-2-raw" / "wiki.test.raw"
+    # the last article is the held-out shard (a tenth of 4 articles, at least 1): give it a word
+    raw.write_text(raw.read_text().rstrip("\n") + " Zyzzyva zyzzyva zyzzyva.\n")
+    work = tmp_path / "work"
+    pretraining_helps.stage_corpus(str(corpus), str(work / "corpus"))
+    assert "zyzzyva" in (work / "corpus" / "heldout.txt").read_text().lower()
+    path = pretraining_helps.stage_vocab(str(work / "corpus"), str(work / "vocab"), 200)
+    vocab = open(path, encoding="utf-8").read().splitlines()
+    assert len(vocab) == 200 and vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert {"queen", "house", "green"} <= set(vocab)  # training words, whole
+    assert "zyzzyva" not in vocab and "##zyzzyva" not in vocab
+    # a rerun skips it (the stage is resumable); the size reaches the model through the overrides
+    capsys.readouterr()
+    assert pretraining_helps.stage_vocab(str(work / "corpus"), str(work / "vocab"), 200) == path
+    assert "skipped" in capsys.readouterr().out
+    args = pretraining_helps.parse_args([f"--workdir={work}", f"--vocab_file={path}", "--train_vocab_size=200"])
+    assert args.train_vocab_size == 200
+    assert pretraining_helps.pretrain_overrides(args, str(work / "records"))["model.vocab_size"] == 200
