@@ -626,6 +626,8 @@ def parse_args(argv=None):
         unknown = set(getattr(args, flag)) - set(TASK_DIRS)
         if unknown:
             p.error(f"--{flag}: unknown {sorted(unknown)}; expected some of {sorted(TASK_DIRS)}")
+    if args.train_vocab_size < 0:
+        p.error(f"--train_vocab_size={args.train_vocab_size}: a number of vocab lines, or 0 for --vocab_file")
     if args.quick:
         args.pretrain_steps = args.pretrain_steps or 4
         args.max_seq_length = min(args.max_seq_length, 32)

@@ -179,3 +179,6 @@ def test_trained_vocab_reads_only_the_training_shards(tmp_path, capsys):
     args = pretraining_helps.parse_args([f"--workdir={work}", f"--vocab_file={path}", "--train_vocab_size=200"])
     assert args.train_vocab_size == 200
     assert pretraining_helps.pretrain_overrides(args, str(work / "records"))["model.vocab_size"] == 200
+    with pytest.raises(SystemExit):  # argparse's error, naming the flag
+        pretraining_helps.parse_args([f"--workdir={work}", "--train_vocab_size=-1"])
+    assert "--train_vocab_size=-1" in capsys.readouterr().err
