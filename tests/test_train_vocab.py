@@ -167,3 +167,15 @@ def test_cli(corpus, tmp_path):
     assert result.returncode == 0, result.stderr
     assert len(out.read_text(encoding="utf-8").splitlines()) == 100
     assert "Held-out [UNK] rate" in result.stderr
+
+
+def test_write_vocab_is_whole_or_untouched(tmp_path):
+    """A write that stops part way leaves the previous vocab.txt as it was."""
+    path = tmp_path / "vocab.txt"
+    tv.write_vocab(["[PAD]", "[UNK]", "a"], str(path))
+    assert path.read_text(encoding="utf-8") == "[PAD]\n[UNK]\na\n"
+    with pytest.raises(TypeError):  # the third token is not a string: the write stops there
+        tv.write_vocab(["[PAD]", "b", None], str(path))
+    assert path.read_text(encoding="utf-8") == "[PAD]\n[UNK]\na\n"
+    tv.write_vocab(["[PAD]", "b"], str(path))
+    assert path.read_text(encoding="utf-8") == "[PAD]\nb\n"
