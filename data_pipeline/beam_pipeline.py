@@ -38,7 +38,7 @@ result where the runner supports it, recorded under `runner.counters` and checke
 
 Files go through `apache_beam.io.filesystems.FileSystems`, so outputs can be on any file system
 Beam has (gs:// needs `apache-beam[gcp]`, which the DataflowRunner needs anyway); text inputs
-are read as in the local path (`corpora.iter_lines`: local files, or tf.io.gfile for gs://).
+are read as in the local path (`corpora.iter_lines`, through `storage`: local files or gs://).
 
 Apache Beam is an optional extra (`pip install -e '.[beam]'`): this module is the only one that
 imports it, and `create_pretraining_data` imports this module only for `--runner=beam`.
@@ -51,7 +51,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import socket
 import tempfile
 import threading
@@ -73,7 +72,7 @@ except ImportError as e:  # the core install does not have Beam
     raise ImportError("--runner=beam needs Apache Beam: pip install -e '.[beam]' "
                       f"(or pip install apache-beam) ({e})") from e
 
-from data_pipeline import corpora, instances as inst, schema, tfrecord
+from data_pipeline import corpora, instances as inst, schema, storage, tfrecord
 from data_pipeline.shards import (Options, ShardTotals, dataset_info, init_worker, output_dir, output_index,
                                   shard_records, worker_options)
 
@@ -141,8 +140,7 @@ def _load_worker(job: str, opts: Options, num_outputs: int, vocab: bytes) -> Non
         return
     with tempfile.TemporaryDirectory(prefix="bert-vocab-") as tmp:
         path = os.path.join(tmp, "vocab.txt")
-        with open(path, "wb") as f:
-            f.write(vocab)
+        storage.write_bytes(path, vocab)
         # Read once, into the tokenizer; shard_records reads no file named in the options.
         worker_opts = dataclasses.replace(opts, vocab_file=path)
         init_worker(worker_opts, num_outputs)
@@ -156,8 +154,7 @@ class _ProcessShard(beam.DoFn):
         self._opts, self._num_outputs, self._temp_dir = opts, num_outputs, temp_dir
         # The vocabulary travels with the DoFn: workers on other machines cannot read the
         # driver's --vocab_file (dataset_info.json's vocab_sha256 is the driver's file's).
-        with open(opts.vocab_file, "rb") as f:
-            self._vocab = f.read()
+        self._vocab = storage.read_bytes(opts.vocab_file)
         self._counters = {name: Metrics.counter(NAMESPACE, name) for name in COUNTERS if name != "records_written"}
 
     def process(self, task: Tuple[int, tuple]) -> Iterable[_ShardDone]:
@@ -333,7 +330,7 @@ def _check_counters(found: dict, info: dict) -> List[str]:
 def _check_local_inputs(sources: Sequence[tuple]) -> None:
     # Fails before a job is submitted; remote inputs are checked by the workers that read them.
     for s in sources:
-        if s[0] == "text" and "://" not in s[1] and not os.path.exists(s[1]):
+        if s[0] == "text" and not storage.is_remote(s[1]) and not storage.exists(s[1]):
             raise FileNotFoundError(f"input file not found: {s[1]}")
 
 
@@ -341,7 +338,7 @@ def _delete_temp_dir(path: str) -> None:
     """Deletes the temporary files (flat in `path`) and, where directories exist, `path`."""
     try:
         if "://" not in path:
-            shutil.rmtree(path, ignore_errors=True)
+            storage.rmtree(path)
             return
         found = FileSystems.match([FileSystems.join(path, "*")])[0].metadata_list
         if found:

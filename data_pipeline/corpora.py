@@ -29,6 +29,8 @@ import re
 import sysconfig
 from typing import Iterable, Iterator, List, Optional
 
+from data_pipeline import storage
+
 Document = List[str]
 
 
@@ -68,15 +70,10 @@ def iter_lines(path: str, stats: Optional[ReadStats] = None) -> Iterator[str]:
       FileNotFoundError: naming `path` when it does not exist.
     """
     stats = stats if stats is not None else ReadStats()
-    if "://" in path:  # gs:// and other file systems through tf.io.gfile; local files without TF
-        import tensorflow as tf
-        exists, opener = tf.io.gfile.exists, tf.io.gfile.GFile
-    else:
-        exists, opener = os.path.exists, open
-    if not exists(path):
+    if not storage.exists(path):  # local or gs:// (storage imports no TensorFlow)
         raise FileNotFoundError(f"input file not found: {path}")
     stats.files += 1
-    with opener(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         for raw in f:
             stats.lines += 1
             line = raw.decode("utf-8", errors="replace")
@@ -113,7 +110,7 @@ def read_google_text(path: str, stats: Optional[ReadStats] = None) -> Iterator[D
 def write_google_text(path: str, documents: Iterable[Document]) -> int:
     """Writes documents in Google's format; returns the number written."""
     n = 0
-    with open(path, "w", encoding="utf-8") as f:
+    with storage.open(path, "w", encoding="utf-8") as f:
         for doc in documents:
             if n:
                 f.write("\n")
@@ -247,14 +244,13 @@ def _prose_paragraphs(text: str) -> List[str]:
 def _stdlib_docstrings(limit_files: Optional[int] = None) -> Iterator[str]:
     stdlib = sysconfig.get_paths()["stdlib"]
     paths = []
-    for root, dirs, files in os.walk(stdlib):
+    for root, dirs, files in storage.walk(stdlib):
         dirs[:] = sorted(d for d in dirs if d not in ("test", "tests", "idlelib", "site-packages",
                                                      "lib2to3", "__pycache__"))
         paths.extend(os.path.join(root, f) for f in sorted(files) if f.endswith(".py"))
     for path in paths[:limit_files]:
         try:
-            with open(path, "rb") as f:
-                tree = ast.parse(f.read())
+            tree = ast.parse(storage.read_bytes(path))
         except (SyntaxError, ValueError, OSError):
             continue
         parts = []
@@ -285,13 +281,13 @@ def embedded_documents(include_stdlib: bool = True) -> Iterator[Document]:
 
 def write_embedded_corpus(out_dir: str, num_shards: int = 4, include_stdlib: bool = True) -> List[str]:
     """Writes the embedded corpus as `num_shards` Google-format files (round-robin by document)."""
-    os.makedirs(out_dir, exist_ok=True)
+    storage.makedirs(out_dir)
     shards: List[List[Document]] = [[] for _ in range(num_shards)]
     for i, doc in enumerate(embedded_documents(include_stdlib)):
         shards[i % num_shards].append(doc)
     paths = []
     for i, docs in enumerate(shards):
-        path = os.path.join(out_dir, f"embedded-{i:05d}-of-{num_shards:05d}.txt")
+        path = storage.join(out_dir, f"embedded-{i:05d}-of-{num_shards:05d}.txt")
         write_google_text(path, docs)
         paths.append(path)
     return paths

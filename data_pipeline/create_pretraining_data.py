@@ -18,10 +18,10 @@ Two modes:
   is tokenized once into an id array (`FastTokenizer`) and the reference's algorithm runs on
   spans of it, vectorized (`fast_instances.py`: the same distribution of instances, not the same
   draws); records are encoded by `schema.encode_examples` and framed by `tfrecord.py`, so the
-  fast mode never imports TensorFlow for local files. The random "next sentence" comes from
-  another document of the same shard. Memory is bounded by a shard, not the corpus; for a seed
-  and a shard the output does not depend on the worker count (shards are written in input
-  order, round-robin over `--num_output_shards` files).
+  fast mode never imports TensorFlow (files, local or gs://, go through `storage`). The random
+  "next sentence" comes from another document of the same shard. Memory is bounded by a shard,
+  not the corpus; for a seed and a shard the output does not depend on the worker count (shards
+  are written in input order, round-robin over `--num_output_shards` files).
 
 `--runner=beam` runs the fast mode as an Apache Beam pipeline on any Beam runner
 (`--beam_runner`, `--beam_pipeline_options`; `beam_pipeline.py`): the same per-shard function
@@ -36,10 +36,8 @@ per file) that the input pipeline verifies before training.
 from __future__ import annotations
 
 import collections
-import glob
 import json
 import multiprocessing
-import os
 import random
 import shlex
 import sys
@@ -48,7 +46,7 @@ from typing import List, Optional, Sequence
 
 from absl import app, flags
 
-from data_pipeline import corpora, instances as inst, schema, shards, tfrecord, tokenization
+from data_pipeline import corpora, instances as inst, schema, shards, storage, tfrecord, tokenization
 # The per-shard work and its options live in shards.py (the Beam runner shares them); importable from here too.
 from data_pipeline.shards import (  # noqa: F401
     BATCH_INSTANCES, Options, ShardTotals, dataset_info, init_worker, output_dir, output_index, shard_records,
@@ -105,11 +103,7 @@ def expand_inputs(patterns: str | Sequence[str]) -> List[str]:
         patterns = [p for p in patterns.split(",") if p]
     files: List[str] = []
     for p in patterns:
-        if "://" in p:
-            import tensorflow as tf
-            matched = sorted(tf.io.gfile.glob(p))
-        else:
-            matched = sorted(glob.glob(p))
+        matched = storage.glob(storage.check(p, "--input_file"))  # sorted; local or gs://
         if not matched:
             raise FileNotFoundError(f"--input_file: nothing matches {p!r}")
         files.extend(matched)
@@ -271,7 +265,7 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
         read = totals.read_stats
         raise ValueError(f"no training instance from {len(sources)} input source(s) ({read.lines} lines, "
                          f"{read.documents} documents, {read.documents_without_tokens} without tokens): "
-                         "empty or blank input? (statistics in " + os.path.join(out_dir, "dataset_info.json") + ")")
+                         "empty or blank input? (statistics in " + storage.join(out_dir, "dataset_info.json") + ")")
     return info
 
 
@@ -281,7 +275,7 @@ def create_pretraining_data(input_files: Sequence[str], output_dir: str, vocab_f
     """Library entry point: text files -> `output_dir/part-*.tfrecord` + dataset_info.json."""
     opts = Options(vocab_file=vocab_file, **options)
     ext = ".tfrecord.gz" if compression == "gzip" else ".tfrecord"
-    outputs = [os.path.join(output_dir, f"part-{i:05d}-of-{num_output_shards:05d}{ext}")
+    outputs = [storage.join(output_dir, f"part-{i:05d}-of-{num_output_shards:05d}{ext}")
                for i in range(num_output_shards)]
     return run(opts, sources=[("text", f) for f in expand_inputs(list(input_files))], outputs=outputs,
                reference_compatible=reference_compatible, num_workers=num_workers, compression=compression)

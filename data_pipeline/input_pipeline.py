@@ -48,7 +48,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-from data_pipeline import schema
+from data_pipeline import schema, storage
 from data_pipeline.masking import (SpecialIds, dynamic_mask, dynamic_predictions_per_sequence,
                                    recorded_whole_word_mask, resolve_whole_word_mask,
                                    restore_original_ids, subword_table)
@@ -407,13 +407,15 @@ class PretrainingInput:
 
         `directory/iterator.*` is a `tf.train.Checkpoint` of the iterator (shuffle buffer,
         file offsets, random streams: it grows with shuffle_buffer_size), and
-        `directory/input_state.json` the options it belongs to and the counters.
+        `directory/input_state.json` the options it belongs to and the counters. A gs://
+        directory is written through `storage`: the checkpoint in a local staging folder, then
+        uploaded (`storage.writing_dir`), the JSON last.
         """
-        tf.io.gfile.makedirs(directory)
-        tf.train.Checkpoint(iterator=self._iterator).write(os.path.join(directory, _ITERATOR_PREFIX))
+        with storage.writing_dir(directory) as local:
+            checkpoint = tf.train.Checkpoint(iterator=self._iterator)  # storage: local (storage.writing_dir)
+            checkpoint.write(os.path.join(local, _ITERATOR_PREFIX))
         state = {"fingerprint": self._fingerprint(), "counters": self._counters}
-        with tf.io.gfile.GFile(os.path.join(directory, _STATE_JSON), "w") as f:
-            json.dump(state, f, indent=1)
+        storage.write_text(storage.join(directory, _STATE_JSON), json.dumps(state, indent=1))
 
     def restore_state(self, directory: str) -> None:
         """Continues from a position written by `save_state` with the same options.
@@ -422,20 +424,19 @@ class PretrainingInput:
           FileNotFoundError: `directory` holds no saved input state.
           ValueError: the state was saved with different options (the differing ones named).
         """
-        state_path = os.path.join(directory, _STATE_JSON)
-        if not tf.io.gfile.exists(state_path):
+        state_path = storage.join(directory, _STATE_JSON)
+        if not storage.exists(state_path):
             raise FileNotFoundError(f"{state_path}: no saved input state")
-        with tf.io.gfile.GFile(state_path, "r") as f:
-            state = json.load(f)
+        state = json.loads(storage.read_text(state_path))
         saved, now = state["fingerprint"], json.loads(json.dumps(self._fingerprint()))
         diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if diff:
             detail = "; ".join(f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in diff[:4])
             raise ValueError(f"{state_path} was saved by an input pipeline with other options "
                              f"({detail})")
-        status = tf.train.Checkpoint(iterator=self._iterator).read(
-            os.path.join(directory, _ITERATOR_PREFIX))
-        status.assert_consumed()
+        with storage.reading_dir(directory) as local:
+            checkpoint = tf.train.Checkpoint(iterator=self._iterator)  # storage: local (storage.reading_dir)
+            checkpoint.read(os.path.join(local, _ITERATOR_PREFIX)).assert_consumed()
         self._counters = dict(state["counters"])
 
 

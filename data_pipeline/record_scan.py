@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from data_pipeline import tfrecord
+from data_pipeline import storage, tfrecord
 
 
 def is_gzip(path: str) -> bool:
@@ -50,7 +50,7 @@ def _gunzip(path: str) -> tuple[str, Optional[str]]:
         _SCRATCH.append(tempfile.TemporaryDirectory(prefix="bert_jax_gunzip_"))
     out = os.path.join(_SCRATCH[0].name, hashlib.sha1(path.encode()).hexdigest()[:12] + ".tfrecord")
     error = None
-    with tf.io.gfile.GFile(path, "rb") as src, open(out, "wb") as dst:
+    with storage.open(path, "rb") as src, storage.open(out, "wb") as dst:
         d = zlib.decompressobj(16 + zlib.MAX_WBITS)
         started = False
         while True:
@@ -74,9 +74,10 @@ def _gunzip(path: str) -> tuple[str, Optional[str]]:
 
 def _random_reader(path: str):
     # TF's random-access record reader verifies the data CRC of the record at a given offset.
-    # It is not public API (tensorflow.python), hence this one import site.
+    # It is not public API (tensorflow.python), hence this one import site. TensorFlow opens the
+    # file itself: `storage.tf_path` gives it the path, or a local copy where it cannot reach it.
     from tensorflow.python.lib.io import tf_record
-    return tf_record.tf_record_random_reader(path)
+    return tf_record.tf_record_random_reader(storage.tf_path(path))  # storage: local (storage.tf_path)
 
 
 class _Headers:
@@ -151,7 +152,7 @@ def scan_tfrecord_file(path: str, max_resync_bytes: int = 64 << 20) -> RecordSca
     copy's.
 
     Args:
-      path: the file (local or any `tf.io.gfile` filesystem).
+      path: the file (local or gs://, read through `storage`).
       max_resync_bytes: how far past a corrupt header to look for the next good record.
 
     Returns:
@@ -163,10 +164,10 @@ def scan_tfrecord_file(path: str, max_resync_bytes: int = 64 << 20) -> RecordSca
         if gzip_error:
             scan.bad_regions.append((scan.size, gzip_error + f" after {scan.size} uncompressed bytes"))
         return scan
-    size = tf.io.gfile.stat(path).length
+    size = storage.getsize(path)
     good, bad, lengths = [], [], []
     reader = _random_reader(path) if size else None
-    with tf.io.gfile.GFile(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         header_at = _Headers(f, size)
 
         def readable(offset: int) -> bool:
@@ -244,9 +245,9 @@ def count_records_by_framing(path: str) -> int:
     """Record count from the headers alone (no CRC checks): for files without a manifest."""
     if is_gzip(path):
         return count_records_by_framing(_gunzip(path)[0])
-    size = tf.io.gfile.stat(path).length
+    size = storage.getsize(path)
     count, offset = 0, 0
-    with tf.io.gfile.GFile(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         while offset < size:
             if size - offset < 12:
                 return count + 1  # a cut header still stands for a (lost) record

@@ -32,7 +32,7 @@ from typing import Optional, Sequence, Union
 
 import tensorflow as tf
 
-from data_pipeline import schema
+from data_pipeline import schema, storage
 from data_pipeline.record_scan import count_records_by_framing, is_gzip, scan_tfrecord_file
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def expand_file_patterns(file_patterns: FilePatterns) -> list[str]:
     """
     files = set()
     for pattern in split_patterns(file_patterns):
-        matched = tf.io.gfile.glob(pattern)
+        matched = storage.glob(storage.check(pattern, "input file pattern"))
         if not matched:
             raise FileNotFoundError(f"input file pattern {pattern!r} matches no file")
         files.update(matched)
@@ -96,7 +96,9 @@ def record_shape(file_patterns: FilePatterns) -> tuple[int, int]:
     """
     files = expand_file_patterns(file_patterns)
     for path in files:
-        for raw in tf.data.TFRecordDataset(path, compression_type=_compression(path)).take(1):
+        records = tf.data.TFRecordDataset(storage.tf_path(path),  # storage: local (storage.tf_path)
+                                          compression_type=_compression(path))
+        for raw in records.take(1):
             example = tf.train.Example.FromString(raw.numpy()).features.feature
             try:
                 return (len(example["input_ids"].int64_list.value),
@@ -111,11 +113,10 @@ def dataset_info(file_patterns: FilePatterns) -> dict:
     """The `dataset_info.json` beside the first pattern's files that has one ({} if none does):
     the flags the data was made with (casing, lengths, seed), its statistics and manifest."""
     for pattern in split_patterns(file_patterns):
-        path = os.path.join(os.path.dirname(pattern), MANIFEST_NAME)
-        if tf.io.gfile.exists(path):
+        path = storage.join(storage.dirname(pattern), MANIFEST_NAME)
+        if storage.exists(path):
             try:
-                with tf.io.gfile.GFile(path, "r") as f:
-                    return json.load(f)
+                return json.loads(storage.read_text(path))
             except ValueError as e:  # verify_data names it; the flags are only informative
                 logging.warning("%s: unreadable (%r); its flags (casing, vocabulary) are not checked", path, e)
                 return {}
@@ -151,13 +152,13 @@ class FileInfo:
 
 def load_manifest(directory: str) -> Optional[dict[str, FileInfo]]:
     """The manifest of the TFRecords in `directory` keyed by full path, or None if it has none."""
-    path = os.path.join(directory, MANIFEST_NAME)
-    if not tf.io.gfile.exists(path):
+    path = storage.join(directory, MANIFEST_NAME)
+    if not storage.exists(path):
         return None
     entries = _manifest_file_entries(path)
     out = {}
     for name, entry in entries.items():
-        full = name if os.path.isabs(name) or "://" in name else os.path.join(directory, name)
+        full = name if os.path.isabs(name) or "://" in name else storage.join(directory, name)
         out[full] = FileInfo(path=full, num_records=int(entry["num_records"]),
                              num_bytes=entry.get("num_bytes"), sha256=entry.get("sha256"))
     return out
@@ -169,8 +170,7 @@ def _manifest_file_entries(path: str) -> dict[str, dict]:
     schema.py writes the manifest but has no reader yet; this is the one place that knows its layout.
     """
     try:
-        with tf.io.gfile.GFile(path, "r") as f:
-            files = json.load(f)["files"]
+        files = json.loads(storage.read_text(path))["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptDataError(path, f"unreadable data manifest ({e!r})") from e
     for name, entry in files.items():
@@ -228,7 +228,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
     patterns = split_patterns(file_patterns)
     found, unmatched = set(), []
     for pattern in patterns:
-        matched = tf.io.gfile.glob(pattern)
+        matched = storage.glob(storage.check(pattern, "input file pattern"))
         if not matched:
             unmatched.append(pattern)
         found.update(matched)
@@ -242,17 +242,17 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
         # Manifests live next to the files: the directories of the files found, and of the
         # patterns whose directory part is literal (so a pattern whose files all vanished is
         # still checked against its manifest).
-        directories = {os.path.dirname(p) for p in found}
-        directories |= {os.path.dirname(p) for p in patterns if not _pattern_has_glob(os.path.dirname(p))}
+        directories = {storage.dirname(p) for p in found}
+        directories |= {storage.dirname(p) for p in patterns if not _pattern_has_glob(storage.dirname(p))}
         for directory in sorted(directories):
             manifest = load_manifest(directory)
             if manifest is None:
-                if not any(os.path.dirname(p) == directory for p in found):  # nothing here at all
-                    pattern = next((u for u in unmatched if os.path.dirname(u) == directory), directory)
+                if not any(storage.dirname(p) == directory for p in found):  # nothing here at all
+                    pattern = next((u for u in unmatched if storage.dirname(u) == directory), directory)
                     raise CorruptDataError(pattern, "no input file matches this pattern"
                                            if _pattern_has_glob(pattern) else "input file is missing")
                 raise CorruptDataError(
-                    os.path.join(directory, MANIFEST_NAME),
+                    storage.join(directory, MANIFEST_NAME),
                     "no data manifest next to the input files (create_pretraining_data writes one); "
                     "to read them unchecked " + _VERIFY_HINT)
             # Every manifest file a pattern names is expected (so a deleted file is noticed).
@@ -280,10 +280,10 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
     for path in mine:
         info = infos.get(path)
         problem = None
-        if path not in found and not tf.io.gfile.exists(path):
+        if path not in found and not storage.exists(path):
             problem = "file is missing"
         elif info is not None:
-            size = tf.io.gfile.stat(path).length
+            size = storage.getsize(path)
             if info.num_bytes is not None and size != int(info.num_bytes):
                 problem = f"size {size} bytes, manifest says {info.num_bytes}"
             elif info.sha256 and schema.sha256_file(path) != info.sha256:
@@ -318,7 +318,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
                     scan.num_good, lost)
         if scan.num_good:
             # Read in place (no copy to clean up): the scan's offsets locate every good record.
-            good_records[path] = _GoodRecords(scan.path, scan.size,
+            good_records[path] = _GoodRecords(storage.tf_path(scan.path), scan.size,
                                               tuple(zip(scan.good_offsets, scan.good_lengths)))
             read_paths.append(path)
             read_counts.append(scan.num_good)
@@ -344,9 +344,9 @@ def read_error(files: HostFiles, patterns: Sequence[str], error: tf.errors.DataL
 
 
 def _record_dataset(path) -> tf.data.Dataset:
-    """The records of one file (a path tensor, as `interleave` passes it), gzip or not."""
+    """The records of one file (a path tensor, as `interleave` passes it: a `storage.tf_path`), gzip or not."""
     compression = tf.where(tf.strings.regex_full_match(path, r".*\.gz"), "GZIP", "")
-    return tf.data.TFRecordDataset(path, compression_type=compression)
+    return tf.data.TFRecordDataset(path, compression_type=compression)  # storage: local (a storage.tf_path)
 
 
 _CHUNK_BYTES = 1 << 20  # good records of a damaged file are read in runs of up to this many bytes
@@ -356,7 +356,8 @@ _CHUNK_BYTES = 1 << 20  # good records of a damaged file are read in runs of up 
 class _GoodRecords:
     """Where the intact records of a damaged file are: read in place, never copied.
 
-    `source` is the file itself (for a gzip file, the uncompressed scratch copy the scan made);
+    `source` is the file as TensorFlow opens it (`storage.tf_path`; for a gzip file, the
+    uncompressed scratch copy the scan made);
     `records` the (offset, payload length) of each record that passed its CRC checks.
     """
 
@@ -387,12 +388,14 @@ def file_datasets(files: "HostFiles"):
     `TFRecordDataset`, a damaged one as runs of its good records (`FixedLengthRecordDataset` over
     each run's byte range, cut into records at the offsets the scan found): nothing is copied.
     """
-    paths = files.read_paths
+    # TensorFlow opens the files itself: gs:// paths as they are, or local copies where its own
+    # GCS client cannot reach the store (an emulator); the order, hence the shuffles, is the same.
+    paths = [storage.tf_path(p) for p in files.read_paths]
     if not files.good_records:
         return tf.data.Dataset.from_tensor_slices(paths), _record_dataset
     chunk_lo, chunk_hi, sources, starts, nbytes, footers, rec_lo, rec_hi = [], [], [], [], [], [], [], []
     rel, lens = [], []
-    for path in paths:
+    for path in files.read_paths:
         chunk_lo.append(len(starts))
         good = files.good_records.get(path)
         for start, end, records in (_good_chunks(good) if good else []):
@@ -413,12 +416,12 @@ def file_datasets(files: "HostFiles"):
     def read_chunk(c):
         cut = lambda blob: tf.data.Dataset.from_tensor_slices(tf.strings.substr(
             blob, rel[rec_lo[c]:rec_hi[c]], lens[rec_lo[c]:rec_hi[c]]))  # [records in the run]
-        return tf.data.FixedLengthRecordDataset(
+        return tf.data.FixedLengthRecordDataset(  # storage: local (sources are storage.tf_path)
             sources[c], nbytes[c], header_bytes=starts[c], footer_bytes=footers[c]).flat_map(cut)
 
     def read(path, i):
         intact = tf.cast(tf.equal(chunk_lo[i], chunk_hi[i]), tf.int32)  # 1: a plain file
-        whole = tf.data.TFRecordDataset(
+        whole = tf.data.TFRecordDataset(  # storage: local (paths are storage.tf_path)
             tf.reshape(path, [1])[:intact],
             compression_type=tf.where(tf.strings.regex_full_match(path, r".*\.gz"), "GZIP", ""))
         return whole.concatenate(tf.data.Dataset.range(chunk_lo[i], chunk_hi[i]).flat_map(read_chunk))

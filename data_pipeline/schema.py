@@ -18,17 +18,18 @@ input pipeline checks before training: an empty or truncated TFRecord file reads
 tf.data, so only the manifest catches it.
 
 This module never imports jax; tensorflow is imported only by the functions that need it (parsing,
-`tf.train.Example`, non-local paths): the fast writer runs without it.
+`tf.train.Example`): the fast writer runs without it. Files (local or gs://) go through `storage`,
+which imports no TensorFlow.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
+
+from data_pipeline import storage
 
 MANIFEST_NAME = "dataset_info.json"
 INT_FEATURES_SEQ = ("input_ids", "input_mask", "segment_ids")
@@ -121,26 +122,9 @@ def decode_example(serialized: bytes) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_local(path: str) -> bool:
-    # Local files need no TensorFlow (a ~6 s import the fast writer avoids); others use tf.io.gfile.
-    return "://" not in path
-
-
-def _open(path: str, mode: str):
-    if _is_local(path):
-        return open(path, mode)
-    import tensorflow as tf
-    return tf.io.gfile.GFile(path, mode)
-
-
 def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with _open(path, "rb") as f:
-        while True:
-            chunk = f.read(8 << 20)
-            if not chunk:
-                return h.hexdigest()
-            h.update(chunk)
+    """The hex sha256 of a file (local or gs://, through `storage`)."""
+    return storage.sha256(path)
 
 
 def manifest_entry(num_records: int, num_bytes: int, sha256: str) -> dict:
@@ -149,12 +133,7 @@ def manifest_entry(num_records: int, num_bytes: int, sha256: str) -> dict:
 
 
 def file_entry(path: str, num_records: int) -> dict:
-    if _is_local(path):
-        size = os.path.getsize(path)
-    else:
-        import tensorflow as tf
-        size = tf.io.gfile.stat(path).length
-    return manifest_entry(num_records, size, sha256_file(path))
+    return manifest_entry(num_records, storage.getsize(path), sha256_file(path))
 
 
 def dataset_info_json(manifest: Mapping[str, dict], info: Optional[dict] = None) -> str:
@@ -173,16 +152,9 @@ def write_dataset_info(directory: str, files: Mapping[str, int], info: Optional[
       files: file path -> number of records written to it.
       info: flags, seed, vocab sha256, statistics, ...
     """
-    manifest = {os.path.basename(p): file_entry(p, n) for p, n in sorted(files.items())}
-    path = os.path.join(directory, MANIFEST_NAME)
-    tmp = path + ".tmp"
-    with _open(tmp, "w") as f:
-        f.write(dataset_info_json(manifest, info))
-    if _is_local(path):
-        os.replace(tmp, path)
-    else:
-        import tensorflow as tf
-        tf.io.gfile.rename(tmp, path, overwrite=True)
+    manifest = {storage.basename(p): file_entry(p, n) for p, n in sorted(files.items())}
+    path = storage.join(directory, MANIFEST_NAME)
+    storage.write_text(path, dataset_info_json(manifest, info))  # whole or not at all
     return path
 
 

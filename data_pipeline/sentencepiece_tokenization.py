@@ -9,10 +9,10 @@ for a `.model` file and `tokenization.FullTokenizer` for a vocab.txt. Both are i
 from __future__ import annotations
 
 import collections
-import os
 import warnings
 from typing import Iterable, List, Optional, Union
 
+from data_pipeline import storage
 from data_pipeline.fast_tokenization import FastBasicTokenizer
 from data_pipeline.tokenization import FullTokenizer, convert_by_vocab, convert_to_unicode
 
@@ -35,7 +35,9 @@ class SentencePieceTokenizer:
                  basic_tokenize: bool = False):
         import sentencepiece  # Optional dependency: only this class needs it.
 
-        self._model = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        # The model's bytes are read through storage (local or gs://), not by the C library.
+        self._model = sentencepiece.SentencePieceProcessor(  # storage: local (bytes from storage)
+            model_proto=storage.read_bytes(model_file))
         self.do_lower_case = do_lower_case
         self._basic = FastBasicTokenizer(do_lower_case, True) if basic_tokenize else None
         self.vocab = collections.OrderedDict(
@@ -74,10 +76,9 @@ def create_tokenizer(vocab_file: str, do_lower_case: bool = True,
     """
     if vocab_file.endswith(".model"):
         sidecar = vocab_file[: -len(".model")] + SPM_SIDECAR_SUFFIX
-        if basic_tokenize is None and os.path.exists(sidecar):
+        if basic_tokenize is None and storage.exists(sidecar):
             import json
-            with open(sidecar, encoding="utf-8") as f:
-                trained = json.load(f)
+            trained = json.loads(storage.read_text(sidecar))
             basic_tokenize = bool(trained.get("basic_tokenize", False))
             if "do_lower_case" in trained and bool(trained["do_lower_case"]) != bool(do_lower_case):
                 warnings.warn(f"{vocab_file} was trained with do_lower_case={trained['do_lower_case']} "

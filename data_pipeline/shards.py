@@ -15,13 +15,13 @@ inputs. Nothing here imports jax, bert_jax or Beam.
 from __future__ import annotations
 
 import dataclasses
-import os
 import resource
 from typing import List, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import corpora, fast_instances, fast_tokenization, instances as inst, schema, tfrecord, tokenization
+from data_pipeline import (corpora, fast_instances, fast_tokenization, instances as inst, schema, storage, tfrecord,
+                           tokenization)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Options:
             raise ValueError(f"--short_seq_prob={self.short_seq_prob} must be in [0, 1]")
         if self.dupe_factor < 1:
             raise ValueError(f"--dupe_factor={self.dupe_factor} must be >= 1")
-        if not os.path.exists(self.vocab_file):
+        if not storage.exists(storage.check(self.vocab_file, "--vocab_file")):
             raise FileNotFoundError(f"--vocab_file={self.vocab_file}: not found")
         tokenization.require_tokens(tokenization.load_vocab(self.vocab_file), f"--vocab_file={self.vocab_file}",
                                     ("[CLS]", "[SEP]", "[MASK]"))
@@ -168,7 +168,7 @@ class ShardTotals:
 
 def output_dir(outputs: Sequence[str]) -> str:
     """The one directory of all `outputs` (dataset_info.json goes there)."""
-    out_dirs = {os.path.dirname(os.path.abspath(p)) if "://" not in p else os.path.dirname(p) for p in outputs}
+    out_dirs = {storage.dirname(storage.abspath(storage.check(p, "--output_file"))) for p in outputs}
     if len(out_dirs) != 1:
         raise ValueError("--output_file: all outputs must be in one directory (dataset_info.json goes there)")
     return out_dirs.pop()

@@ -31,6 +31,7 @@ import re
 import unicodedata
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from data_pipeline import storage
 from data_pipeline.char_classes import is_cjk_char, is_dropped, is_punctuation, is_whitespace
 
 # Special tokens that `keep_special_tokens=True` preserves when a user types them in raw text
@@ -68,14 +69,8 @@ def load_vocab(vocab_file: str) -> "collections.OrderedDict[str, int]":
     As in Google's loader, a token repeated on a later line takes that later id.
     """
     vocab: "collections.OrderedDict[str, int]" = collections.OrderedDict()
-    if "://" in vocab_file:  # gs:// and other remote file systems, as Google's loader allows.
-        import tensorflow as tf
-
-        reader = tf.io.gfile.GFile(vocab_file, "rb")
-    else:
-        reader = open(vocab_file, "rb")
     repeated = []
-    with reader:
+    with storage.open(vocab_file, "rb") as reader:  # local or gs://, as Google's loader allows
         for index, line in enumerate(reader):
             token = convert_to_unicode(line).strip()
             if token in vocab:

@@ -30,8 +30,8 @@ Pass `--heldout_every=N` to hold out every N-th line and report the `[UNK]` rate
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-import glob
 import json
 import os
 import tempfile
@@ -39,7 +39,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from absl import app, flags, logging
 
-from data_pipeline import tokenization
+from data_pipeline import storage, tokenization
 
 GOOGLE_VOCAB_SIZE = 30522
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -77,12 +77,7 @@ def expand_input_files(input_files: Union[str, Sequence[str]]) -> List[str]:
     for pattern in (p.strip() for p in patterns):
         if not pattern:
             continue
-        if "://" in pattern:  # gs:// and other remote file systems: TensorFlow's gfile.
-            import tensorflow as tf
-
-            matches = tf.io.gfile.glob(pattern)
-        else:
-            matches = glob.glob(os.path.expanduser(pattern))
+        matches = storage.glob(storage.check(pattern, "--input_file"))  # local (~ expanded) or gs://
         if not matches:
             raise FileNotFoundError(f"No file matches {pattern!r}")
         paths.extend(sorted(matches))
@@ -92,13 +87,7 @@ def expand_input_files(input_files: Union[str, Sequence[str]]) -> List[str]:
 def read_lines(paths: Sequence[str], stats: Optional[VocabStats] = None) -> Iterator[str]:
     """Yields the lines of `paths`, decoded as UTF-8 with replacement; counts bad lines."""
     for path in paths:
-        if "://" in path:
-            import tensorflow as tf
-
-            reader = tf.io.gfile.GFile(path, "rb")
-        else:
-            reader = open(path, "rb")
-        with reader:
+        with storage.open(path, "rb") as reader:
             if stats is not None:
                 stats.files += 1
             for raw in reader:
@@ -155,15 +144,19 @@ def _char_counts(word_counts: "collections.Counter[str]") -> "collections.Counte
 
 def _train_sentencepiece(word_counts: Sequence[Tuple[str, int]], model_prefix: str,
                          vocab_size: int, model_type: str, num_threads: int) -> List[str]:
-    """Trains SentencePiece on (word, count) pairs; returns its pieces in id order."""
+    """Trains SentencePiece on (word, count) pairs; returns its pieces in id order.
+
+    `model_prefix` is local (a folder from `storage.writing_dir` or a `tempfile` one): the C
+    library writes PREFIX.model and PREFIX.vocab there itself.
+    """
     import sentencepiece
 
     tsv = model_prefix + ".words.tsv"
-    with open(tsv, "w", encoding="utf-8") as writer:
+    with storage.open(tsv, "w", encoding="utf-8") as writer:
         for word, count in word_counts:
             writer.write(f"{word}\t{count}\n")
     try:
-        sentencepiece.SentencePieceTrainer.train(
+        sentencepiece.SentencePieceTrainer.train(  # storage: local (a staging or tempfile folder)
             input=tsv, input_format="tsv", model_prefix=model_prefix, model_type=model_type,
             vocab_size=vocab_size,
             # The corpus may not support vocab_size pieces; take what it has and pad later.
@@ -175,8 +168,9 @@ def _train_sentencepiece(word_counts: Sequence[Tuple[str, int]], model_prefix: s
             user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
             max_sentence_length=1 << 16, num_threads=num_threads, minloglevel=1)
     finally:
-        os.remove(tsv)
-    model = sentencepiece.SentencePieceProcessor(model_file=model_prefix + ".model")
+        storage.remove(tsv)
+    model_proto = storage.read_bytes(model_prefix + ".model")
+    model = sentencepiece.SentencePieceProcessor(model_proto=model_proto)  # storage: local (bytes read by storage)
     return [model.id_to_piece(i) for i in range(model.get_piece_size())]
 
 
@@ -237,8 +231,15 @@ def build_vocab(word_counts: "collections.Counter[str]", vocab_size: int, *,
                        key=lambda item: (-item[1], item[0]))
     pieces: List[str] = []
     if budget and trainable:
-        with tempfile.TemporaryDirectory() as tmp:
-            prefix = spm_model_prefix or os.path.join(tmp, "spm")
+        with contextlib.ExitStack() as stack:
+            if spm_model_prefix:
+                # Trained in the prefix's folder when local (as before: the model records its
+                # prefix), else in a staging folder uploaded when training is done.
+                folder = storage.dirname(spm_model_prefix)
+                local = stack.enter_context(storage.writing_dir(folder or os.curdir))
+                prefix = os.path.join(local, storage.basename(spm_model_prefix)) if folder else spm_model_prefix
+            else:
+                prefix = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "spm")
             # SentencePiece counts single characters and "▁c" forms that duplicate the entries
             # above, so ask for enough extra pieces to still fill the budget.
             spm_size = budget + 2 * len(covered) + 8
@@ -265,21 +266,16 @@ def build_vocab(word_counts: "collections.Counter[str]", vocab_size: int, *,
 
 
 def write_vocab(vocab: Sequence[str], output_file: str) -> None:
-    """Writes one token per line (UTF-8), the format `tokenization.load_vocab` reads."""
-    directory = os.path.dirname(output_file)
-    if directory and "://" not in output_file:
-        os.makedirs(directory, exist_ok=True)
-    if "://" in output_file:
-        import tensorflow as tf
+    """Writes one token per line (UTF-8), the format `tokenization.load_vocab` reads.
 
-        with tf.io.gfile.GFile(output_file, "w") as writer:
-            writer.write("".join(t + "\n" for t in vocab))
-        return
-    # Written whole or not at all: a stopped run must not leave a short vocab.txt that a later
-    # stage (records, a resumed pipeline) would take for a finished one.
-    with open(output_file + ".tmp", "w", encoding="utf-8", newline="\n") as writer:
+    Written whole or not at all (`storage.open`, local or gs://): a stopped run must not leave a
+    short vocab.txt that a later stage (records, a resumed pipeline) would take for a finished one.
+    """
+    directory = storage.dirname(output_file)
+    if directory:
+        storage.makedirs(directory)
+    with storage.open(output_file, "w", encoding="utf-8", newline="\n") as writer:
         writer.writelines(t + "\n" for t in vocab)
-    os.replace(output_file + ".tmp", output_file)
 
 
 # --- entry points ------------------------------------------------------------------------
@@ -306,8 +302,8 @@ def train_vocab_from_texts(texts: Iterable[str], vocab_size: int, output_file: s
     if kwargs.get("spm_model_prefix"):
         # The model learned from BasicTokenizer output: tokenization.create_tokenizer reads this
         # to run the same basic tokenization (and casing) before the model.
-        with open(kwargs["spm_model_prefix"] + tokenization.SPM_SIDECAR_SUFFIX, "w", encoding="utf-8") as f:
-            json.dump({"basic_tokenize": True, "do_lower_case": bool(do_lower_case)}, f)
+        storage.write_text(kwargs["spm_model_prefix"] + tokenization.SPM_SIDECAR_SUFFIX,
+                           json.dumps({"basic_tokenize": True, "do_lower_case": bool(do_lower_case)}))
     return stats
 
 

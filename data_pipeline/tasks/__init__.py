@@ -38,10 +38,11 @@ import importlib
 import json
 import logging
 import math
-import os
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
+
+from data_pipeline import storage
 
 HEAD_KINDS = ("classification", "regression", "span", "token", "multiple_choice")
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids")
@@ -146,12 +147,12 @@ class Task:
     def _path(self, split: str, *candidates: str) -> str:
         """`split_files[split]`, else the first existing file among `candidates` in `data_dir`."""
         if split in self.split_files:
-            if not os.path.exists(self.split_files[split]):
+            if not storage.exists(self.split_files[split]):
                 raise FileNotFoundError(f"task {self.name}: {split} file {self.split_files[split]} does not exist")
             return self.split_files[split]
         for name in candidates:
-            path = os.path.join(self.data_dir, name)
-            if os.path.exists(path):
+            path = storage.join(self.data_dir, name)
+            if storage.exists(path):
                 return path
         raise FileNotFoundError(f"task {self.name}: none of {list(candidates)} in {self.data_dir}")
 
@@ -287,8 +288,7 @@ def read_text(path: str, *, bom: bool = False) -> str:
     Labelled data is not decoded with replacement: a mis-encoded file (Latin-1, cp1252) would
     train on U+FFFD silently, so it is named instead.
     """
-    with open(path, "rb") as f:
-        data = f.read()
+    data = storage.read_bytes(path)  # local or gs://
     try:
         return data.decode("utf-8-sig" if bom else "utf-8")
     except UnicodeDecodeError as e:

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
 from typing import Optional, Sequence
 
 import numpy as np
 
+from data_pipeline import storage
 from data_pipeline.tasks import DataError, Task, encode_pair, read_tsv, stack, tfds_examples, tokenize_all, check_vocab
 
 
@@ -100,6 +102,17 @@ SPECS = {
                  ("sentence1", "sentence2"), ("not_entailment", "entailment"), {"test": "WNLI.tsv"},
                  _STD_SPLITS, _STD_TFDS),
 }
+
+
+def _join(folder: str, name: str) -> str:
+    """`folder/name`. A name that goes up (MNLI's `../diagnostic/diagnostic.tsv`) is resolved for a
+    gs:// folder, whose object names no file system resolves; a local path keeps its `..`."""
+    path = storage.join(folder, name)
+    if storage.is_remote(path) and ".." in name.split("/"):
+        s, rest = path.split("://", 1)
+        path = f"{s}://{posixpath.normpath(rest)}"
+    return path
+
 
 # CoLA's train/dev files have no header: source, label, original label (or blank), sentence.
 _COLA_POSITIONAL = {"label": 1, "sentence": 3}
@@ -196,8 +209,8 @@ class GlueTask(Task):
         return tokenization.FastTokenizer(vocab_file, do_lower_case)
 
     def _folder(self) -> str:
-        nested = os.path.join(self.data_dir, self.spec.folder)
-        return nested if os.path.isdir(nested) else self.data_dir
+        nested = storage.join(self.data_dir, self.spec.folder)
+        return nested if storage.isdir(nested) else self.data_dir
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -210,8 +223,8 @@ class GlueTask(Task):
         if split in self.split_files:
             return self._read_file(self._path(split))
         for name in self.spec.splits[split]:
-            path = os.path.join(folder, name)
-            if os.path.exists(path):
+            path = _join(folder, name)
+            if storage.exists(path):
                 return self._read_file(path)
         raise FileNotFoundError(f"task {self.name}: no {' or '.join(self.spec.splits[split])} in {folder}")
 
@@ -340,10 +353,10 @@ class GlueTask(Task):
 
     def write_predictions(self, examples, predictions, directory, split):
         """`<split>_predictions.tsv` (index, prediction, label); test splits: the server's file too."""
-        os.makedirs(directory, exist_ok=True)
+        storage.makedirs(directory)
         fmt = (lambda p: f"{p:.6f}") if not self.labels else str
-        path = os.path.join(directory, f"{self.name}_{split}_predictions.tsv")
-        with open(path, "w", encoding="utf-8") as f:
+        path = storage.join(directory, f"{self.name}_{split}_predictions.tsv")
+        with storage.open(path, "w", encoding="utf-8") as f:
             f.write("index\tprediction\tlabel\n")
             for e, p in zip(examples, predictions):
                 f.write(f"{e.guid}\t{fmt(p)}\t{'' if e.label is None else e.label}\n")
@@ -354,8 +367,8 @@ class GlueTask(Task):
 
     def write_submission(self, examples, predictions, directory, split) -> str:
         """The GLUE server's format: `index\\tprediction`, in the test file's order."""
-        path = os.path.join(directory, self.spec.submission[split])
-        with open(path, "w", encoding="utf-8") as f:
+        path = storage.join(directory, self.spec.submission[split])
+        with storage.open(path, "w", encoding="utf-8") as f:
             f.write("index\tprediction\n")
             for e, p in zip(examples, predictions):
                 value = f"{min(max(p, 0.0), 5.0):.3f}" if not self.labels else p

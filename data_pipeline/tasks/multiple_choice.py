@@ -12,9 +12,10 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-import os
 
 import numpy as np
+
+from data_pipeline import storage
 
 from data_pipeline.tasks import Task, check_vocab, encode_pair, read_text, stack, tokenize_all
 from data_pipeline.tasks.glue import accuracy
@@ -104,9 +105,9 @@ class Swag(Task):
         return {"accuracy": accuracy([e.label for e in examples], predictions)}
 
     def write_predictions(self, examples, predictions, directory, split):
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"{self.name}_{split}_predictions.csv")
-        with open(path, "w", encoding="utf-8", newline="") as f:
+        storage.makedirs(directory)
+        path = storage.join(directory, f"{self.name}_{split}_predictions.csv")
+        with storage.open(path, "w", encoding="utf-8", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["id", "pred", "label"])
             for e, p in zip(examples, predictions):

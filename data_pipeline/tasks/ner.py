@@ -22,10 +22,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import io
-import os
 from typing import Optional, Sequence
 
 import numpy as np
+
+from data_pipeline import storage
 
 from data_pipeline.tasks import Task, check_vocab, pad_row, read_text, stack, tfds_examples
 
@@ -268,9 +269,9 @@ class Conll2003(Task):
 
     def write_predictions(self, examples, predictions, directory, split):
         """conlleval's input: `word gold predicted` per line, a blank line after each sentence."""
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"{self.name}_{split}_predictions.txt")
-        with open(path, "w", encoding="utf-8") as f:
+        storage.makedirs(directory)
+        path = storage.join(directory, f"{self.name}_{split}_predictions.txt")
+        with storage.open(path, "w", encoding="utf-8") as f:
             for e, tags in zip(examples, predictions):
                 for i, (w, p) in enumerate(zip(e.words, tags)):
                     f.write(f"{w} {e.tags[i] if e.tags else 'O'} {p}\n")

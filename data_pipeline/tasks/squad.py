@@ -32,11 +32,12 @@ import bisect
 import collections
 import dataclasses
 import json
-import os
 import sys
 from typing import Optional, Sequence
 
 import numpy as np
+
+from data_pipeline import storage
 
 from data_pipeline.tasks import Task, check_vocab, pad_row, read_json, stack, tfds_examples
 # The official scorer lives in squad_eval; its names stay importable from here (and `main` runs below).
@@ -307,15 +308,15 @@ class SquadV1(Task):
 
     def write_predictions(self, examples, predictions, directory, split):
         """predictions.json and nbest_predictions.json (+ null_odds.json for v2), Google's files."""
-        os.makedirs(directory, exist_ok=True)
+        storage.makedirs(directory)
         prefix = "" if split == "dev" else f"{split}_"
         paths = []
         for key, name in (("predictions", "predictions.json"), ("nbest", "nbest_predictions.json"),
                           ("null_odds", "null_odds.json")):
             if key in predictions:
-                path = os.path.join(directory, prefix + name)
+                path = storage.join(directory, prefix + name)
                 values = predictions[key]
-                with open(path, "w", encoding="utf-8") as f:
+                with storage.open(path, "w", encoding="utf-8") as f:
                     json.dump(values, f, indent=2 if key != "predictions" else None)
                 paths.append(path)
         return paths
