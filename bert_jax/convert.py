@@ -18,11 +18,9 @@ imported only to read or write a Google checkpoint.
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import logging as std_logging
 import os
-import shutil
 from typing import Optional, Sequence
 
 import numpy as np
@@ -38,6 +36,7 @@ from bert_jax.formats.google import (  # noqa: F401
 from bert_jax.formats.hf import (  # noqa: F401
     _HF_WEIGHTS, _read_hf_config, flax_to_hf_names, from_hf, hf_config_dict, hf_name, load_hf, save_hf, to_hf)
 from bert_jax.modeling import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
+from data_pipeline import storage
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,17 +45,18 @@ from bert_jax.modeling import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
 
 
 def detect_format(path: str) -> str:
-    """"bert_jax", "google" or "hf" from the files at `path`; a clear error otherwise."""
-    if os.path.isdir(path) and any(os.path.exists(os.path.join(path, w)) for w in _HF_WEIGHTS) \
-            and os.path.isfile(os.path.join(path, "config.json")):
+    """"bert_jax", "google" or "hf" from the files at `path` (local or gs://); a clear error otherwise."""
+    is_dir = storage.isdir(path)
+    if is_dir and storage.isfile(storage.join(path, "config.json")) \
+            and any(storage.exists(storage.join(path, w)) for w in _HF_WEIGHTS):
         return "hf"
     if _google_prefix(path):
         return "google"
-    if os.path.isdir(path) and _bert_jax_source(path):
+    if is_dir and _bert_jax_source(path):
         return "bert_jax"
-    if not os.path.exists(path) and not os.path.exists(path + ".index"):
+    if not storage.exists(path) and not storage.exists(path + ".index"):
         raise FileNotFoundError(f"checkpoint {path}: no such file or directory")
-    found = sorted(os.listdir(path))[:20] if os.path.isdir(path) else [os.path.basename(path)]
+    found = storage.listdir(path)[:20] if is_dir else [storage.basename(path)]
     raise ValueError(
         f"checkpoint {path}: format not recognized (found {found}). Expected a Google TF1 checkpoint "
         f"(bert_model.ckpt.index + bert_config.json), a HuggingFace directory (config.json + "
@@ -64,51 +64,67 @@ def detect_format(path: str) -> str:
         f"bert_config.json)")
 
 
+def _is_download(source: str) -> bool:
+    """An http(s):// URL, or a file:// URL of a .zip (a release archive on disk): what `fetch`
+    downloads. Every other source (a local path, gs://) is a storage path."""
+    s = storage.scheme(source)
+    return s in storage.URL_SCHEMES or (source.lower().startswith("file://") and source.lower().endswith(".zip"))
+
+
 def fetch(source: str, cache_dir: str) -> str:
-    """A local checkpoint directory for `source`: a path (returned as is) or a URL of a .zip such as
-    Google's releases (`https://storage.googleapis.com/bert_models/2020_02_20/uncased_L-4_H-256_A-4.zip`),
-    downloaded into `cache_dir` once, unpacked, and the folder holding its files returned (named
-    after the archive, so that casing detection by name works)."""
+    """A checkpoint directory for `source`: a path, local or gs:// (returned as is), or a URL of a
+    .zip such as Google's releases
+    (`https://storage.googleapis.com/bert_models/2020_02_20/uncased_L-4_H-256_A-4.zip`), downloaded
+    into `cache_dir` once, unpacked, and the folder holding its files returned (named after the
+    archive, so that casing detection by name works)."""
     import urllib.parse
     import urllib.request
     import zipfile
 
-    if "://" not in source:
-        return source
+    if not _is_download(source):
+        return storage.check(source, "checkpoint")
     name = os.path.basename(urllib.parse.urlparse(source).path)
     if not name.endswith(".zip"):
         raise ValueError(f"{source}: only .zip archives are fetched (Google's checkpoint releases)")
-    target = os.path.join(cache_dir, name[: -len(".zip")])
-    if not os.path.isdir(target):
-        os.makedirs(cache_dir, exist_ok=True)
+    target = storage.join(cache_dir, name[: -len(".zip")])
+    if not storage.isdir(target):
+        storage.makedirs(cache_dir)
         archive = target + ".zip.part"
         from tqdm import tqdm
-        with urllib.request.urlopen(source) as response, open(archive, "wb") as f:  # noqa: S310
+        with urllib.request.urlopen(source) as response, storage.open(archive, "wb") as f:  # noqa: S310
             total = int(response.headers.get("Content-Length") or 0) or None
             with tqdm(total=total, unit="B", unit_scale=True, desc=name) as bar:
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     bar.update(len(chunk))
         tmp = target + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        with zipfile.ZipFile(archive) as z:
+        storage.rmtree(tmp)
+        with zipfile.ZipFile(storage.local_copy(archive)) as z:  # storage: local (storage.local_copy)
             for member in z.namelist():  # no absolute paths or ".." in an archive we unpack
                 if member.startswith("/") or ".." in member.split("/"):
                     raise ValueError(f"{source}: unsafe path {member!r} in the archive")
-            z.extractall(tmp)
-        os.remove(archive)
-        os.replace(tmp, target)
-    configs = sorted(glob.glob(os.path.join(target, "**", "bert_config.json"), recursive=True)
-                     + glob.glob(os.path.join(target, "**", "config.json"), recursive=True))
+            with storage.writing_dir(tmp) as local:  # the folder itself, or staging uploaded at the end
+                z.extractall(local)
+        storage.remove(archive)
+        storage.rename(tmp, target)
+    configs = sorted(storage.glob(storage.join(target, "**", "bert_config.json"))
+                     + storage.glob(storage.join(target, "**", "config.json")))
     if not configs:
         raise ValueError(f"{source}: the archive holds no bert_config.json or config.json")
-    return os.path.dirname(min(configs, key=len))  # the 2018 releases have their own top folder
+    return storage.dirname(min(configs, key=len))  # the 2018 releases have their own top folder
 
 
 def _check_google_gelu(google_gelu: Optional[str]) -> None:
     """A bad value is an error whatever the format (only Google's reads it)."""
     if google_gelu is not None and google_gelu not in GOOGLE_GELUS:
         raise ValueError(f"google_gelu must be one of {tuple(GOOGLE_GELUS)}, got {google_gelu!r}")
+
+
+def _checkpoint_path(path) -> str:
+    """A checkpoint path as given, `~` expanded when local; refused (naming it) when no backend
+    reads it (an unknown scheme, gs:// without gcsfs, a `gs:` folder)."""
+    path = storage.check(os.fspath(path), "checkpoint")
+    return path if storage.is_remote(path) else os.path.expanduser(path)
 
 
 def load_pretrained(path: str, format: Optional[str] = None, *,  # pylint: disable=redefined-builtin
@@ -120,7 +136,7 @@ def load_pretrained(path: str, format: Optional[str] = None, *,  # pylint: disab
     bert_jax checkpoints name their GELU exactly and ignore it.
     """
     _check_google_gelu(google_gelu)
-    path = os.path.expanduser(path)
+    path = _checkpoint_path(path)
     format = format or detect_format(path)
     loaders = {"google": functools.partial(load_google, google_gelu=google_gelu), "hf": load_hf,
                "bert_jax": load_bert_jax}
@@ -140,15 +156,15 @@ def load_config(path: str, format: Optional[str] = None, *,  # pylint: disable=r
     """Only the `BertConfig` of a checkpoint in any format (no weights are read); `google_gelu` as
     in `load_pretrained`."""
     _check_google_gelu(google_gelu)
-    path = os.path.expanduser(path)
+    path = _checkpoint_path(path)
     format = format or detect_format(path)
     if format == "google":
-        config = read_google_config(os.path.join(os.path.dirname(_google_prefix(path)), "bert_config.json"),
+        config = read_google_config(storage.join(storage.dirname(_google_prefix(path)), "bert_config.json"),
                                     google_gelu)
     elif format == "hf":
         config = _read_hf_config(path)
     else:
-        config = BertConfig.from_json_file(_require(os.path.join(path, "bert_config.json"), "bert_config.json"))
+        config = BertConfig.from_json_file(_require(storage.join(path, "bert_config.json"), "bert_config.json"))
     return config.replace(**overrides) if overrides else config
 
 
@@ -211,6 +227,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              f"google-research/bert code of 2019-02-07 or later); see docs/checkpoints.md")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
     args = parser.parse_args(argv)
+    storage.check(args.input, "--input")  # before anything runs: no local folder named "gs:"
+    storage.check(args.output, "--output")
+    if args.vocab_file:
+        storage.check(args.vocab_file, "--vocab_file")
     logging.set_verbosity(logging.INFO)  # ours: missing heads, skipped variables; not orbax's chatter
     logging.get_absl_logger().addFilter(_NotOrbaxInfo())
     std_logging.getLogger("bert_jax").setLevel(std_logging.INFO)  # e.g. the Google GELU chosen
@@ -224,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.drop_heads:
         p.params = {"bert": p.params["bert"]}
     if p.vocab_file:
-        with open(p.vocab_file, encoding="utf-8") as f:
+        with storage.open(p.vocab_file, encoding="utf-8") as f:
             n = sum(1 for _ in f)
         if n > p.config.vocab_size:
             raise ValueError(f"{p.vocab_file} has {n} tokens but the model's vocab_size is only "

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import sys
 from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
+
+from data_pipeline import storage
 
 COMBINATIONS = ("none", "embeddings", "second_to_last", "last", "sum_last_four", "concat_last_four", "sum_all")
 
@@ -61,12 +62,12 @@ class Features:
 
 
 def read_examples(path: str, stats: Optional[dict] = None) -> Iterator[Example]:
-    """One example per line (Google's `read_examples`); `a ||| b` is a pair."""
-    if not os.path.isfile(path):
+    """One example per line (Google's `read_examples`); `a ||| b` is a pair. `path`: local or gs://."""
+    if not storage.isfile(path):
         raise FileNotFoundError(f"--input_file={path}: no such file")
     stats = stats if stats is not None else {}
     stats.setdefault("lines_with_bad_utf8", 0)
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         for i, raw in enumerate(f):
             line = raw.decode("utf-8", errors="replace")
             if "\ufffd" in line and b"\xef\xbf\xbd" not in raw:
@@ -79,7 +80,7 @@ def read_examples(path: str, stats: Optional[dict] = None) -> Iterator[Example]:
 def count_lines(path: str) -> int:
     """Lines of `path` as `read_examples` sees them (a final line without a newline counts)."""
     count, last = 0, b"\n"
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             count += block.count(b"\n")
             last = block[-1:]
@@ -271,6 +272,10 @@ def main(argv):
     from data_pipeline import tokenization
 
     FLAGS = flags.FLAGS
+    # Before anything runs: an unusable path is named (and no local folder "gs:" is made).
+    for flag in ("input_file", "output_file", "init_checkpoint", "vocab_file", "bert_config_file"):
+        if FLAGS[flag].value:
+            storage.check(FLAGS[flag].value, f"--{flag}")
     try:
         layers = [int(x) for x in FLAGS.layers.split(",") if x.strip()]
     except ValueError:
@@ -301,24 +306,19 @@ def main(argv):
     extractor = FeatureExtractor(config, convert.model_params(pretrained, config, heads=False)["bert"],
                                  layers, FLAGS.combine, FLAGS.sentence_pooling)
     stats: dict = {}
-    tmp = FLAGS.output_file + ".tmp"
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output_file)), exist_ok=True)
+    storage.makedirs(storage.dirname(storage.abspath(FLAGS.output_file)))
     count = 0
-    if not os.path.isfile(FLAGS.input_file):
+    if not storage.isfile(FLAGS.input_file):
         raise FileNotFoundError(f"--input_file={FLAGS.input_file}: no such file")
     progress = sys.stderr.isatty()
     total = count_lines(FLAGS.input_file) if progress else None
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for line in extract(read_examples(FLAGS.input_file, stats), tokenizer, extractor,
-                                FLAGS.max_seq_length, FLAGS.batch_size, progress=progress, total=total):
-                f.write(line + "\n")
-                count += 1
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)  # no partial file left behind
-        raise
-    os.replace(tmp, FLAGS.output_file)  # a complete file or none
+    # A complete file or none: written under a temporary name and renamed into place (local), or
+    # uploaded whole when closed (gs://); on an error, nothing partial is left behind.
+    with storage.open(FLAGS.output_file, "w", encoding="utf-8") as f:
+        for line in extract(read_examples(FLAGS.input_file, stats), tokenizer, extractor,
+                            FLAGS.max_seq_length, FLAGS.batch_size, progress=progress, total=total):
+            f.write(line + "\n")
+            count += 1
     if stats["lines_with_bad_utf8"]:
         logging.warning("%s: %d line(s) were not valid UTF-8 (bad bytes replaced by U+FFFD)",
                         FLAGS.input_file, stats["lines_with_bad_utf8"])

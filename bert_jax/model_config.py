@@ -20,6 +20,8 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
+from data_pipeline import storage
+
 ACTIVATIONS = ("gelu", "gelu_tanh", "gelu_new", "relu")
 ATTENTION_IMPLS = ("einsum", "dot_product")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -169,8 +171,7 @@ class BertConfig:
         says (see `from_dict`; default `"erf"`).
         """
         try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
+            d = json.loads(storage.read_text(path))  # local or gs://
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
         if not isinstance(d, dict):
@@ -190,9 +191,7 @@ class BertConfig:
         return {**d, "bert_jax": True}
 
     def to_json_file(self, path) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
+        storage.write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")  # local or gs://
 
 
 def _google_hidden_act(d: dict, google_gelu: Optional[str]) -> str:

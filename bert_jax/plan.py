@@ -39,6 +39,8 @@ import os
 import sys
 import time
 
+from data_pipeline import storage
+
 RECIPES = {
     "paper": [{"seq_len": 128, "steps": 900_000, "batch": 256}, {"seq_len": 512, "steps": 100_000, "batch": 256}],
     "lamb": [{"seq_len": 128, "steps": 7_038, "batch": 65_536}, {"seq_len": 512, "steps": 1_563, "batch": 32_768}],
@@ -289,7 +291,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         missing = {ph["seq_len"] for ph in RECIPES[r]} - set(args.seq_lens)
         if missing:
             p.error(f"--recipes={r} needs --seq_len to include {sorted(missing)}")
-    if not os.path.exists(args.config):
+    if args.json:
+        try:
+            storage.check(args.json, "--json")
+        except storage.StorageError as e:
+            p.error(str(e))
+    if storage.is_remote(args.config):  # imported as a Python module: a local file
+        p.error(f"--config={args.config}: a config is a local Python file (copy it here first)")
+    if not storage.exists(args.config):
         p.error(f"--config: no such file {args.config}")
     try:
         load_config(args.config, args.seq_lens[0] if args.seq_lens else 128, args.dtype, args.overrides)
@@ -340,8 +349,7 @@ def main(argv=None) -> dict:
                   f"({', '.join(f'''{p['steps']} x {p['step_s'] * 1e3:.1f} ms''' for p in e['phases'])}); "
                   f"calibrated {cal['wall_days']:.2f} days, {cal['chip_hours']:,.0f} chip-hours")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
+        storage.write_text(args.json, json.dumps(report, indent=1))  # local or gs://
     return report
 
 

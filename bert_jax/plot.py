@@ -10,38 +10,53 @@ Throughput figures are left out (they are on the console and in TensorBoard).
 
 from __future__ import annotations
 
-import glob
+import io
 import os
+import tempfile
 from typing import Optional, Sequence
 
 import numpy as np
+
+from data_pipeline import storage
 
 _SKIP = ("per_second", "mfu", "finite", "steps_per", "input_ms", "input_fraction")
 
 
 def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """`{tag: (steps, values)}` from every event file under `workdir` (sorted by step; a step
-    logged twice, as after a resume, keeps its last value)."""
+    """`{tag: (steps, values)}` from every event file under `workdir`, local or gs:// (sorted by
+    step; a step logged twice, as after a resume, keeps its last value). A remote event file is read
+    from a temporary local copy (TensorBoard's reader opens local files)."""
     from tensorboard.backend.event_processing import event_accumulator
 
-    files = sorted(glob.glob(os.path.join(workdir, "**", "events.out.tfevents.*"), recursive=True))
+    files = storage.glob(storage.join(workdir, "**", "events.out.tfevents.*"))
     if not files:
         raise FileNotFoundError(f"--workdir={workdir}: no TensorBoard event files (events.out.tfevents.*) "
                                 f"found; is it a bert_jax training workdir?")
     series: dict[str, dict[int, float]] = {}
-    for path in files:
-        acc = event_accumulator.EventAccumulator(path, size_guidance={"tensors": 0, "scalars": 0})
-        acc.Reload()
-        tags = acc.Tags()
-        for tag in tags.get("tensors", []):
-            for e in acc.Tensors(tag):
-                value = np.asarray(_tensor_value(e.tensor_proto))
-                if value.size == 1:
-                    series.setdefault(tag, {})[int(e.step)] = float(value.reshape(()))
-        for tag in tags.get("scalars", []):
-            for e in acc.Scalars(tag):
-                series.setdefault(tag, {})[int(e.step)] = float(e.value)
+    with tempfile.TemporaryDirectory(prefix="bert_jax_plot_") as tmp:
+        for i, path in enumerate(files):
+            local = path
+            if storage.is_remote(path):
+                local = os.path.join(tmp, str(i), storage.basename(path))
+                storage.copy(path, local)
+            _read_events(event_accumulator, local, series)
     return {tag: (np.array(sorted(d)), np.array([d[s] for s in sorted(d)])) for tag, d in series.items()}
+
+
+def _read_events(event_accumulator, local: str, series: dict) -> None:
+    """Adds the scalars of the local event file `local` to `series` (`{tag: {step: value}}`)."""
+    acc = event_accumulator.EventAccumulator(  # storage: local (a local file, or a tempfile copy)
+        local, size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    for tag in tags.get("tensors", []):
+        for e in acc.Tensors(tag):
+            value = np.asarray(_tensor_value(e.tensor_proto))
+            if value.size == 1:
+                series.setdefault(tag, {})[int(e.step)] = float(value.reshape(()))
+    for tag in tags.get("scalars", []):
+        for e in acc.Scalars(tag):
+            series.setdefault(tag, {})[int(e.step)] = float(e.value)
 
 
 def _tensor_value(proto):
@@ -67,7 +82,7 @@ def plot(workdir: str, output: Optional[str] = None, tags: Optional[Sequence[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    output = output or os.path.join(workdir, "curves.png")
+    output = output or storage.join(workdir, "curves.png")
     series = read_scalars(workdir)
     if tags:
         series = {t: v for t, v in series.items() if t in tags}
@@ -94,11 +109,14 @@ def plot(workdir: str, output: Optional[str] = None, tags: Optional[Sequence[str
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
     axes[-1, 0].set_xlabel("step")
-    fig.suptitle(os.path.basename(os.path.abspath(workdir)), fontsize=11)
+    fig.suptitle(storage.basename(storage.abspath(workdir)), fontsize=11)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=110)
+    # Drawn in memory, then written whole (local or gs://); the format from the extension, as
+    # savefig(path) does (png without one).
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format=os.path.splitext(output)[1][1:].lower() or "png")  # storage: local (a BytesIO)
     plt.close(fig)
+    storage.write_bytes(output, image.getvalue())
     return plotted
 
 
@@ -109,7 +127,10 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", required=True, help="a pretraining or fine-tuning workdir")
     p.add_argument("--output", default=None, help="PNG path (default: WORKDIR/curves.png)")
     args = p.parse_args(argv)
-    output = args.output or os.path.join(args.workdir, "curves.png")
+    storage.check(args.workdir, "--workdir")
+    if args.output:
+        storage.check(args.output, "--output")
+    output = args.output or storage.join(args.workdir, "curves.png")
     plotted = plot(args.workdir, output)
     print(f"wrote {output}: {', '.join(sorted(plotted))}")
     return 0

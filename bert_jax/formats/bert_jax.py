@@ -8,30 +8,30 @@ checked through the Google name table.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from bert_jax.formats.common import (HEADS, Pretrained, _maybe, _prepare_dir, _read_casing, _require,
                                      _write_tokenizer_files, unrolled)
 from bert_jax.formats.google import from_google, to_google
 from bert_jax.modeling import BertConfig
+from data_pipeline import storage
 
 
 def _step_dirs(directory: str) -> list[int]:
-    if not os.path.isdir(directory):
+    if not storage.isdir(directory):
         return []
-    return sorted(int(d) for d in os.listdir(directory)
-                  if d.isdigit() and os.path.isdir(os.path.join(directory, d, "state")))
+    return sorted(int(d) for d in storage.listdir(directory)
+                  if d.isdigit() and storage.isdir(storage.join(directory, d, "state")))
 
 
 def _bert_jax_source(path: str) -> Optional[tuple[str, str]]:
     """(kind, path): ("params", DIR/params) for an export, ("state", DIR/<step>/state) for a workdir."""
-    if os.path.isdir(os.path.join(path, "params")):
-        return "params", os.path.join(path, "params")
-    for ckpt_dir in (os.path.join(path, "checkpoints"), path):
+    if storage.isdir(storage.join(path, "params")):
+        return "params", storage.join(path, "params")
+    for ckpt_dir in (storage.join(path, "checkpoints"), path):
         steps = _step_dirs(ckpt_dir)
         if steps:
-            return "state", os.path.join(ckpt_dir, str(steps[-1]), "state")
+            return "state", storage.join(ckpt_dir, str(steps[-1]), "state")
     return None
 
 
@@ -39,17 +39,17 @@ def load_bert_jax(path: str) -> Pretrained:
     source = _bert_jax_source(path)
     if source is None:
         raise FileNotFoundError(f"{path}: no params/ or committed checkpoints/<step>/state")
-    config = BertConfig.from_json_file(_require(os.path.join(path, "bert_config.json"), "bert_config.json"))
+    config = BertConfig.from_json_file(_require(storage.join(path, "bert_config.json"), "bert_config.json"))
     import orbax.checkpoint as ocp
 
     kind, ckpt = source
     if kind == "state":  # the newest step that passes its integrity manifest; damaged ones are named
         from bert_jax import checkpointing
-        ckpt_dir = os.path.dirname(os.path.dirname(ckpt))
-        ckpt = os.path.join(ckpt_dir, str(checkpointing.newest_intact_step(ckpt_dir, _step_dirs(ckpt_dir))),
+        ckpt_dir = storage.dirname(storage.dirname(ckpt))
+        ckpt = storage.join(ckpt_dir, str(checkpointing.newest_intact_step(ckpt_dir, _step_dirs(ckpt_dir))),
                             "state")
-    with ocp.StandardCheckpointer() as checkpointer:
-        tree = checkpointer.restore(os.path.abspath(ckpt))
+    with ocp.StandardCheckpointer() as checkpointer:  # orbax takes a gs:// path as it is
+        tree = checkpointer.restore(storage.abspath(ckpt))
     if kind == "state":  # a TrainState: keep its params
         tree = tree["params"]
     params = unrolled(tree)
@@ -59,7 +59,7 @@ def load_bert_jax(path: str) -> Pretrained:
     # Validate shapes (and the encoder's completeness) through the Google table.
     checked, missing, _ = from_google(to_google(kept, config), config, where=ckpt)
     del checked
-    return Pretrained(config, kept, _maybe(os.path.join(path, "vocab.txt")), _read_casing(path),
+    return Pretrained(config, kept, _maybe(storage.join(path, "vocab.txt")), _read_casing(path),
                       "bert_jax", missing, tuple(other))
 
 
@@ -70,8 +70,8 @@ def save_bert_jax(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
     _prepare_dir(path, overwrite)
     params = unrolled({k: v for k, v in p.params.items() if k in ("bert",) + HEADS})
     to_google(params, p.config)  # validates every shape against the config
-    p.config.to_json_file(os.path.join(path, "bert_config.json"))
-    target = os.path.abspath(os.path.join(path, "params"))
+    p.config.to_json_file(storage.join(path, "bert_config.json"))
+    target = storage.abspath(storage.join(path, "params"))
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(target, params, force=True)
         checkpointer.wait_until_finished()

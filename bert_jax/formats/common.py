@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from typing import Optional
 
 import numpy as np
 from absl import logging
 
 from bert_jax.modeling import BertConfig
+from data_pipeline import storage
 
 FORMATS = ("bert_jax", "google", "hf")
 HEADS = ("mlm", "nsp")
@@ -80,7 +79,7 @@ def unrolled(params: dict) -> dict:
 
 
 def _load_json(path: str):
-    from data_pipeline.tasks import read_json  # names the file, line and column of bad text
+    from data_pipeline.tasks import read_json  # local or gs://; names the file, line and column of bad text
     return read_json(path)
 
 
@@ -90,8 +89,8 @@ def tokenizer_config_json(do_lower_case: bool) -> str:
 
 
 def _read_casing(directory: str) -> Optional[bool]:
-    p = os.path.join(directory, "tokenizer_config.json")
-    if os.path.isfile(p):
+    p = storage.join(directory, "tokenizer_config.json")
+    if storage.isfile(p):
         value = _load_json(p)
         value = value.get("do_lower_case") if isinstance(value, dict) else None
         if isinstance(value, bool):
@@ -100,28 +99,28 @@ def _read_casing(directory: str) -> Optional[bool]:
 
 
 def _maybe(path: str) -> Optional[str]:
-    return path if os.path.isfile(path) else None
+    return path if storage.isfile(path) else None
 
 
 def _require(path: str, what: str) -> str:
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise FileNotFoundError(f"{path}: {what} not found")
     return path
 
 
 def _prepare_dir(path: str, overwrite: bool) -> None:
-    if os.path.exists(path) and os.listdir(path) and not overwrite:
+    """An output folder (local or gs://) that is empty, or `overwrite`; created locally."""
+    if storage.exists(path) and storage.listdir(path) and not overwrite:
         raise FileExistsError(f"{path} exists and is not empty (use overwrite=True / --overwrite)")
-    os.makedirs(path, exist_ok=True)
+    storage.makedirs(path)
 
 
 def _write_tokenizer_files(p: Pretrained, path: str) -> None:
     if p.vocab_file:
-        target = os.path.join(path, "vocab.txt")
-        if os.path.abspath(p.vocab_file) != os.path.abspath(target):
-            shutil.copyfile(p.vocab_file, target)
+        target = storage.join(path, "vocab.txt")
+        if storage.abspath(p.vocab_file) != storage.abspath(target):
+            storage.copy(p.vocab_file, target)
     else:
         logging.warning("%s: no vocab.txt to write (pass vocab_file)", path)
     if p.do_lower_case is not None:
-        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            f.write(tokenizer_config_json(p.do_lower_case))
+        storage.write_text(storage.join(path, "tokenizer_config.json"), tokenizer_config_json(p.do_lower_case))

@@ -19,10 +19,10 @@ TF1 code runs `"gelu"` as the tanh approximation: exporting an erf model warns s
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import re
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -31,6 +31,7 @@ from absl import logging
 from bert_jax.formats.common import (HEADS, Pretrained, _get, _load_json, _maybe, _prepare_dir, _read_casing,
                                      _require, _set, _write_tokenizer_files, unrolled)
 from bert_jax.modeling import BertConfig
+from data_pipeline import storage
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,30 +181,31 @@ def read_google_config(path: str, google_gelu: Optional[str] = None) -> BertConf
 
 
 def _google_prefix(path: str) -> Optional[str]:
-    """The TF checkpoint prefix at `path` (a prefix itself, or a directory holding one)."""
-    if os.path.isfile(path + ".index"):
+    """The TF checkpoint prefix at `path` (a prefix itself, or a directory holding one), local or gs://."""
+    if storage.isfile(path + ".index"):
         return path
-    if os.path.isdir(path):
-        indexes = sorted(glob.glob(os.path.join(path, "*.index")))
-        if os.path.isfile(os.path.join(path, "bert_model.ckpt.index")):
-            return os.path.join(path, "bert_model.ckpt")
+    if storage.isdir(path):
+        indexes = storage.glob(storage.join(path, "*.index"))
+        if storage.isfile(storage.join(path, "bert_model.ckpt.index")):
+            return storage.join(path, "bert_model.ckpt")
         if len(indexes) == 1:
             return indexes[0][: -len(".index")]
         if indexes:  # several: the one the `checkpoint` state file names, else the newest
-            state = os.path.join(path, "checkpoint")
-            if os.path.isfile(state):
-                m = re.search(r'^model_checkpoint_path:\s*"(.*)"', open(state, encoding="utf-8").read(), re.M)
+            state = storage.join(path, "checkpoint")
+            if storage.isfile(state):
+                m = re.search(r'^model_checkpoint_path:\s*"(.*)"', storage.read_text(state), re.M)
                 if m:
-                    p = m.group(1) if os.path.isabs(m.group(1)) else os.path.join(path, m.group(1))
-                    if os.path.isfile(p + ".index"):
+                    named = m.group(1)
+                    p = named if storage.is_remote(named) or os.path.isabs(named) else storage.join(path, named)
+                    if storage.isfile(p + ".index"):
                         return p
-            return max(indexes, key=os.path.getmtime)[: -len(".index")]
+            return max(indexes, key=storage.getmtime)[: -len(".index")]
     return None
 
 
 def _casing_from_name(path: str) -> Optional[bool]:
     """Google's release names say the casing ("uncased_L-12_H-768_A-12", "cased_L-24_...")."""
-    name = os.path.basename(os.path.normpath(path)).lower()
+    name = (storage.basename(path) if storage.is_remote(path) else os.path.basename(os.path.normpath(path))).lower()
     if "uncased" in name:
         return True
     if "cased" in name:
@@ -211,42 +213,61 @@ def _casing_from_name(path: str) -> Optional[bool]:
     return None
 
 
+def _read_tf_checkpoint(prefix: str) -> tuple[dict, list]:
+    """(`{name: array}` without optimizer slots and `global_step`, every name in the checkpoint) of
+    the TF checkpoint `prefix`; a remote one is read from a local copy of its `.index` and
+    `.data-*` files (TensorFlow's own GCS client cannot be pointed at our endpoint)."""
+    import tensorflow as tf  # only here: reading TF checkpoints
+
+    def read(local_prefix):
+        reader = tf.train.load_checkpoint(local_prefix)  # storage: local (a local prefix, or a tempfile copy)
+        names = list(reader.get_variable_to_shape_map())
+        variables = {n: reader.get_tensor(n) for n in names
+                     if not re.search(r"/(adam_[mv]|Adam(_1)?|LAMB(_1)?|Momentum)$", n) and n != "global_step"}
+        return variables, names
+
+    if not storage.is_remote(prefix):
+        return read(prefix)
+    with tempfile.TemporaryDirectory(prefix="bert_jax_tf_checkpoint_") as tmp:
+        local = os.path.join(tmp, storage.basename(prefix))
+        for f in [prefix + ".index"] + storage.glob(prefix + ".data-*"):
+            storage.copy(f, local + f[len(prefix):])
+        return read(local)
+
+
 def load_google(path: str, google_gelu: Optional[str] = None) -> Pretrained:
     """A Google TF1 checkpoint; `google_gelu` ("erf", the default, or "tanh") says what its "gelu" is."""
     prefix = _google_prefix(path)
     if prefix is None:
         raise FileNotFoundError(f"{path}: no TF checkpoint (*.index) found")
-    directory = os.path.dirname(prefix)
-    config = read_google_config(_require(os.path.join(directory, "bert_config.json"), "bert_config.json"),
+    directory = storage.dirname(prefix)
+    config = read_google_config(_require(storage.join(directory, "bert_config.json"), "bert_config.json"),
                                 google_gelu)
-    import tensorflow as tf  # only here: reading TF checkpoints
-
-    reader = tf.train.load_checkpoint(prefix)
-    names = reader.get_variable_to_shape_map()
-    variables = {n: reader.get_tensor(n) for n in names
-                 if not re.search(r"/(adam_[mv]|Adam(_1)?|LAMB(_1)?|Momentum)$", n) and n != "global_step"}
+    variables, names = _read_tf_checkpoint(prefix)
     params, missing, skipped = from_google(variables, config, where=prefix)
     skipped = tuple(sorted(set(skipped) | (set(names) - set(variables))))
-    return Pretrained(config, params, _maybe(os.path.join(directory, "vocab.txt")),
-                      _read_casing(directory) if _read_casing(directory) is not None else _casing_from_name(directory),
+    casing = _read_casing(directory)
+    return Pretrained(config, params, _maybe(storage.join(directory, "vocab.txt")),
+                      casing if casing is not None else _casing_from_name(directory),
                       "google", missing, skipped)
 
 
 def save_google(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
-    """Writes `bert_model.ckpt.{index,data-00000-of-00001}` + `bert_config.json` + `vocab.txt`."""
+    """Writes `bert_model.ckpt.{index,data-00000-of-00001}` + `bert_config.json` + `vocab.txt`
+    (into a local folder, or gs://: the checkpoint is written locally by TensorFlow, then uploaded)."""
     _prepare_dir(path, overwrite)
     variables = to_google(p.params, p.config)
-    with open(os.path.join(path, "bert_config.json"), "w", encoding="utf-8") as f:
-        json.dump(google_config_dict(p.config), f, indent=2, sort_keys=True)
-        f.write("\n")
+    storage.write_text(storage.join(path, "bert_config.json"),
+                       json.dumps(google_config_dict(p.config), indent=2, sort_keys=True) + "\n")
     import tensorflow as tf  # only here: writing TF checkpoints
 
     names = sorted(variables)
-    prefix = os.path.join(path, "bert_model.ckpt")
-    with tf.device("/cpu:0"):
-        tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),
-                          tensors=[tf.constant(variables[n]) for n in names])
-    with open(os.path.join(path, "checkpoint"), "w", encoding="utf-8") as f:
-        f.write('model_checkpoint_path: "bert_model.ckpt"\nall_model_checkpoint_paths: "bert_model.ckpt"\n')
+    with storage.writing_dir(path) as local:  # the folder itself, or a staging folder uploaded at the end
+        prefix = os.path.join(local, "bert_model.ckpt")
+        with tf.device("/cpu:0"):
+            tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),  # storage: local (writing_dir)
+                              tensors=[tf.constant(variables[n]) for n in names])
+    storage.write_text(storage.join(path, "checkpoint"),
+                       'model_checkpoint_path: "bert_model.ckpt"\nall_model_checkpoint_paths: "bert_model.ckpt"\n')
     _write_tokenizer_files(p, path)
     return path

@@ -13,7 +13,6 @@ Flax `flax_model.msgpack` names are mapped to the PyTorch names first (`kernel` 
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Sequence
 
@@ -24,6 +23,7 @@ from bert_jax.formats.common import (HEADS, Pretrained, _load_json, _maybe, _pre
                                      _require, _set, _write_tokenizer_files)
 from bert_jax.formats.google import _GOOGLE_FIELDS, _table, from_google, to_google
 from bert_jax.modeling import BertConfig
+from data_pipeline import storage
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def hf_config_dict(config: BertConfig, heads: Sequence[str]) -> dict:
 
 
 def _read_hf_config(path: str) -> BertConfig:
-    config_path = _require(os.path.join(path, "config.json"), "config.json")
+    config_path = _require(storage.join(path, "config.json"), "config.json")
     d = _load_json(config_path)
     if d.get("model_type", "bert") != "bert":
         raise ValueError(f"{config_path}: model_type={d.get('model_type')!r}, expected 'bert'")
@@ -160,14 +160,15 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
     def read_safetensors(path):
         from safetensors import SafetensorError, safe_open
         out = {}
+        local = storage.local_copy(path)  # the file itself, or a cached download of a gs:// one
         try:
             try:
-                with safe_open(path, framework="np") as f:
+                with safe_open(local, framework="np") as f:  # storage: local (storage.local_copy)
                     flax_names = (f.metadata() or {}).get("format") == "flax"
                     for k in f.keys():
                         out[k] = f.get_tensor(k)
             except (TypeError, ValueError):  # bfloat16 has no numpy dtype: read through jax
-                with safe_open(path, framework="flax") as f:
+                with safe_open(local, framework="flax") as f:  # storage: local (storage.local_copy)
                     flax_names = (f.metadata() or {}).get("format") == "flax"
                     for k in f.keys():
                         out[k] = np.asarray(f.get_tensor(k), np.float32)
@@ -181,25 +182,23 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
             return flax_to_hf_names(tree)
         return out
 
-    p = os.path.join(directory, "model.safetensors")
-    if os.path.isfile(p):
+    p = storage.join(directory, "model.safetensors")
+    if storage.isfile(p):
         return read_safetensors(p)
-    p = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(p):
-        with open(p, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+    p = storage.join(directory, "model.safetensors.index.json")
+    if storage.isfile(p):
+        files = sorted(set(json.loads(storage.read_text(p))["weight_map"].values()))
         out = {}
         for name in files:
-            out.update(read_safetensors(os.path.join(directory, name)))
+            out.update(read_safetensors(storage.join(directory, name)))
         return out
-    p = os.path.join(directory, "flax_model.msgpack")
-    if os.path.isfile(p):
+    p = storage.join(directory, "flax_model.msgpack")
+    if storage.isfile(p):
         from flax import serialization
-        with open(p, "rb") as f:
-            tree = serialization.msgpack_restore(f.read())
+        tree = serialization.msgpack_restore(storage.read_bytes(p))
         return flax_to_hf_names(tree)
-    p = os.path.join(directory, "pytorch_model.bin")
-    if os.path.isfile(p):
+    p = storage.join(directory, "pytorch_model.bin")
+    if storage.isfile(p):
         try:
             import torch
         except ImportError:
@@ -209,7 +208,8 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
                 f"convert it to model.safetensors where torch is available, e.g. "
                 f"transformers.BertModel.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)"
             ) from None
-        state = torch.load(p, map_location="cpu", weights_only=True)
+        with storage.open(p, "rb") as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)  # storage: local (a file storage opened)
         return {k: v.float().numpy() for k, v in state.items()}
     raise FileNotFoundError(f"{directory}: no model.safetensors, flax_model.msgpack or pytorch_model.bin")
 
@@ -217,18 +217,18 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
 def load_hf(path: str) -> Pretrained:
     config = _read_hf_config(path)
     params, missing, skipped = from_hf(_read_hf_tensors(path), config, where=path)
-    return Pretrained(config, params, _maybe(os.path.join(path, "vocab.txt")), _read_casing(path), "hf",
+    return Pretrained(config, params, _maybe(storage.join(path, "vocab.txt")), _read_casing(path), "hf",
                       missing, skipped)
 
 
 def save_hf(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
     """Writes `config.json` + `model.safetensors` (PyTorch names) + `vocab.txt` + `tokenizer_config.json`."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     _prepare_dir(path, overwrite)
-    save_file(to_hf(p.params, p.config), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config_dict(p.config, p.heads), f, indent=2, sort_keys=True)
-        f.write("\n")
+    storage.write_bytes(storage.join(path, "model.safetensors"),
+                        save(to_hf(p.params, p.config), metadata={"format": "pt"}))
+    storage.write_text(storage.join(path, "config.json"),
+                       json.dumps(hf_config_dict(p.config, p.heads), indent=2, sort_keys=True) + "\n")
     _write_tokenizer_files(p, path)
     return path
