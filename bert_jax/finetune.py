@@ -36,8 +36,6 @@ import functools
 import itertools
 import json
 import logging
-import os
-import shutil
 import time
 from typing import Any, Optional
 
@@ -50,7 +48,9 @@ import optax
 from jax.experimental import multihost_utils
 
 from bert_jax import checkpointing, heads, optim, pretrain, sharding, steps
+from bert_jax import workdir as workdir_files
 from bert_jax.modeling import BertConfig
+from data_pipeline import storage
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +222,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
 
     Returns the last epoch's eval results (as written to `W/eval_results.json`).
     """
-    from clu import metric_writers
     from tqdm import tqdm
 
     from data_pipeline import tasks as tasks_lib
@@ -281,15 +280,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     state_shardings = sharding.logical_to_sharding(abstract, mesh, rules)
     abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
 
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
     every = int(config.get("checkpoint_every_steps", 0) or 0)
     if every < 0:
         raise ValueError(f"config.checkpoint_every_steps={every}: 0 (each epoch) or a positive step count")
-    ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"),
+    ckpt = checkpointing.Checkpointer(storage.join(workdir, "checkpoints"),
                                       save_interval_steps=every or total_steps + 1,
                                       max_to_keep=1, async_save=config.async_checkpointing,
                                       on_damaged=config.get("on_damaged_checkpoint", "fallback"))
-    best_ckpt = checkpointing.Checkpointer(os.path.join(workdir, "best"), save_interval_steps=1, max_to_keep=1,
+    best_ckpt = checkpointing.Checkpointer(storage.join(workdir, "best"), save_interval_steps=1, max_to_keep=1,
                                            async_save=False, handle_sigterm=False)
     start_step, meta = ckpt.latest_step(), {}
     if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
@@ -306,8 +305,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     if jax.process_index() == 0:
         pretrain.write_model_files(workdir, bert_config, vocab_file, do_lower_case)
 
-    writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0,
-                                                  asynchronous=False)
+    writer = workdir_files.metric_writer(workdir, just_logging=jax.process_index() > 0)
     if start_step == 0:
         writer.write_hparams(pretrain.hparams(config, bert_config))
     batch_sharding = sharding.batch_sharding(mesh)
@@ -388,8 +386,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                     best_ckpt.save(step, {"params": state.params}, {"epoch": epoch + 1, "results": results},
                                    force=True)
                     if jax.process_index() == 0:
-                        best_dir = os.path.join(workdir, "best_predictions")
-                        shutil.rmtree(best_dir, ignore_errors=True)
+                        best_dir = storage.join(workdir, "best_predictions")
+                        storage.rmtree(best_dir)
                         for split, predictions in split_predictions:
                             task.write_predictions(split.examples, predictions, best_dir, split.name)
                 results["best_epoch"] = best["epoch"] if best else None
@@ -413,14 +411,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                         task.write_predictions(split.examples, task.postprocess(
                             split.examples, split.features, outputs), workdir, split_name)
     finally:
-        writer.flush()
-        ckpt.close()
-        best_ckpt.close()
+        try:
+            writer.close()  # a gs:// workdir's events are uploaded here at the latest
+        finally:
+            ckpt.close()
+            best_ckpt.close()
     if jax.process_index() == 0 and not stop:
-        with open(os.path.join(workdir, "eval_results.json"), "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2, sort_keys=True)
-        with open(os.path.join(workdir, "eval_history.json"), "w", encoding="utf-8") as f:
-            json.dump(history, f, indent=2)
+        workdir_files.write_json(workdir, "eval_results.json", results, indent=2, sort_keys=True)
+        workdir_files.write_json(workdir, "eval_history.json", history, indent=2)
         print(json.dumps(results, sort_keys=True))
     return results
 

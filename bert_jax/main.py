@@ -60,6 +60,12 @@ def main(argv):
     del argv
     logging.get_absl_handler().addFilter(_QuietLibraries())
     config = _CONFIG.value
+    from bert_jax.workdir import check_paths
+    from data_pipeline.storage import StorageError
+    try:  # a path no installed backend handles: refused before anything runs or is written
+        check_paths(config.to_dict(), _WORKDIR.value)
+    except StorageError as e:
+        raise SystemExit(f"FATAL: {e}") from None
     init_distributed(_MULTIHOST.value)
     from bert_jax import demo, finetune, pretrain
     modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run, "finetune": finetune.run}

@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import time
 from typing import Optional
 
@@ -37,12 +36,15 @@ import ml_collections
 
 from bert_jax import checkpointing, modeling, optim, sharding, steps
 from bert_jax.modeling import BertConfig, BertForPreTraining
+from bert_jax.phases import Phase, resolve_phases  # noqa: F401  (importable from here too)
 # The checks before compiling, and the input; their names are importable from here too.
 from bert_jax.pretrain_checks import (SCHEDULE_KEYS, check_mesh, check_same_config_on_all_hosts,  # noqa: F401
                                       check_sequence_lengths, flatten_dict, check_token_ids, check_vocab_matches_data,
                                       config_differences, config_fingerprint, data_casing, report_schedule_change,
                                       special_token_ids)
 from bert_jax.pretrain_input import ShardedInput, make_eval_input, make_train_input, run_eval  # noqa: F401
+from bert_jax.workdir import append_jsonl, metric_writer, write_json, write_model_files  # noqa: F401
+from data_pipeline import storage
 
 # Peak dense bf16 FLOP/s per device, for MFU (by jax's device_kind prefix).
 PEAK_FLOPS = {
@@ -55,15 +57,6 @@ PEAK_FLOPS = {
     "NVIDIA H200": 989e12,
     "NVIDIA A100": 312e12,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Phase:
-    max_seq_length: int
-    max_predictions_per_seq: int
-    train_data: str
-    start_step: int  # first step (exclusive lower bound: steps start_step+1 .. end_step run here)
-    end_step: int
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,26 +74,6 @@ def bert_config_from(config: ml_collections.ConfigDict) -> BertConfig:
                          "vocab_pad_multiple", "sparse_last_layer")}
         return convert.load_config(init, google_gelu=config.get("google_gelu"), **ours)
     return BertConfig.from_dict(config.model.to_dict())
-
-
-def resolve_phases(config: ml_collections.ConfigDict) -> list[Phase]:
-    total = int(config.num_train_steps)
-    if not config.phases:
-        if not config.train_data:
-            raise ValueError("config.train_data is empty: give the training TFRecords (glob, comma-separated)")
-        return [Phase(config.max_seq_length, config.max_predictions_per_seq, config.train_data, 0, total)]
-    phases, start = [], 0
-    fractions = [float(p["fraction"]) for p in config.phases]
-    if abs(sum(fractions) - 1.0) > 1e-6:
-        raise ValueError(f"config.phases: the fractions must add up to 1, got {fractions}")
-    for i, p in enumerate(config.phases):
-        end = total if i == len(config.phases) - 1 else start + int(round(fractions[i] * total))
-        if not p.get("train_data"):
-            raise ValueError(f"config.phases[{i}].train_data is empty")
-        phases.append(Phase(int(p["max_seq_length"]), int(p["max_predictions_per_seq"]),
-                            p["train_data"], start, end))
-        start = end
-    return phases
 
 
 def peak_flops_per_device() -> Optional[float]:
@@ -135,46 +108,6 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
     return model, tx, schedule, init_state
 
 
-def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
-                      do_lower_case: Optional[bool] = None) -> None:
-    """Makes the workdir self-describing: bert_config.json (+ vocab.txt, + tokenizer_config.json
-    with the casing when it is known) next to the checkpoints. A file is written only when its
-    content changes, so a finished (even read-only) workdir re-runs as a no-op."""
-    if jax.process_index() != 0:
-        return
-    os.makedirs(workdir, exist_ok=True)
-    config_file = os.path.join(workdir, "bert_config.json")
-    try:
-        unchanged = BertConfig.from_json_file(config_file) == bert_config.replace(fp8=False)
-    except (OSError, ValueError):
-        unchanged = False
-    if not unchanged:
-        bert_config.to_json_file(config_file)
-    if vocab_file:
-        if "://" in vocab_file:  # gs:// on a pod
-            import tensorflow as tf
-            opener = tf.io.gfile.GFile
-        else:
-            opener = open
-        with opener(vocab_file, "rb") as f:
-            _write_if_changed(os.path.join(workdir, "vocab.txt"), f.read())
-    if do_lower_case is not None:
-        from bert_jax import convert
-        _write_if_changed(os.path.join(workdir, "tokenizer_config.json"),
-                          convert.tokenizer_config_json(do_lower_case).encode())
-
-
-def _write_if_changed(path: str, data: bytes) -> None:
-    try:
-        with open(path, "rb") as f:
-            if f.read() == data:
-                return
-    except OSError:
-        pass
-    with open(path, "wb") as f:
-        f.write(data)
-
-
 # ---------------------------------------------------------------------------------------------
 # Pretraining
 # ---------------------------------------------------------------------------------------------
@@ -189,8 +122,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     Returns the last logged metrics (also written to TensorBoard under `workdir`).
     """
-    from clu import metric_writers  # TensorBoard + console writers
-
     jax.config.update("jax_threefry_partitionable", True)
     check_same_config_on_all_hosts(config)
     bert_config = bert_config_from(config)
@@ -213,7 +144,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                              + ([config.eval_data] if config.eval_data else []))
     if config.eval_data and config.eval_every_steps:
         make_eval_input(config, config.eval_data)  # bad eval data: an error now, not after hours
-    write_model_files(workdir, bert_config, config.vocab_file, data_casing(phases))
+    if jax.process_index() == 0:
+        write_model_files(workdir, bert_config, config.vocab_file, data_casing(phases))
 
     model, tx, schedule, init_state = build(config, bert_config, mesh)
     rules = sharding.DEFAULT_RULES
@@ -222,7 +154,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
 
     ckpt = checkpointing.Checkpointer(
-        os.path.join(workdir, "checkpoints"), save_interval_steps=config.checkpoint_every_steps,
+        storage.join(workdir, "checkpoints"), save_interval_steps=config.checkpoint_every_steps,
         max_to_keep=config.keep_checkpoints, async_save=config.async_checkpointing,
         on_damaged=config.get("on_damaged_checkpoint", "fallback"))
     start_step = ckpt.latest_step()
@@ -241,8 +173,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 google_gelu=config.get("google_gelu")))
             logging.info("initialized from %s", config.init_checkpoint)
 
-    writer = metric_writers.create_default_writer(
-        workdir, just_logging=jax.process_index() > 0, asynchronous=False)
+    writer = metric_writer(workdir, just_logging=jax.process_index() > 0)
     if start_step == 0:
         writer.write_hparams(hparams(config, bert_config))
 
@@ -260,7 +191,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     peak = peak_flops_per_device()
     block_every_step = jax.process_count() > 1  # RELIABILITY.md: multi-process CPU deadlock otherwise
     last_metrics: dict = {}
-    log_path = os.path.join(workdir, "train_log.jsonl")
+    log_path = storage.join(workdir, "train_log.jsonl")
     consecutive_bad = 0
     step = start_step
     stop = False
@@ -324,8 +255,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 if stop:
                     break
     finally:
-        writer.flush()
-        ckpt.close()  # waits for the last save; raises if it failed
+        try:
+            writer.close()  # a gs:// workdir's events are uploaded here at the latest
+        finally:
+            ckpt.close()  # waits for the last save; raises if it failed
     return last_metrics
 
 
@@ -363,10 +296,8 @@ def _log(pending, step, window_start, writer, bar, flops, global_batch, seq_len,
         else:
             consecutive_bad = 0
     if jax.process_index() == 0:
-        with open(log_path, "a", encoding="utf-8") as f:
-            for i, m in enumerate(fetched):
-                f.write(json.dumps({"step": first_step + i, "loss": float(m["loss"]),
-                                    "grad_norm": float(m["grad_norm"])}) + "\n")
+        append_jsonl(log_path, ({"step": first_step + i, "loss": float(m["loss"]),
+                                 "grad_norm": float(m["grad_norm"])} for i, m in enumerate(fetched)))
     sums = {k: sum(float(m[k]) for m in fetched) for k in fetched[-1]}
     n = len(fetched)
     seqs_per_s = n * global_batch / max(seconds, 1e-9)
@@ -412,9 +343,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         results = run_eval(p_eval, params, make_eval_input(config, config.eval_data), mesh,
             config.eval_steps)
     if jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "eval_results.json"), "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2, sort_keys=True)
+        write_json(workdir, "eval_results.json", results, indent=2, sort_keys=True)
         print(json.dumps(results, sort_keys=True))
     return results
 
@@ -457,12 +386,13 @@ def load_params(config, bert_config: BertConfig, mesh):
 
     abstract, shardings = abstract_params(bert_config)
     from bert_jax import convert
-    train_state_dir = os.path.isdir(os.path.join(path, "checkpoints")) or (
-        convert.detect_format(path) == "bert_jax" and not os.path.isdir(os.path.join(path, "params")))
+    has_checkpoints = storage.isdir(storage.join(path, "checkpoints"))
+    train_state_dir = has_checkpoints or (
+        convert.detect_format(path) == "bert_jax" and not storage.isdir(storage.join(path, "params")))
     if not train_state_dir:  # an export, a Google or a HuggingFace checkpoint
         return init_from_checkpoint(path, bert_config, {}, shardings, require_heads=True,
                                     google_gelu=config.get("google_gelu")), shardings
-    ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    ckpt_dir = storage.join(path, "checkpoints") if has_checkpoints else path
     try:
         saved_scanned = any("/encoder/layers/" in key for key in checkpointing.saved_keys(ckpt_dir))
     except FileNotFoundError as e:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import ml_collections
@@ -29,9 +29,7 @@ from jax.experimental import multihost_utils
 
 from bert_jax import sharding
 from bert_jax.modeling import BertConfig
-
-if TYPE_CHECKING:
-    from bert_jax.pretrain import Phase
+from bert_jax.phases import Phase
 
 # The config fields of the learning-rate schedule, saved with each checkpoint to compare on resume.
 SCHEDULE_KEYS = ("learning_rate", "warmup_steps", "num_train_steps", "lr_decay_power", "google_lr_schedule",
@@ -171,9 +169,7 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
     gone and the bytes differ, the tokens cannot be compared: a warning."""
     if not vocab_file:
         return
-    import tensorflow as tf  # tf.io.gfile: gs:// paths too (the input pipeline's import anyway)
-
-    from data_pipeline import input_pipeline, schema, tokenization
+    from data_pipeline import input_pipeline, schema, storage, tokenization
 
     digest = None
     for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
@@ -186,7 +182,7 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
         if digest == want:
             continue
         made_with = info.get("flags", {}).get("vocab_file")
-        if made_with and tf.io.gfile.exists(made_with):
+        if made_with and storage.exists(made_with):
             if list(tokenization.load_vocab(made_with).items()) == list(tokenization.load_vocab(vocab_file).items()):
                 continue  # the same tokens and ids in another file
             raise ValueError(f"config.vocab_file={vocab_file} is not the vocabulary {pattern} was made with "

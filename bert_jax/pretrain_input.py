@@ -10,17 +10,15 @@ sums `eval_step` over it. The batches become global arrays in `run_eval` here an
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bert_jax import sharding, steps
-
-if TYPE_CHECKING:
-    from bert_jax.pretrain import Phase
+from bert_jax.phases import Phase
+from data_pipeline import storage
 
 
 class ShardedInput:
@@ -45,11 +43,11 @@ class ShardedInput:
 
     def save_state(self, directory: str) -> None:
         for j, s in enumerate(self.shards):
-            s.save_state(os.path.join(directory, f"shard_{j}"))
+            s.save_state(storage.join(directory, f"shard_{j}"))
 
     def restore_state(self, directory: str) -> None:
         for j, s in enumerate(self.shards):
-            s.restore_state(os.path.join(directory, f"shard_{j}"))
+            s.restore_state(storage.join(directory, f"shard_{j}"))
 
 
 def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> ShardedInput:

@@ -150,6 +150,30 @@ def test_sst2_learns_and_writes_everything(sst2_run, checkpoint):
                            checkpoint["params"]["bert"]["pooler"]["dense"]["kernel"])
 
 
+def test_fine_tuning_in_a_bucket_writes_what_a_local_run_writes(bucket, sst2_run, checkpoint, monkeypatch,
+                                                               tmp_path):
+    """Data, the pretrained checkpoint and the workdir in Cloud Storage (the emulator of
+    tests/conftest.py): the same results and the same files as the local run, in the bucket."""
+    from data_pipeline import storage
+    data, work, results = sst2_run
+    monkeypatch.setenv("BERT_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    storage.copy_tree(str(data), f"{bucket}/glue")
+    storage.copy_tree(checkpoint["bert_jax"], f"{bucket}/pretrained")
+    gs_work = f"{bucket}/work"
+    got = finetune.run(sst2_config(f"{bucket}/glue", {**checkpoint, "bert_jax": f"{bucket}/pretrained"}), gs_work)
+    assert got == results  # the same floats
+    for rel in ("eval_results.json", "eval_history.json", "sst2_dev_predictions.tsv", "SST-2.tsv",
+                "best_predictions/sst2_dev_predictions.tsv", "bert_config.json", "vocab.txt", "tokenizer_config.json"):
+        assert storage.read_bytes(f"{gs_work}/{rel}") == (work / rel).read_bytes(), rel
+    assert [n for n in storage.listdir(f"{gs_work}/checkpoints") if n.isdigit()] == ["24"]
+    assert len([n for n in storage.listdir(f"{gs_work}/best") if n.isdigit()]) == 1
+    assert any(name.startswith("events.out.tfevents") for name in storage.listdir(gs_work))
+    # The fine-tuned workdir in the bucket is a checkpoint too: the same encoder as the local one.
+    np.testing.assert_array_equal(
+        convert.load_pretrained(gs_work).params["bert"]["pooler"]["dense"]["kernel"],
+        convert.load_pretrained(str(work)).params["bert"]["pooler"]["dense"]["kernel"])
+
+
 def test_resume_after_sigterm_mid_epoch(tmp_path, sst2_run, checkpoint, monkeypatch):
     """SIGTERM at step 6 (mid epoch 2) saves and exits; the rerun resumes there and ends exactly
     where the uninterrupted run ended (same batches, same dropout keys)."""

@@ -1,0 +1,182 @@
+"""Pretraining with everything in Cloud Storage, emulated by fake-gcs-server (tests/conftest.py):
+records made straight into the bucket, the workdir in the bucket; kill -9 and resume bitwise; a
+flipped bit in the newest step in the bucket falls back to the intact one; evaluation mode; the
+TensorBoard events and logs land in the bucket; and nothing is written to local disk but the
+caches named here (BERT_JAX_CACHE_DIR, the XLA compilation cache).
+
+What reaches the emulator how: gcsfs (our storage layer, and orbax's metadata through
+etils.epath) via STORAGE_EMULATOR_HOST; tensorstore (orbax's arrays) via TENSORSTORE_GCS_HTTP_URL.
+TensorFlow's own GCS client has no endpoint override: tf.data reads local copies of the bucket's
+records (data_pipeline.storage.tf_path), the one place where a real pod takes another path
+(TensorFlow reads gs:// itself there). TensorBoard events and the tf.data iterator state are
+written locally and uploaded through the storage layer on a pod as here.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_pipeline import storage
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = [f"w{i:03d}" for i in range(300)]
+SEQ, PREDS = 32, 5
+
+
+def corpus(rng, docs: int) -> str:
+    """Google's text format: a sentence per line, a blank line between documents."""
+    out = []
+    for _ in range(docs):
+        for _ in range(rng.randint(4, 9)):
+            out.append(" ".join(rng.choice(WORDS[: rng.randint(60, 300)], rng.randint(5, 12))) + " .")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture(scope="module")
+def places(gcs_server, tmp_path_factory):
+    """A bucket with a corpus, a vocabulary, and train and eval records made into it by
+    `create_pretraining_data` (gs:// in, gs:// out); local folders for the runs."""
+    bucket = f"gs://pretrain-{uuid.uuid4().hex[:8]}"
+    storage._fs(bucket).mkdir(bucket[5:])  # pylint: disable=protected-access
+    rng = np.random.RandomState(0)
+    for i in range(2):
+        storage.write_text(f"{bucket}/corpus/part-{i}.txt", corpus(rng, 24))
+    storage.write_text(f"{bucket}/heldout/part-0.txt", corpus(rng, 8))
+    storage.write_text(f"{bucket}/vocab.txt", "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "."]
+                                                        + WORDS) + "\n")
+    local = tmp_path_factory.mktemp("gcs_pretrain")
+    places = {"bucket": bucket, "local": local, "cache": local / "cache", "xla": local / "xla_cache"}
+    for name, inputs, out, dupe in (("train", "corpus/*.txt", "data/train.tfrecord", 3),
+                                    ("eval", "heldout/*.txt", "eval/eval.tfrecord", 1)):
+        r = run(places, [sys.executable, "-m", "data_pipeline.create_pretraining_data",
+                         f"--input_file={bucket}/{inputs}", f"--output_file={bucket}/{out}",
+                         f"--vocab_file={bucket}/vocab.txt", f"--max_seq_length={SEQ}",
+                         f"--max_predictions_per_seq={PREDS}", f"--dupe_factor={dupe}", "--random_seed=1"])
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert storage.glob(f"{bucket}/data/train.tfrecord*") and storage.exists(f"{bucket}/data/dataset_info.json")
+    return places
+
+
+def run(places, args, *, popen=False, timeout=300):
+    """Runs a command as a user would, from an empty folder, with a home and a temp folder of its
+    own; afterwards (see `assert_nothing_local`) those must still be empty."""
+    cwd = places["local"] / f"cwd-{uuid.uuid4().hex[:6]}"
+    home, tmp = cwd.with_name(cwd.name + "-home"), cwd.with_name(cwd.name + "-tmp")
+    for d in (cwd, home, tmp):
+        d.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2", HOME=str(home), TMPDIR=str(tmp),
+               BERT_JAX_CACHE_DIR=str(places["cache"]), JAX_COMPILATION_CACHE_DIR=str(places["xla"]),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+               MPLCONFIGDIR=str(places["cache"] / "matplotlib"), KERAS_HOME=str(places["cache"] / "keras"))
+    places.setdefault("dirs", []).extend([cwd, home, tmp])
+    if popen:
+        return subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_nothing_local(places):
+    """No run wrote anything into its working folder (no `gs:` folder) or home, and its temp
+    folder holds only the modules TensorFlow's autograph writes there for the tf.data functions
+    it converts (Keras's `~/.keras` goes to the cache: KERAS_HOME)."""
+    leftovers = {str(d): [n for n in sorted(os.listdir(d)) if not n.startswith("__autograph_generated_file")]
+                 for d in places.get("dirs", [])}
+    assert not any(leftovers.values()), leftovers
+
+
+def pretrain(places, workdir, *overrides, popen=False):
+    bucket = places["bucket"]
+    return run(places, [sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/test.py'}",
+                        f"--workdir={workdir}", f"--config.train_data={bucket}/data/train.tfrecord*",
+                        f"--config.eval_data={bucket}/eval/*.tfrecord", f"--config.vocab_file={bucket}/vocab.txt",
+                        "--config.log_every_steps=1", "--config.checkpoint_every_steps=4",
+                        "--config.num_train_steps=12", "--config.eval_every_steps=12",
+                        "--config.shuffle_buffer_size=64", *overrides], popen=popen)
+
+
+def losses(workdir) -> dict:
+    """step -> loss from the bucket's train_log.jsonl (a resumed run logs some steps again: last one wins)."""
+    out = {}
+    for line in storage.read_text(f"{workdir}/train_log.jsonl").splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def tensorboard_scalars(workdir) -> dict:
+    """{tag: {step: value}} of the event files in the bucket."""
+    import tensorflow as tf
+    out: dict = {}
+    for path in storage.glob(f"{workdir}/events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(storage.local_copy(path)):
+            for v in event.summary.value:
+                value = tf.make_ndarray(v.tensor)
+                if value.ndim == 0 and value.dtype.kind == "f":  # scalars (not the hparams' text)
+                    out.setdefault(v.tag, {})[event.step] = float(value)
+    return out
+
+
+def test_pretraining_in_a_bucket_resumes_bitwise_after_kill9_and_past_a_flipped_bit(places):
+    bucket = places["bucket"]
+    ref = pretrain(places, f"{bucket}/ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = losses(f"{bucket}/ref")
+    assert sorted(want) == list(range(1, 13)) and want[12] < want[1]
+    names = storage.listdir(f"{bucket}/ref")
+    assert {"bert_config.json", "vocab.txt", "tokenizer_config.json", "checkpoints", "train_log.jsonl"} <= set(names)
+    assert storage.read_bytes(f"{bucket}/ref/vocab.txt") == storage.read_bytes(f"{bucket}/vocab.txt")
+    assert storage.listdir(f"{bucket}/ref/checkpoints") == ["12", "4", "8", "input_state"]
+    assert "bert_jax_integrity.json" in storage.listdir(f"{bucket}/ref/checkpoints/12")
+    scalars = tensorboard_scalars(f"{bucket}/ref")  # uploaded from the staging folder
+    assert sorted(scalars["train/loss"]) == list(range(1, 13)) and 12 in scalars["eval/masked_lm_accuracy"]
+
+    # kill -9 after step 6 is logged (after the step-4 checkpoint), then the same command again.
+    work = f"{bucket}/killed"
+    proc = pretrain(places, work, popen=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if storage.exists(f"{work}/train_log.jsonl") and len(storage.read_text(f"{work}/train_log.jsonl").split()) >= 6:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"training ended before it could be killed: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    resumed = pretrain(places, work)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(work) == want  # bitwise: the same floats, step for step
+
+    # A flipped bit in the newest step's array data, in the bucket: moved aside, step 8 resumed,
+    # and steps 9-12 trained again give the uninterrupted losses.
+    data = max((info for rel, info in storage.files_info(f"{work}/checkpoints/12").items() if "/d/" in rel),
+               key=lambda info: info["size"])
+    blob = bytearray(storage.read_bytes(data["path"]))
+    blob[len(blob) // 2] ^= 0x10
+    storage.write_bytes(data["path"], bytes(blob))
+    again = pretrain(places, work)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rel = data["path"][len(f"{work}/checkpoints/12/"):]
+    assert f"checkpoint step 12 in {work}/checkpoints is damaged: {rel}" in again.stderr, again.stderr[-3000:]
+    assert "checksum mismatch" in again.stderr and "resume from step 8" in again.stderr
+    assert [name.split("-")[0] for name in storage.listdir(f"{work}/checkpoints/damaged")] == ["12"]
+    got = losses(work)
+    assert got == want
+
+    # Evaluation mode on the bucket's checkpoint: the scores training logged at step 12.
+    evaluated = run(places, [sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/test.py'}",
+                             f"--workdir={bucket}/eval_out", "--config.mode=evaluate",
+                             f"--config.init_checkpoint={bucket}/ref", f"--config.eval_data={bucket}/eval/*.tfrecord"])
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    results = json.loads(storage.read_text(f"{bucket}/eval_out/eval_results.json"))
+    for key in ("masked_lm_accuracy", "masked_lm_loss", "next_sentence_accuracy"):
+        assert results[key] == pytest.approx(scalars[f"eval/{key}"][12], rel=1e-6), key
+    assert_nothing_local(places)
