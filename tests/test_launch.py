@@ -1,10 +1,14 @@
-"""launch/tpu_pod.sh against a stand-in `gcloud`: the environment check, the three gcloud calls,
-and the remote command as a worker's shell would run it (overrides with glob characters and
-spaces arrive unchanged)."""
+"""launch/tpu_pod.sh against a stand-in `gcloud`: the environment check, the gcloud calls in order,
+--dry_run, the run detached from the SSH session with its log kept, a stale run stopped before a
+new start, and the remote command as a worker's shell would run it (overrides with glob
+characters and spaces arrive unchanged). tests/test_pod_rehearsal.py runs the real thing: two
+workers training against an emulated bucket, preempted and relaunched."""
 
 import os
+import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -12,17 +16,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "tpu_pod.sh"
 
-# Records each call (arguments NUL-separated, one call per line) and, for `ssh --command=...`,
-# runs the command with bash in $FAKE_WORKER, as the TPU worker's login shell would.
+# Records each call (arguments NUL-separated, one call per line); `scp` copies its sources into
+# $FAKE_WORKER/<destination>, `ssh --command=...` runs the command with bash in $FAKE_WORKER (the
+# worker's home), as the TPU worker's login shell would.
 FAKE_GCLOUD = r"""#!/usr/bin/env bash
 printf '%s\0' "$@" >> "$FAKE_LOG"; printf '\n' >> "$FAKE_LOG"
+if [ "$4" = scp ]; then
+  srcs=(); for a in "${@:5}"; do case "$a" in --*) ;; *) srcs+=("$a") ;; esac; done
+  dest="$FAKE_WORKER/${srcs[-1]#*:}"; unset 'srcs[-1]'
+  cp -r "${srcs[@]}" "$dest"
+fi
 for a in "$@"; do
-  case "$a" in --command=*) (cd "$FAKE_WORKER" && bash -c "${a#--command=}") || exit 1 ;; esac
+  case "$a" in --command=*) (cd "$FAKE_WORKER" && HOME="$FAKE_WORKER" bash -c "${a#--command=}") || exit 1 ;; esac
 done
 """
-# The worker's python3: records its arguments, one per line.
+# The worker's python3: records its arguments, one per line; as `-m bert_jax.main` it stays up
+# like a training run until SIGTERM, which it records.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 printf '%s\n' "$@" >> "$FAKE_PY_LOG"
+if [ "$1 $2" = "-m bert_jax.main" ]; then
+  trap 'echo "SIGTERM $$" >> "$FAKE_PY_LOG.signals"; exit 0' TERM
+  sleep 300 & wait
+fi
 """
 
 
@@ -42,43 +57,131 @@ def fake(tmp_path):
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(tmp_path / "gcloud.log"),
                FAKE_PY_LOG=str(tmp_path / "python.log"), FAKE_WORKER=str(worker),
                TPU_NAME="my-v4-32", ZONE="us-central2-b", PROJECT="my-project", CONFIG="configs/large.py",
-               WORKDIR="gs://bucket/my run")
-    return tmp_path, env
+               WORKDIR="gs://bucket/my run", STOP_TIMEOUT="20")
+    yield tmp_path, env
+    pid_file = worker / "bert_jax_run" / "pid"  # never leave a fake run behind
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _launch(env, *args):
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def _calls(tmp):
+    return [line.split("\0")[:-1] for line in (tmp / "gcloud.log").read_text().splitlines()]
+
+
+def _wait_for(predicate, what, timeout=20):
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    return state != "Z"
 
 
 def test_missing_environment_variable_is_named_and_nothing_runs(fake):
     tmp, env = fake
     del env["ZONE"]
-    r = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=30)
+    r = _launch(env)
     assert r.returncode == 2
     assert "ZONE is required" in r.stderr
     assert not (tmp / "gcloud.log").exists()
 
 
-def test_copies_installs_and_starts_on_every_worker(fake):
+OVERRIDES = ["--config.train_data=gs://bucket/data/train-*.tfrecord", "--config.learning_rate=1e-4",
+             "--config.phases=({'fraction': 0.9},)"]
+
+
+def test_stops_copies_installs_and_starts_detached_on_every_worker(fake):
     tmp, env = fake
-    overrides = ["--config.train_data=gs://bucket/data/train-*.tfrecord", "--config.learning_rate=1e-4",
-                 "--config.phases=({'fraction': 0.9},)"]
-    r = subprocess.run(["bash", str(SCRIPT), *overrides], env=env, capture_output=True, text=True, timeout=30)
+    r = _launch(env, *OVERRIDES)
     assert r.returncode == 0, r.stderr
-    calls = [line.split("\0")[:-1] for line in (tmp / "gcloud.log").read_text().splitlines()]
-    assert [c[:4] for c in calls] == [["compute", "tpus", "tpu-vm", "ssh"], ["compute", "tpus", "tpu-vm", "scp"],
-                                      ["compute", "tpus", "tpu-vm", "ssh"], ["compute", "tpus", "tpu-vm", "ssh"]]
-    assert calls[0][-1] == "--command=mkdir -p bert_jax" and (tmp / "worker" / "bert_jax").is_dir()
-    calls = calls[1:]
+    calls = _calls(tmp)
+    assert [c[3] for c in calls] == ["ssh", "scp", "ssh", "scp", "ssh", "ssh"]
     for c in calls:
+        assert c[:3] == ["compute", "tpus", "tpu-vm"]
+        assert c[3] == "scp" or c[4] == "my-v4-32"
         assert {"--zone=us-central2-b", "--project=my-project", "--worker=all"} <= set(c)
-    scp = calls[0]
-    assert scp[-1] == "my-v4-32:bert_jax/"
-    assert {"setup.py", "bert_jax", "data_pipeline", "configs"} <= set(scp)
-    assert calls[1][4] == "my-v4-32" and "pip install -q -e '.[tpu]'" in calls[1][-1]
-    # What the worker ran: the entry point with the config, workdir, multi-host on, and every
-    # override exactly as given here (no glob expansion, no word splitting on the worker).
-    argv = (tmp / "python.log").read_text().splitlines()
+    assert calls[0][-1] == "--command=mkdir -p bert_jax/launch"
+    assert calls[1][-2:] == ["launch/tpu_worker.sh", "my-v4-32:bert_jax/launch/"]
+    assert calls[2][-1].endswith("bash launch/tpu_worker.sh stop")
+    assert {"setup.py", "bert_jax", "data_pipeline", "configs", "launch"} <= set(calls[3])
+    assert calls[3][-1] == "my-v4-32:bert_jax/"
+    assert "pip install -q -e '.[tpu,gcs]'" in calls[4][-1]
+    # The worker ran the entry point with the config, workdir, multi-host on, and every override
+    # exactly as given here (no glob expansion, no word splitting on the worker) ...
+    log = tmp / "python.log"
+    _wait_for(lambda: log.exists() and "--multihost=true" in log.read_text(), "the run to start")
+    argv = log.read_text().splitlines()
     pip, main = argv[:6], argv[6:]
-    assert pip == ["-m", "pip", "install", "-q", "-e", ".[tpu]"]
-    assert main[:2] == ["-m", "bert_jax.main"]
-    assert main[2:] == ["--config=configs/large.py", "--workdir=gs://bucket/my run", "--multihost=true", *overrides]
+    assert pip == ["-m", "pip", "install", "-q", "-e", ".[tpu,gcs]"]
+    _wait_for(lambda: len(log.read_text().splitlines()) >= 6 + 5 + len(OVERRIDES), "all arguments")
+    main = log.read_text().splitlines()[6:]
+    assert main == ["-m", "bert_jax.main", "--config=configs/large.py", "--workdir=gs://bucket/my run",
+                    "--multihost=true", *OVERRIDES]
+    # ... detached: still running after the launcher (the SSH session) ended, in a session of its
+    # own (no SIGHUP when SSH closes), with its output in a log that is kept.
+    run_dir = tmp / "worker" / "bert_jax_run"
+    pid = int((run_dir / "pid").read_text())
+    assert _alive(pid) and os.getsid(pid) == pid != os.getsid(0)
+    logs = sorted((run_dir / "logs").glob("*.log"))
+    assert (run_dir / "logs" / "latest.log").resolve() in [p.resolve() for p in logs]
+
+
+def test_a_rerun_stops_the_stale_run_first_and_keeps_its_log(fake):
+    tmp, env = fake
+    env["SKIP_INSTALL"] = "1"
+    assert _launch(env).returncode == 0
+    run_dir = tmp / "worker" / "bert_jax_run"
+    _wait_for(lambda: (run_dir / "pid").exists(), "the first run")
+    first = int((run_dir / "pid").read_text())
+    _wait_for(lambda: _alive(first), "the first run to be up")
+    time.sleep(1.1)  # log names carry the second
+    r = _launch(env)
+    assert r.returncode == 0, r.stderr
+    assert f"stopping run {first}" in r.stdout
+    signals = (tmp / "python.log.signals").read_text()
+    assert f"SIGTERM {first}" in signals  # a graceful stop: bert_jax saves a checkpoint on SIGTERM
+    assert not _alive(first)
+    second = int((run_dir / "pid").read_text())
+    assert second != first and _alive(second)
+    assert len(list((run_dir / "logs").glob("*-*.log"))) == 2  # the first run's log is kept
+    assert not any("pip" in line for line in (tmp / "python.log").read_text().splitlines())  # SKIP_INSTALL
+    # --status and --stop reach the same run.
+    status = _launch(env, "--status")
+    assert status.returncode == 0 and f"running (pid {second})" in status.stdout
+    assert _launch(env, "--stop").returncode == 0
+    assert not _alive(second) and f"SIGTERM {second}" in (tmp / "python.log.signals").read_text()
+    assert "not running" in _launch(env, "--status").stdout
+
+
+def test_dry_run_prints_every_command_and_runs_none(fake):
+    tmp, env = fake
+    r = _launch(env, "--dry_run", *OVERRIDES)
+    assert r.returncode == 0, r.stderr
+    assert not (tmp / "gcloud.log").exists() and list((tmp / "worker").iterdir()) == []
+    lines = r.stdout.splitlines()
+    assert len(lines) == 6 and all(line.startswith("gcloud compute tpus tpu-vm ") for line in lines)
+    # Each printed line is the command as the shell would run it: parsing it gives the same
+    # arguments a real run sends.
+    r2 = _launch(env, *OVERRIDES)
+    assert r2.returncode == 0
+    printed = [subprocess.run(["bash", "-c", f"printf '%s\\0' {line[len('gcloud '):]}"], capture_output=True,
+                              text=True).stdout.split("\0")[:-1] for line in lines]
+    assert printed == _calls(tmp)
 
 
 @pytest.mark.parametrize("env,tasks", [
