@@ -85,22 +85,25 @@ def describe(rel: str) -> str:
     return "checkpoint bookkeeping"
 
 
-def file_crc32c(path: str) -> tuple[int, str]:
+def file_crc32c(path: str, size: Optional[int] = None) -> tuple[int, str]:
     """(size, checksum) of a file: CRC-32C of all but its last 4 bytes, then those 4 bytes, in hex.
 
     Not the CRC-32C of the whole file: OCDBT files (orbax's array data) end with their own CRC-32C,
     and the CRC-32C of any such file is the same constant (the CRC residue), which would not tell
     one intact file from another of the same size. Every single-bit error and every burst of up to
     32 bits is still detected: in the body by the CRC, in the tail by comparing it verbatim.
+    `size`: the file's size if known (a listing gave it); the returned size is what was read.
     """
-    crc, size, tail = 0, 0, b""
+    size = storage.getsize(path) if size is None else size
+    crc, read = 0, 0
+    body = max(size - 4, 0)
     with storage.open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            size += len(chunk)
-            data = tail + chunk
-            crc = google_crc32c.extend(crc, data[:-4])
-            tail = data[-4:]
-    return size, f"{crc:08x}{tail.hex()}"
+        # Chunks that end where the tail starts: no copies of the data to split it off.
+        while read < body and (chunk := f.read(min(_CHUNK, body - read))):
+            crc = google_crc32c.extend(crc, chunk)
+            read += len(chunk)
+        tail = f.read()
+    return read + len(tail), f"{crc:08x}{tail.hex()}"
 
 
 def file_md5(path: str) -> tuple[int, str]:
@@ -138,7 +141,7 @@ def _entry(info: dict, kind: str) -> list:
         if info.get("md5"):
             return [info["size"], info["md5"]]
         return list(file_md5(info["path"]))
-    return list(file_crc32c(info["path"]))
+    return list(file_crc32c(info["path"], info["size"]))
 
 
 def _canonical(body: dict) -> bytes:
