@@ -378,21 +378,12 @@ def open(path, mode: str = "r", encoding: Optional[str] = None, newline: Optiona
     return raw if text is None else text
 
 
-class _LocalWrite:
-    """A local file open for writing, whole or nothing: written under a temporary name in the same
-    folder and renamed into place when the `with` block ends (or `close()` is called); when the
-    block raises, the temporary file is deleted and whatever was there before stays."""
+class _WholeOrNothing:
+    """A file open for writing whose content appears whole when the `with` block ends (or
+    `close()` is called), or not at all when the block raises (`abort()`): whatever was there
+    before stays. Reads and writes go to the file object `self._f`."""
 
-    def __init__(self, path: str, mode: str, **text_args):
-        self._path = path
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, self._tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-        os.close(fd)
-        if "b" in mode:
-            self._f = builtins.open(self._tmp, "wb")
-        else:
-            self._f = builtins.open(self._tmp, "w", encoding=text_args.get("encoding") or "utf-8",
-                                    newline=text_args.get("newline"), errors=text_args.get("errors"))
+    _f: IO
 
     def __getattr__(self, name):
         return getattr(self._f, name)
@@ -405,6 +396,27 @@ class _LocalWrite:
             self.close()
         else:
             self.abort()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+class _LocalWrite(_WholeOrNothing):
+    """Local: written under a temporary name in the same folder, renamed into place on close."""
+
+    def __init__(self, path: str, mode: str, **text_args):
+        self._path = path
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, self._tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        if "b" in mode:
+            self._f = builtins.open(self._tmp, "wb")
+        else:
+            self._f = builtins.open(self._tmp, "w", encoding=text_args.get("encoding") or "utf-8",
+                                    newline=text_args.get("newline"), errors=text_args.get("errors"))
 
     def close(self) -> None:
         if self._f.closed:
@@ -420,26 +432,16 @@ class _LocalWrite:
             os.unlink(self._tmp)
 
 
-class _Upload:
-    """A remote file open for writing, whole or nothing: the object is created when the `with`
-    block ends (or `close()` is called); when the block raises, the upload is discarded and
-    whatever was there before stays (a plain fsspec file would upload the part written)."""
+class _Upload(_WholeOrNothing):
+    """Remote: the object is created when the upload completes on close; an aborted upload is
+    discarded (a plain fsspec file would upload the part written when its block raises)."""
 
     def __init__(self, raw, text=None):
         self._raw, self._text = raw, text
         self._f = text if text is not None else raw
 
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self._f.close()
-        else:
-            self.abort()
+    def close(self) -> None:
+        self._f.close()
 
     def abort(self) -> None:
         if self._raw.closed:
