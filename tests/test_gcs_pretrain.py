@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from data_pipeline import storage
+from pretraining_records import logged_losses  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i:03d}" for i in range(300)]
@@ -105,11 +106,7 @@ def pretrain(places, workdir, *overrides, popen=False):
 
 def losses(workdir) -> dict:
     """step -> loss from the bucket's train_log.jsonl (a resumed run logs some steps again: last one wins)."""
-    out = {}
-    for line in storage.read_text(f"{workdir}/train_log.jsonl").splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
-    return out
+    return logged_losses(storage.read_text(f"{workdir}/train_log.jsonl"))
 
 
 def tensorboard_scalars(workdir) -> dict:

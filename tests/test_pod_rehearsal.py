@@ -10,24 +10,21 @@ back to the same earlier step. The final losses equal an uninterrupted two-worke
 bit: the same programs on the same devices see the same batches from the same step on.
 """
 
-import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from data_pipeline import storage
+from pretraining_records import logged_losses, write_records  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "tpu_pod.sh"
-SEQ, PREDS, VOCAB = 32, 5, 512
 
 # `gcloud compute tpus tpu-vm ssh|scp NAME ... --worker=all` on $FAKE_WORKERS local workers:
 # scp copies into each worker's home, ssh runs the command in each home with that worker's
@@ -71,41 +68,13 @@ if _step:
 """
 
 
-def write_records(path: str, n: int, seed: int) -> None:
-    """Records in Google's schema, written with tf.train.Example directly (not our writer)."""
-    import tensorflow as tf
-    rng = np.random.RandomState(seed)
-    local = f"{path}.local"
-    with tf.io.TFRecordWriter(local) as w:  # storage: local (written here, uploaded below)
-        for _ in range(n):
-            length = rng.randint(SEQ // 2, SEQ + 1)
-            ids = np.zeros(SEQ, np.int64)
-            ids[:length] = rng.randint(5, VOCAB, size=length)
-            ids[0], ids[length - 1] = 2, 3
-            mask = (np.arange(SEQ) < length).astype(np.int64)
-            seg = ((np.arange(SEQ) >= length // 2) & (mask > 0)).astype(np.int64)
-            npred = rng.randint(1, PREDS + 1)
-            pos = np.zeros(PREDS, np.int64)
-            pos[:npred] = np.sort(rng.choice(np.arange(1, length - 1), npred, replace=False))
-            lab = np.zeros(PREDS, np.int64)
-            lab[:npred] = ids[pos[:npred]]
-            ids[pos[:npred]] = 4
-            weights = (np.arange(PREDS) < npred).astype(np.float32)
-            feats = {"input_ids": ids, "input_mask": mask, "segment_ids": seg, "masked_lm_positions": pos,
-                     "masked_lm_ids": lab, "next_sentence_labels": np.array([rng.randint(0, 2)], np.int64)}
-            f = {k: tf.train.Feature(int64_list=tf.train.Int64List(value=v)) for k, v in feats.items()}
-            f["masked_lm_weights"] = tf.train.Feature(float_list=tf.train.FloatList(value=weights))
-            w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
-    return local
-
-
 @pytest.fixture
 def pod(gcs_server, tmp_path):
     bucket = f"gs://pod-{uuid.uuid4().hex[:8]}"
     storage._fs(bucket).mkdir(bucket[5:])  # pylint: disable=protected-access
     for i in range(4):
-        local = write_records(str(tmp_path / f"train-{i}.tfrecord"), 48, seed=i)
-        storage.copy(local, f"{bucket}/data/train-{i}.tfrecord")
+        write_records(tmp_path / f"train-{i}.tfrecord", 48, seed=i)
+        storage.copy(str(tmp_path / f"train-{i}.tfrecord"), f"{bucket}/data/train-{i}.tfrecord")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
@@ -168,11 +137,7 @@ def logs(pod) -> str:
 
 
 def losses(workdir) -> dict:
-    out = {}
-    for line in storage.read_text(f"{workdir}/train_log.jsonl").splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
-    return out
+    return logged_losses(storage.read_text(f"{workdir}/train_log.jsonl"))
 
 
 def test_preempted_pod_run_resumes_with_the_uninterrupted_losses(pod):
@@ -200,7 +165,7 @@ def test_preempted_pod_run_resumes_with_the_uninterrupted_losses(pod):
     out = wait_exit(pod, launch(pod, work, FAKE_ENV_1=f"PYTHONPATH={pod['faults']} FAULT_UNREADABLE_STEP={stop_step}"))
     fallback = max(s for s in saved if s < stop_step)
     assert out.count(f"resumed from step {fallback}") == 2, out[-4000:]
-    assert f"host 1" in out and "injected read error" in out
+    assert "host 1" in out and "injected read error" in out
     assert [n.split("-")[0] for n in storage.listdir(f"{work}/checkpoints/damaged")] == [str(stop_step)]
     assert losses(work) == want  # bitwise, step for step
     # Each run of each worker kept its own log.

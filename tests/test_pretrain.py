@@ -15,38 +15,9 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
+from pretraining_records import VOCAB, logged_losses, write_records  # tests/ is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
-SEQ, PREDS, VOCAB = 32, 5, 512
-
-
-def write_records(path: Path, n: int, seed: int, nan_weight: bool = False, SEQ: int = SEQ,
-                  PREDS: int = PREDS) -> None:
-    """Records in Google's schema, written with tf.train.Example directly (not our writer)."""
-    rng = np.random.RandomState(seed)
-    with tf.io.TFRecordWriter(str(path)) as w:
-        for _ in range(n):
-            length = rng.randint(SEQ // 2, SEQ + 1)
-            ids = np.zeros(SEQ, np.int64)
-            ids[:length] = rng.randint(5, VOCAB, size=length)
-            ids[0], ids[length - 1] = 2, 3
-            mask = (np.arange(SEQ) < length).astype(np.int64)
-            seg = ((np.arange(SEQ) >= length // 2) & (mask > 0)).astype(np.int64)
-            npred = rng.randint(1, PREDS + 1)
-            pos = np.zeros(PREDS, np.int64)
-            pos[:npred] = np.sort(rng.choice(np.arange(1, length - 1), npred, replace=False))
-            lab = np.zeros(PREDS, np.int64)
-            lab[:npred] = ids[pos[:npred]]
-            ids[pos[:npred]] = 4  # [MASK]
-            weights = np.zeros(PREDS, np.float32)
-            weights[:npred] = 1.0
-            if nan_weight:
-                weights[0] = np.nan
-            feats = {
-                "input_ids": ids, "input_mask": mask, "segment_ids": seg, "masked_lm_positions": pos,
-                "masked_lm_ids": lab, "next_sentence_labels": np.array([rng.randint(0, 2)], np.int64)}
-            f = {k: tf.train.Feature(int64_list=tf.train.Int64List(value=v)) for k, v in feats.items()}
-            f["masked_lm_weights"] = tf.train.Feature(float_list=tf.train.FloatList(value=weights))
-            w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +66,7 @@ def cmd(workdir, data, *overrides):
 
 def losses(workdir) -> dict:
     """step -> loss from train_log.jsonl (a resumed run logs some steps again: last one wins)."""
-    out = {}
-    for line in (Path(workdir) / "train_log.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
-    return out
+    return logged_losses((Path(workdir) / "train_log.jsonl").read_text())
 
 
 def run(args, timeout=300, devices=2, **kw):
