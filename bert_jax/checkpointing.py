@@ -65,15 +65,14 @@ function).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 from typing import Any, Callable, Optional
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from bert_jax import checkpoint_integrity as integrity
 from bert_jax.checkpoint_reading import check_against_metadata, flat, is_typed_key, listed, rebuild_like, to_abstract
@@ -86,8 +85,10 @@ from data_pipeline import storage
 
 PyTree = Any
 
-# Bytes of one host's verdict exchanged with the others (`_all_hosts`): a code and a message.
-_VERDICT_BYTES = 2048
+# How long a host waits for the others' verdicts or at a barrier (`_all_hosts`, `_barrier`): a
+# slow host may be verifying or reading a large step. A host that died ends the wait sooner
+# (jax's coordination service reports it to every process).
+_AGREEMENT_TIMEOUT_S = 3600
 
 
 class Checkpointer:
@@ -136,6 +137,7 @@ class Checkpointer:
         self._on_damaged = on_damaged
         self._saving_step: Optional[int] = None  # the step `_write_manifest` runs for
         self._checked: dict[int, Optional[integrity.Damage]] = {}  # verification results by step
+        self._exchanges = 0  # how many `_all_hosts`/`_barrier` calls so far: the same on every host
         options = ocp.CheckpointManagerOptions(
             # `max_to_keep` is deprecated in favour of a preservation policy.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
@@ -269,7 +271,7 @@ class Checkpointer:
                           step, self._directory, damage, moved, intact)
             self._checked.pop(step, None)
         if self._process_count > 1:
-            multihost_utils.sync_global_devices("bert_jax_checkpointing_moved_damaged")
+            self._barrier("moved_damaged")
         self._mngr.reload()  # orbax lists the steps it has seen; the moved ones are gone
         return intact
 
@@ -609,7 +611,7 @@ class Checkpointer:
                                  name, self._directory)
                     storage.rmtree(storage.join(self._directory, name))
         if self._process_count > 1:
-            multihost_utils.sync_global_devices("bert_jax_checkpointing_removed_uncommitted")
+            self._barrier("removed_uncommitted")
 
     def _prune_input_state(self) -> None:
         """Deletes this process's input state of steps orbax no longer has (pruned or never committed).
@@ -643,21 +645,30 @@ class Checkpointer:
 
     # --- agreement across hosts -----------------------------------------------------------------
 
+    def _exchange_key(self, what: str) -> str:
+        """A key no earlier exchange of this Checkpointer (or another one's) used; the same on every host."""
+        self._exchanges += 1
+        digest = hashlib.sha256(self._directory.encode()).hexdigest()[:12]
+        return f"bert_jax_checkpointing/{digest}/{self._exchanges}/{what}"
+
     def _all_hosts(self, code: int, text: str) -> list[tuple[int, str]]:
-        """Every host's (code, text), in host order: the same list on every host (one allgather)."""
+        """Every host's (code, text), in host order: the same list on every host.
+
+        Through the key-value store of jax's coordination service, not a collective: no device
+        program, and no collective's short timeout (gloo's 30 s on CPU) for a host that is slower
+        to verify or read."""
         if self._process_count == 1:
             return [(code, text)]
-        data = text.encode("utf-8")[: _VERDICT_BYTES - 8]
-        row = np.zeros(_VERDICT_BYTES, np.uint8)
-        row[0] = code
-        row[4:8] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
-        row[8:8 + len(data)] = np.frombuffer(data, np.uint8)
-        rows = np.asarray(multihost_utils.process_allgather(row))
-        out = []
-        for r in rows.reshape(self._process_count, _VERDICT_BYTES):
-            n = int.from_bytes(r[4:8].tobytes(), "little")
-            out.append((int(r[0]), r[8:8 + n].tobytes().decode("utf-8", "replace")))
-        return out
+        client = ocp.multihost.get_jax_distributed_client()
+        key = self._exchange_key("verdicts")
+        client.key_value_set(f"{key}/{self._process_index}", json.dumps([code, text]))
+        return [tuple(json.loads(client.blocking_key_value_get(f"{key}/{i}", _AGREEMENT_TIMEOUT_S * 1000)))
+                for i in range(self._process_count)]
+
+    def _barrier(self, what: str) -> None:
+        """Every host waits until all got here (the coordination service's barrier, not a collective)."""
+        ocp.multihost.sync_global_processes(self._exchange_key(what), timeout=_AGREEMENT_TIMEOUT_S,
+                                            processes=set(range(self._process_count)))
 
     def _agreed_verdict(self, status: str, damage: Optional[integrity.Damage]
                         ) -> tuple[str, Optional[integrity.Damage]]:

@@ -210,6 +210,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 flops = steps.train_flops_per_sequence(bert_config, phase.max_seq_length,
                                                        phase.max_predictions_per_seq)
                 pending: list = []
+                phase_step = None  # the phase's compiled step (`compile_step`), at its first batch
                 window_start, input_seconds = time.time(), 0.0
                 from tqdm import tqdm
                 bar = tqdm(total=phase.end_step - phase.start_step, initial=step - phase.start_step,
@@ -223,10 +224,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     check_token_ids(batch, bert_config.vocab_size, phase.train_data)
                     global_batch = sharding.to_global(batch, mesh)
                     input_seconds += time.perf_counter() - input_started
+                    if phase_step is None:
+                        phase_step = compile_step(p_train, state, global_batch, f"phase{phase_index}_step{step}")
                     # Nothing may reach the step implicitly from the host (a numpy leak would
                     # be copied every step, and is wrong multi-host).
                     with jax.transfer_guard_host_to_device("disallow"):
-                        state, metrics = p_train(state, global_batch)
+                        state, metrics = phase_step(state, global_batch)
                     step += 1
                     if block_every_step:
                         jax.block_until_ready(metrics)
@@ -260,6 +263,22 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         finally:
             ckpt.close()  # waits for the last save; raises if it failed
     return last_metrics
+
+
+def compile_step(p_train, state, batch, name: str):
+    """The jitted step compiled for this phase's shapes, ahead of its first call.
+
+    With several processes, every host then waits at a barrier of jax's coordination service
+    (not a collective) until all have compiled, so the step's first collectives start together:
+    on CPU, gloo gives a peer 30 s to join a new communicator, which a host still compiling, or
+    slowed by a loaded machine, missed.
+    """
+    compiled = p_train.lower(state, batch).compile()
+    if jax.process_count() > 1:
+        import orbax.checkpoint as ocp
+        ocp.multihost.sync_global_processes(f"bert_jax_compiled_{name}", timeout=3600,
+                                            processes=set(range(jax.process_count())))
+    return compiled
 
 
 def hparams(config: ml_collections.ConfigDict, bert_config: BertConfig) -> dict:
