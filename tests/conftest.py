@@ -88,3 +88,33 @@ def bucket(gcs_server, request):
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
     storage._fs("gs://x").mkdir(name)  # pylint: disable=protected-access
     return f"gs://{name}"
+
+
+# The longest tests (2-4 minutes each on the 2-core CI machine) run first, so that pytest-xdist
+# spreads them over its workers instead of leaving one of them alone with a long test at the end.
+LONGEST_FIRST = (
+    "test_aot_tpu.py::test_fsdp_flops_count_the_collective_matmul_loops",
+    "test_gcs_pretrain.py::",
+    "test_pod_rehearsal.py::",
+    "test_pretrain.py::test_two_processes_match_one_process_with_the_same_devices",
+    "test_plan.py::test_plan_a_v5e_2x2_slice",
+    "test_training.py::test_data_fsdp_and_tensor_parallel_give_the_same_losses",
+    "test_fp8.py::test_a_resumed_fp8_run_repeats_the_uninterrupted_one_bit_for_bit",
+    "test_pretrain.py::test_two_phases_resume_across_the_boundary",
+    "test_pretrain.py::test_kill9_and_a_flipped_bit_resume_with_the_uninterrupted_loss_sequence",
+    "test_input_pipeline.py::test_packed_batch_runs_the_model_like_separate_sequences",
+    "test_aot_tpu.py::test_tiny_config_compiles_for_a_v5e_2x2_slice",
+    "test_pretraining_helps.py::test_quick_pipeline_and_resume",
+    "test_training.py::test_sharded_gradients_equal_the_single_device_gradients",
+    "test_notebooks.py::test_pretrain_notebook",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    del config
+
+    def rank(item):
+        name = item.nodeid.split("/")[-1]
+        return next((i for i, prefix in enumerate(LONGEST_FIRST) if name.startswith(prefix)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order

@@ -2,6 +2,7 @@
 config mismatch, non-finite loss, evaluation mode) on small TFRecords the tests write themselves."""
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -20,7 +21,7 @@ from pretraining_records import VOCAB, logged_losses, write_records  # tests/ is
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: the longest tests run first (conftest), the rest later
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
     for i in range(4):
@@ -35,7 +36,7 @@ def data(tmp_path_factory):
 _CACHE = {}  # the compilation cache the runs of this module share (set by `compilation_cache`)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
     """One persistent XLA cache for the module's subprocesses: most runs compile the same step of
     configs/test.py, which a cached executable serves in half the run's time. (A cached executable
@@ -74,7 +75,7 @@ def run(args, timeout=300, devices=2, **kw):
                           text=True, **kw)
 
 
-def test_kill9_and_resume_gives_the_uninterrupted_loss_sequence(data, tmp_path):
+def test_kill9_and_a_flipped_bit_resume_with_the_uninterrupted_loss_sequence(data, tmp_path, caplog):
     ref = run(cmd(tmp_path / "ref", data))
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = losses(tmp_path / "ref")
@@ -98,6 +99,31 @@ def test_kill9_and_resume_gives_the_uninterrupted_loss_sequence(data, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = losses(work)
     assert got == want  # bitwise: the same floats, step for step
+
+    # One flipped bit in the newest step's parameter/optimizer data (the checksums of
+    # checkpoint_integrity): a reader (convert) takes step 8 read-only; the same command again
+    # moves step 12 aside, resumes from 8, and steps 9-12 trained again give the same losses.
+    logged = len((work / "train_log.jsonl").read_text().splitlines())
+    ckpt_dir = work / "checkpoints"
+    victim = max((p for p in (ckpt_dir / "12" / "state").rglob("*") if p.is_file() and "/d/" in str(p)),
+                 key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 3] ^= 0x04
+    victim.write_bytes(bytes(raw))
+    from bert_jax import convert
+    with caplog.at_level(logging.ERROR):
+        convert.load_bert_jax(str(work))
+    assert any("step 12" in r.getMessage() and "reading step 8 instead" in r.getMessage() for r in caplog.records)
+    assert not (ckpt_dir / "damaged").exists()
+    again = run(cmd(work, data))
+    assert again.returncode == 0, again.stderr[-3000:]
+    damaged_lines = [line for line in again.stderr.splitlines() if "is damaged" in line]
+    assert len(damaged_lines) == 1 and "step 12" in damaged_lines[0] and "resume from step 8" in damaged_lines[0], \
+        again.stderr[-3000:]
+    assert [p.name.split("-")[0] for p in (ckpt_dir / "damaged").iterdir()] == ["12"]
+    retrained = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()[logged:]]
+    assert [r["step"] for r in retrained] == [9, 10, 11, 12]
+    assert {r["step"]: r["loss"] for r in retrained} == {s: want[s] for s in (9, 10, 11, 12)}  # bitwise
 
 
 def test_a_changed_schedule_on_resume_and_a_zero_learning_rate_are_reported(data, tmp_path):
