@@ -117,3 +117,19 @@ def apply_overrides(config, overrides: Sequence[str], path: str = "the config fi
         node[leaf] = _parse_value(dotted, text, node[leaf])
         done.append(dotted)
     return done
+
+
+# The `--config.*` keys the command line of this process set (`bert_jax.main` records them): with
+# an init checkpoint, a `config.model` key given here is the user's choice, where the config file's
+# value is only a default that the checkpoint's own config replaces (`pretrain.bert_config_from`).
+_GIVEN: set = set()
+
+
+def record_command_line(argv: Sequence[str]) -> None:
+    _GIVEN.clear()
+    _GIVEN.update("config." + a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config."))
+
+
+def given_on_command_line() -> frozenset:
+    """The dotted keys (`config.model.hidden_size`, ...) set with `--config.key=value` in this process."""
+    return frozenset(_GIVEN)

@@ -75,7 +75,8 @@ def main(argv):
 
 
 def parse_flags(argv):
-    from bert_jax.config_overrides import unknown_overrides
+    from bert_jax.config_overrides import record_command_line, unknown_overrides
+    record_command_line(argv)
     unknown = unknown_overrides(argv)
     if unknown:  # before ml_collections' traceback, naming the nearest valid keys
         raise SystemExit("FATAL: unknown config key\n" + "\n".join(unknown))

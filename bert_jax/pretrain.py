@@ -28,7 +28,7 @@ import functools
 import json
 import logging
 import time
-from typing import Optional
+from typing import Iterable, Optional
 
 import flax.linen as nn
 import jax
@@ -64,16 +64,43 @@ PEAK_FLOPS = {
 # ---------------------------------------------------------------------------------------------
 
 
-def bert_config_from(config: ml_collections.ConfigDict) -> BertConfig:
-    """The model config: `config.model`, or the init checkpoint's `bert_config.json` if present."""
+# With an init checkpoint, which `config.model` keys apply (`bert_config_from`). Every field of
+# BertConfig is in exactly one group (tests/test_pretrain_config.py).
+# How this run computes; no checkpoint decides it (Google's and HF's configs do not name it):
+RUN_KEYS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl", "vocab_pad_multiple",
+            "sparse_last_layer", "fp8", "fused_ops")
+# The checkpoint's value, unless `--config.model.<key>` is given (then that):
+SETTING_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "causal_attention", "initializer_range")
+# What the checkpoint's weights are: its value; a different one given is refused:
+ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps")
+
+
+def bert_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable[str]] = None) -> BertConfig:
+    """The model config: `config.model`, or with an init checkpoint (any format: a bert_jax
+    directory, Google TF1, HuggingFace) the checkpoint's config with `config.model`'s RUN_KEYS and
+    the SETTING_KEYS `given` (dotted, `config.model.hidden_dropout_prob`; default: those on this
+    process's command line). An ARCHITECTURE_KEYS value given that differs from the checkpoint's
+    raises ValueError naming the key."""
     init = config.get("init_checkpoint", "")
-    if init:  # any format: a bert_jax directory, Google TF1, HuggingFace
-        from bert_jax import convert
-        ours = {k: v for k, v in config.model.to_dict().items()
-                if k in ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl",
-                         "vocab_pad_multiple", "sparse_last_layer")}
-        return convert.load_config(init, google_gelu=config.get("google_gelu"), **ours)
-    return BertConfig.from_dict(config.model.to_dict())
+    if not init:
+        return BertConfig.from_dict(config.model.to_dict())
+    from bert_jax import convert
+    from bert_jax.config_overrides import given_on_command_line
+    given = {k[len("config.model."):] for k in (given_on_command_line() if given is None else given)
+             if k.startswith("config.model.")}
+    model = config.model.to_dict()
+    checkpoint = convert.load_config(init, google_gelu=config.get("google_gelu"))
+    for key in sorted(given & set(ARCHITECTURE_KEYS)):
+        if model[key] != getattr(checkpoint, key):
+            hint = " (Google's \"gelu\": set config.google_gelu)" if key == "hidden_act" else ""
+            raise ValueError(
+                f"--config.model.{key}={model[key]!r}: the init checkpoint {init} has {key}="
+                f"{getattr(checkpoint, key)!r}, and its weights are of that architecture{hint}; drop the flag, "
+                f"or pretrain from scratch without config.init_checkpoint")
+    changes = {k: model[k] for k in RUN_KEYS if k in model}
+    changes.update({k: model[k] for k in SETTING_KEYS if k in given})
+    return checkpoint.replace(**changes)
 
 
 def peak_flops_per_device() -> Optional[float]:
