@@ -219,7 +219,7 @@ def create_records(inputs: list[str], output: str, vocab: str, *, dupe_factor: i
 
 def stage_records(corpus: str, out: str, vocab: str, *, dupe_factor: int, seq_len: int, predictions: int,
                   workers: int) -> dict:
-    """W/records/train-*.tfrecord (+ dataset_info.json) and W/records/heldout-*.tfrecord."""
+    """W/records/train/train-*.tfrecord and W/records/heldout/heldout.tfrecord (+ each folder's dataset_info.json)."""
     done = os.path.join(out, "records_done.json")
     if os.path.exists(done):
         log(f"records: {out} exists, skipped")
@@ -250,8 +250,8 @@ def stage_records(corpus: str, out: str, vocab: str, *, dupe_factor: int, seq_le
 
 def pretrain_overrides(args, records: str) -> dict:
     """`--config.x=y` for configs/pretrain_small.py: the data paths, the step count, --quick's shape."""
-    o = {"train_data": os.path.join(records, "train", "train.tfrecord-*"),
-         "eval_data": os.path.join(records, "heldout", "heldout.tfrecord*"),
+    o = {"train_data": os.path.join(records, "train", "*.tfrecord*"),  # a folder per dataset
+         "eval_data": os.path.join(records, "heldout", "*.tfrecord*"),
          "vocab_file": args.vocab_file}
     if args.quick:  # configs/test.py's shape with the vocab's real size
         o.update({"model.hidden_size": 32, "model.num_attention_heads": 4, "model.intermediate_size": 64,

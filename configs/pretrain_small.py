@@ -2,8 +2,8 @@
 
     python benchmarks/pretraining_helps.py --workdir=W          # prepares the data, then runs:
     python -m bert_jax.main --config=configs/pretrain_small.py --workdir=W/pretrain \\
-        --config.train_data='W/records/train/train.tfrecord-*' \\
-        --config.eval_data='W/records/heldout/heldout.tfrecord*' \\
+        --config.train_data='W/records/train/*.tfrecord*' \\
+        --config.eval_data='W/records/heldout/*.tfrecord*' \\
         --config.vocab_file=VOCAB
 
 Corpus: the real text in shared/data/corpus (about 4.8 MB after cleaning, ~1.4M word pieces):
@@ -46,8 +46,8 @@ def get_config():
     config.model.max_position_embeddings = 512  # the released shape (only the first 128 are trained)
 
     # --- data (the benchmark fills in the globs under its workdir) ---
-    config.train_data = ""  # W/records/train/train.tfrecord-*
-    config.eval_data = ""  # W/records/heldout/heldout.tfrecord*: the held-out WikiText-2 shard
+    config.train_data = ""  # W/records/train/*.tfrecord*
+    config.eval_data = ""  # W/records/heldout/*.tfrecord*: the held-out WikiText-2 shard
     config.vocab_file = ""  # shared/data/vocab/bert-base-uncased/vocab.txt
     config.max_seq_length = 128  # Google's phase-1 length
     config.max_predictions_per_seq = 20  # Google's for length 128

@@ -73,8 +73,8 @@ except ImportError as e:  # the core install does not have Beam
                       f"(or pip install apache-beam) ({e})") from e
 
 from data_pipeline import corpora, instances as inst, schema, storage, tfrecord
-from data_pipeline.shards import (Options, ShardTotals, dataset_info, init_worker, output_dir, output_index,
-                                  shard_records, worker_options)
+from data_pipeline.shards import (Options, ShardTotals, check_output_dir_free, dataset_info, init_worker, output_dir,
+                                  output_index, shard_records, worker_options)
 
 NAMESPACE = "create_pretraining_data"
 COUNTERS = ("shards", "documents", "empty_documents", "lines_with_bad_utf8", "instances", "records_written")
@@ -374,6 +374,7 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], comp
         raise ValueError(f"--compression={compression!r}: 'none' or 'gzip'")
     _check_local_inputs(sources)
     out_dir = output_dir(outputs)
+    check_output_dir_free(out_dir, outputs)
     temp_dir = FileSystems.join(out_dir, f".beam-tmp-{uuid.uuid4().hex}")
     options = pipeline_options(beam_runner, num_workers, pipeline_args)
     started = time.time()

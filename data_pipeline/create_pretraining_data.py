@@ -49,8 +49,8 @@ from absl import app, flags
 from data_pipeline import corpora, instances as inst, schema, shards, storage, tfrecord, tokenization
 # The per-shard work and its options live in shards.py (the Beam runner shares them); importable from here too.
 from data_pipeline.shards import (  # noqa: F401
-    BATCH_INSTANCES, Options, ShardTotals, dataset_info, init_worker, output_dir, output_index, shard_records,
-    shard_rng, worker_options)
+    BATCH_INSTANCES, Options, ShardTotals, check_output_dir_free, dataset_info, init_worker, output_dir, output_index,
+    shard_records, shard_rng, worker_options)
 
 FLAGS = flags.FLAGS
 
@@ -66,7 +66,8 @@ def define_flags():
     flags.DEFINE_string("input_file", None, "Input text file glob(s), comma-separated (Google's format: "
                         "one sentence per line, blank line between documents).")
     flags.DEFINE_string("output_file", None, "Output TFRecord file(s), comma-separated; in fast mode "
-                        "with --num_output_shards>1, a path prefix.")
+                        "with --num_output_shards=N>1 one name, numbered per shard (train.tfrecord -> "
+                        "train-00000-of-0000N.tfrecord, ...).")
     flags.DEFINE_string("vocab_file", None, "WordPiece vocab.txt.")
     flags.DEFINE_bool("do_lower_case", True, "Lower-case and strip accents (uncased models).")
     flags.DEFINE_bool("do_whole_word_mask", False, "Mask whole words (all their ## pieces).")
@@ -192,10 +193,18 @@ def _bounded_imap(pool, fn, tasks, window: int):
 
 
 def output_paths(output_file: str, num_output_shards: int, compression: str) -> List[str]:
+    """The files to write: `--output_file`'s comma-separated list, or with `--num_output_shards`
+    N > 1 one name made into N, the shard number before a TFRecord extension
+    (`data/train.tfrecord` -> `data/train-00000-of-00016.tfrecord`, ...: what `data/train-*.tfrecord`
+    and `data/*.tfrecord` match) or after a name without one (`data/train-00000-of-00016`)."""
     outputs = [p for p in output_file.split(",") if p]
     if len(outputs) == 1 and num_output_shards > 1:
-        stem = outputs[0]
-        outputs = [f"{stem}-{i:05d}-of-{num_output_shards:05d}" for i in range(num_output_shards)]
+        stem, ext = outputs[0], ""
+        for known in (".tfrecords", ".tfrecord", ".tfrec"):
+            if stem.endswith(known) and len(storage.basename(stem)) > len(known):
+                stem, ext = stem[: -len(known)], known
+                break
+        outputs = [f"{stem}-{i:05d}-of-{num_output_shards:05d}{ext}" for i in range(num_output_shards)]
     if compression == "gzip":
         outputs = [p if p.endswith(".gz") else p + ".gz" for p in outputs]
     return outputs
@@ -208,6 +217,7 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
 
     opts.validate()
     out_dir = output_dir(outputs)
+    check_output_dir_free(out_dir, outputs)
     tfrecord.makedirs(out_dir)
     writers = [tfrecord.Writer(p, compression) for p in outputs]
     totals = ShardTotals()

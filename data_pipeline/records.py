@@ -150,6 +150,19 @@ class FileInfo:
     sha256: Optional[str] = None
 
 
+def _what_is_there(pattern: str) -> str:
+    """What the folder of a pattern that matched nothing holds (a user's first guess at the shard
+    names is often near: `train*.tfrecord` for `train-00000-of-00016.tfrecord.gz`)."""
+    directory = storage.dirname(pattern)
+    if _pattern_has_glob(directory) or not storage.isdir(directory or "."):
+        return ""
+    names = sorted(n for n in storage.listdir(directory or ".") if n != MANIFEST_NAME)
+    if not names:
+        return f" ({directory or '.'} is empty)"
+    shown = ", ".join(names[:3]) + (f", ... ({len(names)} files)" if len(names) > 3 else "")
+    return f" ({directory or '.'} holds {shown})"
+
+
 def load_manifest(directory: str) -> Optional[dict[str, FileInfo]]:
     """The manifest of the TFRecords in `directory` keyed by full path, or None if it has none."""
     path = storage.join(directory, MANIFEST_NAME)
@@ -233,8 +246,9 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
             unmatched.append(pattern)
         found.update(matched)
     if unmatched and not verify:
-        raise CorruptDataError(unmatched[0], "no input file matches this pattern"
+        raise CorruptDataError(unmatched[0], ("no input file matches this pattern"
                                if _pattern_has_glob(unmatched[0]) else "input file is missing")
+                               + _what_is_there(unmatched[0]))
 
     infos: dict[str, FileInfo] = {}
     expected = set(found)
@@ -249,8 +263,9 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
             if manifest is None:
                 if not any(storage.dirname(p) == directory for p in found):  # nothing here at all
                     pattern = next((u for u in unmatched if storage.dirname(u) == directory), directory)
-                    raise CorruptDataError(pattern, "no input file matches this pattern"
+                    raise CorruptDataError(pattern, ("no input file matches this pattern"
                                            if _pattern_has_glob(pattern) else "input file is missing")
+                                           + _what_is_there(pattern))
                 raise CorruptDataError(
                     storage.join(directory, MANIFEST_NAME),
                     "no data manifest next to the input files (create_pretraining_data writes one); "
@@ -267,7 +282,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
         for pattern in unmatched:
             if not any(fnmatch.fnmatchcase(p, pattern) for p in expected):
                 raise CorruptDataError(pattern, "no input file (on disk or in the manifest) "
-                                       "matches this pattern")
+                                       "matches this pattern" + _what_is_there(pattern))
 
     all_files = sorted(expected)
     if require_files_per_host and len(all_files) < process_count:

@@ -174,6 +174,33 @@ def output_dir(outputs: Sequence[str]) -> str:
     return out_dirs.pop()
 
 
+def check_output_dir_free(out_dir: str, outputs: Sequence[str]) -> None:
+    """Refuses, before any work, a folder whose dataset_info.json describes other records that are
+    still there (train records, say, when eval records are written next to them): one
+    dataset_info.json describes one dataset, and this run's would replace it, after which the
+    trainer would refuse the other records as unlisted."""
+    import json
+
+    path = storage.join(out_dir, schema.MANIFEST_NAME)
+    if not storage.exists(path):
+        return
+    try:
+        listed = json.loads(storage.read_text(path)).get("files", {})
+    except (ValueError, AttributeError):
+        return  # unreadable: this run's manifest replaces it
+    mine = {storage.basename(p) for p in outputs}
+    others = sorted(n for n in listed if n not in mine and storage.exists(storage.join(out_dir, n)))
+    if others:
+        name = storage.basename(outputs[0])
+        folder = storage.join(out_dir, name.split(".")[0] or "records")
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise ValueError(
+            f"--output_file: {path} describes other records that are still there ({len(others)} files: "
+            f"{shown}); a folder holds one dataset (one {schema.MANIFEST_NAME}), and writing these here would "
+            f"replace it. Write them to a folder of their own (e.g. --output_file={storage.join(folder, name)}), "
+            f"or delete the other records first")
+
+
 def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds: float, mode: str,
                  compression: str, flags_used: Optional[dict], workers_rss: bool) -> dict:
     """dataset_info.json's fields besides the manifest (`schema.write_dataset_info` adds that).

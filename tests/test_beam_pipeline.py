@@ -145,7 +145,7 @@ def test_cli_beam_worker_processes_equal_the_local_worker_pool_gzip_whole_word(t
                             f"--output_file={tmp_path / name / 'train.tfrecord'}", *extra],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-3000:]
-    outputs = [f"train.tfrecord-{i:05d}-of-00002.gz" for i in range(2)]
+    outputs = [f"train-{i:05d}-of-00002.tfrecord.gz" for i in range(2)]
     for n in outputs:
         data = (tmp_path / "beam" / n).read_bytes()
         assert data == (tmp_path / "local" / n).read_bytes(), n

@@ -530,7 +530,7 @@ def test_fast_mode_forked_cli_equals_in_process_and_skips_empty_shards(tmp_path)
     assert info["peak_rss_mb"]["workers"] > 0 and info["peak_rss_mb"]["parent"] > 0
     for i in range(2):
         ours = read_records(tmp_path / "lib" / f"part-{i:05d}-of-00002.tfrecord")
-        assert read_records(tmp_path / "cli" / f"train.tfrecord-{i:05d}-of-00002") == ours
+        assert read_records(tmp_path / "cli" / f"train-{i:05d}-of-00002.tfrecord") == ours
         assert all(tf.train.Example.FromString(x).SerializeToString(deterministic=True) == x for x in ours[:50])
 
 
@@ -579,3 +579,34 @@ def test_tfds_input_end_to_end(tmp_path):
         with tfds.testing.mock_data(num_examples=3):
             cpd.run(opts, sources=cpd.tfds_sources("wikipedia/20230601.en", "train", "no_such_key", None, 1),
                     outputs=[str(tmp_path / "bad" / "train.tfrecord")], reference_compatible=False)
+
+
+def test_shard_names_match_the_documented_globs():
+    assert cpd.output_paths("data/train.tfrecord", 16, "none")[::15] == [
+        "data/train-00000-of-00016.tfrecord", "data/train-00015-of-00016.tfrecord"]
+    assert cpd.output_paths("gs://b/d/train.tfrecord", 2, "gzip") == [
+        "gs://b/d/train-00000-of-00002.tfrecord.gz", "gs://b/d/train-00001-of-00002.tfrecord.gz"]
+    assert cpd.output_paths("data/train", 2, "none") == ["data/train-00000-of-00002", "data/train-00001-of-00002"]
+    assert cpd.output_paths("data/.tfrecord", 2, "none") == ["data/.tfrecord-00000-of-00002",
+                                                             "data/.tfrecord-00001-of-00002"]
+    assert cpd.output_paths("a.tfrecord,b.tfrecord", 4, "none") == ["a.tfrecord", "b.tfrecord"]  # named: as named
+
+
+def test_a_second_dataset_in_the_same_folder_is_refused_before_any_work(tmp_path):
+    text, vocab = synthetic_corpus(tmp_path)
+    kw = dict(max_seq_length=32, max_predictions_per_seq=4, dupe_factor=2, random_seed=1)
+    out = tmp_path / "data"
+    cpd.create_pretraining_data([str(text)], str(out), str(vocab), num_output_shards=2, **kw)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match=r"dataset_info\.json describes other records that are still there "
+                                         r"\(2 files: part-00000-of-00002\.tfrecord, part-00001-of-00002"):
+        cpd.create_pretraining_data([str(text)], str(out), str(vocab), num_output_shards=1, **kw)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing lost, nothing written
+    # The same dataset again (a rerun) replaces itself.
+    cpd.create_pretraining_data([str(text)], str(out), str(vocab), num_output_shards=2, **kw)
+    assert {p.name: p.read_bytes() for p in out.iterdir()}.keys() == before.keys()
+    # A pattern that matches nothing says what the folder holds.
+    with pytest.raises(input_pipeline.CorruptDataError, match=r"matches this pattern \(.*data holds "
+                                                              r"part-00000-of-00002\.tfrecord, part-00001"):
+        input_pipeline.EvalInput(str(out / "train-*.tfrecord"), per_host_batch_size=4, max_seq_length=32,
+                                 max_predictions_per_seq=4)

@@ -95,7 +95,7 @@ def test_train_vocab_and_create_pretraining_data_write_the_same_files_in_a_bucke
             f"--vocab_file={storage.join(root, 'vocab', 'vocab.txt')}", "--max_seq_length=24",
             "--max_predictions_per_seq=4", "--dupe_factor=2", "--num_output_shards=2", "--compression=gzip",
             f"--num_workers={workers}", "--random_seed=5"], cwd, cache)
-    names = ["dataset_info.json", "train.tfrecord-00000-of-00002.gz", "train.tfrecord-00001-of-00002.gz"]
+    names = ["dataset_info.json", "train-00000-of-00002.tfrecord.gz", "train-00001-of-00002.tfrecord.gz"]
     assert storage.listdir(storage.join(remote, "records")) == sorted(os.listdir(os.path.join(local, "records")))
     assert storage.listdir(storage.join(remote, "records")) == names
     for name in names[1:]:
