@@ -207,3 +207,88 @@ def test_no_readme_command_makes_a_local_gs_folder_without_gcsfs(tmp_path):
         assert "gs:// paths need the gcsfs package" in out and "pip install 'bert_jax[gcs]'" in out, (where, out[-2000:])
         assert any(f"{'--' if not c.startswith('config.') else ''}{c}=gs://bkt/" in out for c in changed), (where, out[-2000:])
         assert list(cwd.iterdir()) == [], (where, list(cwd.iterdir()))
+
+
+# The README's pretraining path, run in order as written
+# ---------------------------------------------------------------------------------------------
+
+# What the test changes in the commands: the sizes (a BERT-Tiny-like model, a few steps, a small
+# corpus) and the absolute paths (into the test's folder). File names, globs and the order are the
+# README's own.
+_TINY = {"data_pipeline.create_pretraining_data": {"dupe_factor": "2"},
+         "bert_jax.main": {"config.model.hidden_size": "32", "config.model.num_hidden_layers": "2",
+                           "config.model.num_attention_heads": "4", "config.model.intermediate_size": "64",
+                           "config.model.max_position_embeddings": "128", "config.global_batch_size": "8",
+                           "config.num_train_steps": "4", "config.warmup_steps": "1",
+                           "config.checkpoint_every_steps": "4", "config.eval_every_steps": "4",
+                           "config.eval_steps": "2", "config.log_every_steps": "1",
+                           "config.shuffle_buffer_size": "64"}}
+
+
+def _readme_section(title: str) -> str:
+    start = README.index(title)
+    return README[start:README.index("\n## ", start)]
+
+
+def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
+    """Common tasks, in order: vocabulary -> train and eval records -> pretraining -> evaluation
+    -> HF export -> fill-mask on the pretrained model; each command the README's (the data names
+    and globs included), run from one folder holding `corpus/` and `heldout/` text."""
+    import json
+    import os
+    import random
+    import subprocess
+    import sys
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(200)]
+    for folder, files, docs in (("corpus", 2, 40), ("heldout", 1, 30)):
+        (tmp_path / folder).mkdir()
+        for f in range(files):
+            text = "\n\n".join("\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 12))) + " ."
+                                         for _ in range(rng.randint(3, 8))) for _ in range(docs))
+            (tmp_path / folder / f"part-{f}.txt").write_text(text + "\n")
+    section = _readme_section("## Common tasks")
+    wanted = ["data_pipeline.train_vocab", "data_pipeline.create_pretraining_data",
+              "data_pipeline.create_pretraining_data", "bert_jax.main", "bert_jax.main"]
+    commands = [(words_[1], words_[2:]) for _, words_ in _commands(section) if words_[:1] == ["-m"]]
+    runs = [c for c in commands if c[0] in wanted][:5]
+    assert [m for m, _ in runs] == wanted, commands
+    convert = next(a for m, a in commands if m == "bert_jax.convert" and "--output_format=hf" in a)
+    fill = next(a for m, a in commands if m == "bert_jax.fill_mask")
+
+    def local(value: str) -> str:  # /tmp/bert_base -> <test folder>/tmp/bert_base
+        return str(tmp_path / value.lstrip("/")) if value.startswith("/tmp/") else value
+
+    def run(module, args):
+        tiny = dict(_TINY.get(module, {}))
+        out = []
+        for a in args:
+            name, eq, value = a.lstrip("-").partition("=")
+            if name == "config":
+                value = str(ROOT / value)
+            out.append(f"--{name}={local(tiny.pop(name, value))}" if eq else a)
+        out += [f"--{k}={v}" for k, v in tiny.items()]  # sizes the command leaves to its config
+        r = subprocess.run([sys.executable, "-m", module, *out], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+                                                 XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+        assert r.returncode == 0, f"{module} {out}\n{r.stderr[-3000:]}"
+        return r
+
+    for module, args in runs:
+        run(module, args)
+    assert len(list((tmp_path / "data" / "train").glob("train-*.tfrecord"))) == 16
+    assert (tmp_path / "data" / "eval" / "eval.tfrecord").exists()
+    logged = [json.loads(line) for line in (tmp_path / "tmp/bert_base/train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4]
+    evaluated = json.loads((tmp_path / "tmp/eval/eval_results.json").read_text())
+    assert 0.0 <= evaluated["masked_lm_accuracy"] <= 1.0 and evaluated["masked_lm_loss"] > 0
+    # The export and fill-mask lines name a released checkpoint: here, the model just pretrained.
+    run("bert_jax.convert", [a for a in convert])
+    assert (tmp_path / "tmp/bert_base_hf/config.json").exists()
+    r = run("bert_jax.fill_mask", [a if not a.startswith("--init_checkpoint=") else "--init_checkpoint=/tmp/bert_base"
+                                   for a in fill] + ["--text=w1 w2 [MASK] w3 ."])
+    lines = r.stdout.splitlines()
+    guesses = [line for line in lines if line.startswith("    [MASK] -> ")]
+    assert len(guesses) == 2 and all(line.count("(0.") + line.count("(1.") == 5 for line in guesses), r.stdout
+    assert "The capital of France is [MASK]." in lines and "w1 w2 [MASK] w3 ." in lines
