@@ -195,6 +195,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         raise ValueError("config.model.fp8=True: FP8 training is a pretraining option (bert_jax.pretrain); "
                          "fine-tuning runs in config.model.dtype (e.g. bfloat16): set config.model.fp8=False")
     task = make_task(config)
+    pretrain.use_prng_impl(config)
     bert_config = pretrain.bert_config_from(config)
     init_params, vocab_file, do_lower_case = None, config.vocab_file, config.do_lower_case
     if config.init_checkpoint:

@@ -103,6 +103,17 @@ def bert_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable
     return checkpoint.replace(**changes)
 
 
+PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def use_prng_impl(config: ml_collections.ConfigDict) -> None:
+    """jax's random-bit generator per `config.prng_impl` (dropout's masks), before any key is made."""
+    impl = config.get("prng_impl", "threefry2x32")
+    if impl not in PRNG_IMPLS:
+        raise ValueError(f"config.prng_impl must be one of {PRNG_IMPLS}, got {impl!r}")
+    jax.config.update("jax_default_prng_impl", impl)
+
+
 def peak_flops_per_device() -> Optional[float]:
     kind = jax.devices()[0].device_kind
     for prefix, flops in PEAK_FLOPS.items():
@@ -150,6 +161,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     Returns the last logged metrics (also written to TensorBoard under `workdir`).
     """
     jax.config.update("jax_threefry_partitionable", True)
+    use_prng_impl(config)
     check_same_config_on_all_hosts(config)
     bert_config = bert_config_from(config)
     phases = resolve_phases(config)

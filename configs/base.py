@@ -40,6 +40,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.mode = "pretrain"  # pretrain | evaluate | demo
     config.model = get_model_config()
     config.seed = 42  # seeds init, dropout and data order
+    # Random bits of dropout: "threefry2x32" (jax's default: the same masks on any mesh), or "rbg" /
+    # "unsafe_rbg" (the hardware generator: faster on GPU and TPU; the speed tables' --prng=rbg).
+    # A run resumes with the impl it started with (the checkpoint's key has its shape).
+    config.prng_impl = "threefry2x32"
 
     # --- data (TFRecords in Google's schema, from data_pipeline.create_pretraining_data) ---
     config.train_data = ""  # glob(s), comma-separated, of training TFRecords

@@ -27,6 +27,7 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.mode = "finetune"
     config.task = "sst2"  # data_pipeline.tasks.TASK_NAMES
     config.seed = 42  # seeds the head's init, dropout and the data order
+    config.prng_impl = "threefry2x32"  # dropout's random bits: threefry2x32 | rbg | unsafe_rbg (configs/base.py)
 
     # --- data ---
     config.data_source = "files"  # files (as distributed) | tfds (config.tfds_data_dir)
@@ -46,7 +47,7 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.google_gelu = config_dict.placeholder(str)  # a Google checkpoint's "gelu": None/"erf" or "tanh"
     config.vocab_file = ""  # "" = the checkpoint's vocab.txt
     config.do_lower_case = config_dict.placeholder(bool)  # None = the checkpoint's casing (else True)
-    config.model = base.get_model_config()  # used without init_checkpoint; else only dtype/scan/remat/attention
+    config.model = base.get_model_config()  # with init_checkpoint: docs/configuration.md says which keys apply
 
     # --- optimization (paper: Adam, warmup 10%, linear decay, dropout 0.1) ---
     # Google's scripts exactly: optimizer=google_adamw, google_lr_schedule=True,

@@ -83,3 +83,14 @@ def test_the_command_line_decides_what_is_given(config):
     finally:
         config_overrides.record_command_line([])
     assert (got.hidden_dropout_prob, got.attention_probs_dropout_prob, got.hidden_size) == (0.2, 0.0, 48)
+
+
+def test_prng_impl_is_checked_and_set():
+    import jax
+    import ml_collections
+
+    with pytest.raises(ValueError, match=r"config\.prng_impl must be one of .*'rbg'.*got 'philox'"):
+        pretrain.use_prng_impl(ml_collections.ConfigDict({"prng_impl": "philox"}))
+    pretrain.use_prng_impl(ml_collections.ConfigDict({"prng_impl": "threefry2x32"}))
+    assert jax.config.jax_default_prng_impl == "threefry2x32"
+    assert glue.get_config().prng_impl == "threefry2x32"
