@@ -554,22 +554,25 @@ class Checkpointer:
                 # damaged: latest_step moves it aside, or raises, as configured.
                 self._checked[step] = e.damage
 
+    def input_state_process_count(self, step: int) -> Optional[int]:
+        """How many processes saved `step`'s input state (None: saved without any)."""
+        info = self._handlers[INFO].restore(storage.epath(storage.join(self._directory, str(step), INFO)),
+                                            args=ocp.args.JsonRestore())
+        return (info or {}).get("input_state_process_count")
+
     def _check_input_state(self, step: int, info: dict) -> None:
         count = info.get("input_state_process_count")
         if count is None:
             return
-        if count != self._process_count:
-            raise CheckpointRestoreError(
-                f"step {step} holds input state of {count} processes but this run has "
-                f"{self._process_count}; per-host iterator state cannot be redistributed "
-                "(restore with check_input_state=False to restart the data instead)"
-            )
-        path = self.input_state_dir(step)
-        if not storage.listdir(path):
-            damage = integrity.Damage(f"{INPUT_STATE}/process_{self._process_index}", "missing or empty")
-            error = CheckpointCorruptError(f"step {step}: input state {path} is missing or empty")
-            error.step, error.damage = step, damage
-            raise error
+        # Every saving process's folder: a run on another number of processes reads the
+        # folders of the processes whose shards it now reads (`pretrain.input_position`).
+        for index in range(count):
+            path = self.input_state_dir(step, index)
+            if not storage.listdir(path):
+                damage = integrity.Damage(f"{INPUT_STATE}/process_{index}", "missing or empty")
+                error = CheckpointCorruptError(f"step {step}: input state {path} is missing or empty")
+                error.step, error.damage = step, damage
+                raise error
 
     # --- internals ------------------------------------------------------------------------------
 

@@ -203,9 +203,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         logging.info("resumed from step %d", start_step)
         start_step = int(start_step)
         report_schedule_change(config, meta, start_step)
+        shard_state_dir = input_position(config, ckpt, int(start_step), meta)  # before compiling
     else:
         state, _ = sharding.sharded_init(init_state, jax.random.key(config.seed), mesh, rules)
-        start_step = 0
+        start_step, shard_state_dir = 0, None
         if config.init_checkpoint:  # continued pretraining from released (or our) weights
             state = state.replace(params=init_from_checkpoint(
                 config.init_checkpoint, bert_config, state.params, state_shardings.params,
@@ -245,7 +246,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     if meta.get("phase") != phase_index:
                         raise checkpointing.CheckpointRestoreError(
                             f"checkpoint step {step} belongs to phase {meta.get('phase')}, expected {phase_index}")
-                    batches.restore_state(ckpt.input_state_dir(step))
+                    batches.restore_shards(shard_state_dir)
                 flops = steps.train_flops_per_sequence(bert_config, phase.max_seq_length,
                                                        phase.max_predictions_per_seq)
                 pending: list = []
@@ -282,7 +283,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         pending, window_start, input_seconds = [], time.time(), 0.0
                     # Saved before evaluating: an evaluation that fails loses no training.
                     stop = ckpt.should_stop(step)
-                    ckpt.save(step, state, {"phase": phase_index, "step": step,
+                    ckpt.save(step, state, {"phase": phase_index, "step": step, "data_shards": batches.num_shards,
                                             "schedule": {k: config.get(k) for k in SCHEDULE_KEYS}},
                               force=stop or step == phase.end_step,
                               input_state_writer=batches.save_state)
@@ -302,6 +303,39 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         finally:
             ckpt.close()  # waits for the last save; raises if it failed
     return last_metrics
+
+
+def input_position(config: ml_collections.ConfigDict, ckpt, step: int, meta: dict):
+    """Where each file shard's saved input position is, for a resume of `step`: a function of the
+    shard's global index (`ShardedInput.restore_shards`).
+
+    The position is saved per shard (`input_state/<step>/process_<i>/shard_<j>`); the same shards
+    read by another number of processes are found in the folders of the processes that saved
+    them, so a run resumes on more or fewer hosts with the batches it would have read. With
+    another number of shards (`config.data_shards` unset, so one per process) the files split
+    differently, and the run is refused here, before anything compiles, with the setting that
+    would resume it.
+    """
+    saved_processes = ckpt.input_state_process_count(step) or jax.process_count()
+    shards = config.data_shards or jax.process_count()
+    saved_shards = meta.get("data_shards")
+    if saved_shards is None:  # saved before checkpoints recorded their shard count
+        if saved_processes != jax.process_count():
+            raise checkpointing.CheckpointRestoreError(
+                f"checkpoint step {step} was saved by {saved_processes} processes without its file shard count "
+                f"(an older bert_jax): resume it on {saved_processes} processes")
+        saved_shards = shards
+    if saved_shards != shards:
+        fix = (f"set config.data_shards={saved_shards}" if saved_shards % jax.process_count() == 0 else
+               f"resume on a number of processes that divides {saved_shards}")
+        raise checkpointing.CheckpointRestoreError(
+            f"checkpoint step {step} was saved by {saved_processes} processes reading {saved_shards} file shards; "
+            f"this run has {jax.process_count()} processes and {shards} shards (config.data_shards="
+            f"{config.data_shards}), which split the files differently, so the input position cannot carry over: "
+            f"{fix} to resume it (the batches then are the ones the saved run would have read)")
+    per_saved_process = saved_shards // saved_processes
+    return lambda shard: storage.join(ckpt.input_state_dir(step, shard // per_saved_process),
+                                      f"shard_{shard % per_saved_process}")
 
 
 def compile_step(p_train, state, batch, name: str):

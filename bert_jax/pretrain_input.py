@@ -35,6 +35,7 @@ class ShardedInput:
             raise ValueError(f"config.data_shards={num_shards} must be a multiple of the number of "
                              f"processes ({count})")
         per_host = num_shards // count
+        self.num_shards, self.first = num_shards, index * per_host
         self.shards = [make(index * per_host + j, num_shards, per_host) for j in range(per_host)]
 
     def __next__(self) -> dict:
@@ -48,6 +49,12 @@ class ShardedInput:
     def restore_state(self, directory: str) -> None:
         for j, s in enumerate(self.shards):
             s.restore_state(storage.join(directory, f"shard_{j}"))
+
+    def restore_shards(self, shard_dir) -> None:
+        """Each shard's position from `shard_dir(global shard index)`, wherever the process that
+        saved it put it (`pretrain.input_position`: a resume on another number of processes)."""
+        for j, s in enumerate(self.shards):
+            s.restore_state(shard_dir(self.first + j))
 
 
 def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> ShardedInput:

@@ -194,6 +194,27 @@ def test_two_processes_match_one_process_with_the_same_devices(data, tmp_path, d
     assert sorted(a) == list(range(1, 7))
     np.testing.assert_allclose([b[s] for s in sorted(a)], [a[s] for s in sorted(a)], rtol=1e-6)
 
+    # The two processes' step 4 resumed by one process (a smaller slice after a preemption): each
+    # file shard's position is read from the folder of the process that saved it, so steps 5-6
+    # see the batches the two processes saw.
+    import shutil
+    shutil.copytree(tmp_path / "two", tmp_path / "fewer")
+    for later in ("6", "input_state/6"):
+        shutil.rmtree(tmp_path / "fewer" / "checkpoints" / later)
+    fewer = run(cmd(tmp_path / "fewer", data, "--config.num_train_steps=6", "--config.data_shards=2"),
+                devices=2 * devices_per_process)
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    assert "resumed from step 4" in fewer.stderr
+    c = losses(tmp_path / "fewer")
+    np.testing.assert_allclose([c[s] for s in (5, 6)], [a[s] for s in (5, 6)], rtol=1e-6)
+    # Without data_shards, one process would read one shard: another split of the files, refused
+    # before compiling, with the setting that resumes it.
+    shutil.rmtree(tmp_path / "fewer" / "checkpoints" / "6")
+    refused = run(cmd(tmp_path / "fewer", data, "--config.num_train_steps=6"), devices=2 * devices_per_process)
+    assert refused.returncode != 0
+    assert ("saved by 2 processes reading 2 file shards; this run has 1 processes and 1 shards" in refused.stderr
+            and "set config.data_shards=2 to resume it" in refused.stderr), refused.stderr[-3000:]
+
 
 def test_a_host_with_a_different_config_stops_every_host_before_compiling(data, tmp_path):
     port = _port()
