@@ -247,7 +247,7 @@ class KnownHashes:
     RACY_S = 2.0
 
     def __init__(self, fresh: bool = False):
-        self.fresh, self.changed = fresh, False
+        self.fresh, self.changed, self._listed = fresh, False, {}
         self.path = storage.join(storage.cache_dir(), self.NAME)
         try:
             self.known = json.loads(storage.read_text(self.path))
@@ -256,9 +256,23 @@ class KnownHashes:
         if not isinstance(self.known, dict):
             self.known = {}
 
+    def identity(self, path: str) -> list:
+        """`storage.identity(path)`; for a remote file, from one listing of its folder (a bucket
+        answers one request for a thousand objects, not one each)."""
+        if not storage.is_remote(path):
+            return list(storage.identity(path))
+        folder = storage.dirname(path)
+        if folder not in self._listed:
+            self._listed[folder] = {info["path"]: [info["size"], info["generation"]]
+                                    for rel, info in storage.files_info(folder).items() if "/" not in rel}
+        return self._listed[folder].get(path) or list(storage.identity(path))
+
+    def size(self, path: str) -> int:
+        return int(self.identity(path)[0])
+
     def sha256(self, path: str) -> str:
         key = path if storage.is_remote(path) else storage.abspath(path)
-        identity = list(storage.identity(path))
+        identity = self.identity(path)
         entry = self.known.get(key)
         if not self.fresh and isinstance(entry, dict) and entry.get("identity") == identity:
             return entry["sha256"]
@@ -347,7 +361,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
         if path not in found and not storage.exists(path):
             problem = "file is missing"
         elif info is not None:
-            size = storage.getsize(path)
+            size = hashes.size(path)
             if info.num_bytes is not None and size != int(info.num_bytes):
                 problem = f"size {size} bytes, manifest says {info.num_bytes}"
             elif info.sha256 and hashes.sha256(path) != info.sha256:

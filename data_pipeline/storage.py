@@ -291,8 +291,9 @@ def walk(root) -> Iterator[tuple[str, list[str], list[str]]]:
 
 
 def files_info(root) -> dict[str, dict]:
-    """{path relative to `root`: {"size", "md5" (hex, remote only), "crc32c" (remote), "path"}} of
-    every file under `root`, in one listing for a remote root; {} when there is none."""
+    """{path relative to `root`: {"size", "md5" (hex, remote only), "crc32c" (remote), "generation"
+    (remote, as `identity` gives it), "path"}} of every file under `root`, in one listing for a
+    remote root; {} when there is none."""
     root = os.fspath(root)
     out = {}
     if is_remote(root):
@@ -306,7 +307,9 @@ def files_info(root) -> dict[str, dict]:
             if info.get("type") == "directory" or not key.startswith(base + "/"):
                 continue
             out[key[len(base) + 1:]] = {"size": int(info["size"]), "md5": _b64_hex(info.get("md5Hash")),
-                                        "crc32c": _b64_hex(info.get("crc32c")), "path": _url(key, s)}
+                                        "crc32c": _b64_hex(info.get("crc32c")), "path": _url(key, s),
+                                        "generation": str(info.get("generation") or info.get("etag")
+                                                          or info.get("updated"))}
         return out
     local = _local_path(root)
     for here, dirs, names in os.walk(local):

@@ -84,3 +84,22 @@ def test_an_unwritable_cache_costs_a_warning_not_the_run(tmp_path, monkeypatch, 
     files = check(str(tmp_path / "d" / "*.tfrecord"))
     assert files.read_records == 3
     assert "could not remember the verified data files" in caplog.text
+
+
+def test_in_a_bucket_the_generation_is_the_identity(tmp_path, bucket, hashed):
+    from data_pipeline import storage
+
+    paths = write_dataset(tmp_path / "d", [3, 4])
+    for p in paths + [str(tmp_path / "d" / "dataset_info.json")]:
+        storage.copy(p, f"{bucket}/d/{os.path.basename(p)}")
+    hashed.clear()
+    pattern = f"{bucket}/d/*.tfrecord"
+    check(pattern)
+    assert sorted(hashed) == ["part-00000.tfrecord", "part-00001.tfrecord"]
+    hashed.clear()
+    check(pattern)  # identities from one listing: nothing downloaded
+    assert hashed == []
+    # The same bytes uploaded again: a new generation, hashed again (and still intact).
+    storage.copy(paths[0], f"{bucket}/d/part-00000.tfrecord")
+    check(pattern)
+    assert hashed == ["part-00000.tfrecord"]
