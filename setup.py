@@ -2,7 +2,7 @@
 
 from setuptools import find_packages, setup
 
-# Lower bounds are the versions the test suite runs against (see README: tested versions).
+# Lower bounds are the versions the test suite runs against (CI installs the newest that satisfy them).
 INSTALL_REQUIRES = [
     "jax>=0.10.2",
     "flax>=0.12.0",
