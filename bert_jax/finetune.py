@@ -209,6 +209,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         logging.warning("config.init_checkpoint is empty: the encoder starts from a random initialization")
     if not vocab_file:
         raise ValueError("no vocabulary: set config.vocab_file (the checkpoint has no vocab.txt)")
+    if do_lower_case is None:  # no config, no tokenizer_config.json: the vocabulary says it
+        from bert_jax.formats.common import casing_from_vocab
+        do_lower_case = casing_from_vocab(vocab_file)
+        if do_lower_case is not None:
+            logging.info("casing from the vocabulary %s: do_lower_case=%s", vocab_file, do_lower_case)
     if do_lower_case is None:
         logging.warning("casing unknown (no config.do_lower_case, none in the checkpoint): lower-casing; "
                         "set config.do_lower_case=False for a cased model")

@@ -226,7 +226,8 @@ def test_google_encoder_only_reports_missing_heads(tmp_path):
     variables = google_variables(heads=False)
     write_tf1_checkpoint(str(tmp_path / "enc"), variables, extra=False)
     p = convert.load_pretrained(str(tmp_path / "enc" / "bert_model.ckpt"))  # a prefix works too
-    assert p.missing == ("mlm", "nsp") and p.heads == () and p.do_lower_case is None
+    # Casing from its vocabulary (no capitals: lower-cased), whatever the folder is called.
+    assert p.missing == ("mlm", "nsp") and p.heads == () and p.do_lower_case is True
     ids, mask, seg, _ = inputs()
     out = BertModel(p.config).apply({"params": convert.model_params(p)["bert"]}, ids, mask, seg)
     ref = numpy_google_bert(variables, ids, mask, seg, None, gelu="erf")  # the default reading

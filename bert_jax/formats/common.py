@@ -98,6 +98,22 @@ def _read_casing(directory: str) -> Optional[bool]:
     return None
 
 
+def casing_from_vocab(vocab_file: str) -> Optional[bool]:
+    """do_lower_case as the vocabulary shows it: a cased WordPiece vocabulary holds thousands of
+    tokens with capitals (bert-base-cased: 8,368 of 28,996), an uncased one none but a symbol or
+    two (bert-base-uncased: 2 of 30,522; bert-base-chinese: `<S>`, `<T>`), whatever its folder is
+    called. True (lower-case) below 1% of the tokens; None for an empty or unreadable file."""
+    try:
+        tokens = [line.rstrip("\n") for line in storage.read_text(vocab_file).splitlines()]
+    except (OSError, UnicodeDecodeError):
+        return None
+    words = [t for t in tokens if t and not (t.startswith("[") and t.endswith("]"))]
+    if not words:
+        return None
+    capitals = sum(any(c.isupper() for c in t) for t in words)
+    return capitals < 0.01 * len(words)
+
+
 def _maybe(path: str) -> Optional[str]:
     return path if storage.isfile(path) else None
 

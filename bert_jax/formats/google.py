@@ -29,7 +29,7 @@ import numpy as np
 from absl import logging
 
 from bert_jax.formats.common import (HEADS, Pretrained, _get, _load_json, _maybe, _prepare_dir, _read_casing,
-                                     _require, _set, _write_tokenizer_files, unrolled)
+                                     _require, _set, _write_tokenizer_files, casing_from_vocab, unrolled)
 from bert_jax.modeling import BertConfig
 from data_pipeline import storage
 
@@ -246,8 +246,10 @@ def load_google(path: str, google_gelu: Optional[str] = None) -> Pretrained:
     variables, names = _read_tf_checkpoint(prefix)
     params, missing, skipped = from_google(variables, config, where=prefix)
     skipped = tuple(sorted(set(skipped) | (set(names) - set(variables))))
-    casing = _read_casing(directory)
-    return Pretrained(config, params, _maybe(storage.join(directory, "vocab.txt")),
+    casing, vocab = _read_casing(directory), _maybe(storage.join(directory, "vocab.txt"))
+    if casing is None and vocab:  # the vocabulary says it (a release's folder may be renamed)
+        casing = casing_from_vocab(vocab)
+    return Pretrained(config, params, vocab,
                       casing if casing is not None else _casing_from_name(directory),
                       "google", missing, skipped)
 

@@ -20,7 +20,7 @@ import numpy as np
 from absl import logging
 
 from bert_jax.formats.common import (HEADS, Pretrained, _load_json, _maybe, _prepare_dir, _read_casing,
-                                     _require, _set, _write_tokenizer_files)
+                                     _require, _set, _write_tokenizer_files, casing_from_vocab)
 from bert_jax.formats.google import _GOOGLE_FIELDS, _table, from_google, to_google
 from bert_jax.modeling import BertConfig
 from data_pipeline import storage
@@ -217,8 +217,10 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
 def load_hf(path: str) -> Pretrained:
     config = _read_hf_config(path)
     params, missing, skipped = from_hf(_read_hf_tensors(path), config, where=path)
-    return Pretrained(config, params, _maybe(storage.join(path, "vocab.txt")), _read_casing(path), "hf",
-                      missing, skipped)
+    vocab, casing = _maybe(storage.join(path, "vocab.txt")), _read_casing(path)
+    if casing is None and vocab:  # no tokenizer_config.json: the vocabulary says it
+        casing = casing_from_vocab(vocab)
+    return Pretrained(config, params, vocab, casing, "hf", missing, skipped)
 
 
 def save_hf(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
