@@ -47,3 +47,25 @@ def logged_losses(text: str) -> dict:
         rec = json.loads(line)
         out[rec["step"]] = rec["loss"]
     return out
+
+
+def kill9_once_logged(proc, log: str, steps: int = 6, timeout: float = 300) -> None:
+    """SIGKILL `proc` (a `bert_jax.main` run, stderr piped) once its train_log.jsonl (local or gs://)
+    holds `steps` lines; fails the test if the run ends first or never gets there."""
+    import signal
+    import time
+
+    import pytest
+
+    from data_pipeline import storage
+
+    deadline = time.time() + timeout
+    while not (storage.exists(log) and len(storage.read_text(log).splitlines()) >= steps):
+        if proc.poll() is not None:
+            pytest.fail(f"training ended before it could be killed: {proc.stderr.read()[-3000:]}")
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"step {steps} was not logged within {timeout} s")
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)

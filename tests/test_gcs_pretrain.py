@@ -14,10 +14,8 @@ written locally and uploaded through the storage layer on a pod as here.
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import numpy as np
 import pytest
 
 from data_pipeline import storage
-from pretraining_records import logged_losses  # tests/ is on sys.path
+from pretraining_records import kill9_once_logged, logged_losses  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i:03d}" for i in range(300)]
@@ -138,16 +136,7 @@ def test_pretraining_in_a_bucket_resumes_bitwise_after_kill9_and_past_a_flipped_
 
     # kill -9 after step 6 is logged (after the step-4 checkpoint), then the same command again.
     work = f"{bucket}/killed"
-    proc = pretrain(places, work, popen=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if storage.exists(f"{work}/train_log.jsonl") and len(storage.read_text(f"{work}/train_log.jsonl").split()) >= 6:
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"training ended before it could be killed: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill9_once_logged(pretrain(places, work, popen=True), f"{work}/train_log.jsonl")
     resumed = pretrain(places, work)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert losses(work) == want  # bitwise: the same floats, step for step

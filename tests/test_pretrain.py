@@ -16,7 +16,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from pretraining_records import VOCAB, logged_losses, write_records  # tests/ is on sys.path
+from pretraining_records import VOCAB, kill9_once_logged, logged_losses, write_records  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,16 +85,7 @@ def test_kill9_and_a_flipped_bit_resume_with_the_uninterrupted_loss_sequence(dat
     work = tmp_path / "killed"
     proc = subprocess.Popen(cmd(work, data), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    log = work / "train_log.jsonl"
-    while time.time() < deadline:  # kill once step 6 is logged: after the step-4 checkpoint
-        if log.exists() and len(log.read_text().splitlines()) >= 6:
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"training ended before it could be killed: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill9_once_logged(proc, str(work / "train_log.jsonl"))  # after step 6: past the step-4 checkpoint
     resumed = run(cmd(work, data))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = losses(work)

@@ -286,8 +286,9 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
         out = []
         for a in args:
             name, eq, value = a.lstrip("-").partition("=")
-            if name == "config":
-                value = str(ROOT / value)
+            if name == "config":  # the repository's file (not a /tmp path to move, wherever it is)
+                out.append(f"--config={ROOT / value}")
+                continue
             out.append(f"--{name}={local(tiny.pop(name, value))}" if eq else a)
         out += [f"--{k}={v}" for k, v in tiny.items()]  # sizes the command leaves to its config
         r = subprocess.run([sys.executable, "-m", module, *out], cwd=tmp_path, capture_output=True, text=True,
