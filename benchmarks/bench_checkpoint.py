@@ -113,15 +113,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "base.py"))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="default /tmp/bench_checkpoint, gs://bench/ckpt with --emulator")
-    parser.add_argument("--emulator", action="store_true", help="start fake-gcs-server for a gs:// --dir")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gcs_emulator
+    gcs_emulator.add_flags(parser, "/tmp/bench_checkpoint", "gs://bench/ckpt")
     args = parser.parse_args(argv)
-    args.dir = args.dir or ("gs://bench/ckpt" if args.emulator else "/tmp/bench_checkpoint")
-    server = None
-    if args.emulator:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import gcs_emulator
-        server = gcs_emulator.start(args.dir)
+    server = gcs_emulator.start_if_asked(args, "/tmp/bench_checkpoint", "gs://bench/ckpt")
 
     config = _load_config(args.config)
     started = time.perf_counter()

@@ -34,15 +34,11 @@ def main(argv=None):
     parser.add_argument("--shards", type=int, default=100)
     parser.add_argument("--shard_mb", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="default /tmp/bench_verify, gs://bench/verify with --emulator")
-    parser.add_argument("--emulator", action="store_true", help="start fake-gcs-server for a gs:// --dir")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gcs_emulator
+    gcs_emulator.add_flags(parser, "/tmp/bench_verify", "gs://bench/verify")
     args = parser.parse_args(argv)
-    args.dir = args.dir or ("gs://bench/verify" if args.emulator else "/tmp/bench_verify")
-    server = None
-    if args.emulator:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import gcs_emulator
-        server = gcs_emulator.start(args.dir)
+    server = gcs_emulator.start_if_asked(args, "/tmp/bench_verify", "gs://bench/verify")
     cache = tempfile.mkdtemp(prefix="bench_verify_cache_")
     os.environ["BERT_JAX_CACHE_DIR"] = cache
     try:

@@ -7,6 +7,18 @@ import os
 import threading
 
 
+def add_flags(parser, local: str, remote: str) -> None:
+    """`--dir` (default `local`, or `remote` with `--emulator`) and `--emulator`."""
+    parser.add_argument("--dir", default=None, help=f"default {local}, {remote} with --emulator")
+    parser.add_argument("--emulator", action="store_true", help="start fake-gcs-server for a gs:// --dir")
+
+
+def start_if_asked(args, local: str, remote: str):
+    """Fills in `args.dir`; with `--emulator`, starts the server (see `start`) and returns it, else None."""
+    args.dir = args.dir or (remote if args.emulator else local)
+    return start(args.dir) if args.emulator else None
+
+
 def start(path: str):
     """Starts the server, points every client at it and creates `path`'s bucket; returns the
     server (`.stop()` it)."""

@@ -57,6 +57,11 @@ class ShardedInput:
             s.restore_state(shard_dir(self.first + j))
 
 
+def _verify(config):
+    """The input pipeline's `verify`: False, True (unchanged files by identity) or "full" (rehash_data)."""
+    return "full" if config.verify_data and config.get("rehash_data") else config.verify_data
+
+
 def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> ShardedInput:
     """This host's training batches of `phase`: its rows of `config.global_batch_size`, from
     `config.data_shards` file shards (default one per process)."""
@@ -86,7 +91,7 @@ def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> Shard
             subword=subword,
             packing=config.packing,
             max_seqs_per_pack=config.max_seqs_per_pack,
-            verify="full" if config.verify_data and config.get("rehash_data") else config.verify_data,
+            verify=_verify(config),
             skip_corrupt=config.skip_corrupt_records,
         )
 
@@ -106,7 +111,7 @@ def make_eval_input(config, data: str):
         max_predictions_per_seq=max_predictions_per_seq,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
-        verify="full" if config.verify_data and config.get("rehash_data") else config.verify_data,
+        verify=_verify(config),
         skip_corrupt=config.skip_corrupt_records,
     )
 

@@ -247,14 +247,20 @@ class KnownHashes:
     RACY_S = 2.0
 
     def __init__(self, fresh: bool = False):
-        self.fresh, self.changed, self._listed = fresh, False, {}
+        self.fresh, self.changed, self._listed, self._known = fresh, False, {}, None
         self.path = storage.join(storage.cache_dir(), self.NAME)
-        try:
-            self.known = json.loads(storage.read_text(self.path))
-        except (OSError, ValueError):
-            self.known = {}
-        if not isinstance(self.known, dict):
-            self.known = {}
+
+    @property
+    def known(self) -> dict:
+        """The remembered hashes, read on first use (not at all when nothing is verified)."""
+        if self._known is None:
+            try:
+                self._known = json.loads(storage.read_text(self.path))
+            except (OSError, ValueError):
+                self._known = {}
+            if not isinstance(self._known, dict):
+                self._known = {}
+        return self._known
 
     def identity(self, path: str) -> list:
         """`storage.identity(path)`; for a remote file, from one listing of its folder (a bucket
