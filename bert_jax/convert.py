@@ -2,6 +2,8 @@
 
     python -m bert_jax.convert --input=uncased_L-12_H-768_A-12 --output=/tmp/bert_base \\
         [--input_format=google|hf|bert_jax] --output_format=bert_jax|hf|google [--google_gelu=erf|tanh]
+    python -m bert_jax.convert --input=FINETUNING_WORKDIR --output=/tmp/sst2_hf --output_format=hf \\
+        [--finetuned=best|last]
 
 Every format passes through one in-memory form, `Pretrained` (`bert_jax.formats.common`). Each format
 has its module, which says what it holds on disk: `bert_jax.formats.google` (TF1 checkpoints, and the
@@ -11,8 +13,11 @@ format, reads and writes any of them, fetches Google's release archives, and is 
 formats' public functions are importable from here too.
 
 Encoder-only checkpoints report the missing heads; variables we have no place for (optimizer slots,
-`global_step`, fine-tuning heads, HF's `position_ids` buffer) are listed and skipped. tensorflow is
-imported only to read or write a Google checkpoint.
+`global_step`, HF's `position_ids` buffer, a fine-tuning head nothing describes) are listed and
+skipped. A fine-tuned model (a fine-tuning workdir with its `task.json`, or an export of one) keeps
+its task head: `Pretrained.task` says what it is, and each format writes it under its own names
+(transformers' task classes, google-research/bert's `run_classifier.py`/`run_squad.py` names).
+tensorflow is imported only to read or write a Google checkpoint.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from absl import logging
 # The formats' functions: used here, and importable from `bert_jax.convert` as before the split.
 from bert_jax.formats.bert_jax import _bert_jax_source, load_bert_jax, save_bert_jax
 from bert_jax.formats.common import (  # noqa: F401
-    FORMATS, HEADS, Pretrained, _read_casing, _require, tokenizer_config_json, unrolled)
+    FINETUNED, FORMATS, HEADS, TASK_HEAD, Pretrained, _read_casing, _require, check_task, read_task,
+    tokenizer_config_json, unrolled)
 from bert_jax.formats.google import (  # noqa: F401
     _GOOGLE_FIELDS, _google_prefix, from_google, google_config_dict, load_google, read_google_config, save_google,
     to_google)
@@ -128,26 +134,55 @@ def _checkpoint_path(path) -> str:
 
 
 def load_pretrained(path: str, format: Optional[str] = None, *,  # pylint: disable=redefined-builtin
-                    google_gelu: Optional[str] = None) -> Pretrained:
+                    google_gelu: Optional[str] = None, finetuned: Optional[str] = None) -> Pretrained:
     """Reads a checkpoint in any supported format (detected from its files when `format` is None).
 
     `google_gelu` says what a Google checkpoint's `hidden_act="gelu"` is: "erf" (default: the 2018
     releases) or "tanh" (trained with google-research/bert code of 2019-02-07 or later); HF and
     bert_jax checkpoints name their GELU exactly and ignore it.
+
+    `finetuned` picks the parameters of a fine-tuning workdir: "best" (its best epoch, `best/`) or
+    "last" (its last state, `checkpoints/`); None: the best epoch when there is one, else the last
+    state. A fine-tuned model comes with its head (`params["head"]`) and `task` (its `task.json`).
     """
     _check_google_gelu(google_gelu)
+    if finetuned is not None and finetuned not in FINETUNED:
+        raise ValueError(f"finetuned must be one of {FINETUNED}, got {finetuned!r}")
     path = _checkpoint_path(path)
     format = format or detect_format(path)
     loaders = {"google": functools.partial(load_google, google_gelu=google_gelu), "hf": load_hf,
-               "bert_jax": load_bert_jax}
+               "bert_jax": functools.partial(load_bert_jax, finetuned=finetuned)}
     if format not in loaders:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if finetuned is not None and format != "bert_jax":
+        raise ValueError(f"{path} is a {format} checkpoint, one set of parameters: finetuned={finetuned!r} "
+                         f"picks between a fine-tuning workdir's best/ and checkpoints/")
     pretrained = loaders[format](path)
     if pretrained.missing:
         logging.info("%s: no %s head(s) in the checkpoint", path, ", ".join(pretrained.missing))
     if pretrained.skipped:
         logging.info("%s: skipped %d variable(s) with no place in BERT: %s", path, len(pretrained.skipped),
                      ", ".join(pretrained.skipped[:10]) + (" ..." if len(pretrained.skipped) > 10 else ""))
+    return pretrained
+
+
+def load_finetuned(path: str, which: Optional[str] = "best") -> Pretrained:
+    """A fine-tuned model: the encoder, its task head (`params["head"]`) and `task` (its `task.json`:
+    task, head kind, num_outputs, labels, max_seq_length), for `bert_jax.heads.BertForTask`.
+
+    `path` is a fine-tuning workdir, whose parameters `which` picks: "best" (the best epoch,
+    `W/best/`; an error naming "last" when the run kept none) or "last" (`W/checkpoints/`); or,
+    with `which=None`, any checkpoint with a task head (an export, an HF task class). A checkpoint
+    without one is a ValueError.
+
+        p = convert.load_finetuned(workdir, which="best")
+        model = heads.BertForTask(config, p.task["head"], p.task["num_outputs"])
+        model.apply({"params": convert.model_params(p, config)}, input_ids, input_mask, segment_ids)
+    """
+    pretrained = load_pretrained(path, finetuned=which)
+    if pretrained.task_head is None:
+        raise ValueError(f"{path} is not a fine-tuned model: no task head with a task.json saying what it is "
+                         f"(a workdir fine-tuned before bert_jax wrote task.json: fine-tune it again)")
     return pretrained
 
 
@@ -170,7 +205,11 @@ def load_config(path: str, format: Optional[str] = None, *,  # pylint: disable=r
 
 def model_params(pretrained: Pretrained, config: Optional[BertConfig] = None, *, heads: bool = True) -> dict:
     """The parameters as the model with `config` (default: the checkpoint's) wants them: cast to
-    its `param_dtype`, layers stacked when it scans; heads dropped when `heads=False`."""
+    its `param_dtype`, layers stacked when it scans; heads dropped when `heads=False`.
+
+    A fine-tuned checkpoint's parameters (`{"bert", "head"}`) are `bert_jax.heads.BertForTask`'s, e.g.
+    `BertForTask(config, p.task["head"], p.task["num_outputs"]).apply({"params": model_params(p, config)}, ...)`.
+    """
     import jax
     from bert_jax import modeling
 
@@ -220,7 +259,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--vocab_file", default=None, help="vocab.txt when the input has none next to it")
     parser.add_argument("--do_lower_case", choices=("true", "false"), default=None,
                         help="casing to record (default: the input's, when it says)")
-    parser.add_argument("--drop_heads", action="store_true", help="write the encoder only")
+    parser.add_argument("--drop_heads", action="store_true",
+                        help="write the encoder only (no MLM/NSP heads, no fine-tuning head)")
+    parser.add_argument("--finetuned", choices=FINETUNED, default=None,
+                        help="which parameters of a fine-tuning workdir: 'best' (its best epoch, best/) or "
+                             "'last' (its last state, checkpoints/); default: best when it has one, else last")
     parser.add_argument("--google_gelu", choices=tuple(GOOGLE_GELUS), default=None,
                         help=f"what a Google checkpoint's hidden_act='gelu' is: 'erf' (default "
                              f"{DEFAULT_GOOGLE_GELU!r}: the 2018 releases) or 'tanh' (trained with "
@@ -236,13 +279,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     std_logging.getLogger("bert_jax").setLevel(std_logging.INFO)  # e.g. the Google GELU chosen
     if not std_logging.getLogger().handlers:
         std_logging.basicConfig()
-    p = load_pretrained(args.input, args.input_format, google_gelu=args.google_gelu)
+    p = load_pretrained(args.input, args.input_format, google_gelu=args.google_gelu, finetuned=args.finetuned)
     if args.vocab_file:
         p.vocab_file = _require(args.vocab_file, "--vocab_file")
     if args.do_lower_case is not None:
         p.do_lower_case = args.do_lower_case == "true"
     if args.drop_heads:
-        p.params = {"bert": p.params["bert"]}
+        p.params, p.task = {"bert": p.params["bert"]}, None
     if p.vocab_file:
         with storage.open(p.vocab_file, encoding="utf-8") as f:
             n = sum(1 for _ in f)
@@ -257,7 +300,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "output_format": args.output_format, "hidden_act": p.config.hidden_act,
                       "parameters": count_params(p.params),
                       "heads": list(p.heads), "missing_heads": list(p.missing),
-                      "skipped": list(p.skipped)}, indent=2))
+                      "task_head": p.task_head, "task": p.task if p.task_head else None,
+                      "finetuned": p.finetuned, "skipped": list(p.skipped)}, indent=2))
     return 0
 
 

@@ -455,6 +455,8 @@ def init_from_checkpoint(path: str, bert_config: BertConfig, fresh_params: dict,
         logging.info("init_checkpoint has no %s head(s): they start from a fresh initialization",
                      ", ".join(pretrained.missing))
     loaded = convert.model_params(pretrained, bert_config)
+    if loaded.pop(convert.TASK_HEAD, None) is not None:  # a fine-tuned model: its task head has no place here
+        logging.info("init_checkpoint is a fine-tuned model: its %s head is not used", pretrained.task_head)
     placed = sharding.place(loaded, {k: shardings[k] for k in loaded})
     return {**fresh_params, **placed}
 

@@ -4,7 +4,8 @@
   every format maps through;
 * `hf`: HuggingFace (`config.json` + `model.safetensors`, sharded safetensors, `flax_model.msgpack`,
   `pytorch_model.bin`);
-* `bert_jax`: ours (`bert_config.json` + orbax `params/`, or a training workdir's checkpoints);
+* `bert_jax`: ours (`bert_config.json` + orbax `params/` + `task.json` for a fine-tuned model, or a
+  training workdir's checkpoints);
 * `common`: `Pretrained`, the checkpoint in memory that every reader returns and every writer takes.
 
 `bert_jax.convert` detects the format, dispatches to these, and is the CLI. None of them imports

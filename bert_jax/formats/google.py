@@ -28,8 +28,9 @@ from typing import Optional
 import numpy as np
 from absl import logging
 
-from bert_jax.formats.common import (HEADS, Pretrained, _get, _load_json, _maybe, _prepare_dir, _read_casing,
-                                     _require, _set, _write_tokenizer_files, casing_from_vocab, unrolled)
+from bert_jax.formats.common import (HEADS, TASK_HEAD, Pretrained, _get, _load_json, _maybe, _prepare_dir,
+                                     _read_casing, _require, _set, _write_tokenizer_files, casing_from_vocab,
+                                     check_head, head_output, read_task, task_of, unrolled, write_task)
 from bert_jax.modeling import BertConfig
 from data_pipeline import storage
 
@@ -142,6 +143,31 @@ def from_google(variables: dict[str, np.ndarray], config: BertConfig, *,
     return params, tuple(missing_heads), skipped
 
 
+# google-research/bert's names of a fine-tuning head's weights [n, hidden] and bias [n], per head kind.
+_GOOGLE_HEAD = {"classification": "output", "regression": "output", "token": "output", "span": "cls/squad/output"}
+
+
+def head_to_google(params: dict, task: dict) -> dict[str, np.ndarray]:
+    """The fine-tuning head -> `{google_name: array}` (module docstring); a kind Google never named
+    (multiple_choice) is a ValueError that says what to do instead."""
+    prefix = _GOOGLE_HEAD.get(task["head"])
+    if prefix is None:
+        raise ValueError(f"a {task['head']} head has no name in Google's format (google-research/bert has no "
+                         f"{task['head']} model): export it with --output_format=hf, or the encoder alone "
+                         f"with --drop_heads")
+    out = params[TASK_HEAD]["output"]
+    return {f"{prefix}_weights": np.ascontiguousarray(np.asarray(out["kernel"], np.float32).T),
+            f"{prefix}_bias": np.asarray(out["bias"], np.float32)}
+
+
+def head_from_google(variables: dict, task: dict) -> Optional[dict]:
+    """`params["head"]` from Google's names (`head_to_google`), or None when they are absent."""
+    prefix = _GOOGLE_HEAD.get(task["head"])
+    if prefix is None or f"{prefix}_weights" not in variables or f"{prefix}_bias" not in variables:
+        return None
+    return head_output(np.asarray(variables[f"{prefix}_weights"]).T, variables[f"{prefix}_bias"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
@@ -245,20 +271,33 @@ def load_google(path: str, google_gelu: Optional[str] = None) -> Pretrained:
                                 google_gelu)
     variables, names = _read_tf_checkpoint(prefix)
     params, missing, skipped = from_google(variables, config, where=prefix)
+    task = read_task(directory)  # a fine-tuned model we exported: its head (else skipped, as any variable)
+    head = head_from_google(variables, task) if task is not None else None
+    if head is not None:
+        params[TASK_HEAD] = head
+        check_head(params, task, config, prefix)
+        skipped = tuple(k for k in skipped if k not in head_to_google(params, task))
+    elif task is not None:
+        logging.warning("%s: task.json names a %s head, but the checkpoint has no weights of it", prefix,
+                        task["head"])
+        task = None
     skipped = tuple(sorted(set(skipped) | (set(names) - set(variables))))
     casing, vocab = _read_casing(directory), _maybe(storage.join(directory, "vocab.txt"))
     if casing is None and vocab:  # the vocabulary says it (a release's folder may be renamed)
         casing = casing_from_vocab(vocab)
     return Pretrained(config, params, vocab,
                       casing if casing is not None else _casing_from_name(directory),
-                      "google", missing, skipped)
+                      "google", missing, skipped, task)
 
 
 def save_google(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
     """Writes `bert_model.ckpt.{index,data-00000-of-00001}` + `bert_config.json` + `vocab.txt`
-    (into a local folder, or gs://: the checkpoint is written locally by TensorFlow, then uploaded)."""
+    (into a local folder, or gs://: the checkpoint is written locally by TensorFlow, then uploaded),
+    and `task.json` beside a fine-tuned model's head (module docstring)."""
+    task = task_of(p, path)
+    head = head_to_google(p.params, task) if task is not None else {}  # refused before anything is written
     _prepare_dir(path, overwrite)
-    variables = to_google(p.params, p.config)
+    variables = {**to_google(p.params, p.config), **head}
     storage.write_text(storage.join(path, "bert_config.json"),
                        json.dumps(google_config_dict(p.config), indent=2, sort_keys=True) + "\n")
     import tensorflow as tf  # only here: writing TF checkpoints
@@ -272,4 +311,5 @@ def save_google(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
     storage.write_text(storage.join(path, "checkpoint"),
                        'model_checkpoint_path: "bert_model.ckpt"\nall_model_checkpoint_paths: "bert_model.ckpt"\n')
     _write_tokenizer_files(p, path)
+    write_task(task, path)
     return path
