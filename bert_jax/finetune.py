@@ -49,6 +49,7 @@ from jax.experimental import multihost_utils
 
 from bert_jax import checkpointing, heads, optim, pretrain, sharding, steps
 from bert_jax import workdir as workdir_files
+from bert_jax.formats.common import TASK_FILE
 from bert_jax.modeling import BertConfig
 from data_pipeline import storage
 
@@ -177,6 +178,15 @@ def stream_batches(features: dict, keys, global_batch_size: int, steps, *, seed:
 # ---------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------
+
+
+def task_description(task, config: ml_collections.ConfigDict) -> dict:
+    """What `W/task.json` says about the fine-tuned head, for `mode=predict` and the HF export:
+    the task, the head kind, its outputs and their label names (in the order of the head's outputs;
+    empty for regression, span and multiple choice), the sequence length and the task options."""
+    labels = [] if task.head in ("regression", "span", "multiple_choice") else [str(x) for x in task.labels]
+    return {"task": task.name, "head": task.head, "num_outputs": int(task.num_outputs), "labels": labels,
+            "max_seq_length": int(config.max_seq_length), "task_options": config.task_options.to_dict()}
 
 
 def make_task(config: ml_collections.ConfigDict):
@@ -310,6 +320,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                 init_params["bert"], state_shardings.params["bert"])})
     if jax.process_index() == 0:
         pretrain.write_model_files(workdir, bert_config, vocab_file, do_lower_case)
+        workdir_files.write_json(workdir, TASK_FILE, task_description(task, config), indent=2)
 
     writer = workdir_files.metric_writer(workdir, just_logging=jax.process_index() > 0)
     if start_step == 0:

@@ -67,8 +67,9 @@ def main(argv):
     except StorageError as e:
         raise SystemExit(f"FATAL: {e}") from None
     init_distributed(_MULTIHOST.value)
-    from bert_jax import demo, finetune, pretrain
-    modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run, "finetune": finetune.run}
+    from bert_jax import demo, finetune, predict, pretrain
+    modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run, "finetune": finetune.run,
+             "predict": predict.run}
     if config.mode not in modes:
         raise app.UsageError(f"config.mode must be one of {sorted(modes)}, got {config.mode!r}")
     modes[config.mode](config, _WORKDIR.value)

@@ -37,7 +37,7 @@ def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.Conf
 
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
-    config.mode = "pretrain"  # pretrain | evaluate | demo
+    config.mode = "pretrain"  # pretrain | evaluate | demo (fine-tuning configs: finetune | predict)
     config.model = get_model_config()
     config.seed = 42  # seeds init, dropout and data order
     # Random bits of dropout: "threefry2x32" (jax's default: the same masks on any mesh), or "rbg" /

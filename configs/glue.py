@@ -24,7 +24,7 @@ from configs import base
 def get_finetune_config() -> ml_collections.ConfigDict:
     """The fields of `bert_jax.finetune` (configs/squad.py, ner.py, swag.py import this)."""
     config = ml_collections.ConfigDict()
-    config.mode = "finetune"
+    config.mode = "finetune"  # finetune | predict (bert_jax/predict.py)
     config.task = "sst2"  # data_pipeline.tasks.TASK_NAMES
     config.seed = 42  # seeds the head's init, dropout and the data order
     config.prng_impl = "threefry2x32"  # dropout's random bits: threefry2x32 | rbg | unsafe_rbg (configs/base.py)
@@ -40,6 +40,12 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.predict_test = True  # after training, write predictions (GLUE server files) for test splits
     config.max_seq_length = 128  # word pieces per row, [CLS] and [SEP] included
     config.task_options = ml_collections.ConfigDict()  # keyword arguments of the task (see squad.py)
+
+    # --- mode=predict: the fine-tuned model in --workdir on new text (bert_jax/predict.py) ---
+    config.predict_input = ""  # a text file (one example a line) or a file in the task's format
+    config.predict_format = "auto"  # auto | text | task (auto: the task's file names and suffixes)
+    config.predict_params = "best"  # best (W/best/, the best epoch) | last (W/checkpoints/)
+    config.predict_output_dir = ""  # "" = W/predictions
 
     # --- model ---
     # The encoder: any format bert_jax.convert reads (bert_jax workdir/export, Google TF1, HF).

@@ -145,9 +145,67 @@ def test_sst2_learns_and_writes_everything(sst2_run, checkpoint):
     assert convert.load_config(str(work)) == checkpoint["config"]
     # The fine-tuned workdir is itself a checkpoint: its encoder loads, the head is reported.
     loaded = convert.load_pretrained(str(work))
-    assert "head" in loaded.skipped
+    assert loaded.task_head == "classification" and loaded.finetuned == "best" and "head" in loaded.params
     assert not np.allclose(loaded.params["bert"]["pooler"]["dense"]["kernel"],
                            checkpoint["params"]["bert"]["pooler"]["dense"]["kernel"])
+
+
+def predict_config(work, path, **overrides):
+    config = glue_config.get_config()
+    config.mode = "predict"
+    config.predict_input = str(path)
+    config.predict_output_dir = str(work / "predict_out")
+    config.global_batch_size = 8
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return config
+
+
+def tsv_rows(path):
+    return list(csv.DictReader(open(path, encoding="utf-8"), delimiter="\t"))
+
+
+def test_predict_mode_gives_the_loops_predictions_from_text_or_the_tasks_files(sst2_run, tmp_path):
+    from bert_jax import predict
+    data, work, _ = sst2_run
+    description = read_json(work / "task.json")
+    assert description == {"task": "sst2", "head": "classification", "num_outputs": 2, "labels": ["0", "1"],
+                           "max_seq_length": 16, "task_options": {}}
+    history = read_json(work / "eval_history.json")
+    best = max(history, key=lambda h: h["score"])
+    # The dev file in the task's format (labelled): the best epoch's predictions and score, as the
+    # loop wrote them when that epoch was evaluated.
+    out = predict.run(predict_config(tmp_path, data / "SST-2" / "dev.tsv"), str(work))
+    assert out["format"] == "task" and out["examples"] == 16
+    assert out["scores"]["accuracy"] == pytest.approx(best["accuracy"], abs=1e-9)
+    rows = tsv_rows(tmp_path / "predict_out" / "sst2_dev_predictions.tsv")
+    loop = tsv_rows(work / "best_predictions" / "sst2_dev_predictions.tsv")
+    assert [r["prediction"] for r in rows] == [r["prediction"] for r in loop]
+    assert [r["label"] for r in rows] == [line.split("\t")[1] for line in
+                                          (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
+    # The same sentences as plain text, one a line (and a blank line): the same predictions,
+    # numbered by line, no labels and no scores.
+    sentences = [line.split("\t")[0] for line in (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
+    text = tmp_path / "new reviews.txt"
+    text.write_text("\n".join(sentences[:3] + [""] + sentences[3:]) + "\n")
+    out = predict.run(predict_config(tmp_path, text), str(work))
+    assert out["format"] == "text" and "scores" not in out
+    rows = tsv_rows(tmp_path / "predict_out" / "sst2_new_reviews_predictions.tsv")
+    assert [r["index"] for r in rows] == ["1", "2", "3"] + [str(i) for i in range(5, 18)]
+    assert [r["prediction"] for r in rows] == [r["prediction"] for r in loop]
+    assert all(r["label"] == "" for r in rows)
+    # params=last: the last epoch's state, whose predictions the loop wrote into the workdir.
+    out = predict.run(predict_config(tmp_path, data / "SST-2" / "dev.tsv", predict_params="last"), str(work))
+    assert out["scores"]["accuracy"] == pytest.approx(history[-1]["accuracy"], abs=1e-9)
+    rows = tsv_rows(tmp_path / "predict_out" / "sst2_dev_predictions.tsv")
+    assert [r["prediction"] for r in rows] == [r["prediction"] for r in tsv_rows(work / "sst2_dev_predictions.tsv")]
+    # A line that does not fit the task names the file and line; a pretraining workdir is refused.
+    bad = tmp_path / "pairs.txt"
+    bad.write_text("a good film\nthe plot\tthe actor\n")
+    with pytest.raises(ValueError, match=r"pairs.txt: row 2: 2 tab-separated fields, expected 1"):
+        predict.run(predict_config(tmp_path, bad), str(work))
+    with pytest.raises(FileNotFoundError, match="task.json not found"):
+        predict.run(predict_config(tmp_path, text), str(tmp_path))
 
 
 def test_fine_tuning_in_a_bucket_writes_what_a_local_run_writes(bucket, sst2_run, checkpoint, monkeypatch,
@@ -526,6 +584,19 @@ def test_ner_from_files_and_tfds(tmp_path, checkpoint):
     assert {"precision", "recall", "f1", "accuracy", "test_f1"} <= set(results)
     lines = (work / "conll2003_dev_predictions.txt").read_text().split("\n\n")
     assert len([s for s in lines if s.strip()]) == 6
+    # mode=predict on the dev file (CoNLL columns) and on its sentences as plain text: the loop's tags.
+    from bert_jax import predict
+    loop = [[line.split(" ") for line in block.splitlines()] for block in lines if block.strip()]
+    text = tmp_path / "sentences.txt"
+    text.write_text("".join(" ".join(w for w, _, _ in s) + "\n" for s in loop))
+    for path, name in ((data / "valid.txt", "valid"), (text, "sentences")):
+        config = ner_config.get_config()
+        config.update(mode="predict", predict_input=str(path), predict_output_dir=str(tmp_path / "out"))
+        predict.run(config, str(work))
+        got = [[line.split(" ") for line in block.splitlines()] for block in
+               (tmp_path / "out" / f"conll2003_{name}_predictions.txt").read_text().split("\n\n") if block.strip()]
+        assert [[t[2] for t in s] for s in got] == [[t[2] for t in s] for s in loop], name
+        assert [[t[0] for t in s] for s in got] == [[t[0] for t in s] for s in loop], name
 
     def make(builder, split):
         names = list(builder.info.features["ner"].feature.names)

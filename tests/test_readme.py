@@ -237,7 +237,10 @@ def test_no_readme_command_makes_a_local_gs_folder_without_gcsfs(tmp_path):
 # corpus) and the absolute paths (into the test's folder). File names, globs and the order are the
 # README's own.
 _TINY = {"data_pipeline.create_pretraining_data": {"dupe_factor": "2"},
-         "bert_jax.main": {"config.model.hidden_size": "32", "config.model.num_hidden_layers": "2",
+         "configs/glue.py": {"config.max_seq_length": "16", "config.global_batch_size": "8",
+                             "config.num_train_epochs": "2", "config.learning_rate": "1e-2",
+                             "config.log_every_steps": "1", "config.xla_backend_optimization_level": "0"},
+         "configs/base.py": {"config.model.hidden_size": "32", "config.model.num_hidden_layers": "2",
                            "config.model.num_attention_heads": "4", "config.model.intermediate_size": "64",
                            "config.model.max_position_embeddings": "128", "config.global_batch_size": "8",
                            "config.num_train_steps": "4", "config.warmup_steps": "1",
@@ -253,8 +256,11 @@ def _readme_section(title: str) -> str:
 
 def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
     """Common tasks, in order: vocabulary -> train and eval records -> pretraining -> evaluation
-    -> HF export -> fill-mask on the pretrained model; each command the README's (the data names
-    and globs included), run from one folder holding `corpus/` and `heldout/` text."""
+    -> HF export -> fill-mask on the pretrained model -> fine-tuning it on SST-2 -> predicting new
+    text -> exporting the fine-tuned classifier, which transformers' AutoModelForSequenceClassification
+    loads and whose predictions (with transformers' own tokenizer) are the predict mode's; each
+    command the README's (the data names and globs included), run from one folder holding
+    `corpus/`, `heldout/`, `glue/SST-2/` and `reviews.txt`."""
     import json
     import os
     import random
@@ -275,14 +281,16 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
     commands = [(words_[1], words_[2:]) for _, words_ in _commands(section) if words_[:1] == ["-m"]]
     runs = [c for c in commands if c[0] in wanted][:5]
     assert [m for m, _ in runs] == wanted, commands
-    convert = next(a for m, a in commands if m == "bert_jax.convert" and "--output_format=hf" in a)
+    convert = next(a for m, a in commands if m == "bert_jax.convert" and "--output_format=hf" in a
+                   and "--input=/tmp/bert_base" in a)
     fill = next(a for m, a in commands if m == "bert_jax.fill_mask")
 
     def local(value: str) -> str:  # /tmp/bert_base -> <test folder>/tmp/bert_base
         return str(tmp_path / value.lstrip("/")) if value.startswith("/tmp/") else value
 
     def run(module, args):
-        tiny = dict(_TINY.get(module, {}))
+        config_file = next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), None)
+        tiny = dict(_TINY.get(config_file or module, {}))
         out = []
         for a in args:
             name, eq, value = a.lstrip("-").partition("=")
@@ -314,3 +322,33 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
     guesses = [line for line in lines if line.startswith("    [MASK] -> ")]
     assert len(guesses) == 2 and all(line.count("(0.") + line.count("(1.") == 5 for line in guesses), r.stdout
     assert "The capital of France is [MASK]." in lines and "w1 w2 [MASK] w3 ." in lines
+
+    # Fine-tune the pretrained model on a toy SST-2 (w1 -> 1, w2 -> 0), predict, export.
+    def sentences(n):
+        rows = [(" ".join(rng.choice(words[3:40]) for _ in range(5)), i % 2) for i in range(n)]
+        return [(f"{'w1' if y else 'w2'} {text}", y) for text, y in rows]
+
+    glue = tmp_path / "glue" / "SST-2"
+    glue.mkdir(parents=True)
+    for split, n in (("train", 48), ("dev", 16)):
+        (glue / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in sentences(n)))
+    (tmp_path / "reviews.txt").write_text("".join(t + "\n" for t, _ in sentences(6)))
+    finetune = next(a for m, a in commands if m == "bert_jax.main" and "--config.task=sst2" in a)
+    predict = next(a for m, a in commands if m == "bert_jax.main" and "--config.mode=predict" in a)
+    export = next(a for m, a in commands if m == "bert_jax.convert" and "--input=/tmp/sst2" in a)
+    run("bert_jax.main", [a if not a.startswith("--config.init_checkpoint=") else "--config.init_checkpoint=/tmp/bert_base"
+                          for a in finetune])
+    assert json.loads((tmp_path / "tmp/sst2/eval_results.json").read_text())["accuracy"] >= 0.0
+    run("bert_jax.main", predict)
+    rows = [line.split("\t") for line in (tmp_path / "tmp/sst2/predictions/sst2_reviews_predictions.tsv")
+            .read_text().splitlines()[1:]]
+    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5", "6"] and {r[1] for r in rows} <= {"0", "1"}
+    run("bert_jax.convert", export)
+    transformers = pytest.importorskip("transformers")
+    hf_dir = str(tmp_path / "tmp/sst2_hf")
+    model = transformers.FlaxAutoModelForSequenceClassification.from_pretrained(hf_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    batch = tokenizer((tmp_path / "reviews.txt").read_text().splitlines(), padding="max_length", max_length=16,
+                      truncation=True, return_tensors="np")
+    logits = model(**batch).logits
+    assert [model.config.id2label[int(i)] for i in logits.argmax(-1)] == [r[1] for r in rows]

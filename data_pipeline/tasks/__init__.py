@@ -124,6 +124,34 @@ class Task:
         """Writes predictions (and, for test splits, submission files) to `directory`."""
         raise NotImplementedError
 
+    # --- new text, for `mode=predict` --------------------------------------------------------
+
+    # What one line of a plain text file holds for `read_lines` (tab-separated fields).
+    line_format: str = "text"
+
+    def read_lines(self, path: str) -> list:
+        """Unlabelled examples from a plain text file, one a line (`line_format`); blank lines
+        are skipped, and a line with the wrong number of fields is a bad row (file and line)."""
+        raise NotImplementedError
+
+    def is_labelled(self, examples: Sequence) -> bool:
+        """Whether every example has its gold label (then `score` applies)."""
+        return bool(examples) and all(getattr(e, "label", None) is not None for e in examples)
+
+    def _lines(self, path: str, fields: Sequence[int]) -> Iterator[tuple[int, str, list[str]]]:
+        """(line number, "path:line", its tab-separated fields) of each non-blank line whose number
+        of fields is one of `fields`; others are bad rows."""
+        for number, line in enumerate(read_text(path, bom=True).split("\n"), 1):
+            line = line[:-1] if line.endswith("\r") else line
+            if not line.strip():
+                continue
+            parts = line.split("\t")
+            if len(parts) not in fields:
+                self.rows.bad(path, number, f"{len(parts)} tab-separated fields, expected "
+                                            f"{' or '.join(map(str, fields))} ({self.line_format})")
+                continue
+            yield number, f"{path}:{number}", parts
+
     # --- shared --------------------------------------------------------------------------------
 
     def make_tokenizer(self, vocab_file: str, do_lower_case: bool):

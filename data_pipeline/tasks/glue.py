@@ -309,6 +309,17 @@ class GlueTask(Task):
                                     f"{where}:{row}"))
         return examples
 
+    @property
+    def line_format(self) -> str:
+        return "a sentence" if self.spec.text_b is None else "two texts separated by a tab"
+
+    def read_lines(self, path: str) -> list[Example]:
+        """One example a line: a sentence, or for a pair task the two texts separated by a tab;
+        its id is the line number."""
+        fields = (1,) if self.spec.text_b is None else (2,)
+        return [Example(str(number), parts[0], parts[1] if self.spec.text_b else None, None, where)
+                for number, where, parts in self._lines(path, fields)]
+
     # --- features ------------------------------------------------------------------------------
 
     def featurize(self, examples, tokenizer, max_seq_length, *, training):

@@ -82,6 +82,13 @@ class Swag(Task):
                                         f"{path}:{row}"))
         return examples
 
+    line_format = f"the context, the start of the next sentence and its {NUM_CHOICES} endings, separated by tabs"
+
+    def read_lines(self, path: str) -> list[Example]:
+        """One example a line: sent1, sent2 and the endings, tab-separated (SWAG's columns)."""
+        return [Example(str(number), parts[0], parts[1], parts[2:], None, where)
+                for number, where, parts in self._lines(path, (2 + NUM_CHOICES,))]
+
     def featurize(self, examples, tokenizer, max_seq_length, *, training):
         del training
         check_vocab(tokenizer)

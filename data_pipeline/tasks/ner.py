@@ -253,6 +253,15 @@ class Conll2003(Task):
                     rows[k].append(v)
         return stack(rows, {"label_weights": np.float32, "weight": np.float32})
 
+    line_format = "a sentence, its words separated by spaces"
+
+    def read_lines(self, path: str) -> list[Example]:
+        """One sentence a line, its words separated by whitespace (as CoNLL's first column)."""
+        return [Example(parts[0].split(), None, where) for _, where, parts in self._lines(path, (1,))]
+
+    def is_labelled(self, examples) -> bool:
+        return bool(examples) and all(e.tags is not None for e in examples)
+
     # --- predictions ---------------------------------------------------------------------------
 
     def postprocess(self, examples, features, outputs):

@@ -109,6 +109,16 @@ class SquadV1(Task):
                                             bool(qa.get("is_impossible", False)), where))
         return examples
 
+    line_format = "a question and its context separated by a tab"
+
+    def read_lines(self, path: str) -> list[Example]:
+        """One question a line: the question, a tab, the context (its id is the line number)."""
+        return [Example(str(number), parts[0], parts[1], [], False, where)
+                for number, where, parts in self._lines(path, (2,))]
+
+    def is_labelled(self, examples) -> bool:
+        return bool(examples) and all(e.answers or e.is_impossible for e in examples)
+
     def _read_tfds(self, split: str) -> list[Example]:
         tfds_split = {"train": "train", "dev": "validation"}[split]
         examples = []
