@@ -29,9 +29,11 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
+# Each process's fake devices are JAX_NUM_CPU_DEVICES'; any other XLA flag given passes through.
+xla_flags=$(printf '%s' "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g')
 for ((i = 0; i < NUM_PROCESSES; i++)); do
   BERT_JAX_COORDINATOR="127.0.0.1:$PORT" BERT_JAX_NUM_PROCESSES="$NUM_PROCESSES" BERT_JAX_PROCESS_ID="$i" \
-  JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES="$DEVICES_PER_PROCESS" XLA_FLAGS="" \
+  JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES="$DEVICES_PER_PROCESS" XLA_FLAGS="$xla_flags" \
     "$PYTHON" -m bert_jax.main "$@" &
   pids+=("$!")
 done

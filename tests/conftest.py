@@ -6,9 +6,11 @@ import threading
 
 import pytest
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+from xla_flags import FAST_COMPILE  # noqa: E402  (tests/xla_flags.py: why the level-0 backend)
+
+for _flag in ("--xla_force_host_platform_device_count=8", FAST_COMPILE):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # TensorFlow must not grab both cores' worth of threads or print its banner in tests.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -27,6 +27,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from bert_jax.checkpointing import CheckpointRestoreError, Checkpointer, CheckpointSaveError
+from xla_flags import xla_flags  # tests/ is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -376,7 +377,7 @@ def test_sigterm_sets_stop_and_forces_a_save(tmp_path):
 
 def _worker_env(**extra):
     env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8),
                PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
@@ -501,7 +502,7 @@ def _free_port():
 def test_multihost_preemption_sync_point_saves_same_step(tmp_path):
     """Two JAX processes; SIGTERM to one; both stop at the agreed step, save it and exit 0."""
     port = str(_free_port())
-    env = _worker_env(XLA_FLAGS="", JAX_NUM_CPU_DEVICES="1")
+    env = _worker_env(XLA_FLAGS=xla_flags(), JAX_NUM_CPU_DEVICES="1")
     workers = [_Worker("multihost_loop", tmp_path, env=env, args=(port, str(i))) for i in range(2)]
     try:
         for w in workers:

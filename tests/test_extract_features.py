@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from bert_jax import convert, extract_features as ef
+from xla_flags import xla_flags  # tests/ is on sys.path
 from bert_jax.modeling import BertConfig, BertModel
 from data_pipeline import tokenization
 
@@ -74,7 +75,7 @@ def test_cli_output_equals_the_models_hidden_states(checkpoint, tmp_path):
     lines = ["the cat sat on the mat!", "hello world ||| a big red dogs ran", "", "the " * 40]
     (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out" / "features.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
     r = subprocess.run([sys.executable, "-m", "bert_jax.extract_features", f"--input_file={tmp_path / 'in.txt'}",
                         f"--output_file={out}", f"--init_checkpoint={ckpt}", "--layers=-1,0,-2",
                         "--max_seq_length=16", "--batch_size=3", "--combine=concat_last_four",
@@ -111,7 +112,7 @@ def test_cli_output_equals_the_models_hidden_states(checkpoint, tmp_path):
 def test_bad_flags_name_the_flag(checkpoint, tmp_path):
     ckpt, config = checkpoint
     (tmp_path / "in.txt").write_text("hello\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
     r = subprocess.run([sys.executable, "-m", "bert_jax.extract_features", f"--input_file={tmp_path / 'in.txt'}",
                         f"--output_file={tmp_path / 'o.jsonl'}", f"--init_checkpoint={ckpt}", "--layers=-5", "--max_seq_length=16"],
                        env=env, capture_output=True, text=True, timeout=300)

@@ -24,6 +24,7 @@ import pytest
 
 from data_pipeline import storage
 from pretraining_records import kill9_once_logged, logged_losses  # tests/ is on sys.path
+from xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i:03d}" for i in range(300)]
@@ -73,7 +74,7 @@ def run(places, args, *, popen=False, timeout=300):
     for d in (cwd, home, tmp):
         d.mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2", HOME=str(home), TMPDIR=str(tmp),
+               XLA_FLAGS=xla_flags(2), HOME=str(home), TMPDIR=str(tmp),
                BERT_JAX_CACHE_DIR=str(places["cache"]), JAX_COMPILATION_CACHE_DIR=str(places["xla"]),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
                MPLCONFIGDIR=str(places["cache"] / "matplotlib"), KERAS_HOME=str(places["cache"] / "keras"))

@@ -526,7 +526,11 @@ def test_sparse_last_layer_gives_the_same_logits_and_gradients(options, packed):
         out = BertForPreTraining(cfg).apply({"params": p}, **inputs, deterministic=True)
         return jnp.sum(out.mlm_logits ** 2) + jnp.sum(out.nsp_logits ** 2), out
 
-    grad = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg), has_aux=True)).lower(params).compile()
+    # At XLA's own optimization level (not the suite's 0, tests/xla_flags.py): some of the compared
+    # gradients are zero but for float32 noise (the attention key bias: softmax ignores it), and
+    # the noise of unoptimized code reaches 1.6e-5, past the 1e-5 the two programs agree to here.
+    grad = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg), has_aux=True)).lower(params).compile(
+        compiler_options={"xla_backend_optimization_level": 3})
     sparse_step, dense_step = grad(config), grad(dense_config)
     (_, sparse), g_sparse = sparse_step(params)
     (_, dense), g_dense = dense_step(params)

@@ -17,6 +17,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from pretraining_records import VOCAB, kill9_once_logged, logged_losses, write_records  # tests/ is on sys.path
+from xla_flags import xla_flags  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +50,7 @@ def compilation_cache(tmp_path_factory):
 
 def env(devices: int = 2) -> dict:
     e = dict(os.environ)
-    e.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    e.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices),
              TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
     if "dir" in _CACHE:
         e.update(JAX_COMPILATION_CACHE_DIR=_CACHE["dir"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -175,7 +176,7 @@ def test_two_processes_match_one_process_with_the_same_devices(data, tmp_path, d
     one = run(cmd(tmp_path / "one", data, "--config.num_train_steps=6", "--config.data_shards=2"),
               devices=2 * devices_per_process)
     assert one.returncode == 0, one.stderr[-3000:]
-    e = dict(env(1), XLA_FLAGS="", NUM_PROCESSES="2", DEVICES_PER_PROCESS=str(devices_per_process),
+    e = dict(env(1), XLA_FLAGS=xla_flags(), NUM_PROCESSES="2", DEVICES_PER_PROCESS=str(devices_per_process),
              PORT=str(_port()), PYTHON=sys.executable, KILL_AFTER="5")
     two = subprocess.run(["bash", str(ROOT / "launch/local_multihost.sh"),
                           *cmd(tmp_path / "two", data, "--config.num_train_steps=6", "--config.data_shards=2")[3:]],
@@ -211,7 +212,7 @@ def test_a_host_with_a_different_config_stops_every_host_before_compiling(data, 
     port = _port()
     procs = []
     for pid, lr in ((0, "1e-4"), (1, "2e-4")):
-        e = dict(env(1), XLA_FLAGS="", BERT_JAX_COORDINATOR=f"127.0.0.1:{port}", BERT_JAX_NUM_PROCESSES="2",
+        e = dict(env(1), XLA_FLAGS=xla_flags(), BERT_JAX_COORDINATOR=f"127.0.0.1:{port}", BERT_JAX_NUM_PROCESSES="2",
                  BERT_JAX_PROCESS_ID=str(pid), JAX_NUM_CPU_DEVICES="1")
         procs.append(subprocess.Popen(cmd(tmp_path / f"w{pid}", data, f"--config.learning_rate={lr}"),
                                       env=e, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

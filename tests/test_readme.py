@@ -11,6 +11,7 @@ import pytest
 
 from bert_jax.config_overrides import unknown_overrides
 from configs import base
+from xla_flags import xla_flags  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -301,7 +302,7 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
         out += [f"--{k}={v}" for k, v in tiny.items()]  # sizes the command leaves to its config
         r = subprocess.run([sys.executable, "-m", module, *out], cwd=tmp_path, capture_output=True, text=True,
                            timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-                                                 XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+                                                 XLA_FLAGS=xla_flags(1)))
         assert r.returncode == 0, f"{module} {out}\n{r.stderr[-3000:]}"
         return r
 

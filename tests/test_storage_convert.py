@@ -18,6 +18,7 @@ import pytest
 from bert_jax import convert
 from bert_jax.modeling import BertConfig
 from data_pipeline import storage
+from xla_flags import xla_flags  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "dog", "ran", "a",
@@ -48,7 +49,7 @@ def assert_params_equal(a, b):
 
 
 def env_for(tmp_path):
-    return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="",
+    return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(),
                 BERT_JAX_CACHE_DIR=str(tmp_path / "cache"))
 
 

@@ -1,0 +1,17 @@
+"""XLA_FLAGS of every test process: the fake CPU devices it asks for, and LLVM's optimization level 0.
+
+The suite's models are tiny: compiling their programs costs more than running them, and at
+`--xla_backend_optimization_level=0` XLA's CPU backend compiles several times faster (the
+fine-tuning loop's `config.xla_backend_optimization_level=0` does the same per program). Measured
+side by side on the 2-core machine (2026-11-26): tests/test_fp8.py 174 -> 126 s, test_training.py
+with test_modeling.py 571 -> 403 s. Results agree with the default level to float32 rounding; runs
+compared bit for bit (kill -9 and resume, one process against two) all use these flags. The TPU
+compiles of test_aot_tpu.py and test_plan.py keep libtpu's defaults (their processes set no flag).
+"""
+
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(devices: int = 0) -> str:
+    """XLA_FLAGS with `devices` fake CPU devices (0: jax's default, or JAX_NUM_CPU_DEVICES)."""
+    return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}" if devices else FAST_COMPILE
