@@ -102,6 +102,6 @@ def test_finetune_glue_notebook(tmp_path):
     assert history[-1]["best_epoch"] == next(h["epoch"] for h in history if h["score"] == best)
     assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert len((run / "SST-2.tsv").read_text().splitlines()) == 9  # GLUE server file: header + 8
-    assert "skipped: ('head',)" in text
+    assert "task head: classification from the best parameters; labels: ['0', '1']" in text
     assert sorted(os.listdir(work / "sst2_hf")) == ["config.json", "model.safetensors", "tokenizer_config.json",
                                                     "vocab.txt"]

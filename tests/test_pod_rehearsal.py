@@ -22,7 +22,6 @@ import pytest
 
 from data_pipeline import storage
 from pretraining_records import logged_losses, write_records  # tests/ is on sys.path
-from xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "tpu_pod.sh"
@@ -45,7 +44,7 @@ for a in "$@"; do
     for ((i = 0; i < FAKE_WORKERS; i++)); do
       extra="FAKE_ENV_$i"
       (cd "$FAKE_ROOT/worker$i" && env HOME="$FAKE_ROOT/worker$i" BERT_JAX_COORDINATOR="127.0.0.1:$port" \
-        BERT_JAX_NUM_PROCESSES="$FAKE_WORKERS" BERT_JAX_PROCESS_ID="$i" JAX_NUM_CPU_DEVICES=2 XLA_FLAGS="$FAKE_XLA_FLAGS" \
+        BERT_JAX_NUM_PROCESSES="$FAKE_WORKERS" BERT_JAX_PROCESS_ID="$i" JAX_NUM_CPU_DEVICES=2 XLA_FLAGS= \
         ${!extra:-} bash -c "${a#--command=}")
     done ;;
   esac
@@ -88,7 +87,6 @@ def pod(gcs_server, tmp_path):
         w.mkdir()
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(tmp_path / "gcloud.log"),
                FAKE_ROOT=str(tmp_path), FAKE_WORKERS="2", FAKE_PY=sys.executable, PYTHON=sys.executable,
-               FAKE_XLA_FLAGS=xla_flags(),
                SKIP_INSTALL="1", STOP_TIMEOUT="60", TPU_NAME="rehearsal", ZONE="local", PROJECT="none",
                CONFIG="configs/test.py", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
                BERT_JAX_CACHE_DIR=str(tmp_path / "cache"), BERT_JAX_INIT_TIMEOUT="120",
@@ -161,7 +159,10 @@ def test_preempted_pod_run_resumes_with_the_uninterrupted_losses(pod):
     saved = [int(s) for s in storage.listdir(f"{work}/checkpoints") if s.isdigit()]
     stop_step = max(saved)
     assert out.count(f"preemption/SIGTERM: saved step {stop_step}, exiting") == 2, out[-4000:]  # both workers
-    assert 6 <= stop_step < 12 and stop_step % 4, (stop_step, saved)  # a step of its own, off the interval
+    # Stopped early, saved by the preemption path on both hosts (the agreed step may fall on the
+    # checkpoint interval, 8 of 12 here on an idle machine: the save is still the preemption's).
+    assert 6 <= stop_step < 12, (stop_step, saved)
+    assert out.count(f"saving step {stop_step} because of preemption") == 2, out[-4000:]
 
     # The same command again: worker 1 cannot read the newest step; both fall back to the same one.
     out = wait_exit(pod, launch(pod, work, FAKE_ENV_1=f"PYTHONPATH={pod['faults']} FAULT_UNREADABLE_STEP={stop_step}"))
