@@ -7,8 +7,8 @@ side by side on the 2-core machine (2026-11-26): tests/test_fp8.py 174 -> 126 s,
 with test_modeling.py 571 -> 403 s. Results agree with the default level to float32 rounding; runs
 compared bit for bit (kill -9 and resume, one process against two) all use these flags. The TPU
 compiles of test_aot_tpu.py and test_plan.py keep libtpu's defaults (their processes set no flag),
-and so does the pod rehearsal (tests/test_pod_rehearsal.py): at level 0 its slower steps moved the
-step both hosts agree to stop at onto the checkpoint interval, which that test rules out.
+and so do the pod rehearsal's workers (tests/test_pod_rehearsal.py: its stub gcloud starts them
+with an empty XLA_FLAGS, as before).
 """
 
 FAST_COMPILE = "--xla_backend_optimization_level=0"
