@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import re
 
 import flax.linen as nn
@@ -88,13 +87,7 @@ def input_format(task, path: str, wanted: str) -> str:
     if wanted != "auto":
         return wanted
     name = storage.basename(path)
-    known = {n for names in getattr(task, "files", {}).values() for n in names}
-    spec = getattr(task, "spec", None)  # GLUE
-    if spec is not None:
-        known |= {os.path.basename(n) for names in spec.splits.values() for n in names}
-    suffixes = {"glue": (".tsv",), "squad": (".json",), "multiple_choice": (".csv",), "ner": (".conll",)}
-    suffix = suffixes.get(type(task).__module__.rsplit(".", 1)[-1], ())
-    return "task" if name in known or name.lower().endswith(suffix) or name.startswith("eng.") else "text"
+    return "task" if name in task.file_names() or name.lower().endswith(task.file_suffixes) else "text"
 
 
 def read_input(task, path: str, form: str) -> list:

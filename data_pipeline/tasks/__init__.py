@@ -128,6 +128,13 @@ class Task:
 
     # What one line of a plain text file holds for `read_lines` (tab-separated fields).
     line_format: str = "text"
+    # Suffixes of files in the task's own format (besides the file names it reads its splits from).
+    file_suffixes: tuple = ()
+
+    def file_names(self) -> set:
+        """The names of the files the task reads its splits from (`mode=predict` reads a file so
+        named, or with one of `file_suffixes`, in the task's format)."""
+        return {storage.basename(n) for names in getattr(self, "files", {}).values() for n in names}
 
     def read_lines(self, path: str) -> list:
         """Unlabelled examples from a plain text file, one a line (`line_format`); blank lines

@@ -309,6 +309,11 @@ class GlueTask(Task):
                                     f"{where}:{row}"))
         return examples
 
+    file_suffixes = (".tsv",)
+
+    def file_names(self) -> set:
+        return {storage.basename(n) for names in self.spec.splits.values() for n in names}
+
     @property
     def line_format(self) -> str:
         return "a sentence" if self.spec.text_b is None else "two texts separated by a tab"

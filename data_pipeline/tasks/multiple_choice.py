@@ -82,6 +82,7 @@ class Swag(Task):
                                         f"{path}:{row}"))
         return examples
 
+    file_suffixes = (".csv",)
     line_format = f"the context, the start of the next sentence and its {NUM_CHOICES} endings, separated by tabs"
 
     def read_lines(self, path: str) -> list[Example]:

@@ -254,6 +254,7 @@ class Conll2003(Task):
         return stack(rows, {"label_weights": np.float32, "weight": np.float32})
 
     line_format = "a sentence, its words separated by spaces"
+    file_suffixes = (".conll",)
 
     def read_lines(self, path: str) -> list[Example]:
         """One sentence a line, its words separated by whitespace (as CoNLL's first column)."""

@@ -110,6 +110,7 @@ class SquadV1(Task):
         return examples
 
     line_format = "a question and its context separated by a tab"
+    file_suffixes = (".json",)
 
     def read_lines(self, path: str) -> list[Example]:
         """One question a line: the question, a tab, the context (its id is the line number)."""
