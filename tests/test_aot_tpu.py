@@ -40,7 +40,7 @@ def test_tiny_config_compiles_for_a_v5e_2x2_slice():
     for row in rows:
         assert row["chips"] == 4 and row["global_batch"] == 16 and row["fits"]
         assert 0 < row["hbm_gib"] < 0.1
-        # XLA FLOPs (extrapolated from 1 and 2 unrolled layers) are at least our matmul count.
+        # XLA FLOPs (of the unrolled 2-layer program) are at least our matmul count.
         assert 1.0 <= row["xla_over_analytic"] < 6.0  # a tiny H=32 model: non-matmul work is large
         assert row["max_batch_per_chip"] == 8  # capped by --max_batch_per_chip
         assert 0.0 < row["mfu_upper_bound"] <= 1.0

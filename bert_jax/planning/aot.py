@@ -134,7 +134,8 @@ def counted_costs(config, bert_config, devices, mesh_kind: str, batch_per_chip: 
     XLA's cost analysis counts a loop's body once: the scanned encoder's, and each collective
     matmul's (FSDP's gathered weights: without this it counts 21-25% fewer FLOPs than the model
     needs). So the counts come from two unrolled compiles of 1 and 2 layers (same widths, mesh
-    and batch) without collective-matmul loops, extrapolated linearly in depth. Their last layer
+    and batch) without collective-matmul loops, extrapolated linearly in depth (a model of 1 or
+    2 layers is counted from one compile at its own depth). Their last layer
     is computed as in the real program (at the masked positions only when it is unrolled with
     `sparse_last_layer`; a scanned encoder computes it everywhere).
     """
@@ -142,7 +143,9 @@ def counted_costs(config, bert_config, devices, mesh_kind: str, batch_per_chip: 
 
     sparse = modeling.last_layer_queries(bert_config, seq_len, predictions) is not None
     counts, loops, options = [], 0, NO_COLLECTIVE_MATMUL_LOOPS
-    for layers in (1, 2):
+    # A model of 1 or 2 layers is its own unrolled program: one compile, nothing to extrapolate.
+    depths = (1, 2) if bert_config.num_hidden_layers > 2 else (bert_config.num_hidden_layers,)
+    for layers in depths:
         small = bert_config.replace(num_hidden_layers=layers, scan_layers=False, sparse_last_layer=sparse)
         try:
             compiled = compile_step(config, small, devices, mesh_kind, batch_per_chip, seq_len, predictions,
@@ -154,6 +157,8 @@ def counted_costs(config, bert_config, devices, mesh_kind: str, batch_per_chip: 
             compiled = compile_step(config, small, devices, mesh_kind, batch_per_chip, seq_len, predictions)[0]
         counts.append(xla_costs(compiled))
         loops += len(re.findall(r"\swhile\(", compiled.as_text()))
+    if len(counts) == 1:
+        return counts[0], loops
     depth = bert_config.num_hidden_layers - 1
     return {k: counts[0][k] + depth * (counts[1][k] - counts[0][k]) for k in counts[0]}, loops
 
