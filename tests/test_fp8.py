@@ -184,7 +184,7 @@ def test_scanned_layers_stack_the_state_and_the_config_file_leaves_fp8_out(tmp_p
         modeling.BertConfig(fp8="yes")
 
 
-def test_a_resumed_fp8_run_repeats_the_uninterrupted_one_bit_for_bit(tmp_path):
+def test_a_resumed_fp8_run_repeats_the_uninterrupted_one_bit_for_bit(tmp_path, monkeypatch):
     pytest.importorskip("tensorflow")  # the records and the input pipeline
     sys.path.insert(0, str(Path(__file__).parent))
     import test_pretrain as tp
@@ -194,6 +194,8 @@ def test_a_resumed_fp8_run_repeats_the_uninterrupted_one_bit_for_bit(tmp_path):
     for i in range(2):
         tp.write_records(data / f"train-{i}.tfrecord", 64, seed=i)
     fp8 = ("--config.model.fp8=true", "--config.model.dtype=bfloat16")
+    # The two runs share a compilation cache (as test_pretrain's runs do): the resume loads the step.
+    monkeypatch.setitem(tp._CACHE, "dir", str(tmp_path / "xla_cache"))  # pylint: disable=protected-access
     ref = tp.run(tp.cmd(tmp_path / "ref", data, *fp8))
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = tp.losses(tmp_path / "ref")

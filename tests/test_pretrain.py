@@ -4,6 +4,7 @@ config mismatch, non-finite loss, evaluation mode) on small TFRecords the tests 
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +36,10 @@ def data(tmp_path_factory):
 
 
 _CACHE = {}  # the compilation cache the runs of this module share (set by `compilation_cache`)
+
+# One worker runs this module (`pytest -n 2 --dist loadgroup`): its runs share the compilation
+# cache and the uninterrupted run below instead of making each twice.
+pytestmark = pytest.mark.xdist_group("test_pretrain")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -76,10 +81,18 @@ def run(args, timeout=300, devices=2, **kw):
                           text=True, **kw)
 
 
-def test_kill9_and_a_flipped_bit_resume_with_the_uninterrupted_loss_sequence(data, tmp_path, caplog):
-    ref = run(cmd(tmp_path / "ref", data))
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    want = losses(tmp_path / "ref")
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    """configs/test.py for 12 steps, checkpoints at 4, 8 and 12: the workdir and the process's
+    result. Read it, or copy it before writing (`shutil.copytree`)."""
+    work = tmp_path_factory.mktemp("uninterrupted") / "ref"
+    r = run(cmd(work, data))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return work, r
+
+
+def test_kill9_and_a_flipped_bit_resume_with_the_uninterrupted_loss_sequence(data, uninterrupted, tmp_path, caplog):
+    want = losses(uninterrupted[0])
     assert sorted(want) == list(range(1, 13))
     assert want[12] < want[1]
 
@@ -118,15 +131,19 @@ def test_kill9_and_a_flipped_bit_resume_with_the_uninterrupted_loss_sequence(dat
     assert {r["step"]: r["loss"] for r in retrained} == {s: want[s] for s in (9, 10, 11, 12)}  # bitwise
 
 
-def test_a_changed_schedule_on_resume_and_a_zero_learning_rate_are_reported(data, tmp_path):
-    first = run(cmd(tmp_path / "w", data, "--config.num_train_steps=4"))
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_a_changed_schedule_on_resume_and_a_zero_learning_rate_are_reported(data, uninterrupted, tmp_path):
+    first_work, first = uninterrupted
     assert "config.learning_rate=0:" not in first.stderr
-    # One resumed run reports both: the changed keys against the checkpoint's, and the zero rate.
+    # Its step-4 checkpoint, resumed by a run that reports both: the changed keys against the
+    # checkpoint's, and the zero rate.
+    shutil.copytree(first_work, tmp_path / "w")
+    for later in ("8", "12", "input_state/8", "input_state/12"):
+        shutil.rmtree(tmp_path / "w" / "checkpoints" / later)
     longer = run(cmd(tmp_path / "w", data, "--config.num_train_steps=6", "--config.learning_rate=0"))
     assert longer.returncode == 0, longer.stderr[-3000:]
+    assert "resumed from step 4" in longer.stderr
     assert ("resuming step 4 with config.num_train_steps=6; the checkpoint was trained with "
-            "config.num_train_steps=4") in longer.stderr
+            "config.num_train_steps=12") in longer.stderr
     assert "config.learning_rate=0.0; the checkpoint was trained with config.learning_rate=0.0001" in longer.stderr
     assert "warmup_steps" not in longer.stderr  # unchanged keys are not reported
     assert "config.learning_rate=0: the parameters will not change" in longer.stderr
@@ -254,9 +271,8 @@ def _log_softmax64(logits) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_evaluate_mode_writes_the_reference_metrics(data, tmp_path):
-    train = run(cmd(tmp_path / "train", data, "--config.num_train_steps=4"))
-    assert train.returncode == 0, train.stderr[-3000:]
+def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_path):
+    shutil.copytree(uninterrupted[0], tmp_path / "train")  # this test writes into its checkpoints folder
     r = run([sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/test.py'}",
              f"--workdir={tmp_path / 'eval'}", "--config.mode=evaluate",
              f"--config.init_checkpoint={tmp_path / 'train'}", f"--config.eval_data={data}/eval-0.tfrecord",
