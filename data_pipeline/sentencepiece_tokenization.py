@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional, Union
 
 from data_pipeline import storage
 from data_pipeline.fast_tokenization import FastBasicTokenizer
-from data_pipeline.tokenization import FullTokenizer, convert_by_vocab, convert_to_unicode
+from data_pipeline.tokenization import FullTokenizer, _split_special, convert_by_vocab, convert_to_unicode
 
 
 class SentencePieceTokenizer:
@@ -50,7 +50,9 @@ class SentencePieceTokenizer:
         if self._basic is not None:
             text = " ".join(self._basic.tokenize(text))
         elif self.do_lower_case:
-            text = text.lower()
+            # Around the special tokens: "[MASK]".lower() is no user symbol and would be split.
+            text = "".join(segment if special else segment.lower()
+                           for segment, special in _split_special(text, True))
         return self._model.encode(text, out_type=str)
 
     def convert_tokens_to_ids(self, tokens: Iterable[str]) -> List[int]:
