@@ -12,6 +12,8 @@ for _flag in ("--xla_force_host_platform_device_count=8", FAST_COMPILE):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Under BERT_JAX_CI=1 a failed `pytest.importorskip` fails (tests/ci_required.py).
+pytest_plugins = ["ci_required"]
 # TensorFlow must not grab both cores' worth of threads or print its banner in tests.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
