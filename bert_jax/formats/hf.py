@@ -242,7 +242,7 @@ _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "flax_model.
 
 
 def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
-    def read_safetensors(path):
+    def read_safetensors(path, promised=(), index=None):
         from safetensors import SafetensorError, safe_open
         out = {}
         local = storage.local_copy(path)  # the file itself, or a cached download of a gs:// one
@@ -260,6 +260,10 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
         except SafetensorError as e:
             raise ValueError(f"{path}: not a readable safetensors file ({e}); a truncated or damaged "
                              "download?") from None
+        absent = [k for k in promised if k not in out]
+        if absent:  # else a head missing whole would read as a checkpoint without that head
+            raise ValueError(f"{path}: missing {len(absent)} tensor(s) that {index} puts in it: "
+                             f"{', '.join(absent[:8])}{' ...' if len(absent) > 8 else ''}")
         if flax_names:  # written by a transformers Flax model: Flax leaf names and layouts
             tree: dict = {}
             for k, v in out.items():
@@ -272,10 +276,17 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
         return read_safetensors(p)
     p = storage.join(directory, "model.safetensors.index.json")
     if storage.isfile(p):
-        files = sorted(set(json.loads(storage.read_text(p))["weight_map"].values()))
+        index = _load_json(p)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f'{p}: no "weight_map" (tensor name -> shard file): not a safetensors index')
         out = {}
-        for name in files:
-            out.update(read_safetensors(storage.join(directory, name)))
+        for name in sorted(set(weight_map.values())):
+            shard = storage.join(directory, name)
+            if not storage.isfile(shard):
+                raise FileNotFoundError(f"{p} names shard {name}, which is not in {directory}: an "
+                                        "incomplete download?")
+            out.update(read_safetensors(shard, [k for k, v in weight_map.items() if v == name], p))
         return out
     p = storage.join(directory, "flax_model.msgpack")
     if storage.isfile(p):
