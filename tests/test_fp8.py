@@ -163,7 +163,9 @@ def test_fp8_training_tracks_bf16_and_accumulation_advances_the_state_per_micro_
             state, metrics = step(state, batch)
             losses[fp8].append(float(metrics["loss"]))
     assert losses[True] != losses[False]  # FP8 really runs
-    np.testing.assert_allclose(losses[True], losses[False], rtol=2e-2)
+    # FP8's quantization error, measured on 2026-11-27 (CPU, the suite's XLA flags): the six losses
+    # (6.04 falling to 5.06) differ by at most 5.9e-3, rel 1.1e-3; the bound is 3.5x that.
+    np.testing.assert_allclose(losses[True], losses[False], rtol=4e-3)
     assert losses[True][-1] < losses[True][0] - 0.1  # and it learns
     state, step = _state_and_step(_tiny(True), accum_steps=2)
     state, _ = step(state, batch)
