@@ -1,7 +1,6 @@
 """A checkpoint's casing (do_lower_case) from what it holds, not from its folder's name: its
 tokenizer_config.json when there is one, else its vocabulary (`formats.common.casing_from_vocab`)."""
 
-import json
 from pathlib import Path
 
 import pytest
