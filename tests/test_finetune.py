@@ -88,6 +88,80 @@ def read_json(path):
 
 
 # ---------------------------------------------------------------------------------------------
+# The reference: the saved model applied here, outside the loop
+# ---------------------------------------------------------------------------------------------
+
+
+class Reference:
+    """A run's saved parameters (`which`: "best" or "last", through `convert.load_finetuned`)
+    applied to texts featurized here, not by the task: Google's FullTokenizer (the loop uses
+    FastTokenizer), `[CLS] a [SEP] b [SEP]` truncated as run_classifier.py's _truncate_seq_pair,
+    a word's tag read at its first piece (data_pipeline/tasks/ner.py's documented convention),
+    one unsharded `BertForTask.apply` (the loop's is jitted over the 8-device mesh)."""
+
+    ROWS = 16  # inputs are padded to a multiple of this: one compile per head kind and width
+
+    def __init__(self, work, which, vocab, max_seq_length=16):
+        from data_pipeline import tokenization
+        p = convert.load_finetuned(str(work), which)
+        assert p.task["max_seq_length"] == max_seq_length
+        self.task, self.max_len = p.task, max_seq_length
+        self.model = heads.BertForTask(p.config, p.task["head"], p.task["num_outputs"])
+        self.params = convert.model_params(p)
+        self.tokenizer = tokenization.FullTokenizer(vocab, do_lower_case=True)
+
+    def _logits(self, tokens):
+        """Logits of each token list `[CLS] ... [SEP] (... [SEP])` (segment 1 after the first [SEP])."""
+        n = len(tokens)
+        ids, mask, segments = (np.zeros((-(-n // self.ROWS) * self.ROWS, self.max_len), np.int32) for _ in range(3))
+        for i, row in enumerate(tokens):
+            assert len(row) <= self.max_len, row
+            ids[i, :len(row)] = [self.tokenizer.vocab[t] for t in row]
+            mask[i, :len(row)] = 1
+            first_sep = row.index("[SEP]")
+            segments[i, first_sep + 1:len(row)] = 1
+        out = jax.jit(self.model.apply)({"params": self.params}, ids, mask, segments)
+        return np.asarray(out["logits"])[:n]
+
+    def sentence_logits(self, pairs):
+        """[examples(, classes)] for (text_a, text_b or None) pairs."""
+        rows = []
+        for a, b in pairs:
+            a = self.tokenizer.tokenize(a)
+            b = self.tokenizer.tokenize(b) if b is not None else None
+            if b is None:
+                a = a[:self.max_len - 2]
+            else:
+                while len(a) + len(b) > self.max_len - 3:  # _truncate_seq_pair: the longer one loses its last
+                    (a if len(a) > len(b) else b).pop()
+            rows.append(["[CLS]"] + a + ["[SEP]"] + (b + ["[SEP]"] if b is not None else []))
+        return self._logits(rows)
+
+    def word_logits(self, sentences):
+        """[words, tags] per sentence (a list of words): the logits at each word's first piece."""
+        rows, firsts = [], []
+        for words in sentences:
+            pieces = [self.tokenizer.tokenize(w) for w in words]
+            assert all(pieces) and sum(map(len, pieces)) <= self.max_len - 2, words  # one row each
+            firsts.append(1 + np.cumsum([0] + [len(p) for p in pieces[:-1]]))
+            rows.append(["[CLS]"] + [t for p in pieces for t in p] + ["[SEP]"])
+        logits = self._logits(rows)
+        return [logits[i, first] for i, first in enumerate(firsts)]
+
+
+def assert_argmax(predicted, logits, labels, what, tie=1e-4):
+    """Each predicted label is `labels[argmax]` of its row of logits; where the top two are within
+    `tie` (two compilations may round them apart) either of those two is accepted."""
+    logits = np.asarray(logits).reshape(-1, len(labels))
+    predicted = np.asarray(predicted).reshape(-1)
+    assert len(predicted) == len(logits), (what, len(predicted), len(logits))
+    top2 = np.argsort(-logits, axis=-1)[:, :2]
+    for i, (p, row, (first, second)) in enumerate(zip(predicted, logits, top2)):
+        allowed = {labels[first]} | ({labels[second]} if row[first] - row[second] < tie else set())
+        assert p in allowed, (what, i, p, labels[first], row.tolist())
+
+
+# ---------------------------------------------------------------------------------------------
 # GLUE
 # ---------------------------------------------------------------------------------------------
 
@@ -109,9 +183,13 @@ def sst2_files(root):
     for split, n in (("train", 64), ("dev", 16)):
         (folder / f"{split}.tsv").write_text(
             "sentence\tlabel\n" + "".join(f"{s} \t{l}\n" for s, l in sentiment(rng, n)))
+    # Test ids out of row order: a submission numbered by row, or off by one, maps rows to other examples.
     (folder / "test.tsv").write_text("index\tsentence\n" + "".join(
-        f"{i}\t{s}\n" for i, (s, _) in enumerate(sentiment(rng, 5))))
+        f"{i}\t{s}\n" for i, (s, _) in zip(SST2_TEST_IDS, sentiment(rng, 5))))
     return root / "glue"
+
+
+SST2_TEST_IDS = ("3", "0", "4", "1", "2")
 
 
 def sst2_config(data, checkpoint):
@@ -129,7 +207,7 @@ def sst2_run(tmp_path_factory, checkpoint):
 
 
 def test_sst2_learns_and_writes_everything(sst2_run, checkpoint):
-    _, work, results = sst2_run
+    data, work, results = sst2_run
     history = read_json(work / "eval_history.json")
     assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
     assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"]
@@ -153,6 +231,29 @@ def test_sst2_learns_and_writes_everything(sst2_run, checkpoint):
     assert loaded.task_head == "classification" and loaded.finetuned == "best" and "head" in loaded.params
     assert not np.allclose(loaded.params["bert"]["pooler"]["dense"]["kernel"],
                            checkpoint["params"]["bert"]["pooler"]["dense"]["kernel"])
+    # Against references outside the loop: gold from the dev.tsv written above, predictions of the
+    # saved parameters (last: the last epoch's file and the submission; best: best_predictions/)
+    # applied by `Reference`, accuracy from scikit-learn.
+    from sklearn import metrics as skm
+    dev = [line.split("\t") for line in (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
+    test = [line.split("\t") for line in (data / "SST-2" / "test.tsv").read_text().splitlines()[1:]]
+    last, best = (Reference(work, which, checkpoint["vocab"]) for which in ("last", "best"))
+    for reference, path, accuracy in ((last, work / "sst2_dev_predictions.tsv", results["accuracy"]),
+                                      (best, work / "best_predictions" / "sst2_dev_predictions.tsv",
+                                       results["best_epoch_score"])):
+        rows = tsv_rows(path)
+        assert [r["index"] for r in rows] == [str(i) for i in range(16)]  # no id column: the row number
+        assert [r["label"] for r in rows] == [label for _, label in dev]
+        predicted = [r["prediction"] for r in rows]
+        assert_argmax(predicted, reference.sentence_logits([(s, None) for s, _ in dev]), ["0", "1"], str(path))
+        assert accuracy == pytest.approx(skm.accuracy_score([label for _, label in dev], predicted), abs=1e-9)
+    # The server file: the test file's ids in its order, each with the prediction for that id's sentence.
+    server = tsv_rows(work / "SST-2.tsv")
+    assert [r["index"] for r in server] == [i for i, _ in test] == list(SST2_TEST_IDS)
+    by_id = dict(test)
+    assert_argmax([r["prediction"] for r in server],
+                  last.sentence_logits([(by_id[r["index"]], None) for r in server]), ["0", "1"], "SST-2.tsv")
+    assert len({r["prediction"] for r in server}) == 2  # both labels: a row mix-up shows
 
 
 def predict_config(work, path, **overrides):
@@ -308,107 +409,168 @@ def test_bad_schedule_settings_name_the_fine_tuning_field(tmp_path, checkpoint, 
     assert not (tmp_path / "work" / "checkpoints").exists()
 
 
+TEST_IDS = ("2", "0", "1")  # GLUE test rows' ids, out of row order: a submission numbered by row shows
+
+
 def glue_files(folder, task, rng, n_train=8, n_dev=8):
-    """Tiny GLUE folders in the distributed formats (random words; labels valid)."""
+    """Tiny GLUE folders in the distributed formats (random words; labels valid).
+
+    Returns what it wrote, the tests' gold: split -> [(id, text_a, text_b, label)], the id being
+    the row's index/id column or else its row number, the label None in test splits. STS-B's
+    first sentence ends in "good" (score 4-5) or "bad" (0-1): learnable, so that a few epochs
+    spread its predictions far beyond float32 rounding.
+    """
 
     def text():
         return " ".join(rng.choice(WORDS, rng.randint(2, 7)))
 
-    def rows(n, make):
-        return "".join(make(i) for i in range(n))
-
     os.makedirs(folder, exist_ok=True)
-    w = lambda name, content: open(os.path.join(folder, name), "w", encoding="utf-8").write(content)
+    written = {}
+
+    def w(name, header, split, records, line):
+        written[split] = records
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            f.write(header + "".join(line(*r) for r in records))
+
+    labelled = (("train", n_train), ("dev", n_dev))
     if task == "cola":  # no header in train/dev
-        for split, n in (("train", n_train), ("dev", n_dev)):
-            w(f"{split}.tsv", rows(n, lambda i: f"gj04\t{i % 2}\t{'' if i % 2 else '*'}\t{text()}\n"))
-        w("test.tsv", "index\tsentence\n" + rows(3, lambda i: f"{i}\t{text()}\n"))
+        for split, n in labelled:
+            w(f"{split}.tsv", "", split, [(str(i), text(), None, str(i % 2)) for i in range(n)],
+              lambda i, a, b, l: f"gj04\t{l}\t{'' if l == '1' else '*'}\t{a}\n")
+        w("test.tsv", "index\tsentence\n", "test", [(i, text(), None, None) for i in TEST_IDS],
+          lambda i, a, b, l: f"{i}\t{a}\n")
     elif task == "mrpc":
-        head = "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
-        for split, n in (("train", n_train), ("dev", n_dev)):
-            w(f"{split}.tsv", head + rows(n, lambda i: f"{i % 2}\t{i}\t{i + 100}\t{text()}\t{text()}\n"))
-        w("test.tsv", "index\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + rows(3, lambda i: f"{i}\t1\t2\t{text()}\t{text()}\n"))
+        for split, n in labelled:
+            w(f"{split}.tsv", "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n", split,
+              [(str(i), text(), text(), str(i % 2)) for i in range(n)],
+              lambda i, a, b, l: f"{l}\t{i}\t{int(i) + 100}\t{a}\t{b}\n")
+        w("test.tsv", "index\t#1 ID\t#2 ID\t#1 String\t#2 String\n", "test",
+          [(i, text(), text(), None) for i in TEST_IDS], lambda i, a, b, l: f"{i}\t1\t2\t{a}\t{b}\n")
     elif task == "stsb":
         head = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"
-        for split, n in (("train", n_train), ("dev", n_dev)):
-            w(f"{split}.tsv", head + "\tscore\n" + rows(
-                n, lambda i: f"{i}\tg\tf\t2012\t{i}\tnone\tnone\t{text()}\t{text()}\t{5 * rng.rand():.3f}\n"))
-        w("test.tsv", head + "\n" + rows(3, lambda i: f"{i}\tg\tf\t2012\t{i}\tnone\tnone\t{text()}\t{text()}\n"))
+        row = lambda i, a, b: f"{i}\tg\tf\t2012\t{i}\tnone\tnone\t{a}\t{b}"
+        for split, n in labelled:
+            w(f"{split}.tsv", head + "\tscore\n", split,
+              [(str(i), f"{text()} {'good' if i % 2 else 'bad'}", text(), float(f"{4 * (i % 2) + rng.rand():.3f}"))
+               for i in range(n)], lambda i, a, b, l: f"{row(i, a, b)}\t{l:.3f}\n")
+        w("test.tsv", head + "\n", "test",
+          [(i, f"{text()} {'good' if int(i) % 2 else 'bad'}", text(), None) for i in TEST_IDS],
+          lambda i, a, b, l: row(i, a, b) + "\n")
     elif task == "qqp":
-        for split, n in (("train", n_train), ("dev", n_dev)):
-            w(f"{split}.tsv", "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n" + rows(
-                n, lambda i: f"{i}\t1\t2\t{text()}?\t{text()}?\t{i % 2}\n"))
-        w("test.tsv", "id\tquestion1\tquestion2\n" + rows(3, lambda i: f"{i}\t{text()}\t{text()}\n"))
+        for split, n in labelled:
+            w(f"{split}.tsv", "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n", split,
+              [(str(i), f"{text()}?", f"{text()}?", str(i % 2)) for i in range(n)],
+              lambda i, a, b, l: f"{i}\t1\t2\t{a}\t{b}\t{l}\n")
+        w("test.tsv", "id\tquestion1\tquestion2\n", "test", [(i, text(), text(), None) for i in TEST_IDS],
+          lambda i, a, b, l: f"{i}\t{a}\t{b}\n")
     elif task == "mnli":
         labels = ("contradiction", "entailment", "neutral")
         head = "index\tpromptID\tpairID\tgenre\ts1bp\ts2bp\ts1p\ts2p\tsentence1\tsentence2"
-        line = lambda i, extra: f"{i}\t1\t1a\tfiction\t()\t()\t()\t()\t{text()}\t{text()}{extra}\n"
-        w("train.tsv", head + "\tlabel1\tgold_label\n" + rows(n_train, lambda i: line(i, f"\t{labels[i % 3]}\t{labels[i % 3]}")))
+        line = lambda i, a, b, extra: f"{i}\t1\t1a\tfiction\t()\t()\t()\t()\t{a}\t{b}{extra}\n"
+        w("train.tsv", head + "\tlabel1\tgold_label\n", "train",
+          [(str(i), text(), text(), labels[i % 3]) for i in range(n_train)],
+          lambda i, a, b, l: line(i, a, b, f"\t{l}\t{l}"))
         for split in ("dev_matched", "dev_mismatched"):
-            w(f"{split}.tsv", head + "\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label\n" + rows(
-                n_dev, lambda i: line(i, "\tneutral" * 5 + f"\t{labels[i % 3]}")))
+            w(f"{split}.tsv", head + "\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label\n", split,
+              [(str(i), text(), text(), labels[i % 3]) for i in range(n_dev)],
+              lambda i, a, b, l: line(i, a, b, "\tneutral" * 5 + f"\t{l}"))
         for split in ("test_matched", "test_mismatched"):
-            w(f"{split}.tsv", head + "\n" + rows(3, lambda i: line(i, "")))
+            w(f"{split}.tsv", head + "\n", split, [(i, text(), text(), None) for i in TEST_IDS],
+              lambda i, a, b, l: line(i, a, b, ""))
         os.makedirs(os.path.join(folder, "..", "diagnostic"), exist_ok=True)
-        w(os.path.join("..", "diagnostic", "diagnostic.tsv"),
-          "index\tsentence1\tsentence2\n" + rows(3, lambda i: f"{i}\t{text()}\t{text()}\n"))
+        w(os.path.join("..", "diagnostic", "diagnostic.tsv"), "index\tsentence1\tsentence2\n", "test_ax",
+          [(i, text(), text(), None) for i in TEST_IDS], lambda i, a, b, l: f"{i}\t{a}\t{b}\n")
     else:  # qnli, rte, wnli
         cols = {"qnli": ("question", "sentence"), "rte": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2")}[task]
         labels = {"qnli": ("entailment", "not_entailment"), "rte": ("entailment", "not_entailment"), "wnli": ("0", "1")}[task]
-        for split, n in (("train", n_train), ("dev", n_dev)):
-            w(f"{split}.tsv", f"index\t{cols[0]}\t{cols[1]}\tlabel\n" + rows(
-                n, lambda i: f"{i}\t{text()}\t{text()}\t{labels[i % 2]}\n"))
-        w("test.tsv", f"index\t{cols[0]}\t{cols[1]}\n" + rows(3, lambda i: f"{i}\t{text()}\t{text()}\n"))
+        for split, n in labelled:
+            w(f"{split}.tsv", f"index\t{cols[0]}\t{cols[1]}\tlabel\n", split,
+              [(str(i), text(), text(), labels[i % 2]) for i in range(n)], lambda i, a, b, l: f"{i}\t{a}\t{b}\t{l}\n")
+        w("test.tsv", f"index\t{cols[0]}\t{cols[1]}\n", "test", [(i, text(), text(), None) for i in TEST_IDS],
+          lambda i, a, b, l: f"{i}\t{a}\t{b}\n")
+    return written
 
 
-GLUE_EXPECTED = {  # task -> (metric keys, submission files)
-    "cola": ({"mcc"}, ["CoLA.tsv"]),
-    "mrpc": ({"accuracy", "f1"}, ["MRPC.tsv"]),
-    "stsb": ({"pearson", "spearman"}, ["STS-B.tsv"]),
-    "qqp": ({"accuracy", "f1"}, ["QQP.tsv"]),
-    "mnli": ({"accuracy", "dev_mm_accuracy"}, ["MNLI-m.tsv", "MNLI-mm.tsv", "AX.tsv"]),
-    "qnli": ({"accuracy"}, ["QNLI.tsv"]),
-    "rte": ({"accuracy"}, ["RTE.tsv"]),
-    "wnli": ({"accuracy"}, ["WNLI.tsv"]),
+GLUE_EXPECTED = {  # task -> (metric keys, submission file -> test split)
+    "cola": ({"mcc"}, {"CoLA.tsv": "test"}),
+    "mrpc": ({"accuracy", "f1"}, {"MRPC.tsv": "test"}),
+    "stsb": ({"pearson", "spearman"}, {"STS-B.tsv": "test"}),
+    "qqp": ({"accuracy", "f1"}, {"QQP.tsv": "test"}),
+    "mnli": ({"accuracy", "dev_mm_accuracy"},
+             {"MNLI-m.tsv": "test_matched", "MNLI-mm.tsv": "test_mismatched", "AX.tsv": "test_ax"}),
+    "qnli": ({"accuracy"}, {"QNLI.tsv": "test"}),
+    "rte": ({"accuracy"}, {"RTE.tsv": "test"}),
+    "wnli": ({"accuracy"}, {"WNLI.tsv": "test"}),
 }
 
 
 @pytest.mark.parametrize("task", sorted(GLUE_EXPECTED))
 def test_glue_task_end_to_end_from_files(tmp_path, checkpoint, task):
-    from data_pipeline.tasks import glue
-    glue_files(tmp_path / "data" / glue.SPECS[task].folder, task, np.random.RandomState(1))
-    work = tmp_path / "work"
-    results = finetune.run(tiny(glue_config.get_config(), task, tmp_path / "data", checkpoint["bert_jax"]), str(work))
-    metrics, submissions = GLUE_EXPECTED[task]
-    assert metrics <= set(results) and "score" in results and results["epoch"] == 1
-    # The reported metrics are sklearn's / scipy's on the dev predictions the loop wrote (one epoch:
-    # the written file is the scored one), and `score` is their mean.
+    """Every GLUE task from the files written here, checked against references outside the loop:
+    gold from what `glue_files` wrote, predictions of the run's last state (which wrote the last
+    epoch's dev files and the submissions) applied by `Reference`, row by row and by id, and the
+    metrics of scikit-learn / scipy on them. STS-B trains longer (512 rows, 2 epochs, a higher
+    rate; its own compile anyway: the only regression head here) until it tells "good" from
+    "bad": an untrained regressor's outputs differ in the 5th decimal, where float32 rounding
+    (the loop's compilation against this one's) moves its correlations in the 4th."""
     import scipy.stats
     from sklearn import metrics as skm
-    dev = sorted(work.glob(f"{task}_dev*_predictions.tsv"))[0]
-    rows = [line.split("\t") for line in dev.read_text().splitlines()[1:]]
-    assert len(rows) == 8  # every dev row, none padded in
-    kind = float if task == "stsb" else str
-    pred, gold = [kind(r[1]) for r in rows], [kind(r[2]) for r in rows]
-    independent = {"accuracy": lambda: skm.accuracy_score(gold, pred),
-                   "f1": lambda: skm.f1_score(gold, pred, pos_label="1", zero_division=0.0),
-                   "mcc": lambda: skm.matthews_corrcoef(gold, pred),
-                   "pearson": lambda: scipy.stats.pearsonr(gold, pred)[0],
-                   "spearman": lambda: scipy.stats.spearmanr(gold, pred)[0]}
+
+    from data_pipeline.tasks import glue
+    stsb = task == "stsb"
+    written = glue_files(tmp_path / "data" / glue.SPECS[task].folder, task, np.random.RandomState(1),
+                         n_train=512 if stsb else 8)
+    work = tmp_path / "work"
+    epochs = 2 if stsb else 1
+    results = finetune.run(tiny(glue_config.get_config(), task, tmp_path / "data", checkpoint["bert_jax"],
+                                num_train_epochs=epochs, learning_rate=1e-2 if stsb else 1e-3), str(work))
+    metrics, submissions = GLUE_EXPECTED[task]
+    assert metrics <= set(results) and "score" in results and results["epoch"] == epochs
+    reference = Reference(work, "last", checkpoint["vocab"])
+    labels = reference.task["labels"]  # the head's outputs, in order ([] for STS-B)
+    assert labels == [] if stsb else set(labels) == {label for *_, label in written["train"]}
+    independent = {"accuracy": skm.accuracy_score,
+                   "f1": lambda gold, pred: skm.f1_score(gold, pred, pos_label="1", zero_division=0.0),
+                   "mcc": skm.matthews_corrcoef,
+                   "pearson": lambda gold, pred: scipy.stats.pearsonr(gold, pred)[0],
+                   "spearman": lambda gold, pred: scipy.stats.spearmanr(gold, pred)[0]}
     main = sorted(m for m in metrics if m in independent)
-    if task == "stsb":
-        # The file holds 6 decimals and an untrained regressor's outputs differ in the 5th: the
-        # correlations of the rounded values are not the model's. test_tasks.py pins them to scipy.
-        assert gold == [float(line.split("\t")[-1]) for line in
-                        (tmp_path / "data" / "STS-B" / "dev.tsv").read_text().splitlines()[1:]]
-    else:
+    dev_splits = [s for s in written if s.startswith("dev")]  # MNLI: matched, then mismatched (dev_mm_)
+    for split, prefix in zip(dev_splits, ("", "dev_mm_")):
+        examples = written[split]
+        gold = [label for *_, label in examples]
+        rows = tsv_rows(work / f"{task}_{split}_predictions.tsv")
+        assert [r["index"] for r in rows] == [i for i, *_ in examples]  # every dev row, in order, none padded in
+        logits = reference.sentence_logits([(a, b) for _, a, b, _ in examples])
+        if stsb:
+            assert [float(r["label"]) for r in rows] == gold
+            np.testing.assert_allclose([float(r["prediction"]) for r in rows], logits, atol=5e-6)  # 6 decimals
+            # A spread 1e6 times float32's rounding (a few 1e-7): the correlations do not feel it.
+            assert np.std(logits) > 0.1, f"STS-B did not learn, predictions {logits}: nothing to correlate"
+            predicted = logits  # the model's values (the file rounds them)
+        else:
+            assert [r["label"] for r in rows] == gold
+            predicted = [r["prediction"] for r in rows]
+            assert_argmax(predicted, logits, labels, split)
         for m in main:
-            want = independent[m]()
-            assert results[m] == pytest.approx(0.0 if np.isnan(want) else want, abs=1e-5), (m, results[m], want)
+            want = independent[m](gold, predicted)
+            assert results[prefix + m] == pytest.approx(0.0 if np.isnan(want) else want, abs=1e-5), (
+                m, results[prefix + m], want)
     assert results["score"] == pytest.approx(np.mean([results[m] for m in main]), abs=1e-9)
-    for name in submissions:
-        lines = (work / name).read_text().splitlines()
-        assert lines[0] == "index\tprediction" and len(lines) == 4, name
+    # Submission files: the test file's ids in its order, each with the prediction for that id's texts
+    # (STS-B: clipped to [0, 5], 3 decimals).
+    for name, split in submissions.items():
+        examples = written[split]
+        assert (work / name).read_text().splitlines()[0] == "index\tprediction", name
+        rows = tsv_rows(work / name)
+        assert [r["index"] for r in rows] == [i for i, *_ in examples], name
+        by_id = {i: (a, b) for i, a, b, _ in examples}
+        logits = reference.sentence_logits([by_id[r["index"]] for r in rows])
+        if stsb:
+            np.testing.assert_allclose([float(r["prediction"]) for r in rows], np.clip(logits, 0, 5), atol=5.1e-4)
+            assert np.ptp(logits) > 0.1, name  # a row mix-up shows
+        else:
+            assert_argmax([r["prediction"] for r in rows], logits, labels, name)
 
 
 def _tfds_dataset(builder, split, make):
@@ -574,21 +736,75 @@ def conll_sentences(rng, n):
     return sentences
 
 
+def entity_scores(gold, predicted):
+    """Entity-level precision, recall and F1 (and per type), token accuracy, entity counts, from the
+    CoNLL-2000/2003 definition of a chunk: it starts at B-X, or at I-X after O or after a tag of
+    another type (so IOB1 and IOB2 read alike), and takes the I-X that follow; an entity is correct
+    when a predicted chunk has the gold chunk's first word, last word and type."""
+
+    def chunks(tags):
+        found, start, kind = [], None, None
+        for i, tag in enumerate(list(tags) + ["O"]):
+            prefix, _, t = tag.partition("-")
+            if kind is not None and (prefix != "I" or t != kind):
+                found.append((start, i - 1, kind))
+                kind = None
+            if prefix in ("B", "I") and kind is None:
+                start, kind = i, t
+        return found
+
+    g = {(n, *c) for n, tags in enumerate(gold) for c in chunks(tags)}
+    p = {(n, *c) for n, tags in enumerate(predicted) for c in chunks(tags)}
+
+    def prf(g, p):
+        precision = len(g & p) / len(p) if p else 0.0
+        recall = len(g & p) / len(g) if g else 0.0
+        return precision, recall, 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+
+    out = dict(zip(("precision", "recall", "f1"), prf(g, p)))
+    out.update(entities_gold=len(g), entities_predicted=len(p), entities_correct=len(g & p),
+               accuracy=np.mean([a == b for gs, ps in zip(gold, predicted) for a, b in zip(gs, ps, strict=True)]))
+    for kind in {c[3] for c in g | p}:
+        out[f"f1_{kind}"] = prf({c for c in g if c[3] == kind}, {c for c in p if c[3] == kind})[2]
+    return out
+
+
 def test_ner_from_files_and_tfds(tmp_path, checkpoint):
     tfds = pytest.importorskip("tensorflow_datasets")
     rng = np.random.RandomState(4)
     data = tmp_path / "conll"
     data.mkdir()
+    written = {}
     for name, n in (("train.txt", 8), ("valid.txt", 6), ("test.txt", 6)):
+        written[name] = conll_sentences(rng, n)
         with open(data / name, "w") as f:
             f.write("-DOCSTART- -X- -X- O\n\n")
-            for sentence in conll_sentences(rng, n):
+            for sentence in written[name]:
                 f.write("".join(f"{w} NN I-NP {t}\n" for w, t in sentence) + "\n")
     work = tmp_path / "files"
     results = finetune.run(tiny(ner_config.get_config(), "conll2003", data, checkpoint["bert_jax"]), str(work))
     assert {"precision", "recall", "f1", "accuracy", "test_f1"} <= set(results)
     lines = (work / "conll2003_dev_predictions.txt").read_text().split("\n\n")
     assert len([s for s in lines if s.strip()]) == 6
+    # Both eval files against references outside the loop: words and gold tags as written above,
+    # each predicted tag the argmax at its word's first piece of the saved last state applied by
+    # `Reference`, and the scores of `entity_scores` (CoNLL's chunk definition, written here).
+    reference = Reference(work, "last", checkpoint["vocab"])
+    labels = reference.task["labels"]  # the head's outputs, in order
+    assert sorted(labels) == sorted(["O"] + [f"{p}-{k}" for p in "BI" for k in ("PER", "ORG", "LOC", "MISC")])
+    for name, split, prefix in (("valid.txt", "dev", ""), ("test.txt", "test", "test_")):
+        sentences = written[name]
+        got = [[line.split(" ") for line in block.splitlines()] for block in
+               (work / f"conll2003_{split}_predictions.txt").read_text().split("\n\n") if block.strip()]
+        assert [[t[:2] for t in s] for s in got] == [[list(pair) for pair in s] for s in sentences], split
+        predicted = [[t[2] for t in s] for s in got]
+        logits = reference.word_logits([[w for w, _ in s] for s in sentences])
+        for i, (tags, word_logits) in enumerate(zip(predicted, logits, strict=True)):
+            assert_argmax(tags, word_logits, labels, f"{split} sentence {i}")
+        want = entity_scores([[t for _, t in s] for s in sentences], predicted)
+        assert {k: results[prefix + k] for k in want} == pytest.approx(want, abs=1e-9), split
+        types = {k[len(prefix):] for k in results if k.startswith(prefix + "f1_")}
+        assert types == {k for k in want if k.startswith("f1_")}, split
     # mode=predict on the dev file (CoNLL columns) and on its sentences as plain text: the loop's tags.
     from bert_jax import predict
     loop = [[line.split(" ") for line in block.splitlines()] for block in lines if block.strip()]
