@@ -107,6 +107,7 @@ LONGEST_FIRST = (
     "test_pretrain.py::test_two_phases_resume_across_the_boundary",
     "test_pretrain.py::test_kill9_and_a_flipped_bit_resume_with_the_uninterrupted_loss_sequence",
     "test_input_pipeline.py::test_packed_batch_runs_the_model_like_separate_sequences",
+    "test_input_pipeline.py::test_packed_batch_trains_like_separate_sequences",
     "test_aot_tpu.py::test_tiny_config_compiles_for_a_v5e_2x2_slice",
     "test_pretraining_helps.py::test_quick_pipeline_and_resume",
     "test_training.py::test_sharded_gradients_equal_the_single_device_gradients",

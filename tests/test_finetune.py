@@ -31,11 +31,6 @@ WORDS = ("good bad movie film the a was is plot actor great awful very really ma
 ENTITIES = {"paris": "LOC", "john": "PER", "smith": "PER", "acme": "ORG", "corp": "ORG"}
 
 
-# One worker runs this module (`pytest -n 2 --dist loadgroup`): its tests share the compilation
-# cache, the checkpoint and the fine-tuning runs of the module's fixtures instead of making each twice.
-pytestmark = pytest.mark.xdist_group("test_finetune")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache(tmp_path_factory):
     """Each head kind compiles once per module (same shapes and hyper-parameters -> same HLO)."""

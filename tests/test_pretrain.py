@@ -37,10 +37,6 @@ def data(tmp_path_factory):
 
 _CACHE = {}  # the compilation cache the runs of this module share (set by `compilation_cache`)
 
-# One worker runs this module (`pytest -n 2 --dist loadgroup`): its runs share the compilation
-# cache and the uninterrupted run below instead of making each twice.
-pytestmark = pytest.mark.xdist_group("test_pretrain")
-
 
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
@@ -81,7 +77,7 @@ def run(args, timeout=300, devices=2, **kw):
                           text=True, **kw)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session, as `data`: the longest tests run first, the rest later
 def uninterrupted(data, tmp_path_factory):
     """configs/test.py for 12 steps, checkpoints at 4, 8 and 12: the workdir and the process's
     result. Read it, or copy it before writing (`shutil.copytree`)."""

@@ -60,7 +60,7 @@ def test_configuration_reference_lists_every_key_of_every_config_file():
 
 def test_ci_runs_the_readme_test_command():
     block = README.split("<!-- test-command -->", 1)[1].split("<!-- /test-command -->", 1)[0]
-    assert re.search(r"^python -m pytest -q (-n \d+ (--dist loadgroup )?)?tests$", block, re.M), block
+    assert re.search(r"^python -m pytest -q (-n \d+ )?tests$", block, re.M), block
     assert "test-command" in (ROOT / ".ci" / "run").read_text()
 
 
