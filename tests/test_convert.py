@@ -25,6 +25,8 @@ from bert_jax.modeling import BertConfig, BertForPreTraining, BertModel
 tf = pytest.importorskip("tensorflow")
 transformers = pytest.importorskip("transformers")
 
+import tiny_bert_inputs  # noqa: E402  (tests/ is on sys.path)
+
 V, H, NH, I, L, P = 40, 16, 4, 32, 2, 24
 GOOGLE_CONFIG = dict(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
                      intermediate_size=I, hidden_act="gelu", hidden_dropout_prob=0.1,
@@ -146,15 +148,7 @@ def write_tf1_checkpoint(directory, variables, extra=True):
 
 
 def inputs(seed=1):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, V, (3, 12))
-    mask = np.ones_like(ids)
-    mask[1, 8:] = 0
-    mask[2, 5:] = 0
-    seg = np.zeros_like(ids)
-    seg[:, 6:] = 1
-    positions = np.array([[1, 3, 7], [2, 4, 6], [1, 2, 3]])
-    return ids, mask, seg, positions
+    return tiny_bert_inputs.inputs(V, seed)
 
 
 def run_ours(pretrained, ids, mask, seg, positions):

@@ -28,6 +28,8 @@ from bert_jax.modeling import BertForPreTraining
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
+import tiny_bert_inputs  # noqa: E402  (tests/ is on sys.path)
+
 V, H, NH, I, L, P = 40, 16, 4, 32, 2, 24
 SHARD_BYTES = 6000  # the weights are ~24 KB in float32: 5 shards
 
@@ -92,15 +94,7 @@ def safetensors_header(path):
 
 
 def inputs(seed=1):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, V, (3, 12))
-    mask = np.ones_like(ids)
-    mask[1, 8:] = 0
-    mask[2, 5:] = 0
-    seg = np.zeros_like(ids)
-    seg[:, 6:] = 1
-    positions = np.array([[1, 3, 7], [2, 4, 6], [1, 2, 3]])
-    return ids, mask, seg, positions
+    return tiny_bert_inputs.inputs(V, seed)
 
 
 @functools.lru_cache(maxsize=None)
