@@ -280,13 +280,16 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise ValueError(f'{p}: no "weight_map" (tensor name -> shard file): not a safetensors index')
+        by_shard: dict = {}
+        for tensor, name in weight_map.items():
+            by_shard.setdefault(name, []).append(tensor)
         out = {}
-        for name in sorted(set(weight_map.values())):
+        for name in sorted(by_shard):
             shard = storage.join(directory, name)
             if not storage.isfile(shard):
                 raise FileNotFoundError(f"{p} names shard {name}, which is not in {directory}: an "
                                         "incomplete download?")
-            out.update(read_safetensors(shard, [k for k, v in weight_map.items() if v == name], p))
+            out.update(read_safetensors(shard, by_shard[name], p))
         return out
     p = storage.join(directory, "flax_model.msgpack")
     if storage.isfile(p):
