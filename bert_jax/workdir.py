@@ -122,8 +122,11 @@ def metric_writer(workdir: str, *, just_logging: bool, sync_every_seconds: float
     """clu's console + TensorBoard writer for `workdir` (console only with `just_logging`, for
     the hosts after the first). For a gs:// workdir the event files are staged locally and
     uploaded at each `flush`/`close` and at most `sync_every_seconds` after a write."""
-    from clu import metric_writers
-    from clu.metric_writers.multi_writer import MultiWriter
+    from data_pipeline import tf_import
+
+    with tf_import.keras_deferred():  # clu imports TensorFlow and TensorBoard's hparams API: without Keras
+        from clu import metric_writers
+        from clu.metric_writers.multi_writer import MultiWriter
 
     if just_logging:
         return metric_writers.create_default_writer(None, just_logging=True, asynchronous=False)

@@ -175,7 +175,10 @@ def prepare_tfds(name: str, data_dir: Optional[str] = None) -> None:
     Called once by the parent process: N workers each running `tfds.load`'s default download
     would build the same dataset N times into the same folder.
     """
-    import tensorflow_datasets as tfds
+    from data_pipeline import tf_import
+
+    with tf_import.keras_deferred():  # tfds imports TensorFlow: without Keras
+        import tensorflow_datasets as tfds
 
     builder = tfds.builder(name, data_dir=data_dir)
     if not builder.is_prepared():
@@ -195,7 +198,10 @@ def read_tfds_documents(name: str, split: str = "train", text_key: str = "text",
     files, not the whole split. With `download=False` the dataset must already be prepared
     (`prepare_tfds`, run once before the local workers start, so they do not each build it).
     """
-    import tensorflow_datasets as tfds
+    from data_pipeline import tf_import
+
+    with tf_import.keras_deferred():  # tfds imports TensorFlow: without Keras
+        import tensorflow_datasets as tfds
 
     stats = stats if stats is not None else ReadStats()
     if num_shards > 1:

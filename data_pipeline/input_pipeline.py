@@ -46,7 +46,7 @@ import os
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
-import tensorflow as tf
+from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
 from data_pipeline import schema, storage
 from data_pipeline.masking import (SpecialIds, dynamic_mask, dynamic_predictions_per_sequence,

@@ -30,7 +30,7 @@ import logging
 from typing import Any, Mapping, Optional, Union
 
 import numpy as np
-import tensorflow as tf
+from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
 from data_pipeline.records import FilePatterns, dataset_info, split_patterns
 

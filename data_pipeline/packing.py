@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Mapping, Optional
 
-import tensorflow as tf
+from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
 log = logging.getLogger(__name__)
 

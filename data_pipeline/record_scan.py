@@ -26,7 +26,7 @@ import zlib
 from typing import Optional
 
 import numpy as np
-import tensorflow as tf
+from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
 from data_pipeline import storage, tfrecord
 

@@ -31,7 +31,7 @@ import os
 import time
 from typing import Optional, Sequence, Union
 
-import tensorflow as tf
+from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
 from data_pipeline import schema, storage
 from data_pipeline.record_scan import count_records_by_framing, is_gzip, scan_tfrecord_file

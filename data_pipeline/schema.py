@@ -49,14 +49,14 @@ def feature_shapes(max_seq_length: int, max_predictions_per_seq: int) -> dict:
 
 def feature_spec(max_seq_length: int, max_predictions_per_seq: int) -> dict:
     """`tf.io.FixedLenFeature`s for `tf.io.parse_example`."""
-    import tensorflow as tf
+    from data_pipeline.tf_import import tf
     return {k: tf.io.FixedLenFeature([n], tf.float32 if dt == np.float32 else tf.int64)
             for k, (dt, n) in feature_shapes(max_seq_length, max_predictions_per_seq).items()}
 
 
 def parse_example(serialized, max_seq_length: int, max_predictions_per_seq: int) -> dict:
     """Parses a batch (or one) of serialized records into fixed-length tensors."""
-    import tensorflow as tf
+    from data_pipeline.tf_import import tf
     spec = feature_spec(max_seq_length, max_predictions_per_seq)
     if serialized.shape.rank == 0:
         return tf.io.parse_single_example(serialized, spec)
@@ -89,7 +89,7 @@ def pad_features(input_ids: Sequence[int], segment_ids: Sequence[int], masked_lm
 
 def to_tf_example(features: Mapping[str, Any]):
     """A `tf.train.Example` with the features in Google's order."""
-    import tensorflow as tf
+    from data_pipeline.tf_import import tf
     feats = {}
     for name in FEATURE_ORDER:
         values = np.asarray(features[name])
@@ -107,7 +107,7 @@ def serialize(features: Mapping[str, Any]) -> bytes:
 
 def decode_example(serialized: bytes) -> dict:
     """Record bytes -> dict of numpy arrays (for tests and tools; training uses `parse_example`)."""
-    import tensorflow as tf
+    from data_pipeline.tf_import import tf
     ex = tf.train.Example.FromString(serialized)
     out = {}
     for name, feat in ex.features.feature.items():

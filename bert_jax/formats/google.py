@@ -243,7 +243,7 @@ def _read_tf_checkpoint(prefix: str) -> tuple[dict, list]:
     """(`{name: array}` without optimizer slots and `global_step`, every name in the checkpoint) of
     the TF checkpoint `prefix`; a remote one is read from a local copy of its `.index` and
     `.data-*` files (TensorFlow's own GCS client cannot be pointed at our endpoint)."""
-    import tensorflow as tf  # only here: reading TF checkpoints
+    from data_pipeline.tf_import import tf  # only here: reading TF checkpoints
 
     def read(local_prefix):
         reader = tf.train.load_checkpoint(local_prefix)  # storage: local (a local prefix, or a tempfile copy)
@@ -300,7 +300,7 @@ def save_google(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
     variables = {**to_google(p.params, p.config), **head}
     storage.write_text(storage.join(path, "bert_config.json"),
                        json.dumps(google_config_dict(p.config), indent=2, sort_keys=True) + "\n")
-    import tensorflow as tf  # only here: writing TF checkpoints
+    from data_pipeline.tf_import import tf  # only here: writing TF checkpoints
 
     names = sorted(variables)
     with storage.writing_dir(path) as local:  # the folder itself, or a staging folder uploaded at the end

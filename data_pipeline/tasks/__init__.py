@@ -363,7 +363,10 @@ def prepare_tfds_only():
 
 def tfds_examples(name: str, split: str, data_dir: Optional[str]) -> Iterator[dict]:
     """`tfds.load(name, split)` as dicts of Python values (bytes decoded to str)."""
-    import tensorflow_datasets as tfds
+    from data_pipeline import tf_import
+
+    with tf_import.keras_deferred():  # tfds imports TensorFlow: without Keras
+        import tensorflow_datasets as tfds
 
     if _PREPARE_ONLY[0]:
         tfds.builder(name, data_dir=data_dir).download_and_prepare()

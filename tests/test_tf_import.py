@@ -1,0 +1,61 @@
+"""data_pipeline.tf_import: TensorFlow and clu imported without Keras, and Keras still there after.
+
+In a fresh process (the test process has TensorFlow already): reading records and writing
+TensorBoard events through the library's own modules loads no module of Keras, scikit-learn or
+matplotlib; the records read back and the events are written; then `import keras` gives working
+optimizers and TensorBoard's `hp.KerasCallback` is Keras's callback.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import sys
+from data_pipeline import records
+from data_pipeline.tf_import import tf
+assert tf is sys.modules["tensorflow"]
+from bert_jax import workdir
+writer = workdir.metric_writer(sys.argv[2], just_logging=False)
+writer.write_hparams({"learning_rate": 0.5})
+writer.write_scalars(1, {"loss": 2.5})
+writer.close()
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("keras", "sklearn", "matplotlib"))
+assert loaded == [], loaded[:10]
+# The stand-ins are gone once the imports are done.
+assert "keras.src.optimizers" not in sys.modules and "tensorboard.plugins.hparams._keras" not in sys.modules
+from tensorboard.backend.event_processing import event_accumulator
+events = event_accumulator.EventAccumulator(sys.argv[2])
+events.Reload()
+assert [e.step for e in events.Tensors("loss")] == [1], events.Tags()
+
+path = sys.argv[1]
+example = tf.train.Example(features=tf.train.Features(feature={
+    "input_ids": tf.train.Feature(int64_list=tf.train.Int64List(value=[101, 7, 102]))}))
+with tf.io.TFRecordWriter(path) as w:
+    w.write(example.SerializeToString())
+read = [tf.train.Example.FromString(r.numpy()) for r in tf.data.TFRecordDataset(path)]
+assert list(read[0].features.feature["input_ids"].int64_list.value) == [101, 7, 102]
+
+import keras
+opt = keras.optimizers.SGD(learning_rate=0.5)
+v = keras.Variable([1.0, 2.0])
+opt.apply_gradients([(tf.constant([1.0, 1.0]), v)])
+assert v.numpy().tolist() == [0.5, 1.5], v.numpy()
+from tensorboard.plugins.hparams import api as hp
+assert isinstance(hp.KerasCallback(sys.argv[2], {"learning_rate": 0.5}), keras.callbacks.Callback)
+print("ok")
+"""
+
+
+def test_records_and_metric_writers_import_no_keras_and_keras_still_imports(tmp_path):
+    pytest.importorskip("keras")
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "one.tfrecord"), str(tmp_path / "events")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2"))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
