@@ -8,7 +8,7 @@ import pytest
 
 from xla_flags import FAST_COMPILE  # noqa: E402  (tests/xla_flags.py: why the level-0 backend)
 
-for _flag in ("--xla_force_host_platform_device_count=8", FAST_COMPILE):
+for _flag in ("--xla_force_host_platform_device_count=8", *FAST_COMPILE.split()):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -22,6 +22,7 @@ import pytest
 
 from data_pipeline import storage
 from pretraining_records import logged_losses, write_records  # tests/ is on sys.path
+from xla_flags import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "tpu_pod.sh"
@@ -44,7 +45,8 @@ for a in "$@"; do
     for ((i = 0; i < FAKE_WORKERS; i++)); do
       extra="FAKE_ENV_$i"
       (cd "$FAKE_ROOT/worker$i" && env HOME="$FAKE_ROOT/worker$i" BERT_JAX_COORDINATOR="127.0.0.1:$port" \
-        BERT_JAX_NUM_PROCESSES="$FAKE_WORKERS" BERT_JAX_PROCESS_ID="$i" JAX_NUM_CPU_DEVICES=2 XLA_FLAGS= \
+        BERT_JAX_NUM_PROCESSES="$FAKE_WORKERS" BERT_JAX_PROCESS_ID="$i" JAX_NUM_CPU_DEVICES=2 \
+        XLA_FLAGS="$FAKE_XLA_FLAGS" \
         ${!extra:-} bash -c "${a#--command=}")
     done ;;
   esac
@@ -86,7 +88,8 @@ def pod(gcs_server, tmp_path):
     for w in workers:
         w.mkdir()
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(tmp_path / "gcloud.log"),
-               FAKE_ROOT=str(tmp_path), FAKE_WORKERS="2", FAKE_PY=sys.executable, PYTHON=sys.executable,
+               FAKE_ROOT=str(tmp_path), FAKE_WORKERS="2", FAKE_PY=sys.executable, FAKE_XLA_FLAGS=FAST_COMPILE,
+               PYTHON=sys.executable,
                SKIP_INSTALL="1", STOP_TIMEOUT="60", TPU_NAME="rehearsal", ZONE="local", PROJECT="none",
                CONFIG="configs/test.py", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
                BERT_JAX_CACHE_DIR=str(tmp_path / "cache"), BERT_JAX_INIT_TIMEOUT="120",
