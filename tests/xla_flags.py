@@ -10,9 +10,12 @@ compared bit for bit (kill -9 and resume, one process against two) all use these
 
 `--xla_cpu_use_fusion_emitters=false` emits fused loops with XLA's elemental IR emitter instead of
 the MLIR fusion emitters that are the CPU backend's default: compiling a 2-layer BERT's training
-step (tests' sizes) then takes half the time (side by side, 3 runs each on the 2-core machine,
-2026-11-27: 13.4 -> 6.2 s compile, 22.5 -> 13.2 CPU s for the whole process). Both emitters compute
-the same operations; the parity tests against transformers and Google's graph hold their bounds.
+step (tests' sizes) then takes half the time (alternating, 3 runs each on the 2-core machine beside
+a running test suite, 2026-11-27: 13.4 -> 6.2 s compile, 22.5 -> 13.2 CPU s for the whole process;
+the suite on a clean clone, 2,028 -> 1,497 s with data_pipeline.tf_import's start). Both emitters
+compute the same operations, and the parity tests against transformers and Google's graph hold
+their bounds; two programs of the same update may round differently, by an ulp of a parameter
+(tests/test_training.py's bench variant tests, bit for bit under the default emitter).
 The TPU
 compiles of test_aot_tpu.py and test_plan.py keep libtpu's defaults (their processes set no flag);
 the pod rehearsal's workers (tests/test_pod_rehearsal.py) get FAST_COMPILE alone (their devices
