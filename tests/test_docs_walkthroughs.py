@@ -1,0 +1,78 @@
+"""The docs' walk-throughs, run in order as written (issue 42): each page's commands with their own
+file names and globs, from one folder, on a small corpus the test makes.
+
+docs/data.md: train a vocabulary -> the Python tokenization snippet on it -> pretraining records
+(16 shards named as the page says, `dataset_info.json` beside them). What the test changes: the
+optional flags the page shows in brackets are left out, and `lines` (the snippet's free name) is
+the corpus's lines. The Beam command (an alternative to the local one, tested against it in
+tests/test_beam_pipeline.py) is not run here.
+"""
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from test_readme import _commands  # tests/ is on sys.path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _section(text: str, title: str) -> str:
+    start = text.index(title)
+    end = text.find("\n## ", start + len(title))
+    return text[start:end if end >= 0 else len(text)]
+
+
+def test_the_data_page_runs_in_order_as_written(tmp_path):
+    page = (ROOT / "docs" / "data.md").read_text()
+    rng = random.Random(0)
+    words = ["hello", "world", "héllo", "wörld"] + [f"w{i}" for i in range(150)]
+    (tmp_path / "corpus").mkdir()
+    for f in range(2):
+        docs = ("\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 12))) + " , !"
+                          for _ in range(rng.randint(3, 8))) for _ in range(30))
+        (tmp_path / "corpus" / f"part-{f}.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+
+    tokenization = _section(page, "## Tokenization and vocabularies")
+    preparation = _section(page, "## Data preparation").split("### Apache Beam runner")[0]
+    # (The vocabulary command's block is indented under a list item.)
+    vocab = [w for _, w in _commands(re.sub(r"^ +", "", tokenization, flags=re.M))
+             if w[:2] == ["-m", "data_pipeline.train_vocab"]]
+    records = [w for _, w in _commands(preparation) if w[:2] == ["-m", "data_pipeline.create_pretraining_data"]]
+    assert len(vocab) == 1 and len(records) == 1, (vocab, records)
+
+    def run(words):
+        args = [w for w in words if not (w.startswith("[") and w.endswith("]"))]  # optional flags
+        r = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2"))
+        assert r.returncode == 0, f"{args}\n{r.stderr[-3000:]}"
+
+    run(vocab[0])
+    assert len((tmp_path / "vocab.txt").read_text(encoding="utf-8").splitlines()) == 30522
+
+    # The snippet, as written, on the vocabulary just trained (which has "hello" and "world").
+    snippet = re.search(r"```python\n(.*?)```", tokenization, re.S).group(1)
+    lines = (tmp_path / "corpus" / "part-0.txt").read_text(encoding="utf-8").splitlines()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        scope = {"lines": lines}
+        exec(compile(snippet, "docs/data.md", "exec"), scope)  # pylint: disable=exec-used
+    finally:
+        os.chdir(cwd)
+    assert scope["tokens"] == ["hello", ",", "world", "!"]  # what the snippet's comment says
+    assert scope["ids"] == scope["tok"].convert_tokens_to_ids(["hello", ",", "world", "!"])
+    assert [start for start, _ in scope["spans"]] == [0, 5, 7, 12]  # "Héllo, wörld!" in the original text
+    assert scope["fast"].encode_batch(lines) == [scope["tok"].convert_tokens_to_ids(scope["tok"].tokenize(x))
+                                                 for x in lines]
+
+    run(records[0])
+    names = sorted(p.name for p in (tmp_path / "data").glob("train-*.tfrecord"))
+    # The names the page gives, and its glob finds them all.
+    assert names == [f"train-{i:05d}-of-00016.tfrecord" for i in range(16)], names
+    info = json.loads((tmp_path / "data" / "dataset_info.json").read_text())
+    assert "train-00000-of-00016.tfrecord" in json.dumps(info)
