@@ -53,7 +53,7 @@ def keras_deferred():
         yield
     finally:
         for name, value in placed.items():
-            if sys.modules.get(name, _KerasCallback) is value:
+            if name in sys.modules and sys.modules[name] is value:  # not replaced by a real import
                 del sys.modules[name]
 
 

@@ -8,6 +8,7 @@ the corpus's lines. The Beam command (an alternative to the local one, tested ag
 tests/test_beam_pipeline.py) is not run here.
 """
 
+import hashlib
 import json
 import os
 import random
@@ -39,9 +40,7 @@ def test_the_data_page_runs_in_order_as_written(tmp_path):
 
     tokenization = _section(page, "## Tokenization and vocabularies")
     preparation = _section(page, "## Data preparation").split("### Apache Beam runner")[0]
-    # (The vocabulary command's block is indented under a list item.)
-    vocab = [w for _, w in _commands(re.sub(r"^ +", "", tokenization, flags=re.M))
-             if w[:2] == ["-m", "data_pipeline.train_vocab"]]
+    vocab = [w for _, w in _commands(tokenization) if w[:2] == ["-m", "data_pipeline.train_vocab"]]
     records = [w for _, w in _commands(preparation) if w[:2] == ["-m", "data_pipeline.create_pretraining_data"]]
     assert len(vocab) == 1 and len(records) == 1, (vocab, records)
 
@@ -74,5 +73,9 @@ def test_the_data_page_runs_in_order_as_written(tmp_path):
     names = sorted(p.name for p in (tmp_path / "data").glob("train-*.tfrecord"))
     # The names the page gives, and its glob finds them all.
     assert names == [f"train-{i:05d}-of-00016.tfrecord" for i in range(16)], names
-    info = json.loads((tmp_path / "data" / "dataset_info.json").read_text())
-    assert "train-00000-of-00016.tfrecord" in json.dumps(info)
+    # dataset_info.json beside them lists each file with its size and SHA-256, as the page says.
+    files = json.loads((tmp_path / "data" / "dataset_info.json").read_text())["files"]
+    assert sorted(files) == names
+    for name, entry in files.items():
+        raw = (tmp_path / "data" / name).read_bytes()
+        assert (entry["num_bytes"], entry["sha256"]) == (len(raw), hashlib.sha256(raw).hexdigest()), name

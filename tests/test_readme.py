@@ -85,8 +85,10 @@ def test_links_between_pages_resolve():
 
 
 def _commands(text: str):
-    """Shell commands of the fenced code blocks, continuation lines joined, comments dropped."""
-    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S):
+    """Shell commands of the fenced code blocks (indented ones under list items too), continuation
+    lines joined, comments dropped."""
+    for indent, block in re.findall(r"^( *)```[a-z]*\n(.*?)^\1```", text, re.M | re.S):
+        block = re.sub(rf"^{indent}", "", block, flags=re.M)
         joined = re.sub(r"\\\n\s*", " ", block)
         for line in joined.splitlines():
             try:
