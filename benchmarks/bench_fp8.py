@@ -19,7 +19,15 @@ analysis (FLOPs and bytes accessed), the latter for the pod planner's calibratio
 Variants: `bf16` (the config as is: the exact erf GELU), `gelu_tanh` (the tanh GELU that
 Google's code uses since 2019, which cuBLASLt can fuse into the GEMM's epilogue), `fp8`
 (`BertConfig.fp8`), `fp8_gelu_tanh` (both), `fused` (`BertConfig.fused_ops`: the Pallas
-dropout + residual + LayerNorm kernels), `fused_gelu_tanh`.
+dropout + residual + LayerNorm kernels), `fused_gelu_tanh`. A variant may add XLA options for its
+own program after `+`: `fused_gelu_tanh+xla_gpu_enable_cublaslt=true` (cuBLASLt GEMMs, whose
+epilogue can take the bias and the tanh GELU), `+xla_gpu_enable_triton_gemm=false` (cuBLAS for
+every GEMM); several `+`s may follow one another.
+
+Each variant is timed two ways: every step waited for (`step`, the figures of earlier rows), and
+`--pipelined_steps` steps dispatched back to back and waited for once (`pipelined`), as
+`bert_jax.main` runs them: it fetches metrics only at its log steps, so the host's dispatch of a
+step overlaps the device's previous one.
 
 `--parity`: trains the config from one initialization on the same batches (an .npz written by
 `--make_parity_batches` from real pretraining records, so the GPU machine needs no tensorflow)
@@ -51,6 +59,24 @@ VARIANTS = {
     "fused_gelu_tanh": {"fused_ops": True, "hidden_act": "gelu_tanh"},
     "fp8_fused_gelu_tanh": {"fp8": True, "fused_ops": True, "hidden_act": "gelu_tanh"},
 }
+
+
+def variant_spec(name: str) -> tuple[dict, dict]:
+    """`NAME[+xla_option=value...]` -> (BertConfig changes, XLA compiler options)."""
+    base, *options = name.split("+")
+    if base not in VARIANTS:
+        raise ValueError(f"unknown variant {base!r} in {name!r}; known: {', '.join(VARIANTS)}")
+    xla = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key.startswith("xla_"):
+            raise ValueError(f"{name!r}: {option!r} is not xla_<option>=<value>")
+        lowered = value.lower()
+        xla[key] = (True if lowered == "true" else False if lowered == "false"
+                    else int(value) if value.lstrip("-").isdigit() else value)
+    return VARIANTS[base], xla
+
+
 BATCH_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
               "masked_lm_weights", "next_sentence_labels")
 
@@ -59,6 +85,9 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default="bf16,gelu_tanh,fp8,fp8_gelu_tanh")
     p.add_argument("--rounds", type=int, default=3, help="alternating timed rounds")
+    p.add_argument("--pipelined_steps", type=int, default=10,
+                   help="per round and variant, after the waited-for rounds: this many steps dispatched "
+                        "back to back, waited for once (0: skip)")
     p.add_argument("--parity", default="", help=".npz of batches: run the loss-curve comparison")
     p.add_argument("--parity_steps", type=int, default=300)
     p.add_argument("--make_parity_batches", default="", help="write this .npz from --records and stop")
@@ -91,9 +120,11 @@ def parse(argv=None):
     p.add_argument("--fused_blocks_wait", type=float, default=150.0)
     args, rest = p.parse_known_args(argv)
     step_args = bench_step.parse_args(rest)
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    for v in args.variants.split(","):
+        try:
+            variant_spec(v)
+        except ValueError as e:
+            p.error(f"--variants: {e}")
     return args, step_args
 
 
@@ -131,9 +162,18 @@ def _hlo_facts(compiled) -> dict:
     fp8 = [line for line in text.splitlines()
            if "__cublas$lt$matmul$f8" in line
            or ("f8e4m3fn" in line and ("__cublas" in line or "triton_gemm" in line or " dot(" in line))]
+    lines = text.splitlines()
+    epilogues = {}  # cuBLASLt epilogues XLA fused into GEMMs (BIAS, GELU, GELU_AUX, BIAS_GELU_AUX...)
+    for line in lines:
+        if "__cublas$lt$matmul" in line:
+            m = re.search(r'"epilogue":"([A-Z_]+)"', line)
+            epilogues[m.group(1) if m else "?"] = epilogues.get(m.group(1) if m else "?", 0) + 1
     return {"cost_flops": float(cost.get("flops", 0.0)),
             "cost_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-            "cublas_gemms": len(gemms), "fp8_gemms": len(fp8)}
+            "cublas_gemms": len(gemms), "fp8_gemms": len(fp8),
+            # Fusions XLA emits with Triton (GEMM fusions among them; the kind's name varies by version).
+            "triton_fusions": sum(bool(re.search(r'"kind":"__triton', line)) for line in lines),
+            "cublaslt_epilogues": epilogues}
 
 
 class _Lock:
@@ -184,13 +224,15 @@ def speed(args, step_args) -> dict:
                            "variants": {}}
     for name in args.variants.split(","):
         bench_step.log(f"variant {name}")
-        if VARIANTS[name].get("fused_ops") and args.fused_blocks_from and "fused_blocks" not in result:
+        changes, xla = variant_spec(name)
+        if changes.get("fused_ops") and args.fused_blocks_from and "fused_blocks" not in result:
             result["fused_blocks"] = _load_fused_blocks(args.fused_blocks_from, args.fused_blocks_wait)
         # `bench_ours` builds the model from the BertConfig it is given (config.model unused).
-        compile_info, runner = bench_step.bench_ours(step_args, config, bert_config.replace(**VARIANTS[name]),
-                                                     mesh, batch_np, cache, compile=not args.parallel_compile)
+        compile_info, runner = bench_step.bench_ours(step_args, config, bert_config.replace(**changes),
+                                                     mesh, batch_np, cache, compile=not args.parallel_compile,
+                                                     compiler_options=xla)
         runners[name] = runner
-        result["variants"][name] = compile_info
+        result["variants"][name] = dict(compile_info, xla_options=xla)
     if args.parallel_compile:
         bench_step.compile_runners(runners, result["variants"])
     for name, runner in runners.items():
@@ -211,6 +253,10 @@ def speed(args, step_args) -> dict:
             bench_step.log(f"round {r + 1} of {args.rounds}")
             for runner in runners.values():
                 runner.run(step_args.steps)
+        for r in range(args.rounds if args.pipelined_steps > 0 else 0):
+            bench_step.log(f"pipelined round {r + 1} of {args.rounds}: {args.pipelined_steps} steps each")
+            for runner in runners.values():
+                runner.run_pipelined(args.pipelined_steps)
         if step_args.profile_dir:  # bench_step's flag: a subfolder per variant
             chosen = args.profile_variants.split(",") if args.profile_variants else list(runners)
             for name, runner in ((n, r) for n, r in runners.items() if n in chosen):
@@ -221,7 +267,7 @@ def speed(args, step_args) -> dict:
         result["peak_gb_in_use"] = stats["peak_bytes_in_use"] / 1e9
     flops = steps.train_flops_per_sequence(bert_config, step_args.seq_len, predictions) * step_args.batch
     sequences = step_args.batch * (3 if step_args.packing else 1)  # bench_step's packed rows: 3 each
-    base = None
+    base = pipe_base = None
     for name, runner in runners.items():
         row = result["variants"][name]
         row.update(step_s=runner.median, median_s=runner.median,  # median_s: bench_suite's table
@@ -232,10 +278,21 @@ def speed(args, step_args) -> dict:
             row["mfu"] = flops / runner.median / peak
         base = base or runner.median
         row["speedup_vs_first"] = base / runner.median
+        pipelined = ""
+        if runner.pipelined:
+            p_s = statistics.median(runner.pipelined)
+            row.update(pipelined_step_s=p_s, pipelined_sequences_per_s=sequences / p_s)
+            if peak:
+                row["pipelined_mfu"] = flops / p_s / peak
+            pipe_base = pipe_base or p_s
+            row["pipelined_speedup_vs_first"] = pipe_base / p_s
+            pipelined = (f"  | pipelined {p_s * 1e3:6.1f} ms {sequences / p_s:8.1f} seq/s"
+                         + (f" MFU {row['pipelined_mfu']:.1%}" if peak else "")
+                         + f" x{row['pipelined_speedup_vs_first']:.3f}")
         print(f"{name:>16}: {runner.median * 1e3:7.1f} ms  {row['sequences_per_s']:8.1f} seq/s"
               + (f"  MFU {row['mfu']:.1%}" if peak else "")
               + f"  x{row['speedup_vs_first']:.3f}  fp8 GEMMs {row['fp8_gemms']}  loss {runner.loss:.4f}"
-              + f"  compile {row['compile_s']:.0f} s", file=sys.stderr)
+              + f"  compile {row['compile_s']:.0f} s" + pipelined, file=sys.stderr)
     return result
 
 

@@ -137,9 +137,11 @@ def make_batch(rng, batch, seq_len, predictions, vocab, packing):
 class Runner:
     """A compiled step with its (donated, so replaced every step) state."""
 
-    def __init__(self, step, state, batch, mesh=None):
+    def __init__(self, step, state, batch, mesh=None, compiler_options=None):
         self.step, self.state, self.batch, self.mesh = step, state, batch, mesh
+        self.compiler_options = compiler_options or {}  # XLA options for `compile_runners`
         self.durations: list = []
+        self.pipelined: list = []  # seconds per step of runs dispatched back to back
         self.loss = float("nan")
 
     def run(self, steps: int, record: bool = True) -> None:
@@ -161,6 +163,28 @@ class Runner:
                 jax.block_until_ready(metrics["loss"])
                 if record:
                     self.durations.append(time.perf_counter() - t0)
+        self.loss = float(metrics["loss"])
+
+    def run_pipelined(self, steps: int) -> None:
+        """`steps` steps dispatched back to back and waited for once, as the training loop runs
+        them (it fetches metrics only at its log steps): the host's dispatch of each step overlaps
+        the device's previous one, which `run`'s per-step wait exposes. Records seconds per step."""
+        import contextlib
+        import flax.linen as nn
+        import jax
+        from bert_jax import sharding
+
+        ctx = contextlib.ExitStack()
+        if self.mesh is not None:
+            ctx.enter_context(jax.set_mesh(self.mesh))
+            ctx.enter_context(nn.logical_axis_rules(sharding.DEFAULT_RULES))
+        with ctx:
+            jax.block_until_ready(self.state)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self.state, metrics = self.step(self.state, self.batch)
+            jax.block_until_ready((self.state, metrics))
+            self.pipelined.append((time.perf_counter() - t0) / steps)
         self.loss = float(metrics["loss"])
 
     @property
@@ -242,13 +266,15 @@ def initial_fp8_state(abstract, shardings):
 
 
 def bench_ours(args, config, bert_config, mesh, batch_np, init_cache: dict | None = None,
-               compile: bool = True):
+               compile: bool = True, compiler_options: dict | None = None):
     """Compiles our step; returns `({lower_s, compile_s}, Runner)`. Scripts that build several
     variants of the step pass one `init_cache` dict to every call: the first call keeps a copy of
     its freshly initialized state there and the others start from copies of it instead of
     initializing again (BERT-Large's initialization compiles for about a minute on a GPU).
     `compile=False` stops after lowering: the Runner's `step` is the `Lowered` program, for the
-    caller to compile (`compile_runners` compiles several at once)."""
+    caller to compile (`compile_runners` compiles several at once). `compiler_options`: XLA
+    options for this program alone (e.g. `{"xla_gpu_enable_cublaslt": True}`), as `XLA_FLAGS`
+    would set them for the whole process."""
     import jax
     import jax.numpy as jnp
     import flax.linen as nn
@@ -287,9 +313,9 @@ def bench_ours(args, config, bert_config, mesh, batch_np, init_cache: dict | Non
         t1 = time.perf_counter()
         if not compile:
             log(f"lowered in {t1 - t0:.1f} s")
-            return {"lower_s": t1 - t0}, Runner(lowered, state, batch, mesh)
+            return {"lower_s": t1 - t0}, Runner(lowered, state, batch, mesh, compiler_options)
         log(f"lowered in {t1 - t0:.1f} s; compiling")
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=compiler_options or None)
         t2 = time.perf_counter()
         log(f"compiled in {t2 - t1:.1f} s")
     result = {"lower_s": t1 - t0, "compile_s": t2 - t1}
@@ -305,7 +331,7 @@ def compile_runners(runners: dict, infos: dict) -> None:
 
     def one(name):
         t0 = time.perf_counter()
-        compiled = runners[name].step.compile()
+        compiled = runners[name].step.compile(compiler_options=runners[name].compiler_options or None)
         return name, compiled, time.perf_counter() - t0
 
     log(f"compiling {len(runners)} steps in parallel")

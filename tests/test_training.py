@@ -553,3 +553,34 @@ def test_bench_dropout_variants_draw_the_same_masks_and_make_the_same_steps(load
     assert set(step["variants"]) == {"jax.random.bernoulli", "keep_mask"}
     assert step["max_param_diff"] <= STEP_ROUNDING
     assert dropout.keep_mask.__module__ == "bert_jax.dropout"  # the benchmark put it back
+
+
+def test_bench_fp8_variants_carry_their_own_xla_options_and_time_pipelined_steps(load_benchmark, tmp_path):
+    """benchmarks/bench_fp8.py: `NAME+xla_option=value` compiles that variant's program (alone)
+    with the option, and the pipelined timing really runs its steps back to back."""
+    bench = load_benchmark("bench_fp8")
+    changes, xla = bench.variant_spec("fused_gelu_tanh+xla_gpu_enable_cublaslt=true+xla_gpu_autotune_level=0"
+                                      "+xla_dump_hlo_as_text=false+xla_dump_to=/x")
+    assert changes == {"fused_ops": True, "hidden_act": "gelu_tanh"}
+    assert xla == {"xla_gpu_enable_cublaslt": True, "xla_gpu_autotune_level": 0,
+                   "xla_dump_hlo_as_text": False, "xla_dump_to": "/x"}
+    with pytest.raises(ValueError, match="unknown variant 'fp16'"):
+        bench.variant_spec("fp16")
+    with pytest.raises(ValueError, match="is not xla_<option>=<value>"):
+        bench.variant_spec("bf16+cublaslt")
+
+    step = jax.jit(lambda state, batch: (state + batch, {"loss": jnp.sum(state)}))
+    lowered = step.lower(jnp.zeros(3), jnp.ones(3))
+    dump = tmp_path / "dump"
+    runners = {"plain": bench.bench_step.Runner(lowered, jnp.zeros(3), jnp.ones(3)),
+               "dumped": bench.bench_step.Runner(lowered, jnp.zeros(3), jnp.ones(3),
+                                                 compiler_options={"xla_dump_to": str(dump)})}
+    infos = {"plain": {}, "dumped": {}}
+    bench.bench_step.compile_runners(runners, infos)
+    assert infos["plain"]["compile_s"] > 0 and infos["dumped"]["compile_s"] > 0
+    assert len(list(dump.iterdir())) > 0  # the option reached XLA for that program
+    runners["dumped"].run_pipelined(3)
+    runners["dumped"].run(2)
+    np.testing.assert_array_equal(runners["dumped"].state, np.full(3, 5.0))  # 3 + 2 steps ran
+    assert runners["dumped"].loss == 12.0  # the last step's loss: sum of the state before it (4 x 3)
+    assert len(runners["dumped"].pipelined) == 1 and len(runners["dumped"].durations) == 2
