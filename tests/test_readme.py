@@ -259,16 +259,26 @@ def _readme_section(title: str) -> str:
 
 def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
     """Common tasks, in order: vocabulary -> train and eval records -> pretraining -> evaluation
-    -> HF export -> fill-mask on the pretrained model -> fine-tuning it on SST-2 -> predicting new
-    text -> exporting the fine-tuned classifier, which transformers' AutoModelForSequenceClassification
-    loads and whose predictions (with transformers' own tokenizer) are the predict mode's; each
-    command the README's (the data names and globs included), run from one folder holding
-    `corpus/`, `heldout/`, `glue/SST-2/` and `reviews.txt`."""
+    -> the pretrained model exported in Google's TF1 format (docs/checkpoints.md's command), which
+    then stands in for the release the README names (`uncased_L-12_H-768_A-12`) -> importing it
+    (bit for bit the pretrained parameters) -> HF export -> fill-mask on it -> fine-tuning it on
+    SST-2 -> predicting new text -> exporting the fine-tuned classifier (best and last), which
+    transformers' AutoModelForSequenceClassification loads and whose predictions (with
+    transformers' own tokenizer) are the predict mode's. Each command is the README's as written
+    (the data names, globs and checkpoint names included; docs/checkpoints.md's for the two it
+    lacks), run from one folder holding `corpus/`, `heldout/`, `glue/SST-2/` and `reviews.txt`.
+    The docs pages' walk-throughs are these same commands (tests/test_docs_walkthroughs.py)."""
     import json
     import os
     import random
+    import shutil
     import subprocess
     import sys
+
+    import flax
+    import numpy as np
+
+    from bert_jax import convert as convert_lib
 
     rng = random.Random(0)
     words = [f"w{i}" for i in range(200)]
@@ -286,7 +296,13 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
     assert [m for m, _ in runs] == wanted, commands
     convert = next(a for m, a in commands if m == "bert_jax.convert" and "--output_format=hf" in a
                    and "--input=/tmp/bert_base" in a)
+    release = "uncased_L-12_H-768_A-12"
+    imported = next(a for m, a in commands if m == "bert_jax.convert" and f"--input={release}" in a)
     fill = next(a for m, a in commands if m == "bert_jax.fill_mask")
+    checkpoints = [w[2:] for _, w in _commands((ROOT / "docs" / "checkpoints.md").read_text())
+                   if w[:2] == ["-m", "bert_jax.convert"]]
+    to_google = next(a for a in checkpoints if "--input=/tmp/bert_base" in a and "--output_format=google" in a)
+    export_last = next(a for a in checkpoints if "--input=/tmp/sst2" in a and "--finetuned=last" in a)
 
     def local(value: str) -> str:  # /tmp/bert_base -> <test folder>/tmp/bert_base
         return str(tmp_path / value.lstrip("/")) if value.startswith("/tmp/") else value
@@ -316,11 +332,24 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
     assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4]
     evaluated = json.loads((tmp_path / "tmp/eval/eval_results.json").read_text())
     assert 0.0 <= evaluated["masked_lm_accuracy"] <= 1.0 and evaluated["masked_lm_loss"] > 0
-    # The export and fill-mask lines name a released checkpoint: here, the model just pretrained.
-    run("bert_jax.convert", [a for a in convert])
+    # The README's later lines name a released Google checkpoint: here, the model just pretrained,
+    # exported in Google's format by docs/checkpoints.md's command and put where a download would be.
+    run("bert_jax.convert", to_google)
+    (tmp_path / release).mkdir()  # the files of Google's zips, no more (casing from the vocabulary)
+    for name in ("bert_config.json", "vocab.txt", "bert_model.ckpt.index"):
+        shutil.copy(tmp_path / "tmp/bert_base_tf" / name, tmp_path / release)
+    for data in (tmp_path / "tmp/bert_base_tf").glob("bert_model.ckpt.data-*"):
+        shutil.copy(data, tmp_path / release)
+    run("bert_jax.convert", imported)  # Google's release -> ours, as written
+    ours = convert_lib.load_pretrained(str(tmp_path / "tmp/bert_base"))
+    back = convert_lib.load_pretrained(str(tmp_path / "tmp/google_base"))
+    flat = lambda p: dict(flax.traverse_util.flatten_dict(p.params))  # noqa: E731
+    assert flat(back).keys() == flat(ours).keys() and back.config == ours.config
+    for key, value in flat(ours).items():  # the round trip through Google's format is exact
+        np.testing.assert_array_equal(np.asarray(flat(back)[key]), np.asarray(value), err_msg=str(key))
+    run("bert_jax.convert", convert)
     assert (tmp_path / "tmp/bert_base_hf/config.json").exists()
-    r = run("bert_jax.fill_mask", [a if not a.startswith("--init_checkpoint=") else "--init_checkpoint=/tmp/bert_base"
-                                   for a in fill] + ["--text=w1 w2 [MASK] w3 ."])
+    r = run("bert_jax.fill_mask", fill + ["--text=w1 w2 [MASK] w3 ."])
     lines = r.stdout.splitlines()
     guesses = [line for line in lines if line.startswith("    [MASK] -> ")]
     assert len(guesses) == 2 and all(line.count("(0.") + line.count("(1.") == 5 for line in guesses), r.stdout
@@ -339,8 +368,7 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
     finetune = next(a for m, a in commands if m == "bert_jax.main" and "--config.task=sst2" in a)
     predict = next(a for m, a in commands if m == "bert_jax.main" and "--config.mode=predict" in a)
     export = next(a for m, a in commands if m == "bert_jax.convert" and "--input=/tmp/sst2" in a)
-    run("bert_jax.main", [a if not a.startswith("--config.init_checkpoint=") else "--config.init_checkpoint=/tmp/bert_base"
-                          for a in finetune])
+    run("bert_jax.main", finetune)  # from the Google-format "release", as written
     assert json.loads((tmp_path / "tmp/sst2/eval_results.json").read_text())["accuracy"] >= 0.0
     run("bert_jax.main", predict)
     rows = [line.split("\t") for line in (tmp_path / "tmp/sst2/predictions/sst2_reviews_predictions.tsv")
@@ -355,3 +383,7 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
                       truncation=True, return_tensors="np")
     logits = model(**batch).logits
     assert [model.config.id2label[int(i)] for i in logits.argmax(-1)] == [r[1] for r in rows]
+    run("bert_jax.convert", export_last)  # docs/checkpoints.md: the last state instead of the best epoch
+    last = transformers.FlaxAutoModelForSequenceClassification.from_pretrained(str(tmp_path / "tmp/sst2_hf_last"))
+    assert last.config.id2label == model.config.id2label
+    assert last(**batch).logits.shape == logits.shape
