@@ -313,11 +313,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     else:
         start_step = 0
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # straight into shards (sharding.sharded_init)
-            state = jax.jit(lambda r: nn.meta.unbox(init_state(r)), out_shardings=state_shardings,
-                            compiler_options=compiler_options)(jax.random.key(config.seed))
-        if init_params is not None:
-            state = state.replace(params={**state.params, "bert": _place_encoder(
-                init_params["bert"], state_shardings.params["bert"])})
+            if init_params is None:
+                state = jax.jit(lambda r: nn.meta.unbox(init_state(r)), out_shardings=state_shardings,
+                                compiler_options=compiler_options)(jax.random.key(config.seed))
+            else:
+                # The encoder's random initialization is dead code in this program (the checkpoint
+                # replaces it), so XLA drops it: only the head's is compiled and run (a MiniLM's
+                # whole initialization took 8 s to compile on 2 CPU cores). The head's values are
+                # the same: flax draws each module's key from its own path.
+                def init_with_encoder(rng, encoder):
+                    state = nn.meta.unbox(init_state(rng))
+                    return state.replace(params={**state.params, "bert": encoder})
+
+                encoder = _place_encoder(init_params["bert"], state_shardings.params["bert"])
+                state = jax.jit(init_with_encoder, out_shardings=state_shardings, donate_argnums=1,
+                                compiler_options=compiler_options)(jax.random.key(config.seed), encoder)
     if jax.process_index() == 0:
         pretrain.write_model_files(workdir, bert_config, vocab_file, do_lower_case)
         workdir_files.write_json(workdir, TASK_FILE, task_description(task, config), indent=2)

@@ -37,8 +37,9 @@ class _UnicodeTables(NamedTuple):
 def _unicode_tables() -> _UnicodeTables:
     """Whole-string equivalents of the per-character rules, for non-ASCII text.
 
-    Built once (half a second) from a scan of every code point through the same predicates the
-    plain path uses, so both paths agree on every character of this Python's Unicode version.
+    Built once (a fraction of a second) from a scan of every code point through the same
+    predicates the plain path uses, so both paths agree on every character of this Python's
+    Unicode version.
     """
     dropped: Dict[int, None] = {}
     marks: Dict[int, None] = {}
@@ -48,9 +49,11 @@ def _unicode_tables() -> _UnicodeTables:
     categories = list(map(unicodedata.category, map(chr, range(sys.maxunicode + 1))))
     for cp, category in enumerate(categories):
         first = category[0]
-        if first == "C" or cp == 0xFFFD:
+        if category in ("Cc", "Cf") or cp == 0xFFFD:  # not Co/Cn/Cs: 0.9 M code points none drops
             if is_dropped(chr(cp)):
                 dropped[cp] = None
+        elif first == "C":
+            continue
         elif category == "Mn":
             marks[cp] = None
         elif (first == "P" or cp < 128) and is_punctuation(chr(cp)):

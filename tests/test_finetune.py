@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+from flax import traverse_util
 import flax.linen as nn
 import jax
 import numpy as np
@@ -264,6 +265,30 @@ def predict_config(work, path, **overrides):
 
 def tsv_rows(path):
     return list(csv.DictReader(open(path, encoding="utf-8"), delimiter="\t"))
+
+
+def test_the_loop_starts_from_the_checkpoint_and_a_fresh_head(tmp_path, checkpoint):
+    """At learning rate 0 nothing moves, so the saved state is the initial one: the encoder is the
+    checkpoint's bit for bit, the head flax's initialization from the first half of the seed's key
+    (the loop compiles the head's initialization alone; the encoder's is dead code there)."""
+    config = sst2_config(sst2_files(tmp_path), checkpoint)
+    config.learning_rate, config.num_train_epochs = 0.0, 1
+    finetune.run(config, str(tmp_path / "work"))
+    saved = convert.load_finetuned(str(tmp_path / "work"), "last")
+    flat = lambda tree: {k: np.asarray(v) for k, v in traverse_util.flatten_dict(tree).items()}  # noqa: E731
+    encoder = flat(saved.params["bert"])
+    assert encoder.keys() == flat(checkpoint["params"]["bert"]).keys()
+    for key, value in flat(checkpoint["params"]["bert"]).items():
+        np.testing.assert_array_equal(encoder[key], value, err_msg=str(key))
+    model = heads.BertForTask(checkpoint["config"], "classification", 2)
+    dummy = heads.dummy_batch("classification", config.max_seq_length)
+    fresh = nn.meta.unbox(model.init(jax.random.split(jax.random.key(config.seed))[0],
+                                     *(dummy[k] for k in heads.MODEL_INPUTS))["params"])
+    head = flat(saved.params["head"])
+    assert head.keys() == flat(fresh["head"]).keys() and len(head) == 2  # kernel, bias
+    for key, value in flat(fresh["head"]).items():  # another program's truncated normal: an ulp apart
+        np.testing.assert_allclose(head[key], value, rtol=0, atol=1e-8, err_msg=str(key))
+    assert np.abs(head[("output", "kernel")]).max() > 0.01  # drawn (stddev 0.02), not zeros
 
 
 def test_predict_mode_gives_the_loops_predictions_from_text_or_the_tasks_files(sst2_run, tmp_path):
