@@ -32,7 +32,6 @@ compilation; transformers: training sequences over training seconds).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -160,7 +159,7 @@ def squad(args, tmp) -> dict:
     return out
 
 
-def main():
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=os.path.join(os.path.dirname(ROOT), "minilm"))
     p.add_argument("--tasks", default="sst2,conll2003,squad_v1")
@@ -175,11 +174,19 @@ def main():
     p.add_argument("--squad_train_articles", type=int, default=8)
     p.add_argument("--squad_max_seq_length", type=int, default=256)
     p.add_argument("--out", default="", help="also write the results here (JSON)")
-    args = p.parse_args()
+    p.add_argument("--json", action="store_true",
+                   help="end with all the runs as one JSON line (benchmarks/bench_suite.py reads it)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
     if not os.path.isdir(DATA) or not os.path.exists(os.path.join(args.model, "model.safetensors")):
-        print(f"skipped: needs {DATA} and the MiniLM model in {args.model} (../shared/tools/fetch_minilm.sh)")
+        reason = f"needs {DATA} and the MiniLM model in {args.model} (../shared/tools/fetch_minilm.sh)"
+        print(json.dumps({"benchmark": "bench_finetune", "skipped": reason}) if args.json else f"skipped: {reason}")
         return
-    results = {"date": time.strftime("%Y-%m-%d"), "host_cpus": os.cpu_count(), "runs": []}
+    results = {"benchmark": "bench_finetune", "date": time.strftime("%Y-%m-%d"), "host_cpus": os.cpu_count(),
+               "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for task in args.tasks.split(","):
             run = {"sst2": sst2, "conll2003": conll, "squad_v1": squad}[task](args, tmp)
@@ -188,6 +195,8 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
+    if args.json:
+        print(json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":

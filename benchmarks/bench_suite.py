@@ -4,11 +4,13 @@
     python benchmarks/bench_suite.py --suite=gpu --only=large_128,large_512_packed   # a subset, in suite order
     python benchmarks/bench_suite.py --table=gpu.jsonl                                # re-render a results file
     python benchmarks/bench_suite.py --list                                           # the suites and their runs
+    python benchmarks/bench_suite.py --suite=cpu --hf_python=VENV/bin/python --timeout_s=600 --budget_s=1800
 
 Written for a lent GPU's few device-minutes, where one run that hangs must not cost the others:
 
-- every run is a fresh process (`bench_step.py`, `bench_fp8.py`, `bench_optimizer.py` or
-  `bench_dropout.py` with `--json`), killed with its whole process group when it passes `--timeout_s` or what is left of
+- every run is a fresh process (`bench_step.py`, `bench_fp8.py`, `bench_optimizer.py`,
+  `bench_dropout.py` or `bench_finetune.py` with `--json`; `--minilm` and `--hf_python` fill the
+  cpu suite's fine-tuning run, which is skipped without `--hf_python`), killed with its whole process group when it passes `--timeout_s` or what is left of
   `--budget_s`;
 - each run's record (status `ok`, `timeout`, `error` or `skipped`, wall seconds, the parsed JSON
   result, and the tail of its stderr, where `bench_step.py` logs its phases: so a timeout says
@@ -90,6 +92,10 @@ SUITES: dict = {
                                                             "--compile_only", *flags, *layers])
           for kind, flags in (("scan", ["--scan"]), ("unrolled", []))
           for suffix, layers in (("", []), ("_12_layers", ["--layers=12"]))],
+        # Fine-tuning end to end against transformers + PyTorch (issue 44's target: 1.5x the wall
+        # clock): needs ../shared/data, --minilm and --hf_python; ~6 min, so --timeout_s=600.
+        ("finetune_sst2_vs_transformers", "bench_finetune.py", ["--tasks=sst2", "--sst2_train=2000",
+                                                                "--model={minilm}", "--hf_python={hf_python}"]),
     ],
     # Seconds on any machine: what the tests run.
     "smoke": [
@@ -143,9 +149,21 @@ def run_one(cmd: list, timeout_s: float, env: dict | None = None) -> dict:
     return record
 
 
+def fill(flags: list, values: dict) -> tuple[list, str]:
+    """`{name}` in a flag -> `values[name]`; returns the flags and what is missing ("" if nothing)."""
+    out, missing = [], []
+    for flag in flags:
+        names = [n for n in values if "{" + n + "}" in flag]
+        if any(not values[n] for n in names):
+            missing += [f"--{n}" for n in names if not values[n]]
+        out.append(flag.format(**values) if names else flag)
+    return out, ", ".join(missing)
+
+
 def run_suite(runs: list, out_path: str | None, timeout_s: float, budget_s: float,
-              python: str = sys.executable) -> list:
-    """Runs `(name, script, flags)` in order; appends each record to `out_path` as it ends."""
+              python: str = sys.executable, values: dict | None = None) -> list:
+    """Runs `(name, script, flags)` in order; appends each record to `out_path` as it ends.
+    `values` fills the flags' `{name}` fields; a run missing one is recorded as skipped."""
     start = time.perf_counter()
     records = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -153,8 +171,11 @@ def run_suite(runs: list, out_path: str | None, timeout_s: float, budget_s: floa
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     for name, script, flags in runs:
         left = budget_s - (time.perf_counter() - start)
+        flags, missing = fill(flags, values or {})
         cmd = [python, os.path.join(HERE, script), *flags, "--json"]
-        if left < MIN_RUN_S:
+        if missing:
+            record = {"status": "skipped", "wall_s": 0.0, "stderr_tail": f"needs {missing} (bench_suite.py's flags)"}
+        elif left < MIN_RUN_S:
             record = {"status": "skipped", "wall_s": 0.0,
                       "stderr_tail": f"{left:.0f} s of the {budget_s:.0f} s budget left (< {MIN_RUN_S:.0f} s)"}
         else:
@@ -200,6 +221,19 @@ def table(records: list) -> str:
     for rec in records:
         r = rec.get("result") or {}
         status = rec["status"] if rec["status"] == "ok" else f"{rec['status']} ({rec['wall_s']:.0f} s)"
+        if r.get("benchmark") == "bench_finetune":  # end to end, ours against transformers
+            if r.get("skipped"):
+                lines.append(f"| {rec['name']} | fine-tuning: skipped, {r['skipped']} |" + " |" * 12 + f" {status} |")
+            for run in r.get("runs", []):
+                ours, theirs = run["bert_jax"], run.get("transformers")
+                text = (f"fine-tuning {run['task']} ({run['train_examples']} rows): ours {ours['wall_s']:.0f} s wall, "
+                        f"{ours['train_sequences_per_s']:.3g} training seq/s")
+                if theirs:
+                    wall = theirs.get("process_wall_s", theirs["wall_s"])
+                    text += (f"; transformers {wall:.0f} s, {theirs['train_sequences_per_s']:.3g} seq/s; "
+                             f"wall ratio {wall / ours['wall_s']:.2f}x")
+                lines.append(f"| {rec['name']} | {text} |" + " |" * 12 + f" {status} |")
+            continue
         if "variants" in r or "impl" in r:  # bench_fp8.py, bench_optimizer.py, bench_dropout.py
             parts = [f"{k} {v['median_s'] * 1e3:.3g} ms" for k, v in (r.get("variants") or r["impl"]).items()]
             lines.append(f"| {rec['name']} | {r.get('device', '')} | {r.get('benchmark', '')} variants: "
@@ -238,6 +272,10 @@ def main(argv=None):
     p.add_argument("--budget_s", type=float, default=570.0, help="limit for the whole suite")
     p.add_argument("--table", default="", help="print the table of an existing results file and stop")
     p.add_argument("--list", action="store_true", help="print the suites and stop")
+    p.add_argument("--minilm", default=os.path.join(os.path.dirname(ROOT), "minilm"),
+                   help="the cpu suite's fine-tuning run: all-MiniLM-L6-v2 (../shared/tools/fetch_minilm.sh DIR)")
+    p.add_argument("--hf_python", default="", help="the cpu suite's fine-tuning run: a Python with torch + "
+                   "transformers (without it that run is skipped)")
     args = p.parse_args(argv)
     if args.list:
         for suite, runs in SUITES.items():
@@ -258,7 +296,8 @@ def main(argv=None):
             p.error(f"--only: no run named {', '.join(unknown)} in suite {args.suite!r} "
                     f"(it has {', '.join(name for name, _, _ in runs)})")
         runs = [run for run in runs if run[0] in wanted]
-    records = run_suite(runs, args.out or None, args.timeout_s, args.budget_s)
+    records = run_suite(runs, args.out or None, args.timeout_s, args.budget_s,
+                        values={"minilm": args.minilm, "hf_python": args.hf_python})
     print(table(records))
     return records
 

@@ -118,9 +118,16 @@ def test_only_names_unknown_runs(suite, capsys):
 def test_every_suite_run_parses_with_its_scripts_flags(suite, load_benchmark):
     """A typo in a suite's flags would cost a device-minute; parse them all here."""
     bench_step, bench_fp8 = load_benchmark("bench_step"), load_benchmark("bench_fp8")
+    bench_finetune = load_benchmark("bench_finetune")
     for runs in suite.SUITES.values():
         for name, script, flags in runs:
             assert os.path.exists(os.path.join(ROOT, "benchmarks", script)), name
+            flags, missing = suite.fill(flags, {"minilm": "/m", "hf_python": "/py"})
+            assert not missing and not any("{" in f for f in flags), name
+            if script == "bench_finetune.py":  # its own parser alone
+                args = bench_finetune.parse(flags + ["--json"])
+                assert (args.model, args.hf_python, args.json) == ("/m", "/py", True), name
+                continue
             if script in ("bench_optimizer.py", "bench_dropout.py"):  # own flags; the rest are bench_step's
                 own = {"--step", "--rounds", "--steps"}
                 flags = [f for f in flags if f.split("=")[0] not in own]
@@ -129,3 +136,21 @@ def test_every_suite_run_parses_with_its_scripts_flags(suite, load_benchmark):
             else:
                 args = bench_step.parse_args(flags + ["--json"])
             assert os.path.exists(os.path.join(ROOT, args.config)), name
+
+
+def test_the_fine_tuning_run_is_skipped_without_its_python_and_tabled_with_its_ratio(suite, tmp_path):
+    """The cpu suite's end-to-end run: skipped (and said why) without --hf_python; its record's
+    row shows both sides' wall clocks and their ratio."""
+    runs = [(n, s, f) for n, s, f in suite.SUITES["cpu"] if s == "bench_finetune.py"]
+    assert len(runs) == 1
+    records = suite.run_suite(runs, str(tmp_path / "r.jsonl"), 60, 60, values={"minilm": "/m", "hf_python": ""})
+    assert records[0]["status"] == "skipped" and "--hf_python" in records[0]["stderr_tail"]
+    result = {"benchmark": "bench_finetune", "runs": [{
+        "task": "sst2", "train_examples": 2000,
+        "bert_jax": {"wall_s": 100.0, "train_sequences_per_s": 20.0},
+        "transformers": {"wall_s": 149.0, "process_wall_s": 150.0, "train_sequences_per_s": 16.5}}]}
+    row = suite.table([{"name": runs[0][0], "status": "ok", "wall_s": 260.0, "result": result}]).splitlines()[-1]
+    assert "ours 100 s wall, 20 training seq/s; transformers 150 s, 16.5 seq/s; wall ratio 1.50x" in row
+    skipped = suite.table([{"name": runs[0][0], "status": "ok", "wall_s": 1.0,
+                            "result": {"benchmark": "bench_finetune", "skipped": "needs ../shared/data"}}])
+    assert "skipped, needs ../shared/data" in skipped
