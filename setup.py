@@ -12,14 +12,13 @@ INSTALL_REQUIRES = [
     "numpy>=2.0",
     "ml-collections>=1.1.0",
     "absl-py>=2.1",
-    "clu>=0.0.12",
     "tqdm>=4.66",
     "safetensors>=0.4",
     "sentencepiece>=0.2.0",
     "tensorflow-cpu>=2.21; platform_machine=='x86_64' and sys_platform=='linux'",
     "tensorflow>=2.21; platform_machine!='x86_64' or sys_platform!='linux'",
     "tensorflow-datasets>=4.9.8",
-    "tensorboard>=2.16",  # clu's TensorBoard metric writer; bert_jax.plot reads its event files
+    "tensorboard>=2.16",  # event files' protos and hparams summary (bert_jax.workdir); bert_jax.plot reads them
     "matplotlib>=3.7",  # bert_jax.plot: training curves as PNG
     "etils[epath]>=1.15",  # orbax's path library; data_pipeline.storage points it at gcsfs for gs://
 ]

@@ -27,7 +27,7 @@ featurization, post-processing and the metric; there is no per-task branch here)
 - after training: predictions for the task's test splits (GLUE-server files, with the final
   parameters) and `W/eval_results.json` (metric name -> value, last epoch; keys of eval splits
   after the first are prefixed with the split's name) plus `W/eval_history.json` (every epoch);
-- metrics to TensorBoard and the console (clu), progress bars (tqdm).
+- metrics to TensorBoard and the console (`workdir.metric_writer`), progress bars (tqdm).
 """
 
 from __future__ import annotations

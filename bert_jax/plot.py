@@ -2,7 +2,7 @@
 
     python -m bert_jax.plot --workdir=W [--output=W/curves.png]
 
-Reads the TensorBoard event files the training loops write under `W` (clu metric writers:
+Reads the TensorBoard event files the training loops write under `W` (`bert_jax.workdir.metric_writer`:
 `train/...` and `eval/...` scalars) and draws, step on the x axis: the losses (train and eval),
 the accuracies and task metrics (train and eval), and the learning rate with the gradient norm.
 Throughput figures are left out (they are on the console and in TensorBoard).

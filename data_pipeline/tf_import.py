@@ -5,7 +5,8 @@ events, and Keras loads scikit-learn and matplotlib's pyplot with it:
 
 * TensorFlow 2.21's `__init__` ends by importing `keras.src.optimizers` (to register Keras
   optimizers for SavedModel loading), inside a `try/except ImportError`;
-* TensorBoard's hparams API (`tensorboard.plugins.hparams.api`, which clu's metric writers import)
+* TensorBoard's hparams API (`tensorboard.plugins.hparams.api`, which clu's metric writers, used here
+  before `bert_jax.workdir` wrote its events itself, import)
   imports its `_keras` module only to offer `KerasCallback`, a subclass of `tf.keras.callbacks.Callback`.
 
 That is 4-5 CPU seconds of each run's start on the 2-core development machine (2026-11-27:
@@ -21,7 +22,7 @@ usual. `tests/test_tf_import.py` checks both.
 
 Every module of this project that needs TensorFlow imports it from here (`from
 data_pipeline.tf_import import tf`), and so do the callers of libraries that import it themselves
-(clu's metric writers, tensorflow_datasets); a process where something else imported TensorFlow
+(tensorflow_datasets); a process where something else imported TensorFlow
 first simply has it already.
 """
 

@@ -1,4 +1,4 @@
-"""bert_jax.plot: reads the scalars a run logged (clu writers) and draws them into a PNG."""
+"""bert_jax.plot: reads the scalars a run logged (the loops' metric writer) and draws them into a PNG."""
 
 import struct
 
@@ -9,8 +9,8 @@ from bert_jax import plot
 
 
 def write_run(workdir):
-    from clu import metric_writers
-    w = metric_writers.create_default_writer(str(workdir), asynchronous=False)
+    from bert_jax import workdir as workdir_files
+    w = workdir_files.metric_writer(str(workdir), just_logging=False)
     for step in range(1, 11):
         w.write_scalars(step, {"train/loss": 10.0 / step, "train/mlm_accuracy": 0.05 * step,
                                "train/learning_rate": 1e-4 * min(1, step / 3), "train/grad_norm": 2.0 + step,

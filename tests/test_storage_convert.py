@@ -186,10 +186,10 @@ def test_extract_features_reads_and_writes_the_bucket_as_local_files(bucket, tmp
 
 def test_plot_reads_events_from_the_bucket_and_writes_the_png_there(bucket, tmp_path):
     from bert_jax import plot
-    from clu import metric_writers
+    from bert_jax import workdir as workdir_files
 
     run = tmp_path / "run"
-    w = metric_writers.create_default_writer(str(run), asynchronous=False)
+    w = workdir_files.metric_writer(str(run), just_logging=False)
     for step in range(1, 8):
         w.write_scalars(step, {"train/loss": 5.0 / step, "train/learning_rate": 1e-3 * step})
     w.write_scalars(7, {"eval/masked_lm_accuracy": 0.5})

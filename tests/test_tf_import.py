@@ -59,3 +59,40 @@ def test_records_and_metric_writers_import_no_keras_and_keras_still_imports(tmp_
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2"))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+WRITER = """
+import sys
+from bert_jax import workdir
+writer = workdir.metric_writer(sys.argv[1], just_logging=False)
+writer.write_hparams({"learning_rate": 0.5, "task": "sst2", "fp8": False, "steps": 3})
+writer.write_scalars(2, {"train/loss": 2.5, "train/accuracy": 0.25})
+writer.write_scalars(3, {"train/loss": 1.5})
+writer.close()
+assert "tensorflow" not in sys.modules, "the metric writer imported TensorFlow"
+print("ok")
+"""
+
+
+def test_the_metric_writer_needs_no_tensorflow_and_tensorflow_reads_its_events(tmp_path):
+    """A fine-tuning run imports TensorFlow for nothing else: its events are written without it
+    (fresh process), and TensorFlow's own reader and TensorBoard's hparams plugin read them."""
+    r = subprocess.run([sys.executable, "-c", WRITER, str(tmp_path / "events")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2"))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    tf = pytest.importorskip("tensorflow")
+    from tensorboard.plugins.hparams import metadata
+
+    files = sorted((tmp_path / "events").glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    events = list(tf.compat.v1.train.summary_iterator(str(files[0])))  # checks each record's CRCs
+    assert events[0].file_version == "brain.Event:2"
+    scalars = [(e.step, v.tag, float(tf.make_ndarray(v.tensor)), v.metadata.plugin_data.plugin_name)
+               for e in events[1:] for v in e.summary.value if v.metadata.plugin_data.plugin_name == "scalars"]
+    assert scalars == [(2, "train/loss", 2.5, "scalars"), (2, "train/accuracy", 0.25, "scalars"),
+                       (3, "train/loss", 1.5, "scalars")]
+    hparams = [v for e in events for v in e.summary.value if v.metadata.plugin_data.plugin_name == "hparams"]
+    assert len(hparams) == 1
+    info = metadata.parse_session_start_info_plugin_data(hparams[0].metadata.plugin_data.content)
+    assert (info.hparams["learning_rate"].number_value, info.hparams["task"].string_value,
+            info.hparams["fp8"].bool_value, info.hparams["steps"].number_value) == (0.5, "sst2", False, 3.0)
