@@ -17,12 +17,13 @@ analysis (FLOPs and bytes accessed), the latter for the pod planner's calibratio
 (`docs/pod_planning.md`).
 
 Variants: `bf16` (the config as is: the exact erf GELU), `gelu_tanh` (the tanh GELU that
-Google's code uses since 2019, which cuBLASLt can fuse into the GEMM's epilogue), `fp8`
+Google's code uses since 2019; cuBLASLt has a GEMM epilogue for it, which XLA did not use on
+2026-11-27), `fp8`
 (`BertConfig.fp8`), `fp8_gelu_tanh` (both), `fused` (`BertConfig.fused_ops`: the Pallas
 dropout + residual + LayerNorm kernels), `fused_gelu_tanh`. A variant may add XLA options for its
-own program after `+`: `fused_gelu_tanh+xla_gpu_enable_cublaslt=true` (cuBLASLt GEMMs, whose
-epilogue can take the bias and the tanh GELU), `+xla_gpu_enable_triton_gemm=false` (cuBLAS for
-every GEMM); several `+`s may follow one another.
+own program after `+`, e.g. `fused_gelu_tanh+xla_gpu_enable_triton_gemm=false` (cuBLAS for every
+GEMM, the biases in their epilogues); several `+`s may follow one another (benchmarks/RESULTS.md,
+"One H100, 2026-11-27": neither that nor `xla_gpu_enable_cublaslt` changed the step).
 
 Each variant is timed two ways: every step waited for (`step`, the figures of earlier rows), and
 `--pipelined_steps` steps dispatched back to back and waited for once (`pipelined`), as

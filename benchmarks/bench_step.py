@@ -144,9 +144,8 @@ class Runner:
         self.pipelined: list = []  # seconds per step of runs dispatched back to back
         self.loss = float("nan")
 
-    def run(self, steps: int, record: bool = True) -> None:
-        if steps <= 0:  # --warmup=0
-            return
+    def _mesh(self):
+        """The mesh and its logical axis rules, as the step was lowered under (if any)."""
         import contextlib
         import flax.linen as nn
         import jax
@@ -156,7 +155,14 @@ class Runner:
         if self.mesh is not None:
             ctx.enter_context(jax.set_mesh(self.mesh))
             ctx.enter_context(nn.logical_axis_rules(sharding.DEFAULT_RULES))
-        with ctx:
+        return ctx
+
+    def run(self, steps: int, record: bool = True) -> None:
+        if steps <= 0:  # --warmup=0
+            return
+        import jax
+
+        with self._mesh():
             for _ in range(steps):
                 t0 = time.perf_counter()
                 self.state, metrics = self.step(self.state, self.batch)
@@ -169,16 +175,9 @@ class Runner:
         """`steps` steps dispatched back to back and waited for once, as the training loop runs
         them (it fetches metrics only at its log steps): the host's dispatch of each step overlaps
         the device's previous one, which `run`'s per-step wait exposes. Records seconds per step."""
-        import contextlib
-        import flax.linen as nn
         import jax
-        from bert_jax import sharding
 
-        ctx = contextlib.ExitStack()
-        if self.mesh is not None:
-            ctx.enter_context(jax.set_mesh(self.mesh))
-            ctx.enter_context(nn.logical_axis_rules(sharding.DEFAULT_RULES))
-        with ctx:
+        with self._mesh():
             jax.block_until_ready(self.state)
             t0 = time.perf_counter()
             for _ in range(steps):
