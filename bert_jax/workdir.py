@@ -134,11 +134,11 @@ class _EventFile:
 
         from tensorboard.compat.proto import event_pb2
 
-        os.makedirs(directory, exist_ok=True)
+        storage.makedirs(directory)  # a local folder (the workdir's, or gs://'s staging folder)
         _EventFile._counter += 1
         name = (f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}."
                 f"{_EventFile._counter}.v2")
-        self._file = open(os.path.join(directory, name), "ab")  # pylint: disable=consider-using-with
+        self._file = storage.open(storage.join(directory, name), "ab")  # pylint: disable=consider-using-with
         self._event = event_pb2.Event
         self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
 
