@@ -164,11 +164,12 @@ def _hlo_facts(compiled) -> dict:
            if "__cublas$lt$matmul$f8" in line
            or ("f8e4m3fn" in line and ("__cublas" in line or "triton_gemm" in line or " dot(" in line))]
     lines = text.splitlines()
-    epilogues = {}  # cuBLASLt epilogues XLA fused into GEMMs (BIAS, GELU, GELU_AUX, BIAS_GELU_AUX...)
+    epilogues: dict = {}  # cuBLASLt epilogues XLA fused into GEMMs (BIAS, GELU, GELU_AUX, ...)
     for line in lines:
         if "__cublas$lt$matmul" in line:
             m = re.search(r'"epilogue":"([A-Z_]+)"', line)
-            epilogues[m.group(1) if m else "?"] = epilogues.get(m.group(1) if m else "?", 0) + 1
+            key = m.group(1) if m else "?"
+            epilogues[key] = epilogues.get(key, 0) + 1
     return {"cost_flops": float(cost.get("flops", 0.0)),
             "cost_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
             "cublas_gemms": len(gemms), "fp8_gemms": len(fp8),

@@ -154,8 +154,7 @@ def fill(flags: list, values: dict) -> tuple[list, str]:
     out, missing = [], []
     for flag in flags:
         names = [n for n in values if "{" + n + "}" in flag]
-        if any(not values[n] for n in names):
-            missing += [f"--{n}" for n in names if not values[n]]
+        missing += [f"--{n}" for n in names if not values[n]]
         out.append(flag.format(**values) if names else flag)
     return out, ", ".join(missing)
 

@@ -52,8 +52,6 @@ def _unicode_tables() -> _UnicodeTables:
         if category in ("Cc", "Cf") or cp == 0xFFFD:  # not Co/Cn/Cs: 0.9 M code points none drops
             if is_dropped(chr(cp)):
                 dropped[cp] = None
-        elif first == "C":
-            continue
         elif category == "Mn":
             marks[cp] = None
         elif (first == "P" or cp < 128) and is_punctuation(chr(cp)):

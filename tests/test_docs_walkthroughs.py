@@ -23,15 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_readme import _commands  # tests/ is on sys.path
+from test_readme import _commands, _section  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _section(text: str, title: str) -> str:
-    start = text.index(title)
-    end = text.find("\n## ", start + len(title))
-    return text[start:end if end >= 0 else len(text)]
 
 
 def test_the_data_page_runs_in_order_as_written(tmp_path):

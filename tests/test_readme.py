@@ -252,9 +252,11 @@ _TINY = {"data_pipeline.create_pretraining_data": {"dupe_factor": "2"},
                            "config.shuffle_buffer_size": "64"}}
 
 
-def _readme_section(title: str) -> str:
-    start = README.index(title)
-    return README[start:README.index("\n## ", start)]
+def _section(text: str, title: str) -> str:
+    """From the heading `title` to the next `## ` heading (or the end)."""
+    start = text.index(title)
+    end = text.find("\n## ", start + len(title))
+    return text[start:end if end >= 0 else len(text)]
 
 
 def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
@@ -288,7 +290,7 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
             text = "\n\n".join("\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 12))) + " ."
                                          for _ in range(rng.randint(3, 8))) for _ in range(docs))
             (tmp_path / folder / f"part-{f}.txt").write_text(text + "\n")
-    section = _readme_section("## Common tasks")
+    section = _section(README, "## Common tasks")
     wanted = ["data_pipeline.train_vocab", "data_pipeline.create_pretraining_data",
               "data_pipeline.create_pretraining_data", "bert_jax.main", "bert_jax.main"]
     commands = [(words_[1], words_[2:]) for _, words_ in _commands(section) if words_[:1] == ["-m"]]
