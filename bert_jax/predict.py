@@ -68,6 +68,8 @@ def make_task(config: ml_collections.ConfigDict, description: dict, input_path: 
     for key, value in config.task_options.to_dict().items():
         if f"config.task_options.{key}" in given:
             options[key] = value
+    if description.get("labels") and tasks.labels_from_data(description["task"]):
+        options["labels"] = list(description["labels"])  # your own data's labels, as fine-tuned
     task = tasks.get_task(description["task"], storage.dirname(input_path) or ".", source="files",
                           skip_bad_rows=config.skip_bad_rows, **options)
     if "config.task" in given and tasks.get_task(config.task, ".").name != task.name:

@@ -11,6 +11,9 @@ all of them; the task tells it only the head kind (`HEAD_KINDS`) and the number 
     squad_eval.py        the official SQuAD v1.1 / v2.0 scorers and their CLI
     ner.py               CoNLL-2003 NER (IOB1/IOB2, conlleval scoring)
     multiple_choice.py   SWAG
+    classification.py    your own classification / regression table (CSV, TSV, JSON Lines)
+    tagging.py           your own token tagging (CoNLL columns or JSON Lines; BIO, BIOES)
+    files.py             reading your own files: tables by column name, splits, seeded dev share
 
 Feature arrays (numpy; `N` rows, `L` = max_seq_length, `C` = choices):
 
@@ -218,8 +221,23 @@ _TASKS = {
     "squad_v2": ("squad", "SquadV2"),
     "conll2003": ("ner", "Conll2003"),
     "swag": ("multiple_choice", "Swag"),
+    # Your own files (files.py): a CSV/TSV/JSON Lines table, token-per-line columns, SQuAD JSON.
+    "classification": ("classification", "Classification"),
+    "regression": ("classification", "Regression"),
+    "tagging": ("tagging", "Tagging"),
 }
 TASK_NAMES = tuple(_TASKS)
+
+
+def _task_class(key: str):
+    module, cls = _TASKS[key]
+    return getattr(importlib.import_module(f"data_pipeline.tasks.{module}"), cls)
+
+
+def labels_from_data(name: str) -> bool:
+    """Whether task `name` learns its label set from the training file (your own data): then
+    `mode=predict` passes the labels recorded at fine-tuning."""
+    return name in _TASKS and getattr(_task_class(name), "labels_from_data", False)
 
 
 def get_task(name: str, data_dir: str = "", **kwargs) -> Task:
@@ -234,9 +252,8 @@ def get_task(name: str, data_dir: str = "", **kwargs) -> Task:
            "stsb": "stsb", "sst": "sst2"}.get(key, key)
     if key not in _TASKS:
         raise ValueError(f"config.task must be one of {sorted(TASK_NAMES)}, got {name!r}")
-    module, cls = _TASKS[key]
-    task_cls = getattr(importlib.import_module(f"data_pipeline.tasks.{module}"), cls)
-    return task_cls(key, data_dir, **kwargs) if module == "glue" else task_cls(data_dir, **kwargs)
+    task_cls = _task_class(key)
+    return task_cls(key, data_dir, **kwargs) if _TASKS[key][0] == "glue" else task_cls(data_dir, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -135,6 +135,18 @@ def f1_binary(gold: Sequence, pred: Sequence, positive="1") -> float:
     return float(2 * tp / denom) if denom else 0.0
 
 
+def macro_f1(gold: Sequence, pred: Sequence) -> float:
+    """F1 averaged over the labels found in gold or predictions (scikit-learn's `average="macro"`)."""
+    gold, pred = np.asarray(gold), np.asarray(pred)
+    scores = []
+    for label in sorted(set(gold.tolist()) | set(pred.tolist())):
+        g, p = gold == label, pred == label
+        tp = np.sum(g & p)
+        denom = 2 * tp + np.sum(~g & p) + np.sum(g & ~p)
+        scores.append(2 * tp / denom if denom else 0.0)
+    return float(np.mean(scores)) if scores else 0.0
+
+
 def matthews_corrcoef(gold: Sequence, pred: Sequence) -> float:
     """Matthews correlation, multi-class form (Gorodkin 2004); 0 when undefined, as scikit-learn."""
     classes = sorted(set(gold) | set(pred))
@@ -179,8 +191,31 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     return pearson(rankdata(x), rankdata(y))
 
 
-METRICS = {"accuracy": accuracy, "f1": f1_binary, "mcc": matthews_corrcoef, "pearson": pearson,
-           "spearman": spearman}
+METRICS = {"accuracy": accuracy, "f1": f1_binary, "macro_f1": macro_f1, "mcc": matthews_corrcoef,
+           "pearson": pearson, "spearman": spearman}
+
+
+def featurize_texts(examples: Sequence, tokenizer, max_seq_length: int, labels: tuple, *,
+                    pair: bool) -> dict:
+    """`[CLS] a [SEP] (b [SEP])` rows of examples with `text_a`, `text_b` and `label` (a label of
+    `labels`, a float when `labels` is empty, or None: weight 0)."""
+    check_vocab(tokenizer)
+    tokens_a = tokenize_all(tokenizer, [e.text_a for e in examples])
+    tokens_b = tokenize_all(tokenizer, [e.text_b for e in examples]) if pair else [None] * len(examples)
+    index = {label: i for i, label in enumerate(labels)}
+    rows = {k: [] for k in ("input_ids", "input_mask", "segment_ids", "label", "weight", "example_index")}
+    for i, (e, a, b) in enumerate(zip(examples, tokens_a, tokens_b)):
+        ids, mask, seg = encode_pair(tokenizer, a, b, max_seq_length)
+        rows["input_ids"].append(ids)
+        rows["input_mask"].append(mask)
+        rows["segment_ids"].append(seg)
+        if e.label is None:
+            rows["label"].append(0)
+        else:
+            rows["label"].append(index[e.label] if labels else float(e.label))
+        rows["weight"].append(0.0 if e.label is None else 1.0)
+        rows["example_index"].append(i)
+    return stack(rows, {"label": np.int32 if labels else np.float32, "weight": np.float32})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,23 +364,7 @@ class GlueTask(Task):
 
     def featurize(self, examples, tokenizer, max_seq_length, *, training):
         del training
-        check_vocab(tokenizer)
-        tokens_a = tokenize_all(tokenizer, [e.text_a for e in examples])
-        tokens_b = (tokenize_all(tokenizer, [e.text_b for e in examples]) if self.spec.text_b
-                    else [None] * len(examples))
-        rows = {k: [] for k in ("input_ids", "input_mask", "segment_ids", "label", "weight", "example_index")}
-        for i, (e, a, b) in enumerate(zip(examples, tokens_a, tokens_b)):
-            ids, mask, seg = encode_pair(tokenizer, a, b, max_seq_length)
-            rows["input_ids"].append(ids)
-            rows["input_mask"].append(mask)
-            rows["segment_ids"].append(seg)
-            if e.label is None:
-                rows["label"].append(0)
-            else:
-                rows["label"].append(self.labels.index(e.label) if self.labels else float(e.label))
-            rows["weight"].append(0.0 if e.label is None else 1.0)
-            rows["example_index"].append(i)
-        return stack(rows, {"label": np.int32 if self.labels else np.float32, "weight": np.float32})
+        return featurize_texts(examples, tokenizer, max_seq_length, self.labels, pair=self.spec.text_b is not None)
 
     # --- predictions and scores ----------------------------------------------------------------
 

@@ -38,6 +38,7 @@ class Example:
     words: list
     tags: Optional[list]  # None when unlabelled
     where: str = ""
+    guid: str = ""  # the sentence's own id (tagging.py's JSON Lines id), else its place
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,12 +70,34 @@ def _start_of_chunk(prev_tag, tag, prev_type, type_) -> bool:
     return start or tag in ("[", "]")
 
 
-def conlleval(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]]) -> dict:
+def _end_of_chunk_bioes(prev_tag, tag, prev_type, type_) -> bool:
+    """BIOES: E- and S- close their entity; B/I end before B, S or O; a type change ends."""
+    end = prev_tag in ("E", "S") or (prev_tag, tag) in {("B", "B"), ("B", "S"), ("B", "O"), ("I", "B"),
+                                                          ("I", "S"), ("I", "O")}
+    return end or (prev_tag != "O" and prev_type != type_)
+
+
+def _start_of_chunk_bioes(prev_tag, tag, prev_type, type_) -> bool:
+    """BIOES: B- and S- open an entity; I/E open one after O, E or S; a type change opens."""
+    start = tag in ("B", "S") or (prev_tag, tag) in {("E", "E"), ("E", "I"), ("S", "E"), ("S", "I"),
+                                                       ("O", "E"), ("O", "I")}
+    return start or (tag != "O" and prev_type != type_)
+
+
+CHUNK_RULES = {"iob": (_end_of_chunk, _start_of_chunk), "bioes": (_end_of_chunk_bioes, _start_of_chunk_bioes)}
+
+
+def conlleval(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]], scheme: str = "iob") -> dict:
     """conlleval's counts over sentences of tags: precision, recall, f1, accuracy, per-type f1.
 
     Sentence boundaries act as "O" tokens (the script's boundary lines), so no entity spans two
-    sentences.
+    sentences. `scheme` "iob" is the Perl script's chunk rules (IOB1, IOB2); "bioes" adds S- (a
+    one-token entity) and E- (an entity's last token) as seqeval's default mode reads them, with
+    the same counting (conlleval.pl has no S- and reads E- as the IOE scheme's).
     """
+    if scheme not in CHUNK_RULES:
+        raise ValueError(f"tag scheme must be one of {sorted(CHUNK_RULES)}, got {scheme!r}")
+    end_of_chunk, start_of_chunk = CHUNK_RULES[scheme]
     correct_chunks = found_gold = found_pred = correct_tags = tokens = 0
     per_type: dict = {}
 
@@ -93,16 +116,16 @@ def conlleval(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]])
         g_tag, g_type = _split_tag(g)
         p_tag, p_type = _split_tag(p)
         if in_correct:
-            g_end = _end_of_chunk(last_gold, g_tag, last_gold_type, g_type)
-            p_end = _end_of_chunk(last_pred, p_tag, last_pred_type, p_type)
+            g_end = end_of_chunk(last_gold, g_tag, last_gold_type, g_type)
+            p_end = end_of_chunk(last_pred, p_tag, last_pred_type, p_type)
             if g_end and p_end and last_pred_type == last_gold_type:
                 in_correct = False
                 correct_chunks += 1
                 bump(last_gold_type, 0)
             elif g_end != p_end or g_type != p_type:
                 in_correct = False
-        g_start = _start_of_chunk(last_gold, g_tag, last_gold_type, g_type)
-        p_start = _start_of_chunk(last_pred, p_tag, last_pred_type, p_type)
+        g_start = start_of_chunk(last_gold, g_tag, last_gold_type, g_type)
+        p_start = start_of_chunk(last_pred, p_tag, last_pred_type, p_type)
         if g_start and p_start and p_type == g_type:
             in_correct = True
         if g_start:
