@@ -23,7 +23,8 @@ The pipeline:
     summary = Create([None]) | Map(_write_summary, totals, files, shards)  # a small JSON for the driver
 
 The vocabulary travels inside the shard step (workers elsewhere cannot read the driver's
---vocab_file), and one shard at a time runs per worker process.
+--vocab_file; nor its --chinese_user_dict, which travels the same way), and one shard at a time
+runs per worker process. With --chinese_whole_word_mask the workers need jieba installed too.
 
 Records go from a shard's worker to its file's worker through files, not through a shuffle: no
 process holds more than one shard's records (as in the local path), and a retried bundle rewrites
@@ -129,8 +130,9 @@ _SHARD_LOCK = threading.Lock()
 _LOADED: Optional[tuple] = None  # (job, the Options this process's worker state was loaded with)
 
 
-def _load_worker(job: str, opts: Options, num_outputs: int, vocab: bytes) -> None:
-    """`init_worker` from the vocabulary's bytes, once per process and job (call under _SHARD_LOCK).
+def _load_worker(job: str, opts: Options, num_outputs: int, vocab: bytes, user_dict: Optional[bytes] = None) -> None:
+    """`init_worker` from the vocabulary's bytes (and the Chinese user dictionary's), once per
+    process and job (call under _SHARD_LOCK).
 
     Loaded again when something else in the process (the local path, another job in a notebook)
     loaded its own state since.
@@ -143,6 +145,10 @@ def _load_worker(job: str, opts: Options, num_outputs: int, vocab: bytes) -> Non
         storage.write_bytes(path, vocab)
         # Read once, into the tokenizer; shard_records reads no file named in the options.
         worker_opts = dataclasses.replace(opts, vocab_file=path)
+        if user_dict is not None:
+            dict_path = os.path.join(tmp, "chinese_user_dict.txt")
+            storage.write_bytes(dict_path, user_dict)
+            worker_opts = dataclasses.replace(worker_opts, chinese_user_dict=dict_path)
         init_worker(worker_opts, num_outputs)
     _LOADED = (job, worker_opts)
 
@@ -155,12 +161,13 @@ class _ProcessShard(beam.DoFn):
         # The vocabulary travels with the DoFn: workers on other machines cannot read the
         # driver's --vocab_file (dataset_info.json's vocab_sha256 is the driver's file's).
         self._vocab = storage.read_bytes(opts.vocab_file)
+        self._user_dict = storage.read_bytes(opts.chinese_user_dict) if opts.chinese_user_dict else None
         self._counters = {name: Metrics.counter(NAMESPACE, name) for name in COUNTERS if name != "records_written"}
 
     def process(self, task: Tuple[int, tuple]) -> Iterable[_ShardDone]:
         index = task[0]
         with _SHARD_LOCK:
-            _load_worker(self._temp_dir, self._opts, self._num_outputs, self._vocab)
+            _load_worker(self._temp_dir, self._opts, self._num_outputs, self._vocab, self._user_dict)
             chunks, counts, read_stats, mask_stats, rss_mb = shard_records(task)
         for bucket, (chunk, n) in enumerate(zip(chunks, counts)):
             if n:

@@ -23,6 +23,11 @@ Two modes:
   not the corpus; for a seed and a shard the output does not depend on the worker count (shards
   are written in input order, round-robin over `--num_output_shards` files).
 
+Chinese whole-word masking (`--do_whole_word_mask --chinese_whole_word_mask`, Cui et al. 2019): a
+word segmenter (jieba; `--chinese_user_dict` adds words) decides which characters make a word, and
+whole-word masking masks them together; the tokens stay single characters (`chinese_words.py`).
+Both modes and the Beam runner; in every other respect Google's whole-word masking.
+
 `--runner=beam` runs the fast mode as an Apache Beam pipeline on any Beam runner
 (`--beam_runner`, `--beam_pipeline_options`; `beam_pipeline.py`): the same per-shard function
 and file assignment (`shards.py`), so the same files as the local path for the same flags, seed and
@@ -46,7 +51,7 @@ from typing import List, Optional, Sequence
 
 from absl import app, flags
 
-from data_pipeline import corpora, instances as inst, schema, shards, storage, tfrecord, tokenization
+from data_pipeline import chinese_words, corpora, instances as inst, schema, shards, storage, tfrecord, tokenization
 # The per-shard work and its options live in shards.py (the Beam runner shares them); importable from here too.
 from data_pipeline.shards import (  # noqa: F401
     BATCH_INSTANCES, Options, ShardTotals, check_output_dir_free, dataset_info, init_worker, output_dir, output_index,
@@ -59,7 +64,8 @@ FLAG_NAMES = ("input_file", "output_file", "vocab_file", "do_lower_case", "do_wh
               "max_seq_length", "max_predictions_per_seq", "random_seed", "dupe_factor",
               "masked_lm_prob", "short_seq_prob", "reference_compatible", "num_workers",
               "num_output_shards", "compression", "input_format", "tfds_name", "tfds_split",
-              "tfds_text_key", "tfds_data_dir", "tfds_num_shards")
+              "tfds_text_key", "tfds_data_dir", "tfds_num_shards", "chinese_whole_word_mask",
+              "chinese_user_dict")
 
 
 def define_flags():
@@ -71,6 +77,11 @@ def define_flags():
     flags.DEFINE_string("vocab_file", None, "WordPiece vocab.txt.")
     flags.DEFINE_bool("do_lower_case", True, "Lower-case and strip accents (uncased models).")
     flags.DEFINE_bool("do_whole_word_mask", False, "Mask whole words (all their ## pieces).")
+    flags.DEFINE_bool("chinese_whole_word_mask", False, "With --do_whole_word_mask: a Chinese word (jieba's "
+                      "segmentation of each line) is masked whole, all its characters together (Cui et al. "
+                      "2019); the tokens stay single characters. pip install -e '.[chinese]'.")
+    flags.DEFINE_string("chinese_user_dict", None, "With --chinese_whole_word_mask: words the segmenter keeps "
+                        "whole, one per line (LTP style) or jieba's 'word [freq] [tag]'.")
     flags.DEFINE_integer("max_seq_length", 128, "Maximum sequence length.")
     flags.DEFINE_integer("max_predictions_per_seq", 20, "Maximum masked LM predictions per sequence.")
     flags.DEFINE_integer("random_seed", 12345, "Random seed.")
@@ -131,12 +142,16 @@ def reference_records(input_files: Sequence[str], opts: Options, read_stats: cor
                       mask_stats: inst.MaskStats) -> List[bytes]:
     """The reference's records, in its order (whole corpus in memory, one random stream)."""
     tokenizer = tokenization.FullTokenizer(opts.vocab_file, do_lower_case=opts.do_lower_case)
+    tokenize = tokenizer.tokenize
+    if opts.chinese_whole_word_mask:
+        segmenter = chinese_words.ChineseWordSegmenter(opts.chinese_user_dict)
+        tokenize = chinese_words.marking_tokenizer(tokenizer, segmenter)
     all_documents: List[List[List[str]]] = []
     # As the reference: one stream of lines over all files, so a file that does not end with a
     # blank line continues its last document into the next file.
     lines = (line for path in input_files for line in corpora.iter_lines(path, read_stats))
     for doc in corpora.documents_from_lines(lines, read_stats):
-        toks = [t for t in (tokenizer.tokenize(s) for s in doc) if t]
+        toks = [t for t in (tokenize(s) for s in doc) if t]
         if toks:
             all_documents.append(toks)
             read_stats.one_sentence_documents += len(toks) == 1
@@ -324,7 +339,8 @@ def main(argv):
         do_whole_word_mask=FLAGS.do_whole_word_mask, max_seq_length=FLAGS.max_seq_length,
         max_predictions_per_seq=FLAGS.max_predictions_per_seq, random_seed=FLAGS.random_seed,
         dupe_factor=FLAGS.dupe_factor, masked_lm_prob=FLAGS.masked_lm_prob,
-        short_seq_prob=FLAGS.short_seq_prob)
+        short_seq_prob=FLAGS.short_seq_prob, chinese_whole_word_mask=FLAGS.chinese_whole_word_mask,
+        chinese_user_dict=FLAGS.chinese_user_dict)
     if FLAGS.input_format == "text":
         if not FLAGS.input_file:
             raise app.UsageError("--input_file is required with --input_format=text")

@@ -7,7 +7,9 @@ int32 array of token ids instead of lists of strings:
 
 - `tokenize_shard`: every sentence of a shard tokenized once (`FastTokenizer.encode_batch`) into
   one id array, sentence offsets and document ranges; sentences without tokens and documents
-  without sentences are dropped, as the reference drops them.
+  without sentences are dropped, as the reference drops them. With Chinese whole-word masking
+  a bool array beside the ids marks the tokens that continue a segmenter word
+  (`chinese_words.py`).
 - `make_pairs`: all (dupe, document) walks at once, one step per chunk. As in the reference,
   per walk: the target length is `max_seq_length - 3`, or with probability `short_seq_prob`
   uniform in [2, max_seq_length - 3]; a chunk is the sentences from the current one until the
@@ -24,7 +26,8 @@ int32 array of token ids instead of lists of strings:
   Binomial(trims, 1/2): the same distribution, with two draws per instance.
 - `masked_features`: a batch of instances as the schema's padded arrays: `[CLS] A [SEP] B [SEP]`,
   segment ids, masking. The reference shuffles the candidate positions (every token but
-  [CLS]/[SEP]; with whole-word masking a `##` piece joins the candidate before it) and takes
+  [CLS]/[SEP]; with whole-word masking a `##` piece, or a token marked as continuing a
+  Chinese word, joins the candidate before it) and takes
   them in order while they fit `num_to_predict = min(max_predictions_per_seq, max(1,
   round(len * masked_lm_prob)))`, skipping a whole word that would overflow. Without whole-word
   masking that is a uniform random subset of `min(num_to_predict, candidates)` positions
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable, Iterable, List, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -58,6 +61,7 @@ class ShardTokens:
     doc_first: np.ndarray  # int64 [documents]
     doc_end: np.ndarray  # int64 [documents]
     num_input_documents: int = 0  # documents given, with those that had no tokens
+    continues: Optional[np.ndarray] = None  # bool [tokens]: continues a Chinese word (or None)
 
     @property
     def num_documents(self) -> int:
@@ -65,22 +69,31 @@ class ShardTokens:
 
 
 def tokenize_shard(documents: Iterable[Sequence[str]], encode_batch: Callable[[List[str]], List[List[int]]],
-                   batch_sentences: int = 50_000) -> ShardTokens:
+                   batch_sentences: int = 50_000,
+                   word_continuations: Optional[Callable[[List[str], List[List[int]]], List[List[bool]]]] = None
+                   ) -> ShardTokens:
     """Tokenizes documents (lists of sentences) into a `ShardTokens`.
 
     Sentences go through `encode_batch` (e.g. `FastTokenizer.encode_batch`) about
-    `batch_sentences` at a time.
+    `batch_sentences` at a time. `word_continuations(sentences, their ids)`, given, returns per
+    sentence one bool per token (Chinese whole-word masking's "continues the word before"),
+    kept in `ShardTokens.continues`.
     """
     id_parts: List[np.ndarray] = []
     len_parts: List[np.ndarray] = []
+    cont_parts: List[np.ndarray] = []
     doc_sizes: List[int] = []
     pending: List[str] = []
 
     def flush():
         encoded = encode_batch(pending)
         lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
-        id_parts.append(np.fromiter(itertools.chain.from_iterable(encoded), np.int32, int(lengths.sum())))
+        total = int(lengths.sum())
+        id_parts.append(np.fromiter(itertools.chain.from_iterable(encoded), np.int32, total))
         len_parts.append(lengths)
+        if word_continuations is not None:
+            cont_parts.append(np.fromiter(itertools.chain.from_iterable(word_continuations(pending, encoded)),
+                                          bool, total))
         pending.clear()
 
     for doc in documents:
@@ -91,6 +104,9 @@ def tokenize_shard(documents: Iterable[Sequence[str]], encode_batch: Callable[[L
     if pending:
         flush()
     ids = np.concatenate(id_parts) if id_parts else np.zeros(0, np.int32)
+    continues = None
+    if word_continuations is not None:
+        continues = np.concatenate(cont_parts) if cont_parts else np.zeros(0, bool)
     lengths = np.concatenate(len_parts) if len_parts else np.zeros(0, np.int64)
     sent_doc = np.repeat(np.arange(len(doc_sizes), dtype=np.int64), doc_sizes)
     keep = lengths > 0  # the reference drops a sentence with no tokens ...
@@ -102,7 +118,7 @@ def tokenize_shard(documents: Iterable[Sequence[str]], encode_batch: Callable[[L
     new_doc[1:] = sent_doc[1:] != sent_doc[:-1]
     doc_first = np.flatnonzero(new_doc).astype(np.int64)
     doc_end = np.append(doc_first[1:], len(sent_doc)).astype(np.int64)
-    return ShardTokens(ids, starts, doc_first, doc_end, len(doc_sizes))
+    return ShardTokens(ids, starts, doc_first, doc_end, len(doc_sizes), continues)
 
 
 @dataclasses.dataclass
@@ -223,8 +239,13 @@ class Vocab:
 
 def masked_features(ids: np.ndarray, pairs: Pairs, vocab: Vocab, *, max_seq_length: int,
                     max_predictions_per_seq: int, masked_lm_prob: float, do_whole_word_mask: bool,
-                    rng: np.random.Generator, stats: MaskStats) -> dict:
-    """The schema's features ([batch, length] arrays, zero padded) of a batch of pairs."""
+                    rng: np.random.Generator, stats: MaskStats, continues: Optional[np.ndarray] = None) -> dict:
+    """The schema's features ([batch, length] arrays, zero padded) of a batch of pairs.
+
+    `continues` (bool, aligned with `ids`; `ShardTokens.continues`): with whole-word masking, the
+    tokens that join the candidate before them besides `##` pieces (Chinese words). Without it,
+    or when it is all False, the features and the random draws are those of Google's grouping.
+    """
     batch, seq, preds = len(pairs), max_seq_length, max_predictions_per_seq
     itype = np.int32 if len(ids) < 2**31 - seq else np.int64
     len_a = (pairs.a_end - pairs.a_start).astype(itype)
@@ -237,6 +258,7 @@ def masked_features(ids: np.ndarray, pairs: Pairs, vocab: Vocab, *, max_seq_leng
     src += p
     np.clip(src, 0, max(len(ids) - 1, 0), out=src)
     tokens = ids[src]
+    joins = continues[src] if do_whole_word_mask and continues is not None and len(continues) else None
     rows = np.arange(batch)
     tokens[:, 0] = vocab.cls_id
     tokens[rows, len_a + 1] = vocab.sep_id
@@ -247,7 +269,7 @@ def masked_features(ids: np.ndarray, pairs: Pairs, vocab: Vocab, *, max_seq_leng
     if do_whole_word_mask:
         candidate = (p >= 1) & (p < length[:, None] - 1)
         candidate[rows, len_a + 1] = False
-        masked = _whole_word_selection(tokens, candidate, num_to_predict, vocab, rng)
+        masked = _whole_word_selection(tokens, candidate, num_to_predict, vocab, rng, joins)
         count = masked.sum(axis=1)
         mrow, mcol = np.nonzero(masked)
         slot = np.arange(len(mrow)) - np.repeat(np.cumsum(count) - count, count)
@@ -316,11 +338,14 @@ def _uniform_subsets(len_a: np.ndarray, num_candidates: np.ndarray, count: np.nd
 
 
 def _whole_word_selection(tokens: np.ndarray, candidate: np.ndarray, num_to_predict: np.ndarray,
-                          vocab: Vocab, rng: np.random.Generator) -> np.ndarray:
+                          vocab: Vocab, rng: np.random.Generator, joins: Optional[np.ndarray] = None) -> np.ndarray:
     """Masked positions [batch, length] of whole-word masking: words in a random order, each
-    taken whole if it fits the budget (the reference's greedy walk)."""
+    taken whole if it fits the budget (the reference's greedy walk). `joins` [batch, length]:
+    tokens that continue the word before them besides `##` pieces (Chinese words)."""
     batch, seq = tokens.shape
     is_sub = vocab.is_subword[np.minimum(tokens, len(vocab.is_subword) - 1)]
+    if joins is not None:
+        is_sub |= joins
     # A "##" piece joins the candidate before it; the first candidate (position 1) has none.
     starts_word = candidate & ~is_sub
     starts_word[:, 1] = candidate[:, 1]

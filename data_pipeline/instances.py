@@ -15,7 +15,8 @@ for random call, so that with the same `random.Random(seed)` and inputs the same
   A + B fits `max_seq_length - 3`;
 - `[CLS] A [SEP] B [SEP]`, segment ids 0 then 1;
 - masking: candidate positions are every token but [CLS]/[SEP] (with whole-word masking, a
-  `##` piece joins the previous candidate), shuffled; `num_to_predict = min(max_predictions_per_seq,
+  `##` piece joins the previous candidate, and so does a `WordContinuation`: Chinese whole-word
+  masking's 2nd, 3rd, ... character of a segmenter word), shuffled; `num_to_predict = min(max_predictions_per_seq,
   max(1, round(len(tokens) * masked_lm_prob)))`; candidates are taken in order while they fit;
   each masked position becomes [MASK] (`random() < 0.8`), else keeps its token (`random() < 0.5`),
   else a word drawn uniformly from the whole vocabulary list; positions sorted.
@@ -31,6 +32,17 @@ import random
 from typing import List, Sequence, Tuple
 
 Tokens = List[str]
+
+
+class WordContinuation(str):
+    """A token that continues the word before it without being a `##` piece: a character of a
+    Chinese word after its first (`chinese_words.py`, `--chinese_whole_word_mask`).
+
+    It is the plain token string for every other use (equality, hashing, vocabulary lookup, the
+    records' ids); only whole-word masking's grouping tells it apart, as it tells `##` apart.
+    """
+
+    __slots__ = ()
 
 
 @dataclasses.dataclass
@@ -86,7 +98,7 @@ def create_masked_lm_predictions(tokens: Sequence[str], masked_lm_prob: float, m
     for i, token in enumerate(tokens):
         if token in ("[CLS]", "[SEP]"):
             continue
-        if do_whole_word_mask and cand_indexes and token.startswith("##"):
+        if do_whole_word_mask and cand_indexes and (token.startswith("##") or token.__class__ is WordContinuation):
             cand_indexes[-1].append(i)
         else:
             cand_indexes.append([i])

@@ -20,6 +20,11 @@ reference: a word is a token and the `##` pieces after it (a boolean table over 
 `subword_table`), words are taken in random order while they fit the count (one that would
 overflow it is skipped, not split), and the 80/10/10 draw is made for each token.
 
+Records made with Chinese whole-word masking (`--chinese_whole_word_mask`: words from a word
+segmenter, their characters single tokens with no `##`) cannot be re-masked by whole words here:
+the records do not carry the segmenter's words, and the `##` table would mask single characters.
+`resolve_whole_word_mask` refuses that combination, naming `config.dynamic_whole_word_mask`.
+
 This module imports neither jax nor bert_jax.
 """
 
@@ -132,14 +137,35 @@ def recorded_whole_word_mask(file_patterns: FilePatterns) -> Optional[bool]:
     return next(iter(found.values()), None)
 
 
+def recorded_chinese_whole_word_mask(file_patterns: FilePatterns) -> list:
+    """The patterns whose dataset_info.json says the records were made with
+    `--chinese_whole_word_mask` (words from a segmenter, which the records do not carry)."""
+    return [pattern for pattern in split_patterns(file_patterns)
+            if dataset_info(pattern).get("flags", {}).get("chinese_whole_word_mask") is True]
+
+
 def resolve_whole_word_mask(file_patterns: FilePatterns, dynamic_masking: bool,
                             asked: Optional[bool]) -> bool:
-    """Whether dynamic masking masks whole words: as asked, else as the records were made."""
+    """Whether dynamic masking masks whole words: as asked, else as the records were made.
+
+    Raises:
+      ValueError: whole words asked (or recorded, and not overridden) for records made with
+        `--chinese_whole_word_mask`, whose words dynamic masking cannot know.
+    """
     if not dynamic_masking:
         if asked:
             raise ValueError("whole_word_mask=True needs dynamic_masking=True (without it the "
                              "records' own masks are used, as they were written)")
         return False
+    chinese = recorded_chinese_whole_word_mask(file_patterns)
+    if chinese and asked is not False:
+        raise ValueError(
+            f"the records of {chinese[0]} were made with --chinese_whole_word_mask: their whole words are a "
+            "segmenter's Chinese words, which the records do not carry, so dynamic masking cannot re-draw them "
+            "(its whole words are ## pieces: it would mask single characters). Set "
+            "config.dynamic_whole_word_mask=False (PretrainingInput(whole_word_mask=False)) to re-mask "
+            "character by character, or config.dynamic_masking=False to train on the records' own "
+            "whole-word masks")
     recorded = recorded_whole_word_mask(file_patterns)
     if asked is None:
         if recorded:

@@ -20,8 +20,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import (corpora, fast_instances, fast_tokenization, instances as inst, schema, storage, tfrecord,
-                           tokenization)
+from data_pipeline import (chinese_words, corpora, fast_instances, fast_tokenization, instances as inst, schema,
+                           storage, tfrecord, tokenization)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,8 @@ class Options:
     dupe_factor: int = 10
     masked_lm_prob: float = 0.15
     short_seq_prob: float = 0.1
+    chinese_whole_word_mask: bool = False  # whole words are a segmenter's (jieba) Chinese words too
+    chinese_user_dict: Optional[str] = None  # the segmenter's user dictionary
 
     def validate(self) -> None:
         if self.max_seq_length < 5:
@@ -51,6 +53,15 @@ class Options:
             raise FileNotFoundError(f"--vocab_file={self.vocab_file}: not found")
         tokenization.require_tokens(tokenization.load_vocab(self.vocab_file), f"--vocab_file={self.vocab_file}",
                                     ("[CLS]", "[SEP]", "[MASK]"))
+        if self.chinese_whole_word_mask and not self.do_whole_word_mask:
+            raise ValueError("--chinese_whole_word_mask chooses the words of whole-word masking: it needs "
+                             "--do_whole_word_mask too")
+        if self.chinese_user_dict and not self.chinese_whole_word_mask:
+            raise ValueError(f"--chinese_user_dict={self.chinese_user_dict} needs --chinese_whole_word_mask")
+        if self.chinese_whole_word_mask:
+            chinese_words.segmenter_version()  # jieba installed?
+            if self.chinese_user_dict:
+                chinese_words.read_user_dict(self.chinese_user_dict)  # missing or malformed: named now
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,7 +76,25 @@ BATCH_INSTANCES = 4096  # instances masked, encoded and framed at once (bounds w
 def init_worker(opts: Options, num_outputs: int = 1) -> None:
     """Loads what `shard_records` needs into this process (the local pool's workers, Beam's DoFns)."""
     tok = fast_tokenization.FastTokenizer(opts.vocab_file, do_lower_case=opts.do_lower_case)
-    _WORKER.update(opts=opts, tok=tok, vocab=fast_instances.Vocab.from_dict(tok.vocab), num_outputs=num_outputs)
+    segmenter = (chinese_words.ChineseWordSegmenter(opts.chinese_user_dict) if opts.chinese_whole_word_mask
+                 else None)
+    _WORKER.update(opts=opts, tok=tok, vocab=fast_instances.Vocab.from_dict(tok.vocab), num_outputs=num_outputs,
+                   segmenter=segmenter)
+
+
+def _word_continuations(segmenter: "chinese_words.ChineseWordSegmenter", tok: fast_tokenization.FastTokenizer):
+    """`tokenize_shard`'s `word_continuations` for Chinese whole-word masking, over `tok`'s tokens."""
+    def count_tokens(texts):
+        return [len(ids) for ids in tok.encode_batch(texts)]
+
+    def continuations(sentences: List[str], encoded: List[List[int]]) -> List[List[bool]]:
+        out = []
+        for text, ids in zip(sentences, encoded):
+            bits = segmenter.continuations(text, count_tokens)
+            chinese_words.check_alignment(bits, len(ids), text)
+            out.append(bits)
+        return out
+    return continuations
 
 
 def worker_options() -> Optional[Options]:
@@ -102,7 +131,9 @@ def shard_records(task) -> tuple:
         _, name, split, key, data_dir, num_shards, download = source
         docs = corpora.read_tfds_documents(name, split, key, data_dir, shard_index, num_shards, read_stats,
                                            download=download)
-    shard = fast_instances.tokenize_shard(docs, tok.encode_batch)
+    segmenter = _WORKER["segmenter"]
+    shard = fast_instances.tokenize_shard(
+        docs, tok.encode_batch, word_continuations=_word_continuations(segmenter, tok) if segmenter else None)
     read_stats.documents_without_tokens += shard.num_input_documents - shard.num_documents
     read_stats.one_sentence_documents += int(np.sum(shard.doc_end - shard.doc_first == 1))
     rng = shard_rng(opts.random_seed, shard_index)
@@ -119,7 +150,7 @@ def shard_records(task) -> tuple:
         features = fast_instances.masked_features(
             shard.ids, pairs.take(index[by_bucket]), vocab, max_seq_length=opts.max_seq_length,
             max_predictions_per_seq=opts.max_predictions_per_seq, masked_lm_prob=opts.masked_lm_prob,
-            do_whole_word_mask=opts.do_whole_word_mask, rng=rng, stats=mask_stats)
+            do_whole_word_mask=opts.do_whole_word_mask, rng=rng, stats=mask_stats, continues=shard.continues)
         buffer, starts, lengths = schema.encode_examples(features, head=tfrecord.HEADER_BYTES,
                                                          tail=tfrecord.FOOTER_BYTES)
         tfrecord.frame(buffer, starts, lengths)
@@ -209,7 +240,7 @@ def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seco
       workers_rss: whether the shards ran in processes other than this one (then their peak RSS
         is reported as the workers'; otherwise as None, the work having run in the parent).
     """
-    return {
+    info = {
         "flags": flags_used or dataclasses.asdict(opts),
         "random_seed": opts.random_seed,
         "mode": mode,
@@ -225,3 +256,8 @@ def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seco
         "peak_rss_mb": {"parent": round(_peak_rss_mb(), 1),
                         "workers": round(totals.worker_rss_mb, 1) if workers_rss else None},
     }
+    if opts.chinese_whole_word_mask:
+        info["chinese_segmenter"] = {
+            "name": "jieba", "version": chinese_words.segmenter_version(), "hmm": chinese_words.HMM,
+            "user_dict_sha256": schema.sha256_file(opts.chinese_user_dict) if opts.chinese_user_dict else None}
+    return info
