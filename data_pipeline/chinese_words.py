@@ -55,6 +55,7 @@ HMM = True  # jieba's new-word detection (deterministic); recorded in dataset_in
 
 # One CJK ideograph in the tokenizer's sense (`char_classes.is_cjk_char`), as a capturing split.
 _CJK_CLASS = "[" + "".join(f"{re.escape(chr(lo))}-{re.escape(chr(hi))}" for lo, hi in CJK_RANGES) + "]"
+_CJK_RE = re.compile(_CJK_CLASS)
 _CJK_SPLIT_RE = re.compile(f"({_CJK_CLASS})")
 _ALL_CJK_RE = re.compile(f"{_CJK_CLASS}{{2,}}")
 
@@ -207,7 +208,7 @@ class ChineseWordSegmenter:
         num_cjk = len(parts) // 2
         if not num_cjk:
             return [False] * sum(count_tokens([text]))
-        word_of = self._cjk_word_ids(text, num_cjk)
+        continues = self._cjk_continues(text, num_cjk)
         gaps = parts[0::2]
         nonempty = [i for i, g in enumerate(gaps) if g]
         counts = [0] * len(gaps)
@@ -215,26 +216,28 @@ class ChineseWordSegmenter:
             counts[i] = n
         bits: List[bool] = [False] * counts[0]
         for k in range(num_cjk):
-            # Same word => adjacent ideographs => an empty gap: the previous token is ideograph k - 1.
-            bits.append(k > 0 and word_of[k] >= 0 and word_of[k] == word_of[k - 1])
-            bits.extend([False] * counts[k + 1])
+            # Ideograph k continues a word only right after ideograph k - 1 (same word: adjacent),
+            # so its previous token is ideograph k - 1's.
+            bits.append(continues[k])
+            if counts[k + 1]:
+                bits.extend([False] * counts[k + 1])
         return bits
 
-    def _cjk_word_ids(self, text: str, num_cjk: int) -> List[int]:
-        """For each CJK ideograph of `text`, in order: the number of its segmenter word when that
-        word is two or more ideographs and nothing else, else -1."""
-        word_of: List[int] = []
+    def _cjk_continues(self, text: str, num_cjk: int) -> List[bool]:
+        """For each CJK ideograph of `text`, in order: whether it continues a segmenter word of
+        two or more ideographs and nothing else (its 2nd, 3rd, ... character)."""
+        out: List[bool] = []
         covered = 0
-        for number, word in enumerate(self.words(text)):
+        for word in self._jieba.cut(text, HMM=HMM):
             covered += len(word)
-            cjk = _CJK_SPLIT_RE.split(word)[1::2]
-            if not cjk:
-                continue
-            whole = _ALL_CJK_RE.fullmatch(word) is not None
-            word_of.extend([number if whole else -1] * len(cjk))
-        if covered != len(text) or len(word_of) != num_cjk:  # jieba's words always cover the text
+            if len(word) > 1 and _ALL_CJK_RE.fullmatch(word):
+                out.append(False)
+                out.extend([True] * (len(word) - 1))
+            elif not word.isascii():
+                out.extend([False] * len(_CJK_RE.findall(word)))
+        if covered != len(text) or len(out) != num_cjk:  # jieba's words always cover the text
             raise RuntimeError(f"the segmenter's words do not cover the text {text[:80]!r}")
-        return word_of
+        return out
 
 
 def check_alignment(bits: Sequence[bool], num_tokens: int, text: str) -> None:
