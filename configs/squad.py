@@ -31,5 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
         n_best_size=20,  # top start/end logits searched, and n-best list length
         max_answer_length=30,  # longest answer, in word pieces
         null_score_diff_threshold=0.0,  # v2: predict "" when null - best span exceeds this (tune on dev)
+        # Your own SQuAD-format file (config.split_files.train) and no dev file: this share of its
+        # paragraphs (seeded by split_seed) is dev.
+        dev_fraction=0.0,
+        split_seed=0,
     ))
     return config

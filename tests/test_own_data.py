@@ -232,6 +232,36 @@ def test_tagging_dev_tag_unseen_in_training(tmp_path):
         tasks.get_task("tagging", str(tmp_path)).read("dev")
 
 
+def test_your_own_squad_json_chinese_answers_and_a_seeded_share_of_paragraphs(tmp_path):
+    """Google's SQuAD featurization on Chinese (no spaces: a context is one whitespace word, the span
+    is narrowed to the tokenized answer) labels the answer's characters and gives its text back."""
+    contexts = ["北京是中国的首都，位于华北平原。2008年夏季奥运会在北京举行。", "上海位于长江入海口。"]
+    qas = [[("北京位于哪里？", "华北平原"), ("哪年奥运会？", "2008年")], [("上海在哪？", "长江入海口")]]
+    data = {"data": [{"title": f"t{i}", "paragraphs": [{"context": c, "qas": [
+        {"id": f"q{i}{j}", "question": q, "answers": [{"text": a, "answer_start": c.index(a)}]}
+        for j, (q, a) in enumerate(qs)]}]} for i, (c, qs) in enumerate(zip(contexts, qas))]}
+    path = tmp_path / "qa.json"
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    chars = sorted(set("".join(contexts + [q for qs in qas for q, _ in qs])) - set("2008"))
+    tokenizer = Vocab(tmp_path, chars + ["2008"]).tokenizer()
+    task = tasks.get_task("squad_v1", split_files={"train": str(path), "dev": str(path)})
+    examples = task.read("train")
+    f = task.featurize(examples, tokenizer, 64, training=True)
+    inverse = {i: t for t, i in tokenizer.vocab.items()}
+    spans = [[inverse[int(i)] for i in row[s:e + 1]] for row, s, e in
+             zip(f["input_ids"], f["start_positions"], f["end_positions"])]
+    assert spans == [list("华北平原"), ["2008", "年"], list("长江入海口")]
+    logits = {k: np.where(np.arange(64)[None] == f[p][:, None], 10.0, -10.0)
+              for k, p in (("start_logits", "start_positions"), ("end_logits", "end_positions"))}
+    predictions = task.postprocess(examples, task.featurize(examples, tokenizer, 64, training=False), logits)
+    assert predictions["predictions"] == {"q00": "华北平原", "q01": "2008年", "q10": "长江入海口"}
+    # One file, a seeded half of its paragraphs as dev: questions stay with their paragraph.
+    halves = tasks.get_task("squad_v1", split_files={"train": str(path)}, dev_fraction=0.5, split_seed=3)
+    train, dev = ({e.context for e in halves.read(s)} for s in ("train", "dev"))
+    assert len(train) == len(dev) == 1 and train | dev == set(contexts)
+    assert len(halves.read("train")) + len(halves.read("dev")) == 3
+
+
 # ---------------------------------------------------------------------------------------------
 # The shared Chinese data (skipped without it)
 # ---------------------------------------------------------------------------------------------

@@ -52,9 +52,12 @@ def test_configuration_reference_lists_every_key_of_every_config_file():
     for path in sorted((ROOT / "configs").glob("*.py")):
         if path.stem.startswith("_"):
             continue
-        for key in _flatten(importlib.import_module(f"configs.{path.stem}").get_config().to_dict()):
-            if key not in _listed(doc):
-                missing.setdefault(key, []).append(path.name)
+        module = importlib.import_module(f"configs.{path.stem}")
+        for variant in getattr(module, "KINDS", (None,)):  # configs/own_data.py:KIND
+            config = module.get_config(variant) if variant else module.get_config()
+            for key in _flatten(config.to_dict()):
+                if key not in _listed(doc):
+                    missing.setdefault(key, []).append(path.name + (f":{variant}" if variant else ""))
     assert not missing, missing
 
 

@@ -54,6 +54,7 @@ class Example:
     answers: list  # [{"text": str, "answer_start": int}], gold answers (empty: unanswerable)
     is_impossible: bool = False
     where: str = ""
+    paragraph: int = 0  # the paragraph's number in its file (a seeded dev share takes whole paragraphs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,8 +76,13 @@ class SquadV1(Task):
 
     def __init__(self, data_dir: str = "", *, doc_stride: int = 128, max_query_length: int = 64,
                  n_best_size: int = 20, max_answer_length: int = 30,
-                 null_score_diff_threshold: float = 0.0, **kwargs):
+                 null_score_diff_threshold: float = 0.0, dev_fraction: float = 0.0, split_seed: int = 0,
+                 **kwargs):
         super().__init__(data_dir, **kwargs)
+        if not 0.0 <= dev_fraction < 1.0:
+            raise ValueError(f"config.task_options.dev_fraction={dev_fraction}: a fraction in [0, 1)")
+        self.dev_fraction = float(dev_fraction)
+        self.split_seed = int(split_seed)
         self.doc_stride = doc_stride
         self.max_query_length = max_query_length
         self.n_best_size = n_best_size
@@ -90,14 +96,31 @@ class SquadV1(Task):
             raise ValueError(f"task {self.name} has no split {split!r}; expected one of {list(self.files)}")
         if self.source == "tfds":
             return self._read_tfds(split)
-        path = self._path(split, *self.files[split])
+        if self.dev_fraction and split in ("train", "dev") and "dev" not in self.split_files:
+            return self._fraction(split)
+        return self._read_file(self._path(split, *self.files[split]))
+
+    def _fraction(self, split: str) -> list[Example]:
+        """`dev_fraction` of the training file's paragraphs (seeded; all questions of a paragraph
+        on one side, so no context is both trained and scored on)."""
+        from data_pipeline.tasks.files import split_rows
+
+        examples = self._read_file(self._path("train", *self.files["train"]))
+        paragraphs = sorted({e.paragraph for e in examples})
+        train, dev = split_rows(len(paragraphs), self.dev_fraction, self.split_seed)
+        keep = {paragraphs[i] for i in (train if split == "train" else dev)}
+        return [e for e in examples if e.paragraph in keep]
+
+    def _read_file(self, path: str) -> list[Example]:
         try:
             data = read_json(path)["data"]
         except (KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a SQuAD JSON file ({e})") from e
         examples = []
+        number = 0
         for a, article in enumerate(data):
             for p, paragraph in enumerate(article.get("paragraphs", [])):
+                number += 1
                 context = paragraph.get("context")
                 for q, qa in enumerate(paragraph.get("qas", [])):
                     where = f"{path}: data[{a}].paragraphs[{p}].qas[{q}] (id {qa.get('id')})"
@@ -106,7 +129,7 @@ class SquadV1(Task):
                                       "missing context, id or question")
                         continue
                     examples.append(Example(qa["id"], qa["question"], context, list(qa.get("answers", [])),
-                                            bool(qa.get("is_impossible", False)), where))
+                                            bool(qa.get("is_impossible", False)), where, number))
         return examples
 
     line_format = "a question and its context separated by a tab"
