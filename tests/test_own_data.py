@@ -347,7 +347,7 @@ def review(rng, good):
     return "".join(chars)
 
 
-def test_classification_from_a_chinese_csv_end_to_end(tmp_path, checkpoint):
+def test_classification_from_a_chinese_csv_end_to_end(tmp_path, checkpoint, capsys):
     rng = np.random.RandomState(0)
     rows = [(f"r{i:03d}", review(rng, i % 2), "正面" if i % 2 else "负面") for i in range(96)]
     train = write_table(tmp_path / "reviews.csv", "csv", rows)
@@ -381,6 +381,12 @@ def test_classification_from_a_chinese_csv_end_to_end(tmp_path, checkpoint):
     assert summary["examples"] == 2
     rows = list(csv.DictReader(open(tmp_path / "p" / "classification_lines_predictions.csv", encoding="utf-8")))
     assert [(r["id"], r["prediction"]) for r in rows] == [("1", "正面"), ("2", "负面")]
+    # Exported for transformers with the discovered label names.
+    capsys.readouterr()
+    assert convert.main(["--input", str(work), "--output", str(tmp_path / "hf"), "--output_format", "hf"]) == 0
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text(encoding="utf-8"))
+    assert hf_config["id2label"] == {"0": "正面", "1": "负面"}
+    assert hf_config["architectures"] == ["BertForSequenceClassification"]
 
 
 def test_regression_of_pairs_from_json_lines_end_to_end(tmp_path, checkpoint):
