@@ -15,6 +15,16 @@ parent's and the largest worker's, from `dataset_info.json` (each process's `get
 maximum); for the reference, its one process. The memory runs then feed the same fast mode 4x the corpus as 4x the shards
 (`--memory_scale`): peak RSS per process should not grow with the number of shards.
 
+`--suite=chinese` times Chinese whole-word masking (`--do_whole_word_mask --chinese_whole_word_mask`,
+jieba words) against Google's whole-word masking on the same Chinese text, where it masks single
+characters (`--do_whole_word_mask` alone), each pair run back to back:
+
+    python benchmarks/bench_create_data.py --suite=chinese [--chinese_csv=../shared/data/zh/waimai_10k.csv]
+
+The text is the CSV's `review` column, one review per line, a blank line every 20 lines (a
+document), in 2 shard files written by the benchmark; bert-base-chinese's vocab. It skips (exit 0)
+when the CSV or the vocab is absent.
+
 The reference script (TF1 code, not part of this repository) is run from a temporary copy with
 `import tensorflow.compat.v1 as tf`. Its records are counted from the TFRecord length headers;
 at the smallest dupe factor the reference-compatible run's records are compared with its,
@@ -142,8 +152,64 @@ def same_records(reference_path, ours_path):
     return ref == ours
 
 
+def chinese_corpus(csv_path, out_dir, lines_per_doc=20, num_shards=2):
+    """The CSV's reviews in Google's format (a review a line, a document every `lines_per_doc`)."""
+    import csv
+
+    with open(csv_path, encoding="utf-8", newline="") as f:
+        reviews = [" ".join(row["review"].split()) for row in csv.DictReader(f)]
+    reviews = [r for r in reviews if r]
+    docs = [reviews[i:i + lines_per_doc] for i in range(0, len(reviews), lines_per_doc)]
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for i in range(num_shards):
+        path = os.path.join(out_dir, f"shard-{i:02d}.txt")
+        corpora.write_google_text(path, docs[i::num_shards])
+        paths.append(path)
+    return paths, len(docs), len(reviews), sum(map(len, reviews))
+
+
+def chinese_suite(args):
+    """Chinese whole-word masking vs character masking (Google's --do_whole_word_mask on Chinese)."""
+    vocab = args.chinese_vocab_file
+    for path, what in ((args.chinese_csv, "--chinese_csv"), (vocab, "--chinese_vocab_file")):
+        if not os.path.isfile(path):
+            print(f"{what}={path} not found: the Chinese suite is skipped")
+            return None
+    shutil.rmtree(args.out_dir, ignore_errors=True)
+    shards, ndocs, nlines, nchars = chinese_corpus(args.chinese_csv, os.path.join(args.out_dir, "text"))
+    print(f"corpus: {ndocs} documents, {nlines} reviews, {nchars} characters, {len(shards)} shards", flush=True)
+    inputs = f"--input_file={os.path.join(args.out_dir, 'text', 'shard-*.txt')}"
+    results = {"corpus": {"documents": ndocs, "reviews": nlines, "characters": nchars, "shards": len(shards)},
+               "runs": {}}
+    for dupe in (int(d) for d in args.dupe_factors.split(",")):
+        common = [f"--vocab_file={vocab}", "--do_lower_case=true", f"--dupe_factor={dupe}", "--max_seq_length=128",
+                  "--max_predictions_per_seq=20", "--do_whole_word_mask"]
+        configs = [("fast_1_worker", ["--num_workers=1"]), ("fast_2_workers", ["--num_workers=2"])]
+        if dupe <= args.skip_reference_compatible_above:
+            configs.append(("reference_compatible", ["--reference_compatible"]))
+        runs = {}
+        for name, extra in configs:
+            pair = {}
+            for masking, flag in (("characters", []), ("chinese_words", ["--chinese_whole_word_mask"])):
+                pair[masking] = run_ours(f"{name}_{masking}_d{dupe}", args.out_dir, inputs, common, extra + flag)
+                print(dupe, name, masking, json.dumps(pair[masking]), flush=True)
+            pair["chinese_words_over_characters_seconds"] = round(
+                pair["chinese_words"]["seconds"] / pair["characters"]["seconds"], 2)
+            runs[name] = pair
+        results["runs"][f"dupe_factor={dupe}"] = runs
+    print(json.dumps(results, indent=1))
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--suite", choices=["english", "chinese"], default="english",
+                    help="english: ours vs the reference on WikiText + Gutenberg; chinese: Chinese whole-word "
+                         "masking vs character masking on --chinese_csv")
+    ap.add_argument("--chinese_csv", default=os.path.join(ROOT, "..", "shared", "data", "zh", "waimai_10k.csv"))
+    ap.add_argument("--chinese_vocab_file", default=os.path.join(ROOT, "..", "shared", "data", "vocab",
+                                                                 "bert-base-chinese", "vocab.txt"))
     ap.add_argument("--corpus_dir", default=os.path.join(ROOT, "..", "shared", "data", "corpus"))
     ap.add_argument("--vocab_file", default=os.path.join(ROOT, "..", "shared", "data", "vocab",
                                                          "bert-base-uncased", "vocab.txt"))
@@ -155,6 +221,12 @@ def main():
     ap.add_argument("--memory_scale", type=int, default=4, help="0: no memory runs")
     ap.add_argument("--json_out", default="")
     args = ap.parse_args()
+    if args.suite == "chinese":
+        results = chinese_suite(args)
+        if results and args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     if not os.path.isdir(args.corpus_dir):
         sys.exit(f"--corpus_dir={args.corpus_dir} not found")
     shutil.rmtree(args.out_dir, ignore_errors=True)
