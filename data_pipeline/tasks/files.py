@@ -56,7 +56,7 @@ def read_table(path: str, fmt: str, rows: BadRows) -> tuple[list[str], list[Row]
     """(columns, rows) of a CSV/TSV file with a header, or of a JSON Lines file (its columns are
     the keys of its first object). Ragged rows and non-object lines are bad rows (`rows.bad`)."""
     if fmt == "jsonl":
-        return _read_jsonl(path, rows)
+        return read_jsonl(path, rows)
     text = read_text(path, bom=True)
     if fmt == "csv":
         reader = csv.reader(io.StringIO(text, newline=""), strict=True)
@@ -90,7 +90,8 @@ def read_table(path: str, fmt: str, rows: BadRows) -> tuple[list[str], list[Row]
     return header, out
 
 
-def _read_jsonl(path: str, rows: BadRows) -> tuple[list[str], list[Row]]:
+def read_jsonl(path: str, rows: BadRows) -> tuple[list[str], list[Row]]:
+    """(keys in order of appearance, one `Row` per object line); other lines are bad rows."""
     columns: list[str] = []
     out = []
     for number, line in enumerate(read_text(path, bom=True).split("\n"), 1):

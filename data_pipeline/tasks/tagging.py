@@ -34,7 +34,7 @@ import json
 
 from data_pipeline import storage
 from data_pipeline.tasks import DataError, read_text
-from data_pipeline.tasks.files import OwnFiles, parse_labels
+from data_pipeline.tasks.files import OwnFiles, parse_labels, read_jsonl
 from data_pipeline.tasks.ner import Conll2003, Example, conlleval
 
 SCHEMES = {"bio": ("B", "I"), "bioes": ("B", "I", "E", "S")}
@@ -186,16 +186,9 @@ class Tagging(OwnFiles, Conll2003):
 
     def _read_jsonl(self, path: str, split: str) -> list[Example]:
         examples = []
-        for number, line in enumerate(read_text(path, bom=True).split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                self.rows.bad(path, number, f"not valid JSON (column {e.colno}: {e.msg})")
-                continue
-            tokens = obj.get(self.tokens_key) if isinstance(obj, dict) else None
-            tags = obj.get(self.tags_key) if isinstance(obj, dict) else None
+        for row in read_jsonl(path, self.rows)[1]:
+            number, obj = row.number, row.values
+            tokens, tags = obj.get(self.tokens_key), obj.get(self.tags_key)
             if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
                 self.rows.bad(path, number, f"field {self.tokens_key!r} is not a non-empty list of strings")
                 continue
