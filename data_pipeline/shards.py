@@ -1,8 +1,8 @@
 """One shard of `create_pretraining_data`'s fast mode, shared by its local and Beam runners.
 
 What a shard needs and makes, and how shards add up: the `Options` (Google's flags), the
-per-process worker state (`init_worker`: the `FastTokenizer` and vocabulary, loaded once per
-process), `shard_records` (an input shard -> framed TFRecord bytes per output bucket + statistics,
+per-process worker state (`init_worker`: the `FastTokenizer` and vocabulary, and with
+`--chinese_whole_word_mask` the word segmenter, loaded once per process), `shard_records` (an input shard -> framed TFRecord bytes per output bucket + statistics,
 a function of (seed, shard) only through `shard_rng`), `output_index` (which output file a shard's
 bucket goes to: the reference's round-robin), `ShardTotals` and `dataset_info` (the statistics
 dataset_info.json reports).
