@@ -232,6 +232,17 @@ def test_tagging_dev_tag_unseen_in_training(tmp_path):
         tasks.get_task("tagging", str(tmp_path)).read("dev")
 
 
+def test_bio_tagging_scores_as_conlleval():
+    """A BIO task's score is conlleval's (tests/test_tasks.py checks that against the Perl script)."""
+    task = tasks.get_task("tagging", labels="O,B-PER,I-PER,B-LOC,I-LOC", split_files={"train": "unused"})
+    assert task.scheme == "bio"
+    gold = [["B-PER", "I-PER", "O", "B-LOC"], ["I-LOC", "B-LOC"]]
+    pred = [["B-PER", "I-PER", "O", "I-LOC"], ["B-PER", "B-LOC"]]
+    examples = [ner.Example([str(i) for i in range(len(g))], g) for g in gold]
+    assert task.score(examples, pred) == ner.conlleval(gold, pred)
+    assert task.score(examples, pred)["entities_correct"] == 3
+
+
 def test_your_own_squad_json_chinese_answers_and_a_seeded_share_of_paragraphs(tmp_path):
     """Google's SQuAD featurization on Chinese (no spaces: a context is one whitespace word, the span
     is narrowed to the tokenized answer) labels the answer's characters and gives its text back."""

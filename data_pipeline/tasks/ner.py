@@ -84,14 +84,14 @@ def _start_of_chunk_bioes(prev_tag, tag, prev_type, type_) -> bool:
     return start or (tag != "O" and prev_type != type_)
 
 
-CHUNK_RULES = {"iob": (_end_of_chunk, _start_of_chunk), "bioes": (_end_of_chunk_bioes, _start_of_chunk_bioes)}
+CHUNK_RULES = {"bio": (_end_of_chunk, _start_of_chunk), "bioes": (_end_of_chunk_bioes, _start_of_chunk_bioes)}
 
 
-def conlleval(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]], scheme: str = "iob") -> dict:
+def conlleval(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]], scheme: str = "bio") -> dict:
     """conlleval's counts over sentences of tags: precision, recall, f1, accuracy, per-type f1.
 
     Sentence boundaries act as "O" tokens (the script's boundary lines), so no entity spans two
-    sentences. `scheme` "iob" is the Perl script's chunk rules (IOB1, IOB2); "bioes" adds S- (a
+    sentences. `scheme` "bio" is the Perl script's chunk rules (IOB1, IOB2); "bioes" adds S- (a
     one-token entity) and E- (an entity's last token) as seqeval's default mode reads them, with
     the same counting (conlleval.pl has no S- and reads E- as the IOE scheme's).
     """
