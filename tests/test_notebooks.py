@@ -44,15 +44,15 @@ def test_pretrain_notebook(tmp_path):
     assert "She [MASK] a letter to her friend. ->" in text
 
 
-def release_zip(tmp_path):
+def release_zip(tmp_path, words=None):
     """A release-style zip of a tiny random Google checkpoint, to 'download' from a file:// URL."""
     import jax
     from bert_jax import convert
     from bert_jax.modeling import BertConfig, BertForPreTraining, dummy_inputs
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + (
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + (words or (
         "the a man is playing guitar someone an instrument stock market fell sharply today . capital of "
-        "france she poured into glass and drank it").split()
-    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+        "france she poured into glass and drank it").split())
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
     cfg = BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=64)
     params = BertForPreTraining(cfg).init(jax.random.key(0), **dummy_inputs(cfg))["params"]
@@ -105,3 +105,38 @@ def test_finetune_glue_notebook(tmp_path):
     assert "task head: classification from the best parameters; labels: ['0', '1']" in text
     assert sorted(os.listdir(work / "sst2_hf")) == ["config.json", "model.safetensors", "tokenizer_config.json",
                                                     "vocab.txt"]
+
+
+def test_finetune_your_data_notebook(tmp_path):
+    """A Chinese CSV of its own (ids, a quoted review, labels named in Chinese, one empty review) ->
+    a released checkpoint -> fine-tuned -> dev scores -> predictions of new text -> HF export."""
+    import csv
+    import random
+    chars = list("房间服务早餐位置价格干净安静") + ["好", "差"]
+    archive = release_zip(tmp_path, chars)
+    rng = random.Random(0)
+
+    def review(good):
+        text = [rng.choice(chars[:-2]) for _ in range(5)]
+        text.insert(rng.randint(0, 5), "好" if good else "差")
+        return "".join(text)
+
+    rows = [(f"h{i}", review(i % 2), "好评" if i % 2 else "差评") for i in range(80)] + [("h80", "", "好评")]
+    data = tmp_path / "reviews.csv"
+    with open(data, "w", encoding="utf-8", newline="") as f:
+        csv.writer(f).writerows([("id", "review", "label"), *rows])
+    work = tmp_path / "work"
+    text = execute("finetune_your_data.ipynb", tmp_path, WORKDIR=str(work), CHECKPOINT=archive.as_uri(),
+                   DATA_FILE=str(data), ID_COLUMN="id", DEV_FRACTION=0.2, NUM_TRAIN_EPOCHS=10, GLOBAL_BATCH_SIZE=16,
+                   LEARNING_RATE=1e-2, MAX_SEQ_LENGTH=16, LOG_EVERY_STEPS=2, NEW_TEXTS=["房间好干净", "价格差"])
+    assert "labels ['好评', '差评']; 64 training rows, 16 dev rows; skipped" in text
+    assert "reviews.csv': 1}" in text  # the empty review: skipped and counted
+    history = json.loads((work / "run" / "eval_history.json").read_text())
+    # One character decides the label: 40 steps at 1e-2 fit it (tests/test_own_data.py measures the
+    # same setup at 1.0 dev accuracy). A loop that does not learn, or mixes up the labels, fails.
+    assert history[-1]["accuracy"] >= 0.9, history
+    assert "好评\t房间好干净" in text and "差评\t价格差" in text
+    dev = list(csv.DictReader(open(work / "run" / "classification_dev_predictions.csv", encoding="utf-8")))
+    assert len(dev) == 16 and all(r["id"].startswith("h") for r in dev)
+    assert "id2label: {'0': '好评', '1': '差评'}" in text
+    assert (work / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
