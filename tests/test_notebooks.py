@@ -121,22 +121,22 @@ def test_finetune_your_data_notebook(tmp_path):
         text.insert(rng.randint(0, 5), "好" if good else "差")
         return "".join(text)
 
-    rows = [(f"h{i}", review(i % 2), "好评" if i % 2 else "差评") for i in range(80)] + [("h80", "", "好评")]
+    rows = [(f"h{i}", review(i % 2), "好评" if i % 2 else "差评") for i in range(200)] + [("h200", "", "好评")]
     data = tmp_path / "reviews.csv"
     with open(data, "w", encoding="utf-8", newline="") as f:
         csv.writer(f).writerows([("id", "review", "label"), *rows])
     work = tmp_path / "work"
     text = execute("finetune_your_data.ipynb", tmp_path, WORKDIR=str(work), CHECKPOINT=archive.as_uri(),
-                   DATA_FILE=str(data), ID_COLUMN="id", DEV_FRACTION=0.2, NUM_TRAIN_EPOCHS=10, GLOBAL_BATCH_SIZE=16,
-                   LEARNING_RATE=1e-2, MAX_SEQ_LENGTH=16, LOG_EVERY_STEPS=2, NEW_TEXTS=["房间好干净", "价格差"])
-    assert "labels ['好评', '差评']; 64 training rows, 16 dev rows; skipped" in text
+                   DATA_FILE=str(data), ID_COLUMN="id", DEV_FRACTION=0.2, NUM_TRAIN_EPOCHS=4, GLOBAL_BATCH_SIZE=8,
+                   LEARNING_RATE=3e-3, MAX_SEQ_LENGTH=16, LOG_EVERY_STEPS=2, NEW_TEXTS=["房间好干净", "价格差"])
+    assert "labels ['好评', '差评']; 160 training rows, 40 dev rows; skipped" in text
     assert "reviews.csv': 1}" in text  # the empty review: skipped and counted
     history = json.loads((work / "run" / "eval_history.json").read_text())
-    # One character decides the label: 40 steps at 1e-2 fit it (tests/test_own_data.py measures the
-    # same setup at 1.0 dev accuracy). A loop that does not learn, or mixes up the labels, fails.
+    # One character decides the label: 80 steps at 3e-3 fit it (measured: dev accuracy 1.0; at 1e-2 this
+    # network stalls at 0.5). A loop that does not learn, or mixes up the labels, fails.
     assert history[-1]["accuracy"] >= 0.9, history
     assert "好评\t房间好干净" in text and "差评\t价格差" in text
     dev = list(csv.DictReader(open(work / "run" / "classification_dev_predictions.csv", encoding="utf-8")))
-    assert len(dev) == 16 and all(r["id"].startswith("h") for r in dev)
+    assert len(dev) == 40 and all(r["id"].startswith("h") for r in dev)
     assert "id2label: {'0': '好评', '1': '差评'}" in text
     assert (work / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -340,7 +340,7 @@ def run_config(kind, checkpoint, **options):
     config.init_checkpoint = checkpoint
     config.max_seq_length = 16
     config.global_batch_size = 16
-    config.num_train_epochs = 10
+    config.num_train_epochs = 4
     config.learning_rate = 1e-2
     config.async_checkpointing = False
     config.xla_backend_optimization_level = 0
@@ -360,7 +360,7 @@ def review(rng, good):
 
 def test_classification_from_a_chinese_csv_end_to_end(tmp_path, checkpoint, capsys):
     rng = np.random.RandomState(0)
-    rows = [(f"r{i:03d}", review(rng, i % 2), "正面" if i % 2 else "负面") for i in range(96)]
+    rows = [(f"r{i:03d}", review(rng, i % 2), "正面" if i % 2 else "负面") for i in range(240)]
     train = write_table(tmp_path / "reviews.csv", "csv", rows)
     test_ids = ["t9", "t1", "t5"]
     test = write_table(tmp_path / "new.csv", "csv", [(i, review(rng, g)) for i, g in zip(test_ids, (1, 0, 1))],
@@ -377,7 +377,7 @@ def test_classification_from_a_chinese_csv_end_to_end(tmp_path, checkpoint, caps
     from sklearn import metrics as skm
     dev = list(csv.DictReader(open(work / "classification_dev_predictions.csv", encoding="utf-8")))
     by_id = {i: label for i, _, label in rows}
-    assert len(dev) == 24 and [r["label"] for r in dev] == [by_id[r["id"]] for r in dev]
+    assert len(dev) == 60 and [r["label"] for r in dev] == [by_id[r["id"]] for r in dev]
     assert results["accuracy"] == pytest.approx(skm.accuracy_score([r["label"] for r in dev],
                                                                   [r["prediction"] for r in dev]))
     out = list(csv.DictReader(open(work / "classification_test_predictions.csv", encoding="utf-8")))
@@ -407,7 +407,7 @@ def test_regression_of_pairs_from_json_lines_end_to_end(tmp_path, checkpoint):
         score = float(i % 5)
         return {"a": review(rng, score > 2), "b": "".join(rng.choice(FILLER, 3)), "score": score}
 
-    for split, n in (("train", 80), ("dev", 20)):
+    for split, n in (("train", 200), ("dev", 20)):
         (tmp_path / f"{split}.jsonl").write_text(
             "".join(json.dumps(row(i), ensure_ascii=False) + "\n" for i in range(n)), encoding="utf-8")
     config = run_config("regression", checkpoint, text_column="a", text_b_column="b", label_column="score")
@@ -439,7 +439,7 @@ def test_bioes_tagging_from_json_lines_end_to_end(tmp_path, checkpoint):
                 tags.append("O")
         return {"id": f"s{i}", "tokens": tokens, "tags": tags}
 
-    for split, n in (("train", 96), ("dev", 16)):
+    for split, n in (("train", 240), ("dev", 16)):
         (tmp_path / f"{split}.jsonl").write_text(
             "".join(json.dumps(sentence(i), ensure_ascii=False) + "\n" for i in range(n)), encoding="utf-8")
     config = run_config("tagging", checkpoint, id_key="id", text_tokens="characters")
