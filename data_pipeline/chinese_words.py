@@ -126,7 +126,7 @@ def _cache_dir() -> Optional[str]:
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for folder in (os.path.join(cache_home, "bert_jax", "jieba"), tempfile.gettempdir()):
         try:
-            os.makedirs(folder, exist_ok=True)
+            storage.makedirs(folder)
             if os.access(folder, os.W_OK | os.X_OK):
                 return folder
         except OSError:
