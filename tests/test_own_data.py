@@ -2,7 +2,8 @@
 and CoNLL columns (data_pipeline/tasks/classification.py, tagging.py, files.py).
 
 Reading and scoring are checked without a model (against scikit-learn and seqeval where they
-compute the same thing); three tiny end-to-end runs go from files alone to scores, predictions
+compute the same thing); two tiny end-to-end runs (regression's head runs end to end in
+tests/test_finetune.py's STS-B) go from files alone to scores, predictions
 beside the inputs' ids, and `mode=predict` with the labels recorded at fine-tuning.
 """
 
@@ -398,27 +399,6 @@ def test_classification_from_a_chinese_csv_end_to_end(tmp_path, checkpoint, caps
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text(encoding="utf-8"))
     assert hf_config["id2label"] == {"0": "正面", "1": "负面"}
     assert hf_config["architectures"] == ["BertForSequenceClassification"]
-
-
-def test_regression_of_pairs_from_json_lines_end_to_end(tmp_path, checkpoint):
-    rng = np.random.RandomState(1)
-
-    def row(i):
-        score = float(i % 5)
-        return {"a": review(rng, score > 2), "b": "".join(rng.choice(FILLER, 3)), "score": score}
-
-    for split, n in (("train", 200), ("dev", 20)):
-        (tmp_path / f"{split}.jsonl").write_text(
-            "".join(json.dumps(row(i), ensure_ascii=False) + "\n" for i in range(n)), encoding="utf-8")
-    config = run_config("regression", checkpoint, text_column="a", text_b_column="b", label_column="score")
-    config.data_dir = str(tmp_path)
-    results = finetune.run(config, str(tmp_path / "work"))
-    stats = pytest.importorskip("scipy.stats")
-    dev = list(csv.DictReader(open(tmp_path / "work" / "regression_dev_predictions.csv")))
-    gold, pred = [float(r["label"]) for r in dev], [float(r["prediction"]) for r in dev]
-    assert results["pearson"] == pytest.approx(stats.pearsonr(gold, pred)[0], abs=1e-5)
-    assert results["spearman"] == pytest.approx(stats.spearmanr(gold, pred)[0], abs=1e-5)
-    assert results["pearson"] > 0.5  # "好" (score 3-4) vs "差" (0-2) is learnable
 
 
 def test_bioes_tagging_from_json_lines_end_to_end(tmp_path, checkpoint):
