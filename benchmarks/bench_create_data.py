@@ -81,13 +81,18 @@ def convert(corpus_dir, out_dir, num_shards=8):
         docs.extend(wikitext_documents(p))
     for p in sorted(glob.glob(os.path.join(corpus_dir, "gutenberg", "*.txt"))):
         docs.extend(gutenberg_documents(p))
+    return write_shards(out_dir, docs, num_shards), len(docs), sum(len(d) for d in docs)
+
+
+def write_shards(out_dir: str, docs: list, num_shards: int) -> list[str]:
+    """`docs` dealt round-robin into out_dir/shard-NN.txt (Google's text format); their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for i in range(num_shards):
         path = os.path.join(out_dir, f"shard-{i:02d}.txt")
         corpora.write_google_text(path, docs[i::num_shards])
         paths.append(path)
-    return paths, len(docs), sum(len(d) for d in docs)
+    return paths
 
 
 def timed(cmd):
@@ -160,13 +165,7 @@ def chinese_corpus(csv_path, out_dir, lines_per_doc=20, num_shards=2):
         reviews = [" ".join(row["review"].split()) for row in csv.DictReader(f)]
     reviews = [r for r in reviews if r]
     docs = [reviews[i:i + lines_per_doc] for i in range(0, len(reviews), lines_per_doc)]
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    for i in range(num_shards):
-        path = os.path.join(out_dir, f"shard-{i:02d}.txt")
-        corpora.write_google_text(path, docs[i::num_shards])
-        paths.append(path)
-    return paths, len(docs), len(reviews), sum(map(len, reviews))
+    return write_shards(out_dir, docs, num_shards), len(docs), len(reviews), sum(map(len, reviews))
 
 
 def chinese_suite(args):

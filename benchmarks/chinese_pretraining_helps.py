@@ -40,7 +40,6 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 import zipfile
@@ -215,17 +214,10 @@ def stage_records(args, corpus: str, out: str, arm: str) -> dict:
     for name, inputs, dupe, shards, workers in (
             ("train", train, args.dupe_factor, len(train), args.num_workers),
             ("heldout", [os.path.join(corpus, "heldout.txt")], 1, 1, 1)):
-        cmd = [sys.executable, "-m", "data_pipeline.create_pretraining_data", f"--input_file={','.join(inputs)}",
-               f"--output_file={os.path.join(out, name, name + '.tfrecord')}", f"--vocab_file={args.vocab_file}",
-               "--do_lower_case=true", f"--max_seq_length={args.max_seq_length}",
-               f"--max_predictions_per_seq={args.max_predictions}", f"--dupe_factor={dupe}",
-               f"--num_workers={workers}", f"--num_output_shards={shards}", *flags]
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
-    info = {"wall_s": round(time.time() - started, 1), "flags": flags}
-    for name in ("train", "heldout"):
-        with open(os.path.join(out, name, "dataset_info.json"), encoding="utf-8") as f:
-            di = json.load(f)
-        info[name] = {k: di[k] for k in ("instances", "num_instances", "records") if k in di}
+        ph.create_records(inputs, os.path.join(out, name, name + ".tfrecord"), args.vocab_file, dupe_factor=dupe,
+                          seq_len=args.max_seq_length, predictions=args.max_predictions, shards=shards,
+                          workers=workers, flags=flags)
+    info = ph.records_info(out, wall_s=round(time.time() - started, 1), flags=flags)
     with open(done, "w", encoding="utf-8") as f:
         json.dump(info, f, indent=1)
     log(f"records {arm}: {info}")

@@ -209,12 +209,22 @@ def stage_vocab(corpus: str, out: str, vocab_size: int) -> str:
 
 
 def create_records(inputs: list[str], output: str, vocab: str, *, dupe_factor: int, seq_len: int,
-                   predictions: int, shards: int, workers: int) -> None:
+                   predictions: int, shards: int, workers: int, flags: tuple = ()) -> None:
     cmd = [sys.executable, "-m", "data_pipeline.create_pretraining_data", f"--input_file={','.join(inputs)}",
            f"--output_file={output}", f"--vocab_file={vocab}", "--do_lower_case=true",
            f"--max_seq_length={seq_len}", f"--max_predictions_per_seq={predictions}",
-           f"--dupe_factor={dupe_factor}", f"--num_workers={workers}", f"--num_output_shards={shards}"]
+           f"--dupe_factor={dupe_factor}", f"--num_workers={workers}", f"--num_output_shards={shards}", *flags]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+
+
+def records_info(out: str, **extra) -> dict:
+    """`extra` plus the instance counts of out/train and out/heldout (their dataset_info.json)."""
+    info = dict(extra)
+    for split in ("train", "heldout"):
+        with open(os.path.join(out, split, "dataset_info.json"), encoding="utf-8") as f:
+            di = json.load(f)
+        info[split] = {k: di[k] for k in ("instances", "num_instances", "records") if k in di}
+    return info
 
 
 def stage_records(corpus: str, out: str, vocab: str, *, dupe_factor: int, seq_len: int, predictions: int,
@@ -232,11 +242,7 @@ def stage_records(corpus: str, out: str, vocab: str, *, dupe_factor: int, seq_le
                    seq_len=seq_len, predictions=predictions, shards=len(train), workers=workers)
     create_records([os.path.join(corpus, "heldout.txt")], os.path.join(out, "heldout", "heldout.tfrecord"),
                    vocab, dupe_factor=1, seq_len=seq_len, predictions=predictions, shards=1, workers=1)
-    info = {"wall_s": round(time.time() - started, 1)}
-    for split in ("train", "heldout"):
-        with open(os.path.join(out, split, "dataset_info.json"), encoding="utf-8") as f:
-            di = json.load(f)
-        info[split] = {k: di[k] for k in ("instances", "num_instances", "records") if k in di}
+    info = records_info(out, wall_s=round(time.time() - started, 1))
     with open(done, "w", encoding="utf-8") as f:
         json.dump(info, f, indent=1)
     log(f"records: {info}")

@@ -105,7 +105,9 @@ class SquadV1(Task):
         on one side, so no context is both trained and scored on)."""
         from data_pipeline.tasks.files import split_rows
 
-        examples = self._read_file(self._path("train", *self.files["train"]))
+        if not hasattr(self, "_train_file_examples"):  # read once for both sides of the split
+            self._train_file_examples = self._read_file(self._path("train", *self.files["train"]))
+        examples = self._train_file_examples
         paragraphs = sorted({e.paragraph for e in examples})
         train, dev = split_rows(len(paragraphs), self.dev_fraction, self.split_seed)
         keep = {paragraphs[i] for i in (train if split == "train" else dev)}

@@ -127,9 +127,10 @@ class Tagging(OwnFiles, Conll2003):
         line = int(ex.where.rsplit(":", 1)[1])
         prefixes = SCHEMES.get(self._scheme or "bioes")
         known = self._labels if split == "train" else self.labels
+        per_line = self._format(path) == "conll"  # a token a line: tag i is on line + i
         for i, tag in enumerate(ex.tags):
             prefix, _, kind = tag.partition("-")
-            at = line + i if self._format(path) == "conll" else line
+            at = line + i if per_line else line
             if tag != "O" and (prefix not in prefixes or not kind):
                 scheme = self._scheme or "bio or bioes"
                 self.rows.bad(path, at, f"tag {tag!r} is neither O nor {'/'.join(prefixes)}-TYPE ({scheme})")
