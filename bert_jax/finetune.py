@@ -152,27 +152,30 @@ def count_examples(split) -> int:
 
 
 def stream_batches(features: dict, keys, global_batch_size: int, steps, *, seed: int,
-                   process_index: int = 0, process_count: int = 1):
+                   process_index: int = 0, process_count: int = 1, lengths=None, sequence_keys=()):
     """The batches of `steps` (step k: rows `[k*B, (k+1)*B)`) of one stream of feature rows: pass
     `p` over the `n` rows is `RandomState(seed + p).permutation(n)` (the permutation the epoch
     loop uses for epoch p), and a batch may span two passes, as Google's `d.repeat()` then
     `d.batch(drop_remainder=True)`. Every row is real (weight as featurized). Each host yields its
-    slice `[p*b, (p+1)*b)` of every global batch, as `data_pipeline.tasks.batches`.
+    slice `[p*b, (p+1)*b)` of every global batch, as `data_pipeline.tasks.batches`, which also
+    says what `lengths` and `sequence_keys` do (padding past the global batch's longest row cut).
     """
+    from data_pipeline import tasks as tasks_lib
+
     n = len(features["weight"])
     if global_batch_size % process_count:
         raise ValueError(f"batch size {global_batch_size} must divide by {process_count} processes")
     per_host = global_batch_size // process_count
     orders: dict = {}
     for k in steps:
-        stream = np.arange(k * global_batch_size, (k + 1) * global_batch_size)[
-            process_index * per_host:(process_index + 1) * per_host]
+        stream = np.arange(k * global_batch_size, (k + 1) * global_batch_size)
         for p in set(stream // n) - set(orders):
             orders[p] = np.random.RandomState(seed + int(p)).permutation(n)
-        rows = np.array([orders[j // n][j % n] for j in stream], np.int64)
+        everyone = np.array([orders[j // n][j % n] for j in stream], np.int64)
+        rows = everyone[process_index * per_host:(process_index + 1) * per_host]
         out = {key: features[key][rows] for key in keys}
         out["weight"] = features["weight"][rows].astype(np.float32)
-        yield out
+        yield tasks_lib.trim(out, features, everyone, lengths, sequence_keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +345,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     p_eval = jax.jit(functools.partial(eval_step, model=model),
                      in_shardings=(state_shardings.params, batch_sharding), compiler_options=compiler_options)
     keys = heads.batch_keys(task.head)
-    predict = functools.partial(_predict, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch)
+    buckets = config.get("trim_padding_buckets", 0)
+    trimming = trim_arguments(buckets, max_len, task.head)
+    if trimming["lengths"]:
+        logging.info("batches cut to the shortest of lengths %s holding their longest row "
+                     "(config.trim_padding_buckets=%d)", trimming["lengths"], buckets)
+    predict = functools.partial(_predict, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch, **trimming)
 
     history = list(meta.get("history", []))
     best = meta.get("best")
@@ -361,11 +369,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                 hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
                 if stream:
                     batches = stream_batches(train.features, keys, config.global_batch_size, range(step, end),
-                                             seed=config.seed, **hosts)
+                                             seed=config.seed, **hosts, **trimming)
                 else:
                     batches = itertools.islice(tasks_lib.batches(
                         train.features, keys, config.global_batch_size, shuffle_seed=config.seed + epoch,
-                        **hosts), skip, None)
+                        **hosts, **trimming), skip, None)
                 for batch in batches:
                     global_batch = sharding.to_global(batch, mesh)
                     with jax.transfer_guard_host_to_device("disallow"):
@@ -486,8 +494,29 @@ def _place_encoder(encoder: dict, shardings: dict) -> dict:
     return sharding.place(encoder, shardings)
 
 
-def _predict(p_eval, params, split, *, mesh, keys, batch_size) -> tuple[dict, dict]:
-    """Outputs of every feature row of `split` (numpy, in row order) and the summed losses."""
+def trim_arguments(buckets: int, max_seq_length: int, head: str) -> dict:
+    """`lengths` and `sequence_keys` for `tasks.batches` / `stream_batches` with
+    `config.trim_padding_buckets` = `buckets` (none for the span head, or with 0 buckets)."""
+    from data_pipeline import tasks as tasks_lib
+
+    if buckets < 0:
+        raise ValueError(f"config.trim_padding_buckets={buckets} must be 0 (rows padded to "
+                         "config.max_seq_length) or a number of lengths")
+    lengths = tasks_lib.bucket_lengths(max_seq_length, buckets)
+    keys = heads.sequence_keys(head)
+    if len(lengths) < 2 or not keys:
+        return {"lengths": None, "sequence_keys": ()}
+    return {"lengths": lengths, "sequence_keys": keys}
+
+
+def _predict(p_eval, params, split, *, mesh, keys, batch_size, lengths=None, sequence_keys=()
+             ) -> tuple[dict, dict]:
+    """Outputs of every feature row of `split` (numpy, in row order) and the summed losses.
+
+    With `lengths` (`trim_arguments`), the rows go by length (a stable sort of their real
+    positions), so each batch is cut to the shortest length holding its longest row; outputs
+    with a sequence axis are padded back to the features' length with zeros, and everything is
+    returned in row order again."""
     from tqdm import tqdm
 
     from data_pipeline import tasks as tasks_lib
@@ -495,16 +524,35 @@ def _predict(p_eval, params, split, *, mesh, keys, batch_size) -> tuple[dict, di
     chunks: list = []
     sums = {"loss_sum": 0.0, "weight": 0.0}
     n = len(split.features["weight"])
+    full = split.features["input_mask"].shape[-1]
+    order = None
+    if lengths:
+        order = np.argsort(tasks_lib.row_lengths(split.features["input_mask"]), kind="stable")
     batches = tasks_lib.batches(split.features, keys, batch_size, process_index=jax.process_index(),
-                                process_count=jax.process_count())
+                                process_count=jax.process_count(), order=order, lengths=lengths,
+                                sequence_keys=sequence_keys)
     for batch in tqdm(batches, total=tasks_lib.num_batches(n, batch_size), desc=f"predict {split.name}",
                       unit=" batches", leave=False, disable=jax.process_index() > 0, dynamic_ncols=True):
+        length = batch["input_mask"].shape[-1]
         outputs, batch_sums = p_eval(params, sharding.to_global(batch, mesh))
-        chunks.append(multihost_utils.process_allgather(outputs, tiled=True))
+        outputs = multihost_utils.process_allgather(outputs, tiled=True)
+        if length < full and "label_ids" in sequence_keys:  # token logits [rows, length, classes]
+            outputs = {k: np.pad(v, [(0, 0), (0, full - length)] + [(0, 0)] * (v.ndim - 2))
+                       for k, v in outputs.items()}
+        chunks.append(outputs)
         for k in sums:
             sums[k] += float(batch_sums[k])
     outputs = {k: np.concatenate([c[k] for c in chunks])[:n] for k in chunks[0]}
+    if order is not None:
+        outputs = {k: _unsort(v, order) for k, v in outputs.items()}
     return outputs, sums
+
+
+def _unsort(values: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """`values[i]` belongs to row `order[i]`: the values in row order."""
+    out = np.empty_like(values)
+    out[order] = values
+    return out
 
 
 def _log(pending, step, window_start, writer, bar, config, train_sums) -> None:

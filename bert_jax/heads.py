@@ -46,6 +46,15 @@ def batch_keys(head: str) -> tuple:
     return MODEL_INPUTS + LABEL_KEYS[head] + ("weight",)
 
 
+def sequence_keys(head: str) -> tuple:
+    """The arrays of `batch_keys(head)` whose last axis is the sequence, when padding past a batch's
+    longest row can be cut off without changing what a step computes: every head but "span", whose
+    softmax runs over every position, padding included (as google-research/bert's run_squad.py)."""
+    if head == "span":
+        return ()
+    return MODEL_INPUTS + (LABEL_KEYS[head] if head == "token" else ())
+
+
 class OutputLayer(nn.Module):
     """Dropout then a dense layer `[..., hidden] -> [..., num_outputs]`, float32 logits."""
 

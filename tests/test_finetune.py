@@ -1099,3 +1099,63 @@ def test_google_adamw_of_the_loop_matches_optimization_py(checkpoint):
     assert any("LayerNorm" in k for k in want) and any(k.endswith("bias") for k in want)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches cut short of the padding (config.trim_padding_buckets)
+# ---------------------------------------------------------------------------------------------
+
+
+def varied_files(folder, kind, rng):
+    """SST-2 or CoNLL files whose rows run from 3 to 14 pieces: some batches need all 16 positions,
+    others fit in 8."""
+    folder.mkdir(parents=True)
+    for split, n in (("train", 40), ("dev", 24)):
+        rows = []
+        for i in range(n):
+            short = rng.rand() < 0.6
+            words = list(rng.choice(WORDS[2:25] + list(ENTITIES), rng.randint(1, 5) if short else rng.randint(7, 13)))
+            if kind == "sst2":
+                words.insert(rng.randint(len(words) + 1), "good" if i % 2 else "bad")
+                rows.append(f"{' '.join(words)}\t{i % 2}\n")
+            else:
+                rows.append("".join(f"{w} NN I-NP {'I-' + ENTITIES[w] if w in ENTITIES else 'O'}\n" for w in words) + "\n")
+        if kind == "sst2":
+            (folder / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(rows))
+        else:
+            for name in ((f"{split}.txt",) if split == "train" else ("valid.txt", "test.txt")):
+                (folder / name).write_text("-DOCSTART- -X- -X- O\n\n" + "".join(rows))
+
+
+@pytest.mark.parametrize("kind", ["sst2", "conll2003"])
+def test_batches_cut_short_of_the_padding_train_and_predict_as_full_padding(tmp_path, checkpoint, monkeypatch, kind):
+    """With dropout off (its masks are drawn per shape), a run whose batches are cut to 8 or 16
+    positions (trim_padding_buckets=4 at length 16) gives the parameters, scores and predictions of
+    the same run padded to 16, to float rounding; the cut really happens, in training and evaluation."""
+    from bert_jax import sharding
+    folder = tmp_path / "data" / ("SST-2" if kind == "sst2" else "conll")
+    varied_files(folder, kind, np.random.RandomState(5))
+    widths = []
+    to_global = sharding.to_global
+    monkeypatch.setattr(sharding, "to_global", lambda b, mesh: (widths.append(b["input_ids"].shape[-1]),
+                                                                to_global(b, mesh))[1])
+    bert_config = checkpoint["config"].replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    base = glue_config.get_config() if kind == "sst2" else ner_config.get_config()
+    runs = {}
+    for buckets in (0, 4):
+        config = tiny(base.copy_and_resolve_references(), kind, folder.parent if kind == "sst2" else folder,
+                      "", num_train_epochs=2, learning_rate=1e-2, trim_padding_buckets=buckets, predict_test=False)
+        work = tmp_path / f"work{buckets}"
+        widths.clear()
+        results = finetune.train_and_evaluate(config, str(work), finetune.make_task(config), bert_config,
+                                              {"bert": checkpoint["params"]["bert"]}, checkpoint["vocab"], True)
+        params = convert.model_params(convert.load_finetuned(str(work), "last"))
+        predictions = (work / (f"{kind}_dev_predictions." + ("tsv" if kind == "sst2" else "txt"))).read_text()
+        runs[buckets] = results, params, predictions, list(widths)
+    assert set(runs[0][3]) == {16}
+    assert set(runs[4][3]) == {8, 16}, runs[4][3]  # cut where a whole batch fits in 8
+    assert len(runs[4][3]) == len(runs[0][3])  # the same batches, training and evaluation
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=0), runs[4][1], runs[0][1])
+    assert runs[4][2] == runs[0][2]
+    assert runs[4][0] == pytest.approx(runs[0][0], abs=2e-5)
+    assert not np.allclose(runs[0][1]["head"]["output"]["kernel"], 0.0)  # trained, not empty

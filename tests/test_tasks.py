@@ -209,6 +209,46 @@ def test_batches_pad_with_weight_zero_and_split_hosts():
         np.testing.assert_array_equal(np.concatenate([hosts[0][b]["weight"], hosts[1][b]["weight"]]), one[b]["weight"])
 
 
+def test_bucket_lengths_by_hand():
+    assert tasks.bucket_lengths(64, 4) == (16, 32, 48, 64)
+    assert tasks.bucket_lengths(128, 4) == (32, 64, 96, 128)
+    assert tasks.bucket_lengths(100, 3) == (40, 72, 100)  # 34 -> 40, 67 -> 72, then the length itself
+    assert tasks.bucket_lengths(10, 4) == (8, 10)
+    assert tasks.bucket_lengths(64, 0) == tasks.bucket_lengths(64, 1) == (64,)
+    with pytest.raises(ValueError, match="buckets=-1"):
+        tasks.bucket_lengths(64, -1)
+
+
+def test_batches_are_cut_to_the_global_batchs_longest_row_on_every_host():
+    lengths = np.array([3, 9, 2, 4, 16, 5, 1, 7, 8, 2])  # real positions of each row
+    mask = (np.arange(16)[None] < lengths[:, None]).astype(np.int32)
+    features = {"input_ids": mask * (np.arange(10)[:, None] + 1), "input_mask": mask,
+                "label_ids": mask * 2, "label": np.arange(10), "weight": np.ones(10, np.float32)}
+    keys = ["input_ids", "input_mask", "label_ids", "label"]
+    seq = ("input_ids", "input_mask", "label_ids")
+    order = np.array([0, 2, 3, 6, 1, 7, 8, 5, 4, 9])  # batches of 4: longest 4, 9 and 16 (the last completed with row 0)
+    whole = list(tasks.batches(features, keys, 4, order=order, lengths=(8, 12, 16), sequence_keys=seq))
+    assert [b["input_ids"].shape[1] for b in whole] == [8, 12, 16]
+    padded = list(tasks.batches(features, keys, 4, order=order))
+    for cut, full in zip(whole, padded):
+        n = cut["input_ids"].shape[1]
+        for k in seq:  # the kept columns as they were; nothing real cut off
+            np.testing.assert_array_equal(cut[k], full[k][:, :n])
+            assert not full[k][:, n:].any()
+        np.testing.assert_array_equal(cut["label"], full["label"])
+    # Two hosts: each cuts its half to the global batch's length, even when its own rows are shorter.
+    hosts = [list(tasks.batches(features, keys, 4, order=order, lengths=(8, 12, 16), sequence_keys=seq,
+                                process_index=p, process_count=2)) for p in range(2)]
+    for b in range(3):
+        for k in keys:
+            np.testing.assert_array_equal(np.concatenate([hosts[0][b][k], hosts[1][b][k]]), whole[b][k])
+    assert tasks.row_lengths(mask).tolist() == lengths.tolist()
+    # Multiple choice ([rows, choices, length]): the longest choice counts.
+    choices = np.zeros((2, 3, 16), np.int32)
+    choices[0, 1, :11] = 1
+    assert tasks.row_lengths(choices).tolist() == [11, 0] and tasks.trimmed_length(choices, (8, 12, 16)) == 12
+
+
 # ---------------------------------------------------------------------------------------------
 # SQuAD
 # ---------------------------------------------------------------------------------------------

@@ -416,22 +416,61 @@ def num_batches(num_rows: int, global_batch_size: int) -> int:
     return max(1, math.ceil(num_rows / global_batch_size))
 
 
+def bucket_lengths(max_seq_length: int, buckets: int) -> tuple[int, ...]:
+    """The lengths a batch may be cut to: `buckets` evenly spaced lengths up to `max_seq_length`,
+    each rounded up to a multiple of 8 (0 or 1 bucket: `max_seq_length` alone).
+
+    Example: 64 and 4 buckets -> (16, 32, 48, 64); 128 and 4 -> (32, 64, 96, 128); 100 and 3 ->
+    (40, 72, 100).
+    """
+    if buckets < 0:
+        raise ValueError(f"buckets={buckets} must be 0 (no trimming) or more")
+    if buckets <= 1:
+        return (max_seq_length,)
+    def ceil(x: int, d: int) -> int:
+        return -(-x // d)
+
+    lengths = {min(max_seq_length, 8 * ceil(ceil(max_seq_length * (i + 1), buckets), 8)) for i in range(buckets)}
+    return tuple(sorted(lengths | {max_seq_length}))
+
+
+def row_lengths(input_mask: np.ndarray) -> np.ndarray:
+    """Each row's last real position + 1 (`input_mask`: `[rows, ..., max_len]`; over every choice of
+    a multiple-choice row); 0 for a row without one."""
+    real = np.asarray(input_mask).reshape(len(input_mask), -1, input_mask.shape[-1]).any(axis=1)
+    return np.where(real.any(axis=1), real.shape[1] - np.argmax(real[:, ::-1], axis=1), 0)
+
+
+def trimmed_length(input_mask: np.ndarray, lengths: Sequence[int]) -> int:
+    """The shortest of `lengths` (ascending) that keeps every real position of the rows
+    `input_mask` (`[rows, ..., max_len]`, 1 on real positions): past it every row is padding."""
+    need = int(row_lengths(input_mask).max(initial=1))
+    return next((n for n in lengths if n >= need), input_mask.shape[-1])
+
+
 def batches(features: dict[str, np.ndarray], keys: Sequence[str], global_batch_size: int, *,
             process_index: int = 0, process_count: int = 1, shuffle_seed: Optional[int] = None,
-            ) -> Iterator[dict[str, np.ndarray]]:
+            order: Optional[np.ndarray] = None, lengths: Optional[Sequence[int]] = None,
+            sequence_keys: Sequence[str] = ()) -> Iterator[dict[str, np.ndarray]]:
     """One pass over `features` in global batches, yielding this host's rows of each.
 
-    Rows are shuffled with `shuffle_seed` (the same permutation on every host) or kept in order.
-    The last batch is completed with weight-0 copies of row 0, so nothing is dropped and every
-    host yields the same number of batches. Host `p` holds rows `[p*b, (p+1)*b)` of each global
-    batch (`b` = global / process_count), so the global arrays are in order.
+    Rows are shuffled with `shuffle_seed` (the same permutation on every host), taken in `order`
+    (a permutation of the rows), or kept in order. The last batch is completed with weight-0
+    copies of row 0, so nothing is dropped and every host yields the same number of batches. Host
+    `p` holds rows `[p*b, (p+1)*b)` of each global batch (`b` = global / process_count), so the
+    global arrays are in order.
+
+    `lengths` (ascending, the last the features' length): each batch's `sequence_keys` are cut
+    to the shortest of them that keeps every real position of the *global* batch's rows
+    (`trimmed_length` of its `input_mask`), the same on every host.
     """
     n = len(features["weight"])
     if n == 0:
         raise ValueError("no feature rows to batch")
     if global_batch_size % process_count:
         raise ValueError(f"batch size {global_batch_size} must divide by {process_count} processes")
-    order = np.arange(n) if shuffle_seed is None else np.random.RandomState(shuffle_seed).permutation(n)
+    if order is None:
+        order = np.arange(n) if shuffle_seed is None else np.random.RandomState(shuffle_seed).permutation(n)
     per_host = global_batch_size // process_count
     for b in range(num_batches(n, global_batch_size)):
         idx = order[b * global_batch_size:(b + 1) * global_batch_size]
@@ -442,7 +481,20 @@ def batches(features: dict[str, np.ndarray], keys: Sequence[str], global_batch_s
         rows, keep = idx[lo:hi], real[lo:hi]
         out = {k: features[k][rows] for k in keys}
         out["weight"] = np.where(keep, features["weight"][rows], 0.0).astype(np.float32)
-        yield out
+        yield trim(out, features, idx, lengths, sequence_keys)
+
+
+def trim(batch: dict, features: dict, rows: np.ndarray, lengths: Optional[Sequence[int]],
+         sequence_keys: Sequence[str]) -> dict:
+    """`batch` with its `sequence_keys` cut to the `trimmed_length` of the `rows` of `features`
+    (the global batch's rows: every host cuts its slice to the same length)."""
+    if not lengths or not sequence_keys:
+        return batch
+    mask = features["input_mask"][rows]
+    length = trimmed_length(mask, lengths)
+    if length == mask.shape[-1]:
+        return batch
+    return {k: v[..., :length] if k in sequence_keys else v for k, v in batch.items()}
 
 
 @dataclasses.dataclass
