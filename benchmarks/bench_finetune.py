@@ -1,7 +1,8 @@
 """Fine-tuning a real pretrained encoder end to end: dev scores, wall time, sequences/s; vs transformers.
 
     python benchmarks/bench_finetune.py --model=../minilm --tasks=sst2,conll2003,squad_v1 \\
-        [--hf_python=/path/to/venv-with-torch/bin/python] [--sst2_train=10000] [--epochs=1]
+        [--hf_python=/path/to/venv-with-torch/bin/python] [--sst2_train=10000] [--epochs=1] \\
+        [--set trim_padding_buckets=0 ...]
 
 The encoder is all-MiniLM-L6-v2 (`../shared/tools/fetch_minilm.sh DIR`: a BERT with L=6, H=384,
 A=12, HF format, no pretraining heads); the data is `../shared/data` (GLUE SST-2, CoNLL-2003,
@@ -45,9 +46,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 
 
+EXTRA: dict = {}  # --set KEY=VALUE: more config overrides for every bert_jax run
+
+
 def run_ours(config: str, workdir: str, overrides: dict) -> dict:
     cmd = [sys.executable, "-m", "bert_jax.main", f"--config={config}", f"--workdir={workdir}"]
-    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+    cmd += [f"--config.{k}={v}" for k, v in {**overrides, **EXTRA}.items()]
     started = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.time() - started
@@ -173,6 +177,8 @@ def parse(argv=None):
     p.add_argument("--conll_max_seq_length", type=int, default=128)
     p.add_argument("--squad_train_articles", type=int, default=8)
     p.add_argument("--squad_max_seq_length", type=int, default=256)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for bert_jax's runs (repeatable), e.g. trim_padding_buckets=0")
     p.add_argument("--out", default="", help="also write the results here (JSON)")
     p.add_argument("--json", action="store_true",
                    help="end with all the runs as one JSON line (benchmarks/bench_suite.py reads it)")
@@ -181,12 +187,17 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a key of the task's config)")
+        EXTRA[key] = value
     if not os.path.isdir(DATA) or not os.path.exists(os.path.join(args.model, "model.safetensors")):
         reason = f"needs {DATA} and the MiniLM model in {args.model} (../shared/tools/fetch_minilm.sh)"
         print(json.dumps({"benchmark": "bench_finetune", "skipped": reason}) if args.json else f"skipped: {reason}")
         return
     results = {"benchmark": "bench_finetune", "date": time.strftime("%Y-%m-%d"), "host_cpus": os.cpu_count(),
-               "runs": []}
+               "overrides": dict(EXTRA), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for task in args.tasks.split(","):
             run = {"sst2": sst2, "conll2003": conll, "squad_v1": squad}[task](args, tmp)

@@ -47,7 +47,7 @@ import random
 import shlex
 import sys
 import time
-from typing import List, Optional, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence
 
 from absl import app, flags
 
@@ -122,15 +122,19 @@ def expand_inputs(patterns: str | Sequence[str]) -> List[str]:
     return files
 
 
-def _instance_records(instances: Sequence[inst.TrainingInstance], vocab: dict, opts: Options) -> List[bytes]:
-    records = []
-    for x in instances:
+WRITE_GROUP = 1024  # --reference_compatible: records per file framed and written at once
+
+
+def _instance_records(instances: List[inst.TrainingInstance], vocab: dict, opts: Options) -> Iterator[bytes]:
+    """Each instance's record, in order. An instance is let go (its slot in `instances` emptied) once
+    serialized, so the records never sit in memory beside all the instances they came from."""
+    for i in range(len(instances)):
+        x, instances[i] = instances[i], None
         ids = [vocab[t] for t in x.tokens]
         feats = schema.pad_features(ids, x.segment_ids, x.masked_lm_positions,
                                     [vocab[t] for t in x.masked_lm_labels], int(x.is_random_next),
                                     opts.max_seq_length, opts.max_predictions_per_seq)
-        records.append(schema.serialize(feats))
-    return records
+        yield schema.serialize(feats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,8 +143,9 @@ def _instance_records(instances: Sequence[inst.TrainingInstance], vocab: dict, o
 
 
 def reference_records(input_files: Sequence[str], opts: Options, read_stats: corpora.ReadStats,
-                      mask_stats: inst.MaskStats) -> List[bytes]:
-    """The reference's records, in its order (whole corpus in memory, one random stream)."""
+                      mask_stats: inst.MaskStats) -> Iterator[bytes]:
+    """The reference's records, in its order (whole corpus in memory, one random stream), made as
+    they are consumed."""
     tokenizer = tokenization.FullTokenizer(opts.vocab_file, do_lower_case=opts.do_lower_case)
     tokenize = tokenizer.tokenize
     if opts.chinese_whole_word_mask:
@@ -239,13 +244,22 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
     started = time.time()
     written = 0
 
-    def write_records(records: Sequence[bytes]):
-        """Round-robin over the files, record by record (the reference's order)."""
+    def write_records(records: Iterable[bytes]):
+        """Round-robin over the files, record by record (the reference's order), each file's
+        records framed and written `WRITE_GROUP` at a time as they come (memory: a group per file)."""
         nonlocal written
-        for b in range(min(len(writers), len(records))):
-            group = records[b::len(writers)]
-            writers[(written + b) % len(writers)].write(tfrecord.frame_records(group), len(group))
-        written += len(records)
+        group = WRITE_GROUP
+        pending: List[List[bytes]] = [[] for _ in writers]
+        for record in records:
+            w = written % len(writers)
+            pending[w].append(record)
+            written += 1
+            if len(pending[w]) == group:
+                writers[w].write(tfrecord.frame_records(pending[w]), group)
+                pending[w] = []
+        for w, rest in enumerate(pending):
+            if rest:
+                writers[w].write(tfrecord.frame_records(rest), len(rest))
 
     def write_shard(result):
         nonlocal written

@@ -58,6 +58,21 @@ def test_reference_compatible_mode_writes_the_references_records(tmp_path, wwm):
     assert all(tf.train.Example.FromString(r).SerializeToString(deterministic=True) == r for r in ours)
 
 
+def test_reference_compatible_records_are_dealt_round_robin_as_they_are_made(tmp_path, monkeypatch):
+    """Several output files: record i of the single-file run goes to file i % 3, in order, also when
+    each file's records are written in several groups (WRITE_GROUP 2 here)."""
+    text, vocab = synthetic_corpus(tmp_path)
+    flags = dict(reference_compatible=True, max_seq_length=32, max_predictions_per_seq=6, dupe_factor=3,
+                 random_seed=12345)
+    cpd.create_pretraining_data([str(text)], str(tmp_path / "one"), str(vocab), **flags)
+    one = read_records(tmp_path / "one" / "part-00000-of-00001.tfrecord")
+    monkeypatch.setattr(cpd, "WRITE_GROUP", 2)
+    cpd.create_pretraining_data([str(text)], str(tmp_path / "three"), str(vocab), num_output_shards=3, **flags)
+    assert len(one) > 3 * 2 * 2  # several groups per file
+    for i in range(3):
+        assert read_records(tmp_path / "three" / f"part-{i:05d}-of-00003.tfrecord") == one[i::3], i
+
+
 class ScriptedRng:
     """random.Random stand-in returning scripted values, to hand-check each decision."""
 
