@@ -16,6 +16,9 @@ featurization, post-processing and the metric; there is no per-task branch here)
   decay to 0, global-norm clipping; the paper's defaults live in the configs;
 - epochs over the in-memory features, reshuffled each epoch with `seed + epoch`; the last batch
   is completed with weight-0 rows, so nothing is dropped;
+- each batch cut to the shortest of `config.trim_padding_buckets` lengths that holds its longest
+  row (`data_pipeline.tasks.batches`; evaluation takes its rows by length): the padded
+  computation to float rounding, at the cost of a compile per length; not for the span head;
 - or google-research/bert's `run_classifier.py` / `run_squad.py` recipe (docs/finetuning.md):
   `optimizer="google_adamw"`, `google_lr_schedule=True` and `num_train_steps_from="examples"`:
   `int(len(train_examples) / global_batch_size * num_train_epochs)` steps of full batches from
