@@ -427,10 +427,8 @@ def bucket_lengths(max_seq_length: int, buckets: int) -> tuple[int, ...]:
         raise ValueError(f"buckets={buckets} must be 0 (no trimming) or more")
     if buckets <= 1:
         return (max_seq_length,)
-    def ceil(x: int, d: int) -> int:
-        return -(-x // d)
-
-    lengths = {min(max_seq_length, 8 * ceil(ceil(max_seq_length * (i + 1), buckets), 8)) for i in range(buckets)}
+    lengths = {min(max_seq_length, 8 * math.ceil(math.ceil(max_seq_length * (i + 1) / buckets) / 8))
+               for i in range(buckets)}
     return tuple(sorted(lengths | {max_seq_length}))
 
 
