@@ -46,12 +46,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 
 
-EXTRA: dict = {}  # --set KEY=VALUE: more config overrides for every bert_jax run
-
-
 def run_ours(config: str, workdir: str, overrides: dict) -> dict:
     cmd = [sys.executable, "-m", "bert_jax.main", f"--config={config}", f"--workdir={workdir}"]
-    cmd += [f"--config.{k}={v}" for k, v in {**overrides, **EXTRA}.items()]
+    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
     started = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.time() - started
@@ -101,7 +98,7 @@ def sst2(args, tmp) -> dict:
               learning_rate=args.lr, eval_batch_size=128, seed=args.seed)
     out = {"task": "sst2", "train_examples": len(rows), "hyper_parameters": hp, "load_before": load_average()}
     out["bert_jax"] = run_ours("configs/glue.py", os.path.join(tmp, "w_sst2"), dict(
-        hp, task="sst2", data_dir=data, init_checkpoint=args.model, predict_test=False))
+        hp, task="sst2", data_dir=data, init_checkpoint=args.model, predict_test=False, **args.overrides))
     out["load_between"] = load_average()
     if args.hf_python:
         out["transformers"] = run_hf(args.hf_python, [
@@ -132,7 +129,7 @@ def conll(args, tmp) -> dict:
            "load_before": load_average()}
     # MiniLM is uncased: its vocabulary has no capitals.
     out["bert_jax"] = run_ours("configs/ner.py", os.path.join(tmp, "w_conll"), dict(
-        hp, data_dir=data, init_checkpoint=args.model, predict_test=False))
+        hp, data_dir=data, init_checkpoint=args.model, predict_test=False, **args.overrides))
     out["load_between"] = load_average()
     if args.hf_python:
         out["transformers"] = run_hf(args.hf_python, [
@@ -158,7 +155,7 @@ def squad(args, tmp) -> dict:
     out = {"task": "squad_v1", "train_questions": count(dev["data"][:k]),
            "eval_questions": count(dev["data"][k:]), "hyper_parameters": hp, "load_before": load_average()}
     out["bert_jax"] = run_ours("configs/squad.py", os.path.join(tmp, "w_squad"), dict(
-        hp, data_dir=data, init_checkpoint=args.model))
+        hp, data_dir=data, init_checkpoint=args.model, **args.overrides))
     out["load_after"] = load_average()
     return out
 
@@ -187,17 +184,18 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
+    args.overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a key of the task's config)")
-        EXTRA[key] = value
+        args.overrides[key] = value
     if not os.path.isdir(DATA) or not os.path.exists(os.path.join(args.model, "model.safetensors")):
         reason = f"needs {DATA} and the MiniLM model in {args.model} (../shared/tools/fetch_minilm.sh)"
         print(json.dumps({"benchmark": "bench_finetune", "skipped": reason}) if args.json else f"skipped: {reason}")
         return
     results = {"benchmark": "bench_finetune", "date": time.strftime("%Y-%m-%d"), "host_cpus": os.cpu_count(),
-               "overrides": dict(EXTRA), "runs": []}
+               "overrides": args.overrides, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for task in args.tasks.split(","):
             run = {"sst2": sst2, "conll2003": conll, "squad_v1": squad}[task](args, tmp)
