@@ -66,6 +66,8 @@ def main(argv):
         check_paths(config.to_dict(), _WORKDIR.value)
     except StorageError as e:
         raise SystemExit(f"FATAL: {e}") from None
+    from bert_jax import host_memory  # before JAX starts threads: they pick their malloc arena once
+    logging.info("host memory: %s", host_memory.configure(config.get("keep_freed_host_memory", "auto")))
     init_distributed(_MULTIHOST.value)
     from bert_jax import demo, finetune, predict, pretrain
     modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run, "finetune": finetune.run,

@@ -274,6 +274,7 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
              f"--config.init_checkpoint={tmp_path / 'train'}", f"--config.eval_data={data}/eval-0.tfrecord",
              "--config.global_batch_size=16", "--config.verify_data=false"])
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "host memory: on" in r.stderr  # a CPU-only run keeps freed buffers (tests/test_host_memory.py)
     results = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
     assert set(results) == {"masked_lm_loss", "masked_lm_accuracy", "next_sentence_loss", "next_sentence_accuracy"}
     # Independent check: the same weights scored record by record in numpy.
