@@ -21,6 +21,11 @@ the same config, batch, inputs, optimizer and dtype, with the same losses (its M
 computed at every position, then gathered), and reports our speed over its speed; the timed
 rounds alternate between the two so that both see the same machine load.
 
+`--hf_process` times HF's step in a fresh process of its own instead (this script with `--hf_only`
+and `--host_memory=false`: glibc's default malloc, as a transformers user runs it), between the two
+halves of our rounds; ours runs with `--host_memory` as `bert_jax.main` sets it (default `auto`:
+freed buffers kept for the next step on a CPU-only machine).
+
 `--packing` builds rows of 3 sequences each (pack_ids, restarted position_ids, one [CLS] per
 sequence) and reports effective (non-pad) tokens/s; unpacked rows are all real tokens.
 `--attention=dot_product` (cuDNN fused attention on GPUs) runs without attention-probability
@@ -87,6 +92,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="timed rounds of --steps (alternating with --hf)")
     p.add_argument("--hf", action="store_true", help="also time transformers' FlaxBertForPreTraining")
+    p.add_argument("--hf_process", action="store_true",
+                   help="time transformers' step in a process of its own with glibc's default malloc (as its "
+                        "users run it), between the two halves of our rounds")
+    p.add_argument("--hf_only", action="store_true", help="time transformers' step alone (what --hf_process runs)")
+    p.add_argument("--host_memory", default="auto", choices=["auto", "true", "false"],
+                   help="config.keep_freed_host_memory, as bert_jax.main applies it (bert_jax/host_memory.py)")
     p.add_argument("--compile_only", action="store_true", help="lower + compile, report the time, stop")
     p.add_argument("--peak_tflops", type=float, default=0.0, help="per-device peak (default: known devices)")
     p.add_argument("--measure_peak", action="store_true",
@@ -436,14 +447,49 @@ def setup(args):
     return config, bert_config, mesh, batch_np, predictions
 
 
+def hf_alone(args) -> dict:
+    """`--hf_only`: HF's step timed alone (warm-up, then `--rounds` x `--steps`), printed as JSON."""
+    config, bert_config, _, batch_np, _ = setup(args)
+    hf, runner = bench_hf(args, config, bert_config, batch_np)
+    runner.run(args.warmup, record=False)
+    for _ in range(args.rounds):
+        runner.run(args.steps)
+    result = {"hf_step_s": runner.median, "hf_compile_s": hf["compile_s"], "hf_loss": runner.loss,
+              "hf_timed_steps": len(runner.durations)}
+    print(json.dumps(result))
+    return result
+
+
+def hf_in_its_own_process(argv: list) -> dict:
+    """HF's step timed by a fresh process of this script (`--hf_only --host_memory=false`)."""
+    import subprocess
+
+    drop = ("--hf", "--hf_process", "--json", "--measure_peak", "--host_memory", "--profile_dir")
+    flags = [a for a in argv if a.split("=")[0] not in drop]
+    log("timing HF's step in a process of its own")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *flags, "--hf_only", "--host_memory=false"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"HF's process failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    from bert_jax import host_memory  # before JAX starts its threads, as bert_jax.main
+    memory = host_memory.configure(args.host_memory)
+    log(f"host memory: {memory}")
+    if args.hf_only:
+        return hf_alone(args)
     import jax
     from bert_jax import modeling, pretrain, steps
 
     config, bert_config, mesh, batch_np, predictions = setup(args)
-    if args.packing and args.hf:
+    if args.packing and (args.hf or args.hf_process):
         raise SystemExit("--hf does not support --packing (HF's BERT has no packed attention)")
+    if args.hf and args.hf_process:
+        raise SystemExit("--hf (in this process) or --hf_process (in its own), not both")
 
     device = jax.devices()[0]
     peak = pretrain.peak_flops_per_device()
@@ -460,6 +506,7 @@ def main(argv=None):
         "predictions": predictions, "dtype": args.dtype, "attention": args.attention, "scan": args.scan,
         "remat": args.remat, "packing": args.packing, "prng": args.prng,
         "dropout": not args.no_dropout, "hidden_act": bert_config.hidden_act, "fp8": bert_config.fp8,
+        "host_memory": memory,
     }
     # The positions the last layer computes: the masked ones and each row's [CLS] (3 when packed).
     queries = modeling.last_layer_queries(bert_config, args.seq_len, predictions, 3 if args.packing else 1)
@@ -480,11 +527,16 @@ def main(argv=None):
         runner.run(args.warmup, record=False)
         if hf_runner:
             hf_runner.run(args.warmup, record=False)
+        hf_alone_result = None
         for r in range(args.rounds):
+            if args.hf_process and r == (args.rounds + 1) // 2:
+                hf_alone_result = hf_in_its_own_process(argv)
             log(f"timing round {r + 1} of {args.rounds}: {args.steps} step(s)")
             runner.run(args.steps)
             if hf_runner:
                 hf_runner.run(args.steps)
+        if args.hf_process and hf_alone_result is None:  # one round: HF's after ours
+            hf_alone_result = hf_in_its_own_process(argv)
         log(f"done: median step {runner.median * 1e3:.1f} ms")
         ours["step_s"] = result["step_s"] = runner.median
         result["loss"] = runner.loss
@@ -500,10 +552,13 @@ def main(argv=None):
         result["executed_tflop"] = executed / 1e12
         if measured_peak:
             result["matmul_bound_share"] = executed / (measured_peak * jax.device_count()) / ours["step_s"]
-        if hf_runner:
-            hf_step = hf_runner.median
+        if hf_runner or hf_alone_result:
+            hf_step = hf_runner.median if hf_runner else hf_alone_result["hf_step_s"]
+            if hf_alone_result:
+                result.update(hf_compile_s=hf_alone_result["hf_compile_s"], hf_process="own, glibc's default malloc")
             hf_executed = steps.train_flops_per_sequence(bert_config, args.seq_len, args.seq_len) * args.batch
-            result.update(hf_step_s=hf_step, hf_loss=hf_runner.loss, hf_sequences_per_s=sequences / hf_step,
+            result.update(hf_step_s=hf_step, hf_loss=hf_runner.loss if hf_runner else hf_alone_result["hf_loss"],
+                          hf_sequences_per_s=sequences / hf_step,
                           speedup_vs_hf=hf_step / ours["step_s"], hf_executed_tflop=hf_executed / 1e12,
                           executed_flop_ratio_hf_over_ours=hf_executed / executed)
             if measured_peak:
@@ -527,7 +582,8 @@ def main(argv=None):
                  f"step at {result['matmul_bound_share']:.0%} of its matmul-bound time"
                  if measured_peak else ""))
     if "hf_step_s" in result:
-        print(f"  HF FlaxBertForPreTraining: step {result['hf_step_s'] * 1e3:.1f} ms "
+        print(f"  HF FlaxBertForPreTraining{' (own process)' if args.hf_process else ''}: "
+              f"step {result['hf_step_s'] * 1e3:.1f} ms "
               f"({result['hf_sequences_per_s']:.1f} sequences/s); ours is {result['speedup_vs_hf']:.2f}x")
         print(f"  HF executes {result['hf_executed_tflop'] * 1e3:.1f} GFLOP of matmuls per step "
               f"({result['executed_flop_ratio_hf_over_ours']:.2f}x ours)"
