@@ -23,8 +23,15 @@ def execute(name, tmp_path, **parameters):
     nb = nbformat.read(str(out), as_version=4)
     texts = []
     for cell in nb.cells:
+        # A stream's text is joined back whole: the kernel flushes stdout on a timer, so one print
+        # can land in two outputs, with stderr's logging between them on a loaded machine.
+        streams: dict = {}
         for o in cell.get("outputs", []):
-            texts.append(o.get("text") or str(o.get("data", {}).get("text/plain", "")))
+            if o.get("output_type") == "stream":
+                streams[o["name"]] = streams.get(o["name"], "") + o["text"]
+            else:
+                texts.append(str(o.get("data", {}).get("text/plain", "")))
+        texts.extend(streams.values())
     return "\n".join(texts)
 
 
