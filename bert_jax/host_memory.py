@@ -11,9 +11,9 @@ two cores, ~12% of the CPU time a run spends (`benchmarks/RESULTS.md`, "Page fau
 heap (one arena: worker threads included) and to keep what is freed there: from the second step
 on, the step reuses its pages. The process's peak memory is unchanged (the step needs the
 buffer either way; 3.74 against 3.76 GB for the BERT-Base step); it is returned to the system at
-exit rather than after every step. The cost: with one arena, the threads of XLA's compiler share
-one lock, so the phases that compile run slower (measured: fine-tuning steps 1.20-1.26× faster,
-its compile phases 6-11 s slower in all).
+exit rather than after every step. The cost, measured: the phases that compile run slower
+(fine-tuning steps 1.20-1.26× faster, its compile phases 6-11 s slower in all), likely because
+XLA's compiler threads now share the one arena's lock.
 
 `python -m bert_jax.main` applies it before any computation when the machine has no accelerator
 (`config.keep_freed_host_memory`: "auto", "true", "false"), and never over a user's own `MALLOC_*`
