@@ -60,14 +60,20 @@ def main(argv):
     del argv
     logging.get_absl_handler().addFilter(_QuietLibraries())
     config = _CONFIG.value
+    # First, before anything starts a thread (JAX's backends, a gs:// client): threads pick their
+    # malloc arena once.
+    from bert_jax import host_memory
+    try:
+        memory = host_memory.configure(config.get("keep_freed_host_memory", "auto"))
+    except ValueError as e:
+        raise SystemExit(f"FATAL: {e}") from None
+    logging.info("host memory: %s", memory)
     from bert_jax.workdir import check_paths
     from data_pipeline.storage import StorageError
     try:  # a path no installed backend handles: refused before anything runs or is written
         check_paths(config.to_dict(), _WORKDIR.value)
     except StorageError as e:
         raise SystemExit(f"FATAL: {e}") from None
-    from bert_jax import host_memory  # before JAX starts threads: they pick their malloc arena once
-    logging.info("host memory: %s", host_memory.configure(config.get("keep_freed_host_memory", "auto")))
     init_distributed(_MULTIHOST.value)
     from bert_jax import demo, finetune, predict, pretrain
     modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run, "finetune": finetune.run,
