@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import glob
 import os
 import platform
+
+from data_pipeline import storage
 
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -48,7 +49,7 @@ def has_accelerator() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
-    return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
+    return any(storage.glob(pattern) for pattern in ACCELERATOR_DEVICES)
 
 
 def user_malloc_settings() -> list:
