@@ -78,8 +78,9 @@ def configure(setting) -> str:
     if setting == "auto":
         if has_accelerator():
             return "off: an accelerator is present (config.keep_freed_host_memory=auto)"
-        if user_malloc_settings():
-            return f"off: the environment sets {', '.join(user_malloc_settings())}"
+        theirs = user_malloc_settings()
+        if theirs:
+            return f"off: the environment sets {', '.join(theirs)}"
     if not keep_freed_memory():
         return "off: not glibc on Linux"
     return "on: one heap, large blocks kept for reuse (config.keep_freed_host_memory)"
