@@ -74,6 +74,13 @@ def main(argv):
         check_paths(config.to_dict(), _WORKDIR.value)
     except StorageError as e:
         raise SystemExit(f"FATAL: {e}") from None
+    # Before anything compiles: programs of earlier runs are loaded instead of compiled again.
+    from bert_jax import compile_cache
+    try:
+        logging.info("compilation cache: %s", compile_cache.configure(config.get("compilation_cache", "auto")))
+    except ValueError as e:
+        raise SystemExit(f"FATAL: {e}") from None
+    stats = compile_cache.CacheStats().start()
     init_distributed(_MULTIHOST.value)
     from bert_jax import demo, finetune, predict, pretrain
     modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run, "finetune": finetune.run,
@@ -81,6 +88,7 @@ def main(argv):
     if config.mode not in modes:
         raise app.UsageError(f"config.mode must be one of {sorted(modes)}, got {config.mode!r}")
     modes[config.mode](config, _WORKDIR.value)
+    logging.info("compilation cache: %s", stats.summary())
 
 
 def parse_flags(argv):

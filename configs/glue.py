@@ -96,6 +96,9 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     # CPU-only machines: glibc keeps freed large blocks for the next step instead of unmapping them
     # (~12% of a CPU run's time went to page faults; bert_jax/host_memory.py). auto | true | false
     config.keep_freed_host_memory = "auto"
+    # Compiled programs kept on disk for the next run (bert_jax/compile_cache.py): auto (JAX_COMPILATION_CACHE_DIR,
+    # else $BERT_JAX_CACHE_DIR/xla, at most 4 GiB) | off | a folder (local or gs://)
+    config.compilation_cache = "auto"
     # -1: XLA's default. 0 compiles several times faster on CPU and runs slower (tests, debugging).
     config.xla_backend_optimization_level = -1
     return config

@@ -1,7 +1,10 @@
 """Test setup: 8 fake CPU devices, set before jax is imported anywhere."""
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 import threading
 
 import pytest
@@ -12,6 +15,11 @@ for _flag in ("--xla_force_host_platform_device_count=8", *FAST_COMPILE.split())
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# bert_jax's local caches (gs:// copies, config.compilation_cache="auto"'s compiled programs) go to a
+# folder of this test process, not the user's ~/.cache/bert_jax; tests that need their own set it.
+if "BERT_JAX_CACHE_DIR" not in os.environ:
+    os.environ["BERT_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="bert_jax_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["BERT_JAX_CACHE_DIR"], ignore_errors=True)
 # Under BERT_JAX_CI=1 a failed `pytest.importorskip` fails (tests/ci_required.py).
 pytest_plugins = ["ci_required"]
 # TensorFlow must not grab both cores' worth of threads or print its banner in tests.

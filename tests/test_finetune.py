@@ -9,6 +9,7 @@ each kind once: the module takes about two minutes on two CPU cores.
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -892,20 +893,35 @@ def test_swag_from_files(tmp_path, checkpoint):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_main_dispatches_finetune(tmp_path, checkpoint, compilation_cache):
+def test_main_second_run_loads_its_programs(tmp_path, checkpoint):
+    """`python -m bert_jax.main` twice, the same run: the first compiles its programs into
+    config.compilation_cache's "auto" folder ($BERT_JAX_CACHE_DIR/xla), the second loads every one
+    of them from there, and its results are the first's to the bit."""
     glue_files(tmp_path / "data" / "RTE", "rte", np.random.RandomState(6))
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=compilation_cache,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    work = tmp_path / "work"
-    cmd = [sys.executable, "-m", "bert_jax.main", "--config=configs/glue.py", "--config.task=rte",
-           f"--config.data_dir={tmp_path / 'data'}", f"--config.init_checkpoint={checkpoint['bert_jax']}",
-           f"--workdir={work}", "--config.max_seq_length=16", "--config.global_batch_size=8",
-           "--config.num_train_epochs=1", "--config.learning_rate=1e-3", "--config.log_every_steps=1",
-           "--config.async_checkpointing=false", "--config.xla_backend_optimization_level=0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "accuracy" in read_json(work / "eval_results.json")
-    assert (work / "RTE.tsv").exists()
+    env = dict(os.environ, BERT_JAX_CACHE_DIR=str(tmp_path / "cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    runs = []
+    for n in range(2):
+        work = tmp_path / f"work{n}"
+        cmd = [sys.executable, "-m", "bert_jax.main", "--config=configs/glue.py", "--config.task=rte",
+               f"--config.data_dir={tmp_path / 'data'}", f"--config.init_checkpoint={checkpoint['bert_jax']}",
+               f"--workdir={work}", "--config.max_seq_length=16", "--config.global_batch_size=8",
+               "--config.num_train_epochs=1", "--config.learning_rate=1e-3", "--config.log_every_steps=1",
+               "--config.async_checkpointing=false", "--config.xla_backend_optimization_level=0"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"compilation cache: {tmp_path / 'cache' / 'xla'} (config.compilation_cache=auto" in proc.stderr
+        loaded = re.search(r"compilation cache: (\d+) of (\d+) programs loaded from it", proc.stderr)
+        assert loaded, proc.stderr[-3000:]
+        runs.append(dict(hits=int(loaded[1]), programs=int(loaded[2]), results=read_json(work / "eval_results.json"),
+                         predictions=(work / "RTE.tsv").read_text()))
+    first, second = runs
+    assert "accuracy" in first["results"]
+    assert first["hits"] == 0 and first["programs"] >= 3  # init, training, evaluation at least
+    assert second["hits"] == second["programs"] == first["programs"]
+    assert second["results"] == first["results"]
+    assert second["predictions"] == first["predictions"]
 
 
 @pytest.mark.parametrize("head,outputs,shape", [
