@@ -148,9 +148,12 @@ def test_the_fine_tuning_run_is_skipped_without_its_python_and_tabled_with_its_r
     result = {"benchmark": "bench_finetune", "runs": [{
         "task": "sst2", "train_examples": 2000,
         "bert_jax": {"wall_s": 100.0, "train_sequences_per_s": 20.0},
-        "transformers": {"wall_s": 149.0, "process_wall_s": 150.0, "train_sequences_per_s": 16.5}}]}
+        "transformers": {"wall_s": 149.0, "process_wall_s": 150.0, "train_sequences_per_s": 16.5},
+        "bert_jax_warm": {"wall_s": 60.0, "train_sequences_per_s": 20.0}}]}
     row = suite.table([{"name": runs[0][0], "status": "ok", "wall_s": 260.0, "result": result}]).splitlines()[-1]
     assert "ours 100 s wall, 20 training seq/s; transformers 150 s, 16.5 seq/s; wall ratio 1.50x" in row
+    assert "ours again on its compilation cache 60 s (2.50x)" in row
+    assert "--warm" in runs[0][2]
     skipped = suite.table([{"name": runs[0][0], "status": "ok", "wall_s": 1.0,
                             "result": {"benchmark": "bench_finetune", "skipped": "needs ../shared/data"}}])
     assert "skipped, needs ../shared/data" in skipped
