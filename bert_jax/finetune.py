@@ -349,11 +349,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                      in_shardings=(state_shardings.params, batch_sharding), compiler_options=compiler_options)
     keys = heads.batch_keys(task.head)
     buckets = config.get("trim_padding_buckets", 0)
-    trimming = trim_arguments(buckets, max_len, task.head)
+    trimming = eval_trimming = trim_arguments(buckets, max_len, task.head)
     if trimming["lengths"]:
-        logging.info("batches cut to the shortest of lengths %s holding their longest row "
-                     "(config.trim_padding_buckets=%d)", trimming["lengths"], buckets)
-    predict = functools.partial(_predict, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch, **trimming)
+        # Only the lengths whose steps save more than their compile costs (the same on every host
+        # and on resuming: a function of the data, the seed and the config).
+        cost = compile_cost(config)
+        needs = training_needs(train.features, config.global_batch_size, config.seed, total_steps,
+                               len(epoch_ends), stream)
+        eval_needs = np.tile(np.concatenate([eval_batch_needs(s.features, eval_batch) for s in evals]
+                                            or [np.zeros(0, np.int64)]), len(epoch_ends))
+        eval_cost = cost * FORWARD_COMPILE_SHARE * 3 * config.global_batch_size / eval_batch
+        chosen = {"training": tasks_lib.choose_lengths(needs, trimming["lengths"], cost),
+                  "evaluation": tasks_lib.choose_lengths(eval_needs, trimming["lengths"], eval_cost)}
+        logging.info("batches cut to the shortest length holding their longest row, out of %s "
+                     "(config.trim_padding_buckets=%d), where the steps saved pay for the compile (one "
+                     "costs %g training steps, config.trim_padding_compile_cost): %s", trimming["lengths"],
+                     buckets, cost, "; ".join(f"{k} {_batches_per_length(v, n)}" for (k, v), n in
+                                               zip(chosen.items(), (needs, eval_needs))))
+        eval_trimming = dict(trimming, lengths=chosen["evaluation"])
+        trimming = dict(trimming, lengths=chosen["training"])
+    predict = functools.partial(_predict, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch, **eval_trimming)
 
     history = list(meta.get("history", []))
     best = meta.get("best")
@@ -495,6 +510,59 @@ def _place_encoder(encoder: dict, shardings: dict) -> dict:
         raise ValueError("the checkpoint's encoder parameters do not match the model "
                          f"(expected {want}, got {have})")
     return sharding.place(encoder, shardings)
+
+
+COMPILE_COST_AUTO = {"cpu": 8.0}  # else ACCELERATOR_COMPILE_COST
+ACCELERATOR_COMPILE_COST = 1000.0
+# An evaluation program (forward only) compiles in about an eighth of the training step's time
+# (MiniLM on 2 CPU cores: 1.4-1.8 s against 12.7 s), and a forward pass costs about a third of a
+# training step per row: evaluation's compile cost, in its own batches, follows from training's.
+FORWARD_COMPILE_SHARE = 1 / 8
+
+
+def compile_cost(config: ml_collections.ConfigDict) -> float:
+    """What compiling one more length costs, in training steps at `max_seq_length`
+    (`config.trim_padding_compile_cost`; -1 = measured defaults for the backend: 8 on CPU, where
+    all-MiniLM-L6-v2's step at batch 32, length 64 compiles in 12.7 s and runs in 1.6 s on two
+    cores; 1000 on GPUs and TPUs, where BERT-Base's step at batch 128 compiled in ~41 s and ran in
+    ~49 ms on an H100, benchmarks/RESULTS.md: ~840 steps, and more at fine-tuning's batch 32)."""
+    cost = float(config.get("trim_padding_compile_cost", -1))
+    if cost == -1:
+        return COMPILE_COST_AUTO.get(jax.default_backend(), ACCELERATOR_COMPILE_COST)
+    if cost < 0:
+        raise ValueError(f"config.trim_padding_compile_cost={cost}: -1 (the backend's default), "
+                         "0 (every length a batch needs) or a number of steps")
+    return cost
+
+
+def eval_batch_needs(features: dict, batch_size: int) -> np.ndarray:
+    """The longest real row of each batch `_predict` makes of a split (its rows by length)."""
+    from data_pipeline import tasks as tasks_lib
+
+    row_length = tasks_lib.row_lengths(features["input_mask"])
+    return tasks_lib.batch_needs(row_length, batch_size, np.argsort(row_length, kind="stable"))
+
+
+def _batches_per_length(lengths: tuple, needs: np.ndarray) -> str:
+    counts = np.bincount(np.searchsorted(lengths, needs), minlength=len(lengths)) if len(needs) else [0] * len(lengths)
+    return ", ".join(f"{n}: {int(c)}" for n, c in zip(lengths, counts))
+
+
+def training_needs(features: dict, global_batch_size: int, seed: int, total_steps: int, epochs: int,
+                   stream: bool) -> np.ndarray:
+    """The longest real row of the batch of every training step of the run, from step 0 (the
+    batches of `tasks.batches` per epoch, or of `stream_batches`)."""
+    from data_pipeline import tasks as tasks_lib
+
+    row_length = tasks_lib.row_lengths(features["input_mask"])
+    n = len(row_length)
+    if not stream:
+        return np.concatenate([tasks_lib.batch_needs(row_length, global_batch_size,
+                                                     np.random.RandomState(seed + e).permutation(n))
+                               for e in range(epochs)])
+    passes = -(-total_steps * global_batch_size // n)
+    order = np.concatenate([np.random.RandomState(seed + p).permutation(n) for p in range(passes)])
+    return row_length[order[:total_steps * global_batch_size]].reshape(total_steps, global_batch_size).max(axis=1)
 
 
 def trim_arguments(buckets: int, max_seq_length: int, head: str) -> dict:

@@ -1158,10 +1158,13 @@ def test_batches_cut_short_of_the_padding_train_and_predict_as_full_padding(tmp_
     bert_config = checkpoint["config"].replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     base = glue_config.get_config() if kind == "sst2" else ner_config.get_config()
     runs = {}
-    for buckets in (0, 4):
+    # "4 free": every length some batch needs (compiles counted as free); "4": the default choice,
+    # where on CPU a compile costs 8 steps and cutting 10 steps to 8 positions saves at most 5.
+    for buckets, cost in ((0, -1.0), ("4 free", 0.0), (4, -1.0)):
         config = tiny(base.copy_and_resolve_references(), kind, folder.parent if kind == "sst2" else folder,
-                      "", num_train_epochs=2, learning_rate=1e-2, trim_padding_buckets=buckets, predict_test=False)
-        work = tmp_path / f"work{buckets}"
+                      "", num_train_epochs=2, learning_rate=1e-2, trim_padding_buckets=int(str(buckets)[0]),
+                      trim_padding_compile_cost=cost, predict_test=False)
+        work = tmp_path / f"work{buckets}".replace(" ", "_")
         widths.clear()
         results = finetune.train_and_evaluate(config, str(work), finetune.make_task(config), bert_config,
                                               {"bert": checkpoint["params"]["bert"]}, checkpoint["vocab"], True)
@@ -1169,9 +1172,31 @@ def test_batches_cut_short_of_the_padding_train_and_predict_as_full_padding(tmp_
         predictions = (work / (f"{kind}_dev_predictions." + ("tsv" if kind == "sst2" else "txt"))).read_text()
         runs[buckets] = results, params, predictions, list(widths)
     assert set(runs[0][3]) == {16}
-    assert set(runs[4][3]) == {8, 16}, runs[4][3]  # cut where a whole batch fits in 8
-    assert len(runs[4][3]) == len(runs[0][3])  # the same batches, training and evaluation
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=0), runs[4][1], runs[0][1])
-    assert runs[4][2] == runs[0][2]
-    assert runs[4][0] == pytest.approx(runs[0][0], abs=2e-5)
+    assert set(runs["4 free"][3]) == {8, 16}, runs["4 free"][3]  # cut where a whole batch fits in 8
+    assert set(runs[4][3]) == {16}  # not worth a second compile
+    for cut in ("4 free", 4):
+        assert len(runs[cut][3]) == len(runs[0][3])  # the same batches, training and evaluation
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=0), runs[cut][1], runs[0][1])
+        assert runs[cut][2] == runs[0][2]
+        assert runs[cut][0] == pytest.approx(runs[0][0], abs=2e-5)
     assert not np.allclose(runs[0][1]["head"]["output"]["kernel"], 0.0)  # trained, not empty
+
+
+@pytest.mark.parametrize("steps_from", ["epochs", "examples"])
+def test_training_needs_are_the_lengths_the_training_batches_are_cut_to(steps_from):
+    """What the length choice counts, per step of the whole run, is what the loop's batches (of
+    `tasks.batches` per epoch, or `stream_batches`) are cut to when every length is allowed."""
+    from data_pipeline import tasks as tasks_lib
+    rng = np.random.RandomState(4)
+    lengths = rng.randint(1, 17, size=21)
+    mask = (np.arange(16)[None] < lengths[:, None]).astype(np.int32)
+    features = {"input_ids": mask, "input_mask": mask, "weight": np.ones(21, np.float32)}
+    every = dict(lengths=tuple(range(1, 17)), sequence_keys=("input_ids",))
+    if steps_from == "epochs":
+        total, epochs = 9, 3  # 3 batches of 8 per epoch, the last completed with row 0
+        batches = [b for e in range(epochs) for b in tasks_lib.batches(features, ["input_ids"], 8, shuffle_seed=5 + e, **every)]
+    else:
+        total, epochs = 7, 3  # int(21 / 8 * 2.7): 56 rows from a stream of passes
+        batches = list(finetune.stream_batches(features, ["input_ids"], 8, range(total), seed=5, **every))
+    needs = finetune.training_needs(features, 8, 5, total, epochs, steps_from == "examples")
+    assert needs.tolist() == [b["input_ids"].shape[1] for b in batches]

@@ -219,6 +219,62 @@ def test_bucket_lengths_by_hand():
         tasks.bucket_lengths(64, -1)
 
 
+def test_batch_needs_are_the_lengths_batches_cut_to():
+    """Per batch, the longest real row: what `batches` cuts each batch to when every length is
+    allowed (the last batch completed with row 0, as there)."""
+    rng = np.random.RandomState(3)
+    lengths = rng.randint(1, 33, size=37)
+    mask = (np.arange(32)[None] < lengths[:, None]).astype(np.int32)
+    features = {"input_ids": mask, "input_mask": mask, "weight": np.ones(37, np.float32)}
+    for seed in (0, 1, 2):
+        order = np.random.RandomState(seed).permutation(37)
+        cut = [b["input_ids"].shape[1] for b in tasks.batches(features, ["input_ids"], 8, order=order,
+                                                               lengths=tuple(range(1, 33)), sequence_keys=("input_ids",))]
+        assert tasks.batch_needs(tasks.row_lengths(mask), 8, order).tolist() == cut
+    assert tasks.batch_needs(np.array([5, 9, 3, 7, 2]), 2, np.array([4, 2, 0, 1, 3])).tolist() == [3, 9, 7]
+
+
+def _set_cost(needs, chosen, top, compile_cost):
+    """A brute-force reference: each batch at the shortest chosen length holding it."""
+    chosen = sorted(chosen)
+    return len(chosen) * compile_cost + sum(next(n for n in chosen if n >= need) / top for need in needs)
+
+
+def test_choose_lengths_is_the_cheapest_set_of_all():
+    """Against every subset of the lengths (holding the longest batch), on random runs: the chosen
+    set costs the least, and no set as cheap has fewer lengths."""
+    import itertools
+    rng = np.random.RandomState(0)
+    for trial in range(60):
+        lengths = tuple(sorted(rng.choice(np.arange(8, 129, 8), size=rng.randint(1, 7), replace=False).tolist()))
+        needs = rng.randint(0, lengths[-1] + 1, size=rng.randint(1, 80))
+        cost = float(rng.choice([0, 0.5, 3, 8, 20, 1000]))
+        chosen = tasks.choose_lengths(needs, lengths, cost)
+        valid = [c for r in range(1, len(lengths) + 1) for c in itertools.combinations(lengths, r)
+                 if max(c) >= needs.max()]
+        best = min(_set_cost(needs, c, lengths[-1], cost) for c in valid)
+        assert _set_cost(needs, chosen, lengths[-1], cost) == pytest.approx(best, rel=1e-12), (lengths, cost)
+        fewest = min(len(c) for c in valid if _set_cost(needs, c, lengths[-1], cost) <= best * (1 + 1e-12))
+        assert len(chosen) == fewest
+        assert set(chosen) <= set(lengths) and list(chosen) == sorted(chosen)
+
+
+def test_choose_lengths_by_hand():
+    # SST-2's first 2,000 shuffled rows at length 64, batch 32: 11 batches need 32, 43 need 48, 9 need 64.
+    needs = [32] * 11 + [48] * 43 + [64] * 9
+    assert tasks.choose_lengths(needs, (16, 32, 48, 64), 8) == (48, 64)  # 65.5 against 71 and 70.75
+    assert tasks.choose_lengths(needs, (16, 32, 48, 64), 0) == (32, 48, 64)  # free compiles: every length used
+    assert tasks.choose_lengths(needs, (16, 32, 48, 64), 20) == (64,)
+    assert tasks.choose_lengths([3, 5], (8, 16), 0) == (8,)  # nothing needs 16: not compiled
+    assert tasks.choose_lengths([], (8, 16), 1) == (16,)
+    with pytest.raises(ValueError, match="past the longest length 16"):
+        tasks.choose_lengths([17], (8, 16), 1)
+    with pytest.raises(ValueError, match="ascending"):
+        tasks.choose_lengths([1], (16, 8), 1)
+    with pytest.raises(ValueError, match="compile_cost=-1"):
+        tasks.choose_lengths([1], (8, 16), -1)
+
+
 def test_batches_are_cut_to_the_global_batchs_longest_row_on_every_host():
     lengths = np.array([3, 9, 2, 4, 16, 5, 1, 7, 8, 2])  # real positions of each row
     mask = (np.arange(16)[None] < lengths[:, None]).astype(np.int32)

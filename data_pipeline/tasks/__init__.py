@@ -446,6 +446,58 @@ def trimmed_length(input_mask: np.ndarray, lengths: Sequence[int]) -> int:
     return next((n for n in lengths if n >= need), input_mask.shape[-1])
 
 
+def batch_needs(row_length: np.ndarray, global_batch_size: int, order: np.ndarray) -> np.ndarray:
+    """The longest real row of each global batch `batches` makes of the rows in `order` (its last
+    batch completed with row 0, as there): per batch, what `trimmed_length` cuts to.
+
+    Example: row lengths [5, 9, 3, 7, 2], batch 2, order [4, 2, 0, 1, 3] -> batches (4, 2), (0, 1),
+    (3, 0) -> [3, 9, 7]."""
+    order = np.asarray(order, np.int64)
+    full = -(-len(order) // global_batch_size) * global_batch_size
+    rows = np.concatenate([order, np.zeros(full - len(order), np.int64)])
+    return np.asarray(row_length)[rows].reshape(-1, global_batch_size).max(axis=1)
+
+
+def choose_lengths(needs: Sequence[int], lengths: Sequence[int], compile_cost: float) -> tuple[int, ...]:
+    """The lengths worth a compiled program, out of `lengths` (ascending), for batches whose
+    longest rows are `needs` (every batch of a run, in any order).
+
+    Each batch runs at the shortest chosen length that holds it. A step is assumed to cost in
+    proportion to its length, one at `lengths[-1]` costing 1, and compiling a length
+    `compile_cost` such steps. The choice minimizes compiles plus steps, exactly (dynamic
+    programming over the lengths some batch needs; ties go to fewer lengths). `compile_cost=0`
+    gives every length some batch needs, as if compiling were free.
+
+    Example: lengths (16, 32, 48, 64), 11 batches need 32, 43 need 48, 9 need 64. Compiling costs
+    8 steps: (48, 64) costs 16 + 54 * 0.75 + 9 = 65.5, against 71 for (64,) alone and 70.75 for
+    all three.
+    """
+    lengths = [int(n) for n in lengths]
+    if not lengths or lengths != sorted(set(lengths)):
+        raise ValueError(f"lengths {lengths} must be ascending and distinct")
+    if compile_cost < 0:
+        raise ValueError(f"compile_cost={compile_cost} must not be negative")
+    needs = np.asarray(needs, np.int64)
+    if needs.size == 0:
+        return (lengths[-1],)
+    if needs.max() > lengths[-1]:
+        raise ValueError(f"a batch needs {needs.max()} positions, past the longest length {lengths[-1]}")
+    counts = np.bincount(np.searchsorted(lengths, needs), minlength=len(lengths))
+    used = [j for j in range(len(lengths)) if counts[j]]  # an unused length never pays for its compile
+    top = lengths[-1]
+    best: dict = {-1: (0.0, ())}  # used[k] chosen as the longest so far -> (cost, chosen lengths)
+    for k, j in enumerate(used):
+        options = []
+        for i in range(-1, k):
+            below = used[i] if i >= 0 else -1
+            served = int(counts[below + 1:j + 1].sum())
+            cost, chosen = best[i]
+            options.append((cost + compile_cost + served * lengths[j] / top, len(chosen) + 1, chosen + (lengths[j],)))
+        cost, _, chosen = min(options)
+        best[k] = (cost, chosen)
+    return best[len(used) - 1][1]
+
+
 def batches(features: dict[str, np.ndarray], keys: Sequence[str], global_batch_size: int, *,
             process_index: int = 0, process_count: int = 1, shuffle_seed: Optional[int] = None,
             order: Optional[np.ndarray] = None, lengths: Optional[Sequence[int]] = None,
