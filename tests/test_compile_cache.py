@@ -78,7 +78,7 @@ def test_auto_under_an_unwritable_cache_folder_runs_without_a_cache(tmp_path, mo
 def test_stats_count_programs_loaded_from_the_cache(tmp_path):
     """In a fresh process (JAX initializes its cache once per process): a program compiled, its
     in-memory copy dropped, compiled again -> the second comes from the folder, and CacheStats
-    counts one hit of two requests."""
+    counts one hit of two requests; with the entry cut in half, the third is compiled again."""
     script = textwrap.dedent(f"""
         import os
         os.environ["BERT_JAX_CACHE_DIR"] = {str(tmp_path / "cache")!r}
@@ -96,6 +96,17 @@ def test_stats_count_programs_loaded_from_the_cache(tmp_path):
         assert float(first) == float(second)
         print(stats.hits, stats.requests)
         print(stats.summary())
+        # A damaged entry (a run killed while writing it): JAX warns and compiles again.
+        folder = jax.config.jax_compilation_cache_dir
+        for name in os.listdir(folder):
+            if name.endswith("-cache"):
+                path = os.path.join(folder, name)
+                data = open(path, "rb").read()
+                open(path, "wb").write(data[:len(data) // 2])
+        jax.clear_caches()
+        third = jax.jit(f)(x)
+        assert float(third) == float(first)
+        print(stats.hits, stats.requests)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120,
                           env=dict(os.environ, PYTHONPATH=REPO))
@@ -104,4 +115,5 @@ def test_stats_count_programs_loaded_from_the_cache(tmp_path):
     assert str(tmp_path / "cache" / "xla") in lines[0]
     assert lines[1] == "1 2"
     assert lines[2].startswith("1 of 2 programs loaded from it")
+    assert lines[3] == "1 3"  # the damaged entry was not loaded
     assert os.listdir(tmp_path / "cache" / "xla")
