@@ -15,7 +15,8 @@ import pytest
 from bert_jax import compile_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_compilation_cache_max_size")
+NAMES = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_compilation_cache_max_size",
+         "jax_persistent_cache_min_compile_time_secs")
 
 
 @pytest.fixture
@@ -30,11 +31,13 @@ def jax_settings():
 
 def test_auto_uses_the_bert_jax_cache_folder_with_a_size_cap(tmp_path, monkeypatch, jax_settings):
     monkeypatch.setenv("BERT_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
     message = compile_cache.configure("auto")
     folder = str(tmp_path / "cache" / "xla")
     assert jax.config.jax_compilation_cache_dir == folder
     assert jax.config.jax_enable_compilation_cache
     assert jax.config.jax_compilation_cache_max_size == 4 << 30
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0  # every program
     assert os.path.isdir(folder)
     assert folder in message and "4 GiB" in message
 
@@ -54,10 +57,13 @@ def test_off_turns_the_cache_off_whatever_the_environment_says(tmp_path, jax_set
     assert not jax.config.jax_enable_compilation_cache
 
 
-def test_a_folder_is_used_as_given(tmp_path, jax_settings):
+def test_a_folder_is_used_as_given(tmp_path, monkeypatch, jax_settings):
     folder = str(tmp_path / "mine" / "xla")
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2.5")  # the user's threshold stays
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.5)
     assert folder in compile_cache.configure(folder)
     assert jax.config.jax_compilation_cache_dir == folder
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 2.5
     assert os.path.isdir(folder)
 
 
@@ -83,10 +89,10 @@ def test_stats_count_programs_loaded_from_the_cache(tmp_path):
         import os
         os.environ["BERT_JAX_CACHE_DIR"] = {str(tmp_path / "cache")!r}
         os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+        os.environ.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
         import numpy as np, jax, jax.numpy as jnp
         from bert_jax import compile_cache
         print(compile_cache.configure("auto"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         stats = compile_cache.CacheStats().start()
         f = lambda x: jnp.tanh(x @ x.T).sum()
         x = np.ones((64, 64), np.float32)
