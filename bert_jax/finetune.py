@@ -165,20 +165,26 @@ def stream_batches(features: dict, keys, global_batch_size: int, steps, *, seed:
     """
     from data_pipeline import tasks as tasks_lib
 
-    n = len(features["weight"])
     if global_batch_size % process_count:
         raise ValueError(f"batch size {global_batch_size} must divide by {process_count} processes")
     per_host = global_batch_size // process_count
-    orders: dict = {}
-    for k in steps:
-        stream = np.arange(k * global_batch_size, (k + 1) * global_batch_size)
-        for p in set(stream // n) - set(orders):
-            orders[p] = np.random.RandomState(seed + int(p)).permutation(n)
-        everyone = np.array([orders[j // n][j % n] for j in stream], np.int64)
+    for everyone in stream_rows(len(features["weight"]), global_batch_size, steps, seed):
         rows = everyone[process_index * per_host:(process_index + 1) * per_host]
         out = {key: features[key][rows] for key in keys}
         out["weight"] = features["weight"][rows].astype(np.float32)
         yield tasks_lib.trim(out, features, everyone, lengths, sequence_keys)
+
+
+def stream_rows(n: int, global_batch_size: int, steps, seed: int) -> np.ndarray:
+    """`[len(steps), global_batch_size]`: the rows of each step's global batch in the stream of
+    `stream_batches` (step k: positions `[k*B, (k+1)*B)`; pass p is `RandomState(seed + p)`'s
+    permutation of the `n` rows)."""
+    positions = np.asarray(list(steps), np.int64)[:, None] * global_batch_size + np.arange(global_batch_size)
+    rows = np.empty_like(positions)
+    for p in np.unique(positions // n):
+        here = positions // n == p
+        rows[here] = np.random.RandomState(seed + int(p)).permutation(n)[positions[here] % n]
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +364,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                                len(epoch_ends), stream)
         eval_needs = np.tile(np.concatenate([eval_batch_needs(s.features, eval_batch) for s in evals]
                                             or [np.zeros(0, np.int64)]), len(epoch_ends))
-        eval_cost = cost * FORWARD_COMPILE_SHARE * 3 * config.global_batch_size / eval_batch
+        eval_batch_cost = FORWARD_STEP_SHARE * eval_batch / config.global_batch_size  # in training steps
+        eval_cost = cost * FORWARD_COMPILE_SHARE / eval_batch_cost
         chosen = {"training": tasks_lib.choose_lengths(needs, trimming["lengths"], cost),
                   "evaluation": tasks_lib.choose_lengths(eval_needs, trimming["lengths"], eval_cost)}
         logging.info("batches cut to the shortest length holding their longest row, out of %s "
@@ -518,6 +525,7 @@ ACCELERATOR_COMPILE_COST = 1000.0
 # (MiniLM on 2 CPU cores: 1.4-1.8 s against 12.7 s), and a forward pass costs about a third of a
 # training step per row: evaluation's compile cost, in its own batches, follows from training's.
 FORWARD_COMPILE_SHARE = 1 / 8
+FORWARD_STEP_SHARE = 1 / 3
 
 
 def compile_cost(config: ml_collections.ConfigDict) -> float:
@@ -544,7 +552,7 @@ def eval_batch_needs(features: dict, batch_size: int) -> np.ndarray:
 
 
 def _batches_per_length(lengths: tuple, needs: np.ndarray) -> str:
-    counts = np.bincount(np.searchsorted(lengths, needs), minlength=len(lengths)) if len(needs) else [0] * len(lengths)
+    counts = np.bincount(np.searchsorted(lengths, needs), minlength=len(lengths))
     return ", ".join(f"{n}: {int(c)}" for n, c in zip(lengths, counts))
 
 
@@ -556,13 +564,11 @@ def training_needs(features: dict, global_batch_size: int, seed: int, total_step
 
     row_length = tasks_lib.row_lengths(features["input_mask"])
     n = len(row_length)
-    if not stream:
-        return np.concatenate([tasks_lib.batch_needs(row_length, global_batch_size,
-                                                     np.random.RandomState(seed + e).permutation(n))
-                               for e in range(epochs)])
-    passes = -(-total_steps * global_batch_size // n)
-    order = np.concatenate([np.random.RandomState(seed + p).permutation(n) for p in range(passes)])
-    return row_length[order[:total_steps * global_batch_size]].reshape(total_steps, global_batch_size).max(axis=1)
+    if stream:
+        return row_length[stream_rows(n, global_batch_size, range(total_steps), seed)].max(axis=1)
+    return np.concatenate([tasks_lib.batch_needs(row_length, global_batch_size,
+                                                 np.random.RandomState(seed + e).permutation(n))
+                           for e in range(epochs)])
 
 
 def trim_arguments(buckets: int, max_seq_length: int, head: str) -> dict:

@@ -452,10 +452,17 @@ def batch_needs(row_length: np.ndarray, global_batch_size: int, order: np.ndarra
 
     Example: row lengths [5, 9, 3, 7, 2], batch 2, order [4, 2, 0, 1, 3] -> batches (4, 2), (0, 1),
     (3, 0) -> [3, 9, 7]."""
-    order = np.asarray(order, np.int64)
-    full = -(-len(order) // global_batch_size) * global_batch_size
-    rows = np.concatenate([order, np.zeros(full - len(order), np.int64)])
-    return np.asarray(row_length)[rows].reshape(-1, global_batch_size).max(axis=1)
+    rows, _ = batch_rows(np.asarray(order, np.int64), global_batch_size)
+    return np.asarray(row_length)[rows].max(axis=1)
+
+
+def batch_rows(order: np.ndarray, global_batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`order` cut into global batches, the last completed with row 0: `[batches, size]` row
+    indices and whether each is real (False for the completion)."""
+    full = num_batches(len(order), global_batch_size) * global_batch_size
+    rows = np.concatenate([order, np.zeros(full - len(order), order.dtype)]).reshape(-1, global_batch_size)
+    real = (np.arange(full) < len(order)).reshape(-1, global_batch_size)
+    return rows, real
 
 
 def choose_lengths(needs: Sequence[int], lengths: Sequence[int], compile_cost: float) -> tuple[int, ...]:
@@ -522,11 +529,7 @@ def batches(features: dict[str, np.ndarray], keys: Sequence[str], global_batch_s
     if order is None:
         order = np.arange(n) if shuffle_seed is None else np.random.RandomState(shuffle_seed).permutation(n)
     per_host = global_batch_size // process_count
-    for b in range(num_batches(n, global_batch_size)):
-        idx = order[b * global_batch_size:(b + 1) * global_batch_size]
-        real = np.ones(global_batch_size, bool)
-        real[len(idx):] = False
-        idx = np.concatenate([idx, np.zeros(global_batch_size - len(idx), idx.dtype)])
+    for idx, real in zip(*batch_rows(np.asarray(order), global_batch_size)):
         lo, hi = process_index * per_host, (process_index + 1) * per_host
         rows, keep = idx[lo:hi], real[lo:hi]
         out = {k: features[k][rows] for k in keys}
