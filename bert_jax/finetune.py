@@ -19,6 +19,10 @@ featurization, post-processing and the metric; there is no per-task branch here)
 - each batch cut to the shortest of `config.trim_padding_buckets` lengths that holds its longest
   row (`data_pipeline.tasks.batches`; evaluation takes its rows by length): the padded
   computation to float rounding, at the cost of a compile per length; not for the span head;
+- training rows packed several to a row (`config.packing`, classification, regression and token
+  heads; `data_pipeline/tasks/packed.py`): the unpacked loss to float rounding, in the rows
+  each step needs; the lengths and row counts compiled are those that pay for their compile
+  (`bert_jax.finetune_batches` plans every step's batch before training);
 - or google-research/bert's `run_classifier.py` / `run_squad.py` recipe (docs/finetuning.md):
   `optimizer="google_adamw"`, `google_lr_schedule=True` and `num_train_steps_from="examples"`:
   `int(len(train_examples) / global_batch_size * num_train_epochs)` steps of full batches from
@@ -50,11 +54,12 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from bert_jax import checkpointing, heads, optim, pretrain, sharding, steps
+from bert_jax import checkpointing, finetune_batches, heads, optim, pretrain, sharding, steps
 from bert_jax import workdir as workdir_files
 from bert_jax.formats.common import TASK_FILE
 from bert_jax.modeling import BertConfig
 from data_pipeline import storage
+from data_pipeline.tasks import packed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,8 +73,8 @@ def train_step(state: steps.TrainState, batch: dict, *, model: heads.BertForTask
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def loss_fn(params):
-        out = model.apply({"params": params}, *(batch[k] for k in heads.MODEL_INPUTS),
-                          deterministic=False, rngs={"dropout": rng})
+        out = model.apply({"params": params}, **heads.model_inputs(batch), deterministic=False,
+                          rngs={"dropout": rng})
         sums = heads.loss_sums(model.head, out, batch)
         return sums["loss_sum"] / jnp.maximum(sums["weight"], 1e-6), sums
 
@@ -80,7 +85,7 @@ def train_step(state: steps.TrainState, batch: dict, *, model: heads.BertForTask
 
 def eval_step(params: Any, batch: dict, *, model: heads.BertForTask) -> tuple[dict, dict]:
     """The head's outputs (to post-process on the host) and summed losses of one global batch."""
-    out = model.apply({"params": params}, *(batch[k] for k in heads.MODEL_INPUTS), deterministic=True)
+    out = model.apply({"params": params}, **heads.model_inputs(batch), deterministic=True)
     return out, heads.loss_sums(model.head, out, batch)
 
 
@@ -152,39 +157,6 @@ def count_examples(split) -> int:
     if "example_index" in split.features:
         return len(np.unique(split.features["example_index"]))
     return len(split.examples)
-
-
-def stream_batches(features: dict, keys, global_batch_size: int, steps, *, seed: int,
-                   process_index: int = 0, process_count: int = 1, lengths=None, sequence_keys=()):
-    """The batches of `steps` (step k: rows `[k*B, (k+1)*B)`) of one stream of feature rows: pass
-    `p` over the `n` rows is `RandomState(seed + p).permutation(n)` (the permutation the epoch
-    loop uses for epoch p), and a batch may span two passes, as Google's `d.repeat()` then
-    `d.batch(drop_remainder=True)`. Every row is real (weight as featurized). Each host yields its
-    slice `[p*b, (p+1)*b)` of every global batch, as `data_pipeline.tasks.batches`, which also
-    says what `lengths` and `sequence_keys` do (padding past the global batch's longest row cut).
-    """
-    from data_pipeline import tasks as tasks_lib
-
-    if global_batch_size % process_count:
-        raise ValueError(f"batch size {global_batch_size} must divide by {process_count} processes")
-    per_host = global_batch_size // process_count
-    for everyone in stream_rows(len(features["weight"]), global_batch_size, steps, seed):
-        rows = everyone[process_index * per_host:(process_index + 1) * per_host]
-        out = {key: features[key][rows] for key in keys}
-        out["weight"] = features["weight"][rows].astype(np.float32)
-        yield tasks_lib.trim(out, features, everyone, lengths, sequence_keys)
-
-
-def stream_rows(n: int, global_batch_size: int, steps, seed: int) -> np.ndarray:
-    """`[len(steps), global_batch_size]`: the rows of each step's global batch in the stream of
-    `stream_batches` (step k: positions `[k*B, (k+1)*B)`; pass p is `RandomState(seed + p)`'s
-    permutation of the `n` rows)."""
-    positions = np.asarray(list(steps), np.int64)[:, None] * global_batch_size + np.arange(global_batch_size)
-    rows = np.empty_like(positions)
-    for p in np.unique(positions // n):
-        here = positions // n == p
-        rows[here] = np.random.RandomState(seed + int(p)).permutation(n)[positions[here] % n]
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,27 +326,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     p_eval = jax.jit(functools.partial(eval_step, model=model),
                      in_shardings=(state_shardings.params, batch_sharding), compiler_options=compiler_options)
     keys = heads.batch_keys(task.head)
-    buckets = config.get("trim_padding_buckets", 0)
-    trimming = eval_trimming = trim_arguments(buckets, max_len, task.head)
-    if trimming["lengths"]:
-        # Only the lengths whose steps save more than their compile costs (the same on every host
-        # and on resuming: a function of the data, the seed and the config).
-        cost = compile_cost(config)
-        needs = training_needs(train.features, config.global_batch_size, config.seed, total_steps,
-                               len(epoch_ends), stream)
-        eval_needs = np.tile(np.concatenate([eval_batch_needs(s.features, eval_batch) for s in evals]
-                                            or [np.zeros(0, np.int64)]), len(epoch_ends))
-        eval_batch_cost = FORWARD_STEP_SHARE * eval_batch / config.global_batch_size  # in training steps
-        eval_cost = cost * FORWARD_COMPILE_SHARE / eval_batch_cost
-        chosen = {"training": tasks_lib.choose_lengths(needs, trimming["lengths"], cost),
-                  "evaluation": tasks_lib.choose_lengths(eval_needs, trimming["lengths"], eval_cost)}
-        logging.info("batches cut to the shortest length holding their longest row, out of %s "
-                     "(config.trim_padding_buckets=%d), where the steps saved pay for the compile (one "
-                     "costs %g training steps, config.trim_padding_compile_cost): %s", trimming["lengths"],
-                     buckets, cost, "; ".join(f"{k} {_batches_per_length(v, n)}" for (k, v), n in
-                                               zip(chosen.items(), (needs, eval_needs))))
-        eval_trimming = dict(trimming, lengths=chosen["evaluation"])
-        trimming = dict(trimming, lengths=chosen["training"])
+    trimming, eval_trimming, step_rows, slots = _plan_batches(
+        config, task, train, evals, mesh, total_steps, len(epoch_ends), stream, eval_batch)
     predict = functools.partial(_predict, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch, **eval_trimming)
 
     history = list(meta.get("history", []))
@@ -393,12 +346,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                 train_sums = {"loss_sum": 0.0, "weight": 0.0}
                 hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
                 if stream:
-                    batches = stream_batches(train.features, keys, config.global_batch_size, range(step, end),
-                                             seed=config.seed, **hosts, **trimming)
+                    batches = finetune_batches.stream_batches(
+                        train.features, keys, config.global_batch_size, range(step, end), seed=config.seed,
+                        **hosts, **trimming)
                 else:
                     batches = itertools.islice(tasks_lib.batches(
                         train.features, keys, config.global_batch_size, shuffle_seed=config.seed + epoch,
                         **hosts, **trimming), skip, None)
+                if step_rows is not None:  # this host's rows of each step, packed (data_pipeline/tasks/packed.py)
+                    batches = (packed.pack(b, int(step_rows[k]) // jax.process_count(), slots)
+                               for k, b in zip(itertools.count(step), batches))
                 for batch in batches:
                     global_batch = sharding.to_global(batch, mesh)
                     with jax.transfer_guard_host_to_device("disallow"):
@@ -543,47 +500,49 @@ def compile_cost(config: ml_collections.ConfigDict) -> float:
     return cost
 
 
-def eval_batch_needs(features: dict, batch_size: int) -> np.ndarray:
-    """The longest real row of each batch `_predict` makes of a split (its rows by length)."""
+def _plan_batches(config: ml_collections.ConfigDict, task, train, evals: list, mesh, total_steps: int,
+                  epochs: int, stream: bool, eval_batch: int) -> tuple[dict, dict, Any, Any]:
+    """Training's and evaluation's trimming (`tasks.batches`' `lengths` and `sequence_keys`) and,
+    when training batches are packed (`config.packing`), each step's packed rows and the slots a
+    row has (else None, None). Only the lengths and row counts whose steps save more than their
+    compile costs are chosen; every choice is a function of the data, the seed and the config: the
+    same on every host and on resuming."""
     from data_pipeline import tasks as tasks_lib
 
-    row_length = tasks_lib.row_lengths(features["input_mask"])
-    return tasks_lib.batch_needs(row_length, batch_size, np.argsort(row_length, kind="stable"))
-
-
-def _batches_per_length(lengths: tuple, needs: np.ndarray) -> str:
-    counts = np.bincount(np.searchsorted(lengths, needs), minlength=len(lengths))
-    return ", ".join(f"{n}: {int(c)}" for n, c in zip(lengths, counts))
-
-
-def training_needs(features: dict, global_batch_size: int, seed: int, total_steps: int, epochs: int,
-                   stream: bool) -> np.ndarray:
-    """The longest real row of the batch of every training step of the run, from step 0 (the
-    batches of `tasks.batches` per epoch, or of `stream_batches`)."""
-    from data_pipeline import tasks as tasks_lib
-
-    row_length = tasks_lib.row_lengths(features["input_mask"])
-    n = len(row_length)
-    if stream:
-        return row_length[stream_rows(n, global_batch_size, range(total_steps), seed)].max(axis=1)
-    return np.concatenate([tasks_lib.batch_needs(row_length, global_batch_size,
-                                                 np.random.RandomState(seed + e).permutation(n))
-                           for e in range(epochs)])
-
-
-def trim_arguments(buckets: int, max_seq_length: int, head: str) -> dict:
-    """`lengths` and `sequence_keys` for `tasks.batches` / `stream_batches` with
-    `config.trim_padding_buckets` = `buckets` (none for the span head, or with 0 buckets)."""
-    from data_pipeline import tasks as tasks_lib
-
-    if buckets < 0:
-        raise ValueError(f"config.trim_padding_buckets={buckets} must be 0 (rows padded to "
-                         "config.max_seq_length) or a number of lengths")
-    lengths = tasks_lib.bucket_lengths(max_seq_length, buckets)
-    keys = heads.sequence_keys(head)
-    if len(lengths) < 2 or not keys:
-        return {"lengths": None, "sequence_keys": ()}
-    return {"lengths": lengths, "sequence_keys": keys}
+    max_len, batch = config.max_seq_length, config.global_batch_size
+    buckets = config.get("trim_padding_buckets", 0)
+    trimming = eval_trimming = finetune_batches.trim_arguments(buckets, max_len, task.head)
+    cost = compile_cost(config)
+    packing = bool(config.get("packing", False)) and task.head in heads.PACKED_HEADS
+    if config.get("packing", False) and not packing:
+        logging.info("config.packing: the %s head trains on unpacked rows (packing is for %s)",
+                     task.head, heads.PACKED_HEADS)
+    step_rows = slots = None
+    if packing:
+        rows, real = finetune_batches.training_rows(len(train.features["weight"]), batch, config.seed,
+                                                    total_steps, epochs, stream)
+        step_rows, slots = finetune_batches.plan_packing(
+            train.features, rows, real, max_len, cost=cost,
+            batch_shards=sharding.axis_size(mesh, sharding.BATCH_AXES))
+    if not trimming["lengths"]:
+        return trimming, eval_trimming, step_rows, slots
+    eval_needs = np.tile(np.concatenate([finetune_batches.eval_batch_needs(s.features, eval_batch) for s in evals]
+                                        or [np.zeros(0, np.int64)]), epochs)
+    eval_batch_cost = FORWARD_STEP_SHARE * eval_batch / batch  # in training steps
+    eval_cost = cost * FORWARD_COMPILE_SHARE / eval_batch_cost
+    chosen = {"evaluation": tasks_lib.choose_lengths(eval_needs, trimming["lengths"], eval_cost)}
+    needs = {"evaluation": eval_needs}
+    if not packing:
+        needs["training"] = finetune_batches.training_needs(train.features, batch, config.seed, total_steps,
+                                                            epochs, stream)
+        chosen["training"] = tasks_lib.choose_lengths(needs["training"], trimming["lengths"], cost)
+    logging.info("batches cut to the shortest length holding their longest row, out of %s "
+                 "(config.trim_padding_buckets=%d), where the steps saved pay for the compile (one "
+                 "costs %g training steps, config.trim_padding_compile_cost): %s", trimming["lengths"],
+                 buckets, cost, "; ".join(f"{k} {finetune_batches.batches_per_length(v, needs[k])}"
+                                           for k, v in chosen.items()))
+    return (dict(trimming, lengths=chosen.get("training")), dict(trimming, lengths=chosen["evaluation"]),
+            step_rows, slots)
 
 
 def _predict(p_eval, params, split, *, mesh, keys, batch_size, lengths=None, sequence_keys=()

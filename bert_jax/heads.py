@@ -7,6 +7,9 @@ pretraining, so a pretrained encoder drops in) plus one small head (`params["hea
 |---|---|---|---|
 | classification | pooled [CLS] (dropout) | logits [batch, classes] | cross-entropy |
 | regression | pooled [CLS] (dropout) | logits [batch] | squared error |
+
+(Packed rows, `cls_positions` `[batch, slots]`: logits `[batch, slots(, classes)]`, labels and
+weights per slot; the token head's labels and weights per position, as unpacked.)
 | span | every token | start_logits, end_logits [batch, length] | mean of start and end cross-entropy |
 | token | every token (dropout) | logits [batch, length, classes] | cross-entropy on weighted tokens |
 | multiple_choice | pooled [CLS] of each choice (dropout) | logits [batch, choices] | cross-entropy over choices |
@@ -23,6 +26,8 @@ This module must not import tensorflow.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -32,6 +37,10 @@ from bert_jax.modeling import BertConfig, BertModel, Dense, Dropout
 
 HEAD_KINDS = ("classification", "regression", "span", "token", "multiple_choice")
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids")
+# Packed rows (data_pipeline/tasks/packed.py), several sequences a row, also give these: for the
+# heads that read each sequence's [CLS] (a label and weight per slot) or every position.
+PACKED_INPUTS = ("position_ids", "pack_ids", "cls_positions")
+PACKED_HEADS = ("classification", "regression", "token")
 LABEL_KEYS = {
     "classification": ("label",),
     "regression": ("label",),
@@ -39,6 +48,11 @@ LABEL_KEYS = {
     "span": ("start_positions", "end_positions"),
     "token": ("label_ids", "label_weights"),
 }
+
+
+def model_inputs(batch: dict) -> dict:
+    """The arguments of `BertForTask` a batch (packed or not) holds."""
+    return {k: batch[k] for k in MODEL_INPUTS + PACKED_INPUTS if k in batch}
 
 
 def batch_keys(head: str) -> tuple:
@@ -79,10 +93,13 @@ class BertForTask(nn.Module):
     num_outputs: int
 
     @nn.compact
-    def __call__(self, input_ids: jax.Array, input_mask: jax.Array, segment_ids: jax.Array, *,
-                 deterministic: bool = True) -> dict:
+    def __call__(self, input_ids: jax.Array, input_mask: jax.Array, segment_ids: jax.Array,
+                 position_ids: Optional[jax.Array] = None, pack_ids: Optional[jax.Array] = None,
+                 cls_positions: Optional[jax.Array] = None, *, deterministic: bool = True) -> dict:
         if self.head not in HEAD_KINDS:
             raise ValueError(f"head must be one of {HEAD_KINDS}, got {self.head!r}")
+        if pack_ids is not None and self.head not in PACKED_HEADS:
+            raise ValueError(f"packed rows are for the {PACKED_HEADS} heads, not {self.head!r}")
         cfg = self.config
         choices = None
         if self.head == "multiple_choice":
@@ -94,12 +111,13 @@ class BertForTask(nn.Module):
         # computed (`sparse_last_layer`).
         sentence = self.head in ("classification", "regression", "multiple_choice")
         out = BertModel(cfg, name="bert")(
-            input_ids, input_mask, segment_ids,
+            input_ids, input_mask, segment_ids, position_ids, pack_ids, cls_positions,
             output_positions=jnp.zeros((input_ids.shape[0], 0), jnp.int32) if sentence else None,
             deterministic=deterministic)
         if self.head in ("classification", "regression"):
+            # [batch(, slots), classes]
             logits = OutputLayer(cfg, self.num_outputs, name="head")(out.pooled_output, deterministic)
-            return {"logits": logits[:, 0] if self.head == "regression" else logits}  # [batch(, classes)]
+            return {"logits": logits[..., 0] if self.head == "regression" else logits}
         if self.head == "multiple_choice":
             scores = OutputLayer(cfg, 1, name="head")(out.pooled_output, deterministic)  # [batch * choices, 1]
             return {"logits": scores.reshape((-1, choices))}  # [batch, choices]

@@ -49,6 +49,12 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     # compile costs this many steps at max_seq_length (-1: 8 on CPU, 1000 on GPU/TPU, measured; 0:
     # every length some batch needs). Evaluation chooses its own: its programs compile ~8x faster.
     config.trim_padding_compile_cost = -1.0
+    # Training batches of the classification and regression heads packed: a batch's rows laid end
+    # to end in fewer rows of max_seq_length, each sequence attending only to itself (its own
+    # positions and [CLS]): the unpacked loss to float rounding, with dropout's masks drawn for the
+    # packed shape (data_pipeline/tasks/packed.py). Replaces trimming for those steps; evaluation
+    # is not packed. Other heads train unpacked. False: unpacked (trimmed) rows, as runs before.
+    config.packing = True
     config.task_options = ml_collections.ConfigDict()  # keyword arguments of the task (see squad.py)
 
     # --- mode=predict: the fine-tuned model in --workdir on new text (bert_jax/predict.py) ---
