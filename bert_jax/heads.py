@@ -7,12 +7,14 @@ pretraining, so a pretrained encoder drops in) plus one small head (`params["hea
 |---|---|---|---|
 | classification | pooled [CLS] (dropout) | logits [batch, classes] | cross-entropy |
 | regression | pooled [CLS] (dropout) | logits [batch] | squared error |
-
-(Packed rows, `cls_positions` `[batch, slots]`: logits `[batch, slots(, classes)]`, labels and
-weights per slot; the token head's labels and weights per position, as unpacked.)
 | span | every token | start_logits, end_logits [batch, length] | mean of start and end cross-entropy |
 | token | every token (dropout) | logits [batch, length, classes] | cross-entropy on weighted tokens |
 | multiple_choice | pooled [CLS] of each choice (dropout) | logits [batch, choices] | cross-entropy over choices |
+
+Packed rows (several sequences a row, `data_pipeline/tasks/packed.py`: `position_ids`, `pack_ids`)
+feed the classification and regression heads, with `cls_positions` `[batch, slots]`: logits
+`[batch, slots(, classes)]`, a label and weight per slot; and the token head, its labels and
+weights per position as unpacked.
 
 These are google-research/bert's `run_classifier.py` / `run_squad.py` output layers (truncated
 normal 0.02 kernels, zero biases, dropout `hidden_dropout_prob` before the layer; SQuAD has none)

@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from bert_jax import finetune, heads, pretrain, sharding
+from bert_jax import finetune, finetune_batches, heads, pretrain, sharding
 from bert_jax.formats.common import TASK_FILE, read_task
 from data_pipeline import storage
 
@@ -173,7 +173,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      in_shardings=(shardings, sharding.batch_sharding(mesh)))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         outputs, _ = finetune._predict(p_eval, params, split, mesh=mesh, keys=heads.batch_keys(task.head),
-                                       batch_size=batch_size, **finetune.trim_arguments(
+                                       batch_size=batch_size, **finetune_batches.trim_arguments(
                                            config.get("trim_padding_buckets", 0), max_len, task.head))
     predictions = task.postprocess(split.examples, split.features, outputs)
     out_dir = config.get("predict_output_dir", "") or storage.join(workdir, "predictions")

@@ -247,3 +247,12 @@ def test_the_packing_plan_holds_every_hosts_batch_of_every_step(stream, process_
                 per_step[k] = max(per_step[k], r)
             unit = int(np.lcm(2, process_count))
             np.testing.assert_array_equal(step_rows, -(-np.maximum(per_step, 1) * process_count // unit) * unit)
+
+
+@pytest.mark.parametrize("head", ["span", "multiple_choice"])
+def test_heads_that_read_a_whole_row_refuse_packed_rows(head):
+    cfg = modeling.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=32)
+    ids = np.ones((2, 2, 8) if head == "multiple_choice" else (2, 8), np.int32)
+    with pytest.raises(ValueError, match="packed rows are for"):
+        heads.BertForTask(cfg, head, 2).init(jax.random.key(0), ids, ids, 0 * ids, pack_ids=ids)
