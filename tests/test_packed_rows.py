@@ -183,8 +183,9 @@ def test_a_packed_batch_gives_the_unpacked_logits_loss_and_gradients(head, outpu
         sums = heads.loss_sums(head, out, b)
         return sums["loss_sum"] / sums["weight"], out["logits"]
 
-    (loss_padded, logits_padded), grads_padded = jax.value_and_grad(loss, has_aux=True)(params, batch)
-    (loss_packed, logits_packed), grads_packed = jax.value_and_grad(loss, has_aux=True)(params, pack)
+    loss_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (loss_padded, logits_padded), grads_padded = loss_and_grad(params, batch)
+    (loss_packed, logits_packed), grads_packed = loss_and_grad(params, pack)
     keep = np.flatnonzero(batch["weight"])
     lengths = packed.sequence_lengths(batch["input_mask"][keep])
     rows, offsets, slots = packed.first_fit(lengths, 16)
