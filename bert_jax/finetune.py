@@ -513,8 +513,9 @@ def _plan_batches(config: ml_collections.ConfigDict, task, train, evals: list, m
     buckets = config.get("trim_padding_buckets", 0)
     trimming = eval_trimming = finetune_batches.trim_arguments(buckets, max_len, task.head)
     cost = compile_cost(config)
-    packing = bool(config.get("packing", False)) and task.head in heads.PACKED_HEADS
-    if config.get("packing", False) and not packing:
+    asked = bool(config.get("packing", False))
+    packing = asked and task.head in heads.PACKED_HEADS
+    if asked and not packing:
         logging.info("config.packing: the %s head trains on unpacked rows (packing is for %s)",
                      task.head, heads.PACKED_HEADS)
     step_rows = slots = None
