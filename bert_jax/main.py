@@ -38,13 +38,16 @@ def init_distributed(mode: str) -> None:
     tpu_pod = "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
     if mode == "false" or (mode == "auto" and not coordinator and not tpu_pod and not cluster_tasks()):
         return
+    # The same bounds on both paths: a host that never joins, or one that stops answering, ends
+    # the run within these many seconds instead of hanging it.
+    timeouts = dict(initialization_timeout=int(os.environ.get("BERT_JAX_INIT_TIMEOUT", "300")),
+                    heartbeat_timeout_seconds=int(os.environ.get("BERT_JAX_HEARTBEAT_TIMEOUT", "100")))
     if coordinator:  # explicit: N local processes on 127.0.0.1, or a GPU cluster
         jax.distributed.initialize(
             coordinator, int(os.environ["BERT_JAX_NUM_PROCESSES"]), int(os.environ["BERT_JAX_PROCESS_ID"]),
-            initialization_timeout=int(os.environ.get("BERT_JAX_INIT_TIMEOUT", "300")),
-            heartbeat_timeout_seconds=int(os.environ.get("BERT_JAX_HEARTBEAT_TIMEOUT", "100")))
+            **timeouts)
     else:  # Cloud TPU VMs (and SLURM/Open MPI clusters) are detected by jax itself
-        jax.distributed.initialize()
+        jax.distributed.initialize(**timeouts)
     logging.info("process %d of %d", jax.process_index(), jax.process_count())
 
 

@@ -4,35 +4,70 @@
 #   bash launch/tpu_worker.sh stop            # the run this script started, and whatever else holds the TPU
 #   bash launch/tpu_worker.sh start ARGS...   # python -m bert_jax.main ARGS..., detached
 #   bash launch/tpu_worker.sh status          # is it running, and the end of its log
+#   bash launch/tpu_worker.sh collect DEST    # uploads the newest log to DEST/worker-<N>.log
 #
 # The run is started in its own session (setsid nohup), so closing the SSH connection does not
 # stop it. Its output goes to $RUN_DIR/logs/<time>-<pid>.log; logs are never overwritten, and
-# latest.log links to the newest. $RUN_DIR (default ~/bert_jax_run) also holds the pid file.
+# latest.log links to the newest. $RUN_DIR (default ~/bert_jax_run) also holds the pid file and,
+# once the run has ended, its exit code (a small shell waits on it and writes `exit_code`).
+# With LOG_DEST set (a folder, gs:// or local), that shell uploads the log there as worker-<N>.log
+# every LOG_SYNC_SECONDS (default 60) and when the run ends: a slice that disappears keeps its logs.
 # `stop` sends SIGTERM (bert_jax saves a checkpoint at the next step every host reaches, then
 # exits), waits up to STOP_TIMEOUT seconds, then SIGKILLs; it then stops any other process that
 # holds the TPU's device files and removes libtpu's lock file, which a killed process leaves.
+#
+# `status` prints, besides the log's end, one line `bert_jax-worker <N> <state> [rc]` that
+# launch/supervise.py reads; state is running, finished (exit 0 after the last step), stopped
+# (exit 0 after saving on SIGTERM), failed (non-zero exit: rc), gone (no process and no exit code:
+# killed with the shell that watched it, or a rebooted VM) or none (never started here).
 set -euo pipefail
 
 RUN_DIR="${RUN_DIR:-$HOME/bert_jax_run}"
 PYTHON="${PYTHON:-python3}"
 STOP_TIMEOUT="${STOP_TIMEOUT:-600}"
+LOG_SYNC_SECONDS="${LOG_SYNC_SECONDS:-60}"
+# What holds a TPU: its device files (v4+: /dev/accel*, v5e/v6e: /dev/vfio/<n>).
+TPU_DEVICES="${TPU_DEVICES:-/dev/accel* /dev/vfio/[0-9]*}"
 PID_FILE="$RUN_DIR/pid"
+EXIT_FILE="$RUN_DIR/exit_code"
 cd "$(dirname "$0")/.."
 
+alive() {  # a process exists, whoever owns it (kill -0 answers EPERM for another user's: not "gone")
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }
+  [ "${stat%% *}" != Z ]
+}
+
 ours() {  # a live process whose command line is bert_jax.main
-  kill -0 "$1" 2>/dev/null && tr '\0' ' ' < "/proc/$1/cmdline" 2>/dev/null | grep -q "bert_jax.main"
+  alive "$1" && tr '\0' ' ' < "/proc/$1/cmdline" 2>/dev/null | grep -q "bert_jax.main"
+}
+
+worker_id() {  # this VM's worker number in the slice
+  if [ -n "${TPU_WORKER_ID:-}" ]; then echo "$TPU_WORKER_ID"; return; fi
+  local id
+  id=$(curl -sf -m 2 -H 'Metadata-Flavor: Google' \
+    http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number 2>/dev/null || true)
+  echo "${id:-${BERT_JAX_PROCESS_ID:-$(hostname)}}"
 }
 
 wait_gone() {  # wait_gone SECONDS PID...: 0 when every PID has exited in time
-  local deadline=$((SECONDS + $1)) pid alive
+  local deadline=$((SECONDS + $1)) pid any
   shift
   while :; do
-    alive=0
-    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-    [ "$alive" = 0 ] && return 0
+    any=0
+    for pid in "$@"; do alive "$pid" && any=1; done
+    [ "$any" = 0 ] && return 0
     [ "$SECONDS" -ge "$deadline" ] && return 1
     sleep 1
   done
+}
+
+upload_log() {  # upload_log DEST: the newest log to DEST/worker-<N>.log (through bert_jax's storage)
+  local log="$RUN_DIR/logs/latest.log"
+  [ -e "$log" ] || return 0
+  "$PYTHON" -c 'import sys; from data_pipeline import storage; storage.copy(sys.argv[1], storage.join(sys.argv[2], sys.argv[3]))' \
+    "$(readlink -f "$log")" "$1" "worker-$(worker_id).log" || echo "$(hostname): could not upload the log to $1" >&2
 }
 
 stop() {
@@ -52,7 +87,8 @@ stop() {
   fi
   # Anything else holding the TPU (a notebook kernel, a run started by hand).
   local devices holders sudo=""
-  devices=$(ls /dev/accel* /dev/vfio/[0-9]* 2>/dev/null || true)
+  # shellcheck disable=SC2086
+  devices=$(ls $TPU_DEVICES 2>/dev/null || true)
   [ -z "$devices" ] && return 0
   if [ "$(id -u)" != 0 ] && command -v sudo > /dev/null; then sudo="sudo -n"; fi
   # shellcheck disable=SC2086
@@ -62,7 +98,14 @@ stop() {
     # shellcheck disable=SC2086
     $sudo kill -TERM $holders 2>/dev/null || true
     # shellcheck disable=SC2086
-    wait_gone 30 $holders || $sudo kill -KILL $holders 2>/dev/null || true
+    if ! wait_gone 30 $holders; then
+      $sudo kill -KILL $holders 2>/dev/null || true
+      # shellcheck disable=SC2086
+      if ! wait_gone 10 $holders; then  # the lock belongs to a live holder: leave it
+        echo "$(hostname): processes $(echo $holders) still hold the TPU; libtpu's lock is kept" >&2
+        return 1
+      fi
+    fi
   fi
   $sudo rm -f /tmp/libtpu_lockfile
 }
@@ -73,22 +116,51 @@ start() {
     exit 1
   fi
   mkdir -p "$RUN_DIR/logs"
+  rm -f "$PID_FILE" "$EXIT_FILE"
   local log
   log="$RUN_DIR/logs/$(date +%Y%m%d-%H%M%S)-$$.log"
-  # Its own session: no SIGHUP when SSH closes; stdin from /dev/null: nothing waits on the terminal.
-  setsid nohup "$PYTHON" -m bert_jax.main "$@" > "$log" 2>&1 < /dev/null &
-  echo "$!" > "$PID_FILE"
   ln -sfn "$(basename "$log")" "$RUN_DIR/logs/latest.log"
-  echo "$(hostname): started pid $! in $(pwd); log $log"
+  # Its own session: no SIGHUP when SSH closes; stdin from /dev/null: nothing waits on the terminal.
+  # The shell in between waits for the run, writes its exit code, and uploads the log.
+  export RUN_DIR PYTHON LOG_SYNC_SECONDS LOG_DEST="${LOG_DEST:-}"
+  # shellcheck disable=SC2016
+  setsid nohup bash -c '
+    script=$1; shift
+    "$@" &
+    run=$!
+    echo "$run" > "$RUN_DIR/pid.tmp" && mv "$RUN_DIR/pid.tmp" "$RUN_DIR/pid"
+    if [ -n "$LOG_DEST" ]; then
+      (while kill -0 "$run" 2>/dev/null; do sleep "$LOG_SYNC_SECONDS"; bash "$script" collect "$LOG_DEST"; done) &
+    fi
+    wait "$run"; rc=$?
+    echo "$rc" > "$RUN_DIR/exit_code"
+    if [ -n "$LOG_DEST" ]; then bash "$script" collect "$LOG_DEST"; fi
+  ' bash "$(pwd)/launch/tpu_worker.sh" "$PYTHON" -m bert_jax.main "$@" > "$log" 2>&1 < /dev/null &
+  local waited=0
+  until [ -f "$PID_FILE" ]; do  # the run's own pid, written by the shell that started it
+    sleep 0.1; waited=$((waited + 1))
+    if [ "$waited" -ge 300 ]; then echo "$(hostname): the run did not start" >&2; exit 1; fi
+  done
+  echo "$(hostname): started pid $(cat "$PID_FILE") in $(pwd); log $log"
 }
 
 status() {
+  local state rc=""
   if [ -f "$PID_FILE" ] && ours "$(cat "$PID_FILE")"; then
+    state=running
     echo "$(hostname): running (pid $(cat "$PID_FILE"))"
   else
     echo "$(hostname): not running"
+    if [ -f "$EXIT_FILE" ]; then
+      rc=$(cat "$EXIT_FILE")
+      if [ "$rc" != 0 ]; then state=failed
+      elif grep -q "preemption/SIGTERM: saved step" "$RUN_DIR/logs/latest.log" 2>/dev/null; then state=stopped
+      else state=finished; fi
+    elif [ -e "$RUN_DIR/logs/latest.log" ]; then state=gone
+    else state=none; fi
   fi
   if [ -e "$RUN_DIR/logs/latest.log" ]; then tail -n "${LINES:-5}" "$RUN_DIR/logs/latest.log"; fi
+  echo "bert_jax-worker $(worker_id) $state $rc"
 }
 
 command="${1:-}"
@@ -97,5 +169,6 @@ case "$command" in
   stop) stop ;;
   start) start "$@" ;;
   status) status ;;
-  *) echo "usage: $0 stop | start ARGS... | status" >&2; exit 2 ;;
+  collect) upload_log "$1" ;;
+  *) echo "usage: $0 stop | start ARGS... | status | collect DEST" >&2; exit 2 ;;
 esac

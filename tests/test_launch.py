@@ -136,7 +136,8 @@ def test_stops_copies_installs_and_starts_detached_on_every_worker(fake):
     # own (no SIGHUP when SSH closes), with its output in a log that is kept.
     run_dir = tmp / "worker" / "bert_jax_run"
     pid = int((run_dir / "pid").read_text())
-    assert _alive(pid) and os.getsid(pid) == pid != os.getsid(0)
+    # (the session's leader is the shell that waits on the run to record its exit code)
+    assert _alive(pid) and _alive(os.getsid(pid)) and os.getsid(pid) != os.getsid(0)
     logs = sorted((run_dir / "logs").glob("*.log"))
     assert (run_dir / "logs" / "latest.log").resolve() in [p.resolve() for p in logs]
 
@@ -199,3 +200,24 @@ def test_multihost_auto_detects_slurm_and_open_mpi_tasks(monkeypatch, env, tasks
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     assert main.cluster_tasks() == tasks
+
+
+@pytest.mark.parametrize("env", [
+    {"BERT_JAX_COORDINATOR": "127.0.0.1:1234", "BERT_JAX_NUM_PROCESSES": "2", "BERT_JAX_PROCESS_ID": "1"},
+    {"TPU_WORKER_HOSTNAMES": "t1v-n-0,t1v-n-1"},  # a multi-host Cloud TPU VM: jax finds the coordinator
+])
+def test_distributed_timeouts_apply_on_every_coordinator_path(monkeypatch, env):
+    import jax
+
+    from bert_jax import main
+    for var in ("BERT_JAX_COORDINATOR", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in {**env, "BERT_JAX_INIT_TIMEOUT": "17", "BERT_JAX_HEARTBEAT_TIMEOUT": "23"}.items():
+        monkeypatch.setenv(var, value)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    main.init_distributed("auto")
+    assert len(calls) == 1
+    assert calls[0]["initialization_timeout"] == 17 and calls[0]["heartbeat_timeout_seconds"] == 23
