@@ -28,6 +28,8 @@ STOP_TIMEOUT="${STOP_TIMEOUT:-600}"
 LOG_SYNC_SECONDS="${LOG_SYNC_SECONDS:-60}"
 # What holds a TPU: its device files (v4+: /dev/accel*, v5e/v6e: /dev/vfio/<n>).
 TPU_DEVICES="${TPU_DEVICES:-/dev/accel* /dev/vfio/[0-9]*}"
+LIBTPU_LOCKFILE="${LIBTPU_LOCKFILE:-/tmp/libtpu_lockfile}"
+HOLDER_TIMEOUT="${HOLDER_TIMEOUT:-30}"  # seconds a process holding the TPU gets after SIGTERM
 PID_FILE="$RUN_DIR/pid"
 EXIT_FILE="$RUN_DIR/exit_code"
 cd "$(dirname "$0")/.."
@@ -98,16 +100,17 @@ stop() {
     # shellcheck disable=SC2086
     $sudo kill -TERM $holders 2>/dev/null || true
     # shellcheck disable=SC2086
-    if ! wait_gone 30 $holders; then
+    if ! wait_gone "$HOLDER_TIMEOUT" $holders; then
+      # shellcheck disable=SC2086
       $sudo kill -KILL $holders 2>/dev/null || true
       # shellcheck disable=SC2086
-      if ! wait_gone 10 $holders; then  # the lock belongs to a live holder: leave it
+      if ! wait_gone "$HOLDER_TIMEOUT" $holders; then  # the lock belongs to a live holder: leave it
         echo "$(hostname): processes $(echo $holders) still hold the TPU; libtpu's lock is kept" >&2
         return 1
       fi
     fi
   fi
-  $sudo rm -f /tmp/libtpu_lockfile
+  $sudo rm -f "$LIBTPU_LOCKFILE"
 }
 
 start() {

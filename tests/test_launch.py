@@ -221,3 +221,73 @@ def test_distributed_timeouts_apply_on_every_coordinator_path(monkeypatch, env):
     main.init_distributed("auto")
     assert len(calls) == 1
     assert calls[0]["initialization_timeout"] == 17 and calls[0]["heartbeat_timeout_seconds"] == 23
+
+
+def test_status_on_a_fresh_worker_reports_it_instead_of_failing(fake):
+    tmp, env = fake  # the worker has no project copy yet (a new or recreated VM)
+    r = _launch(env, "--status")
+    assert r.returncode == 0, r.stderr
+    assert "no bert_jax in ~/bert_jax" in r.stdout and "bert_jax-worker ? none" in r.stdout
+    assert _launch(env, "--stop").returncode == 0
+
+
+def test_remote_dir_under_home_is_the_same_folder_for_ssh_and_scp(fake):
+    tmp, env = fake
+    env.update(REMOTE_DIR="~/runs/bert", SKIP_INSTALL="1")
+    r = _launch(env)
+    assert r.returncode == 0, r.stderr
+    calls = _calls(tmp)
+    assert calls[0][-1] == "--command=mkdir -p runs/bert/launch" and calls[1][-1] == "my-v4-32:runs/bert/launch/"
+    assert calls[3][-1] == "my-v4-32:runs/bert/" and calls[-1][-1].startswith("--command=cd runs/bert &&")
+    assert not any("~" in a for c in calls for a in c)
+    # The worker script lands where the commands look for it, and the run starts.
+    _wait_for(lambda: (tmp / "worker" / "bert_jax_run" / "pid").exists(), "the run")
+    assert (tmp / "worker" / "runs" / "bert" / "launch" / "tpu_worker.sh").exists()
+    for bad in ("/opt/bert", "~other/bert", "../bert"):
+        r = _launch(dict(env, REMOTE_DIR=bad), "--dry_run")
+        assert r.returncode == 2 and "REMOTE_DIR" in r.stderr and r.stdout == ""
+
+
+def test_internal_ip_and_iap_reach_every_worker(fake):
+    tmp, env = fake
+    r = _launch(dict(env, INTERNAL_IP="1", IAP="1"), "--dry_run")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 6 and all("--internal-ip --tunnel-through-iap" in line for line in lines)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switches to the user nobody (needs root)")
+def test_stop_keeps_libtpu_lock_while_a_process_of_another_user_holds_the_tpu(tmp_path):
+    """On a TPU VM the run's user is not root, and what holds the TPU may be root's: `kill -0` on it
+    answers EPERM, which must not read as "exited" (the lock would be removed under a live holder)."""
+    import shutil
+    import tempfile
+    home = Path(tempfile.mkdtemp(prefix="bert_jax_nobody_"))  # pytest's tmp_path is not nobody's to read
+    try:
+        (home / "launch").mkdir()
+        shutil.copy(ROOT / "launch" / "tpu_worker.sh", home / "launch")
+        device, lock = home / "accel0", home / "libtpu_lockfile"
+        device.touch()
+        lock.touch()
+        # root's holder: ignores SIGTERM, and nobody may not signal it anyway.
+        holder = subprocess.Popen(["bash", "-c", "trap '' TERM; exec 3<\"$0\"; sleep 60", str(device)])
+        bin_dir = home / "bin"
+        bin_dir.mkdir()
+        _executable(bin_dir / "lsof", f"#!/bin/sh\necho {holder.pid}\n")  # nobody's lsof cannot see root's files
+        for p in (home, bin_dir, home / "launch", lock):
+            os.chmod(p, 0o777)
+        os.chmod(bin_dir / "lsof", 0o755)
+        env = dict(os.environ, HOME=str(home), PATH=f"{bin_dir}:/usr/bin:/bin", TPU_DEVICES=str(device),
+                   LIBTPU_LOCKFILE=str(lock), HOLDER_TIMEOUT="1", RUN_DIR=str(home / "run"))
+        try:
+            r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash",
+                                str(home / "launch" / "tpu_worker.sh"), "stop"],
+                               env=env, capture_output=True, text=True, timeout=60)
+            assert holder.poll() is None  # nobody could not stop it ...
+            assert lock.exists(), r.stdout + r.stderr  # ... so its lock stays
+            assert f"processes {holder.pid} still hold the TPU" in r.stderr and r.returncode != 0
+        finally:
+            holder.kill()
+            holder.wait()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
