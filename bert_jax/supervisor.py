@@ -328,15 +328,13 @@ class Supervisor:
         time.sleep(wait)
         return True
 
-    def _relaunch(self, *, install: bool, why: str) -> bool:
-        """The next attempt, launched; a launch that fails counts as a failure and is tried again."""
-        while True:
-            self.attempt += 1
-            if self.launch(self.attempt, install=install, why=why):
-                return True
-            self.end(self.attempt, "launch failed", None, collect=False)
-            if not self._failure("launch failed"):
-                return False
+    def _launch_next(self, install: bool, why: str) -> bool:
+        """The next attempt, launched; when the launch fails that attempt is ended as such."""
+        self.attempt += 1
+        if self.launch(self.attempt, install=install, why=why):
+            return True
+        self.end(self.attempt, "launch failed", None, collect=False)
+        return False
 
     def run(self) -> int:
         """Supervises until the run finishes (0) or fails more than MAX_RESTARTS times (1)."""
@@ -348,6 +346,7 @@ class Supervisor:
         if attempts and attempts[-1].get("event") == "done":
             log(f"{self.attempts_file} says the run finished: nothing to do")
             return 0
+        pending = None  # (install, why) of the launch to make once the slice is READY
         open_attempt = bool(attempts) and attempts[-1].get("event") == "start"
         workers = self.worker_states() if open_attempt else None
         if workers and set(s for s, _ in workers.values()) == {"running"}:
@@ -355,12 +354,13 @@ class Supervisor:
         else:
             if open_attempt:
                 self.end(self.attempt, "not running when the supervisor started", workers, collect=True)
-            install = bool(attempts) or self.env.get("SKIP_INSTALL") != "1"
-            if not self._relaunch(install=install, why="supervisor restarted" if attempts else "first start"):
-                return 1
-        stop_grace_until = None
+            pending = (bool(attempts) or self.env.get("SKIP_INSTALL") != "1",
+                       "supervisor restarted" if attempts else "first start")
+        stop_grace_until, first = None, True
         while True:
-            time.sleep(self.poll)
+            if not first:
+                time.sleep(self.poll)
+            first = False
             try:
                 node = self.slice.describe()
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
@@ -376,11 +376,16 @@ class Supervisor:
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     log(f"recreating failed ({e}); trying again next poll")
                     continue
-                if not self._relaunch(install=True, why=f"slice recreated after {state}"):
-                    return 1
+                pending, first = (True, f"slice recreated after {state}"), True
                 continue
             if state != "READY":  # CREATING, RESTARTING, REPAIRING, ...: wait for it
                 log(f"{self.slice.name} is {state}")
+                continue
+            if pending is not None:
+                if self._launch_next(*pending):
+                    pending = None
+                elif not self._failure("launch failed"):
+                    return 1
                 continue
             workers = self.worker_states()
             if workers is None:
@@ -402,14 +407,23 @@ class Supervisor:
                     continue
             stop_grace_until = None
             failed = {k: v for k, v in workers.items() if v[0] in ("failed", "gone", "none")}
+            if failed and "failed" not in {s for s, _ in failed.values()}:
+                # Processes that vanish without an exit code may be a preemption that describe
+                # does not show yet: ask again before calling it a failure.
+                try:
+                    node = self.slice.describe()
+                except (RuntimeError, subprocess.TimeoutExpired, ValueError):
+                    node = {"state": "UNKNOWN"}
+                if (node.get("state", "UNKNOWN") if node else "NOT_FOUND") != "READY":
+                    first = True
+                    continue
             cause = "; ".join(f"worker {k} {s}{'' if rc is None else f' (exit {rc})'}"
                               for k, (s, rc) in sorted(failed.items()))
             cause = cause or "stopped after saving on SIGTERM (a maintenance event or preemption notice)"
             self.end(self.attempt, cause, workers, collect=True)
             if failed and not self._failure(cause):
                 return 1
-            if not self._relaunch(install=False, why=cause):
-                return 1
+            pending, first = (False, cause), True
 
 
 def main(argv: list[str]) -> int:

@@ -32,6 +32,7 @@ LIBTPU_LOCKFILE="${LIBTPU_LOCKFILE:-/tmp/libtpu_lockfile}"
 HOLDER_TIMEOUT="${HOLDER_TIMEOUT:-30}"  # seconds a process holding the TPU gets after SIGTERM
 PID_FILE="$RUN_DIR/pid"
 EXIT_FILE="$RUN_DIR/exit_code"
+SHELL_PID_FILE="$RUN_DIR/shell_pid"  # the shell that waits on the run and writes its exit code
 cd "$(dirname "$0")/.."
 
 alive() {  # a process exists, whoever owns it (kill -0 answers EPERM for another user's: not "gone")
@@ -119,7 +120,7 @@ start() {
     exit 1
   fi
   mkdir -p "$RUN_DIR/logs"
-  rm -f "$PID_FILE" "$EXIT_FILE"
+  rm -f "$PID_FILE" "$EXIT_FILE" "$SHELL_PID_FILE"
   local log
   log="$RUN_DIR/logs/$(date +%Y%m%d-%H%M%S)-$$.log"
   ln -sfn "$(basename "$log")" "$RUN_DIR/logs/latest.log"
@@ -139,6 +140,7 @@ start() {
     echo "$rc" > "$RUN_DIR/exit_code"
     if [ -n "$LOG_DEST" ]; then bash "$script" collect "$LOG_DEST"; fi
   ' bash "$(pwd)/launch/tpu_worker.sh" "$PYTHON" -m bert_jax.main "$@" > "$log" 2>&1 < /dev/null &
+  echo "$!" > "$SHELL_PID_FILE"
   local waited=0
   until [ -f "$PID_FILE" ]; do  # the run's own pid, written by the shell that started it
     sleep 0.1; waited=$((waited + 1))
@@ -154,6 +156,10 @@ status() {
     echo "$(hostname): running (pid $(cat "$PID_FILE"))"
   else
     echo "$(hostname): not running"
+    local waited=0  # a run that has just ended: its shell writes the exit code in a moment
+    while [ ! -f "$EXIT_FILE" ] && [ -f "$SHELL_PID_FILE" ] && alive "$(cat "$SHELL_PID_FILE")" && [ "$waited" -lt 100 ]; do
+      sleep 0.1; waited=$((waited + 1))
+    done
     if [ -f "$EXIT_FILE" ]; then
       rc=$(cat "$EXIT_FILE")
       if [ "$rc" != 0 ]; then state=failed

@@ -123,3 +123,31 @@ def test_stats_count_programs_loaded_from_the_cache(tmp_path):
     assert lines[2].startswith("1 of 2 programs loaded from it")
     assert lines[3] == "1 3"  # the damaged entry was not loaded
     assert os.listdir(tmp_path / "cache" / "xla")
+
+
+def test_the_cache_can_live_in_a_bucket(gcs_server, bucket):
+    """A pod's VMs come back empty after a preemption: a cache in the run's bucket is still there.
+    JAX reaches it through etils.epath, which bert_jax points at gcsfs (here the emulator)."""
+    script = textwrap.dedent(f"""
+        import os
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+        import numpy as np, jax, jax.numpy as jnp
+        from bert_jax import compile_cache
+        from data_pipeline import storage
+        print(compile_cache.configure({bucket + "/xla"!r}))
+        stats = compile_cache.CacheStats().start()
+        f = lambda x: jnp.tanh(x @ x.T).sum()
+        x = np.ones((64, 64), np.float32)
+        first = jax.jit(f)(x)
+        jax.clear_caches()  # a new VM: nothing in memory, nothing on its disk
+        second = jax.jit(f)(x)
+        assert float(first) == float(second)
+        print(stats.hits, stats.requests)
+        print(sum(name.endswith("-cache") for name in storage.listdir({bucket + "/xla"!r})))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith(bucket + "/xla")
+    assert lines[1] == "1 2" and lines[2] == "1"  # the second compile was loaded from the bucket

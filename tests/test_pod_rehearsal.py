@@ -8,9 +8,22 @@ every worker save the same step and exit; the same command again resumes, and wh
 cannot read that newest step (a read error injected into that worker alone) every worker falls
 back to the same earlier step. The final losses equal an uninterrupted two-worker run's, bit for
 bit: the same programs on the same devices see the same batches from the same step on.
+
+Then the same run under the supervisor (`launch/tpu_pod.sh --watch`, bert_jax/supervisor.py), in
+the same test to share the reference run's compile: one worker's run SIGKILLed → the supervisor
+stops the other, collects both logs into the bucket and relaunches; then the whole slice
+"preempted" (every worker's processes killed, its folders - run dir, caches, project copy - wiped,
+describe answering PREEMPTED) → recreated from the recorded spec, reinstalled pinned to the
+recorded versions, resumed without hashing the data again; the losses equal the uninterrupted
+run's. (The XLA compilation cache stays shared between the stand-in VMs: it stands for a cache
+in the bucket, and keeps the test's compiles cheap.)
 """
 
+import importlib.metadata
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,37 +33,23 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline import storage
-from pretraining_records import logged_losses, write_records  # tests/ is on sys.path
+from data_pipeline import schema, storage
+import fake_pod  # tests/ is on sys.path
+from pretraining_records import logged_losses, write_records
 from xla_flags import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "tpu_pod.sh"
 
-# `gcloud compute tpus tpu-vm ssh|scp NAME ... --worker=all` on $FAKE_WORKERS local workers:
-# scp copies into each worker's home, ssh runs the command in each home with that worker's
-# jax.distributed settings (what a TPU VM's metadata gives jax) and its $FAKE_ENV_<i>.
-FAKE_GCLOUD = r"""#!/usr/bin/env bash
-set -e
-printf '%s\0' "$@" >> "$FAKE_LOG"; printf '\n' >> "$FAKE_LOG"
-if [ "$4" = scp ]; then
-  srcs=(); for a in "${@:5}"; do case "$a" in --*) ;; *) srcs+=("$a") ;; esac; done
-  dest="${srcs[-1]#*:}"; unset 'srcs[-1]'
-  for ((i = 0; i < FAKE_WORKERS; i++)); do cp -r "${srcs[@]}" "$FAKE_ROOT/worker$i/$dest"; done
+# The workers' python: pip is recorded (and an install checks that it was given the run's
+# recorded versions); everything else is the real python.
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+if [ "$1 $2 $3" = "-m pip install" ]; then
+  printf '%s ' "$@" >> "$FAKE_ROOT/pip.$TPU_WORKER_ID.log"; echo >> "$FAKE_ROOT/pip.$TPU_WORKER_ID.log"
+  if [ -f constraints.txt ]; then cp constraints.txt "$FAKE_ROOT/used-constraints.$TPU_WORKER_ID"; fi
   exit 0
 fi
-port=$("$FAKE_PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-for a in "$@"; do
-  case "$a" in --command=*)
-    for ((i = 0; i < FAKE_WORKERS; i++)); do
-      extra="FAKE_ENV_$i"
-      (cd "$FAKE_ROOT/worker$i" && env HOME="$FAKE_ROOT/worker$i" BERT_JAX_COORDINATOR="127.0.0.1:$port" \
-        BERT_JAX_NUM_PROCESSES="$FAKE_WORKERS" BERT_JAX_PROCESS_ID="$i" JAX_NUM_CPU_DEVICES=2 \
-        XLA_FLAGS="$FAKE_XLA_FLAGS" \
-        ${!extra:-} bash -c "${a#--command=}")
-    done ;;
-  esac
-done
+exec "$FAKE_PY" "$@"
 """
 
 # Worker 1's read error: orbax's array restore of one step fails there (and only there).
@@ -77,39 +76,39 @@ def pod(gcs_server, tmp_path):
     for i in range(4):
         write_records(tmp_path / f"train-{i}.tfrecord", 48, seed=i)
         storage.copy(str(tmp_path / f"train-{i}.tfrecord"), f"{bucket}/data/train-{i}.tfrecord")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
-    (bin_dir / "gcloud").chmod(0o755)
+    schema.write_dataset_info(f"{bucket}/data", {f"{bucket}/data/train-{i}.tfrecord": 48 for i in range(4)})
+    fake = fake_pod.install(tmp_path, workers=2, python=sys.executable)
+    python = Path(fake["BIN"]) / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
     faults = tmp_path / "faults"
     faults.mkdir()
     (faults / "sitecustomize.py").write_text(FAULT)
     workers = [tmp_path / f"worker{i}" for i in range(2)]
-    for w in workers:
-        w.mkdir()
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(tmp_path / "gcloud.log"),
-               FAKE_ROOT=str(tmp_path), FAKE_WORKERS="2", FAKE_PY=sys.executable, FAKE_XLA_FLAGS=FAST_COMPILE,
-               PYTHON=sys.executable,
-               SKIP_INSTALL="1", STOP_TIMEOUT="60", TPU_NAME="rehearsal", ZONE="local", PROJECT="none",
+    env = dict(os.environ, **fake, PATH=f"{fake['BIN']}:{os.environ['PATH']}", PYTHON=str(python),
+               JAX_NUM_CPU_DEVICES="2", XLA_FLAGS=FAST_COMPILE,
+               SKIP_INSTALL="1", STOP_TIMEOUT="20", TPU_NAME="rehearsal", ZONE="local", PROJECT="none",
                CONFIG="configs/test.py", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
                BERT_JAX_CACHE_DIR=str(tmp_path / "cache"), BERT_JAX_INIT_TIMEOUT="120",
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env.pop("PYTHONPATH", None)  # each worker imports its own copy of the project
-    yield {"bucket": bucket, "env": env, "workers": workers, "faults": faults}
+    yield {"bucket": bucket, "env": env, "workers": workers, "faults": faults, "root": tmp_path}
     for w in workers:  # never leave a run behind
         pid_file = w / "bert_jax_run" / "pid"
         if pid_file.exists():
             try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                os.killpg(os.getpgid(int(pid_file.read_text())), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
 
 
+ARGS = ["--config.log_every_steps=1", "--config.checkpoint_every_steps=4", "--config.num_train_steps=12",
+        "--config.shuffle_buffer_size=64"]
+
+
 def launch(pod, workdir, **extra_env):
-    args = [f"--config.train_data={pod['bucket']}/data/train-*.tfrecord", "--config.verify_data=false",
-            "--config.log_every_steps=1", "--config.checkpoint_every_steps=4", "--config.num_train_steps=12",
-            "--config.shuffle_buffer_size=64"]
+    args = [f"--config.train_data={pod['bucket']}/data/train-*.tfrecord", "--config.verify_data=false", *ARGS]
     r = subprocess.run(["bash", str(SCRIPT), *args], env=dict(pod["env"], WORKDIR=workdir, **extra_env),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -143,7 +142,7 @@ def losses(workdir) -> dict:
     return logged_losses(storage.read_text(f"{workdir}/train_log.jsonl"))
 
 
-def test_preempted_pod_run_resumes_with_the_uninterrupted_losses(pod):
+def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_losses(pod):
     bucket = pod["bucket"]
     out = wait_exit(pod, launch(pod, f"{bucket}/ref"))
     want = losses(f"{bucket}/ref")
@@ -177,3 +176,67 @@ def test_preempted_pod_run_resumes_with_the_uninterrupted_losses(pod):
     # Each run of each worker kept its own log.
     for w in pod["workers"]:
         assert len([p for p in (w / "bert_jax_run" / "logs").iterdir() if p.name != "latest.log"]) == 3
+
+    # --- Supervised (launch/tpu_pod.sh --watch): a crash, then the whole slice preempted. ---
+    work = f"{bucket}/supervised"
+    root = pod["root"]
+    env = dict(pod["env"], WORKDIR=work, SKIP_INSTALL="0", POLL_SECONDS="1", BACKOFF_SECONDS="1",
+               LOG_SYNC_SECONDS="2", SUPERVISOR_PYTHON=sys.executable,
+               BERT_JAX_CACHE_DIR="")  # each VM's cache in its own home (~/.cache/bert_jax): wiped with it
+    out_file = root / "supervisor.out"
+    args = [f"--config.train_data={bucket}/data/train-*.tfrecord", "--config.verify_data=true", *ARGS]
+    with open(out_file, "w") as out:
+        supervisor = subprocess.Popen(["bash", str(SCRIPT), "--watch", *args], env=env, stdout=out,
+                                      stderr=subprocess.STDOUT)
+    try:
+        def wait_for(predicate, what, timeout=300):
+            deadline = time.time() + timeout
+            while not predicate():
+                if time.time() > deadline or supervisor.poll() is not None:
+                    pytest.fail(f"{what}: not seen\n{out_file.read_text()[-3000:]}\n{logs(pod)[-3000:]}")
+                time.sleep(0.1)
+
+        def pid(i):
+            return int((pod["workers"][i] / "bert_jax_run" / "pid").read_text())
+
+        # One worker's run killed (an OOM kill, a segfault) once step 5 is logged.
+        wait_for(lambda: storage.exists(f"{work}/train_log.jsonl") and len(losses(work)) >= 5, "step 5")
+        os.kill(pid(1), signal.SIGKILL)
+        attempts = f"{work}/attempts.jsonl"
+        wait_for(lambda: storage.read_text(attempts).count('"event": "start"') == 2, "the relaunch")
+        # The relaunched run saves step 8; then the slice is preempted: every process on every VM
+        # dies and the VMs come back empty.
+        wait_for(lambda: storage.exists(f"{work}/checkpoints/8/commit_success.txt"), "step 8 saved again")
+        (root / "state").write_text("PREEMPTED")
+        for i in range(2):
+            os.killpg(os.getpgid(pid(i)), signal.SIGKILL)
+        for w in pod["workers"]:
+            shutil.rmtree(w)
+            w.mkdir()
+        assert supervisor.wait(timeout=420) == 0, out_file.read_text()[-4000:]
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+    rows = [json.loads(line) for line in storage.read_text(attempts).splitlines()]
+    ends = [r for r in rows if r["event"] == "end"]
+    assert [r["attempt"] for r in ends] == [1, 2, 3], rows
+    assert ends[0]["cause"].startswith("worker 1 failed (exit 137)"), rows
+    assert ends[1]["cause"] == "slice PREEMPTED" and ends[2]["cause"] == "finished", rows
+    assert [r["event"] for r in rows].count("failure") == 1  # the crash; a preemption is not a failure
+    # Both workers' logs of every attempt are in the bucket (attempt 2's uploaded while it ran).
+    collected = {n: storage.listdir(f"{work}/logs/{n}") for n in ("attempt-1", "attempt-2", "attempt-3")}
+    assert all(names == ["worker-0.log", "worker-1.log"] for names in collected.values()), collected
+    crashed = storage.read_text(f"{work}/logs/attempt-1/worker-0.log")
+    assert "resumed from step" not in crashed  # attempt 1 started fresh
+    last = storage.read_text(f"{work}/logs/attempt-3/worker-0.log")
+    assert "resumed from step 8" in last
+    assert re.search(r"data verification: hashed 0 files \(0 bytes\)", last), last[-3000:]  # nothing re-read
+    # The new VMs were installed with the versions the first install recorded.
+    pins = storage.read_text(f"{work}/constraints.txt")
+    assert f"jax=={importlib.metadata.version('jax')}" in pins.splitlines()
+    for i in range(2):
+        assert (root / f"used-constraints.{i}").read_text() == pins
+    # Every logged loss, the repeats of resumed steps included, equals the uninterrupted run's.
+    logged = [json.loads(line) for line in storage.read_text(f"{work}/train_log.jsonl").splitlines()]
+    assert {r["step"] for r in logged} == set(want)
+    assert all(r["loss"] == want[r["step"]] for r in logged)
