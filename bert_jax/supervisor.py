@@ -54,13 +54,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Optional
 
 from data_pipeline import storage
 
-ROOT = Path(__file__).resolve().parents[1]
-POD_SCRIPT = ROOT / "launch" / "tpu_pod.sh"
+POD_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "tpu_pod.sh")
 
 # Slice states (Cloud TPU API v2 `Node.state`) after which the VMs are gone or will not come back
 # by themselves; NOT_FOUND is a deleted slice.
@@ -249,7 +247,7 @@ class Supervisor:
     # --- launch/tpu_pod.sh ----------------------------------------------------------------------
 
     def _pod(self, *flags: str, timeout: float = 3600, **env) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(POD_SCRIPT), *flags], env={**self.env, **env}, capture_output=True,
+        return subprocess.run(["bash", POD_SCRIPT, *flags], env={**self.env, **env}, capture_output=True,
                               text=True, timeout=timeout, check=False)
 
     def worker_states(self) -> Optional[dict[str, tuple[str, Optional[int]]]]:

@@ -28,9 +28,17 @@ Backends, and why:
   the cache once.
 
 Object-store semantics this module hides: no folders (`makedirs` is a no-op, a "folder" exists
-while an object has its prefix), no append (`append_text` composes a new object from the old one
-and the appended part), no rename (`rename` copies then deletes, per object, server-side), and a
-single-object upload is atomic (a write is whole or absent, as `write_bytes` is locally).
+while an object has its prefix), no append (`append_text` and `Appender` compose a new object from
+the old one and the appended part, under a generation precondition, and check after a failure
+whether it landed: no byte is appended twice), no rename (`rename` copies then deletes, per
+object, server-side), and a single-object upload is atomic (a write is whole or absent, as
+`write_bytes` is locally).
+
+Time: every Cloud Storage request through gcsfs (ours, and orbax's metadata through etils.epath)
+ends within `gcs_timeout()` (`$BERT_JAX_GCS_TIMEOUT`, 60 s; gcsfs's own default is none) or
+raises `TimeoutError`, which gcsfs does not retry; the errors it retries get six tries, so a call
+ends within 6 x the timeout + 36 s. Writes that only feed logs do not wait even that long on the
+training step: `data_pipeline.log_writer` does them in the background.
 
 A path with a scheme no backend handles (`s3://`, `hdfs://`, `ram://`, ...) or a gs:// path without
 gcsfs installed is refused by `check` with the flag's name and the remedy, before anything runs; so
@@ -48,10 +56,12 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import glob as _glob
 import hashlib
 import io
 import json
+import logging
 import os
 import posixpath
 import re
@@ -61,13 +71,38 @@ import threading
 import time
 from typing import IO, Iterator, Optional
 
+GCS_TIMEOUT_ENV = "BERT_JAX_GCS_TIMEOUT"
+GCS_TIMEOUT_S = 60.0  # gcsfs moves at most 50 MiB per request (bigger uploads go in chunks): >= 0.8 MiB/s
+
+
+def gcs_timeout() -> Optional[float]:
+    """Seconds one Cloud Storage request may take, all of it (`$BERT_JAX_GCS_TIMEOUT`, default 60;
+    0 for none, gcsfs's own default).
+
+    gcsfs's default is no limit: one stalled connection then blocks its caller forever (on a pod,
+    host 0 in a log write while the others wait for it in the next collective, with no error). A
+    request past the limit raises `TimeoutError` (fsspec's `FSTimeoutError`), which gcsfs does not
+    retry; the errors it does retry (HTTP 408/429/5xx, dropped connections) get its fixed six tries
+    with 1-16 s backoff, so one call ends within 6 x the timeout + 36 s. `read_bytes` fetches a
+    whole object in one request: raise the limit to read a large one over a slow link.
+    """
+    value = os.environ.get(GCS_TIMEOUT_ENV, "").strip()
+    try:
+        seconds = float(value) if value else GCS_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"${GCS_TIMEOUT_ENV}={value!r}: not a number of seconds") from None
+    return seconds if seconds > 0 else None
+
+
 # orbax (etils.epath) then reaches gs:// through gcsfs, as this module does (see the docstring).
 # Set before epath first resolves a gs:// backend; a value the user set wins.
 os.environ.setdefault("EPATH_USE_TF", "false")
-try:  # and without a listings cache: tensorstore, other hosts and this module write beside it
+try:  # without a listings cache (tensorstore, other hosts and this module write beside it), and
+    # with our request time limit for orbax's gcsfs too (its checkpoint metadata, `_fs` here)
     import fsspec.config as _fsspec_config
     for _protocol in ("gs", "gcs"):
         _fsspec_config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
+        _fsspec_config.conf[_protocol].setdefault("requests_timeout", gcs_timeout())
 except ImportError:  # pragma: no cover - fsspec comes with orbax
     pass
 
@@ -204,7 +239,8 @@ _FS: dict = {}
 
 def _fs(path):
     """The fsspec file system of a remote path (one per process and scheme; listings never cached:
-    other processes and orbax's threads write under the same prefixes)."""
+    other processes and orbax's threads write under the same prefixes; each request limited to
+    `gcs_timeout()`)."""
     s = scheme(path)
     key = (s, os.getpid())  # gcsfs holds an event loop thread: never reuse one across a fork
     with _FS_LOCK:
@@ -212,7 +248,7 @@ def _fs(path):
             check(os.fspath(path))
             if s == "gs":
                 import gcsfs
-                _FS[key] = gcsfs.GCSFileSystem(use_listings_cache=False)
+                _FS[key] = gcsfs.GCSFileSystem(use_listings_cache=False, requests_timeout=gcs_timeout())
             else:  # pragma: no cover - check() refuses every other scheme
                 raise StorageError(f"no backend for {path}")
         return _FS[key]
@@ -504,27 +540,144 @@ def write_json(path, value, **kwargs) -> None:
 
 
 def append_text(path, text: str, encoding: str = "utf-8") -> None:
-    """Appends to a file (created if absent). Remote: the new part is uploaded and composed onto
-    the object server-side (no download of what is there); the object is replaced whole."""
-    path = os.fspath(path)
-    if not is_remote(path):
-        local = _local_path(path)
-        os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
-        with builtins.open(local, "a", encoding=encoding) as f:
-            f.write(text)
-        return
-    fs, key = _fs(path), _key(path)
-    data = text.encode(encoding)
-    if not fs.exists(key):
-        fs.pipe_file(key, data)
-        return
-    part = f"{key}.append-{os.getpid()}-{time.time_ns()}"
-    fs.pipe_file(part, data)
+    """Appends to a file (created if absent), once (see `Appender`). Remote: the new part is
+    uploaded and composed onto the object server-side (no download of what is there); the object
+    is replaced whole."""
+    appender = Appender(path)
+    appender.add(text.encode(encoding))
+    appender.flush()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    """A write of `data` onto an object that may have landed: the generation it was conditioned
+    on (0: the object was absent) and the object's size then."""
+
+    generation: int
+    size: int
+    data: bytes
+
+
+class Appender:
+    """Appends to one file, local or remote, with no byte lost or written twice across retries.
+
+    `add` queues bytes; `flush` tries once to write all that is queued and raises if it cannot,
+    keeping it queued: call `flush` again to retry, or `discard` to give it up. One thread at a time.
+
+    Remote, where an append is a compose: the queued bytes are uploaded as a part object and
+    composed onto the file with `ifGenerationMatch` = the generation they were composed onto (a
+    new file is uploaded with `ifGenerationMatch=0`), so each compose can land at most once. A
+    flush that failed (a timeout, a lost reply) may still have landed, so the next one first looks:
+    if the object's bytes from the old size on are the bytes it sent, they landed and only what
+    was queued after them is sent. A precondition failure (HTTP 412, `FileExistsError`) is
+    resolved the same way: gcsfs resends a request whose reply was lost, and the resent compose
+    fails the precondition when the first one landed. fake-gcs-server enforces `ifGenerationMatch`
+    on uploads but not on composes (checked): there a compose still in flight on the server when
+    its reply timed out can land after the check and duplicate its bytes; on Cloud Storage the
+    precondition rejects it. Writes of one file come from one process (host 0's logs).
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self._queued = bytearray()
+        self._unresolved: list[_Attempt] = []  # sent, not known to have landed, could still land
+        self._known: Optional[tuple[int, int]] = None  # (generation, size) after our last write
+        self._parts: list[str] = []  # part objects to delete
+
+    @property
+    def queued(self) -> bytes:
+        return bytes(self._queued)
+
+    def add(self, data: bytes) -> None:
+        self._queued += data
+
+    def discard(self) -> bytes:
+        """Gives up what is queued (a send of it in flight may still land); returns it."""
+        dropped, self._queued = bytes(self._queued), bytearray()
+        self._unresolved.clear()
+        self._known = None
+        return dropped
+
+    def flush(self) -> None:
+        """Writes everything queued; raises (OSError, TimeoutError) with it still queued."""
+        if not self._queued:
+            return
+        if not is_remote(self.path):
+            local = _local_path(self.path)
+            os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
+            with builtins.open(local, "ab") as f:
+                f.write(self._queued)
+            self._queued.clear()
+            return
+        fs, key = _fs(self.path), _key(self.path)
+        state = self._resolve(fs, key) if self._unresolved else self._known or _generation_and_size(fs, key)
+        for _ in range(3):  # a precondition lost to another writer: compose again onto its object
+            if not self._queued:
+                return
+            attempt = _Attempt(state[0], state[1], bytes(self._queued))
+            self._unresolved.append(attempt)
+            try:
+                self._known = self._send(fs, key, attempt)
+            except FileExistsError:  # 412: this compose's precondition no longer holds
+                state = self._resolve(fs, key)
+                continue
+            del self._queued[:len(attempt.data)]
+            self._unresolved.clear()
+            self._delete_parts(fs)
+            return
+        raise OSError(f"{self.path}: the object kept changing under the append (another writer?)")
+
+    def _send(self, fs, key: str, attempt: _Attempt) -> Optional[tuple[int, int]]:
+        """Writes `attempt`; the object's (generation, size) after it, when the reply says."""
+        if attempt.generation == 0:
+            fs.pipe_file(key, attempt.data, mode="create")  # ifGenerationMatch=0
+            return None
+        part = f"{key}.append-{os.getpid()}-{time.time_ns()}"
+        self._parts.append(part)
+        fs.pipe_file(part, attempt.data)
+        bucket, name = key.split("/", 1)
+        out = fs.call("POST", "b/{}/o/{}/compose", bucket, name, ifGenerationMatch=str(attempt.generation),
+                      headers={"Content-Type": "application/json"}, json_out=True,
+                      json={"kind": "storage#composeRequest", "destination": {"name": name, "bucket": bucket},
+                            "sourceObjects": [{"name": name}, {"name": part.split("/", 1)[1]}]})
+        return int(out["generation"]), int(out["size"])
+
+    def _resolve(self, fs, key: str) -> tuple[int, int]:
+        """Settles the unresolved sends against the object as it is: removes from the queue the
+        bytes of the one that landed, if one did. Returns the object's (generation, size)."""
+        generation, size = _generation_and_size(fs, key)
+        for attempt in sorted(self._unresolved, key=lambda a: len(a.data), reverse=True):  # A+B before A
+            end = attempt.size + len(attempt.data)
+            if generation != attempt.generation and size >= end and \
+                    fs.cat_file(key, start=attempt.size, end=end) == attempt.data:
+                del self._queued[:len(attempt.data)]
+                self._unresolved.clear()
+                break
+        # A send conditioned on an older generation can no longer land; one on this one still can.
+        self._unresolved = [a for a in self._unresolved if a.generation == generation]
+        self._known = None
+        return generation, size
+
+    def _delete_parts(self, fs) -> None:
+        """Deletes the part objects of this file's earlier sends; one that fails waits for the next."""
+        kept = []
+        for part in self._parts:
+            try:
+                fs.rm_file(part)
+            except FileNotFoundError:
+                pass
+            except Exception:  # pylint: disable=broad-except  # litter, not an error of the append
+                kept.append(part)
+        self._parts = kept[-64:]
+
+
+def _generation_and_size(fs, key: str) -> tuple[int, int]:
+    """(generation, size) of an object; (0, 0) when there is none."""
     try:
-        fs.merge(key, [key, part])
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(part)
+        info = fs.info(key)
+    except FileNotFoundError:
+        return 0, 0
+    return int(info.get("generation") or 0), int(info["size"])
 
 
 def makedirs(path) -> None:
@@ -686,14 +839,17 @@ def reading_dir(path) -> Iterator[str]:
 class Mirror:
     """A local folder whose files are uploaded to a remote folder at each `sync()`.
 
-    For writers that only write local files (TensorBoard's event writer): they write into `.local`;
-    `sync` uploads each file whose size or modification time changed since the last sync, whole
-    (as TensorFlow's own GCS writer does at each flush). For a local `remote`, `.local` is
-    `remote` itself and `sync` does nothing.
+    For writers that only append to local files (TensorBoard's event writer): they write into
+    `.local`, holding `.lock` while they write; `sync` uploads each file whose size or
+    modification time changed since the last sync, whole (as TensorFlow's own GCS writer does at
+    each flush), up to the size it had under the lock (so another thread may sync while the writer
+    goes on: no upload ends in half a record). For a local `remote`, `.local` is `remote` itself
+    and `sync` does nothing.
     """
 
     def __init__(self, remote, name: str = ""):
         self.remote = os.fspath(remote)
+        self.lock = threading.Lock()
         if not is_remote(self.remote):
             self.local = _local_path(self.remote)
             os.makedirs(self.local, exist_ok=True)
@@ -703,21 +859,36 @@ class Mirror:
             os.makedirs(self.local, exist_ok=True)
         self._seen: dict[str, tuple] = {}
 
+    def _changed(self) -> list[tuple[str, str, tuple]]:
+        """(name, local path, (size, mtime)) of each file changed since its last upload."""
+        with self.lock:
+            marks = {rel: (info["path"], os.stat(info["path"])) for rel, info in files_info(self.local).items()}
+        return [(rel, p, (st.st_size, st.st_mtime_ns)) for rel, (p, st) in sorted(marks.items())
+                if self._seen.get(rel) != (st.st_size, st.st_mtime_ns)]
+
     def sync(self) -> None:
         if not is_remote(self.remote):
             return
-        for rel, info in sorted(files_info(self.local).items()):
-            st = os.stat(info["path"])
-            mark = (st.st_size, st.st_mtime_ns)
-            if self._seen.get(rel) != mark:
-                copy(info["path"], join(self.remote, *rel.split("/")))
-                self._seen[rel] = mark
+        for rel, path, mark in self._changed():
+            with builtins.open(path, "rb") as f:
+                data = f.read(mark[0])
+            write_bytes(join(self.remote, *rel.split("/")), data)
+            self._seen[rel] = mark
 
-    def close(self) -> None:
-        """Last sync, then the staging folder is removed (remote only)."""
-        self.sync()
-        if is_remote(self.remote):
-            shutil.rmtree(self.local, ignore_errors=True)
+    def close(self, upload: bool = True) -> bool:
+        """Last sync (unless not `upload`), then the staging folder is removed (remote only) if
+        every file in it is uploaded; else it is kept (and named in a warning). Returns whether
+        every file is uploaded."""
+        if upload:
+            self.sync()
+        if not is_remote(self.remote):
+            return True
+        left = [rel for rel, _, _ in self._changed()]
+        if left:
+            logging.warning("%d file(s) for %s were not uploaded: left in %s", len(left), self.remote, self.local)
+            return False
+        shutil.rmtree(self.local, ignore_errors=True)
+        return True
 
 
 def epath(path):
