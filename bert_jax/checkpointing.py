@@ -54,7 +54,9 @@ raw `uint32` data and cannot restore them as typed keys. Store `jax.random.key_d
 Several hosts agree on every verdict: a step is intact only if every host verified it, and a
 restore that fails on one host (a read error, missing input state) fails on all of them, with the
 same error, so they all fall back to the same step; no host resumes alone and none waits forever
-(restores go through orbax's handlers, which hold no barrier a failing host would skip).
+(restores go through orbax's handlers, which hold no barrier a failing host would skip). Each
+exchange names the step it is about, and a host that is sent another step's finding raises
+`CheckpointRestoreError` naming both steps rather than combine them.
 
 Paths: local or gs:// (`data_pipeline.storage`; orbax's own writes reach gs:// through etils.epath
 and tensorstore).
@@ -244,7 +246,7 @@ class Checkpointer:
                 first_line = (str(e).strip().splitlines() or [""])[0][:300]
                 status, damage = "damaged", integrity.Damage(
                     STATE, f"could not be read to verify it ({type(e).__name__}: {first_line})")
-            status, damage = self._agreed_verdict(status, damage)
+            status, damage = self._agreed_verdict(step, status, damage)
             if status == "unverified":
                 logging.warning("checkpointing: step %d in %s has no integrity manifest (saved by an older "
                                 "bert_jax): restoring it unverified", step, self._directory)
@@ -654,32 +656,50 @@ class Checkpointer:
         digest = hashlib.sha256(self._directory.encode()).hexdigest()[:12]
         return f"bert_jax_checkpointing/{digest}/{self._exchanges}/{what}"
 
-    def _all_hosts(self, code: int, text: str) -> list[tuple[int, str]]:
-        """Every host's (code, text), in host order: the same list on every host.
+    def _all_hosts(self, step: int, what: str, code: int, text: str) -> list[tuple[int, str]]:
+        """Every host's (code, text) about `step`, in host order: the same list on every host.
 
         Through the key-value store of jax's coordination service, not a collective: no device
         program, and no collective's short timeout (gloo's 30 s on CPU) for a host that is slower
-        to verify or read."""
+        to verify or read. Each host publishes its finding under a key naming the step,
+        `<exchange>/step_<step>/<host>`, then the step it is at under `<exchange>/step/<host>`;
+        every host reads each host's step first, so hosts whose exchanges drifted apart (one
+        verifying a step another skipped) can never combine findings about different steps.
+
+        Raises:
+            CheckpointRestoreError: a host is at another step in this exchange (a bug: every host
+                must make the same calls in the same order), naming both steps.
+        """
         if self._process_count == 1:
             return [(code, text)]
         client = ocp.multihost.get_jax_distributed_client()
-        key = self._exchange_key("verdicts")
-        client.key_value_set(f"{key}/{self._process_index}", json.dumps([code, text]))
-        return [tuple(json.loads(client.blocking_key_value_get(f"{key}/{i}", _AGREEMENT_TIMEOUT_S * 1000)))
-                for i in range(self._process_count)]
+        key = self._exchange_key(what)
+        client.key_value_set(f"{key}/step_{step}/{self._process_index}", json.dumps([code, text]))
+        client.key_value_set(f"{key}/step/{self._process_index}", str(step))
+        verdicts = []
+        for i in range(self._process_count):
+            theirs = int(client.blocking_key_value_get(f"{key}/step/{i}", _AGREEMENT_TIMEOUT_S * 1000))
+            if theirs != step:
+                raise CheckpointRestoreError(
+                    f"checkpointing: host {self._process_index} exchanged its {what} about step {step} of "
+                    f"{self._directory} with host {i}, which sent its {what} about step {theirs} ({key}): the "
+                    f"hosts' checkpoint calls went out of step (a bug); not combining them")
+            verdicts.append(tuple(json.loads(client.blocking_key_value_get(f"{key}/step_{step}/{i}",
+                                                                           _AGREEMENT_TIMEOUT_S * 1000))))
+        return verdicts
 
     def _barrier(self, what: str) -> None:
         """Every host waits until all got here (the coordination service's barrier, not a collective)."""
         ocp.multihost.sync_global_processes(self._exchange_key(what), timeout=_AGREEMENT_TIMEOUT_S,
                                             processes=set(range(self._process_count)))
 
-    def _agreed_verdict(self, status: str, damage: Optional[integrity.Damage]
+    def _agreed_verdict(self, step: int, status: str, damage: Optional[integrity.Damage]
                         ) -> tuple[str, Optional[integrity.Damage]]:
         """A step's verification, combined over hosts: damaged when any host found damage (the
         first such host's finding, everywhere), else unverified when any host could not verify."""
         codes = ("ok", "unverified", "damaged")
         text = f"{damage.file}\0{damage.problem}" if damage is not None else ""
-        verdicts = self._all_hosts(codes.index(status), text)
+        verdicts = self._all_hosts(step, "verdicts", codes.index(status), text)
         for host, (code, found) in enumerate(verdicts):
             if codes[code] == "damaged":
                 if host == self._process_index:
@@ -693,7 +713,7 @@ class Checkpointer:
         """The restore's outcome, combined over hosts: if any host's read failed, every host gets
         a failure (its own, or the first failing host's), corrupt ones first, so all fall back."""
         code = 0 if failure is None else 2 if isinstance(failure, CheckpointCorruptError) else 1
-        verdicts = self._all_hosts(code, "" if failure is None else str(failure))
+        verdicts = self._all_hosts(step, "restores", code, "" if failure is None else str(failure))
         worst = max(c for c, _ in verdicts)
         if worst == 0 or code == worst:
             return failure

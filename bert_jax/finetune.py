@@ -54,7 +54,7 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from bert_jax import checkpointing, finetune_batches, heads, optim, pretrain, sharding, steps
+from bert_jax import checkpointing, finetune_batches, heads, optim, pretrain, sharding, steps, versions
 from bert_jax import workdir as workdir_files
 from bert_jax.formats.common import TASK_FILE
 from bert_jax.modeling import BertConfig
@@ -293,6 +293,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     start_step, meta = ckpt.latest_step(), {}
     if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
         start_step, state, meta = ckpt.restore_latest(abstract_state, check_input_state=False)
+        try:  # before anything compiles
+            versions.check_resume(meta.get(versions.META_KEY), allow_change=config.get("allow_version_change", False),
+                                  where=f"checkpoint step {start_step} in {ckpt.directory}")
+        except checkpointing.CheckpointRestoreError:
+            ckpt.close()  # puts the previous SIGTERM handler back
+            best_ckpt.close()
+            raise
         logging.info("resumed from step %d", start_step)
     else:
         start_step = 0
@@ -332,6 +339,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
 
     history = list(meta.get("history", []))
     best = meta.get("best")
+    installed_versions = versions.installed()
+
+    def checkpoint_meta() -> dict:  # the history and best epoch so far; the versions, checked on resume
+        return {"history": history, "best": best, versions.META_KEY: installed_versions}
+
     results: dict = dict(history[-1]) if history else {}
     step = start_step
     stop = False
@@ -372,10 +384,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                     # seed, so the run resumes mid-epoch).
                     stop = ckpt.should_stop(step)
                     if stop and not last:
-                        ckpt.save(step, state, {"history": history, "best": best}, force=True)
+                        ckpt.save(step, state, checkpoint_meta(), force=True)
                         break
                     if every and not last:
-                        ckpt.save(step, state, {"history": history, "best": best})
+                        ckpt.save(step, state, checkpoint_meta())
                 bar.close()
                 if stop and step != end:
                     logging.warning("SIGTERM/preemption: saved step %d, exiting", step)
@@ -412,7 +424,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                 results[f"best_epoch_{task.primary_metric}"] = best["value"] if best else None
                 history.append(results)
                 logging.info("epoch %d: %s", epoch + 1, json.dumps(results, sort_keys=True))
-                ckpt.save(step, state, {"history": history, "best": best}, force=True)
+                ckpt.save(step, state, checkpoint_meta(), force=True)
                 if stop:
                     logging.warning("SIGTERM/preemption: saved step %d after its evaluation, exiting", step)
                     break

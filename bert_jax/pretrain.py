@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from bert_jax import checkpointing, modeling, optim, sharding, steps
+from bert_jax import checkpointing, modeling, optim, sharding, steps, versions
 from bert_jax.modeling import BertConfig, BertForPreTraining
 from bert_jax.phases import Phase, resolve_phases  # noqa: F401  (importable from here too)
 # The checks before compiling, and the input; their names are importable from here too.
@@ -114,6 +114,16 @@ def use_prng_impl(config: ml_collections.ConfigDict) -> None:
     jax.config.update("jax_default_prng_impl", impl)
 
 
+def blocks_every_step(backend: str, process_count: int) -> bool:
+    """Whether the loop waits for each step's result before dispatching the next.
+
+    Only for several processes on CPU: there, gloo's collectives of consecutive steps interleave
+    differently on each process and deadlocked within ~50 steps (RELIABILITY.md). On TPU and GPU
+    the host dispatches ahead, so that input and logging overlap the device's step.
+    """
+    return backend == "cpu" and process_count > 1
+
+
 def peak_flops_per_device() -> Optional[float]:
     kind = jax.devices()[0].device_kind
     for prefix, flops in PEAK_FLOPS.items():
@@ -182,7 +192,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     check_vocab_matches_data(config.vocab_file, [p.train_data for p in phases]
                              + ([config.eval_data] if config.eval_data else []))
     if config.eval_data and config.eval_every_steps:
-        make_eval_input(config, config.eval_data)  # bad eval data: an error now, not after hours
+        make_eval_input(config, config.eval_data, workdir)  # bad eval data: an error now, not after hours
     if jax.process_index() == 0:
         write_model_files(workdir, bert_config, config.vocab_file, data_casing(phases))
 
@@ -192,6 +202,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     state_shardings = sharding.logical_to_sharding(abstract, mesh, rules)
     abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
 
+    installed_versions = versions.installed()  # saved with every step, checked on resume (versions.py)
     ckpt = checkpointing.Checkpointer(
         storage.join(workdir, "checkpoints"), save_interval_steps=config.checkpoint_every_steps,
         max_to_keep=config.keep_checkpoints, async_save=config.async_checkpointing,
@@ -200,6 +211,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     meta: dict = {}
     if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
         start_step, state, meta = ckpt.restore_latest(abstract_state)
+        try:  # before anything compiles
+            versions.check_resume(meta.get(versions.META_KEY), allow_change=config.get("allow_version_change", False),
+                                  where=f"checkpoint step {start_step} in {ckpt.directory}")
+        except checkpointing.CheckpointRestoreError:
+            ckpt.close()  # puts the previous SIGTERM handler back
+            raise
         logging.info("resumed from step %d", start_step)
         start_step = int(start_step)
         report_schedule_change(config, meta, start_step)
@@ -229,7 +246,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      in_shardings=(state_shardings.params, batch_sharding))
 
     peak = peak_flops_per_device()
-    block_every_step = jax.process_count() > 1  # RELIABILITY.md: multi-process CPU deadlock otherwise
+    block_every_step = blocks_every_step(jax.default_backend(), jax.process_count())
     last_metrics: dict = {}
     log_path = storage.join(workdir, "train_log.jsonl")
     consecutive_bad = 0
@@ -240,7 +257,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
             for phase_index, phase in enumerate(phases):
                 if step >= phase.end_step:
                     continue
-                batches = make_train_input(config, phase, special_ids)
+                batches = make_train_input(config, phase, special_ids, workdir)
                 resume_in_phase = step > phase.start_step
                 if resume_in_phase:
                     if meta.get("phase") != phase_index:
@@ -281,17 +298,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                             config.global_batch_size, phase.max_seq_length, peak, consecutive_bad,
                             config, log_path, input_seconds)
                         pending, window_start, input_seconds = [], time.time(), 0.0
+                    if step == phase.end_step or (config.checkpoint_every_steps
+                                                  and step % config.checkpoint_every_steps == 0):
+                        # The log lines so far land before the step is saved (bounded: 10 s), so a
+                        # run killed after the save and resumed past it has them all.
+                        writer.flush()
                     # Saved before evaluating: an evaluation that fails loses no training.
                     stop = ckpt.should_stop(step)
                     ckpt.save(step, state, {"phase": phase_index, "step": step, "data_shards": batches.num_shards,
-                                            "schedule": {k: config.get(k) for k in SCHEDULE_KEYS}},
+                                            "schedule": {k: config.get(k) for k in SCHEDULE_KEYS},
+                                            versions.META_KEY: installed_versions},
                               force=stop or step == phase.end_step,
                               input_state_writer=batches.save_state)
                     if stop:
                         logging.warning("preemption/SIGTERM: saved step %d, exiting", step)
                         break
                     if config.eval_data and config.eval_every_steps and step % config.eval_every_steps == 0:
-                        evaluation = run_eval(p_eval, state.params, make_eval_input(config, config.eval_data),
+                        evaluation = run_eval(p_eval, state.params, make_eval_input(config, config.eval_data, workdir),
                             mesh, config.eval_steps)
                         writer.write_scalars(step, {f"eval/{k}": v for k, v in evaluation.items()})
                 bar.close()
@@ -388,8 +411,8 @@ def _log(pending, step, window_start, writer, bar, flops, global_batch, seq_len,
         else:
             consecutive_bad = 0
     if jax.process_index() == 0:
-        append_jsonl(log_path, ({"step": first_step + i, "loss": float(m["loss"]),
-                                 "grad_norm": float(m["grad_norm"])} for i, m in enumerate(fetched)))
+        writer.append_jsonl(log_path, ({"step": first_step + i, "loss": float(m["loss"]),
+                                        "grad_norm": float(m["grad_norm"])} for i, m in enumerate(fetched)))
     sums = {k: sum(float(m[k]) for m in fetched) for k in fetched[-1]}
     n = len(fetched)
     seqs_per_s = n * global_batch / max(seconds, 1e-9)

@@ -6,10 +6,16 @@ file shards, so the global batch does not depend on the host count) from
 with each checkpoint. `make_eval_input` is one padded pass over held-out records and `run_eval`
 sums `eval_step` over it. The batches become global arrays in `run_eval` here and in the loop
 (`sharding.to_global`).
+
+Given the run's workdir, both keep the hashes of verified files in a bucket in
+`WORKDIR/verified_data/process_<i>.json` as well as on local disk (`records.KnownHashes`), so a
+VM recreated after a preemption does not hash the dataset again; `make_train_input` logs one line
+per phase it starts: `data verification: hashed N files (B bytes), trusted T from earlier runs`.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import jax
@@ -56,15 +62,32 @@ class ShardedInput:
         for j, s in enumerate(self.shards):
             s.restore_state(shard_dir(self.first + j))
 
+    @property
+    def verification(self) -> dict:
+        """What checking this host's files took, over its shards (`PretrainingInput.verification`)."""
+        counts = [s.verification for s in self.shards]
+        return {k: sum(c[k] for c in counts) for k in counts[0]}
+
+
+# Where the hashes of verified data files are kept in the workdir (`records.KnownHashes`).
+VERIFIED_DATA = "verified_data"
+
+
+def known_hashes_file(workdir: Optional[str]) -> Optional[str]:
+    """This process's `WORKDIR/verified_data/process_<i>.json` (None without a workdir)."""
+    return storage.join(workdir, VERIFIED_DATA, f"process_{jax.process_index()}.json") if workdir else None
+
 
 def _verify(config):
     """The input pipeline's `verify`: False, True (unchanged files by identity) or "full" (rehash_data)."""
     return "full" if config.verify_data and config.get("rehash_data") else config.verify_data
 
 
-def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> ShardedInput:
+def make_train_input(config, phase: Phase, special_ids: Optional[dict],
+                     workdir: Optional[str] = None) -> ShardedInput:
     """This host's training batches of `phase`: its rows of `config.global_batch_size`, from
-    `config.data_shards` file shards (default one per process)."""
+    `config.data_shards` file shards (default one per process). With `config.verify_data`, logs
+    what checking the files took; with `workdir`, keeps their hashes there too (module docstring)."""
     from data_pipeline import input_pipeline
 
     # Which ids are `##` pieces: whole-word dynamic masking (asked, or as the records were made).
@@ -93,14 +116,22 @@ def make_train_input(config, phase: Phase, special_ids: Optional[dict]) -> Shard
             max_seqs_per_pack=config.max_seqs_per_pack,
             verify=_verify(config),
             skip_corrupt=config.skip_corrupt_records,
+            known_hashes_file=known_hashes_file(workdir),
         )
 
-    return ShardedInput(make, config.data_shards or jax.process_count())
+    batches = ShardedInput(make, config.data_shards or jax.process_count())
+    if config.verify_data:
+        # Grepped by the preemption rehearsal (a recreated VM must hash nothing): keep the wording.
+        counts = batches.verification
+        logging.info("data verification: hashed %d files (%d bytes), trusted %d from earlier runs",
+                     counts["hashed_files"], counts["hashed_bytes"], counts["trusted_files"])
+    return batches
 
 
-def make_eval_input(config, data: str):
+def make_eval_input(config, data: str, workdir: Optional[str] = None):
     """One padded pass over `data`, at the records' own length and prediction count (whatever the
-    training phase's are: a 128 -> 512 run evaluates on the same held-out records throughout)."""
+    training phase's are: a 128 -> 512 run evaluates on the same held-out records throughout).
+    With `workdir`, the hashes of its verified files are kept there too (module docstring)."""
     from data_pipeline import input_pipeline
     max_seq_length, max_predictions_per_seq = input_pipeline.record_shape(data)
     global_batch = config.eval_batch_size or config.global_batch_size
@@ -113,6 +144,7 @@ def make_eval_input(config, data: str):
         process_count=jax.process_count(),
         verify=_verify(config),
         skip_corrupt=config.skip_corrupt_records,
+        known_hashes_file=known_hashes_file(workdir),
     )
 
 

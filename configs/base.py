@@ -101,6 +101,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.keep_checkpoints = 3  # most recent checkpoints kept
     config.async_checkpointing = True  # write checkpoints in the background
     config.on_damaged_checkpoint = "fallback"  # newest step damaged: "fallback" to the newest intact one, or "stop"
+    config.allow_version_change = False  # True: resume a checkpoint saved under other jax/flax/orbax/libtpu versions
     # CPU-only machines: glibc keeps freed large blocks for the next step instead of unmapping them
     # (~12% of a CPU run's time went to page faults; bert_jax/host_memory.py). auto | true | false
     config.keep_freed_host_memory = "auto"

@@ -103,6 +103,7 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     # Also save the last state every N steps inside an epoch (0: after each epoch and on SIGTERM
     # only); a run killed without warning (kill -9, a lost machine) then resumes from there.
     config.checkpoint_every_steps = 0
+    config.allow_version_change = False  # True: resume a checkpoint saved under other jax/flax/orbax/libtpu versions
     # CPU-only machines: glibc keeps freed large blocks for the next step instead of unmapping them
     # (~12% of a CPU run's time went to page faults; bert_jax/host_memory.py). auto | true | false
     config.keep_freed_host_memory = "auto"

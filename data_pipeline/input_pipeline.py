@@ -170,6 +170,7 @@ class PretrainingInput:
         verify: bool = True,
         skip_corrupt: bool = False,
         cycle_length: int = 8,
+        known_hashes_file: Optional[str] = None,
     ):
         """Checks the files (see module docstring) and builds the tf.data pipeline.
 
@@ -198,6 +199,9 @@ class PretrainingInput:
           skip_corrupt: skip (and count in `stats`) bad records and files instead of raising;
             the good records of a damaged file are read in place (nothing is copied).
           cycle_length: files read concurrently (interleave).
+          known_hashes_file: where this process also keeps the hashes of verified files in a
+            bucket, beside those of the other processes (`records.KnownHashes`; a training run's
+            `WORKDIR/verified_data/process_<i>.json`); None: on local disk only.
 
         Raises:
           CorruptDataError: a file is missing, unlisted, or fails the manifest check (strict).
@@ -251,7 +255,8 @@ class PretrainingInput:
 
         self._files = check_files(file_patterns, process_index=process_index,
                                   process_count=process_count, verify=verify,
-                                  skip_corrupt=skip_corrupt, require_files_per_host=True)
+                                  skip_corrupt=skip_corrupt, require_files_per_host=True,
+                                  known_hashes_file=known_hashes_file)
         if not self._files.read_paths:
             raise CorruptDataError(self._patterns[0], f"host {process_index} has no readable file "
                                    f"left ({len(self._files.corrupt_files)} corrupt or missing)")
@@ -376,6 +381,12 @@ class PretrainingInput:
         """This host's share of the sorted file list (original names)."""
         return list(self._files.host_files)
 
+    @property
+    def verification(self) -> dict:
+        """What checking this host's files took: hashed_files, hashed_bytes, and trusted_files
+        (unchanged since an earlier run hashed them; all 0 without `verify`)."""
+        return dict(self._files.verification)
+
     # --- state -------------------------------------------------------------------------------
 
     def _fingerprint(self) -> dict:
@@ -455,7 +466,8 @@ class EvalInput:
 
     def __init__(self, file_patterns: FilePatterns, *, per_host_batch_size: int,
                  max_seq_length: int, max_predictions_per_seq: int, process_index: int = 0,
-                 process_count: int = 1, verify: bool = True, skip_corrupt: bool = False):
+                 process_count: int = 1, verify: bool = True, skip_corrupt: bool = False,
+                 known_hashes_file: Optional[str] = None):
         if per_host_batch_size <= 0:
             raise ValueError(f"per_host_batch_size={per_host_batch_size} must be positive")
         self.per_host_batch_size = per_host_batch_size
@@ -464,7 +476,8 @@ class EvalInput:
         # Eval may have fewer files than hosts: a host without files yields padding only.
         self._files = check_files(file_patterns, process_index=process_index,
                                   process_count=process_count, verify=verify,
-                                  skip_corrupt=skip_corrupt, require_files_per_host=False)
+                                  skip_corrupt=skip_corrupt, require_files_per_host=False,
+                                  known_hashes_file=known_hashes_file)
         per_host = self._files.records_per_host(process_count)
         self.num_batches = max(-(-n // per_host_batch_size) for n in per_host)
         self.num_records = self._files.read_records

@@ -16,7 +16,9 @@ reading of a host's files, the good records of damaged ones included (found by
   missing, empty, truncated, bit-flipped or garbage file raises `CorruptDataError` naming the file.
   With `skip_corrupt=True` exactly the good records of the bad file are read, in place (no copy:
   `scan_tfrecord_file` walks the record framing, checks every CRC and records where each good
-  record lies), and the lost records are counted. Only this host's files are hashed.
+  record lies), and the lost records are counted. Only this host's files are hashed, and an
+  unchanged file only once (`KnownHashes`: on local disk, and beside a training run for files in
+  a bucket, so a machine recreated after a preemption trusts them too).
 
 This module imports neither jax nor bert_jax.
 """
@@ -209,6 +211,8 @@ class HostFiles:
     corrupt_files: list  # this host's files that were missing/corrupt (lenient mode)
     skipped_records: int  # records of this host's files that will not be read
     good_records: dict = dataclasses.field(default_factory=dict)  # damaged path -> _GoodRecords
+    # What verifying this host's files took (`KnownHashes.counts`): hashed_files, hashed_bytes, trusted_files.
+    verification: dict = dataclasses.field(default_factory=dict)
 
     def count(self, path: str) -> int:
         """Records in one of `all_files`: the manifest's count, else counted from the framing.
@@ -241,25 +245,48 @@ class KnownHashes:
     Wikipedia scale on a bucket). Any rewrite changes the identity, and the file is hashed again.
     A local file modified within the last 2 s is not remembered (an mtime that a write in the same
     clock tick would not change: git's "racy clean" case). `fresh=True` hashes every file again
-    (`config.rehash_data`)."""
+    (`config.rehash_data`).
+
+    `shared_file` (a training run's `WORKDIR/verified_data/process_<i>.json`) keeps the hashes of
+    Cloud Storage files beside the run too, where a machine recreated after a preemption (an empty
+    local cache) finds them: this process writes the entries it used or read there before, and
+    reads every `*.json` of that folder, so a resume on another number of hosts still trusts the
+    files other hosts hashed. Local files stay in the local cache only: their mtimes belong to one
+    machine.
+
+    Counts what it did (`counts`): files hashed and their bytes, and files trusted by identity.
+    """
 
     NAME = "verified_data_files.json"
     RACY_S = 2.0
 
-    def __init__(self, fresh: bool = False):
+    def __init__(self, fresh: bool = False, shared_file: Optional[str] = None):
         self.fresh, self.changed, self._listed, self._known = fresh, False, {}, None
         self.path = storage.join(storage.cache_dir(), self.NAME)
+        self.shared_file = shared_file
+        self._shared: dict = {}  # path -> [entries of the `shared_file` folder's files]
+        self._shared_before: dict = {}  # what `shared_file` held when read
+        self._shared_used: dict = {}  # remote entries looked up or hashed now
+        self.counts = {"hashed_files": 0, "hashed_bytes": 0, "trusted_files": 0}
 
     @property
     def known(self) -> dict:
-        """The remembered hashes, read on first use (not at all when nothing is verified)."""
+        """The hashes remembered on this machine, read on first use (not at all when nothing is
+        verified); the `shared_file` folder's are read with them."""
         if self._known is None:
-            try:
-                self._known = json.loads(storage.read_text(self.path))
-            except (OSError, ValueError):
-                self._known = {}
-            if not isinstance(self._known, dict):
-                self._known = {}
+            self._known = _read_json_dict(self.path)
+            if self.shared_file is not None:
+                folder, own = storage.dirname(self.shared_file), storage.basename(self.shared_file)
+                for name in storage.listdir(folder):
+                    if not name.endswith(".json"):
+                        continue
+                    # A remote file's entry holds on any machine (path, size, generation).
+                    entries = {k: v for k, v in _read_json_dict(storage.join(folder, name)).items()
+                               if storage.is_remote(k) and isinstance(v, dict)}
+                    if name == own:
+                        self._shared_before = entries
+                    for key, entry in entries.items():
+                        self._shared.setdefault(key, []).append(entry)
         return self._known
 
     def identity(self, path: str) -> list:
@@ -279,35 +306,63 @@ class KnownHashes:
     def sha256(self, path: str) -> str:
         key = path if storage.is_remote(path) else storage.abspath(path)
         identity = self.identity(path)
-        entry = self.known.get(key)
-        if not self.fresh and isinstance(entry, dict) and entry.get("identity") == identity:
+        known = self.known  # reads the shared folder too, on first use
+        candidates = [known.get(key), *self._shared.get(key, ())]
+        entry = next((e for e in candidates if isinstance(e, dict) and e.get("identity") == identity
+                      and isinstance(e.get("sha256"), str)), None)
+        if not self.fresh and entry is not None:
+            self.counts["trusted_files"] += 1
+            if storage.is_remote(path):
+                self._shared_used[key] = entry
             return entry["sha256"]
         started = time.time()
         digest = schema.sha256_file(path)
+        self.counts["hashed_files"] += 1
+        self.counts["hashed_bytes"] += int(identity[0])
         if storage.is_remote(path) or identity[1] / 1e9 < started - self.RACY_S:
             self.known[key] = {"identity": identity, "sha256": digest}
             self.changed = True
+            if storage.is_remote(path):
+                self._shared_used[key] = self.known[key]
         return digest
 
     def save(self) -> None:
-        if not self.changed:
-            return
-        try:  # written whole; two processes at once lose an entry, not the file
-            storage.makedirs(storage.dirname(self.path))
-            storage.write_text(self.path, json.dumps(self.known, sort_keys=True))
-        except OSError as e:
-            log.warning("could not remember the verified data files in %s (%s): the next start hashes "
-                        "them again", self.path, e)
-        self.changed = False
+        if self.changed:
+            try:  # written whole; two processes at once lose an entry, not the file
+                storage.makedirs(storage.dirname(self.path))
+                storage.write_text(self.path, json.dumps(self.known, sort_keys=True))
+            except OSError as e:
+                log.warning("could not remember the verified data files in %s (%s): the next start hashes "
+                            "them again", self.path, e)
+            self.changed = False
+        shared = {**self._shared_before, **self._shared_used}
+        if self.shared_file is not None and shared != self._shared_before:
+            try:  # this process's file only: no other process writes it
+                storage.makedirs(storage.dirname(self.shared_file))
+                storage.write_text(self.shared_file, json.dumps(shared, sort_keys=True))
+            except OSError as e:
+                log.warning("could not remember the verified data files in %s (%s): a new machine hashes "
+                            "them again", self.shared_file, e)
+            self._shared_before = shared
+
+
+def _read_json_dict(path: str) -> dict:
+    """The JSON object in `path`; {} when it is missing, unreadable or no object."""
+    try:
+        value = json.loads(storage.read_text(path))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def check_files(file_patterns: FilePatterns, *, process_index: int, process_count: int,
                 verify: Union[bool, str], skip_corrupt: bool,
-                require_files_per_host: bool) -> HostFiles:
+                require_files_per_host: bool, known_hashes_file: Optional[str] = None) -> HostFiles:
     """Lists, shards and (with `verify`) checks the files; finds the good records of bad ones
-    when lenient. `verify="full"` hashes every file again (`KnownHashes`)."""
+    when lenient. `verify="full"` hashes every file again; `known_hashes_file` keeps the hashes of
+    remote files beside the run too (`KnownHashes`)."""
     patterns = split_patterns(file_patterns)
-    hashes = KnownHashes(fresh=verify == "full")
+    hashes = KnownHashes(fresh=verify == "full", shared_file=known_hashes_file)
     found, unmatched = set(), []
     for pattern in patterns:
         matched = storage.glob(storage.check(pattern, "input file pattern"))
@@ -409,7 +464,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
     hashes.save()
     return HostFiles(all_files=all_files, infos=infos, read_paths=read_paths,
                      read_counts=read_counts, host_files=mine, corrupt_files=corrupt,
-                     skipped_records=skipped, good_records=good_records)
+                     skipped_records=skipped, good_records=good_records, verification=dict(hashes.counts))
 
 
 def read_error(files: HostFiles, patterns: Sequence[str], error: tf.errors.DataLossError) -> CorruptDataError:

@@ -370,6 +370,72 @@ def test_sigterm_sets_stop_and_forces_a_save(tmp_path):
         signal.signal(signal.SIGTERM, outer)
 
 
+class _KeyValueStore:
+    """jax's distributed client as the hosts' agreement uses it: a dict whose get waits for the key."""
+
+    def __init__(self):
+        self.values, self._changed = {}, threading.Condition()
+
+    def key_value_set(self, key, value):
+        with self._changed:
+            assert key not in self.values, f"{key} set twice"
+            self.values[key] = value
+            self._changed.notify_all()
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        with self._changed:
+            if not self._changed.wait_for(lambda: key in self.values, timeout=5):
+                raise TimeoutError(f"no {key}")
+            return self.values[key]
+
+
+def test_hosts_agreeing_about_different_steps_raise_naming_both(tmp_path, monkeypatch):
+    """Two hosts (threads) exchange verdicts through a fake coordination service: about the same
+    step they combine them, under keys naming the step; about different steps (their exchanges
+    drifted apart) each raises, naming both steps, instead of pairing them."""
+    import orbax.checkpoint as ocp
+
+    from bert_jax.checkpoint_integrity import Damage
+
+    store = _KeyValueStore()
+    monkeypatch.setattr(ocp.multihost, "get_jax_distributed_client", lambda: store)
+    hosts = [Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=1, handle_sigterm=False) for _ in range(2)]
+    for index, host in enumerate(hosts):
+        host._process_index, host._process_count = index, 2  # pylint: disable=protected-access
+
+    def on_both(steps, call):
+        results = [None, None]
+
+        def host(i):
+            try:
+                results[i] = call(hosts[i], steps[i])
+            except Exception as e:  # pylint: disable=broad-except
+                results[i] = e
+
+        threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return results
+
+    damage = Damage("state/d/0", "checksum mismatch")
+    verdicts = on_both([8, 8], lambda h, step: h._agreed_verdict(  # pylint: disable=protected-access
+        step, *(("damaged", damage) if h._process_index == 1 else ("ok", None))))  # pylint: disable=protected-access
+    assert verdicts == [("damaged", Damage("state/d/0", "checksum mismatch (found by host 1)")), ("damaged", damage)]
+    found = [key for key in store.values if not key.rsplit("/", 2)[-2] == "step"]  # the verdicts' keys
+    assert len(found) == 2 and all("/step_8/" in key for key in found), sorted(store.values)
+
+    for call in ("_agreed_verdict", "_agreed_failure"):
+        args = ("ok", None) if call == "_agreed_verdict" else (None,)
+        drifted = on_both([8, 4], lambda h, step: getattr(h, call)(step, *args))
+        for error in drifted:
+            assert isinstance(error, CheckpointRestoreError), drifted
+            assert "about step 8" in str(error) and "about step 4" in str(error), str(error)
+    for host in hosts:
+        host.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Subprocesses: kill -9, SIGTERM, failing saves, two-process preemption
 # ---------------------------------------------------------------------------------------------

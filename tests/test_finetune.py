@@ -359,6 +359,21 @@ def test_fine_tuning_in_a_bucket_writes_what_a_local_run_writes(bucket, sst2_run
         convert.load_pretrained(str(work)).params["bert"]["pooler"]["dense"]["kernel"])
 
 
+def test_a_resume_under_another_jax_is_refused(tmp_path, sst2_run, checkpoint, monkeypatch):
+    """The finished run's last state, resumed where jax seems upgraded: refused before training,
+    naming the checkpoint's version and the installed one (bert_jax/versions.py)."""
+    import shutil
+
+    from bert_jax import versions
+    from bert_jax.checkpointing import CheckpointRestoreError
+    data, work, _ = sst2_run
+    saved = versions.installed()
+    monkeypatch.setattr(versions, "installed", lambda: {**saved, "jax": "99.0"})
+    shutil.copytree(work, tmp_path / "work")
+    with pytest.raises(CheckpointRestoreError, match=re.escape(f"jax {saved['jax']} (installed: 99.0)")):
+        finetune.run(sst2_config(data, checkpoint), str(tmp_path / "work"))
+
+
 def test_resume_after_sigterm_mid_epoch(tmp_path, sst2_run, checkpoint, monkeypatch):
     """SIGTERM at step 6 (mid epoch 2) saves and exits; the rerun resumes there and ends exactly
     where the uninterrupted run ended (same batches, same dropout keys)."""

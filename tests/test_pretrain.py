@@ -145,6 +145,46 @@ def test_a_changed_schedule_on_resume_and_a_zero_learning_rate_are_reported(data
     assert "config.learning_rate=0: the parameters will not change" in longer.stderr
 
 
+def test_a_resume_under_other_library_versions_is_refused_unless_allowed(data, uninterrupted, tmp_path,
+                                                                         monkeypatch, caplog):
+    """Its finished checkpoint (step 12 of 12: a resume compiles nothing) resumed in-process where
+    jax and orbax-checkpoint seem to have been upgraded: refused naming both versions of each, then
+    resumed with config.allow_version_change, warning about them."""
+    sys.path.insert(0, str(ROOT))
+    from bert_jax import pretrain, versions
+    from bert_jax.checkpointing import CheckpointRestoreError
+    from configs import test as test_config
+
+    saved = versions.installed()
+    meta = json.loads((uninterrupted[0] / "checkpoints" / "12" / "meta" / "metadata").read_text())
+    assert meta["versions"] == saved
+    upgraded = {**saved, "jax": "99.0", "orbax-checkpoint": "98.0", "optax": "97.0"}
+    monkeypatch.setattr(versions, "installed", lambda: upgraded)
+    shutil.copytree(uninterrupted[0], tmp_path / "w")
+    cfg = test_config.get_config()
+    cfg.train_data, cfg.verify_data, cfg.num_train_steps = f"{data}/train-*.tfrecord", False, 12
+    cfg.checkpoint_every_steps = 4
+    with pytest.raises(CheckpointRestoreError) as refused:
+        pretrain.run(cfg, str(tmp_path / "w"))
+    message = str(refused.value)
+    assert f"jax {saved['jax']} (installed: 99.0)" in message, message
+    assert f"orbax-checkpoint {saved['orbax-checkpoint']} (installed: 98.0)" in message, message
+    assert "optax" not in message and "--config.allow_version_change=true" in message, message
+
+    cfg.allow_version_change = True
+    with caplog.at_level(logging.WARNING):
+        pretrain.run(cfg, str(tmp_path / "w"))
+    warned = [r.getMessage() for r in caplog.records if "other library versions" in r.getMessage()]
+    assert len(warned) == 2 and "jax" in warned[0] and "optax" in warned[1], warned
+    # A step saved before versions were recorded: one warning, and on.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        versions.check_resume(None, allow_change=False, where="checkpoint step 4 in W")
+    assert [r.getMessage() for r in caplog.records] == [
+        "checkpoint step 4 in W records no library versions (saved by an older bert_jax): resuming without "
+        "checking them"]
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data, tmp_path):
     # With the hardware random-bit generator of the speed tables (config.prng_impl=rbg): its
     # key (4 words; threefry's has 2) is what the step carries and the checkpoint holds.

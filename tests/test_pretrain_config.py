@@ -94,3 +94,12 @@ def test_prng_impl_is_checked_and_set():
     pretrain.use_prng_impl(ml_collections.ConfigDict({"prng_impl": "threefry2x32"}))
     assert jax.config.jax_default_prng_impl == "threefry2x32"
     assert glue.get_config().prng_impl == "threefry2x32"
+
+
+def test_only_multi_process_cpu_runs_wait_for_every_step():
+    """The per-step wait is gloo's CPU deadlock workaround; on TPU and GPU it would stop the host
+    from dispatching ahead of the device."""
+    from bert_jax.pretrain import blocks_every_step
+    assert blocks_every_step("cpu", 2) and blocks_every_step("cpu", 4)
+    assert not blocks_every_step("cpu", 1)
+    assert not any(blocks_every_step(backend, n) for backend in ("tpu", "gpu") for n in (1, 2, 64))
