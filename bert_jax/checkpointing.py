@@ -83,6 +83,7 @@ from bert_jax.checkpoint_steps import (FORMAT_VERSION, INFO, INPUT_STATE, META, 
                                        CheckpointCorruptError, CheckpointRestoreError, CheckpointSaveError, check_step,
                                        corrupt_error, input_dir, is_read_failure, move_aside, read_error)
 from bert_jax.preemption import Preemption
+from bert_jax.save_deadline import SaveDeadline
 from data_pipeline import storage
 
 PyTree = Any
@@ -113,6 +114,8 @@ class Checkpointer:
             and the fault, move the step to `<directory>/damaged/<step>-<time>/`, use the newest
             intact step) or "stop" (raise `CheckpointCorruptError` with that line). With no intact
             step to fall back to, both raise and move nothing.
+        save_timeout_s: each save's limit from its start to its commit; past it the process
+            ends with a message naming the step (`bert_jax.save_deadline`). None: no limit.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class Checkpointer:
         async_save: bool = True,
         handle_sigterm: bool = True,
         on_damaged: str = "fallback",
+        save_timeout_s: Optional[float] = None,
     ):
         if on_damaged not in ON_DAMAGED:
             raise ValueError(f"on_damaged must be one of {ON_DAMAGED}, got {on_damaged!r}")
@@ -171,6 +175,7 @@ class Checkpointer:
                 INFO: ocp.JsonCheckpointHandler(),
             },
         )
+        self._deadline = SaveDeadline(save_timeout_s, self._directory, self._mngr.is_saving_in_progress)
         # Restores read through these (see `_read`); the manager's own are for saving.
         self._handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler(),
                           INFO: ocp.JsonCheckpointHandler()}
@@ -335,6 +340,7 @@ class Checkpointer:
         self.wait_until_finished()
         info = {"format_version": FORMAT_VERSION, "input_state_process_count": None}
         self._saving_step = step
+        self._deadline.arm(step)  # from here to the commit: a stalled store ends the run loudly
         try:
             if input_state_writer is not None:
                 path = self.input_state_dir(step)
@@ -356,7 +362,9 @@ class Checkpointer:
                 force=True,
             )
         except Exception as e:  # pylint: disable=broad-except
+            self._deadline.disarm()
             self._fail(step, e)
+        self._deadline.started()
         self._pending_step = step
         if self._preemption.stop_step is not None:
             logging.info("checkpointing: saving step %d because of preemption", step)
@@ -384,7 +392,9 @@ class Checkpointer:
         try:
             self._mngr.wait_until_finished()
         except Exception as e:  # pylint: disable=broad-except
+            self._deadline.disarm()
             self._fail(self._pending_step, e)
+        self._deadline.disarm()
         if self._pending_step is not None and self._process_index == 0:
             try:
                 integrity.seal_manifest(storage.join(self._directory, str(self._pending_step)))
@@ -411,6 +421,7 @@ class Checkpointer:
             error = e
         finally:
             self._closed = True
+            self._deadline.close()
             self._preemption.close()
             for handler in self._handlers.values():
                 handler.close()

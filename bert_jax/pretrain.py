@@ -206,7 +206,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     ckpt = checkpointing.Checkpointer(
         storage.join(workdir, "checkpoints"), save_interval_steps=config.checkpoint_every_steps,
         max_to_keep=config.keep_checkpoints, async_save=config.async_checkpointing,
-        on_damaged=config.get("on_damaged_checkpoint", "fallback"))
+        on_damaged=config.get("on_damaged_checkpoint", "fallback"),
+        save_timeout_s=config.get("checkpoint_save_timeout_seconds", 1800))
     start_step = ckpt.latest_step()
     meta: dict = {}
     if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)

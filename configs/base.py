@@ -100,6 +100,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint_every_steps = 1000  # save interval
     config.keep_checkpoints = 3  # most recent checkpoints kept
     config.async_checkpointing = True  # write checkpoints in the background
+    config.checkpoint_save_timeout_seconds = 1800  # a save not committed by then ends the run (a stalled store); 0: no limit
     config.on_damaged_checkpoint = "fallback"  # newest step damaged: "fallback" to the newest intact one, or "stop"
     config.allow_version_change = False  # True: resume a checkpoint saved under other jax/flax/orbax/libtpu versions
     # CPU-only machines: glibc keeps freed large blocks for the next step instead of unmapping them

@@ -30,6 +30,8 @@
 # folder, default bert_jax), PYTHON (the workers' python, default python3), STOP_TIMEOUT (default
 # 600), GCLOUD (default gcloud), INTERNAL_IP=1 (reach workers without external IPs by their
 # internal ones: --internal-ip), IAP=1 (through Identity-Aware Proxy: --tunnel-through-iap).
+# --watch's own: POLL_SECONDS, MAX_RESTARTS, BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, READY_TIMEOUT
+# (bert_jax/supervisor.py), SUPERVISOR_PYTHON (this machine's python with bert_jax's [gcs] extra).
 set -euo pipefail
 
 action=run

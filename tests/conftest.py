@@ -50,7 +50,7 @@ def load_benchmark():
 # override set, data_pipeline.storage.tf_path gives tf.data local copies of gs:// records.
 # GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: gcsfs's bucket-type probe needs real credentials.
 GCS_ENV = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
-           "EPATH_USE_TF")
+           "EPATH_USE_TF", "BERT_JAX_TEST_EMULATOR_PID")
 
 
 def drain_stderr(server) -> None:
@@ -79,6 +79,8 @@ def gcs_server():
     server.start()  # sets STORAGE_EMULATOR_HOST
     drain_stderr(server)
     os.environ["TENSORSTORE_GCS_HTTP_URL"] = server.url
+    # For the tests that freeze the store (SIGSTOP) mid-write; they SIGCONT it before they end.
+    os.environ["BERT_JAX_TEST_EMULATOR_PID"] = str(server._process.pid)  # pylint: disable=protected-access
     try:
         yield server.url
     finally:

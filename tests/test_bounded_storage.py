@@ -112,22 +112,33 @@ def test_a_stalled_bucket_delays_and_drops_log_lines_and_blocks_nothing(gcs_serv
     assert time.monotonic() - started < 15
 
 
+def _requests(path):
+    """(gcsfs file system, write_of, its request function): `write_of(url, args, kwargs)` says
+    whether a request writes `path`'s object ("create" or "compose") or not (None)."""
+    fs = storage._fs(path)  # pylint: disable=protected-access
+    name = storage._key(path).split("/", 1)[1]  # pylint: disable=protected-access
+
+    def write_of(url, args, kwargs):
+        data = kwargs.get("data")
+        if isinstance(data, (bytes, bytearray)) and f'"name": "{name}"'.encode() in data:
+            return "create"
+        return "compose" if url.endswith("/compose") and name in args else None
+
+    return fs, write_of, fs._request  # pylint: disable=protected-access
+
+
 def test_a_retried_append_whose_first_write_landed_is_written_once(bucket, monkeypatch):
     """The object's creation and a later compose each land on the server but their replies are
     lost (a timeout): the writer retries, finds that they landed, and writes nothing twice."""
     path = f"{bucket}/run/train_log.jsonl"
-    fs = storage._fs(path)  # pylint: disable=protected-access
-    name = storage._key(path).split("/", 1)[1]  # pylint: disable=protected-access
-    request = fs._request  # pylint: disable=protected-access
+    fs, write_of, request = _requests(path)
     lost = []
 
     async def reply_lost(method, url, *args, **kwargs):
         out = await request(method, url, *args, **kwargs)
-        data = kwargs.get("data")
-        creates = isinstance(data, (bytes, bytearray)) and f'"name": "{name}"'.encode() in data
-        composes = url.endswith("/compose") and name in args
-        if (creates or composes) and len(lost) < 2:
-            lost.append("create" if creates else "compose")
+        write = write_of(url, args, kwargs)
+        if write and len(lost) < 2:
+            lost.append(write)
             raise asyncio.TimeoutError  # after the server applied it
         return out
 
@@ -145,15 +156,11 @@ def test_a_line_every_10ms_is_written_at_most_once_a_second_in_order(bucket, mon
     """200 lines appended as fast as log_every_steps=1 on a fast step (one per 10 ms, 2 s) reach the
     object in at most ~one write per second (Cloud Storage's per-object rate), all 200, in order."""
     path = f"{bucket}/run/train_log.jsonl"
-    fs = storage._fs(path)  # pylint: disable=protected-access
-    name = storage._key(path).split("/", 1)[1]  # pylint: disable=protected-access
-    request = fs._request  # pylint: disable=protected-access
+    fs, write_of, request = _requests(path)
     writes = []
 
     async def counted(method, url, *args, **kwargs):
-        data = kwargs.get("data")
-        if (url.endswith("/compose") and name in args) or \
-                (isinstance(data, (bytes, bytearray)) and f'"name": "{name}"'.encode() in data):
+        if write_of(url, args, kwargs):
             writes.append(time.monotonic())
         return await request(method, url, *args, **kwargs)
 

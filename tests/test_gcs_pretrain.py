@@ -14,8 +14,10 @@ written locally and uploaded through the storage layer on a pod as here.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -66,14 +68,32 @@ def places(gcs_server, tmp_path_factory):
     return places
 
 
-def run(places, args, *, popen=False, timeout=300):
+# The bucket stops answering (the emulator SIGSTOPped) as the save of step $FAULT_FREEZE_AT_SAVE starts.
+FREEZE = r"""
+import os
+_step = os.environ.get("FAULT_FREEZE_AT_SAVE")
+if _step:
+    import signal
+    import orbax.checkpoint as ocp
+    _real = ocp.CheckpointManager.save
+
+    def _save(self, step, *args, **kwargs):
+        if step == int(_step):
+            os.kill(int(os.environ["BERT_JAX_TEST_EMULATOR_PID"]), signal.SIGSTOP)
+        return _real(self, step, *args, **kwargs)
+
+    ocp.CheckpointManager.save = _save
+"""
+
+
+def run(places, args, *, popen=False, timeout=300, env=None):
     """Runs a command as a user would, from an empty folder, with a home and a temp folder of its
     own; afterwards (see `assert_nothing_local`) those must still be empty."""
     cwd = places["local"] / f"cwd-{uuid.uuid4().hex[:6]}"
     home, tmp = cwd.with_name(cwd.name + "-home"), cwd.with_name(cwd.name + "-tmp")
     for d in (cwd, home, tmp):
         d.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
+    env = dict(os.environ, **{"PYTHONPATH": str(ROOT), **(env or {})}, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
                XLA_FLAGS=xla_flags(2), HOME=str(home), TMPDIR=str(tmp),
                BERT_JAX_CACHE_DIR=str(places["cache"]), JAX_COMPILATION_CACHE_DIR=str(places["xla"]),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
@@ -93,14 +113,14 @@ def assert_nothing_local(places):
     assert not any(leftovers.values()), leftovers
 
 
-def pretrain(places, workdir, *overrides, popen=False):
+def pretrain(places, workdir, *overrides, popen=False, env=None):
     bucket = places["bucket"]
     return run(places, [sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/test.py'}",
                         f"--workdir={workdir}", f"--config.train_data={bucket}/data/train.tfrecord*",
                         f"--config.eval_data={bucket}/eval/*.tfrecord", f"--config.vocab_file={bucket}/vocab.txt",
                         "--config.log_every_steps=1", "--config.checkpoint_every_steps=4",
                         "--config.num_train_steps=12", "--config.eval_every_steps=12",
-                        "--config.shuffle_buffer_size=64", *overrides], popen=popen)
+                        "--config.shuffle_buffer_size=64", *overrides], popen=popen, env=env)
 
 
 def losses(workdir) -> dict:
@@ -138,8 +158,23 @@ def test_pretraining_in_a_bucket_resumes_bitwise_after_kill9_and_past_a_flipped_
     # kill -9 after step 6 is logged (after the step-4 checkpoint), then the same command again.
     work = f"{bucket}/killed"
     kill9_once_logged(pretrain(places, work, popen=True), f"{work}/train_log.jsonl")
+    # The resumed run: the bucket stops answering as step 8's save starts. The save's deadline
+    # ends the run, naming the step; the same command then resumes from step 4 again.
+    faults = places["local"] / "faults"
+    faults.mkdir(exist_ok=True)
+    (faults / "sitecustomize.py").write_text(FREEZE)
+    started = time.time()
+    try:
+        stalled = pretrain(places, work, "--config.checkpoint_save_timeout_seconds=5",
+                           env={"PYTHONPATH": f"{faults}:{ROOT}", "FAULT_FREEZE_AT_SAVE": "8"})
+    finally:
+        os.kill(int(os.environ["BERT_JAX_TEST_EMULATOR_PID"]), signal.SIGCONT)
+    assert stalled.returncode == 124, stalled.stderr[-3000:]
+    assert f"saving step 8 to {work}/checkpoints did not finish within 5 s" in stalled.stderr
+    assert time.time() - started < 120
     resumed = pretrain(places, work)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 4" in resumed.stderr
     assert losses(work) == want  # bitwise: the same floats, step for step
 
     # A flipped bit in the newest step's array data, in the bucket: moved aside, step 8 resumed,
