@@ -11,7 +11,8 @@
 # latest.log links to the newest. $RUN_DIR (default ~/bert_jax_run) also holds the pid file and,
 # once the run has ended, its exit code (a small shell waits on it and writes `exit_code`).
 # With LOG_DEST set (a folder, gs:// or local), that shell uploads the log there as worker-<N>.log
-# every LOG_SYNC_SECONDS (default 60) and when the run ends: a slice that disappears keeps its logs.
+# every LOG_SYNC_SECONDS (default 60) when it has grown, and when the run ends: a slice that
+# disappears keeps its logs.
 # `stop` sends SIGTERM (bert_jax saves a checkpoint at the next step every host reaches, then
 # exits), waits up to STOP_TIMEOUT seconds, then SIGKILLs; it then stops any other process that
 # holds the TPU's device files and removes libtpu's lock file, which a killed process leaves.
@@ -133,8 +134,12 @@ start() {
     "$@" &
     run=$!
     echo "$run" > "$RUN_DIR/pid.tmp" && mv "$RUN_DIR/pid.tmp" "$RUN_DIR/pid"
-    if [ -n "$LOG_DEST" ]; then
-      (while kill -0 "$run" 2>/dev/null; do sleep "$LOG_SYNC_SECONDS"; bash "$script" collect "$LOG_DEST"; done) &
+    if [ -n "$LOG_DEST" ]; then  # uploaded when it has grown (an idle log costs nothing)
+      (sent=-1; while kill -0 "$run" 2>/dev/null; do
+         sleep "$LOG_SYNC_SECONDS"
+         size=$(stat -Lc %s "$RUN_DIR/logs/latest.log" 2>/dev/null || echo 0)
+         if [ "$size" != "$sent" ]; then bash "$script" collect "$LOG_DEST" && sent=$size; fi
+       done) &
     fi
     wait "$run"; rc=$?
     echo "$rc" > "$RUN_DIR/exit_code"

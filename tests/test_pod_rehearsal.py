@@ -181,7 +181,7 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
     work = f"{bucket}/supervised"
     root = pod["root"]
     env = dict(pod["env"], WORKDIR=work, SKIP_INSTALL="0", POLL_SECONDS="1", BACKOFF_SECONDS="1",
-               LOG_SYNC_SECONDS="2", SUPERVISOR_PYTHON=sys.executable,
+               LOG_SYNC_SECONDS="10", STOP_TIMEOUT="5", SUPERVISOR_PYTHON=sys.executable,
                BERT_JAX_CACHE_DIR="")  # each VM's cache in its own home (~/.cache/bert_jax): wiped with it
     out_file = root / "supervisor.out"
     args = [f"--config.train_data={bucket}/data/train-*.tfrecord", "--config.verify_data=true", *ARGS]
@@ -206,6 +206,8 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
         wait_for(lambda: storage.read_text(attempts).count('"event": "start"') == 2, "the relaunch")
         # The relaunched run saves step 8; then the slice is preempted: every process on every VM
         # dies and the VMs come back empty.
+        # (Its logs are uploaded while it runs, every LOG_SYNC_SECONDS: the VMs will take theirs with them.)
+        wait_for(lambda: len(storage.listdir(f"{work}/logs/attempt-2")) == 2, "attempt 2's logs")
         wait_for(lambda: storage.exists(f"{work}/checkpoints/8/commit_success.txt"), "step 8 saved again")
         (root / "state").write_text("PREEMPTED")
         for i in range(2):
