@@ -247,15 +247,18 @@ class Supervisor:
     # --- launch/tpu_pod.sh ----------------------------------------------------------------------
 
     def _pod(self, *flags: str, timeout: float = 3600, **env) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", POD_SCRIPT, *flags], env={**self.env, **env}, capture_output=True,
-                              text=True, timeout=timeout, check=False)
+        """`launch/tpu_pod.sh FLAGS`; one that takes longer than `timeout` (a hung SSH session) is
+        killed and answers exit code 124, as a failed call."""
+        try:
+            return subprocess.run(["bash", POD_SCRIPT, *flags], env={**self.env, **env}, capture_output=True,
+                                  text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired as e:
+            return subprocess.CompletedProcess(e.cmd, 124, stdout=str(e.stdout or ""),
+                                               stderr=f"tpu_pod.sh {' '.join(flags[:1])} took over {timeout:.0f} s")
 
     def worker_states(self) -> Optional[dict[str, tuple[str, Optional[int]]]]:
         """{worker: (state, exit code)} from `tpu_pod.sh --status`; None when a worker did not answer."""
-        try:
-            r = self._pod("--status", timeout=300)
-        except subprocess.TimeoutExpired:
-            return None
+        r = self._pod("--status", timeout=300)
         states = {}
         for line in r.stdout.splitlines():
             m = WORKER_LINE.match(line.strip())
