@@ -284,14 +284,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     every = int(config.get("checkpoint_every_steps", 0) or 0)
     if every < 0:
         raise ValueError(f"config.checkpoint_every_steps={every}: 0 (each epoch) or a positive step count")
+    save_timeout_s = config.get("checkpoint_save_timeout_seconds", 1800)  # both checkpointers' deadline
     ckpt = checkpointing.Checkpointer(storage.join(workdir, "checkpoints"),
                                       save_interval_steps=every or total_steps + 1,
                                       max_to_keep=1, async_save=config.async_checkpointing,
                                       on_damaged=config.get("on_damaged_checkpoint", "fallback"),
-                                      save_timeout_s=config.get("checkpoint_save_timeout_seconds", 1800))
+                                      save_timeout_s=save_timeout_s)
     best_ckpt = checkpointing.Checkpointer(storage.join(workdir, "best"), save_interval_steps=1, max_to_keep=1,
                                            async_save=False, handle_sigterm=False,
-                                           save_timeout_s=config.get("checkpoint_save_timeout_seconds", 1800))
+                                           save_timeout_s=save_timeout_s)
     start_step, meta = ckpt.latest_step(), {}
     if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
         start_step, state, meta = ckpt.restore_latest(abstract_state, check_input_state=False)

@@ -303,6 +303,7 @@ class Supervisor:
         """Stops what is left of the attempt, collects the logs, records the end."""
         if collect:
             self._pod("--stop", timeout=3600)  # SIGTERM first: a run that still can saves a checkpoint
+            # Each run's shell uploads its log when the run ends; this covers a shell killed with it.
             self._pod(f"--collect={self.log_dest(attempt)}", timeout=600)
         self._record(attempt=attempt, event="end", cause=cause,
                      workers={k: f"{s}{'' if rc is None else f' {rc}'}" for k, (s, rc) in (workers or {}).items()},
