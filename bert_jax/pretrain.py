@@ -43,7 +43,7 @@ from bert_jax.pretrain_checks import (SCHEDULE_KEYS, check_mesh, check_same_conf
                                       config_differences, config_fingerprint, data_casing, report_schedule_change,
                                       special_token_ids)
 from bert_jax.pretrain_input import ShardedInput, make_eval_input, make_train_input, run_eval  # noqa: F401
-from bert_jax.workdir import append_jsonl, metric_writer, write_json, write_model_files  # noqa: F401
+from bert_jax.workdir import metric_writer, write_json, write_model_files  # noqa: F401
 from data_pipeline import storage
 
 # Peak dense bf16 FLOP/s per device, for MFU (by jax's device_kind prefix).

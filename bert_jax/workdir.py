@@ -118,14 +118,6 @@ def jsonl(rows: Iterable[dict]) -> str:
     return "".join(json.dumps(row) + "\n" for row in rows)
 
 
-def append_jsonl(path: str, rows: Iterable[dict]) -> None:
-    """Appends one JSON line per row, now (one append). The training loops append through their
-    `MetricWriter.append_jsonl` instead, off the step."""
-    text = jsonl(rows)
-    if text:
-        storage.append_text(path, text)
-
-
 def write_json(workdir: str, name: str, value: Any, **kwargs) -> str:
     """`workdir/name` holding `value` as JSON, written whole (never half a file)."""
     path = storage.join(workdir, name)
