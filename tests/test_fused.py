@@ -4,6 +4,7 @@ and gradients, in float32 (to float rounding) and bfloat16 (to bf16 rounding), w
 dropout masks."""
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -14,7 +15,9 @@ import pytest
 from bert_jax import dropout, fused, modeling
 
 
-def _unfused(cfg, keep, keep_prob, h, x, scale, bias):
+def _unfused(cfg, keep, keep_prob, h, x, scale, bias, h_bias=None):
+    if h_bias is not None:  # the dense layer's bias, added as flax's Dense does: in the compute dtype
+        h = h + h_bias.astype(h.dtype)
     d = h if keep is None else jax.lax.select(keep, h / jnp.asarray(keep_prob, h.dtype), jnp.zeros_like(h))
     return modeling.LayerNorm(cfg).apply({"params": {"scale": scale, "bias": bias}}, d + x)
 
@@ -22,8 +25,9 @@ def _unfused(cfg, keep, keep_prob, h, x, scale, bias):
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-6), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("with_dropout", [True, False])
 @pytest.mark.parametrize("launch", ["gpu", "chunked"])
+@pytest.mark.parametrize("with_h_bias", [False, True])
 def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypatch, dtype, tol, with_dropout,
-                                                                       launch):
+                                                                       launch, with_h_bias):
     # The GPU's launch shapes (8-row blocks, the backward a row at a time), and blocks the backward
     # walks in two steps: the interpreter runs the kernels as a GPU would launch them.
     shapes = {"gpu": (fused.FORWARD, fused.BACKWARD),
@@ -37,20 +41,32 @@ def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypat
     scale = jnp.asarray(rng.normal(1, 0.1, (128,)), jnp.float32)
     bias = jnp.asarray(rng.normal(0, 0.1, (128,)), jnp.float32)
     keep = dropout.keep_mask(jax.random.key(3), 0.9, shape) if with_dropout else None
+    # The dense layer's bias before the dropout (float32, as its parameter is): large enough that
+    # leaving it out, or adding it after the dropout, fails the comparison.
+    args = (h, x, scale, bias) + ((jnp.asarray(rng.normal(0, 0.5, (128,)), jnp.float32),) if with_h_bias else ())
     ref = functools.partial(_unfused, cfg, keep, 0.9)
-    fus = functools.partial(lambda h, x, s, b: fused.dropout_add_layernorm(
-        h, x, keep, s, b, keep_prob=0.9, eps=cfg.layer_norm_eps))
-    want, want_vjp = jax.vjp(ref, h, x, scale, bias)
-    got, got_vjp = jax.vjp(fus, h, x, scale, bias)
+    fus = functools.partial(lambda h, x, s, b, hb=None: fused.dropout_add_layernorm(
+        h, x, keep, s, b, keep_prob=0.9, eps=cfg.layer_norm_eps, h_bias=hb))
+    want, want_vjp = jax.vjp(ref, *args)
+    got, got_vjp = jax.vjp(fus, *args)
     assert got.dtype == want.dtype == cfg.compute_dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
-    for name, a, b in zip(("dh", "dx", "dscale", "dbias"), got_vjp(dy), want_vjp(dy)):
+    names = ("dh", "dx", "dscale", "dbias", "dh_bias")[:len(args)]
+    got_grads, want_grads = got_vjp(dy), want_vjp(dy)
+    for name, a, b in zip(names, got_grads, want_grads, strict=True):
         assert a.dtype == b.dtype, name
         b = np.asarray(b, np.float32)
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=tol * max(1.0, np.abs(b).max()),
                                    rtol=tol, err_msg=name)
     if with_dropout:  # dropped positions get no gradient through h
-        assert np.all(np.asarray(got_vjp(dy)[0], np.float32)[~np.asarray(keep)] == 0)
+        assert np.all(np.asarray(got_grads[0], np.float32)[~np.asarray(keep)] == 0)
+    if with_h_bias:
+        # Autodiff sums dh over the rows in the compute dtype, the kernel in float32: in bfloat16 the
+        # check above sees 1.6e-2 of the largest, mostly the reference's own rounding. Against the
+        # reference's dh summed exactly the kernel is closer: 3.9e-3 of the largest in bfloat16,
+        # 2.4e-7 in float32 (measured 2026-11-28, CPU).
+        exact = np.asarray(want_grads[0], np.float64).reshape(-1, shape[-1]).sum(axis=0)
+        np.testing.assert_allclose(np.asarray(got_grads[4]), exact, atol=tol / 2 * np.abs(exact).max(), rtol=0)
 
 
 def _model_loss(cfg, params, batch, key):
@@ -115,23 +131,24 @@ def test_hidden_sizes_that_are_not_powers_of_two_use_the_unfused_path():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("with_dropout", [True, False])
-def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dropout):
+@pytest.mark.parametrize("with_h_bias", [False, True])
+def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dropout, with_h_bias):
     """What a GPU would compile, lowered here: both passes become Triton calls. Since jax 0.10 a
     `pallas_call` with no compiler parameters lowers through Mosaic GPU (which rejects these
     blocks), and Triton's lowering has no bfloat16 division (the dropout scaling)."""
     monkeypatch.setattr(fused, "_interpret", lambda: False)
     shape, hidden = (4, 64, 1024), 1024
 
-    def grads(h, x, keep, scale, bias):
-        def loss(h, x, scale, bias):
+    def grads(h, x, keep, scale, bias, h_bias):
+        def loss(h, x, scale, bias, h_bias):
             y = fused.dropout_add_layernorm(h, x, keep if with_dropout else None, scale, bias,
-                                            keep_prob=0.9, eps=1e-12)
+                                            keep_prob=0.9, eps=1e-12, h_bias=h_bias if with_h_bias else None)
             return jnp.sum(y.astype(jnp.float32) ** 2)
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(h, x, scale, bias)
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4) if with_h_bias else (0, 1, 2, 3))(h, x, scale, bias, h_bias)
 
     args = (jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
             jax.ShapeDtypeStruct(shape, jnp.bool_), jax.ShapeDtypeStruct((hidden,), jnp.float32),
-            jax.ShapeDtypeStruct((hidden,), jnp.float32))
+            jax.ShapeDtypeStruct((hidden,), jnp.float32), jax.ShapeDtypeStruct((hidden,), jnp.float32))
     exported = jax.export.export(
         jax.jit(grads), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
@@ -142,3 +159,10 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dr
     assert names == ["dropout_add_layernorm_bwd", "dropout_add_layernorm_fwd"], calls
     assert all("@__gpu$xla.gpu.triton" in line for line in calls if "dropout_add_layernorm" in line)
     assert "mosaic_gpu" not in text
+    # h_bias goes into both kernels (its add is not an XLA pass of its own) and the backward writes
+    # one more [blocks, hidden] partial sum; without it the kernels take and write what they did.
+    for name, operands, results in (("fwd", 4 + with_dropout + with_h_bias, 3),
+                                    ("bwd", 6 + with_dropout + with_h_bias, 4 + with_h_bias)):
+        line, = (line for line in calls if f'name = "dropout_add_layernorm_{name}"' in line)
+        types = re.search(r": \(([^()]*)\) -> \(([^()]*)\)", line)
+        assert (types[1].count("tensor<"), types[2].count("tensor<")) == (operands, results), (name, types[0])
