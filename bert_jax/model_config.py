@@ -79,6 +79,11 @@ class BertConfig:
     # (`bert_jax.fused`; Triton on GPUs). The same parameters, masks and arithmetic; where the
     # kernels do not apply (hidden size not a power of two, several devices) the layer is unfused.
     fused_ops: bool = False
+    # The feed-forward block's first GEMM with its bias and GELU in the GEMM's epilogue, and in the
+    # backward the GELU's derivative and the bias gradient in the epilogue of the GEMM that produces
+    # the activation's gradient (`bert_jax.fused_ffn`; Triton on GPUs). The same parameters; sizes
+    # that do not divide by its blocks, FP8 and several devices run the layer unfused.
+    fused_ffn: bool = False
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -105,7 +110,7 @@ class BertConfig:
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"BertConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        for name in ("fp8", "fused_ops"):
+        for name in ("fp8", "fused_ops", "fused_ffn"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"BertConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.vocab_pad_multiple < 1:

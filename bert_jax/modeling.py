@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Re-exported: `modeling.attention`, `modeling.keep_mask`, ... stay importable from here.
-from bert_jax import fused
+from bert_jax import fused, fused_ffn
 from bert_jax.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids  # noqa: F401
 from bert_jax.dropout import Dropout, dropout, keep_mask  # noqa: F401
 from bert_jax.model_config import (  # noqa: F401
@@ -124,6 +124,7 @@ class Dense(nn.Module):
     in_shape: tuple
     out_shape: tuple
     names: tuple  # logical names of kernel dims: in_shape's then out_shape's
+    return_bias: bool = False  # return `(x @ kernel, bias)`: the caller adds the bias (a fused kernel)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -138,6 +139,8 @@ class Dense(nn.Module):
         # an FP8 GEMM on Hopper GPUs.
         dot = fp8_ops.Fp8DirectDotGeneralOp(name="fp8") if cfg.fp8 else jax.lax.dot_general
         y = dot(x, kernel.astype(cfg.compute_dtype), dims)
+        if self.return_bias:
+            return y, bias
         return y + bias.astype(cfg.compute_dtype)
 
 
@@ -155,11 +158,11 @@ class DenseParams(nn.Module):
         return _dense_params(self, self.config, self.in_shape, self.out_shape, self.names)
 
 
-def _dense(config: BertConfig, features, names: tuple, name: str) -> Dense:
+def _dense(config: BertConfig, features, names: tuple, name: str, return_bias: bool = False) -> Dense:
     """A dense layer from `hidden_size` (or `names`' first dim) to `features` (int or tuple)."""
     out_shape = (features,) if isinstance(features, int) else tuple(features)
     in_dim = {"embed": config.hidden_size, "mlp": config.intermediate_size}[names[0]]
-    return Dense(config, (in_dim,), out_shape, names, name=name)
+    return Dense(config, (in_dim,), out_shape, names, name=name, return_bias=return_bias)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,19 +213,27 @@ class _NormParams(nn.Module):
                 self.param("bias", _zeros(("embed",)), (cfg.hidden_size,), cfg.params_dtype))
 
 
-def dropout_add_norm(cfg: BertConfig, deterministic: bool, out: Array, residual: Array) -> Array:
-    """`LayerNorm(dropout(out) + residual)`, the end of every sub-layer (call it from a module's
-    compact `__call__`: it creates the submodules "Dropout_0" and "output_norm" there). With
-    `cfg.fused_ops` where `bert_jax.fused` applies: one Pallas kernel each way, with the same
-    parameters and the same dropout mask."""
+def folds_output_bias(cfg: BertConfig) -> bool:
+    """Whether `dropout_add_norm` takes the sub-layer's output bias into its fused kernel."""
+    return cfg.fused_ops and fused.supported(cfg.hidden_size)
+
+
+def dropout_add_norm(cfg: BertConfig, deterministic: bool, out: Array, residual: Array,
+                     out_bias: Optional[Array] = None) -> Array:
+    """`LayerNorm(dropout(out + out_bias) + residual)`, the end of every sub-layer (call it from a
+    module's compact `__call__`: it creates the submodules "Dropout_0" and "output_norm" there).
+    With `cfg.fused_ops` where `bert_jax.fused` applies (`folds_output_bias`): one Pallas kernel
+    each way, the bias add inside it, with the same parameters and the same dropout mask."""
     rate = cfg.hidden_dropout_prob
-    if cfg.fused_ops and fused.supported(cfg.hidden_size):
+    if folds_output_bias(cfg):
         keep = None
         if not deterministic and rate > 0.0:
             keep = keep_mask(_DropoutRng(name="Dropout_0")(), 1.0 - rate, out.shape)
         scale, bias = _NormParams(cfg, name="output_norm")()
         return fused.dropout_add_layernorm(out, residual, keep, scale, bias, keep_prob=1.0 - rate,
-                                           eps=cfg.layer_norm_eps)
+                                           eps=cfg.layer_norm_eps, h_bias=out_bias)
+    if out_bias is not None:
+        out = out + out_bias.astype(out.dtype)
     out = Dropout(rate=rate, name="Dropout_0")(out, deterministic=deterministic)
     return LayerNorm(cfg, name="output_norm")(out + residual)
 
@@ -285,9 +296,11 @@ class SelfAttention(nn.Module):
                         causal=cfg.causal_attention, dropout_rate=cfg.attention_probs_dropout_prob,
                         dropout_rng=self.make_rng("dropout") if train_dropout else None)
         # [batch, length, heads, head_dim] -> [batch, length, hidden]
+        fold = folds_output_bias(cfg)
         out = Dense(cfg, (heads, head_dim), (cfg.hidden_size,), ("heads", "kv", "embed"),
-                    name="output")(ctx)
-        return dropout_add_norm(cfg, self.deterministic, out, x)
+                    name="output", return_bias=fold)(ctx)
+        out, out_bias = out if fold else (out, None)
+        return dropout_add_norm(cfg, self.deterministic, out, x, out_bias)
 
 
 class FeedForward(nn.Module):
@@ -299,12 +312,23 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.config
+        if cfg.fused_ffn and not cfg.fp8 and fused_ffn.supported(cfg.hidden_size, cfg.intermediate_size,
+                                                                   cfg.hidden_act):
+            hidden, inner = (cfg.hidden_size,), (cfg.intermediate_size,)
+            w1, b1 = DenseParams(cfg, hidden, inner, ("embed", "mlp"), name="intermediate")()
+            w2, b2 = DenseParams(cfg, inner, hidden, ("mlp", "embed"), name="output")()
+            dtype = cfg.compute_dtype
+            out = fused_ffn.gemm_bias_gelu_gemm(x.astype(dtype), w1.astype(dtype), b1, w2.astype(dtype),
+                                                activation=cfg.hidden_act)
+            return dropout_add_norm(cfg, self.deterministic, out, x, b2)
         # [batch, length, intermediate]
         h = _dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate")(x)
         h = activation_fn(cfg.hidden_act)(h)
         h = nn.with_logical_constraint(h, ACT_MLP)
-        out = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output")(h)  # [batch, length, hidden]
-        return dropout_add_norm(cfg, self.deterministic, out, x)
+        fold = folds_output_bias(cfg)
+        out = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", return_bias=fold)(h)  # [b, length, hidden]
+        out, out_bias = out if fold else (out, None)
+        return dropout_add_norm(cfg, self.deterministic, out, x, out_bias)
 
 
 class EncoderLayer(nn.Module):

@@ -32,6 +32,7 @@ def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.Conf
     m.sparse_last_layer = True  # last layer only where the heads read (masked LM, [CLS]); exact
     m.fp8 = False  # FP8 matmuls with delayed scaling in pretraining (H100); state checkpointed
     m.fused_ops = False  # dropout + residual + LayerNorm as one Pallas kernel each way (GPU)
+    m.fused_ffn = False  # the FFN's first GEMM + bias + GELU as Pallas GEMM kernels each way (GPU)
     return m
 
 
