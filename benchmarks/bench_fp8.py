@@ -20,7 +20,8 @@ Variants: `bf16` (the config as is: the exact erf GELU), `gelu_tanh` (the tanh G
 Google's code uses since 2019; cuBLASLt has a GEMM epilogue for it, which XLA did not use on
 2026-11-27), `fp8`
 (`BertConfig.fp8`), `fp8_gelu_tanh` (both), `fused` (`BertConfig.fused_ops`: the Pallas
-dropout + residual + LayerNorm kernels), `fused_gelu_tanh`. A variant may add XLA options for its
+dropout + residual + LayerNorm kernels), `fused_gelu_tanh`, `fused_ffn` and `fused_ffn_gelu_tanh`
+(those with `BertConfig.fused_ffn`'s GEMM + bias + GELU kernels as well). A variant may add XLA options for its
 own program after `+`, e.g. `fused_gelu_tanh+xla_gpu_enable_triton_gemm=false` (cuBLAS for every
 GEMM, the biases in their epilogues); several `+`s may follow one another (benchmarks/RESULTS.md,
 "One H100, 2026-11-27": neither that nor `xla_gpu_enable_cublaslt` changed the step).
@@ -59,6 +60,9 @@ VARIANTS = {
     "fused": {"fused_ops": True},
     "fused_gelu_tanh": {"fused_ops": True, "hidden_act": "gelu_tanh"},
     "fp8_fused_gelu_tanh": {"fp8": True, "fused_ops": True, "hidden_act": "gelu_tanh"},
+    # + the FFN's GEMM + bias + GELU kernels (`BertConfig.fused_ffn`, bert_jax/fused_ffn.py)
+    "fused_ffn": {"fused_ops": True, "fused_ffn": True},
+    "fused_ffn_gelu_tanh": {"fused_ops": True, "fused_ffn": True, "hidden_act": "gelu_tanh"},
 }
 
 
@@ -119,6 +123,9 @@ def parse(argv=None):
                    help="a JSON file written by --kernel_sweep: the fused kernels' launch shapes (waits up to "
                         "--fused_blocks_wait s for it, e.g. from a sweep running beside; else the defaults)")
     p.add_argument("--fused_blocks_wait", type=float, default=150.0)
+    p.add_argument("--fused_ffn_blocks_from", default="",
+                   help="a JSON file written by bench_fused_ffn.py --sweep: the FFN kernels' launch shapes "
+                        "(if it exists; else the defaults)")
     args, rest = p.parse_known_args(argv)
     step_args = bench_step.parse_args(rest)
     for v in args.variants.split(","):
@@ -229,6 +236,8 @@ def speed(args, step_args) -> dict:
         changes, xla = variant_spec(name)
         if changes.get("fused_ops") and args.fused_blocks_from and "fused_blocks" not in result:
             result["fused_blocks"] = _load_fused_blocks(args.fused_blocks_from, args.fused_blocks_wait)
+        if changes.get("fused_ffn") and args.fused_ffn_blocks_from and "fused_ffn_blocks" not in result:
+            result["fused_ffn_blocks"] = _load_fused_ffn_blocks(args.fused_ffn_blocks_from)
         # `bench_ours` builds the model from the BertConfig it is given (config.model unused).
         compile_info, runner = bench_step.bench_ours(step_args, config, bert_config.replace(**changes),
                                                      mesh, batch_np, cache, compile=not args.parallel_compile,
@@ -296,6 +305,18 @@ def speed(args, step_args) -> dict:
               + f"  x{row['speedup_vs_first']:.3f}  fp8 GEMMs {row['fp8_gemms']}  loss {runner.loss:.4f}"
               + f"  compile {row['compile_s']:.0f} s" + pipelined, file=sys.stderr)
     return result
+
+
+def _load_fused_ffn_blocks(path: str) -> dict:
+    """Sets `fused_ffn.FORWARD`/`BACKWARD` from a `bench_fused_ffn.py --sweep` file, if there is one."""
+    from bert_jax import fused_ffn
+
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            best = json.load(f)
+        fused_ffn.FORWARD, fused_ffn.BACKWARD = best["forward"], best["backward"]
+    bench_step.log(f"fused_ffn launch shapes: {fused_ffn.FORWARD} / {fused_ffn.BACKWARD}")
+    return {"forward": fused_ffn.FORWARD, "backward": fused_ffn.BACKWARD}
 
 
 def _load_fused_blocks(path: str, wait_s: float) -> dict:

@@ -108,6 +108,12 @@ def parse_args(argv=None):
                         "sum the device time by kernel and kind (benchmarks/trace_summary.py)")
     p.add_argument("--profile_steps", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--hf_pipelined_steps", type=int, default=0,
+                   help="with --hf_only: after the waited-for rounds, --rounds rounds of this many steps "
+                        "dispatched back to back and waited for once (as bench_fp8.py --pipelined_steps)")
+    p.add_argument("--hf_gpu_lock", default="",
+                   help="with --hf_only: a file held locked (flock) while timing, so that a process sharing the "
+                        "GPU (bench_fp8.py --gpu_lock) never times at once")
     return p.parse_args(argv)
 
 
@@ -451,11 +457,23 @@ def hf_alone(args) -> dict:
     """`--hf_only`: HF's step timed alone (warm-up, then `--rounds` x `--steps`), printed as JSON."""
     config, bert_config, _, batch_np, _ = setup(args)
     hf, runner = bench_hf(args, config, bert_config, batch_np)
+    lock = None
+    if args.hf_gpu_lock:
+        import fcntl
+        lock = open(args.hf_gpu_lock, "a+")
+        fcntl.flock(lock, fcntl.LOCK_EX)
     runner.run(args.warmup, record=False)
     for _ in range(args.rounds):
         runner.run(args.steps)
+    for _ in range(args.rounds if args.hf_pipelined_steps else 0):
+        runner.run_pipelined(args.hf_pipelined_steps)
+    if lock is not None:
+        lock.close()
     result = {"hf_step_s": runner.median, "hf_compile_s": hf["compile_s"], "hf_loss": runner.loss,
-              "hf_timed_steps": len(runner.durations)}
+              "hf_timed_steps": len(runner.durations), "hf_sequences_per_s": args.batch / runner.median}
+    if runner.pipelined:
+        result["hf_pipelined_step_s"] = statistics.median(runner.pipelined)
+        result["hf_pipelined_sequences_per_s"] = args.batch / result["hf_pipelined_step_s"]
     print(json.dumps(result))
     return result
 

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Issue 56's GPU measurements in one device call, two lanes of processes sharing the GPU: their
+# compiles side by side, their timed parts never at once (a flock on /tmp/gpu.lock).
+#   lane A: the FFN kernels alone (bench_fused_ffn.py: launch shapes swept, then against XLA's GEMMs
+#           and passes, errors against float32); BERT-Large T=128 batch 256: tanh GELU unfused, the
+#           fused LayerNorm kernels (`fused_ops`, the output biases now inside them), and those with
+#           the FFN kernels (`fused_ffn`), waited-for and pipelined steps, the last profiled; then
+#           BERT-Base (hidden 768: no LayerNorm kernels): tanh GELU without and with the FFN kernels;
+#   lane B: HF's FlaxBertForPreTraining (transformers<5, carried as wheels in .whl/) on the same
+#           shapes, BERT-Large, in a process of its own; tests/test_fused_ffn.py and
+#           tests/test_fused.py on the GPU (the real Triton kernels against the unfused path); HF's
+#           BERT-Base.
+# Every phase runs under the time left (a phase that would not fit is skipped and says so).
+#   bash benchmarks/gpu_fused_ffn.sh OUT_DIR [BUDGET_S]      (the device tool: OUT_DIR=$OUT)
+set -u
+OUT_DIR=${1:?an output folder}; BUDGET=${2:-480}
+mkdir -p "$OUT_DIR"; DEADLINE=$(( $(date +%s) + BUDGET ))
+if ls .whl/*.whl >/dev/null 2>&1; then  # ml_collections, google-crc32c, transformers<5: not in the GPU image
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
+LOCK=/tmp/gpu.lock
+# `$LOCKED COMMAND...`: the command run holding $LOCK (flock(2), as bench_fp8.py --gpu_lock); a
+# program, not a shell function, so that `timeout` can run it.
+cat >/tmp/locked.py <<'PY'
+import fcntl, subprocess, sys
+lock = open(sys.argv[1], "a+")
+fcntl.flock(lock, fcntl.LOCK_EX)
+sys.exit(subprocess.call(sys.argv[2:]))
+PY
+LOCKED="python3 /tmp/locked.py $LOCK"
+COMMON="--dtype=bfloat16 --attention=dot_product --prng=rbg --seq_len=128 --batch=256"
+T=$(date +%s)
+
+phase() {  # phase LOG NAME NEEDED_S MEM_FRACTION command...
+  local log=$1 name=$2 need=$3 mem=$4; shift 4
+  local left=$(( DEADLINE - $(date +%s) ))
+  if [ "$left" -lt "$need" ]; then echo "== $name: skipped, $left s left (needs ~$need)" >>"$log"; return; fi
+  echo "== $name: start at +$(( $(date +%s) - T )) s, $left s left: $*" >>"$log"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$mem timeout -k 10 "$left" "$@" >>"$log" 2>&1
+  echo "== $name: rc=$? at +$(( $(date +%s) - T )) s" >>"$log"
+}
+
+lane_a() {
+  local log=$OUT_DIR/lane_a.log
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv >>"$log" 2>&1
+  phase "$log" kernel 60 0.2 $LOCKED python3 benchmarks/bench_fused_ffn.py --sweep=/tmp/ffn_blocks.json \
+    --out_json="$OUT_DIR/kernel.json"
+  local ffn=",fused_ffn_gelu_tanh"  # the FFN kernels' variant only where a launch shape compiled
+  [ -f /tmp/ffn_blocks.json ] || { ffn=""; echo "== no FFN launch shape compiled: its variants left out" >>"$log"; }
+  phase "$log" large 150 0.5 python3 benchmarks/bench_fp8.py --config=configs/large.py $COMMON --gpu_lock=$LOCK \
+    --variants=gelu_tanh,fused_gelu_tanh$ffn --parallel_compile --fused_ffn_blocks_from=/tmp/ffn_blocks.json \
+    --warmup=2 --rounds=3 --steps=5 --pipelined_steps=10 \
+    --profile_dir=/tmp/prof_large --profile_steps=2 --profile_variants=fused_ffn_gelu_tanh \
+    --out_json="$OUT_DIR/large.json"
+  phase "$log" base 80 0.3 python3 benchmarks/bench_fp8.py --config=configs/base.py $COMMON --gpu_lock=$LOCK \
+    --variants=gelu_tanh$ffn --parallel_compile --fused_ffn_blocks_from=/tmp/ffn_blocks.json \
+    --warmup=2 --rounds=3 --steps=5 --pipelined_steps=10 --out_json="$OUT_DIR/base.json"
+}
+
+lane_b() {
+  local log=$OUT_DIR/lane_b.log
+  phase "$log" hf_large 120 0.4 python3 benchmarks/bench_step.py --config=configs/large.py $COMMON \
+    --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --hf_gpu_lock=$LOCK --host_memory=false
+  phase "$log" tests 40 0.08 $LOCKED python3 -m pytest -q -p no:cacheprovider tests/test_fused_ffn.py tests/test_fused.py
+  phase "$log" hf_base 60 0.3 python3 benchmarks/bench_step.py --config=configs/base.py $COMMON \
+    --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --hf_gpu_lock=$LOCK --host_memory=false
+}
+
+lane_a & lane_b & wait
+echo "all lanes done at +$(( $(date +%s) - T )) s"
+for f in "$OUT_DIR"/lane_*.log; do
+  echo "#### $(basename "$f")"
+  grep -E "^==|seq/s|sweep: fastest|fused .* ms|errors vs|passed|failed|Error|hf_step_s" "$f" | cut -c1-400 | tail -40
+done
