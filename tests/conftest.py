@@ -11,10 +11,13 @@ import pytest
 
 from xla_flags import FAST_COMPILE  # noqa: E402  (tests/xla_flags.py: why the level-0 backend)
 
-for _flag in ("--xla_force_host_platform_device_count=8", *FAST_COMPILE.split()):
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A run on a GPU (JAX_PLATFORMS=cuda, e.g. tests/test_fused*.py on the device machine) keeps XLA's
+# flags as they are: with the CPU backend's flags pytest exited 1 there without a line of output
+# (an H200, jax 0.11.2, 2026-11-28), where the same tests run as plain functions passed.
+if os.environ.setdefault("JAX_PLATFORMS", "cpu") == "cpu":
+    for _flag in ("--xla_force_host_platform_device_count=8", *FAST_COMPILE.split()):
+        if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 # bert_jax's local caches (gs:// copies, config.compilation_cache="auto"'s compiled programs) go to a
 # folder of this test process, not the user's ~/.cache/bert_jax; tests that need their own set it.
 if "BERT_JAX_CACHE_DIR" not in os.environ:
