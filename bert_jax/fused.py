@@ -17,7 +17,8 @@ normalization in float32, the output cast back (`tests/test_fused.py` compares b
 `modeling.LayerNorm` after `dropout.dropout`, with the same mask).
 On GPUs the kernels lower through Triton (named: a bare `pallas_call` would go to Mosaic GPU);
 elsewhere they run in Pallas' interpreter (correct, slow: for tests). On an H200 they run at
-~3.3 TB/s inside BERT-Large's step and make it 1.064x faster (benchmarks/RESULTS.md, 2026-11-26).
+~3.3 TB/s inside BERT-Large's step and make it 1.064x faster (benchmarks/RESULTS.md, 2026-11-26);
+with the attention and FFN output biases folded in, 1.070x (1.086x pipelined, 2026-11-28).
 The hidden size must be a power of two (Triton's block shapes): 128, 256, 512, 1024 (BERT-Tiny,
 -Mini, -Small, -Large); BERT-Base's 768 falls back to the unfused path. The kernels are meant for
 one GPU: XLA cannot split a Triton call over a mesh, so on several devices it gathers the operands

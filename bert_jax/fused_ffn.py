@@ -21,6 +21,12 @@ reference). On GPUs the kernels lower through Triton; elsewhere they run in Pall
 sizes must divide by the blocks (hidden and intermediate by 64; BERT-Base's 768/3072 and Large's
 1024/4096 do); `supported` says. Like `bert_jax.fused`, this is for one GPU: under a mesh of several
 devices XLA gathers a Triton call's operands to every device.
+
+Measured on an H200 (benchmarks/RESULTS.md, 2026-11-28): the kernels are more exact than XLA's bf16
+path (the bias gradient 26x), but their GEMMs, as Pallas emits them through Triton, run at
+0.65-0.75x cuBLAS's (274-363 against ~730 TFLOP/s inside the step), far more than the epilogue
+saves: the block runs at 0.81x XLA's speed, BERT-Large's step at 0.90x. So `fused_ffn` is off
+by default; what would make it pay is the same epilogue on a GEMM at cuBLAS's speed.
 """
 
 from __future__ import annotations
@@ -36,10 +42,10 @@ from jax.experimental.pallas import triton as pl_triton
 Array = jax.Array
 
 # Launch shapes per kernel: an output tile of block_m x block_n, the contraction walked block_k at
-# a time, Triton's warps and software-pipelining stages. `benchmarks/bench_fused_ffn.py --sweep`
-# times the choices on a GPU (benchmarks/RESULTS.md).
+# a time, Triton's warps and software-pipelining stages: the fastest of ten each in
+# `benchmarks/bench_fused_ffn.py --sweep` on an H200 at BERT-Large's shapes (benchmarks/RESULTS.md).
 FORWARD = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
-BACKWARD = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+BACKWARD = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4}
 # Pallas' interpreter (CPUs, tests) pays for every program and loop step: few, large tiles there.
 INTERPRET = {"block_m": 256, "block_n": 256, "block_k": 1024, "num_warps": 4, "num_stages": 1}
 

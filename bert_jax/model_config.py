@@ -82,7 +82,8 @@ class BertConfig:
     # The feed-forward block's first GEMM with its bias and GELU in the GEMM's epilogue, and in the
     # backward the GELU's derivative and the bias gradient in the epilogue of the GEMM that produces
     # the activation's gradient (`bert_jax.fused_ffn`; Triton on GPUs). The same parameters; sizes
-    # that do not divide by its blocks, FP8 and several devices run the layer unfused.
+    # that do not divide by its blocks and FP8 run the layer unfused. Slower than XLA + cuBLAS on an
+    # H200 (0.90x BERT-Large's step, benchmarks/RESULTS.md 2026-11-28): off unless measured to pay.
     fused_ffn: bool = False
 
     def __post_init__(self):
