@@ -1,6 +1,7 @@
 """Pretraining with everything in Cloud Storage, emulated by fake-gcs-server (tests/conftest.py):
-records made straight into the bucket, the workdir in the bucket; kill -9 and resume bitwise; a
-flipped bit in the newest step in the bucket falls back to the intact one; evaluation mode; the
+records made straight into the bucket, the workdir in the bucket; a bucket that stops answering
+during a log write (training goes on, no line lost or doubled) and during a checkpoint save (the
+run ends within the save's deadline); kill -9 and resume bitwise; a flipped bit in the newest step in the bucket falls back to the intact one; evaluation mode; the
 TensorBoard events and logs land in the bucket; and nothing is written to local disk but the
 caches named here (BERT_JAX_CACHE_DIR, the XLA compilation cache).
 
@@ -83,6 +84,55 @@ if _step:
         return _real(self, step, *args, **kwargs)
 
     ocp.CheckpointManager.save = _save
+
+# The bucket stops answering for $FAULT_FREEZE_SECONDS as the train log's line of step
+# $FAULT_FREEZE_AT_LOG is queued (longer than BERT_JAX_GCS_TIMEOUT: the log writes time out). Every
+# queued step and the freeze's start and end go to $FAULT_RECORD (monotonic times). The next
+# checkpoint save waits for the bucket to come back: a save's own stall is the scenario above.
+_log_step = os.environ.get("FAULT_FREEZE_AT_LOG")
+if _log_step:
+    import json
+    import signal
+    import threading
+    import time
+    import orbax.checkpoint as ocp
+    from data_pipeline import log_writer
+
+    _pid = int(os.environ["BERT_JAX_TEST_EMULATOR_PID"])
+    _record = open(os.environ["FAULT_RECORD"], "a", encoding="utf-8")
+    _frozen, _thawed = threading.Event(), threading.Event()
+
+    def _note(what):
+        _record.write(json.dumps([what, time.monotonic()]) + "\n")
+        _record.flush()
+
+    def _thaw():
+        os.kill(_pid, signal.SIGCONT)
+        _note("thawed")
+        _thawed.set()
+
+    _append = log_writer.LogWriter.append
+
+    def _append_noted(self, path, text):
+        if str(path).endswith("/train_log.jsonl"):
+            step = json.loads(text.splitlines()[0])["step"]
+            _note(step)
+            if step == int(_log_step) and not _frozen.is_set():
+                _frozen.set()
+                os.kill(_pid, signal.SIGSTOP)
+                _note("frozen")
+                threading.Timer(float(os.environ["FAULT_FREEZE_SECONDS"]), _thaw).start()
+        return _append(self, path, text)
+
+    log_writer.LogWriter.append = _append_noted
+    _save_after_thaw = ocp.CheckpointManager.save
+
+    def _save_waiting(self, step, *args, **kwargs):
+        if _frozen.is_set():
+            _thawed.wait()
+        return _save_after_thaw(self, step, *args, **kwargs)
+
+    ocp.CheckpointManager.save = _save_waiting
 """
 
 
@@ -143,8 +193,26 @@ def tensorboard_scalars(workdir) -> dict:
 
 def test_pretraining_in_a_bucket_resumes_bitwise_after_kill9_and_past_a_flipped_bit(places):
     bucket = places["bucket"]
-    ref = pretrain(places, f"{bucket}/ref")
+    faults = places["local"] / "faults"
+    faults.mkdir(exist_ok=True)
+    (faults / "sitecustomize.py").write_text(FREEZE)
+    # The reference run, through a stalled log write: the bucket stops answering for 6 s (longer
+    # than the 2 s request timeout) as step 1's line is queued (before the first save: an
+    # asynchronous save in flight would stall too, the other scenario). Training goes on, the failed
+    # writes are retried and counted, and no line is lost or written twice.
+    record = places["local"] / "log_freeze.jsonl"
+    ref = pretrain(places, f"{bucket}/ref", env={
+        "PYTHONPATH": f"{faults}:{ROOT}", "FAULT_FREEZE_AT_LOG": "1", "FAULT_FREEZE_SECONDS": "6",
+        "FAULT_RECORD": str(record), "BERT_JAX_GCS_TIMEOUT": "2"})
+    os.kill(int(os.environ["BERT_JAX_TEST_EMULATOR_PID"]), signal.SIGCONT)  # (thawed already)
     assert ref.returncode == 0, ref.stderr[-3000:]
+    assert f"log writer: writing {bucket}/ref/train_log.jsonl failed (" in ref.stderr, ref.stderr[-3000:]
+    notes = [json.loads(line) for line in record.read_text().splitlines()]
+    times = {what: t for what, t in notes if isinstance(what, str)}
+    queued_while_frozen = [what for what, t in notes if isinstance(what, int) and times["frozen"] < t < times["thawed"]]
+    assert {2, 3} <= set(queued_while_frozen), notes  # the steps went on while the bucket did not answer
+    lines = storage.read_text(f"{bucket}/ref/train_log.jsonl").splitlines()
+    assert sorted(json.loads(line)["step"] for line in lines) == list(range(1, 13))  # each step once
     want = losses(f"{bucket}/ref")
     assert sorted(want) == list(range(1, 13)) and want[12] < want[1]
     names = storage.listdir(f"{bucket}/ref")
@@ -160,9 +228,6 @@ def test_pretraining_in_a_bucket_resumes_bitwise_after_kill9_and_past_a_flipped_
     kill9_once_logged(pretrain(places, work, popen=True), f"{work}/train_log.jsonl")
     # The resumed run: the bucket stops answering as step 8's save starts. The save's deadline
     # ends the run, naming the step; the same command then resumes from step 4 again.
-    faults = places["local"] / "faults"
-    faults.mkdir(exist_ok=True)
-    (faults / "sitecustomize.py").write_text(FREEZE)
     started = time.time()
     try:
         stalled = pretrain(places, work, "--config.checkpoint_save_timeout_seconds=5",
