@@ -329,10 +329,10 @@ def stage_random_init(path: str, overrides: dict, vocab: str, seed: int = 0) -> 
     import jax
     import numpy as np
     from flax import linen as nn
-    from bert_jax import convert, modeling, pretrain
+    from bert_jax import convert, modeling, pretrain, pretraining_heads
 
     cfg = pretrain.bert_config_from(pretrain_config(overrides))
-    params = modeling.BertForPreTraining(cfg).init(jax.random.key(seed), **modeling.dummy_inputs(cfg))["params"]
+    params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(seed), **modeling.dummy_inputs(cfg))["params"]
     params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(params))
     convert.save_pretrained(convert.Pretrained(cfg, params, vocab, True), path, "bert_jax")
     log(f"random init: wrote {path}")

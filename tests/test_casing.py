@@ -44,12 +44,12 @@ def test_the_vocabulary_decides_not_the_folder_name(tmp_path, fmt):
     import jax
     import numpy as np
 
-    from bert_jax import convert, modeling
+    from bert_jax import convert, modeling, pretraining_heads
     from bert_jax.model_config import BertConfig
 
     cfg = BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
                      max_position_embeddings=16)
-    params = modeling.BertForPreTraining(cfg).init(jax.random.key(0), **modeling.dummy_inputs(cfg))["params"]
+    params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **modeling.dummy_inputs(cfg))["params"]
     vocab = write(tmp_path / "vocab.txt", SPECIAL + ["The", "Paris", "a", "b"] + [f"w{i}" for i in range(31)])
     pretrained = convert.Pretrained(cfg, jax.tree_util.tree_map(np.asarray, params), vocab, None, "bert_jax", (), ())
     out = tmp_path / "uncased_L-1_H-8_A-2"

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from bert_jax import convert, finetune, finetune_batches, heads, modeling
+from bert_jax import convert, finetune, finetune_batches, heads, modeling, pretraining_heads
 from configs import glue as glue_config
 from configs import ner as ner_config
 from configs import squad as squad_config
@@ -56,7 +56,7 @@ def checkpoint(tmp_path_factory):
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list(".,?!'-")) + "\n")
     cfg = modeling.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                               intermediate_size=64, max_position_embeddings=64)
-    params = modeling.BertForPreTraining(cfg).init(jax.random.key(0), **modeling.dummy_inputs(cfg))["params"]
+    params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **modeling.dummy_inputs(cfg))["params"]
     params = nn.meta.unbox(params)
     pretrained = convert.Pretrained(cfg, jax.tree_util.tree_map(np.asarray, params), str(vocab), True)
     paths = {fmt: convert.save_pretrained(pretrained, str(root / fmt), fmt) for fmt in ("bert_jax", "hf")}

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bert_jax import modeling, optim, steps
+from bert_jax import modeling, optim, pretraining_heads, steps
 
 ROOT = Path(__file__).resolve().parents[1]
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -84,7 +84,7 @@ def _batch(seed: int = 0) -> dict:
 
 
 def _state_and_step(cfg, accum_steps: int = 1):
-    model = modeling.BertForPreTraining(cfg)
+    model = pretraining_heads.BertForPreTraining(cfg)
     variables = nn.meta.unbox(
         model.init(jax.random.key(0), **modeling.dummy_inputs(cfg, batch=4, length=16, predictions=3)))
     tx = optim.make_optimizer("adamw", lambda s: 1e-3, clip_norm=1.0)
@@ -148,7 +148,7 @@ def test_the_train_step_carries_the_scaling_state_one_amax_per_step():
 
 
 def _loss(cfg, params, fp8, batch):
-    out = modeling.BertForPreTraining(cfg).apply(steps.model_variables(params, fp8), **{
+    out = pretraining_heads.BertForPreTraining(cfg).apply(steps.model_variables(params, fp8), **{
         k: batch[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")})
     return jnp.sum(out.mlm_logits)
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax import dropout, fused, modeling
+from bert_jax import dropout, fused, modeling, pretraining_heads
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +78,7 @@ def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypat
 
 
 def _model_loss(cfg, params, batch, key):
-    out = modeling.BertForPreTraining(cfg).apply({"params": params}, **{
+    out = pretraining_heads.BertForPreTraining(cfg).apply({"params": params}, **{
         k: batch[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")},
         deterministic=False, rngs={"dropout": key})
     return jnp.sum(out.mlm_logits.astype(jnp.float32) ** 2) * 1e-3 + jnp.sum(out.nsp_logits), out
@@ -99,8 +99,8 @@ def test_the_fused_model_trains_like_the_unfused_one(dtype, logits_atol, loss_rt
     fused_cfg = cfg.replace(fused_ops=True)
     batch = modeling.dummy_inputs(cfg, batch=2, length=24, predictions=4)
     batch["input_ids"] = jnp.asarray(np.random.default_rng(1).integers(5, 300, (2, 24)), jnp.int32)
-    params = nn.meta.unbox(modeling.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
-    fused_params = nn.meta.unbox(modeling.BertForPreTraining(fused_cfg).init(jax.random.key(0), **batch)["params"])
+    params = nn.meta.unbox(pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
+    fused_params = nn.meta.unbox(pretraining_heads.BertForPreTraining(fused_cfg).init(jax.random.key(0), **batch)["params"])
     # The same parameter tree: names, shapes, initial values.
     assert jax.tree.structure(params) == jax.tree.structure(fused_params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fused_params)))
@@ -111,7 +111,7 @@ def test_the_fused_model_trains_like_the_unfused_one(dtype, logits_atol, loss_rt
         params, batch, key)
     # The kernels really run (and dropout is on: the loss differs from a deterministic pass).
     assert "pallas_call" in str(jax.make_jaxpr(functools.partial(_model_loss, fused_cfg))(params, batch, key))
-    det = modeling.BertForPreTraining(cfg).apply({"params": params}, **{
+    det = pretraining_heads.BertForPreTraining(cfg).apply({"params": params}, **{
         k: batch[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")})
     assert not np.allclose(np.asarray(det.mlm_logits), np.asarray(out.mlm_logits))
     assert np.abs(np.asarray(out.mlm_logits)).max() > 10 * logits_atol  # the bound is not the logits' size
@@ -130,8 +130,8 @@ def test_hidden_sizes_that_are_not_powers_of_two_use_the_unfused_path():
     cfg = modeling.BertConfig(vocab_size=100, hidden_size=96, num_hidden_layers=1, num_attention_heads=4,
                               intermediate_size=128, fused_ops=True)
     batch = modeling.dummy_inputs(cfg, batch=1, length=8, predictions=2)
-    params = modeling.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"]
-    jaxpr = str(jax.make_jaxpr(lambda p: modeling.BertForPreTraining(cfg).apply({"params": p}, **batch))(params))
+    params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"]
+    jaxpr = str(jax.make_jaxpr(lambda p: pretraining_heads.BertForPreTraining(cfg).apply({"params": p}, **batch))(params))
     assert "pallas_call" not in jaxpr
     with pytest.raises(ValueError, match="fused_ops"):
         modeling.BertConfig(fused_ops=1)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax import fused_ffn, modeling
+from bert_jax import fused_ffn, modeling, pretraining_heads
 
 # Launch shapes that make the interpreter walk a grid of 2 x 2 output tiles and the contraction in
 # two steps, as a GPU launch does (the GPU's own shapes apply on a GPU).
@@ -93,7 +93,7 @@ def test_the_gelu_and_its_derivative_match_jax(activation):
 
 
 def _model_loss(cfg, params, batch, key):
-    out = modeling.BertForPreTraining(cfg).apply({"params": params}, **{
+    out = pretraining_heads.BertForPreTraining(cfg).apply({"params": params}, **{
         k: batch[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")},
         deterministic=False, rngs={"dropout": key})
     return jnp.sum(out.mlm_logits.astype(jnp.float32) ** 2) * 1e-3 + jnp.sum(out.nsp_logits), out
@@ -110,8 +110,8 @@ def test_the_model_with_the_kernels_trains_like_the_one_without(dtype, logits_at
     fused_cfg = cfg.replace(fused_ffn=True)
     batch = modeling.dummy_inputs(cfg, batch=2, length=24, predictions=4)
     batch["input_ids"] = jnp.asarray(np.random.default_rng(1).integers(5, 300, (2, 24)), jnp.int32)
-    params = nn.meta.unbox(modeling.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
-    fused_params = nn.meta.unbox(modeling.BertForPreTraining(fused_cfg).init(jax.random.key(0), **batch)["params"])
+    params = nn.meta.unbox(pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
+    fused_params = nn.meta.unbox(pretraining_heads.BertForPreTraining(fused_cfg).init(jax.random.key(0), **batch)["params"])
     assert jax.tree.structure(params) == jax.tree.structure(fused_params)  # the same names and shapes
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fused_params)))
     key = jax.random.key(7)
@@ -137,8 +137,8 @@ def test_where_the_kernels_do_not_apply_the_layer_is_unfused():
         cfg = modeling.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                   intermediate_size=128, fused_ffn=True).replace(**changes)
         batch = modeling.dummy_inputs(cfg, batch=1, length=8, predictions=2)
-        params = modeling.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"]
-        jaxpr = str(jax.make_jaxpr(lambda p: modeling.BertForPreTraining(cfg).apply({"params": p}, **batch))(params))
+        params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"]
+        jaxpr = str(jax.make_jaxpr(lambda p: pretraining_heads.BertForPreTraining(cfg).apply({"params": p}, **batch))(params))
         assert "pallas_call" not in jaxpr, changes
     with pytest.raises(ValueError, match="fused_ffn"):
         modeling.BertConfig(fused_ffn="yes")

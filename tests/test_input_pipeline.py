@@ -754,12 +754,12 @@ def test_packed_batch_runs_the_model_like_separate_sequences():
     """The model sees each packed sequence as if alone: same hidden states, own [CLS] pooling."""
     import jax
     import jax.numpy as jnp
-    from bert_jax import modeling
+    from bert_jax import modeling, pretraining_heads
 
     cfg = modeling.BertConfig(vocab_size=VOCAB + ID_BASE, hidden_size=32, num_hidden_layers=2,
                               num_attention_heads=2, intermediate_size=64,
                               max_position_embeddings=L)
-    model = modeling.BertForPreTraining(cfg)
+    model = pretraining_heads.BertForPreTraining(cfg)
     records = [make_record(rid, length=n) for rid, n in enumerate([9, 12, 7])]
     packed = {k: jnp.asarray(v.numpy()) for k, v in ip.pack_window(
         _stack(records), max_seq_length=L, max_seqs_per_pack=3, max_predictions_per_pack=15).items()}
@@ -848,10 +848,10 @@ def unrolled_loss_params():
     the scanned cases stack the same ones)."""
     import flax.linen as nn
     import jax
-    from bert_jax import modeling
+    from bert_jax import modeling, pretraining_heads
 
     cfg = modeling.BertConfig(**_LOSS_CONFIG)
-    return nn.meta.unbox(jax.jit(modeling.BertForPreTraining(cfg).init)(
+    return nn.meta.unbox(jax.jit(pretraining_heads.BertForPreTraining(cfg).init)(
         jax.random.key(0), **modeling.dummy_inputs(cfg, batch=1, length=8, predictions=1)))["params"]
 
 
@@ -872,7 +872,7 @@ def test_packed_batch_trains_like_separate_sequences(unrolled_loss_params, scan_
     import functools
 
     import jax
-    from bert_jax import modeling, steps
+    from bert_jax import modeling, pretraining_heads, steps
 
     cfg = modeling.BertConfig(**_LOSS_CONFIG, scan_layers=scan_layers,
                               sparse_last_layer=sparse_last_layer)
@@ -899,7 +899,7 @@ def test_packed_batch_trains_like_separate_sequences(unrolled_loss_params, scan_
         params = modeling.stack_layers(params, cfg.num_hidden_layers)
     tx = _gradient_catcher()
     state = steps.create_train_state(params, tx, jax.random.key(1))
-    step = functools.partial(steps.train_step, model=modeling.BertForPreTraining(cfg), tx=tx,
+    step = functools.partial(steps.train_step, model=pretraining_heads.BertForPreTraining(cfg), tx=tx,
                              schedule=lambda s: 0.0)
     # Both steps from the same state, in one program (one compilation: ~15% less CPU time).
     (s_unpacked, m_unpacked), (s_packed, m_packed) = jax.jit(

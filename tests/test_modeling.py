@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from bert_jax import attention, dropout, modeling
-from bert_jax.modeling import BertConfig, BertForPreTraining, BertModel
+from bert_jax.modeling import BertConfig, BertModel
+from bert_jax.pretraining_heads import BertForPreTraining
 
 transformers = pytest.importorskip("transformers")  # a [test] extra: present in CI
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from bert_jax import convert, finetune, modeling, predict
+from bert_jax import convert, finetune, modeling, predict, pretraining_heads
 from configs import own_data
 from data_pipeline import tasks, tokenization
 from data_pipeline.tasks import DataError, glue, ner
@@ -330,7 +330,7 @@ def checkpoint(tmp_path_factory):
     vocab = Vocab(root, FILLER + list("好差北京上海张王") + LATIN + list(".,"))
     cfg = modeling.BertConfig(vocab_size=48, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                               intermediate_size=64, max_position_embeddings=32)
-    params = nn.meta.unbox(modeling.BertForPreTraining(cfg).init(
+    params = nn.meta.unbox(pretraining_heads.BertForPreTraining(cfg).init(
         jax.random.key(0), **modeling.dummy_inputs(cfg))["params"])
     pretrained = convert.Pretrained(cfg, jax.tree_util.tree_map(np.asarray, params), str(vocab.path), True)
     return convert.save_pretrained(pretrained, str(root / "bert_jax"), "bert_jax")

@@ -320,7 +320,7 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
     # Independent check: the same weights scored record by record in numpy.
     sys.path.insert(0, str(ROOT))
     import jax
-    from bert_jax import modeling, pretrain
+    from bert_jax import pretrain, pretraining_heads
     from configs import test as test_config
     cfg = test_config.get_config()
     cfg.init_checkpoint = str(tmp_path / "train")
@@ -331,7 +331,7 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
     for raw in tf.data.TFRecordDataset(str(data / "eval-0.tfrecord")).as_numpy_iterator():
         ex = tf.train.Example.FromString(raw).features.feature
         get = lambda k: np.array(ex[k].int64_list.value)[None]
-        out = modeling.BertForPreTraining(bert_config).apply(
+        out = pretraining_heads.BertForPreTraining(bert_config).apply(
             {"params": params}, get("input_ids"), get("input_mask"), get("segment_ids"), get("masked_lm_positions"))
         logp = _log_softmax64(out.mlm_logits[0])
         w = np.array(ex["masked_lm_weights"].float_list.value)

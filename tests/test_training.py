@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from bert_jax import dropout, modeling, optim, sharding, steps
-from bert_jax.modeling import BertConfig, BertForPreTraining
+from bert_jax.modeling import BertConfig
+from bert_jax.pretraining_heads import BertForPreTraining
 
 CONFIG = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                     intermediate_size=64, max_position_embeddings=32)
