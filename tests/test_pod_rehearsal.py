@@ -66,6 +66,21 @@ if _step:
         return _real(self, directory, *args, **kwargs)
 
     ocp.StandardCheckpointHandler.restore = _restore
+
+# The bucket stops answering (the emulator SIGSTOPped) as this worker starts saving step
+# $FAULT_FREEZE_AT_SAVE.
+_freeze = os.environ.get("FAULT_FREEZE_AT_SAVE")
+if _freeze:
+    import signal
+    import orbax.checkpoint as ocp
+    _save = ocp.CheckpointManager.save
+
+    def _frozen_save(self, step, *args, **kwargs):
+        if step == int(_freeze):
+            os.kill(int(os.environ["BERT_JAX_TEST_EMULATOR_PID"]), signal.SIGSTOP)
+        return _save(self, step, *args, **kwargs)
+
+    ocp.CheckpointManager.save = _frozen_save
 """
 
 
@@ -107,8 +122,9 @@ ARGS = ["--config.log_every_steps=1", "--config.checkpoint_every_steps=4", "--co
         "--config.shuffle_buffer_size=64"]
 
 
-def launch(pod, workdir, **extra_env):
-    args = [f"--config.train_data={pod['bucket']}/data/train-*.tfrecord", "--config.verify_data=false", *ARGS]
+def launch(pod, workdir, *extra_args, **extra_env):
+    args = [f"--config.train_data={pod['bucket']}/data/train-*.tfrecord", "--config.verify_data=false", *ARGS,
+            *extra_args]
     r = subprocess.run(["bash", str(SCRIPT), *args], env=dict(pod["env"], WORKDIR=workdir, **extra_env),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -176,6 +192,31 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
     # Each run of each worker kept its own log.
     for w in pod["workers"]:
         assert len([p for p in (w / "bert_jax_run" / "logs").iterdir() if p.name != "latest.log"]) == 3
+
+    # The bucket stops answering as step 8's save starts: the save fails on every host within its
+    # deadline (5 s here) instead of hanging the pod; the same command resumes from step 4.
+    work = f"{bucket}/stalled"
+    started = time.time()
+    try:
+        pids = launch(pod, work, "--config.checkpoint_save_timeout_seconds=5",
+                      FAKE_ENV_0=f"PYTHONPATH={pod['faults']} FAULT_FREEZE_AT_SAVE=8")
+        deadline = time.time() + 300  # (the bucket cannot be asked while it is frozen)
+        while any(alive(p) for p in pids) and time.time() < deadline:
+            time.sleep(0.5)
+    finally:
+        os.kill(int(os.environ["BERT_JAX_TEST_EMULATOR_PID"]), signal.SIGCONT)
+    out = wait_exit(pod, pids, timeout=30)
+    codes = [int((w / "bert_jax_run" / "exit_code").read_text()) for w in pod["workers"]]
+    # Each host ends on its own deadline (124), or, when the other got there first, on the error its
+    # own save then meets (the coordination service's or orbax's barrier losing that host), loudly.
+    assert codes[0] == 124 and codes[1] != 0, (codes, out[-4000:])
+    for i, text in enumerate(out.split("--- worker ")[1:]):
+        assert (f"saving step 8 to {work}/checkpoints did not finish within 5 s" in text
+                or f"checkpoint save of step 8 in {work}/checkpoints failed" in text), (i, text[-3000:])
+    assert time.time() - started < 240
+    out = wait_exit(pod, launch(pod, work))
+    assert out.count("resumed from step 4") == 2, out[-4000:]
+    assert losses(work) == want
 
     # --- Supervised (launch/tpu_pod.sh --watch): a crash, then the whole slice preempted. ---
     work = f"{bucket}/supervised"
