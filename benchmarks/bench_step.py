@@ -85,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--no_dropout", action="store_true", help="dropout off (its cost, measured)")
     p.add_argument("--hidden_act", default="", help="override the config's activation (e.g. gelu_tanh)")
     p.add_argument("--fp8", action="store_true", help="FP8 matmuls with delayed scaling (BertConfig.fp8)")
+    p.add_argument("--mixed_matmuls", action="store_true",
+                   help="every matmul with bf16 inputs and float32 outputs in a float32 model (BertConfig.mixed_matmuls)")
     p.add_argument("--dense_last_layer", action="store_true",
                    help="config.model.sparse_last_layer=False: the last layer at every position")
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
@@ -443,6 +445,7 @@ def setup(args):
     if args.hidden_act:
         config.model.hidden_act = args.hidden_act
     config.model.fp8 = args.fp8
+    config.model.mixed_matmuls = args.mixed_matmuls
     config.global_batch_size = args.batch
     config.max_seq_length = args.seq_len
     predictions = args.predictions or max(1, round(args.seq_len * 20 / 128))

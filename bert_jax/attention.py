@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bert_jax import mixed_precision
 from bert_jax.dropout import dropout
 
 Array = jax.Array
@@ -86,7 +87,8 @@ def make_sequence_ids(input_mask: Array, pack_ids: Optional[Array] = None) -> Ar
 
 def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
               sequence_ids: Optional[Array] = None, causal: bool = False,
-              dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
+              dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None,
+              mixed_matmuls: bool = False) -> Array:
     """Scaled dot-product attention with a boolean mask; the softmax runs in float32.
 
     Args:
@@ -101,6 +103,8 @@ def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
         differ from the other paths (see `make_sequence_ids`).
       causal: whether `mask` includes the left-to-right mask (the TPU kernel applies it itself).
       dropout_rate, dropout_rng: dropout on the attention probabilities (einsum only).
+      mixed_matmuls: "einsum"'s two matmuls with bfloat16 inputs and float32 outputs
+        (`bert_jax.mixed_precision`, `BertConfig.mixed_matmuls`).
 
     Masked logits get a large negative finite value (not -inf), so a fully padded row yields
     uniform weights instead of NaN.
@@ -116,14 +120,19 @@ def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
             return _splash_attention(query, key, value, sequence_ids, causal=causal)
         return _dot_product_attention(query, key, value, mask, scale)
     # [batch, heads, query, key], accumulated and kept in float32.
-    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+    if mixed_matmuls:
+        logits = mixed_precision.einsum("bqhd,bkhd->bhqk", query, key)
+    else:
+        logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
     logits = logits * scale
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     if dropout_rate > 0.0 and dropout_rng is not None:
         probs = dropout(probs, dropout_rate, dropout_rng)
-    probs = probs.astype(value.dtype)
     # [batch, query, heads, head_dim]
+    if mixed_matmuls:
+        return mixed_precision.einsum("bhqk,bkhd->bqhd", probs, value).astype(value.dtype)
+    probs = probs.astype(value.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, value)
 
 

@@ -85,6 +85,10 @@ class BertConfig:
     # that do not divide by its blocks and FP8 run the layer unfused. Slower than XLA + cuBLAS on an
     # H200 (0.90x BERT-Large's step, benchmarks/RESULTS.md 2026-11-28): off unless measured to pay.
     fused_ffn: bool = False
+    # Every matmul with bfloat16 inputs and float32 accumulation and output, forward and backward,
+    # the rest of the model in float32 (`bert_jax.mixed_precision`): the form XLA's CPU backend runs
+    # fast on CPUs with bf16 units (avx512_bf16, amx_bf16). Needs dtype="float32"; not with fp8.
+    mixed_matmuls: bool = False
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -111,9 +115,12 @@ class BertConfig:
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"BertConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        for name in ("fp8", "fused_ops", "fused_ffn"):
+        for name in ("fp8", "fused_ops", "fused_ffn", "mixed_matmuls"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"BertConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.mixed_matmuls and (self.dtype != "float32" or self.fp8):
+            raise ValueError("BertConfig.mixed_matmuls runs the matmuls in bfloat16 within a float32 model: it needs "
+                             f"dtype='float32' and fp8=False, got dtype={self.dtype!r}, fp8={self.fp8}")
         if self.vocab_pad_multiple < 1:
             raise ValueError(f"BertConfig.vocab_pad_multiple must be >= 1, got {self.vocab_pad_multiple}")
 

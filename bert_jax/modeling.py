@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Re-exported: `modeling.attention`, `modeling.keep_mask`, ... stay importable from here.
-from bert_jax import fused, fused_ffn
+from bert_jax import fused, fused_ffn, mixed_precision
 from bert_jax.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids  # noqa: F401
 from bert_jax.dropout import Dropout, dropout, keep_mask  # noqa: F401
 from bert_jax.model_config import (  # noqa: F401
@@ -138,8 +138,11 @@ class Dense(nn.Module):
         # FP8: the inputs and the kernel quantized to e4m3, the output gradient to e5m2, with the
         # scales of this layer's own state (its submodule "fp8"); XLA rewrites the scaled dot into
         # an FP8 GEMM on Hopper GPUs.
-        dot = fp8_ops.Fp8DirectDotGeneralOp(name="fp8") if cfg.fp8 else jax.lax.dot_general
-        y = dot(x, kernel.astype(cfg.compute_dtype), dims)
+        if cfg.mixed_matmuls:  # bf16 inputs, float32 out (bert_jax.mixed_precision)
+            y = mixed_precision.einsum(mixed_precision.dense_spec(x.ndim, n_in, len(self.out_shape)), x, kernel)
+        else:
+            dot = fp8_ops.Fp8DirectDotGeneralOp(name="fp8") if cfg.fp8 else jax.lax.dot_general
+            y = dot(x, kernel.astype(cfg.compute_dtype), dims)
         if self.return_bias:
             return y, bias
         return y + bias.astype(cfg.compute_dtype)
@@ -262,17 +265,18 @@ class SelfAttention(nn.Module):
         biases = [b.astype(cfg.compute_dtype) for b in biases]
         xc = x.astype(cfg.compute_dtype)
         impl, seq_ids = cfg.attention_impl, sequence_ids
+        einsum = mixed_precision.einsum if cfg.mixed_matmuls else jnp.einsum
         # FP8 (see Dense): the query and the key/value projections always as two matmuls, so that
         # the layer has the same scaling state whether or not it runs at a few query positions.
         if query_positions is None and not cfg.fp8:
             kernel = jnp.stack(kernels, axis=1)  # [hidden, 3, heads, head_dim]
             # [batch, length, 3, heads, head_dim]
-            qkv = jnp.einsum("blh,hsnd->blsnd", xc, kernel) + jnp.stack(biases)
+            qkv = einsum("blh,hsnd->blsnd", xc, kernel) + jnp.stack(biases)
             # Each: [batch, length, heads, head_dim]
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
-            einsum_q = fp8_ops.Fp8Einsum(name="query_fp8") if cfg.fp8 else jnp.einsum
-            einsum_kv = fp8_ops.Fp8Einsum(name="key_value_fp8") if cfg.fp8 else jnp.einsum
+            einsum_q = fp8_ops.Fp8Einsum(name="query_fp8") if cfg.fp8 else einsum
+            einsum_kv = fp8_ops.Fp8Einsum(name="key_value_fp8") if cfg.fp8 else einsum
             if query_positions is not None:
                 x = gather_positions(x, query_positions)  # the residual, [batch, queries, hidden]
             # [batch, queries, heads, head_dim] (queries: every position without query_positions)
@@ -293,7 +297,7 @@ class SelfAttention(nn.Module):
         v = nn.with_logical_constraint(v, ACT_HEADS)
         train_dropout = not self.deterministic and cfg.attention_probs_dropout_prob > 0.0
         # [batch, length, heads, head_dim] (length: the queries')
-        ctx = attention(q, k, v, mask, impl=impl, sequence_ids=seq_ids,
+        ctx = attention(q, k, v, mask, impl=impl, sequence_ids=seq_ids, mixed_matmuls=cfg.mixed_matmuls,
                         causal=cfg.causal_attention, dropout_rate=cfg.attention_probs_dropout_prob,
                         dropout_rng=self.make_rng("dropout") if train_dropout else None)
         # [batch, length, heads, head_dim] -> [batch, length, hidden]

@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from bert_jax import checkpointing, modeling, optim, sharding, steps, versions
+from bert_jax import checkpointing, mixed_precision, modeling, optim, sharding, steps, versions
 from bert_jax.modeling import BertConfig
 from bert_jax.phases import Phase, resolve_phases  # noqa: F401  (importable from here too)
 # The checks before compiling, and the input; their names are importable from here too.
@@ -69,7 +69,7 @@ PEAK_FLOPS = {
 # BertConfig is in exactly one group (tests/test_pretrain_config.py).
 # How this run computes; no checkpoint decides it (Google's and HF's configs do not name it):
 RUN_KEYS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl", "vocab_pad_multiple",
-            "sparse_last_layer", "fp8", "fused_ops", "fused_ffn")
+            "sparse_last_layer", "fp8", "fused_ops", "fused_ffn", "mixed_matmuls")
 # The checkpoint's value, unless `--config.model.<key>` is given (then that):
 SETTING_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "causal_attention", "initializer_range")
 # What the checkpoint's weights are: its value; a different one given is refused:
@@ -84,13 +84,13 @@ def bert_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable
     process's command line). An ARCHITECTURE_KEYS value given that differs from the checkpoint's
     raises ValueError naming the key."""
     init = config.get("init_checkpoint", "")
+    model = _resolve_mixed_matmuls(config.model.to_dict(), config.get("cpu_bf16", "off"))
     if not init:
-        return BertConfig.from_dict(config.model.to_dict())
+        return BertConfig.from_dict(model)
     from bert_jax import convert
     from bert_jax.config_overrides import given_on_command_line
     given = {k[len("config.model."):] for k in (given_on_command_line() if given is None else given)
              if k.startswith("config.model.")}
-    model = config.model.to_dict()
     checkpoint = convert.load_config(init, google_gelu=config.get("google_gelu"))
     for key in sorted(given & set(ARCHITECTURE_KEYS)):
         if model[key] != getattr(checkpoint, key):
@@ -102,6 +102,30 @@ def bert_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable
     changes = {k: model[k] for k in RUN_KEYS if k in model}
     changes.update({k: model[k] for k in SETTING_KEYS if k in given})
     return checkpoint.replace(**changes)
+
+
+CPU_BF16 = ("off", "on", "auto")
+
+
+def _resolve_mixed_matmuls(model: dict, cpu_bf16: str) -> dict:
+    """`config.cpu_bf16` into `model.mixed_matmuls` on a CPU: "on" sets it, "auto" sets it where
+    the CPU reports bf16 matmul units (`mixed_precision.bf16_units`), "off" leaves the model's
+    setting. A bfloat16 setting on a CPU without the units gets a warning (slower than float32)."""
+    if cpu_bf16 not in CPU_BF16:
+        raise ValueError(f"config.cpu_bf16 must be one of {CPU_BF16}, got {cpu_bf16!r}")
+    setting = bool(model.get("mixed_matmuls", False))
+    on_cpu = jax.default_backend() == "cpu"
+    units = mixed_precision.bf16_units() if on_cpu else []
+    if on_cpu and cpu_bf16 != "off":
+        setting = cpu_bf16 == "on" or bool(units and model.get("dtype") == "float32" and not model.get("fp8"))
+        logging.info("config.cpu_bf16=%s: model.mixed_matmuls=%s (%s)", cpu_bf16, setting,
+                     f"this CPU reports {', '.join(units)}" if units else "this CPU reports no bf16 matmul units")
+    if on_cpu and not units and (setting or model.get("dtype") == "bfloat16"):
+        what = "model.mixed_matmuls" if setting else "model.dtype=bfloat16"
+        logging.warning("%s on a CPU that reports no bf16 matmul units (no avx512_bf16, amx_bf16 or bf16 in "
+                        "/proc/cpuinfo): its bfloat16 matmuls are converted in software, slower than float32 here "
+                        "(0.66x for a BERT-base dense layer on an AMD EPYC Zen 3, docs/performance.md)", what)
+    return dict(model, mixed_matmuls=setting)
 
 
 PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")

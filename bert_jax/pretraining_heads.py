@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from bert_jax import mixed_precision
 from bert_jax.modeling import (
     ACT_EMBED, ACT_MLP, BertConfig, BertModel, LayerNorm, _dense, _zeros, activation_fn)
 
@@ -47,8 +48,12 @@ class MlmHead(nn.Module):
         # tiles); the parameters keep the real size so checkpoints and counts are exact.
         emb = jnp.pad(word_embeddings, ((0, pad), (0, 0))).astype(cfg.compute_dtype)  # [vocab_p, hidden]
         # [batch, predictions, vocab_p]
-        logits = (jnp.einsum("bph,vh->bpv", h, emb, preferred_element_type=jnp.float32)
-                  if h.dtype == jnp.float32 else _low_precision_grad_logits(h, emb))
+        if cfg.mixed_matmuls:  # bf16 inputs, float32 out (bert_jax.mixed_precision)
+            logits = mixed_precision.einsum("bph,vh->bpv", h, emb)
+        elif h.dtype == jnp.float32:
+            logits = jnp.einsum("bph,vh->bpv", h, emb, preferred_element_type=jnp.float32)
+        else:
+            logits = _low_precision_grad_logits(h, emb)
         logits = logits[..., :cfg.vocab_size] + bias.astype(jnp.float32)  # [batch, predictions, vocab]
         return logits
 

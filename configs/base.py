@@ -33,6 +33,7 @@ def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.Conf
     m.fp8 = False  # FP8 matmuls with delayed scaling in pretraining (H100); state checkpointed
     m.fused_ops = False  # dropout + residual + LayerNorm as one Pallas kernel each way (GPU)
     m.fused_ffn = False  # the FFN's first GEMM + bias + GELU as Pallas GEMM kernels each way (GPU)
+    m.mixed_matmuls = False  # matmuls with bf16 inputs, float32 out; the rest float32 (CPUs with bf16 units)
     return m
 
 
@@ -45,6 +46,9 @@ def get_config() -> ml_collections.ConfigDict:
     # "unsafe_rbg" (the hardware generator: faster on GPU and TPU; the speed tables' --prng=rbg).
     # A run resumes with the impl it started with (the checkpoint's key has its shape).
     config.prng_impl = "threefry2x32"
+    # On a CPU: "on" runs every matmul with bfloat16 inputs and float32 outputs (model.mixed_matmuls),
+    # "auto" does where the CPU reports bf16 matmul units (avx512_bf16, amx_bf16), "off" leaves it.
+    config.cpu_bf16 = "off"
 
     # --- data (TFRecords in Google's schema, from data_pipeline.create_pretraining_data) ---
     config.train_data = ""  # glob(s), comma-separated, of training TFRecords

@@ -28,6 +28,7 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.task = "sst2"  # data_pipeline.tasks.TASK_NAMES
     config.seed = 42  # seeds the head's init, dropout and the data order
     config.prng_impl = "threefry2x32"  # dropout's random bits: threefry2x32 | rbg | unsafe_rbg (configs/base.py)
+    config.cpu_bf16 = "off"  # on | auto: matmuls in bf16 with float32 outputs on a CPU (configs/base.py)
 
     # --- data ---
     config.data_source = "files"  # files (as distributed) | tfds (config.tfds_data_dir)
