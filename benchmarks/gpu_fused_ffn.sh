@@ -14,13 +14,7 @@
 #   bash benchmarks/gpu_fused_ffn.sh OUT_DIR [BUDGET_S]      (the device tool: OUT_DIR=$OUT)
 set -u
 OUT_DIR=${1:?an output folder}; BUDGET=${2:-480}
-mkdir -p "$OUT_DIR"; DEADLINE=$(( $(date +%s) + BUDGET ))
-if ls .whl/*.whl >/dev/null 2>&1; then  # ml_collections, google-crc32c, transformers<5: not in the GPU image
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
-export XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
+source "$(dirname "$0")/gpu_phases.sh"  # the wheels, the environment, `phase`
 LOCK=/tmp/gpu.lock
 # `$LOCKED COMMAND...`: the command run holding $LOCK (flock(2), as bench_fp8.py --gpu_lock); a
 # program, not a shell function, so that `timeout` can run it.
@@ -32,16 +26,6 @@ sys.exit(subprocess.call(sys.argv[2:]))
 PY
 LOCKED="python3 /tmp/locked.py $LOCK"
 COMMON="--dtype=bfloat16 --attention=dot_product --prng=rbg --seq_len=128 --batch=256"
-T=$(date +%s)
-
-phase() {  # phase LOG NAME NEEDED_S MEM_FRACTION command...
-  local log=$1 name=$2 need=$3 mem=$4; shift 4
-  local left=$(( DEADLINE - $(date +%s) ))
-  if [ "$left" -lt "$need" ]; then echo "== $name: skipped, $left s left (needs ~$need)" >>"$log"; return; fi
-  echo "== $name: start at +$(( $(date +%s) - T )) s, $left s left: $*" >>"$log"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=$mem timeout -k 10 "$left" "$@" >>"$log" 2>&1
-  echo "== $name: rc=$? at +$(( $(date +%s) - T )) s" >>"$log"
-}
 
 lane_a() {
   local log=$OUT_DIR/lane_a.log

@@ -16,25 +16,9 @@
 #   bash benchmarks/gpu_fused_fp8.sh OUT_DIR [BUDGET_S]      (the device tool: OUT_DIR=$OUT)
 set -u
 OUT_DIR=${1:?an output folder}; BUDGET=${2:-540}
-mkdir -p "$OUT_DIR"; DEADLINE=$(( $(date +%s) + BUDGET ))
-if ls .whl/*.whl >/dev/null 2>&1; then  # ml_collections, google-crc32c: not in the GPU image
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
-export XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
+source "$(dirname "$0")/gpu_phases.sh"  # the wheels, the environment, `phase`
 COMMON="--dtype=bfloat16 --attention=dot_product --prng=rbg --gpu_lock=/tmp/gpu.lock"
 SLOT="--slot_lock=/tmp/big_memory.lock"  # BERT-Large's steps: one process at a time holds the memory
-T=$(date +%s)
-
-phase() {  # phase LOG NAME NEEDED_S MEM_FRACTION command...
-  local log=$1 name=$2 need=$3 mem=$4; shift 4
-  local left=$(( DEADLINE - $(date +%s) ))
-  if [ "$left" -lt "$need" ]; then echo "== $name: skipped, $left s left (needs ~$need)" >>"$log"; return; fi
-  echo "== $name: start at +$(( $(date +%s) - T )) s, $left s left: $*" >>"$log"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=$mem timeout -k 10 "$left" "$@" >>"$log" 2>&1
-  echo "== $name: rc=$? at +$(( $(date +%s) - T )) s" >>"$log"
-}
 
 lane_a() {
   local log=$OUT_DIR/lane_a.log

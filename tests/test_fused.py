@@ -6,13 +6,13 @@ dropout masks."""
 import functools
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from bert_jax import dropout, fused, modeling, pretraining_heads
+import model_parity  # tests/ is on sys.path
 
 
 @pytest.fixture(autouse=True)
@@ -77,13 +77,6 @@ def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypat
         np.testing.assert_allclose(np.asarray(got_grads[4]), exact, atol=tol / 2 * np.abs(exact).max(), rtol=0)
 
 
-def _model_loss(cfg, params, batch, key):
-    out = pretraining_heads.BertForPreTraining(cfg).apply({"params": params}, **{
-        k: batch[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")},
-        deterministic=False, rngs={"dropout": key})
-    return jnp.sum(out.mlm_logits.astype(jnp.float32) ** 2) * 1e-3 + jnp.sum(out.nsp_logits), out
-
-
 # Each bound is a few times the error measured on 2026-11-27 (CPU, the suite's XLA flags): in
 # float32 the two paths agree to rounding; in bfloat16 they round at different places. At
 # initialization the MLM logits are small (|logit| <= 0.56), so their bound is absolute and is
@@ -96,33 +89,8 @@ def _model_loss(cfg, params, batch, key):
 def test_the_fused_model_trains_like_the_unfused_one(dtype, logits_atol, loss_rtol, grad_tol):
     cfg = modeling.BertConfig(vocab_size=300, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                               intermediate_size=256, dtype=dtype)
-    fused_cfg = cfg.replace(fused_ops=True)
-    batch = modeling.dummy_inputs(cfg, batch=2, length=24, predictions=4)
-    batch["input_ids"] = jnp.asarray(np.random.default_rng(1).integers(5, 300, (2, 24)), jnp.int32)
-    params = nn.meta.unbox(pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
-    fused_params = nn.meta.unbox(pretraining_heads.BertForPreTraining(fused_cfg).init(jax.random.key(0), **batch)["params"])
-    # The same parameter tree: names, shapes, initial values.
-    assert jax.tree.structure(params) == jax.tree.structure(fused_params)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fused_params)))
-    key = jax.random.key(7)
-    (loss, out), grads = jax.jit(jax.value_and_grad(functools.partial(_model_loss, cfg), has_aux=True))(
-        params, batch, key)
-    (f_loss, f_out), f_grads = jax.jit(jax.value_and_grad(functools.partial(_model_loss, fused_cfg), has_aux=True))(
-        params, batch, key)
-    # The kernels really run (and dropout is on: the loss differs from a deterministic pass).
-    assert "pallas_call" in str(jax.make_jaxpr(functools.partial(_model_loss, fused_cfg))(params, batch, key))
-    det = pretraining_heads.BertForPreTraining(cfg).apply({"params": params}, **{
-        k: batch[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")})
-    assert not np.allclose(np.asarray(det.mlm_logits), np.asarray(out.mlm_logits))
-    assert np.abs(np.asarray(out.mlm_logits)).max() > 10 * logits_atol  # the bound is not the logits' size
-    np.testing.assert_allclose(np.asarray(f_out.mlm_logits), np.asarray(out.mlm_logits), atol=logits_atol, rtol=0)
-    np.testing.assert_allclose(float(f_loss), float(loss), rtol=loss_rtol)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(f_grads), jax.tree.leaves(grads)):
-        b = np.asarray(b)
-        # Relative to the leaf's largest value (1e-3 at least: some leaves are zero but for noise,
-        # e.g. the attention key bias, which the softmax ignores).
-        np.testing.assert_allclose(np.asarray(a), b, atol=grad_tol * max(1e-3, np.abs(b).max()), rtol=0,
-                                   err_msg=jax.tree_util.keystr(path))
+    model_parity.assert_trains_alike(cfg, cfg.replace(fused_ops=True), kernels=("pallas_call",),
+                                     logits_atol=logits_atol, loss_rtol=loss_rtol, grad_tol=grad_tol)
 
 
 def test_hidden_sizes_that_are_not_powers_of_two_use_the_unfused_path():

@@ -4,13 +4,13 @@ both passes of the block alone, and the whole pretraining model's loss and every
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from bert_jax import fused_ffn, modeling, pretraining_heads
+import model_parity  # tests/ is on sys.path
 
 # Launch shapes that make the interpreter walk a grid of 2 x 2 output tiles and the contraction in
 # two steps, as a GPU launch does (the GPU's own shapes apply on a GPU).
@@ -92,13 +92,6 @@ def test_the_gelu_and_its_derivative_match_jax(activation):
                                atol=1e-5, rtol=0)
 
 
-def _model_loss(cfg, params, batch, key):
-    out = pretraining_heads.BertForPreTraining(cfg).apply({"params": params}, **{
-        k: batch[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")},
-        deterministic=False, rngs={"dropout": key})
-    return jnp.sum(out.mlm_logits.astype(jnp.float32) ** 2) * 1e-3 + jnp.sum(out.nsp_logits), out
-
-
 # Bounds a few times the differences measured on 2026-11-28 (CPU, interpreter):
 #   float32: logits 3e-7, loss rel 2e-7, gradients 4e-7 of the leaf's largest;
 #   bfloat16: logits 4e-3, loss rel 3e-3, gradients 2.2e-2 of the leaf's largest (bf16 sums).
@@ -107,27 +100,9 @@ def _model_loss(cfg, params, batch, key):
 def test_the_model_with_the_kernels_trains_like_the_one_without(dtype, logits_atol, loss_rtol, grad_tol):
     cfg = modeling.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                               intermediate_size=128, hidden_act="gelu_tanh", dtype=dtype)
-    fused_cfg = cfg.replace(fused_ffn=True)
-    batch = modeling.dummy_inputs(cfg, batch=2, length=24, predictions=4)
-    batch["input_ids"] = jnp.asarray(np.random.default_rng(1).integers(5, 300, (2, 24)), jnp.int32)
-    params = nn.meta.unbox(pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
-    fused_params = nn.meta.unbox(pretraining_heads.BertForPreTraining(fused_cfg).init(jax.random.key(0), **batch)["params"])
-    assert jax.tree.structure(params) == jax.tree.structure(fused_params)  # the same names and shapes
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fused_params)))
-    key = jax.random.key(7)
-    (loss, out), grads = jax.jit(jax.value_and_grad(functools.partial(_model_loss, cfg), has_aux=True))(
-        params, batch, key)
-    fused_loss_fn = functools.partial(_model_loss, fused_cfg)
-    (f_loss, f_out), f_grads = jax.jit(jax.value_and_grad(fused_loss_fn, has_aux=True))(params, batch, key)
-    jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: fused_loss_fn(*a)[0]))(params, batch, key))
-    assert "ffn_gemm_bias_gelu_fwd" in jaxpr and "ffn_gemm_gelu_bwd" in jaxpr  # the kernels really run
-    assert np.abs(np.asarray(out.mlm_logits)).max() > 10 * logits_atol
-    np.testing.assert_allclose(np.asarray(f_out.mlm_logits), np.asarray(out.mlm_logits), atol=logits_atol, rtol=0)
-    np.testing.assert_allclose(float(f_loss), float(loss), rtol=loss_rtol)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(f_grads), jax.tree.leaves(grads)):
-        b = np.asarray(b)
-        np.testing.assert_allclose(np.asarray(a), b, atol=grad_tol * max(1e-3, np.abs(b).max()), rtol=0,
-                                   err_msg=jax.tree_util.keystr(path))
+    model_parity.assert_trains_alike(cfg, cfg.replace(fused_ffn=True),
+                                     kernels=("ffn_gemm_bias_gelu_fwd", "ffn_gemm_gelu_bwd"),
+                                     logits_atol=logits_atol, loss_rtol=loss_rtol, grad_tol=grad_tol)
 
 
 def test_where_the_kernels_do_not_apply_the_layer_is_unfused():

@@ -1,0 +1,21 @@
+# Sourced by the device scripts (gpu_fused_fp8.sh, gpu_fused_ffn.sh): the wheels the GPU image lacks
+# (.whl/, installed to /tmp/site), the environment, and `phase`, which runs one step of a script
+# under the time its BUDGET leaves (a phase that would not fit is skipped and says so).
+#   OUT_DIR=... BUDGET=...; source benchmarks/gpu_phases.sh
+mkdir -p "$OUT_DIR"; DEADLINE=$(( $(date +%s) + BUDGET ))
+if ls .whl/*.whl >/dev/null 2>&1; then  # e.g. ml_collections, google-crc32c, transformers<5
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
+T=$(date +%s)
+
+phase() {  # phase LOG NAME NEEDED_S MEM_FRACTION command...
+  local log=$1 name=$2 need=$3 mem=$4; shift 4
+  local left=$(( DEADLINE - $(date +%s) ))
+  if [ "$left" -lt "$need" ]; then echo "== $name: skipped, $left s left (needs ~$need)" >>"$log"; return; fi
+  echo "== $name: start at +$(( $(date +%s) - T )) s, $left s left: $*" >>"$log"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$mem timeout -k 10 "$left" "$@" >>"$log" 2>&1
+  echo "== $name: rc=$? at +$(( $(date +%s) - T )) s" >>"$log"
+}
