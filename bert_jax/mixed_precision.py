@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from data_pipeline import storage
+
 Array = jax.Array
 
 # /proc/cpuinfo flags of bf16 matmul units: x86 (AVX512-BF16, AMX-BF16) and Arm (FEAT_BF16).
@@ -43,9 +45,8 @@ def bf16_units(cpuinfo: Optional[str] = None) -> list[str]:
     or unknown, e.g. not Linux)."""
     if cpuinfo is None:
         try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
+            cpuinfo = storage.read_text("/proc/cpuinfo")
+        except (OSError, UnicodeDecodeError):
             return []
     found: set = set()
     for line in cpuinfo.splitlines():

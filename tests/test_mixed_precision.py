@@ -76,27 +76,31 @@ def _step_dots(cfg):
     return dots, loss, params
 
 
-def test_every_matmul_of_the_training_step_takes_bf16_and_returns_float32():
-    cfg = modeling.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                              intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    dots, _, _ = _step_dots(cfg.replace(mixed_matmuls=True))
+CFG = modeling.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The float32 model's and the mixed one's `_step_dots` (traced once for the tests below)."""
+    return _step_dots(CFG), _step_dots(CFG.replace(mixed_matmuls=True))
+
+
+def test_every_matmul_of_the_training_step_takes_bf16_and_returns_float32(models):
+    (plain, _, _), (dots, _, _) = models
     # Forward and both gradients of each: per layer the fused Q/K/V, output, FFN in and out and the
     # two attention matmuls (the last layer's query apart: 7), the pooler, the MLM transform and
     # decoder, NSP.
     assert len(dots) >= 3 * (6 + 7 + 4), dots
     assert all(ins == ("bfloat16", "bfloat16") and out == "float32" for ins, out in dots), dots
-    plain, _, _ = _step_dots(cfg)
     assert all(ins == ("float32", "float32") for ins, _ in plain)  # the float32 model is untouched
 
 
 # Measured on 2026-11-28 (CPU): the loss 4.5e-4 relative from float32's, the gradients 8.3e-3 of each
 # leaf's largest value at most; bounds ~10x and ~7x those.
-def test_the_mixed_model_is_the_float32_model_to_bf16_rounding():
-    cfg = modeling.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                              intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    _, loss, params = _step_dots(cfg)
-    _, mixed_loss, _ = _step_dots(cfg.replace(mixed_matmuls=True))
-    (l32, g32), (l16, g16) = jax.value_and_grad(loss)(params), jax.value_and_grad(mixed_loss)(params)
+def test_the_mixed_model_is_the_float32_model_to_bf16_rounding(models):
+    (_, loss, params), (_, mixed_loss, _) = models
+    (l32, g32), (l16, g16) = jax.jit(jax.value_and_grad(loss))(params), jax.jit(jax.value_and_grad(mixed_loss))(params)
     assert jax.tree.structure(g32) == jax.tree.structure(g16)
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(g16))
     assert 0 < abs(float(l16) - float(l32)) < 5e-3 * abs(float(l32))
