@@ -224,5 +224,5 @@ def gemm_bias_gelu_gemm(x: Array, w1: Array, b1: Array, w2: Array, *, activation
     if padded != rows:
         x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))
     act = "gelu_tanh" if activation == "gelu_new" else activation
-    y = _ffn(x2, w1, b1, w2.astype(x.dtype), act)
+    y = _ffn(x2, w1, b1, w2, act)
     return y[:rows].reshape(*lead, w2.shape[1])

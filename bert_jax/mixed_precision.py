@@ -25,7 +25,6 @@ reports the units, and a bfloat16 setting on a CPU without them is warned about
 from __future__ import annotations
 
 import functools
-import platform
 from typing import Optional
 
 import jax
@@ -54,10 +53,6 @@ def bf16_units(cpuinfo: Optional[str] = None) -> list[str]:
         if key.strip().lower() in ("flags", "features"):
             found.update(flag for flag in value.split() if flag in BF16_FLAGS)
     return sorted(found)
-
-
-def describe_cpu() -> str:
-    return platform.processor() or platform.machine() or "this CPU"
 
 
 def _check(spec: str) -> tuple[str, str, str]:

@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 from data_pipeline import storage
-from pretraining_records import kill9_once_logged, logged_losses  # tests/ is on sys.path
+import fault_hooks  # tests/ is on sys.path
+from pretraining_records import kill9_once_logged, logged_losses
 from xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,26 +70,13 @@ def places(gcs_server, tmp_path_factory):
     return places
 
 
-# The bucket stops answering (the emulator SIGSTOPped) as the save of step $FAULT_FREEZE_AT_SAVE starts.
-FREEZE = r"""
+# The save freeze (tests/fault_hooks.py), and:
+FREEZE = fault_hooks.FREEZE_AT_SAVE + r"""
 import os
-_step = os.environ.get("FAULT_FREEZE_AT_SAVE")
-if _step:
-    import signal
-    import orbax.checkpoint as ocp
-    _real = ocp.CheckpointManager.save
-
-    def _save(self, step, *args, **kwargs):
-        if step == int(_step):
-            os.kill(int(os.environ["BERT_JAX_TEST_EMULATOR_PID"]), signal.SIGSTOP)
-        return _real(self, step, *args, **kwargs)
-
-    ocp.CheckpointManager.save = _save
-
 # The bucket stops answering for $FAULT_FREEZE_SECONDS as the train log's line of step
 # $FAULT_FREEZE_AT_LOG is queued (longer than BERT_JAX_GCS_TIMEOUT: the log writes time out). Every
 # queued step and the freeze's start and end go to $FAULT_RECORD (monotonic times). The next
-# checkpoint save waits for the bucket to come back: a save's own stall is the scenario above.
+# checkpoint save waits for the bucket to come back: a save's own stall is FREEZE_AT_SAVE's.
 _log_step = os.environ.get("FAULT_FREEZE_AT_LOG")
 if _log_step:
     import json

@@ -35,6 +35,7 @@ import pytest
 
 from data_pipeline import schema, storage
 import fake_pod  # tests/ is on sys.path
+import fault_hooks
 from pretraining_records import logged_losses, write_records
 from xla_flags import FAST_COMPILE
 
@@ -66,21 +67,6 @@ if _step:
         return _real(self, directory, *args, **kwargs)
 
     ocp.StandardCheckpointHandler.restore = _restore
-
-# The bucket stops answering (the emulator SIGSTOPped) as this worker starts saving step
-# $FAULT_FREEZE_AT_SAVE.
-_freeze = os.environ.get("FAULT_FREEZE_AT_SAVE")
-if _freeze:
-    import signal
-    import orbax.checkpoint as ocp
-    _save = ocp.CheckpointManager.save
-
-    def _frozen_save(self, step, *args, **kwargs):
-        if step == int(_freeze):
-            os.kill(int(os.environ["BERT_JAX_TEST_EMULATOR_PID"]), signal.SIGSTOP)
-        return _save(self, step, *args, **kwargs)
-
-    ocp.CheckpointManager.save = _frozen_save
 """
 
 
@@ -98,7 +84,7 @@ def pod(gcs_server, tmp_path):
     python.chmod(0o755)
     faults = tmp_path / "faults"
     faults.mkdir()
-    (faults / "sitecustomize.py").write_text(FAULT)
+    (faults / "sitecustomize.py").write_text(FAULT + fault_hooks.FREEZE_AT_SAVE)
     workers = [tmp_path / f"worker{i}" for i in range(2)]
     env = dict(os.environ, **fake, PATH=f"{fake['BIN']}:{os.environ['PATH']}", PYTHON=str(python),
                JAX_NUM_CPU_DEVICES="2", XLA_FLAGS=FAST_COMPILE,
