@@ -21,7 +21,8 @@ Google's code uses since 2019; cuBLASLt has a GEMM epilogue for it, which XLA di
 2026-11-27), `fp8`
 (`BertConfig.fp8`), `fp8_gelu_tanh` (both), `fused` (`BertConfig.fused_ops`: the Pallas
 dropout + residual + LayerNorm kernels), `fused_gelu_tanh`, `fused_ffn` and `fused_ffn_gelu_tanh`
-(those with `BertConfig.fused_ffn`'s GEMM + bias + GELU kernels as well). A variant may add XLA options for its
+(those with `BertConfig.fused_ffn`'s GEMM + bias + GELU kernels as well), `gelu_tanh_separate_qkv` and
+`fused_gelu_tanh_separate_qkv` (`BertConfig.separate_qkv`: Q, K and V as three matmuls). A variant may add XLA options for its
 own program after `+`, e.g. `fused_gelu_tanh+xla_gpu_enable_triton_gemm=false` (cuBLAS for every
 GEMM, the biases in their epilogues); several `+`s may follow one another (benchmarks/RESULTS.md,
 "One H100, 2026-11-27": neither that nor `xla_gpu_enable_cublaslt` changed the step).
@@ -63,6 +64,9 @@ VARIANTS = {
     # + the FFN's GEMM + bias + GELU kernels (`BertConfig.fused_ffn`, bert_jax/fused_ffn.py)
     "fused_ffn": {"fused_ops": True, "fused_ffn": True},
     "fused_ffn_gelu_tanh": {"fused_ops": True, "fused_ffn": True, "hidden_act": "gelu_tanh"},
+    # Q, K and V as three matmuls (`BertConfig.separate_qkv`: no stacked kernel, no slices)
+    "gelu_tanh_separate_qkv": {"hidden_act": "gelu_tanh", "separate_qkv": True},
+    "fused_gelu_tanh_separate_qkv": {"fused_ops": True, "hidden_act": "gelu_tanh", "separate_qkv": True},
 }
 
 

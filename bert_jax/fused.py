@@ -19,8 +19,10 @@ On GPUs the kernels lower through Triton (named: a bare `pallas_call` would go t
 elsewhere they run in Pallas' interpreter (correct, slow: for tests). On an H200 they run at
 ~3.3 TB/s inside BERT-Large's step and make it 1.064x faster (benchmarks/RESULTS.md, 2026-11-26);
 with the attention and FFN output biases folded in, 1.070x (1.086x pipelined, 2026-11-28).
-The hidden size must be a power of two (Triton's block shapes): 128, 256, 512, 1024 (BERT-Tiny,
--Mini, -Small, -Large); BERT-Base's 768 falls back to the unfused path. The kernels are meant for
+Triton loads and stores power-of-two blocks only, so the kernels read and write each row in
+power-of-two column pieces (`pieces`): one for 128, 256, 512, 1024 (BERT-Tiny, -Mini, -Small,
+-Large), two for BERT-Base's 768 (512 + 256) and MiniLM's 384; hidden sizes that are not a multiple of
+16 or need more than `MAX_PIECES` pieces fall back to the unfused path. The kernels are meant for
 one GPU: XLA cannot split a Triton call over a mesh, so on several devices it gathers the operands
 to every device first (correct, not fast; running the kernel under `shard_map` over the batch axes
 is not built yet).
@@ -50,9 +52,24 @@ INTERPRET_FORWARD = {"block_rows": 256, "num_warps": 4}
 INTERPRET_BACKWARD = {"block_rows": 256, "chunk_rows": 256, "num_warps": 4}
 
 
+def pieces(hidden: int) -> tuple[tuple[int, int], ...]:
+    """The hidden axis as power-of-two column pieces, `(offset, width)`, widest first: Triton loads
+    and stores power-of-two blocks only, so a row of 768 is read as 512 + 256 columns."""
+    out, offset = [], 0
+    for bit in reversed(range(hidden.bit_length())):
+        if hidden & (1 << bit):
+            out.append((offset, 1 << bit))
+            offset += 1 << bit
+    return tuple(out)
+
+
+MAX_PIECES = 3
+
+
 def supported(hidden: int) -> bool:
-    """Whether the fused kernels take this hidden size (a power of two; see the module doc)."""
-    return hidden >= 16 and hidden & (hidden - 1) == 0
+    """Whether the fused kernels take this hidden size: a multiple of 16 made of at most
+    `MAX_PIECES` powers of two (768 = 512 + 256, 384 = 256 + 128, 1024; see the module doc)."""
+    return hidden >= 16 and hidden % 16 == 0 and len(pieces(hidden)) <= MAX_PIECES
 
 
 def _block_rows(rows: int, most: int) -> int:
@@ -96,61 +113,85 @@ def _sum_input(h, x, keep, keep_prob: float, h_bias=None):
     return (h + x).astype(jnp.float32)
 
 
-def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: bool, with_h_bias: bool):
-    # Inputs h, x, [keep], scale, bias, [h_bias]; outputs y, mean, rstd.
+def _columns(hidden: int) -> list:
+    return [pl.ds(offset, width) for offset, width in pieces(hidden)]
+
+
+def _row_sum(parts) -> Array:
+    """The sum over the hidden axis of a row split into column pieces, `[rows]` float32."""
+    return functools.reduce(jnp.add, [jnp.sum(p, axis=1) for p in parts])
+
+
+def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: bool, with_h_bias: bool, hidden: int):
+    # Inputs h, x, [keep], scale, bias, [h_bias]; outputs y, mean, rstd. Every row is read and
+    # written in power-of-two column pieces (`pieces`): one piece when the hidden size is one.
     refs = list(refs)
     h_ref, x_ref = refs.pop(0), refs.pop(0)
-    keep = refs.pop(0)[...] if dropout else None
+    keep_ref = refs.pop(0) if dropout else None
     scale_ref, bias_ref = refs.pop(0), refs.pop(0)
-    h_bias = refs.pop(0)[...] if with_h_bias else None
+    h_bias_ref = refs.pop(0) if with_h_bias else None
     y_ref, mean_ref, rstd_ref = refs
-    s = _sum_input(h_ref[...], x_ref[...], keep, keep_prob, h_bias)  # [rows, hidden] float32
-    mean = jnp.mean(s, axis=1)
-    centered = s - mean[:, None]
-    rstd = jax.lax.rsqrt(jnp.mean(centered * centered, axis=1) + eps)
-    y = centered * rstd[:, None] * scale_ref[...][None, :] + bias_ref[...][None, :]
-    y_ref[...] = y.astype(y_ref.dtype)
+    cols = _columns(hidden)
+    s = [_sum_input(h_ref[:, c], x_ref[:, c], None if keep_ref is None else keep_ref[:, c], keep_prob,
+                    None if h_bias_ref is None else h_bias_ref[c]) for c in cols]  # [rows, width] float32
+    mean = _row_sum(s) / np.float32(hidden)
+    centered = [p - mean[:, None] for p in s]
+    rstd = jax.lax.rsqrt(_row_sum([p * p for p in centered]) / np.float32(hidden) + eps)
+    for c, p in zip(cols, centered):
+        y = p * rstd[:, None] * scale_ref[c][None, :] + bias_ref[c][None, :]
+        y_ref[:, c] = y.astype(y_ref.dtype)
     mean_ref[...] = mean
     rstd_ref[...] = rstd
 
 
-def _backward_kernel(*refs, keep_prob: float, dropout: bool, with_h_bias: bool, chunk: int, chunks: int):
+def _backward_kernel(*refs, keep_prob: float, dropout: bool, with_h_bias: bool, chunk: int, chunks: int,
+                     hidden: int):
     # Inputs h, x, [keep], scale, [h_bias], mean, rstd, dy; outputs dh, dx, dscale, dbias, [dh_bias].
     refs = list(refs)
     h_ref, x_ref = refs.pop(0), refs.pop(0)
     keep_ref = refs.pop(0) if dropout else None
     scale_ref = refs.pop(0)
-    h_bias = refs.pop(0)[...] if with_h_bias else None
+    h_bias_ref = refs.pop(0) if with_h_bias else None
     mean_ref, rstd_ref, dy_ref, dh_ref, dx_ref, dscale_ref, dbias_ref = refs[:7]
     dh_bias_ref = refs[7] if with_h_bias else None
-    scale = scale_ref[...][None, :]
+    cols = _columns(hidden)
+    scale = [scale_ref[c][None, :] for c in cols]
+    h_bias = [None if h_bias_ref is None else h_bias_ref[c] for c in cols]
+    n = np.float32(hidden)
 
     def rows(i, carry):
         r = pl.ds(i * chunk, chunk)
-        keep = None if keep_ref is None else keep_ref[r, :]
-        s = _sum_input(h_ref[r, :], x_ref[r, :], keep, keep_prob, h_bias)
+        keep = [None if keep_ref is None else keep_ref[r, c] for c in cols]
         rstd = rstd_ref[r][:, None]
-        x_hat = (s - mean_ref[r][:, None]) * rstd
-        dy = dy_ref[r, :].astype(jnp.float32)
-        g = dy * scale
-        ds = rstd * (g - jnp.mean(g, axis=1)[:, None] - x_hat * jnp.mean(g * x_hat, axis=1)[:, None])
-        ds = ds.astype(dx_ref.dtype)  # the gradient of the sum, in the compute dtype as autodiff has it
-        dx_ref[r, :] = ds
-        dh = ds if keep is None else jnp.where(keep != 0, _scale_up(ds, keep_prob), jnp.zeros_like(ds))
-        dh_ref[r, :] = dh
-        sums = carry[0] + jnp.sum(dy * x_hat, axis=0), carry[1] + jnp.sum(dy, axis=0)
-        if with_h_bias:  # the gradient of h + h_bias is dh's (in the compute dtype), summed in float32
-            sums += (carry[2] + jnp.sum(dh.astype(jnp.float32), axis=0),)
-        return sums
+        mean = mean_ref[r][:, None]
+        x_hat = [(_sum_input(h_ref[r, c], x_ref[r, c], k, keep_prob, hb) - mean) * rstd
+                 for c, k, hb in zip(cols, keep, h_bias)]
+        dy = [dy_ref[r, c].astype(jnp.float32) for c in cols]
+        g = [d * sc for d, sc in zip(dy, scale)]
+        mean_g = (_row_sum(g) / n)[:, None]
+        mean_gx = (_row_sum([a * b for a, b in zip(g, x_hat)]) / n)[:, None]
+        sums = []
+        for j, c in enumerate(cols):
+            ds = rstd * (g[j] - mean_g - x_hat[j] * mean_gx)
+            ds = ds.astype(dx_ref.dtype)  # the gradient of the sum, in the compute dtype as autodiff has it
+            dx_ref[r, c] = ds
+            dh = ds if keep[j] is None else jnp.where(keep[j] != 0, _scale_up(ds, keep_prob), jnp.zeros_like(ds))
+            dh_ref[r, c] = dh
+            part = carry[j]
+            part = (part[0] + jnp.sum(dy[j] * x_hat[j], axis=0), part[1] + jnp.sum(dy[j], axis=0))
+            if with_h_bias:  # the gradient of h + h_bias is dh's (in the compute dtype), summed in float32
+                part += (carry[j][2] + jnp.sum(dh.astype(jnp.float32), axis=0),)
+            sums.append(part)
+        return tuple(sums)
 
-    zero = jnp.zeros(scale_ref.shape, jnp.float32)
-    zeros = (zero,) * (3 if with_h_bias else 2)
+    zeros = tuple((jnp.zeros((width,), jnp.float32),) * (3 if with_h_bias else 2) for _, width in pieces(hidden))
     if chunks == 1:  # the whole block at once (the interpreter's launch): no loop to run
         partials = rows(0, zeros)
     else:
         partials = jax.lax.fori_loop(0, chunks, rows, zeros)
-    for ref, partial in zip((dscale_ref, dbias_ref, dh_bias_ref), partials):
-        ref[...] = partial[None, :]
+    for c, piece in zip(cols, partials):
+        for ref, partial in zip((dscale_ref, dbias_ref, dh_bias_ref), piece):
+            ref[:, c] = partial[None, :]
 
 
 def _specs(rows_block: int, hidden: int):
@@ -170,7 +211,7 @@ def _forward(h, x, keep, scale, bias, h_bias, keep_prob, eps):
     in_specs = [row, row] + ([row] if dropout else []) + [vec, vec] + ([vec] if with_h_bias else [])
     return pl.pallas_call(
         functools.partial(_forward_kernel, keep_prob=keep_prob, eps=eps, dropout=dropout,
-                          with_h_bias=with_h_bias),
+                          with_h_bias=with_h_bias, hidden=hidden),
         grid=(rows // block,), in_specs=in_specs, out_specs=[row, stat, stat],
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype),
                    jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)],
@@ -193,7 +234,7 @@ def _backward(h, x, keep, scale, h_bias, mean, rstd, dy, keep_prob):
     parts = 3 if with_h_bias else 2  # [blocks, hidden] partial sums: dscale, dbias[, dh_bias]
     dh, dx, *partials = pl.pallas_call(
         functools.partial(_backward_kernel, keep_prob=keep_prob, dropout=dropout, with_h_bias=with_h_bias,
-                          chunk=chunk, chunks=block // chunk),
+                          chunk=chunk, chunks=block // chunk, hidden=hidden),
         grid=(blocks,), in_specs=in_specs, out_specs=[row, row] + [part] * parts,
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype), jax.ShapeDtypeStruct((rows, hidden), x.dtype)]
         + [jax.ShapeDtypeStruct((blocks, hidden), jnp.float32)] * parts,

@@ -77,7 +77,7 @@ class BertConfig:
     fp8: bool = False
     # Dropout + residual add + LayerNorm at the end of each sub-layer as one Pallas kernel each way
     # (`bert_jax.fused`; Triton on GPUs). The same parameters, masks and arithmetic; where the
-    # kernels do not apply (hidden size not a power of two, several devices) the layer is unfused.
+    # kernels do not apply (a hidden size `fused.supported` refuses, several devices) the layer is unfused.
     fused_ops: bool = False
     # The feed-forward block's first GEMM with its bias and GELU in the GEMM's epilogue, and in the
     # backward the GELU's derivative and the bias gradient in the epilogue of the GEMM that produces
@@ -89,6 +89,10 @@ class BertConfig:
     # the rest of the model in float32 (`bert_jax.mixed_precision`): the form XLA's CPU backend runs
     # fast on CPUs with bf16 units (avx512_bf16, amx_bf16). Needs dtype="float32"; not with fp8.
     mixed_matmuls: bool = False
+    # Q, K and V as three matmuls, each into its own [batch, length, heads, head_dim] array with its
+    # bias, instead of one matmul against the three kernels stacked and three strided slices of
+    # its output (and, backward, their gradients stacked again). The same parameters and values.
+    separate_qkv: bool = False
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -115,7 +119,7 @@ class BertConfig:
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"BertConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        for name in ("fp8", "fused_ops", "fused_ffn", "mixed_matmuls"):
+        for name in ("fp8", "fused_ops", "fused_ffn", "mixed_matmuls", "separate_qkv"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"BertConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.mixed_matmuls and (self.dtype != "float32" or self.fp8):

@@ -268,7 +268,10 @@ class SelfAttention(nn.Module):
         einsum = mixed_precision.einsum if cfg.mixed_matmuls else jnp.einsum
         # FP8 (see Dense): the query and the key/value projections always as two matmuls, so that
         # the layer has the same scaling state whether or not it runs at a few query positions.
-        if query_positions is None and not cfg.fp8:
+        if query_positions is None and not cfg.fp8 and cfg.separate_qkv:
+            # Each: [batch, length, heads, head_dim], written where attention reads it.
+            q, k, v = (einsum("blh,hnd->blnd", xc, kern) + b for kern, b in zip(kernels, biases))
+        elif query_positions is None and not cfg.fp8:
             kernel = jnp.stack(kernels, axis=1)  # [hidden, 3, heads, head_dim]
             # [batch, length, 3, heads, head_dim]
             qkv = einsum("blh,hsnd->blsnd", xc, kernel) + jnp.stack(biases)

@@ -69,7 +69,7 @@ PEAK_FLOPS = {
 # BertConfig is in exactly one group (tests/test_pretrain_config.py).
 # How this run computes; no checkpoint decides it (Google's and HF's configs do not name it):
 RUN_KEYS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl", "vocab_pad_multiple",
-            "sparse_last_layer", "fp8", "fused_ops", "fused_ffn", "mixed_matmuls")
+            "sparse_last_layer", "fp8", "fused_ops", "fused_ffn", "mixed_matmuls", "separate_qkv")
 # The checkpoint's value, unless `--config.model.<key>` is given (then that):
 SETTING_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "causal_attention", "initializer_range")
 # What the checkpoint's weights are: its value; a different one given is refused:

@@ -37,21 +37,23 @@ def _unfused(cfg, keep, keep_prob, h, x, scale, bias, h_bias=None):
 def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypatch, dtype, tol, with_dropout,
                                                                        launch, with_h_bias):
     # The GPU's launch shapes (8-row blocks, the backward a row at a time), and blocks the backward
-    # walks in two steps: the interpreter runs the kernels as a GPU would launch them.
+    # walks in two steps: the interpreter runs the kernels as a GPU would launch them. The chunked
+    # launch at a hidden size of 112 = 64 + 32 + 16: rows read and written in three column pieces.
     shapes = {"gpu": (fused.FORWARD, fused.BACKWARD),
               "chunked": ({"block_rows": 16, "num_warps": 4}, {"block_rows": 32, "chunk_rows": 4, "num_warps": 4})}
     monkeypatch.setattr(fused, "INTERPRET_FORWARD", shapes[launch][0])
     monkeypatch.setattr(fused, "INTERPRET_BACKWARD", shapes[launch][1])
-    cfg = modeling.BertConfig(hidden_size=128, num_attention_heads=4, dtype=dtype)
+    hidden = {"gpu": 128, "chunked": 112}[launch]
+    cfg = modeling.BertConfig(hidden_size=hidden, num_attention_heads=4, dtype=dtype)
     rng = np.random.default_rng(0)
-    shape = (3, 40, 128)  # 120 rows: blocks of 8 (halved from 16 or 32 until they divide)
+    shape = (3, 40, hidden)  # 120 rows: blocks of 8 (halved from 16 or 32 until they divide)
     h, x, dy = (jnp.asarray(rng.normal(0, 1, shape), cfg.compute_dtype) for _ in range(3))
-    scale = jnp.asarray(rng.normal(1, 0.1, (128,)), jnp.float32)
-    bias = jnp.asarray(rng.normal(0, 0.1, (128,)), jnp.float32)
+    scale = jnp.asarray(rng.normal(1, 0.1, (hidden,)), jnp.float32)
+    bias = jnp.asarray(rng.normal(0, 0.1, (hidden,)), jnp.float32)
     keep = dropout.keep_mask(jax.random.key(3), 0.9, shape) if with_dropout else None
     # The dense layer's bias before the dropout (float32, as its parameter is): large enough that
     # leaving it out, or adding it after the dropout, fails the comparison.
-    args = (h, x, scale, bias) + ((jnp.asarray(rng.normal(0, 0.5, (128,)), jnp.float32),) if with_h_bias else ())
+    args = (h, x, scale, bias) + ((jnp.asarray(rng.normal(0, 0.5, (hidden,)), jnp.float32),) if with_h_bias else ())
     ref = functools.partial(_unfused, cfg, keep, 0.9)
     fus = functools.partial(lambda h, x, s, b, hb=None: fused.dropout_add_layernorm(
         h, x, keep, s, b, keep_prob=0.9, eps=cfg.layer_norm_eps, h_bias=hb))
@@ -93,9 +95,11 @@ def test_the_fused_model_trains_like_the_unfused_one(dtype, logits_atol, loss_rt
                                      logits_atol=logits_atol, loss_rtol=loss_rtol, grad_tol=grad_tol)
 
 
-def test_hidden_sizes_that_are_not_powers_of_two_use_the_unfused_path():
-    assert fused.supported(1024) and fused.supported(128) and not fused.supported(768)
-    cfg = modeling.BertConfig(vocab_size=100, hidden_size=96, num_hidden_layers=1, num_attention_heads=4,
+def test_hidden_sizes_the_kernels_cannot_read_use_the_unfused_path():
+    assert fused.pieces(768) == ((0, 512), (512, 256)) and fused.pieces(1024) == ((0, 1024),)
+    assert all(fused.supported(h) for h in (1024, 768, 384, 128, 112))
+    assert not any(fused.supported(h) for h in (120, 8, 240))  # not a multiple of 16; four pieces
+    cfg = modeling.BertConfig(vocab_size=100, hidden_size=120, num_hidden_layers=1, num_attention_heads=4,
                               intermediate_size=128, fused_ops=True)
     batch = modeling.dummy_inputs(cfg, batch=1, length=8, predictions=2)
     params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"]
@@ -111,9 +115,11 @@ def test_hidden_sizes_that_are_not_powers_of_two_use_the_unfused_path():
 def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dropout, with_h_bias):
     """What a GPU would compile, lowered here: both passes become Triton calls. Since jax 0.10 a
     `pallas_call` with no compiler parameters lowers through Mosaic GPU (which rejects these
-    blocks), and Triton's lowering has no bfloat16 division (the dropout scaling)."""
+    blocks), and Triton's lowering has no bfloat16 division (the dropout scaling). In bfloat16 at
+    BERT-Base's hidden size, 768: rows in two column pieces (Triton loads power-of-two blocks)."""
     monkeypatch.setattr(fused, "_interpret", lambda: False)
-    shape, hidden = (4, 64, 1024), 1024
+    hidden = {"bfloat16": 768, "float32": 1024}[dtype]
+    shape = (4, 64, hidden)
 
     def grads(h, x, keep, scale, bias, h_bias):
         def loss(h, x, scale, bias, h_bias):

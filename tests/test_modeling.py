@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax import attention, dropout, modeling
+from bert_jax import attention, dropout, modeling, pretraining_heads
 from bert_jax.modeling import BertConfig, BertModel
 from bert_jax.pretraining_heads import BertForPreTraining
 
@@ -610,3 +610,24 @@ def test_sentence_heads_compute_the_last_layer_at_cls_only():
     token = lambda cfg: (lambda p: heads.BertForTask(cfg, "token", 3).apply({"params": p}, **inputs)["logits"])
     tparams = heads.BertForTask(config, "token", 3).init(jax.random.key(0), **inputs)["params"]
     assert _flops(token(config), tparams) == _flops(token(dense_config), tparams)
+
+
+def test_separate_qkv_matmuls_train_like_the_stacked_kernel():
+    """`separate_qkv`: Q, K and V from three matmuls equal the slices of one matmul against the
+    stacked kernels (float32: to rounding), logits, loss and every gradient, with dropout on; and
+    the program has no stacked Q/K/V kernel left, nor the slices of its output."""
+    import model_parity  # tests/ is on sys.path
+    cfg = modeling.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=128, sparse_last_layer=False)
+    other = cfg.replace(separate_qkv=True)
+    model_parity.assert_trains_alike(cfg, other, kernels=(), logits_atol=2e-6, loss_rtol=1e-6, grad_tol=1e-5)
+    batch = modeling.dummy_inputs(cfg, batch=1, length=8, predictions=2)
+    params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"]
+
+    def ops(c):
+        loss = lambda p: pretraining_heads.BertForPreTraining(c).apply({"params": p}, **batch).nsp_logits.sum()
+        text = str(jax.make_jaxpr(jax.grad(loss))(params))
+        return text.count(" stack["), text.count(" slice[")
+    (stacks, slices), (other_stacks, other_slices) = ops(cfg), ops(other)
+    layers = cfg.num_hidden_layers  # per layer: the kernels and the biases stacked, three slices
+    assert (other_stacks, other_slices) == (stacks - 2 * layers, slices - 3 * layers)
