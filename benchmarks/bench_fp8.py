@@ -367,18 +367,18 @@ def _sweep(args, h, x, keep, scale, bias, dy, keep_prob, eps, ref) -> dict:
     keep2 = keep.reshape(-1, hidden).astype(jnp.int8)
     saved = dict(fused.FORWARD), dict(fused.BACKWARD)
     rows = {"forward": [], "backward": []}
-    _, mean, rstd = fused._forward(h2, x2, keep2, scale, bias, keep_prob, eps)  # the residuals, once
+    _, mean, rstd = fused._forward(h2, x2, keep2, scale, bias, None, keep_prob, eps)  # the residuals, once
     for kind, shapes in (("forward", FORWARD_SHAPES), ("backward", BACKWARD_SHAPES)):
         for shape in shapes:
             if kind == "forward":
                 fused.FORWARD = dict(block_rows=shape[0], num_warps=shape[1])
-                fn = jax.jit(lambda h, x, k, s, b: fused._forward(h, x, k, s, b, keep_prob, eps)[0])
+                fn = jax.jit(lambda h, x, k, s, b: fused._forward(h, x, k, s, b, None, keep_prob, eps)[0])
                 f = functools.partial(fn, h2, x2, keep2, scale, bias)  # arguments, not constants
                 want = ref[0].reshape(-1, hidden)
             else:
                 fused.BACKWARD = dict(block_rows=shape[0], chunk_rows=shape[1], num_warps=shape[2])
                 fn = jax.jit(lambda *a: fused._backward(*a, keep_prob)[0])
-                f = functools.partial(fn, h2, x2, keep2, scale, mean, rstd, dy2)
+                f = functools.partial(fn, h2, x2, keep2, scale, None, mean, rstd, dy2)
                 want = ref[1].reshape(-1, hidden)
             config = dict(fused.FORWARD if kind == "forward" else fused.BACKWARD)
             try:

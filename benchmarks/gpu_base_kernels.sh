@@ -12,8 +12,10 @@
 #   then, alone: HF's BERT-Large (its step allocates 49 GiB at once).
 # Every phase runs under the time left (a phase that would not fit is skipped and says so).
 #   bash benchmarks/gpu_base_kernels.sh OUT_DIR [BUDGET_S]      (the device tool: OUT_DIR=$OUT)
+# The second call (`... OUT_DIR BUDGET_S again`): BERT-Base's launch-shape sweep (it failed in the
+# first call) and its step with the kernels at the swept shapes, beside HF's BERT-Large.
 set -u
-OUT_DIR=${1:?an output folder}; BUDGET=${2:-480}
+OUT_DIR=${1:?an output folder}; BUDGET=${2:-480}; MODE=${3:-first}
 source "$(dirname "$0")/gpu_phases.sh"  # the wheels, the environment, `phase`
 LOCK=/tmp/gpu.lock
 cat >/tmp/locked.py <<'PY'
@@ -48,11 +50,26 @@ lane_b() {
     --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --hf_gpu_lock=$LOCK --host_memory=false
 }
 
+again_a() {
+  local log=$OUT_DIR/lane_a.log
+  phase "$log" base_kernel 40 0.2 python3 benchmarks/bench_fp8.py --config=configs/base.py $COMMON --kernel \
+    --kernel_sweep=/tmp/base_blocks.json --gpu_lock=$LOCK --out_json="$OUT_DIR/base_kernel.json"
+  phase "$log" base 80 0.3 python3 benchmarks/bench_fp8.py --config=configs/base.py $COMMON $STEPS \
+    --variants=gelu_tanh,fused_gelu_tanh --fused_blocks_from=/tmp/base_blocks.json --fused_blocks_wait=5 \
+    --out_json="$OUT_DIR/base.json"
+}
+
+if [ "$MODE" = again ]; then
+  again_a & phase "$OUT_DIR/lane_b.log" hf_large 110 0.5 python3 benchmarks/bench_step.py --config=configs/large.py \
+    $COMMON --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --hf_gpu_lock=$LOCK --host_memory=false &
+  wait
+else
 lane_a & lane_b & wait
 phase "$OUT_DIR/lane_b.log" hf_large 110 0.9 python3 benchmarks/bench_step.py --config=configs/large.py $COMMON \
   --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --host_memory=false
+fi
 echo "all lanes done at +$(( $(date +%s) - T )) s"
 for f in "$OUT_DIR"/lane_*.log; do
   echo "#### $(basename "$f")"
-  grep -E "^==|seq/s|sweep: fastest|fused .* ms|passed|failed|Error|hf_step_s|speedup" "$f" | cut -c1-400 | tail -40
+  grep -E "^==|seq/s|sweep: fastest|^kernel|passed|failed|Error|hf_step_s|speedup" "$f" | cut -c1-400 | tail -40
 done
