@@ -92,6 +92,8 @@ class BertConfig:
     # Q, K and V as three matmuls, each into its own [batch, length, heads, head_dim] array with its
     # bias, instead of one matmul against the three kernels stacked and three strided slices of
     # its output (and, backward, their gradients stacked again). The same parameters and values.
+    # 0.99x the step on an H200 (benchmarks/RESULTS.md, 2026-11-28): XLA's dot merger joins the
+    # three matmuls again; off unless measured to pay.
     separate_qkv: bool = False
 
     def __post_init__(self):
