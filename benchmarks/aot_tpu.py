@@ -127,16 +127,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_configs(args: argparse.Namespace):
     """`(ConfigDict, BertConfig)` of `--config` with the command line's model options applied."""
-    import importlib.util
+    from bert_jax.config_overrides import load_config as load_config_file
     from bert_jax.modeling import BertConfig
     try:
         import libtpu  # noqa: F401
     except ImportError:
         raise SystemExit("libtpu is not installed: pip install 'libtpu==0.0.42.*' (no TPU needed)") from None
-    spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, args.config))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = load_config_file(args.config, module_name="cfg")  # a file, or a config's name from any folder
     config.model.dtype = args.dtype
     config.model.scan_layers = not args.no_scan
     config.model.remat_policy = args.remat

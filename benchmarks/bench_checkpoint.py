@@ -29,7 +29,6 @@ bucket, so the figures compare local disk with an object store's round trips on 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -49,10 +48,9 @@ from data_pipeline import storage  # noqa: E402
 
 
 def _load_config(path):
-    spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    """`--config`: a file, or a config's name (`base`, `configs/base.py`) from any folder."""
+    from bert_jax.config_overrides import load_config as load_config_file
+    return load_config_file(path, module_name="bench_config")
 
 
 def _state(config):

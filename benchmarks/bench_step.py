@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import os
 import platform
@@ -62,11 +61,9 @@ def log(message: str) -> None:
 
 
 def load_config(path: str):
-    spec = importlib.util.spec_from_file_location("bench_config", os.path.join(ROOT, path)
-                                                  if not os.path.isabs(path) else path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    """`--config`: a file, or a config's name (`base`, `configs/base.py`) from any folder."""
+    from bert_jax.config_overrides import load_config as load_config_file
+    return load_config_file(path, module_name="bench_config")
 
 
 def parse_args(argv=None):

@@ -1,12 +1,71 @@
 """Command-line config overrides checked against the config file before any work: an unknown
 `--config.key` is named with the nearest valid keys (ml_collections raises a bare AttributeError
-from inside flag parsing, as a traceback)."""
+from inside flag parsing, as a traceback). And the one place a `--config` value becomes a file:
+`--config=configs/base.py` or `--config=base` from any folder (`resolve_config`)."""
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
+import os
+import pkgutil
 from typing import Optional, Sequence
+
+
+def known_configs() -> list[str]:
+    """The names of the installed `configs` package's modules (`base`, `glue`, ...); [] without it."""
+    try:
+        import configs
+    except ImportError:
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(configs.__path__) if not m.name.startswith("_"))
+
+
+def resolve_config(value: str, flag: str = "--config") -> str:
+    """The config file a `--config` value names, with its `:kind` suffix kept (`own_data.py:tagging`).
+
+    An existing file is used as is. Otherwise `configs/<name>.py`, `<name>.py` or `<name>`, where
+    `<name>` is a module of the installed `configs` package, is that module's file, found by
+    importlib (not in the current folder): the README's commands run from any folder and after a
+    non-editable install. Anything else raises ValueError naming the flag, the value and the
+    known config names.
+    """
+    path, colon, kind = value.partition(":")  # as ml_collections splits it
+    if path and os.path.isfile(path):
+        return value
+    name = os.path.normpath(path).replace(os.sep, "/") if path else ""
+    name = name[len("configs/"):] if name.startswith("configs/") else name
+    name = name[:-len(".py")] if name.endswith(".py") else name
+    names = known_configs()
+    if name in names:
+        spec = importlib.util.find_spec(f"configs.{name}")
+        if spec is not None and spec.origin and os.path.isfile(spec.origin):
+            return spec.origin + colon + kind
+    known = ", ".join(names) if names else "none (the configs package is not installed)"
+    raise ValueError(f"{flag}={value}: no such file, and {name or path!r} is not a config of the installed "
+                     f"configs package; known configs: {known}")
+
+
+def resolve_config_argv(argv: Sequence[str], flag: str = "config") -> list[str]:
+    """`argv` with the value of its `--config=VALUE` (or `--config VALUE`) resolved (`resolve_config`)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg.startswith(f"--{flag}="):
+            out[i] = f"--{flag}=" + resolve_config(arg.split("=", 1)[1], f"--{flag}")
+        elif arg == f"--{flag}" and i + 1 < len(out):
+            out[i + 1] = resolve_config(out[i + 1], f"--{flag}")
+    return out
+
+
+def load_config(value: str, flag: str = "--config", module_name: str = "_bert_jax_config"):
+    """The ConfigDict of a `--config` value (`resolve_config`): its file's `get_config()`, given the
+    `:kind` suffix where there is one, as ml_collections calls it. For tools outside absl's flags
+    (`bert_jax.plan`, the benchmarks)."""
+    file_path, _, kind = resolve_config(value, flag).partition(":")
+    spec = importlib.util.spec_from_file_location(module_name, file_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(kind) if kind else module.get_config()
 
 
 def _config_path(argv: Sequence[str]) -> Optional[str]:
@@ -50,15 +109,10 @@ def unknown_overrides(argv: Sequence[str]) -> list[str]:
     path = _config_path(argv)
     if not path:
         return []
-    file_path, _, arg = path.partition(":")
-    spec = importlib.util.spec_from_file_location("_bert_jax_config_for_check", file_path)
-    if spec is None or spec.loader is None:
-        return []
-    module = importlib.util.module_from_spec(spec)
+    file_path = path.partition(":")[0]
     try:
-        spec.loader.exec_module(module)
-        config = module.get_config(arg) if arg else module.get_config()
-    except Exception:  # noqa: BLE001 - the real parse reports a broken config file itself
+        config = load_config(path, module_name="_bert_jax_config_for_check")
+    except Exception:  # noqa: BLE001 - the real parse reports a missing or broken config file itself
         return []
     valid = _flat_keys(config)
     messages = []

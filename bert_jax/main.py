@@ -1,5 +1,9 @@
 """Entry point: `python -m bert_jax.main --config=configs/<name>.py --workdir=DIR [--config.x=y]`.
 
+`--config` is a config file or, from any folder, the name of a module of the installed `configs`
+package (`--config=base`, `--config=configs/base.py`, `--config=own_data:tagging`): see
+`config_overrides.resolve_config`.
+
 Thin on purpose: flags, multi-host initialization, dispatch on `config.mode`. The config file is
 executed as Python (ml_collections); `--config.key=value` overrides are parsed safely.
 """
@@ -9,7 +13,8 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (Python, get_config()).")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file (Python, get_config()), or a config's name (base, glue, ...; see configs/).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs and results go here.")
 _MULTIHOST = flags.DEFINE_enum(
     "multihost", "auto", ["auto", "true", "false"],
@@ -95,12 +100,16 @@ def main(argv):
 
 
 def parse_flags(argv):
-    from bert_jax.config_overrides import record_command_line, unknown_overrides
+    from bert_jax.config_overrides import record_command_line, resolve_config_argv, unknown_overrides
+    try:  # `--config=configs/base.py` or `--config=base` from any folder: the installed package's file
+        resolved = resolve_config_argv(argv)
+    except ValueError as e:
+        raise SystemExit(f"FATAL: {e}") from None
     record_command_line(argv)
     unknown = unknown_overrides(argv)
     if unknown:  # before ml_collections' traceback, naming the nearest valid keys
         raise SystemExit("FATAL: unknown config key\n" + "\n".join(unknown))
-    return app.parse_flags_with_usage(argv)
+    return app.parse_flags_with_usage(resolved)
 
 
 if __name__ == "__main__":

@@ -55,14 +55,10 @@ PLANNER_KEYS = {"config.model.dtype": "--dtype", "config.model.scan_layers": "(a
 def load_config(path: str, seq_len: int, dtype: str, overrides=()):
     """`(ConfigDict, BertConfig)` of a config file (the one `bert_jax.main` would train), with
     `--config.key=value` overrides (e.g. `--config.model.attention_impl=dot_product`)."""
-    import importlib.util
-    from bert_jax.config_overrides import apply_overrides
+    from bert_jax.config_overrides import apply_overrides, load_config as load_config_file
     from bert_jax.modeling import BertConfig
 
-    spec = importlib.util.spec_from_file_location("plan_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = load_config_file(path, module_name="plan_config")
     apply_overrides(config, overrides, path)
     config.model.dtype = dtype
     # The real program with scanned layers, as the docs say: compile memory and time flat in
@@ -298,9 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(str(e))
     if storage.is_remote(args.config):  # imported as a Python module: a local file
         p.error(f"--config={args.config}: a config is a local Python file (copy it here first)")
-    if not storage.exists(args.config):
-        p.error(f"--config: no such file {args.config}")
-    try:
+    try:  # a file, or a config's name (`--config=large`) from any folder: config_overrides.resolve_config
         load_config(args.config, args.seq_lens[0] if args.seq_lens else 128, args.dtype, args.overrides)
     except ValueError as e:
         p.error(str(e))
