@@ -334,7 +334,7 @@ def test_logical_axis_names_on_every_parameter():
     assert ("vocab", "embed") in names
 
 
-def test_bfloat16_compute_keeps_float32_params_logits_and_layernorm():
+def test_bfloat16_compute_keeps_float32_params_logits_layernorm_and_softmax():
     config = tiny_config(dtype="bfloat16")
     params = random_params(config)
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
@@ -358,6 +358,25 @@ def test_bfloat16_compute_keeps_float32_params_logits_and_layernorm():
     y32 = modeling.LayerNorm(tiny_config()).apply({"params": ln}, x.astype(jnp.float32))
     assert y.dtype == jnp.bfloat16 and np.abs(y32).max() > 1
     np.testing.assert_allclose(np.asarray(y, np.float32), y32, rtol=2 ** -7, atol=1e-6)
+    # The attention softmax in float32, alone: bf16 queries, keys and values (as the bf16 model
+    # passes them) and one-hot values (value j of each head is unit vector j), so that the output
+    # is the probabilities, each the float32 one rounded once to bf16: at most half an ulp (2**-8
+    # relative; the matmul adds one exact term; measured 0.0038). The logits reach 20, where a bf16
+    # logit is off by up to 0.06, 6% of its probability: a softmax computed in bf16 (with a finite
+    # mask fill, so no NaN) is off by 0.14 here. The bound is one ulp. Key 6 of row 1 is padding.
+    rng = np.random.RandomState(1)
+    q, k = (jnp.asarray(rng.normal(0, 2.5, (2, 8, 2, 8)), jnp.bfloat16) for _ in range(2))
+    v = jnp.broadcast_to(jnp.eye(8, dtype=jnp.bfloat16)[None, :, None, :], (2, 8, 2, 8))
+    mask = np.ones((2, 1, 1, 8), bool)
+    mask[1, ..., 6] = False
+    probs = attention.attention(q, k, v, jnp.asarray(mask), impl="einsum")  # [batch, query, heads, key]
+    logits = np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64), np.asarray(k, np.float64)) / np.sqrt(8)
+    assert np.abs(logits).max() > 20
+    logits = np.where(mask, logits, -np.inf)
+    want = np.exp(logits - logits.max(-1, keepdims=True))
+    want = (want / want.sum(-1, keepdims=True)).transpose(0, 2, 1, 3)
+    assert probs.dtype == jnp.bfloat16 and np.all(np.asarray(probs)[1, :, :, 6] == 0)
+    np.testing.assert_allclose(np.asarray(probs, np.float64), want, rtol=2 ** -7, atol=1e-30)
 
 
 def test_padding_masks_keys_and_all_padding_rows_are_finite():

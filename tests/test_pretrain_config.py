@@ -25,7 +25,8 @@ OTHER = {"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4, "num_atte
          "layer_norm_eps": 1e-5, "hidden_dropout_prob": 0.3, "attention_probs_dropout_prob": 0.25,
          "causal_attention": True, "initializer_range": 0.01, "dtype": "bfloat16", "param_dtype": "bfloat16",
          "scan_layers": True, "remat_policy": "full", "attention_impl": "dot_product", "vocab_pad_multiple": 64,
-         "sparse_last_layer": False, "fp8": True, "fused_ops": True, "fused_ffn": True, "mixed_matmuls": True}
+         "sparse_last_layer": False, "fp8": True, "fused_ops": True, "fused_ffn": True, "mixed_matmuls": True,
+         "separate_qkv": True}
 
 
 @pytest.fixture
