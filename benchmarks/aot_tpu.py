@@ -128,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_configs(args: argparse.Namespace):
     """`(ConfigDict, BertConfig)` of `--config` with the command line's model options applied."""
     from bert_jax.config_overrides import load_config as load_config_file
-    from bert_jax.modeling import BertConfig
+    from bert_jax.model.modeling import BertConfig
     try:
         import libtpu  # noqa: F401
     except ImportError:

@@ -8,7 +8,7 @@ cannot fuse with anything; `keep_mask` computes the same hash unrolled. Two vari
 process with their rounds alternating so that both see the same machine load:
 
 - "jax.random.bernoulli": the masks as flax's `nn.Dropout` draws them (our model before);
-- "keep_mask": `bert_jax.dropout.keep_mask`, as the model draws them now.
+- "keep_mask": `bert_jax.model.dropout.keep_mask`, as the model draws them now.
 
 Without `--step`: every mask one training step of the config draws (the embeddings', two per
 layer on the hidden states, one per layer on the attention probabilities), from one key each, in
@@ -66,7 +66,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from bert_jax import dropout
+    from bert_jax.model import dropout
 
     config, bert_config, mesh, batch_np, _ = bench_step.setup(step_args)
     ours = dropout.keep_mask

@@ -61,7 +61,7 @@ VARIANTS = {
     "fused": {"fused_ops": True},
     "fused_gelu_tanh": {"fused_ops": True, "hidden_act": "gelu_tanh"},
     "fp8_fused_gelu_tanh": {"fp8": True, "fused_ops": True, "hidden_act": "gelu_tanh"},
-    # + the FFN's GEMM + bias + GELU kernels (`BertConfig.fused_ffn`, bert_jax/fused_ffn.py)
+    # + the FFN's GEMM + bias + GELU kernels (`BertConfig.fused_ffn`, bert_jax/model/fused_ffn.py)
     "fused_ffn": {"fused_ops": True, "fused_ffn": True},
     "fused_ffn_gelu_tanh": {"fused_ops": True, "fused_ffn": True, "hidden_act": "gelu_tanh"},
     # Q, K and V as three matmuls (`BertConfig.separate_qkv`: no stacked kernel, no slices)
@@ -313,7 +313,7 @@ def speed(args, step_args) -> dict:
 
 def _load_fused_ffn_blocks(path: str) -> dict:
     """Sets `fused_ffn.FORWARD`/`BACKWARD` from a `bench_fused_ffn.py --sweep` file, if there is one."""
-    from bert_jax import fused_ffn
+    from bert_jax.model import fused_ffn
 
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -325,7 +325,7 @@ def _load_fused_ffn_blocks(path: str) -> dict:
 
 def _load_fused_blocks(path: str, wait_s: float) -> dict:
     """Sets `fused.FORWARD`/`BACKWARD` from a --kernel_sweep file, once it exists."""
-    from bert_jax import fused
+    from bert_jax.model import fused
 
     t0 = time.perf_counter()
     while not os.path.exists(path) and time.perf_counter() - t0 < wait_s:
@@ -360,7 +360,7 @@ def _sweep(args, h, x, keep, scale, bias, dy, keep_prob, eps, ref) -> dict:
     whose error is at bf16 rounding's level wins."""
     import jax
     import jax.numpy as jnp
-    from bert_jax import fused
+    from bert_jax.model import fused
 
     hidden = h.shape[-1]
     h2, x2, dy2 = (a.reshape(-1, hidden) for a in (h, x, dy))
@@ -410,7 +410,7 @@ def kernel(args, step_args) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from bert_jax import dropout, fused, modeling
+    from bert_jax.model import dropout, fused, modeling
 
     config = bench_step.load_config(step_args.config)
     hidden = config.model.hidden_size

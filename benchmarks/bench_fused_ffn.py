@@ -1,4 +1,4 @@
-"""The FFN's GEMM + bias + GELU kernels (`bert_jax.fused_ffn`) against XLA's GEMMs and passes.
+"""The FFN's GEMM + bias + GELU kernels (`bert_jax.model.fused_ffn`) against XLA's GEMMs and passes.
 
     python benchmarks/bench_fused_ffn.py [--rows=32768 --hidden=1024 --intermediate=4096] \\
         [--activation=gelu_tanh] [--sweep=blocks.json] [--out_json=kernel.json]
@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bert_jax import fused_ffn  # noqa: E402
+from bert_jax.model import fused_ffn  # noqa: E402
 
 # (block_m, block_n, block_k, num_warps, num_stages)
 SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),

@@ -424,7 +424,7 @@ def setup(args):
     import jax
     import numpy as np
     from bert_jax import sharding
-    from bert_jax.modeling import BertConfig
+    from bert_jax.model.modeling import BertConfig
 
     config = load_config(args.config)
     jax.config.update("jax_default_prng_impl", args.prng)
@@ -501,7 +501,8 @@ def main(argv=None):
     if args.hf_only:
         return hf_alone(args)
     import jax
-    from bert_jax import modeling, pretrain, steps
+    from bert_jax import pretrain, steps
+    from bert_jax.model import modeling
 
     config, bert_config, mesh, batch_np, predictions = setup(args)
     if args.packing and (args.hf or args.hf_process):

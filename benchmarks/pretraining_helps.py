@@ -329,7 +329,8 @@ def stage_random_init(path: str, overrides: dict, vocab: str, seed: int = 0) -> 
     import jax
     import numpy as np
     from flax import linen as nn
-    from bert_jax import convert, modeling, pretrain, pretraining_heads
+    from bert_jax import convert, pretrain
+    from bert_jax.model import modeling, pretraining_heads
 
     cfg = pretrain.bert_config_from(pretrain_config(overrides))
     params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(seed), **modeling.dummy_inputs(cfg))["params"]

@@ -1,11 +1,41 @@
 """bert_jax: BERT (Devlin et al. 2018) in JAX/Flax, from one CPU to a TPU pod.
 
-The model (`bert_jax.modeling`) and the train step never import tensorflow; everything
+The model (`bert_jax.model.modeling`) and the train step never import tensorflow; everything
 that touches text, tokens, files and tf.data lives in the sibling `data_pipeline` package.
 Every file is read and written through `data_pipeline.storage` (local paths and gs://).
 """
+
+import sys as _sys
 
 # First: it points orbax's path library at the same gs:// client as ours (EPATH_USE_TF=false).
 from data_pipeline import storage as _storage  # noqa: F401
 
 __version__ = "0.1.0"
+
+# Modules that moved into folders (docs/architecture.md): importing an old path fails with a message
+# that names the new one (`bert_jax.modeling`, the public one, still imports: bert_jax/modeling.py).
+MOVED = {f"bert_jax.{name}": f"bert_jax.model.{name}" for name in (
+    "model_config", "attention", "dropout", "fused", "fused_ffn", "mixed_precision", "pretraining_heads")}
+
+
+class _MovedModules:
+    """A last import finder: an old module path, which no file holds any more, fails naming its new one."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        del path, target
+        if fullname in MOVED:
+            raise ModuleNotFoundError(f"No module named {fullname!r}: it moved to {MOVED[fullname]!r}",
+                                      name=fullname)
+        return None
+
+
+def __getattr__(name):
+    """`from bert_jax import fused` (an old module, as an attribute): the same message."""
+    if f"bert_jax.{name}" in MOVED:
+        _MovedModules.find_spec(f"bert_jax.{name}")
+    raise AttributeError(f"module 'bert_jax' has no attribute {name!r}")
+
+
+if not any(isinstance(f, _MovedModules) for f in _sys.meta_path):
+    _sys.meta_path.append(_MovedModules())

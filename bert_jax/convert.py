@@ -41,7 +41,7 @@ from bert_jax.formats.google import (  # noqa: F401
     to_google)
 from bert_jax.formats.hf import (  # noqa: F401
     _HF_WEIGHTS, _read_hf_config, flax_to_hf_names, from_hf, hf_config_dict, hf_name, load_hf, save_hf, to_hf)
-from bert_jax.modeling import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
+from bert_jax.model.modeling import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
 from data_pipeline import storage
 
 
@@ -211,7 +211,7 @@ def model_params(pretrained: Pretrained, config: Optional[BertConfig] = None, *,
     `BertForTask(config, p.task["head"], p.task["num_outputs"]).apply({"params": model_params(p, config)}, ...)`.
     """
     import jax
-    from bert_jax import modeling
+    from bert_jax.model import modeling
 
     config = config or pretrained.config
     params = {k: v for k, v in pretrained.params.items() if heads or k == "bert"}
@@ -295,7 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if n == 0:
             raise ValueError(f"{p.vocab_file} is empty: pass the model's vocab.txt with --vocab_file")
     save_pretrained(p, args.output, args.output_format, overwrite=args.overwrite)
-    from bert_jax.modeling import count_params
+    from bert_jax.model.modeling import count_params
     print(json.dumps({"input": args.input, "input_format": p.format, "output": args.output,
                       "output_format": args.output_format, "hidden_act": p.config.hidden_act,
                       "parameters": count_params(p.params),

@@ -150,7 +150,7 @@ class FeatureExtractor:
     def __init__(self, config, params: dict, layers: Sequence[int], combine_how: str = "none",
                  sentence_pooling: str = "none"):
         import jax
-        from bert_jax.modeling import BertModel
+        from bert_jax.model.modeling import BertModel
 
         self.config = config
         self.layers = list(layers)
@@ -268,7 +268,7 @@ def main(argv):
     del argv
     from absl import flags, logging
     from bert_jax import convert
-    from bert_jax.modeling import BertConfig
+    from bert_jax.model.modeling import BertConfig
     from data_pipeline import tokenization
 
     FLAGS = flags.FLAGS

@@ -21,7 +21,7 @@ def fill_mask(params: dict, bert_config, tokenizer, texts: Sequence[str], top_k:
     if top_k < 1:
         raise ValueError(f"top_k={top_k} must be at least 1")
     import jax
-    from bert_jax.pretraining_heads import BertForPreTraining
+    from bert_jax.model.pretraining_heads import BertForPreTraining
 
     model = BertForPreTraining(bert_config)
     import jax.numpy as jnp

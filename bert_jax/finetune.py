@@ -57,7 +57,7 @@ from jax.experimental import multihost_utils
 from bert_jax import checkpointing, finetune_batches, heads, optim, pretrain, sharding, steps, versions
 from bert_jax import workdir as workdir_files
 from bert_jax.formats.common import TASK_FILE
-from bert_jax.modeling import BertConfig
+from bert_jax.model.modeling import BertConfig
 from data_pipeline import storage
 from data_pipeline.tasks import packed
 

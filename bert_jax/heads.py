@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bert_jax.modeling import BertConfig, BertModel, Dense, Dropout
+from bert_jax.model.modeling import BertConfig, BertModel, Dense, Dropout
 
 HEAD_KINDS = ("classification", "regression", "span", "token", "multiple_choice")
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids")

@@ -56,7 +56,7 @@ def load_config(path: str, seq_len: int, dtype: str, overrides=()):
     """`(ConfigDict, BertConfig)` of a config file (the one `bert_jax.main` would train), with
     `--config.key=value` overrides (e.g. `--config.model.attention_impl=dot_product`)."""
     from bert_jax.config_overrides import apply_overrides, load_config as load_config_file
-    from bert_jax.modeling import BertConfig
+    from bert_jax.model.modeling import BertConfig
 
     config = load_config_file(path, module_name="plan_config")
     apply_overrides(config, overrides, path)

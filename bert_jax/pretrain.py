@@ -34,8 +34,9 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from bert_jax import checkpointing, mixed_precision, modeling, optim, sharding, steps, versions
-from bert_jax.modeling import BertConfig
+from bert_jax import checkpointing, optim, sharding, steps, versions
+from bert_jax.model import mixed_precision, modeling
+from bert_jax.model.modeling import BertConfig
 from bert_jax.phases import Phase, resolve_phases  # noqa: F401  (importable from here too)
 # The checks before compiling, and the input; their names are importable from here too.
 from bert_jax.pretrain_checks import (SCHEDULE_KEYS, check_mesh, check_same_config_on_all_hosts,  # noqa: F401
@@ -43,7 +44,7 @@ from bert_jax.pretrain_checks import (SCHEDULE_KEYS, check_mesh, check_same_conf
                                       config_differences, config_fingerprint, data_casing, report_schedule_change,
                                       special_token_ids)
 from bert_jax.pretrain_input import ShardedInput, make_eval_input, make_train_input, run_eval  # noqa: F401
-from bert_jax.pretraining_heads import BertForPreTraining
+from bert_jax.model.pretraining_heads import BertForPreTraining
 from bert_jax.workdir import metric_writer, write_json, write_model_files  # noqa: F401
 from data_pipeline import storage
 

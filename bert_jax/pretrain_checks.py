@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bert_jax import sharding
-from bert_jax.modeling import BertConfig
+from bert_jax.model.modeling import BertConfig
 from bert_jax.phases import Phase
 
 # The config fields of the learning-rate schedule, saved with each checkpoint to compare on resume.

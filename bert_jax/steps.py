@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bert_jax.modeling import FP8_COLLECTION, BertConfig
+from bert_jax.model.modeling import FP8_COLLECTION, BertConfig
 from bert_jax.sharding import BATCH_AXES
 
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "position_ids",

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Iterable, Mapping, Optional
 
-from bert_jax.modeling import BertConfig
+from bert_jax.model.modeling import BertConfig
 from data_pipeline import storage
 from data_pipeline.log_writer import CLOSE_TIMEOUT_S, MIRROR_INTERVAL_S, LogWriter
 

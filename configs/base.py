@@ -8,7 +8,7 @@ from ml_collections import config_dict
 
 
 def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.ConfigDict:
-    """The fields of `bert_jax.modeling.BertConfig` for a published shape (feed-forward 4H)."""
+    """The fields of `bert_jax.model.modeling.BertConfig` for a published shape (feed-forward 4H)."""
     m = ml_collections.ConfigDict()
     m.vocab_size = 30522  # WordPiece vocabulary size (the released uncased vocab)
     m.hidden_size = hidden  # H

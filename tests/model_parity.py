@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax import modeling, pretraining_heads
+from bert_jax.model import modeling, pretraining_heads
 
 INPUTS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")
 

@@ -44,8 +44,9 @@ def test_the_vocabulary_decides_not_the_folder_name(tmp_path, fmt):
     import jax
     import numpy as np
 
-    from bert_jax import convert, modeling, pretraining_heads
-    from bert_jax.model_config import BertConfig
+    from bert_jax import convert
+    from bert_jax.model import modeling, pretraining_heads
+    from bert_jax.model.model_config import BertConfig
 
     cfg = BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
                      max_position_embeddings=16)

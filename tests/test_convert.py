@@ -20,8 +20,8 @@ import pytest
 import scipy.special
 
 from bert_jax import convert
-from bert_jax.modeling import BertConfig, BertModel
-from bert_jax.pretraining_heads import BertForPreTraining
+from bert_jax.model.modeling import BertConfig, BertModel
+from bert_jax.model.pretraining_heads import BertForPreTraining
 
 tf = pytest.importorskip("tensorflow")
 transformers = pytest.importorskip("transformers")

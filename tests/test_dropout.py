@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax import dropout
+from bert_jax.model import dropout
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 4, 16, 16), (2, 3, 1, 5)])

@@ -17,8 +17,9 @@ import numpy as np
 import optax
 import pytest
 
-from bert_jax import checkpointing, convert, heads, modeling, steps
-from bert_jax.modeling import BertConfig
+from bert_jax import checkpointing, convert, heads, steps
+from bert_jax.model import modeling
+from bert_jax.model.modeling import BertConfig
 
 transformers = pytest.importorskip("transformers")
 

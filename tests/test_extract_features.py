@@ -12,7 +12,7 @@ import pytest
 
 from bert_jax import convert, extract_features as ef
 from xla_flags import xla_flags  # tests/ is on sys.path
-from bert_jax.modeling import BertConfig, BertModel
+from bert_jax.model.modeling import BertConfig, BertModel
 from data_pipeline import tokenization
 
 ROOT = Path(__file__).resolve().parents[1]

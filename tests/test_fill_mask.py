@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from bert_jax import convert, fill_mask
-from bert_jax.modeling import BertConfig, dummy_inputs
-from bert_jax.pretraining_heads import BertForPreTraining
+from bert_jax.model.modeling import BertConfig, dummy_inputs
+from bert_jax.model.pretraining_heads import BertForPreTraining
 
 transformers = pytest.importorskip("transformers")
 WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "a", "big", "red", "##s", "hello", "world", ".", ","]

@@ -19,7 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from bert_jax import convert, finetune, finetune_batches, heads, modeling, pretraining_heads
+from bert_jax import convert, finetune, finetune_batches, heads
+from bert_jax.model import modeling, pretraining_heads
 from configs import glue as glue_config
 from configs import ner as ner_config
 from configs import squad as squad_config

@@ -15,7 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bert_jax import modeling, optim, pretraining_heads, steps
+from bert_jax import optim, steps
+from bert_jax.model import modeling, pretraining_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn

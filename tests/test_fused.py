@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax import dropout, fused, modeling, pretraining_heads
+from bert_jax.model import dropout, fused, modeling, pretraining_heads
 import model_parity  # tests/ is on sys.path
 
 

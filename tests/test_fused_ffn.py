@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax import fused_ffn, modeling, pretraining_heads
+from bert_jax.model import fused_ffn, modeling, pretraining_heads
 import model_parity  # tests/ is on sys.path
 
 # Launch shapes that make the interpreter walk a grid of 2 x 2 output tiles and the contraction in

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from bert_jax import convert
-from bert_jax.pretraining_heads import BertForPreTraining
+from bert_jax.model.pretraining_heads import BertForPreTraining
 
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")

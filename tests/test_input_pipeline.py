@@ -754,7 +754,7 @@ def test_packed_batch_runs_the_model_like_separate_sequences():
     """The model sees each packed sequence as if alone: same hidden states, own [CLS] pooling."""
     import jax
     import jax.numpy as jnp
-    from bert_jax import modeling, pretraining_heads
+    from bert_jax.model import modeling, pretraining_heads
 
     cfg = modeling.BertConfig(vocab_size=VOCAB + ID_BASE, hidden_size=32, num_hidden_layers=2,
                               num_attention_heads=2, intermediate_size=64,
@@ -848,7 +848,7 @@ def unrolled_loss_params():
     the scanned cases stack the same ones)."""
     import flax.linen as nn
     import jax
-    from bert_jax import modeling, pretraining_heads
+    from bert_jax.model import modeling, pretraining_heads
 
     cfg = modeling.BertConfig(**_LOSS_CONFIG)
     return nn.meta.unbox(jax.jit(pretraining_heads.BertForPreTraining(cfg).init)(
@@ -872,7 +872,8 @@ def test_packed_batch_trains_like_separate_sequences(unrolled_loss_params, scan_
     import functools
 
     import jax
-    from bert_jax import modeling, pretraining_heads, steps
+    from bert_jax import steps
+    from bert_jax.model import modeling, pretraining_heads
 
     cfg = modeling.BertConfig(**_LOSS_CONFIG, scan_layers=scan_layers,
                               sparse_last_layer=sparse_last_layer)

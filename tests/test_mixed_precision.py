@@ -1,4 +1,4 @@
-"""`BertConfig.mixed_matmuls` (bert_jax/mixed_precision.py): every matmul with bfloat16 inputs and
+"""`BertConfig.mixed_matmuls` (bert_jax/model/mixed_precision.py): every matmul with bfloat16 inputs and
 float32 accumulation and output, forward and backward, in a float32 model. Checked against float32
 einsums of the same values rounded to bfloat16 (an independent reference), by the form of every
 dot in the training step's program, and as a whole model against the float32 one."""
@@ -14,8 +14,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from bert_jax import mixed_precision, modeling, pretrain
-from bert_jax.pretraining_heads import BertForPreTraining
+from bert_jax import pretrain
+from bert_jax.model import mixed_precision, modeling
+from bert_jax.model.pretraining_heads import BertForPreTraining
 
 
 def _round(x):

@@ -55,8 +55,8 @@ def release_zip(tmp_path, words=None):
     """A release-style zip of a tiny random Google checkpoint, to 'download' from a file:// URL."""
     import jax
     from bert_jax import convert
-    from bert_jax.modeling import BertConfig, dummy_inputs
-    from bert_jax.pretraining_heads import BertForPreTraining
+    from bert_jax.model.modeling import BertConfig, dummy_inputs
+    from bert_jax.model.pretraining_heads import BertForPreTraining
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + (words or (
         "the a man is playing guitar someone an instrument stock market fell sharply today . capital of "
         "france she poured into glass and drank it").split())

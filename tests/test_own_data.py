@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import pytest
 
-from bert_jax import convert, finetune, modeling, predict, pretraining_heads
+from bert_jax import convert, finetune, predict
+from bert_jax.model import modeling, pretraining_heads
 from configs import own_data
 from data_pipeline import tasks, tokenization
 from data_pipeline.tasks import DataError, glue, ner

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax import finetune_batches, heads, modeling
+from bert_jax import finetune_batches, heads
+from bert_jax.model import modeling
 from data_pipeline import tasks as tasks_lib
 from data_pipeline.tasks import packed
 

@@ -30,7 +30,8 @@ def _need_libtpu():
 
 PARAMS_SCRIPT = """
 import json, jax, numpy as np, flax.linen as nn
-from bert_jax import modeling, plan, pretraining_heads
+from bert_jax import plan
+from bert_jax.model import modeling, pretraining_heads
 config, bc = plan.load_config("configs/test.py", 64, "bfloat16")
 params = jax.eval_shape(lambda: pretraining_heads.BertForPreTraining(bc).init(jax.random.key(0), **modeling.dummy_inputs(bc)))
 print(json.dumps({"params": int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(nn.meta.unbox(params)))),

@@ -320,7 +320,8 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
     # Independent check: the same weights scored record by record in numpy.
     sys.path.insert(0, str(ROOT))
     import jax
-    from bert_jax import pretrain, pretraining_heads
+    from bert_jax import pretrain
+    from bert_jax.model import pretraining_heads
     from configs import test as test_config
     cfg = test_config.get_config()
     cfg.init_checkpoint = str(tmp_path / "train")
@@ -385,7 +386,8 @@ def test_pretraining_continues_from_an_encoder_only_hf_checkpoint(data, tmp_path
     keeps them), the heads from a fresh initialization."""
     sys.path.insert(0, str(ROOT))
     import jax
-    from bert_jax import convert, modeling
+    from bert_jax import convert
+    from bert_jax.model import modeling
     config = modeling.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                  intermediate_size=64, max_position_embeddings=64)
     params = modeling.BertModel(config).init(jax.random.key(7), np.zeros((1, 8), np.int32))["params"]
@@ -502,7 +504,8 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
 
 
 def test_data_casing_comes_from_the_records_dataset_info(tmp_path):
-    from bert_jax import convert, modeling, pretrain
+    from bert_jax import convert, pretrain
+    from bert_jax.model import modeling
     for name, lower in (("uncased", True), ("cased", False), ("unknown", None)):
         (tmp_path / name).mkdir()
         flags = {} if lower is None else {"do_lower_case": lower}
@@ -608,7 +611,7 @@ def test_hparams_report_the_model_as_built_not_the_config_defaults():
     import importlib
 
     from bert_jax import pretrain
-    from bert_jax.modeling import BertConfig
+    from bert_jax.model.modeling import BertConfig
 
     config = importlib.import_module("configs.base").get_config()
     built = BertConfig(vocab_size=1000, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from bert_jax import config_overrides, pretrain
-from bert_jax.model_config import BertConfig
+from bert_jax.model.model_config import BertConfig
 from configs import glue
 
 CHECKPOINT = {  # HF's config.json of a small BERT; every value unlike configs/glue.py's model

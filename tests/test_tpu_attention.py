@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bert_jax import attention, sharding
-from bert_jax.modeling import BertConfig, BertModel
+from bert_jax import sharding
+from bert_jax.model import attention
+from bert_jax.model.modeling import BertConfig, BertModel
 
 BATCH, LENGTH, HEADS, HEAD_DIM = 4, 128, 2, 64
 

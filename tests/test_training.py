@@ -10,9 +10,10 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from bert_jax import dropout, modeling, optim, sharding, steps
-from bert_jax.modeling import BertConfig
-from bert_jax.pretraining_heads import BertForPreTraining
+from bert_jax import optim, sharding, steps
+from bert_jax.model import dropout, modeling
+from bert_jax.model.modeling import BertConfig
+from bert_jax.model.pretraining_heads import BertForPreTraining
 
 CONFIG = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                     intermediate_size=64, max_position_embeddings=32)
@@ -553,7 +554,7 @@ def test_bench_dropout_variants_draw_the_same_masks_and_make_the_same_steps(load
     step = bench.main(flags + ["--step"])
     assert set(step["variants"]) == {"jax.random.bernoulli", "keep_mask"}
     assert step["max_param_diff"] <= STEP_ROUNDING
-    assert dropout.keep_mask.__module__ == "bert_jax.dropout"  # the benchmark put it back
+    assert dropout.keep_mask.__module__ == "bert_jax.model.dropout"  # the benchmark put it back
 
 
 def test_bench_fp8_variants_carry_their_own_xla_options_and_time_pipelined_steps(load_benchmark, tmp_path):

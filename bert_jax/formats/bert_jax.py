@@ -19,7 +19,7 @@ from bert_jax.formats.common import (FINETUNED, HEADS, TASK_FILE, TASK_HEAD, Pre
                                      _read_casing, _require, _write_tokenizer_files, check_head, read_task,
                                      task_of, unrolled, write_task)
 from bert_jax.formats.google import from_google, to_google
-from bert_jax.modeling import BertConfig
+from bert_jax.model.modeling import BertConfig
 from data_pipeline import storage
 
 

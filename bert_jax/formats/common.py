@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 from absl import logging
 
-from bert_jax.modeling import BertConfig
+from bert_jax.model.modeling import BertConfig
 from data_pipeline import storage
 
 FORMATS = ("bert_jax", "google", "hf")

@@ -139,7 +139,7 @@ def counted_costs(config, bert_config, devices, mesh_kind: str, batch_per_chip: 
     is computed as in the real program (at the masked positions only when it is unrolled with
     `sparse_last_layer`; a scanned encoder computes it everywhere).
     """
-    from bert_jax import modeling
+    from bert_jax.model import modeling
 
     sparse = modeling.last_layer_queries(bert_config, seq_len, predictions) is not None
     counts, loops, options = [], 0, NO_COLLECTIVE_MATMUL_LOOPS

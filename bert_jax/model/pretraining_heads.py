@@ -18,8 +18,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bert_jax import mixed_precision
-from bert_jax.modeling import (
+from bert_jax.model import mixed_precision
+from bert_jax.model.modeling import (
     ACT_EMBED, ACT_MLP, BertConfig, BertModel, LayerNorm, _dense, _zeros, activation_fn)
 
 Array = jax.Array
@@ -48,7 +48,7 @@ class MlmHead(nn.Module):
         # tiles); the parameters keep the real size so checkpoints and counts are exact.
         emb = jnp.pad(word_embeddings, ((0, pad), (0, 0))).astype(cfg.compute_dtype)  # [vocab_p, hidden]
         # [batch, predictions, vocab_p]
-        if cfg.mixed_matmuls:  # bf16 inputs, float32 out (bert_jax.mixed_precision)
+        if cfg.mixed_matmuls:  # bf16 inputs, float32 out (bert_jax.model.mixed_precision)
             logits = mixed_precision.einsum("bph,vh->bpv", h, emb)
         elif h.dtype == jnp.float32:
             logits = jnp.einsum("bph,vh->bpv", h, emb, preferred_element_type=jnp.float32)

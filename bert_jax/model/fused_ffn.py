@@ -19,7 +19,7 @@ accumulator (`tests/test_fused_ffn.py` compares both passes against the unfused 
 reference). On GPUs the kernels lower through Triton; elsewhere they run in Pallas' interpreter
 (correct, slow: for tests). Both GELUs are built (`gelu`, the exact erf form; `gelu_tanh`). The
 sizes must divide by the blocks (hidden and intermediate by 64; BERT-Base's 768/3072 and Large's
-1024/4096 do); `supported` says. Like `bert_jax.fused`, this is for one GPU: under a mesh of several
+1024/4096 do); `supported` says. Like `bert_jax.model.fused`, this is for one GPU: under a mesh of several
 devices XLA gathers a Triton call's operands to every device.
 
 Measured on an H200 (benchmarks/RESULTS.md, 2026-11-28): the kernels are more exact than XLA's bf16

@@ -8,7 +8,7 @@ kernels take) and `attention`, which dispatches on `BertConfig.attention_impl`:
   it applies (probed here: `_splash_applies`, `_cudnn_applies`, `_cudnn_trains`), XLA's attention
   elsewhere.
 
-The projections around it (query, key, value, output) are `bert_jax.modeling.SelfAttention`'s.
+The projections around it (query, key, value, output) are `bert_jax.model.modeling.SelfAttention`'s.
 
 This module must not import tensorflow.
 """
@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax import mixed_precision
-from bert_jax.dropout import dropout
+from bert_jax.model import mixed_precision
+from bert_jax.model.dropout import dropout
 
 Array = jax.Array
 
@@ -104,7 +104,7 @@ def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
       causal: whether `mask` includes the left-to-right mask (the TPU kernel applies it itself).
       dropout_rate, dropout_rng: dropout on the attention probabilities (einsum only).
       mixed_matmuls: "einsum"'s two matmuls with bfloat16 inputs and float32 outputs
-        (`bert_jax.mixed_precision`, `BertConfig.mixed_matmuls`).
+        (`bert_jax.model.mixed_precision`, `BertConfig.mixed_matmuls`).
 
     Masked logits get a large negative finite value (not -inf), so a fully padded row yields
     uniform weights instead of NaN.

@@ -6,7 +6,7 @@ choices, ...). `from_json_file` tells Google's files, HF's `config.json` and our
 Google's `hidden_act="gelu"` as `google_gelu` says (the exact erf form by default: the checkpoints
 Google released in 2018 were trained with it; docs/checkpoints.md).
 
-`bert_jax.modeling` builds the network from it and re-exports it. This module must not import
+`bert_jax.model.modeling` builds the network from it and re-exports it. This module must not import
 tensorflow.
 """
 
@@ -76,17 +76,17 @@ class BertConfig:
     # applied without that collection cannot run with it (fine-tuning and inference run without).
     fp8: bool = False
     # Dropout + residual add + LayerNorm at the end of each sub-layer as one Pallas kernel each way
-    # (`bert_jax.fused`; Triton on GPUs). The same parameters, masks and arithmetic; where the
+    # (`bert_jax.model.fused`; Triton on GPUs). The same parameters, masks and arithmetic; where the
     # kernels do not apply (a hidden size `fused.supported` refuses, several devices) the layer is unfused.
     fused_ops: bool = False
     # The feed-forward block's first GEMM with its bias and GELU in the GEMM's epilogue, and in the
     # backward the GELU's derivative and the bias gradient in the epilogue of the GEMM that produces
-    # the activation's gradient (`bert_jax.fused_ffn`; Triton on GPUs). The same parameters; sizes
+    # the activation's gradient (`bert_jax.model.fused_ffn`; Triton on GPUs). The same parameters; sizes
     # that do not divide by its blocks and FP8 run the layer unfused. Slower than XLA + cuBLAS on an
     # H200 (0.90x BERT-Large's step, benchmarks/RESULTS.md 2026-11-28): off unless measured to pay.
     fused_ffn: bool = False
     # Every matmul with bfloat16 inputs and float32 accumulation and output, forward and backward,
-    # the rest of the model in float32 (`bert_jax.mixed_precision`): the form XLA's CPU backend runs
+    # the rest of the model in float32 (`bert_jax.model.mixed_precision`): the form XLA's CPU backend runs
     # fast on CPUs with bf16 units (avx512_bf16, amx_bf16). Needs dtype="float32"; not with fp8.
     mixed_matmuls: bool = False
     # Q, K and V as three matmuls, each into its own [batch, length, heads, head_dim] array with its
@@ -215,7 +215,7 @@ class BertConfig:
 
 def _google_hidden_act(d: dict, google_gelu: Optional[str]) -> str:
     """Our `hidden_act` for a Google config whose `hidden_act` is "gelu"; logs the choice once."""
-    log = logging.getLogger("bert_jax.modeling")  # named, so that a CLI can show its INFO lines alone
+    log = logging.getLogger("bert_jax.model.modeling")  # named, so that a CLI can show its INFO lines alone
     marker = d.get("bert_jax_hidden_act")
     if marker:  # written by our Google export: exact whatever the flag says
         same = {"gelu_new": "gelu_tanh"}.get(marker, marker)  # two names of the tanh form

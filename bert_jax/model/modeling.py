@@ -1,0 +1,578 @@
+"""The BERT encoder (`BertModel`: embeddings, encoder, pooler), exact to Google's reference.
+
+This module owns the network and nothing else: the embeddings, self-attention,
+feed-forward, the encoder over L layers (optionally through `nn.scan` and `nn.remat`), the pooler,
+and the parameter-tree utilities around them (counts, stacking layers for `nn.scan`). The heads
+on top have modules of their own: the pretraining ones (masked LM, next-sentence prediction,
+`BertForPreTraining`) in `bert_jax.model.pretraining_heads`, the fine-tuning ones in `bert_jax.heads`.
+
+Three subjects it uses live beside it: `bert_jax.model.model_config` (`BertConfig`, a frozen dataclass
+with the fields of Google's `bert_config.json` plus our performance options), `bert_jax.model.attention`
+(the masks and the attention kernels: einsum, cuDNN, TPU splash) and `bert_jax.model.dropout`
+(`keep_mask`, `Dropout`). Their public names are importable from here too.
+
+Numerics: parameters are created in `param_dtype` (float32); matmuls run in the compute `dtype`
+(bfloat16 on accelerators); LayerNorm, the attention softmax and all logits are float32.
+
+Every parameter carries logical axis names (see `bert_jax.sharding` for the rule table); without a
+mesh the names are inert and the model runs unsharded.
+
+This module must not import tensorflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+from flax.linen import fp8_ops
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Re-exported: `modeling.attention`, `modeling.keep_mask`, ... stay importable from here.
+from bert_jax.model import fused, fused_ffn, mixed_precision
+from bert_jax.model.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids  # noqa: F401
+from bert_jax.model.dropout import Dropout, dropout, keep_mask  # noqa: F401
+from bert_jax.model.model_config import (  # noqa: F401
+    ACTIVATIONS, ATTENTION_IMPLS, DEFAULT_GOOGLE_GELU, DTYPES, GOOGLE_GELUS, REMAT_POLICIES, BertConfig,
+    _google_hidden_act)
+
+Array = jax.Array
+
+# Logical names of activations (distinct from the parameters' names: the batch of activations is
+# sharded over (data, fsdp), so their hidden dimension must not also be sharded over fsdp). q, k and
+# v's, ACT_HEADS, are `bert_jax.model.attention`'s.
+ACT_EMBED = ("activation_batch", "activation_length", "activation_embed")
+ACT_MLP = ("activation_batch", "activation_length", "activation_mlp")
+
+# The variable collection of the FP8 scaling state (`BertConfig.fp8`): amax histories and scales
+# whose "gradient" is their next value (flax's convention).
+FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def activation_fn(name: str) -> Callable[[Array], Array]:
+    """`gelu` is the exact erf form (HF); `gelu_tanh`/`gelu_new` the tanh form (Google TF1's "gelu")."""
+    if name == "gelu":
+        return functools.partial(jax.nn.gelu, approximate=False)
+    if name in ("gelu_tanh", "gelu_new"):
+        return functools.partial(jax.nn.gelu, approximate=True)
+    if name == "relu":
+        return jax.nn.relu
+    raise ValueError(f"unknown hidden_act {name!r}; expected one of {ACTIVATIONS}")
+
+
+def _kernel_init(config: BertConfig, names: tuple):
+    # Google: tf.truncated_normal_initializer(stddev=initializer_range), cut at 2 stddev.
+    return nn.with_logical_partitioning(
+        nn.initializers.truncated_normal(stddev=config.initializer_range), names)
+
+
+def _zeros(names: tuple):
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+def _ones(names: tuple):
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm computed in float32 whatever the compute dtype; output cast back to `dtype`.
+
+    Two-pass variance (mean of squared deviations), as in Google's `tf.nn.moments`, rather than
+    E[x^2] - E[x]^2, which loses precision when the mean is large.
+    """
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        scale = self.param("scale", _ones(("embed",)), (x.shape[-1],), cfg.params_dtype)
+        bias = self.param("bias", _zeros(("embed",)), (x.shape[-1],), cfg.params_dtype)
+        x = x.astype(jnp.float32)
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + cfg.layer_norm_eps)
+        y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+        return y.astype(cfg.compute_dtype)
+
+
+def _dense_params(module: nn.Module, config: BertConfig, in_shape: tuple, out_shape: tuple,
+                  names: tuple) -> tuple[Array, Array]:
+    """Creates `kernel` (in_shape + out_shape) and `bias` (out_shape) in `module`'s scope."""
+    kernel = module.param("kernel", _kernel_init(config, names), in_shape + out_shape,
+                          config.params_dtype)
+    bias = module.param("bias", _zeros(names[len(in_shape):]), out_shape, config.params_dtype)
+    return kernel, bias
+
+
+class Dense(nn.Module):
+    """`y = x @ kernel + bias` contracting the trailing `len(in_shape)` axes of x.
+
+    Parameters are created at their true (multi-axis) shapes so that logical axis names line up
+    with the dimensions, e.g. the query kernel is `[hidden, heads, head_dim]`.
+    """
+
+    config: BertConfig
+    in_shape: tuple
+    out_shape: tuple
+    names: tuple  # logical names of kernel dims: in_shape's then out_shape's
+    return_bias: bool = False  # return `(x @ kernel, bias)`: the caller adds the bias (a fused kernel)
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        kernel, bias = _dense_params(self, cfg, self.in_shape, self.out_shape, self.names)
+        n_in = len(self.in_shape)
+        x = x.astype(cfg.compute_dtype)
+        # Contract x's last n_in axes with the kernel's first n_in axes.
+        dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+        # FP8: the inputs and the kernel quantized to e4m3, the output gradient to e5m2, with the
+        # scales of this layer's own state (its submodule "fp8"); XLA rewrites the scaled dot into
+        # an FP8 GEMM on Hopper GPUs.
+        if cfg.mixed_matmuls:  # bf16 inputs, float32 out (bert_jax.model.mixed_precision)
+            y = mixed_precision.einsum(mixed_precision.dense_spec(x.ndim, n_in, len(self.out_shape)), x, kernel)
+        else:
+            dot = fp8_ops.Fp8DirectDotGeneralOp(name="fp8") if cfg.fp8 else jax.lax.dot_general
+            y = dot(x, kernel.astype(cfg.compute_dtype), dims)
+        if self.return_bias:
+            return y, bias
+        return y + bias.astype(cfg.compute_dtype)
+
+
+class DenseParams(nn.Module):
+    """A dense layer's `(kernel, bias)`, unapplied: lets a caller fuse several projections into
+    one matmul while each keeps its own parameters (and checkpoint names)."""
+
+    config: BertConfig
+    in_shape: tuple
+    out_shape: tuple
+    names: tuple
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Array]:
+        return _dense_params(self, self.config, self.in_shape, self.out_shape, self.names)
+
+
+def _dense(config: BertConfig, features, names: tuple, name: str, return_bias: bool = False) -> Dense:
+    """A dense layer from `hidden_size` (or `names`' first dim) to `features` (int or tuple)."""
+    out_shape = (features,) if isinstance(features, int) else tuple(features)
+    in_dim = {"embed": config.hidden_size, "mlp": config.intermediate_size}[names[0]]
+    return Dense(config, (in_dim,), out_shape, names, name=name, return_bias=return_bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+
+class Embeddings(nn.Module):
+    """Word + learned position + token-type (segment) embeddings, LayerNorm, dropout."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, input_ids: Array, segment_ids: Array, position_ids: Array,
+                 deterministic: bool) -> Array:
+        cfg = self.config
+        word = self.param("word_embeddings", _kernel_init(cfg, ("vocab", "embed")),
+                          (cfg.vocab_size, cfg.hidden_size), cfg.params_dtype)
+        position = self.param("position_embeddings", _kernel_init(cfg, ("position", "embed")),
+                              (cfg.max_position_embeddings, cfg.hidden_size), cfg.params_dtype)
+        token_type = self.param("token_type_embeddings", _kernel_init(cfg, ("type_vocab", "embed")),
+                                (cfg.type_vocab_size, cfg.hidden_size), cfg.params_dtype)
+        # Gathers: [batch, length, hidden] each.
+        x = (jnp.take(word, input_ids, axis=0) + jnp.take(position, position_ids, axis=0)
+             + jnp.take(token_type, segment_ids, axis=0))
+        x = LayerNorm(cfg, name="LayerNorm")(x)
+        x = Dropout(rate=cfg.hidden_dropout_prob)(x, deterministic=deterministic)
+        return nn.with_logical_constraint(x, ACT_EMBED)
+
+
+class _DropoutRng(nn.Module):
+    """Draws the "dropout" key that a `Dropout` module of the same name would draw."""
+
+    @nn.compact
+    def __call__(self) -> Array:
+        return self.make_rng("dropout")
+
+
+class _NormParams(nn.Module):
+    """`LayerNorm`'s `scale` and `bias`, unapplied (same names, shapes and initializers)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Array]:
+        cfg = self.config
+        return (self.param("scale", _ones(("embed",)), (cfg.hidden_size,), cfg.params_dtype),
+                self.param("bias", _zeros(("embed",)), (cfg.hidden_size,), cfg.params_dtype))
+
+
+def folds_output_bias(cfg: BertConfig) -> bool:
+    """Whether `dropout_add_norm` takes the sub-layer's output bias into its fused kernel."""
+    return cfg.fused_ops and fused.supported(cfg.hidden_size)
+
+
+def dropout_add_norm(cfg: BertConfig, deterministic: bool, out: Array, residual: Array,
+                     out_bias: Optional[Array] = None) -> Array:
+    """`LayerNorm(dropout(out + out_bias) + residual)`, the end of every sub-layer (call it from a
+    module's compact `__call__`: it creates the submodules "Dropout_0" and "output_norm" there).
+    With `cfg.fused_ops` where `bert_jax.model.fused` applies (`folds_output_bias`): one Pallas kernel
+    each way, the bias add inside it, with the same parameters and the same dropout mask."""
+    rate = cfg.hidden_dropout_prob
+    if folds_output_bias(cfg):
+        keep = None
+        if not deterministic and rate > 0.0:
+            keep = keep_mask(_DropoutRng(name="Dropout_0")(), 1.0 - rate, out.shape)
+        scale, bias = _NormParams(cfg, name="output_norm")()
+        return fused.dropout_add_layernorm(out, residual, keep, scale, bias, keep_prob=1.0 - rate,
+                                           eps=cfg.layer_norm_eps, h_bias=out_bias)
+    if out_bias is not None:
+        out = out + out_bias.astype(out.dtype)
+    out = Dropout(rate=rate, name="Dropout_0")(out, deterministic=deterministic)
+    return LayerNorm(cfg, name="output_norm")(out + residual)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention + output projection + dropout + residual + LayerNorm (post-LN)."""
+
+    config: BertConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, sequence_ids: Optional[Array] = None,
+                 query_positions: Optional[Array] = None) -> Array:
+        """`query_positions` (`[batch, queries]`): queries (and the output) at these positions only;
+        keys and values still at every position. Returns `[batch, queries, hidden]` then."""
+        cfg = self.config
+        heads, head_dim = cfg.num_attention_heads, cfg.head_dim
+        qkv_names = ("embed", "heads", "kv")
+        # Fused QKV: one matmul against the kernels stacked at run time (the parameters and their
+        # checkpoint names stay query/key/value).
+        kernels, biases = zip(*(
+            DenseParams(cfg, (cfg.hidden_size,), (heads, head_dim), qkv_names, name=n)()
+            for n in ("query", "key", "value")))
+        kernels = [k.astype(cfg.compute_dtype) for k in kernels]
+        biases = [b.astype(cfg.compute_dtype) for b in biases]
+        xc = x.astype(cfg.compute_dtype)
+        impl, seq_ids = cfg.attention_impl, sequence_ids
+        einsum = mixed_precision.einsum if cfg.mixed_matmuls else jnp.einsum
+        # FP8 (see Dense): the query and the key/value projections always as two matmuls, so that
+        # the layer has the same scaling state whether or not it runs at a few query positions.
+        if query_positions is None and not cfg.fp8 and cfg.separate_qkv:
+            # Each: [batch, length, heads, head_dim], written where attention reads it.
+            q, k, v = (einsum("blh,hnd->blnd", xc, kern) + b for kern, b in zip(kernels, biases))
+        elif query_positions is None and not cfg.fp8:
+            kernel = jnp.stack(kernels, axis=1)  # [hidden, 3, heads, head_dim]
+            # [batch, length, 3, heads, head_dim]
+            qkv = einsum("blh,hsnd->blsnd", xc, kernel) + jnp.stack(biases)
+            # Each: [batch, length, heads, head_dim]
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            einsum_q = fp8_ops.Fp8Einsum(name="query_fp8") if cfg.fp8 else einsum
+            einsum_kv = fp8_ops.Fp8Einsum(name="key_value_fp8") if cfg.fp8 else einsum
+            if query_positions is not None:
+                x = gather_positions(x, query_positions)  # the residual, [batch, queries, hidden]
+            # [batch, queries, heads, head_dim] (queries: every position without query_positions)
+            q = einsum_q("blh,hnd->blnd", x.astype(cfg.compute_dtype), kernels[0]) + biases[0]
+            # [batch, length, 2, heads, head_dim]
+            kv = einsum_kv("blh,hsnd->blsnd", xc, jnp.stack(kernels[1:], axis=1)) + jnp.stack(biases[1:])
+            k, v = kv[:, :, 0], kv[:, :, 1]  # each [batch, length, heads, head_dim]
+        if query_positions is not None:
+            if mask.shape[2] != 1:  # per-query rows (packing, causal): those of the queries kept
+                # [batch, 1, queries, key]
+                mask = jnp.take_along_axis(
+                    mask, query_positions.astype(jnp.int32)[:, None, :, None], axis=2)
+            # A few queries against every key: the explicit path (the fused kernels want equal
+            # lengths); it costs little at this size.
+            impl, seq_ids = "einsum", None
+        q = nn.with_logical_constraint(q, ACT_HEADS)
+        k = nn.with_logical_constraint(k, ACT_HEADS)
+        v = nn.with_logical_constraint(v, ACT_HEADS)
+        train_dropout = not self.deterministic and cfg.attention_probs_dropout_prob > 0.0
+        # [batch, length, heads, head_dim] (length: the queries')
+        ctx = attention(q, k, v, mask, impl=impl, sequence_ids=seq_ids, mixed_matmuls=cfg.mixed_matmuls,
+                        causal=cfg.causal_attention, dropout_rate=cfg.attention_probs_dropout_prob,
+                        dropout_rng=self.make_rng("dropout") if train_dropout else None)
+        # [batch, length, heads, head_dim] -> [batch, length, hidden]
+        fold = folds_output_bias(cfg)
+        out = Dense(cfg, (heads, head_dim), (cfg.hidden_size,), ("heads", "kv", "embed"),
+                    name="output", return_bias=fold)(ctx)
+        out, out_bias = out if fold else (out, None)
+        return dropout_add_norm(cfg, self.deterministic, out, x, out_bias)
+
+
+class FeedForward(nn.Module):
+    """Dense(intermediate) + activation + Dense(hidden) + dropout + residual + LayerNorm."""
+
+    config: BertConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        if cfg.fused_ffn and not cfg.fp8 and fused_ffn.supported(cfg.hidden_size, cfg.intermediate_size,
+                                                                   cfg.hidden_act):
+            hidden, inner = (cfg.hidden_size,), (cfg.intermediate_size,)
+            w1, b1 = DenseParams(cfg, hidden, inner, ("embed", "mlp"), name="intermediate")()
+            w2, b2 = DenseParams(cfg, inner, hidden, ("mlp", "embed"), name="output")()
+            dtype = cfg.compute_dtype
+            out = fused_ffn.gemm_bias_gelu_gemm(x.astype(dtype), w1.astype(dtype), b1, w2.astype(dtype),
+                                                activation=cfg.hidden_act)
+            return dropout_add_norm(cfg, self.deterministic, out, x, b2)
+        # [batch, length, intermediate]
+        h = _dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate")(x)
+        h = activation_fn(cfg.hidden_act)(h)
+        h = nn.with_logical_constraint(h, ACT_MLP)
+        fold = folds_output_bias(cfg)
+        out = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", return_bias=fold)(h)  # [b, length, hidden]
+        out, out_bias = out if fold else (out, None)
+        return dropout_add_norm(cfg, self.deterministic, out, x, out_bias)
+
+
+class EncoderLayer(nn.Module):
+    """One post-LayerNorm transformer block. Returns `(x, x)` so it can be the body of `nn.scan`."""
+
+    config: BertConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, sequence_ids: Optional[Array] = None,
+                 query_positions: Optional[Array] = None):
+        x = SelfAttention(self.config, self.deterministic, name="attention")(
+            x, mask, sequence_ids, query_positions)
+        x = FeedForward(self.config, self.deterministic, name="ffn")(x)
+        x = nn.with_logical_constraint(x, ACT_EMBED)
+        return x, x
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoder and model
+# ---------------------------------------------------------------------------------------------
+
+
+def _remat_policy(name: str):
+    return {
+        "full": None,  # save nothing: recompute the whole layer in the backward pass
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    }[name]
+
+
+class Encoder(nn.Module):
+    """L encoder layers; through `nn.scan` (params stacked on a leading "layers" axis) or unrolled.
+
+    Takes the boolean mask of `make_attention_mask` and, for `attention_impl="dot_product"`, the
+    same mask as `make_sequence_ids` (the TPU kernel's form; None: the boolean mask only).
+    Returns the final hidden states and, stacked `[layers, batch, length, hidden]`, each layer's output.
+
+    With `query_positions` (`[batch, queries]`) the final hidden states are those positions' only
+    and the layer outputs are None. Unrolled, the last layer then computes only those queries
+    (keys and values at every position, so the result is the same); scanned, every layer runs in
+    full and the positions are gathered after.
+    """
+
+    config: BertConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, sequence_ids: Optional[Array] = None,
+                 query_positions: Optional[Array] = None):
+        cfg = self.config
+        layer_cls = EncoderLayer
+        if cfg.remat_policy != "none":
+            layer_cls = nn.remat(layer_cls, policy=_remat_policy(cfg.remat_policy),
+                                 prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            scanned = nn.scan(
+                layer_cls,
+                variable_axes={"params": 0, FP8_COLLECTION: 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=nn.broadcast,
+                length=cfg.num_hidden_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            # [batch, length, hidden]; states [layers, batch, length, hidden]
+            x, states = scanned(cfg, self.deterministic, name="layers")(x, mask, sequence_ids)
+            if query_positions is not None:
+                return gather_positions(x, query_positions), None
+            return x, states
+        states = []
+        last = cfg.num_hidden_layers - 1
+        for i in range(cfg.num_hidden_layers):
+            x, _ = layer_cls(cfg, self.deterministic, name=f"layer_{i}")(
+                x, mask, sequence_ids, query_positions if i == last else None)
+            states.append(x)
+        return x, (None if query_positions is not None else jnp.stack(states))
+
+
+class Pooler(nn.Module):
+    """Dense + tanh on the hidden state of the [CLS] token (or of given positions, for packing)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, sequence_output: Array, cls_positions: Optional[Array] = None) -> Array:
+        cfg = self.config
+        if cls_positions is None:
+            first = sequence_output[:, 0]  # [batch, hidden]
+        else:
+            # [batch, num_seqs, hidden]
+            first = jnp.take_along_axis(sequence_output, cls_positions[..., None], axis=1)
+        pooled = _dense(cfg, cfg.hidden_size, ("embed", "mlp"), "dense")(first)  # as `first`
+        return jnp.tanh(pooled.astype(jnp.float32)).astype(cfg.compute_dtype)
+
+
+@dataclasses.dataclass
+class BertOutput:
+    sequence_output: Array  # [batch, length, hidden], the last layer
+    pooled_output: Array  # [batch, hidden] (or [batch, num_seqs, hidden] with cls_positions)
+    hidden_states: Optional[Array] = None  # [layers + 1, batch, length, hidden]: embeddings, each layer
+
+
+jax.tree_util.register_dataclass(
+    BertOutput, data_fields=["sequence_output", "pooled_output", "hidden_states"], meta_fields=[])
+
+
+def _default_inputs(input_ids, input_mask, segment_ids, position_ids):
+    if input_mask is None:
+        input_mask = jnp.ones_like(input_ids)
+    if segment_ids is None:
+        segment_ids = jnp.zeros_like(input_ids)
+    if position_ids is None:
+        position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
+    return input_mask, segment_ids, position_ids
+
+
+class BertModel(nn.Module):
+    """The BERT encoder with its pooler.
+
+    Inputs are `[batch, length]` int arrays with Google's names: `input_ids`, `input_mask` (1 real,
+    0 padding), `segment_ids` (token types). Packed rows also give `position_ids` (restarting at each
+    sequence), `pack_ids` (which sequence each token belongs to) and `cls_positions`.
+
+    `output_positions` (`[batch, P]`, P may be 0) asks for the last layer at those positions only:
+    `sequence_output` is then `[batch, P, hidden]`, the same values as the full output gathered
+    there. Where `last_layer_queries` says it saves work (`sparse_last_layer`, unrolled layers, fewer
+    positions than `length`), the last layer then computes only those queries and the [CLS] ones
+    the pooler reads.
+    """
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, input_ids: Array, input_mask: Optional[Array] = None,
+                 segment_ids: Optional[Array] = None, position_ids: Optional[Array] = None,
+                 pack_ids: Optional[Array] = None, cls_positions: Optional[Array] = None,
+                 output_positions: Optional[Array] = None, *,
+                 deterministic: bool = True, output_hidden_states: bool = False) -> BertOutput:
+        cfg = self.config
+        if output_positions is not None and output_hidden_states:
+            raise ValueError("output_hidden_states needs every position: leave output_positions unset")
+        if input_ids.shape[-1] > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {input_ids.shape[-1]} exceeds "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        input_mask, segment_ids, position_ids = _default_inputs(
+            input_ids, input_mask, segment_ids, position_ids)
+        # [batch, length, hidden]
+        x = Embeddings(cfg, name="embeddings")(input_ids, segment_ids, position_ids, deterministic)
+        # [batch, 1, 1 or length (query), length (key)]
+        mask = make_attention_mask(input_mask, pack_ids, cfg.causal_attention)
+        # The same mask as one id per token, for the TPU kernel of "dot_product" (see `attention`).
+        sequence_ids = (make_sequence_ids(input_mask, pack_ids)
+                        if cfg.attention_impl == "dot_product" else None)
+        encoder = Encoder(cfg, deterministic, name="encoder")
+        n_cls = 1 if cls_positions is None else cls_positions.shape[1]
+        if output_positions is None or last_layer_queries(
+                cfg, input_ids.shape[-1], output_positions.shape[1], n_cls) is None:
+            seq, states = encoder(x, mask, sequence_ids)  # [batch, length, hidden]
+            pooled = Pooler(cfg, name="pooler")(seq, cls_positions)
+            if output_positions is not None:
+                seq = gather_positions(seq, output_positions)  # [batch, P, hidden]
+        else:
+            # The [CLS] rows first (the pooler's), then the positions asked for.
+            batch = input_ids.shape[0]
+            cls = jnp.zeros((batch, 1), jnp.int32) if cls_positions is None else cls_positions
+            # [batch, n_cls + P]
+            queries = jnp.concatenate([cls.astype(jnp.int32), output_positions.astype(jnp.int32)], axis=1)
+            out, states = encoder(x, mask, sequence_ids, queries)  # [batch, n_cls + P, hidden]
+            pooled = Pooler(cfg, name="pooler")(
+                out, None if cls_positions is None else jnp.broadcast_to(jnp.arange(n_cls), cls.shape))
+            seq = out[:, n_cls:]  # [batch, P, hidden]
+        # [layers + 1, batch, length, hidden]
+        hidden = jnp.concatenate([x[None], states]) if output_hidden_states else None
+        return BertOutput(sequence_output=seq, pooled_output=pooled, hidden_states=hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions the heads read
+# ---------------------------------------------------------------------------------------------
+
+
+def gather_positions(sequence: Array, positions: Array) -> Array:
+    """`[batch, length, hidden]` at `[batch, num_positions]` -> `[batch, num_positions, hidden]`."""
+    return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
+
+
+def last_layer_queries(config: BertConfig, length: int, num_positions: int, num_cls: int = 1) -> Optional[int]:
+    """How many positions the last layer computes when the heads read `num_positions` positions and
+    `num_cls` [CLS] rows of `length`: None when it computes all `length` (`sparse_last_layer` off,
+    scanned layers, or about every position asked for, as the left-to-right objective does)."""
+    queries = num_positions + num_cls
+    if not config.sparse_last_layer or config.scan_layers or queries >= length:
+        return None
+    return queries
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter utilities
+# ---------------------------------------------------------------------------------------------
+
+
+def count_params(params: Any) -> int:
+    """Number of scalar parameters in a (possibly boxed) parameter tree."""
+    leaves = jax.tree_util.tree_leaves(nn.meta.unbox(params))
+    return int(sum(np.prod(x.shape) for x in leaves))
+
+
+def dummy_inputs(config: BertConfig, batch: int = 1, length: int = 8, predictions: int = 2) -> dict:
+    """Small int32 inputs for `init` / `eval_shape`."""
+    del config
+    ids = jnp.zeros((batch, length), jnp.int32)
+    return dict(input_ids=ids, input_mask=jnp.ones_like(ids), segment_ids=ids,
+                masked_lm_positions=jnp.zeros((batch, predictions), jnp.int32))
+
+
+def _encoder_params(params: dict) -> tuple[dict, dict]:
+    """Returns (the dict that holds "encoder", the encoder dict) for a BertModel or pretraining tree."""
+    holder = params["bert"] if "bert" in params else params
+    return holder, holder["encoder"]
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """Unrolled (`encoder/layer_{i}`) parameters -> scanned (`encoder/layers`, leading layer axis)."""
+    params = jax.tree_util.tree_map(lambda x: x, nn.meta.unbox(params))  # shallow copy of the dicts
+    holder, enc = _encoder_params(params)
+    layers = [enc[f"layer_{i}"] for i in range(num_layers)]
+    holder["encoder"] = {"layers": jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)}
+    return params
+
+
+def unstack_layers(params: dict) -> dict:
+    """Scanned parameters (`encoder/layers`) -> unrolled (`encoder/layer_{i}`)."""
+    params = jax.tree_util.tree_map(lambda x: x, nn.meta.unbox(params))
+    holder, enc = _encoder_params(params)
+    stacked = enc["layers"]
+    num_layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+    holder["encoder"] = {
+        f"layer_{i}": jax.tree_util.tree_map(lambda x, i=i: x[i], stacked) for i in range(num_layers)}
+    return params
