@@ -2,17 +2,12 @@
 as the installed `configs` package's module (`config_overrides.resolve_config`), for every entry
 point that takes one; and the README's quick-start command run from a folder outside the checkout."""
 
-import os
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bert_jax import plan
 from bert_jax.config_overrides import known_configs, load_config, resolve_config, resolve_config_argv
-from xla_flags import xla_flags  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -89,35 +84,5 @@ def test_the_planner_and_the_benchmarks_resolve_the_same_way(elsewhere, capsys, 
     assert load_benchmark("bench_checkpoint")._load_config("tiny").model.hidden_size == 128
 
 
-def _quick_start() -> list:
-    """The README's quick-start command (the offline demo) as words: `-m bert_jax.main --config=... ...`."""
-    lines = (ROOT / "README.md").read_text().splitlines()
-    line = next(w for w in lines if w.startswith("python -m bert_jax.main --config=configs/demo.py"))
-    words = shlex.split(line.split("#", 1)[0])
-    assert words[:3] == ["python", "-m", "bert_jax.main"] and words[3] == "--config=configs/demo.py", words
-    return words[1:]
-
-
-def test_the_readme_quick_start_runs_from_a_folder_outside_the_checkout(tmp_path):
-    """The README's first command, shortened (2 steps, a small vocabulary, the corpus stage done
-    beforehand with Python's pydoc topics alone), run where a user keeps their own files: no
-    `configs/` folder there, a relative workdir. (`--config=demo` resolves to the same file: the
-    tests above; one process here, for the suite's time.)"""
-    from data_pipeline import corpora
-
-    assert ROOT not in tmp_path.resolve().parents
-    corpora.write_embedded_corpus(str(tmp_path / "bert_demo" / "corpus"), include_stdlib=False)  # ~0.2 MB
-    shorter = ["--config.num_train_steps=2", "--config.demo.vocab_size=1000", "--config.demo.dupe_factor=1",
-               "--config.max_seq_length=64", "--config.max_predictions_per_seq=10",
-               "--config.global_batch_size=8", "--config.log_every_steps=1", "--config.eval_every_steps=2",
-               "--config.eval_steps=1", "--config.checkpoint_every_steps=2"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
-    words = [w if not w.startswith("--workdir=") else "--workdir=bert_demo" for w in _quick_start()]
-    assert "--config=configs/demo.py" in words
-    r = subprocess.run([sys.executable, *words, *shorter], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("[MASK] ->") == 4, r.stdout[-2000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert_demo"]
-    assert (tmp_path / "bert_demo" / "fill_mask.json").exists()
-    assert len((tmp_path / "bert_demo" / "vocab.txt").read_text().splitlines()) <= 1000
+# The README's quick start run from a folder outside the checkout, `--config=configs/demo.py` as
+# written: tests/test_pretrain.py::test_offline_demo_end_to_end_shortened.

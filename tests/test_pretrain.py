@@ -475,12 +475,21 @@ def test_packing_dynamic_masking_and_the_ablations_train(data, tmp_path):
 
 
 def test_offline_demo_end_to_end_shortened(tmp_path):
-    """The README's first command, shortened: corpus -> vocab -> TFRecords -> pretrain -> [MASK]."""
-    r = run([sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/demo.py'}",
-             f"--workdir={tmp_path}", "--config.num_train_steps=40", "--config.demo.vocab_size=2000",
-             "--config.demo.dupe_factor=1", "--config.log_every_steps=5", "--config.eval_every_steps=40",
-             "--config.checkpoint_every_steps=40", "--config.global_batch_size=16"], timeout=600)
+    """The README's first command, shortened: corpus -> vocab -> TFRecords -> pretrain -> [MASK]; run
+    as a user runs it from their own folder, outside the checkout: `--config=configs/demo.py` (no
+    such file there: the installed configs package's, `config_overrides.resolve_config`) and a
+    relative workdir."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert ROOT not in elsewhere.resolve().parents and not (elsewhere / "configs").exists()
+    r = subprocess.run([sys.executable, "-m", "bert_jax.main", "--config=configs/demo.py", "--workdir=demo",
+                        "--config.num_train_steps=40", "--config.demo.vocab_size=2000",
+                        "--config.demo.dupe_factor=1", "--config.log_every_steps=5", "--config.eval_every_steps=40",
+                        "--config.checkpoint_every_steps=40", "--config.global_batch_size=16"],
+                       env=env(), cwd=elsewhere, timeout=600, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["demo"]
+    tmp_path = elsewhere / "demo"
     assert "[MASK] ->" in r.stdout
     guesses = json.loads((tmp_path / "fill_mask.json").read_text())
     assert len(guesses) == 4 and all(len(g["guesses"][0]) == 5 for g in guesses)
@@ -492,7 +501,7 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
     assert sorted(log) == list(range(1, 41))
     assert np.mean([log[s] for s in range(31, 41)]) < np.mean([log[s] for s in range(1, 11)]) - 0.5
     assert set(json.loads((tmp_path / "eval_results.json").read_text())) >= {"masked_lm_accuracy"}
-    assert f"training curves: {tmp_path / 'curves.png'}" in r.stdout
+    assert "training curves: demo/curves.png" in r.stdout  # the workdir as given
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     # The host's wait for input is logged per window: a share of the window's time and ms per step.
     from bert_jax import plot
