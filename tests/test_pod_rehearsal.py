@@ -6,8 +6,10 @@ a bucket of the GCS emulator (tests/conftest.py).
 Rehearsed: a run started detached; a maintenance event (SIGTERM to one worker) mid-run makes
 every worker save the same step and exit; the same command again resumes, and when one worker
 cannot read that newest step (a read error injected into that worker alone) every worker falls
-back to the same earlier step. The final losses equal an uninterrupted two-worker run's, bit for
-bit: the same programs on the same devices see the same batches from the same step on.
+back to the same earlier step, and when the bucket then stops answering as the next save starts,
+every worker's save fails within its deadline instead of hanging the pod; the same command resumes
+again. The final losses equal an uninterrupted two-worker run's, bit for bit: the same programs on
+the same devices see the same batches from the same step on.
 
 Then the same run under the supervisor (`launch/tpu_pod.sh --watch`, bert_jax/supervisor.py), in
 the same test to share the reference run's compile: one worker's run SIGKILLed → the supervisor
@@ -169,40 +171,39 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
     assert out.count(f"saving step {stop_step} because of preemption") == 2, out[-4000:]
 
     # The same command again: worker 1 cannot read the newest step; both fall back to the same one.
-    out = wait_exit(pod, launch(pod, work, FAKE_ENV_1=f"PYTHONPATH={pod['faults']} FAULT_UNREADABLE_STEP={stop_step}"))
+    # And the bucket stops answering as the next save starts (that of step fallback + 4): the save
+    # fails on every host within its deadline (5 s here) instead of hanging the pod.
     fallback = max(s for s in saved if s < stop_step)
-    assert out.count(f"resumed from step {fallback}") == 2, out[-4000:]
-    assert "host 1" in out and "injected read error" in out
-    assert [n.split("-")[0] for n in storage.listdir(f"{work}/checkpoints/damaged")] == [str(stop_step)]
-    assert losses(work) == want  # bitwise, step for step
-    # Each run of each worker kept its own log.
-    for w in pod["workers"]:
-        assert len([p for p in (w / "bert_jax_run" / "logs").iterdir() if p.name != "latest.log"]) == 3
-
-    # The bucket stops answering as step 8's save starts: the save fails on every host within its
-    # deadline (5 s here) instead of hanging the pod; the same command resumes from step 4.
-    work = f"{bucket}/stalled"
+    frozen = fallback + 4
     started = time.time()
     try:
         pids = launch(pod, work, "--config.checkpoint_save_timeout_seconds=5",
-                      FAKE_ENV_0=f"PYTHONPATH={pod['faults']} FAULT_FREEZE_AT_SAVE=8")
+                      FAKE_ENV_0=f"PYTHONPATH={pod['faults']} FAULT_FREEZE_AT_SAVE={frozen}",
+                      FAKE_ENV_1=f"PYTHONPATH={pod['faults']} FAULT_UNREADABLE_STEP={stop_step}")
         deadline = time.time() + 300  # (the bucket cannot be asked while it is frozen)
         while any(alive(p) for p in pids) and time.time() < deadline:
             time.sleep(0.5)
     finally:
         os.kill(int(os.environ["BERT_JAX_TEST_EMULATOR_PID"]), signal.SIGCONT)
     out = wait_exit(pod, pids, timeout=30)
+    assert out.count(f"resumed from step {fallback}") == 2, out[-4000:]
+    assert "host 1" in out and "injected read error" in out
+    assert [n.split("-")[0] for n in storage.listdir(f"{work}/checkpoints/damaged")] == [str(stop_step)]
     codes = [int((w / "bert_jax_run" / "exit_code").read_text()) for w in pod["workers"]]
     # Each host ends on its own deadline (124), or, when the other got there first, on the error its
     # own save then meets (the coordination service's or orbax's barrier losing that host), loudly.
     assert codes[0] == 124 and codes[1] != 0, (codes, out[-4000:])
     for i, text in enumerate(out.split("--- worker ")[1:]):
-        assert (f"saving step 8 to {work}/checkpoints did not finish within 5 s" in text
-                or f"checkpoint save of step 8 in {work}/checkpoints failed" in text), (i, text[-3000:])
+        assert (f"saving step {frozen} to {work}/checkpoints did not finish within 5 s" in text
+                or f"checkpoint save of step {frozen} in {work}/checkpoints failed" in text), (i, text[-3000:])
     assert time.time() - started < 240
+    # The same command resumes from the same step again and finishes with the uninterrupted losses.
     out = wait_exit(pod, launch(pod, work))
-    assert out.count("resumed from step 4") == 2, out[-4000:]
-    assert losses(work) == want
+    assert out.count(f"resumed from step {fallback}") == 2, out[-4000:]
+    assert losses(work) == want  # bitwise, step for step
+    # Each run of each worker kept its own log.
+    for w in pod["workers"]:
+        assert len([p for p in (w / "bert_jax_run" / "logs").iterdir() if p.name != "latest.log"]) == 4
 
     # --- Supervised (launch/tpu_pod.sh --watch): a crash, then the whole slice preempted. ---
     work = f"{bucket}/supervised"
