@@ -42,8 +42,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
-from bert_jax import checkpoint_integrity as integrity  # noqa: E402
-from bert_jax import checkpointing, pretrain  # noqa: E402
+from bert_jax.checkpoints import checkpoint_integrity as integrity  # noqa: E402
+from bert_jax import pretrain  # noqa: E402
+from bert_jax.checkpoints import checkpointing
 from data_pipeline import storage  # noqa: E402
 
 

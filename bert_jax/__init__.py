@@ -13,9 +13,12 @@ from data_pipeline import storage as _storage  # noqa: F401
 __version__ = "0.1.0"
 
 # Modules that moved into folders (docs/architecture.md): importing an old path fails with a message
-# that names the new one (`bert_jax.modeling`, the public one, still imports: bert_jax/modeling.py).
-MOVED = {f"bert_jax.{name}": f"bert_jax.model.{name}" for name in (
-    "model_config", "attention", "dropout", "fused", "fused_ffn", "mixed_precision", "pretraining_heads")}
+# that names the new one (`bert_jax.modeling` and `bert_jax.checkpointing`, the documented ones, still
+# import: bert_jax/modeling.py, bert_jax/checkpointing.py).
+MOVED = {f"bert_jax.{name}": f"bert_jax.{folder}.{name}" for folder, names in (
+    ("model", ("model_config", "attention", "dropout", "fused", "fused_ffn", "mixed_precision", "pretraining_heads")),
+    ("checkpoints", ("checkpoint_steps", "checkpoint_reading", "checkpoint_integrity", "preemption",
+                     "save_deadline"))) for name in names}
 
 
 class _MovedModules:

@@ -54,7 +54,8 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from bert_jax import checkpointing, finetune_batches, heads, optim, pretrain, sharding, steps, versions
+from bert_jax import finetune_batches, heads, optim, pretrain, sharding, steps, versions
+from bert_jax.checkpoints import checkpointing
 from bert_jax import workdir as workdir_files
 from bert_jax.formats.common import TASK_FILE
 from bert_jax.model.modeling import BertConfig

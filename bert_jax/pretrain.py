@@ -34,7 +34,8 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from bert_jax import checkpointing, optim, sharding, steps, versions
+from bert_jax import optim, sharding, steps, versions
+from bert_jax.checkpoints import checkpointing
 from bert_jax.model import mixed_precision, modeling
 from bert_jax.model.modeling import BertConfig
 from bert_jax.phases import Phase, resolve_phases  # noqa: F401  (importable from here too)

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bert_jax import checkpoint_integrity as integrity
-from bert_jax import checkpointing
-from bert_jax.checkpointing import CheckpointCorruptError, Checkpointer, CheckpointSaveError
+from bert_jax.checkpoints import checkpoint_integrity as integrity
+from bert_jax.checkpoints import checkpointing
+from bert_jax.checkpoints.checkpointing import CheckpointCorruptError, Checkpointer, CheckpointSaveError
 from data_pipeline import storage
 
 ROOT = Path(__file__).resolve().parents[1]

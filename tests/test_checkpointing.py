@@ -26,7 +26,7 @@ import pytest
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from bert_jax.checkpointing import CheckpointRestoreError, Checkpointer, CheckpointSaveError
+from bert_jax.checkpoints.checkpointing import CheckpointRestoreError, Checkpointer, CheckpointSaveError
 from xla_flags import xla_flags  # tests/ is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,7 +134,7 @@ def test_restore_onto_other_meshes_is_bitwise(tmp_path):
 def test_reading_only_the_parameters_is_bitwise_and_quiet(tmp_path, caplog):
     """`restore_part` (evaluation, export) reads the parameters alone, read-only, without orbax
     warnings about the checkpoint's other items or about being read-only."""
-    from bert_jax import checkpointing
+    from bert_jax.checkpoints import checkpointing
     saved = _make_state(_mesh(2, 4))
     with Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False) as ckpt:
         assert ckpt.save(3, saved, {"note": "x"}, force=True)
@@ -205,8 +205,8 @@ def test_interval_force_keep_k_and_input_state(tmp_path):
 
 def test_every_step_gets_an_integrity_manifest_sealed_once_committed(tmp_path):
     """Written before orbax's commit (so a committed step always has one), sealed after it."""
-    from bert_jax import checkpoint_integrity as integrity
-    from bert_jax import checkpointing
+    from bert_jax.checkpoints import checkpoint_integrity as integrity
+    from bert_jax.checkpoints import checkpointing
 
     with Checkpointer(tmp_path / "sync", save_interval_steps=1, max_to_keep=2, async_save=False,
                       handle_sigterm=False) as ckpt:
@@ -395,7 +395,7 @@ def test_hosts_agreeing_about_different_steps_raise_naming_both(tmp_path, monkey
     drifted apart) each raises, naming both steps, instead of pairing them."""
     import orbax.checkpoint as ocp
 
-    from bert_jax.checkpoint_integrity import Damage
+    from bert_jax.checkpoints.checkpoint_integrity import Damage
 
     store = _KeyValueStore()
     monkeypatch.setattr(ocp.multihost, "get_jax_distributed_client", lambda: store)

@@ -552,7 +552,8 @@ def test_google_gelu_reaches_the_tools_that_read_an_init_checkpoint(google_dir):
 def test_pretraining_workdir_is_a_bert_jax_checkpoint(google_dir, tmp_path):
     """A workdir's newest TrainState (checkpoints/<step>/state) loads like an export."""
     import optax
-    from bert_jax import checkpointing, steps
+    from bert_jax import steps
+    from bert_jax.checkpoints import checkpointing
     src = convert.load_pretrained(google_dir[0])
     params = convert.model_params(src, src.config.replace(scan_layers=True))
     state = steps.create_train_state(params, optax.adam(1e-3), jax.random.key(0))

@@ -17,7 +17,8 @@ import numpy as np
 import optax
 import pytest
 
-from bert_jax import checkpointing, convert, heads, steps
+from bert_jax import convert, heads, steps
+from bert_jax.checkpoints import checkpointing
 from bert_jax.model import modeling
 from bert_jax.model.modeling import BertConfig
 

@@ -651,22 +651,3 @@ def test_separate_qkv_matmuls_train_like_the_stacked_kernel():
     layers = cfg.num_hidden_layers  # per layer: the kernels and the biases stacked, three slices
     assert (other_stacks, other_slices) == (stacks - 2 * layers, slices - 3 * layers)
 
-
-def test_old_module_paths_still_import_or_name_the_new_one():
-    """The model moved into bert_jax/model/ (docs/architecture.md): `bert_jax.modeling`, the
-    documented path, still imports (warning) with the same classes; the other old paths fail with
-    a message naming their new one, as `import` and as `from bert_jax import`."""
-    import importlib
-    import sys
-
-    sys.modules.pop("bert_jax.modeling", None)
-    with pytest.warns(DeprecationWarning, match=r"bert_jax\.model\.modeling"):
-        old = importlib.import_module("bert_jax.modeling")
-    assert (old.BertConfig, old.BertModel, old.keep_mask) == (BertConfig, BertModel, dropout.keep_mask)
-    assert old.BertForPreTraining is BertForPreTraining
-    for name in ("model_config", "attention", "dropout", "fused", "fused_ffn", "mixed_precision",
-                 "pretraining_heads"):
-        with pytest.raises(ModuleNotFoundError, match=rf"it moved to 'bert_jax\.model\.{name}'"):
-            importlib.import_module(f"bert_jax.{name}")
-    with pytest.raises(ModuleNotFoundError, match=r"bert_jax\.model\.fused"):
-        from bert_jax import fused  # noqa: F401

@@ -1,10 +1,10 @@
-"""bert_jax/save_deadline.py: a save not committed within its limit ends the process (exit 124),
+"""bert_jax/checkpoints/save_deadline.py: a save not committed within its limit ends the process (exit 124),
 one committed in time does not. The end-to-end case (the emulator frozen as a real save starts) is
 in tests/test_gcs_pretrain.py."""
 
 import time
 
-from bert_jax.save_deadline import EXIT_CODE, SaveDeadline
+from bert_jax.checkpoints.save_deadline import EXIT_CODE, SaveDeadline
 
 
 def _deadline(seconds, saving):

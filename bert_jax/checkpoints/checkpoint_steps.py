@@ -39,7 +39,7 @@ import os
 import time
 from typing import Optional
 
-from bert_jax import checkpoint_integrity as integrity
+from bert_jax.checkpoints import checkpoint_integrity as integrity
 from data_pipeline import storage
 
 # Items and folders of the layout above.

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from bert_jax.checkpoint_steps import (INFO, META, ON_DAMAGED, STATE, CheckpointRestoreError, check_step,
+from bert_jax.checkpoints.checkpoint_steps import (INFO, META, ON_DAMAGED, STATE, CheckpointRestoreError, check_step,
                                        corrupt_error, is_read_failure, read_error)
 from data_pipeline import storage
 
