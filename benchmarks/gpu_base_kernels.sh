@@ -17,15 +17,6 @@
 set -u
 OUT_DIR=${1:?an output folder}; BUDGET=${2:-480}; MODE=${3:-first}
 source "$(dirname "$0")/gpu_phases.sh"  # the wheels, the environment, `phase`
-LOCK=/tmp/gpu.lock
-cat >/tmp/locked.py <<'PY'
-import fcntl, subprocess, sys
-lock = open(sys.argv[1], "a+")
-fcntl.flock(lock, fcntl.LOCK_EX)
-sys.exit(subprocess.call(sys.argv[2:]))
-PY
-LOCKED="python3 /tmp/locked.py $LOCK"
-COMMON="--dtype=bfloat16 --attention=dot_product --prng=rbg --seq_len=128 --batch=256"
 STEPS="--warmup=2 --rounds=3 --steps=5 --pipelined_steps=10 --parallel_compile --gpu_lock=$LOCK"
 
 lane_a() {

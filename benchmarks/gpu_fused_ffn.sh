@@ -15,17 +15,6 @@
 set -u
 OUT_DIR=${1:?an output folder}; BUDGET=${2:-480}
 source "$(dirname "$0")/gpu_phases.sh"  # the wheels, the environment, `phase`
-LOCK=/tmp/gpu.lock
-# `$LOCKED COMMAND...`: the command run holding $LOCK (flock(2), as bench_fp8.py --gpu_lock); a
-# program, not a shell function, so that `timeout` can run it.
-cat >/tmp/locked.py <<'PY'
-import fcntl, subprocess, sys
-lock = open(sys.argv[1], "a+")
-fcntl.flock(lock, fcntl.LOCK_EX)
-sys.exit(subprocess.call(sys.argv[2:]))
-PY
-LOCKED="python3 /tmp/locked.py $LOCK"
-COMMON="--dtype=bfloat16 --attention=dot_product --prng=rbg --seq_len=128 --batch=256"
 
 lane_a() {
   local log=$OUT_DIR/lane_a.log

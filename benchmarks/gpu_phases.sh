@@ -1,6 +1,6 @@
-# Sourced by the device scripts (gpu_fused_fp8.sh, gpu_fused_ffn.sh): the wheels the GPU image lacks
+# Sourced by the device scripts (gpu_fused_fp8.sh, gpu_fused_ffn.sh, gpu_base_kernels.sh): the wheels the GPU image lacks
 # (.whl/, installed to /tmp/site), the environment, and `phase`, which runs one step of a script
-# under the time its BUDGET leaves (a phase that would not fit is skipped and says so).
+# under the time its BUDGET leaves (a phase that would not fit is skipped and says so), `$LOCKED`, `COMMON`.
 #   OUT_DIR=... BUDGET=...; source benchmarks/gpu_phases.sh
 mkdir -p "$OUT_DIR"; DEADLINE=$(( $(date +%s) + BUDGET ))
 if ls .whl/*.whl >/dev/null 2>&1; then  # e.g. ml_collections, google-crc32c, transformers<5
@@ -10,6 +10,18 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 export XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
 T=$(date +%s)
+# Processes that share the GPU take turns for their timed parts: `$LOCKED COMMAND...` runs the
+# command holding $LOCK (flock(2), as bench_fp8.py --gpu_lock; a program, not a shell function, so
+# that `timeout` can run it). COMMON: the step benchmarks' shapes (length 128, batch 256, bf16).
+LOCK=/tmp/gpu.lock
+cat >/tmp/locked.py <<'PY'
+import fcntl, subprocess, sys
+lock = open(sys.argv[1], "a+")
+fcntl.flock(lock, fcntl.LOCK_EX)
+sys.exit(subprocess.call(sys.argv[2:]))
+PY
+LOCKED="python3 /tmp/locked.py $LOCK"
+COMMON="--dtype=bfloat16 --attention=dot_product --prng=rbg --seq_len=128 --batch=256"
 
 phase() {  # phase LOG NAME NEEDED_S MEM_FRACTION command...
   local log=$1 name=$2 need=$3 mem=$4; shift 4
