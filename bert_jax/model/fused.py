@@ -18,7 +18,8 @@ normalization in float32, the output cast back (`tests/test_fused.py` compares b
 On GPUs the kernels lower through Triton (named: a bare `pallas_call` would go to Mosaic GPU);
 elsewhere they run in Pallas' interpreter (correct, slow: for tests). On an H200 they run at
 ~3.3 TB/s inside BERT-Large's step and make it 1.064x faster (benchmarks/RESULTS.md, 2026-11-26);
-with the attention and FFN output biases folded in, 1.070x (1.086x pipelined, 2026-11-28).
+with the attention and FFN output biases folded in, 1.070x (1.086x pipelined, 2026-11-28); BERT-Base's
+step (rows read as 512 + 256 columns) 1.078-1.089x (1.074-1.086x pipelined, 2026-11-28).
 Triton loads and stores power-of-two blocks only, so the kernels read and write each row in
 power-of-two column pieces (`pieces`): one for 128, 256, 512, 1024 (BERT-Tiny, -Mini, -Small,
 -Large), two for BERT-Base's 768 (512 + 256) and MiniLM's 384; hidden sizes that are not a multiple of
