@@ -11,6 +11,8 @@ import os
 import pkgutil
 from typing import Optional, Sequence
 
+from data_pipeline import storage
+
 
 def known_configs() -> list[str]:
     """The names of the installed `configs` package's modules (`base`, `glue`, ...); [] without it."""
@@ -31,7 +33,7 @@ def resolve_config(value: str, flag: str = "--config") -> str:
     known config names.
     """
     path, colon, kind = value.partition(":")  # as ml_collections splits it
-    if path and os.path.isfile(path):
+    if path and storage.isfile(path):
         return value
     name = os.path.normpath(path).replace(os.sep, "/") if path else ""
     name = name[len("configs/"):] if name.startswith("configs/") else name
@@ -39,7 +41,7 @@ def resolve_config(value: str, flag: str = "--config") -> str:
     names = known_configs()
     if name in names:
         spec = importlib.util.find_spec(f"configs.{name}")
-        if spec is not None and spec.origin and os.path.isfile(spec.origin):
+        if spec is not None and spec.origin and storage.isfile(spec.origin):
             return spec.origin + colon + kind
     known = ", ".join(names) if names else "none (the configs package is not installed)"
     raise ValueError(f"{flag}={value}: no such file, and {name or path!r} is not a config of the installed "

