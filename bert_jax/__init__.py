@@ -21,6 +21,10 @@ MOVED = {f"bert_jax.{name}": f"bert_jax.{folder}.{name}" for folder, names in (
                      "save_deadline"))) for name in names}
 
 
+def _moved(fullname: str) -> ModuleNotFoundError:
+    return ModuleNotFoundError(f"No module named {fullname!r}: it moved to {MOVED[fullname]!r}", name=fullname)
+
+
 class _MovedModules:
     """A last import finder: an old module path, which no file holds any more, fails naming its new one."""
 
@@ -28,15 +32,14 @@ class _MovedModules:
     def find_spec(fullname, path=None, target=None):
         del path, target
         if fullname in MOVED:
-            raise ModuleNotFoundError(f"No module named {fullname!r}: it moved to {MOVED[fullname]!r}",
-                                      name=fullname)
+            raise _moved(fullname)
         return None
 
 
 def __getattr__(name):
     """`from bert_jax import fused` (an old module, as an attribute): the same message."""
     if f"bert_jax.{name}" in MOVED:
-        _MovedModules.find_spec(f"bert_jax.{name}")
+        raise _moved(f"bert_jax.{name}")
     raise AttributeError(f"module 'bert_jax' has no attribute {name!r}")
 
 
