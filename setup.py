@@ -21,7 +21,7 @@ INSTALL_REQUIRES = [
     "tensorboard>=2.16",  # event files' protos and hparams summary (bert_jax.workdir); bert_jax.plot reads them
     "matplotlib>=3.7",  # bert_jax.plot: training curves as PNG
     "etils[epath]>=1.15",  # orbax's path library; data_pipeline.storage points it at gcsfs for gs://
-    "filelock>=3.12",  # JAX's compilation cache drops old programs past its size cap under a file lock (bert_jax/compile_cache.py)
+    "filelock>=3.12",  # JAX's compilation cache drops old programs past its size cap under a file lock (bert_jax/training/compile_cache.py)
 ]
 
 EXTRAS = {

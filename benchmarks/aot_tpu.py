@@ -5,7 +5,7 @@
         [--topology=v4-32,v5p-64,v5e-16] [--mesh=data,fsdp,tensor] [--seq_len=128] \\
         [--batch_per_chip=32] [--max_batch_per_chip=1024] [--attention=einsum] [--json]
 
-For each slice and mesh it lowers and compiles `bert_jax.steps.train_step` (the pretraining step:
+For each slice and mesh it lowers and compiles `bert_jax.pretrain.steps.train_step` (the pretraining step:
 AdamW, clipping, dropout, donated state, bf16 compute with float32 parameters) against the
 slice's real devices (`jax.experimental.topologies.get_topology_desc`), as MaxText checks its
 configs, and reports:
@@ -54,7 +54,7 @@ aot.quiet_libtpu_env()
 
 
 def run_one(args, config, bert_config, slice_name: str, mesh_kind: str) -> dict:
-    from bert_jax import steps
+    from bert_jax.pretrain import steps
 
     spec = chips.parse_slice(slice_name)
     topology, n_chips, hbm, peak_tflops = spec.topology_name, spec.chips, spec.chip.hbm_gib, spec.chip.peak_flops / 1e12
@@ -128,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_configs(args: argparse.Namespace):
     """`(ConfigDict, BertConfig)` of `--config` with the command line's model options applied."""
     from bert_jax.config_overrides import load_config as load_config_file
-    from bert_jax.model.modeling import BertConfig
+    from bert_jax.model.model_config import BertConfig
     try:
         import libtpu  # noqa: F401
     except ImportError:

@@ -43,8 +43,9 @@ import numpy as np  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
 from bert_jax.checkpoints import checkpoint_integrity as integrity  # noqa: E402
-from bert_jax import pretrain  # noqa: E402
+from bert_jax.pretrain import loop as pretrain  # noqa: E402
 from bert_jax.checkpoints import checkpointing
+from bert_jax.training import run_setup
 from data_pipeline import storage  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def _load_config(path):
 
 
 def _state(config):
-    _, _, _, init_state = pretrain.build(config, pretrain.bert_config_from(config), None)
+    _, _, _, init_state = pretrain.build(config, run_setup.bert_config_from(config), None)
     state = jax.jit(lambda r: nn.meta.unbox(init_state(r)))(jax.random.key(0))
     return jax.block_until_ready(state)
 

@@ -28,7 +28,8 @@ def main(argv=None):
     import jax.numpy as jnp
     import numpy as np
     import transformers
-    from bert_jax.model.modeling import BertConfig, BertModel
+    from bert_jax.model.model_config import BertConfig
+    from bert_jax.model.modeling import BertModel
 
     shape = {"base": (12, 768, 12), "large": (24, 1024, 16)}[args.config]
     cfg = BertConfig(num_hidden_layers=shape[0], hidden_size=shape[1], num_attention_heads=shape[2],

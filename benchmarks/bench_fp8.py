@@ -222,11 +222,12 @@ def _hold_until_exit(path: str) -> None:
 
 def speed(args, step_args) -> dict:
     import jax
-    from bert_jax import pretrain, steps
+    from bert_jax.pretrain import steps
+    from bert_jax.training import run_setup
 
     config, bert_config, mesh, batch_np, predictions = bench_step.setup(step_args)
     device = jax.devices()[0]
-    peak = step_args.peak_tflops * 1e12 or pretrain.peak_flops_per_device()
+    peak = step_args.peak_tflops * 1e12 or run_setup.peak_flops_per_device()
     cache: dict = {}
     runners, result = {}, {"date": time.strftime("%Y-%m-%d"), "device": device.device_kind,
                            "benchmark": "bench_fp8",
@@ -410,11 +411,11 @@ def kernel(args, step_args) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from bert_jax.model import dropout, fused, modeling
+    from bert_jax.model import dropout, fused, model_config, modeling
 
     config = bench_step.load_config(step_args.config)
     hidden = config.model.hidden_size
-    cfg = modeling.BertConfig(hidden_size=hidden, num_attention_heads=config.model.num_attention_heads,
+    cfg = model_config.BertConfig(hidden_size=hidden, num_attention_heads=config.model.num_attention_heads,
                               dtype=step_args.dtype)
     keep_prob = 1.0 - config.model.hidden_dropout_prob
     shape = (step_args.batch, step_args.seq_len, hidden)
@@ -482,7 +483,7 @@ def kernel(args, step_args) -> dict:
 def parity(args, step_args) -> dict:
     import jax
     import numpy as np
-    from bert_jax import sharding
+    from bert_jax.training import sharding
 
     data = np.load(args.parity)
     n = min(args.parity_steps, data["input_ids"].shape[0])

@@ -79,7 +79,8 @@ def main(argv=None):
 
     import jax
     import optax
-    from bert_jax import optim, pretrain, sharding, steps
+    from bert_jax.pretrain import loop as pretrain, steps
+    from bert_jax.training import optim, sharding
 
     config, bert_config, mesh, batch_np, _ = bench_step.setup(step_args)
     ours_clip, ours_guard = optim.clip_by_global_norm, steps.apply_guarded_update

@@ -4,7 +4,7 @@
         [--dtype=bfloat16 --attention=dot_product --scan --remat=dots --packing] [--steps=20] \\
         [--hf] [--compile_only] [--json]
 
-Times the jitted, sharded `bert_jax.steps.train_step` (the one `pretrain.run` compiles: AdamW,
+Times the jitted, sharded `bert_jax.pretrain.steps.train_step` (the one `pretrain.run` compiles: AdamW,
 clipping, dropout on, state donated) after compilation, on inputs already on the device; the
 median of `--steps` steps, each waited for. FLOPs are the analytic matmul count
 (`steps.train_flops_per_sequence`: the MLM head at the masked positions only, the last layer at
@@ -96,7 +96,7 @@ def parse_args(argv=None):
                         "users run it), between the two halves of our rounds")
     p.add_argument("--hf_only", action="store_true", help="time transformers' step alone (what --hf_process runs)")
     p.add_argument("--host_memory", default="auto", choices=["auto", "true", "false"],
-                   help="config.keep_freed_host_memory, as bert_jax.main applies it (bert_jax/host_memory.py)")
+                   help="config.keep_freed_host_memory, as bert_jax.main applies it (bert_jax/training/host_memory.py)")
     p.add_argument("--compile_only", action="store_true", help="lower + compile, report the time, stop")
     p.add_argument("--peak_tflops", type=float, default=0.0, help="per-device peak (default: known devices)")
     p.add_argument("--measure_peak", action="store_true",
@@ -165,7 +165,7 @@ class Runner:
         import contextlib
         import flax.linen as nn
         import jax
-        from bert_jax import sharding
+        from bert_jax.training import sharding
 
         ctx = contextlib.ExitStack()
         if self.mesh is not None:
@@ -293,7 +293,8 @@ def bench_ours(args, config, bert_config, mesh, batch_np, init_cache: dict | Non
     import jax
     import jax.numpy as jnp
     import flax.linen as nn
-    from bert_jax import pretrain, sharding, steps
+    from bert_jax.pretrain import loop as pretrain, steps
+    from bert_jax.training import sharding
 
     model, tx, schedule, init_state = pretrain.build(config, bert_config, mesh)
     cached = (init_cache or {}).get("state")
@@ -363,7 +364,8 @@ def bench_hf(args, config, bert_config, batch_np):
     import jax.numpy as jnp
     import optax
     import transformers
-    from bert_jax import optim, steps
+    from bert_jax.pretrain import steps
+    from bert_jax.training import optim
 
     hf_config = transformers.BertConfig(
         vocab_size=bert_config.vocab_size, hidden_size=bert_config.hidden_size,
@@ -423,8 +425,8 @@ def setup(args):
     """The run's config, model config, one-axis data mesh and host batch, from the flags."""
     import jax
     import numpy as np
-    from bert_jax import sharding
-    from bert_jax.model.modeling import BertConfig
+    from bert_jax.model.model_config import BertConfig
+    from bert_jax.training import sharding
 
     config = load_config(args.config)
     jax.config.update("jax_default_prng_impl", args.prng)
@@ -495,14 +497,15 @@ def hf_in_its_own_process(argv: list) -> dict:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    from bert_jax import host_memory  # before JAX starts its threads, as bert_jax.main
+    from bert_jax.training import host_memory  # before JAX starts its threads, as bert_jax.main
     memory = host_memory.configure(args.host_memory)
     log(f"host memory: {memory}")
     if args.hf_only:
         return hf_alone(args)
     import jax
-    from bert_jax import pretrain, steps
     from bert_jax.model import modeling
+    from bert_jax.pretrain import steps
+    from bert_jax.training import run_setup
 
     config, bert_config, mesh, batch_np, predictions = setup(args)
     if args.packing and (args.hf or args.hf_process):
@@ -511,7 +514,7 @@ def main(argv=None):
         raise SystemExit("--hf (in this process) or --hf_process (in its own), not both")
 
     device = jax.devices()[0]
-    peak = pretrain.peak_flops_per_device()
+    peak = run_setup.peak_flops_per_device()
     if peak and args.dtype == "float32" and device.platform == "gpu":
         peak = None  # the table holds bf16 peaks; fp32 MFU on GPU needs --peak_tflops or --measure_peak
     log(f"{jax.device_count()} x {device.device_kind}; setting up")

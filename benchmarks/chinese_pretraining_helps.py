@@ -21,7 +21,7 @@ Everything runs from ../shared/data (MANIFEST.md, "Chinese") with Google's BERT-
 4. pretrain (W/pretrain/<arm>): configs/pretrain_small.py (BERT-Tiny L=2 H=128 A=2, MLM + NSP) with
    the Chinese vocab, `--pretrain_steps` steps (default 1,500) of batch 64.
 5. finetune (W/finetune/<arm>/<task>/seed<k>): each pretrained arm and a random init of the same
-   shape (W/random_init), fine-tuned with identical settings by `bert_jax.finetune.run` on
+   shape (W/random_init), fine-tuned with identical settings by `bert_jax.finetune.loop.run` on
    configs/own_data.py's classification (ChnSentiCorp: accuracy) and tagging (MSRA: conlleval
    entity F1), 3 epochs, batch 32, learning rate `--finetune_lr` for every arm, seeds 0/1/2;
    the reported score is the test split's at the epoch with the best dev score.

@@ -23,7 +23,7 @@ Stages, each skipped when its outputs exist (rerun the command to resume after a
    (resumes from its own checkpoints).
 3. finetune: per task and seed, the pretrained encoder and the same shape from a fresh random
    init (W/random_init, a bert_jax export of `BertForPreTraining.init`) fine-tuned with identical
-   settings by `bert_jax.finetune.run`; W/finetune/<arm>/<task>/seed<k>/result.json.
+   settings by `bert_jax.finetune.loop.run`; W/finetune/<arm>/<task>/seed<k>/result.json.
 4. report: W/pretraining_helps.json (dev scores, both arms, every seed) and
    W/pretraining_helps.png (pretraining MLM loss/accuracy; fine-tuning scores with seed spread).
 
@@ -329,10 +329,11 @@ def stage_random_init(path: str, overrides: dict, vocab: str, seed: int = 0) -> 
     import jax
     import numpy as np
     from flax import linen as nn
-    from bert_jax import convert, pretrain
+    from bert_jax import convert
     from bert_jax.model import modeling, pretraining_heads
+    from bert_jax.training import run_setup
 
-    cfg = pretrain.bert_config_from(pretrain_config(overrides))
+    cfg = run_setup.bert_config_from(pretrain_config(overrides))
     params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(seed), **modeling.dummy_inputs(cfg))["params"]
     params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(params))
     convert.save_pretrained(convert.Pretrained(cfg, params, vocab, True), path, "bert_jax")
@@ -414,8 +415,8 @@ def finetune_config(args, task: str, init: str, seed: int, train_file: str, lr: 
 
 
 def _finetune_once(args, run_dir: str, config, what: str) -> dict:
-    """`bert_jax.finetune.run` into run_dir, or its result.json when that run finished before."""
-    from bert_jax import finetune
+    """`bert_jax.finetune.loop.run` into run_dir, or its result.json when that run finished before."""
+    from bert_jax.finetune import loop as finetune
 
     done = os.path.join(run_dir, "result.json")
     if not os.path.exists(done):

@@ -18,7 +18,14 @@ __version__ = "0.1.0"
 MOVED = {f"bert_jax.{name}": f"bert_jax.{folder}.{name}" for folder, names in (
     ("model", ("model_config", "attention", "dropout", "fused", "fused_ffn", "mixed_precision", "pretraining_heads")),
     ("checkpoints", ("checkpoint_steps", "checkpoint_reading", "checkpoint_integrity", "preemption",
-                     "save_deadline"))) for name in names}
+                     "save_deadline")),
+    ("pretrain", ("pretrain_input", "pretrain_checks", "phases", "steps")),
+    ("finetune", ("heads", "predict")),
+    ("training", ("optim", "sharding", "compile_cache", "host_memory"))) for name in names}
+MOVED["bert_jax.finetune_batches"] = "bert_jax.finetune.batches"
+# `bert_jax.pretrain` and `bert_jax.finetune` were modules and are folders now: their loops are
+# `bert_jax.pretrain.loop` and `bert_jax.finetune.loop`; an attribute of the old module (`pretrain.run`)
+# fails naming its new home (`moved_attribute`).
 
 
 def _moved(fullname: str) -> ModuleNotFoundError:
@@ -34,6 +41,20 @@ class _MovedModules:
         if fullname in MOVED:
             raise _moved(fullname)
         return None
+
+
+def moved_attribute(package: str, name: str, homes: tuple) -> AttributeError:
+    """`bert_jax.pretrain.run` (a name of the module that `package` replaced): an AttributeError that
+    names the module of `homes` holding it now. The package's own modules are not looked for here
+    (the import system asks for them before importing them)."""
+    import importlib
+    import os
+    folder = os.path.join(os.path.dirname(__file__), *package.split(".")[1:])
+    if not name.startswith("_") and not os.path.exists(os.path.join(folder, f"{name}.py")):
+        for home in homes:
+            if hasattr(importlib.import_module(home), name):
+                return AttributeError(f"module {package!r} has no attribute {name!r}: it moved to '{home}.{name}'")
+    return AttributeError(f"module {package!r} has no attribute {name!r}")
 
 
 def __getattr__(name):

@@ -177,7 +177,7 @@ def apply_overrides(config, overrides: Sequence[str], path: str = "the config fi
 
 # The `--config.*` keys the command line of this process set (`bert_jax.main` records them): with
 # an init checkpoint, a `config.model` key given here is the user's choice, where the config file's
-# value is only a default that the checkpoint's own config replaces (`pretrain.bert_config_from`).
+# value is only a default that the checkpoint's own config replaces (`run_setup.bert_config_from`).
 _GIVEN: set = set()
 
 

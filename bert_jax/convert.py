@@ -41,7 +41,7 @@ from bert_jax.formats.google import (  # noqa: F401
     to_google)
 from bert_jax.formats.hf import (  # noqa: F401
     _HF_WEIGHTS, _read_hf_config, flax_to_hf_names, from_hf, hf_config_dict, hf_name, load_hf, save_hf, to_hf)
-from bert_jax.model.modeling import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
+from bert_jax.model.model_config import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
 from data_pipeline import storage
 
 
@@ -168,7 +168,7 @@ def load_pretrained(path: str, format: Optional[str] = None, *,  # pylint: disab
 
 def load_finetuned(path: str, which: Optional[str] = "best") -> Pretrained:
     """A fine-tuned model: the encoder, its task head (`params["head"]`) and `task` (its `task.json`:
-    task, head kind, num_outputs, labels, max_seq_length), for `bert_jax.heads.BertForTask`.
+    task, head kind, num_outputs, labels, max_seq_length), for `bert_jax.finetune.heads.BertForTask`.
 
     `path` is a fine-tuning workdir, whose parameters `which` picks: "best" (the best epoch,
     `W/best/`; an error naming "last" when the run kept none) or "last" (`W/checkpoints/`); or,
@@ -207,7 +207,7 @@ def model_params(pretrained: Pretrained, config: Optional[BertConfig] = None, *,
     """The parameters as the model with `config` (default: the checkpoint's) wants them: cast to
     its `param_dtype`, layers stacked when it scans; heads dropped when `heads=False`.
 
-    A fine-tuned checkpoint's parameters (`{"bert", "head"}`) are `bert_jax.heads.BertForTask`'s, e.g.
+    A fine-tuned checkpoint's parameters (`{"bert", "head"}`) are `bert_jax.finetune.heads.BertForTask`'s, e.g.
     `BertForTask(config, p.task["head"], p.task["num_outputs"]).apply({"params": model_params(p, config)}, ...)`.
     """
     import jax

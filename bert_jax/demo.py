@@ -19,7 +19,9 @@ import logging
 import jax
 import ml_collections
 
-from bert_jax import pretrain
+from bert_jax import layout
+from bert_jax.pretrain import loop as pretrain
+from bert_jax.training import run_setup, sharding
 from data_pipeline import storage
 
 PROMPTS = (
@@ -41,7 +43,7 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str) -> dict:
         files = corpora.write_embedded_corpus(corpus_dir, num_shards=d.num_shards)
     train_files, eval_files = files[:-1], files[-1:]  # the last shard is held out
 
-    vocab_file = storage.join(workdir, "vocab.txt")
+    vocab_file = storage.join(workdir, layout.VOCAB)
     if not storage.exists(vocab_file):
         train_vocab.train_vocab(train_files, d.vocab_size, vocab_file, do_lower_case=True)
 
@@ -88,8 +90,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     eval_config = config.copy_and_resolve_references()
     eval_config.init_checkpoint = workdir
     evaluation = pretrain.evaluate(eval_config, workdir)
-    bert_config = pretrain.bert_config_from(eval_config)
-    params, _ = pretrain.load_params(eval_config, bert_config, pretrain.sharding.create_mesh(
+    bert_config = run_setup.bert_config_from(eval_config)
+    params, _ = run_setup.load_params(eval_config, bert_config, sharding.create_mesh(
         {"data": -1}, devices=jax.devices()[:1]))
     results = fill_mask(params, bert_config, paths["vocab_file"])
     if jax.process_index() == 0:

@@ -268,7 +268,7 @@ def main(argv):
     del argv
     from absl import flags, logging
     from bert_jax import convert
-    from bert_jax.model.modeling import BertConfig
+    from bert_jax.model.model_config import BertConfig
     from data_pipeline import tokenization
 
     FLAGS = flags.FLAGS

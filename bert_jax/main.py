@@ -70,7 +70,7 @@ def main(argv):
     config = _CONFIG.value
     # First, before anything starts a thread (JAX's backends, a gs:// client): threads pick their
     # malloc arena once.
-    from bert_jax import host_memory
+    from bert_jax.training import host_memory
     try:
         memory = host_memory.configure(config.get("keep_freed_host_memory", "auto"))
     except ValueError as e:
@@ -83,14 +83,16 @@ def main(argv):
     except StorageError as e:
         raise SystemExit(f"FATAL: {e}") from None
     # Before anything compiles: programs of earlier runs are loaded instead of compiled again.
-    from bert_jax import compile_cache
+    from bert_jax.training import compile_cache
     try:
         logging.info("compilation cache: %s", compile_cache.configure(config.get("compilation_cache", "auto")))
     except ValueError as e:
         raise SystemExit(f"FATAL: {e}") from None
     stats = compile_cache.CacheStats().start()
     init_distributed(_MULTIHOST.value)
-    from bert_jax import demo, finetune, predict, pretrain
+    from bert_jax import demo
+    from bert_jax.finetune import loop as finetune, predict
+    from bert_jax.pretrain import loop as pretrain
     modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run, "finetune": finetune.run,
              "predict": predict.run}
     if config.mode not in modes:

@@ -56,7 +56,7 @@ def load_config(path: str, seq_len: int, dtype: str, overrides=()):
     """`(ConfigDict, BertConfig)` of a config file (the one `bert_jax.main` would train), with
     `--config.key=value` overrides (e.g. `--config.model.attention_impl=dot_product`)."""
     from bert_jax.config_overrides import apply_overrides, load_config as load_config_file
-    from bert_jax.model.modeling import BertConfig
+    from bert_jax.model.model_config import BertConfig
 
     config = load_config_file(path, module_name="plan_config")
     apply_overrides(config, overrides, path)
@@ -102,8 +102,8 @@ def comm_seconds(collectives, mesh, net) -> tuple[float, float, dict]:
 
 def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int, batch_per_chip: int) -> dict:
     """Compile, read the program, project the step (module docstring)."""
-    from bert_jax import steps
     from bert_jax.planning import aot, chips, cost, hlo
+    from bert_jax.pretrain import steps
 
     spec = chips.parse_slice(slice_name)
     devices = aot.slice_devices(slice_name)

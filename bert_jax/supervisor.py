@@ -56,6 +56,7 @@ import tempfile
 import time
 from typing import Optional
 
+from bert_jax import layout
 from data_pipeline import storage
 
 POD_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "tpu_pod.sh")
@@ -213,7 +214,7 @@ class Supervisor:
 
     def _saved_step(self) -> Optional[int]:
         """The newest step folder in WORKDIR/checkpoints (the run checks its integrity on resume)."""
-        steps = [int(n) for n in storage.listdir(storage.join(self.workdir, "checkpoints")) if n.isdigit()]
+        steps = [int(n) for n in storage.listdir(storage.join(self.workdir, layout.CHECKPOINTS)) if n.isdigit()]
         return max(steps) if steps else None
 
     def log_dest(self, attempt: int) -> str:

@@ -29,7 +29,8 @@ import threading
 import time
 from typing import Any, Iterable, Mapping, Optional
 
-from bert_jax.model.modeling import BertConfig
+from bert_jax import layout
+from bert_jax.model.model_config import BertConfig
 from data_pipeline import storage
 from data_pipeline.log_writer import CLOSE_TIMEOUT_S, MIRROR_INTERVAL_S, LogWriter
 
@@ -85,7 +86,7 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
     from bert_jax import convert
 
     storage.makedirs(workdir)
-    config_file = storage.join(workdir, "bert_config.json")
+    config_file = storage.join(workdir, layout.MODEL_CONFIG)
     try:
         unchanged = BertConfig.from_json_file(config_file) == bert_config.replace(fp8=False)
     except (OSError, ValueError):
@@ -93,9 +94,9 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
     if not unchanged:
         bert_config.to_json_file(config_file)
     if vocab_file:
-        write_if_changed(storage.join(workdir, "vocab.txt"), storage.read_bytes(vocab_file))
+        write_if_changed(storage.join(workdir, layout.VOCAB), storage.read_bytes(vocab_file))
     if do_lower_case is not None:
-        write_if_changed(storage.join(workdir, "tokenizer_config.json"),
+        write_if_changed(storage.join(workdir, layout.TOKENIZER_CONFIG),
                          convert.tokenizer_config_json(do_lower_case).encode())
 
 

@@ -8,7 +8,7 @@ from ml_collections import config_dict
 
 
 def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.ConfigDict:
-    """The fields of `bert_jax.model.modeling.BertConfig` for a published shape (feed-forward 4H)."""
+    """The fields of `bert_jax.model.model_config.BertConfig` for a published shape (feed-forward 4H)."""
     m = ml_collections.ConfigDict()
     m.vocab_size = 30522  # WordPiece vocabulary size (the released uncased vocab)
     m.hidden_size = hidden  # H
@@ -110,9 +110,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.on_damaged_checkpoint = "fallback"  # newest step damaged: "fallback" to the newest intact one, or "stop"
     config.allow_version_change = False  # True: resume a checkpoint saved under other jax/flax/orbax/libtpu versions
     # CPU-only machines: glibc keeps freed large blocks for the next step instead of unmapping them
-    # (~12% of a CPU run's time went to page faults; bert_jax/host_memory.py). auto | true | false
+    # (~12% of a CPU run's time went to page faults; bert_jax/training/host_memory.py). auto | true | false
     config.keep_freed_host_memory = "auto"
-    # Compiled programs kept on disk for the next run (bert_jax/compile_cache.py): auto (JAX_COMPILATION_CACHE_DIR,
+    # Compiled programs kept on disk for the next run (bert_jax/training/compile_cache.py): auto (JAX_COMPILATION_CACHE_DIR,
     # else $BERT_JAX_CACHE_DIR/xla, at most 4 GiB) | off | a folder (local or gs://)
     config.compilation_cache = "auto"
     config.nonfinite = "stop"  # stop | skip: on a non-finite loss or gradient

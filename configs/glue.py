@@ -22,9 +22,9 @@ from configs import base
 
 
 def get_finetune_config() -> ml_collections.ConfigDict:
-    """The fields of `bert_jax.finetune` (configs/squad.py, ner.py, swag.py import this)."""
+    """The fields of `bert_jax.finetune.loop` (configs/squad.py, ner.py, swag.py import this)."""
     config = ml_collections.ConfigDict()
-    config.mode = "finetune"  # finetune | predict (bert_jax/predict.py)
+    config.mode = "finetune"  # finetune | predict (bert_jax/finetune/predict.py)
     config.task = "sst2"  # data_pipeline.tasks.TASK_NAMES
     config.seed = 42  # seeds the head's init, dropout and the data order
     config.prng_impl = "threefry2x32"  # dropout's random bits: threefry2x32 | rbg | unsafe_rbg (configs/base.py)
@@ -53,12 +53,12 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     # Training batches of the classification and regression heads packed: a batch's rows laid end
     # to end in fewer rows of max_seq_length, each sequence attending only to itself (its own
     # positions and [CLS]): the unpacked loss to float rounding, with dropout's masks drawn for the
-    # packed shape (data_pipeline/tasks/packed.py). Replaces trimming for those steps; evaluation
+    # packed shape (bert_jax/finetune/packing.py). Replaces trimming for those steps; evaluation
     # is not packed. Other heads train unpacked. False: unpacked (trimmed) rows, as runs before.
     config.packing = True
     config.task_options = ml_collections.ConfigDict()  # keyword arguments of the task (see squad.py)
 
-    # --- mode=predict: the fine-tuned model in --workdir on new text (bert_jax/predict.py) ---
+    # --- mode=predict: the fine-tuned model in --workdir on new text (bert_jax/finetune/predict.py) ---
     config.predict_input = ""  # a text file (one example a line) or a file in the task's format
     config.predict_format = "auto"  # auto | text | task (auto: the task's file names and suffixes)
     config.predict_params = "best"  # best (W/best/, the best epoch) | last (W/checkpoints/)
@@ -107,9 +107,9 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.checkpoint_every_steps = 0
     config.allow_version_change = False  # True: resume a checkpoint saved under other jax/flax/orbax/libtpu versions
     # CPU-only machines: glibc keeps freed large blocks for the next step instead of unmapping them
-    # (~12% of a CPU run's time went to page faults; bert_jax/host_memory.py). auto | true | false
+    # (~12% of a CPU run's time went to page faults; bert_jax/training/host_memory.py). auto | true | false
     config.keep_freed_host_memory = "auto"
-    # Compiled programs kept on disk for the next run (bert_jax/compile_cache.py): auto (JAX_COMPILATION_CACHE_DIR,
+    # Compiled programs kept on disk for the next run (bert_jax/training/compile_cache.py): auto (JAX_COMPILATION_CACHE_DIR,
     # else $BERT_JAX_CACHE_DIR/xla, at most 4 GiB) | off | a folder (local or gs://)
     config.compilation_cache = "auto"
     # -1: XLA's default. 0 compiles several times faster on CPU and runs slower (tests, debugging).

@@ -1,7 +1,7 @@
 """tf.data input for pretraining: TFRecords in Google's schema -> host-local numpy batches.
 
 The last stage of the training input (`records` -> `masking` -> `packing` -> **input_pipeline**
--> `bert_jax.sharding.to_global`): `PretrainingInput`, the endless (or one-epoch) training
+-> `bert_jax.training.sharding.to_global`): `PretrainingInput`, the endless (or one-epoch) training
 stream of one host, with its saved and restored position, and `EvalInput`
 (`make_eval_iterator`), one padded pass for evaluation, built from the three modules before it.
 The public names of those modules are importable from here too.

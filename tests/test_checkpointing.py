@@ -229,7 +229,7 @@ def test_every_step_gets_an_integrity_manifest_sealed_once_committed(tmp_path):
 
 
 def test_state_may_be_donated_as_soon_as_save_returns(tmp_path):
-    # pretrain.py jits its step with donate_argnums=0 and runs it right after `save`. JAX then
+    # pretrain/loop.py jits its step with donate_argnums=0 and runs it right after `save`. JAX then
     # either donates (orbax has its copy) or, while orbax still holds the buffers, skips the
     # donation for that call; the checkpoint must hold the values of save time in both cases.
     ckpt = Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=1, handle_sigterm=False)

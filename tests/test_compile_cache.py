@@ -12,7 +12,7 @@ import textwrap
 import jax
 import pytest
 
-from bert_jax import compile_cache
+from bert_jax.training import compile_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_compilation_cache_max_size",
@@ -91,7 +91,7 @@ def test_stats_count_programs_loaded_from_the_cache(tmp_path):
         os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
         os.environ.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
         import numpy as np, jax, jax.numpy as jnp
-        from bert_jax import compile_cache
+        from bert_jax.training import compile_cache
         print(compile_cache.configure("auto"))
         stats = compile_cache.CacheStats().start()
         f = lambda x: jnp.tanh(x @ x.T).sum()
@@ -132,7 +132,7 @@ def test_the_cache_can_live_in_a_bucket(gcs_server, bucket):
         import os
         os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
         import numpy as np, jax, jax.numpy as jnp
-        from bert_jax import compile_cache
+        from bert_jax.training import compile_cache
         from data_pipeline import storage
         print(compile_cache.configure({bucket + "/xla"!r}))
         stats = compile_cache.CacheStats().start()

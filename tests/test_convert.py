@@ -20,7 +20,8 @@ import pytest
 import scipy.special
 
 from bert_jax import convert
-from bert_jax.model.modeling import BertConfig, BertModel
+from bert_jax.model.model_config import BertConfig
+from bert_jax.model.modeling import BertModel
 from bert_jax.model.pretraining_heads import BertForPreTraining
 
 tf = pytest.importorskip("tensorflow")
@@ -540,23 +541,24 @@ def test_cli_google_gelu_flag(google_dir, tmp_path, capsys, caplog):
 def test_google_gelu_reaches_the_tools_that_read_an_init_checkpoint(google_dir):
     """config.google_gelu (pretraining, evaluation, fine-tuning) and fill_mask's google_gelu read a
     Google checkpoint's "gelu" as asked; erf when not asked."""
-    from bert_jax import fill_mask, pretrain
+    from bert_jax import fill_mask
+    from bert_jax.training import run_setup
     from configs import base, glue
     for flag, act in ((None, "gelu"), ("erf", "gelu"), ("tanh", "gelu_tanh")):
         for config in (base.get_config(), glue.get_config()):
             config.init_checkpoint, config.google_gelu = google_dir[0], flag
-            assert pretrain.bert_config_from(config).hidden_act == act, (flag, config.mode)
+            assert run_setup.bert_config_from(config).hidden_act == act, (flag, config.mode)
         assert fill_mask.load(google_dir[0], google_gelu=flag)[1].hidden_act == act
 
 
 def test_pretraining_workdir_is_a_bert_jax_checkpoint(google_dir, tmp_path):
     """A workdir's newest TrainState (checkpoints/<step>/state) loads like an export."""
     import optax
-    from bert_jax import steps
     from bert_jax.checkpoints import checkpointing
+    from bert_jax.training import train_state
     src = convert.load_pretrained(google_dir[0])
     params = convert.model_params(src, src.config.replace(scan_layers=True))
-    state = steps.create_train_state(params, optax.adam(1e-3), jax.random.key(0))
+    state = train_state.create_train_state(params, optax.adam(1e-3), jax.random.key(0))
     workdir = tmp_path / "work"
     src.config.to_json_file(str(tmp_path / "bert_config.json"))
     os.makedirs(workdir)

@@ -1,7 +1,7 @@
 """Exporting a fine-tuned model: the encoder plus its task head, from a fine-tuning workdir.
 
-Each head kind is built with `bert_jax.heads.BertForTask` (random weights, head bias made non-zero),
-saved as `bert_jax.finetune` saves it (`best/<step>/state`, `checkpoints/<step>/state`, `task.json`),
+Each head kind is built with `bert_jax.finetune.heads.BertForTask` (random weights, head bias made non-zero),
+saved as `bert_jax.finetune.loop` saves it (`best/<step>/state`, `checkpoints/<step>/state`, `task.json`),
 converted with the CLI, and loaded by transformers' Flax task classes, the reference for the HF
 side: their logits must be ours. Google's names are read back with TensorFlow's checkpoint reader.
 """
@@ -17,10 +17,12 @@ import numpy as np
 import optax
 import pytest
 
-from bert_jax import convert, heads, steps
+from bert_jax import convert
 from bert_jax.checkpoints import checkpointing
+from bert_jax.finetune import heads
 from bert_jax.model import modeling
-from bert_jax.model.modeling import BertConfig
+from bert_jax.model.model_config import BertConfig
+from bert_jax.training import train_state
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,7 +54,7 @@ def task_params(kind, seed):
 
 
 def write_workdir(root, kind, *, best=None, last=None, config=CFG):
-    """A fine-tuning workdir as `bert_jax.finetune` leaves it: the best epoch's `{"params": ...}` in
+    """A fine-tuning workdir as `bert_jax.finetune.loop` leaves it: the best epoch's `{"params": ...}` in
     best/, the last TrainState in checkpoints/ (either may be absent), the model files, task.json."""
     os.makedirs(root)
     config.to_json_file(str(root / "bert_config.json"))
@@ -65,7 +67,7 @@ def write_workdir(root, kind, *, best=None, last=None, config=CFG):
                                         async_save=False, handle_sigterm=False) as ckpt:
             ckpt.save(6, {"params": best}, {"epoch": 2, "results": {}}, force=True)
     if last is not None:
-        state = steps.create_train_state(last, optax.adamw(1e-3), jax.random.key(1))
+        state = train_state.create_train_state(last, optax.adamw(1e-3), jax.random.key(1))
         with checkpointing.Checkpointer(str(root / "checkpoints"), save_interval_steps=1, max_to_keep=1,
                                         handle_sigterm=False) as ckpt:
             ckpt.save(9, state, {"history": [], "best": None}, force=True)

@@ -12,7 +12,8 @@ import pytest
 
 from bert_jax import convert, extract_features as ef
 from xla_flags import xla_flags  # tests/ is on sys.path
-from bert_jax.model.modeling import BertConfig, BertModel
+from bert_jax.model.model_config import BertConfig
+from bert_jax.model.modeling import BertModel
 from data_pipeline import tokenization
 
 ROOT = Path(__file__).resolve().parents[1]

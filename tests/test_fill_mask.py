@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from bert_jax import convert, fill_mask
-from bert_jax.model.modeling import BertConfig, dummy_inputs
+from bert_jax.model.model_config import BertConfig
+from bert_jax.model.modeling import dummy_inputs
 from bert_jax.model.pretraining_heads import BertForPreTraining
 
 transformers = pytest.importorskip("transformers")

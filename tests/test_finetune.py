@@ -19,8 +19,9 @@ import jax
 import numpy as np
 import pytest
 
-from bert_jax import convert, finetune, finetune_batches, heads
-from bert_jax.model import modeling, pretraining_heads
+from bert_jax import convert
+from bert_jax.finetune import batches as finetune_batches, bucketing, heads, loop as finetune, steps as finetune_steps
+from bert_jax.model import model_config, modeling, pretraining_heads
 from configs import glue as glue_config
 from configs import ner as ner_config
 from configs import squad as squad_config
@@ -55,7 +56,7 @@ def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained")
     vocab = root / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list(".,?!'-")) + "\n")
-    cfg = modeling.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+    cfg = model_config.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                               intermediate_size=64, max_position_embeddings=64)
     params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **modeling.dummy_inputs(cfg))["params"]
     params = nn.meta.unbox(params)
@@ -294,7 +295,7 @@ def test_the_loop_starts_from_the_checkpoint_and_a_fresh_head(tmp_path, checkpoi
 
 
 def test_predict_mode_gives_the_loops_predictions_from_text_or_the_tasks_files(sst2_run, tmp_path):
-    from bert_jax import predict
+    from bert_jax.finetune import predict
     data, work, _ = sst2_run
     description = read_json(work / "task.json")
     assert description == {"task": "sst2", "head": "classification", "num_outputs": 2, "labels": ["0", "1"],
@@ -380,7 +381,7 @@ def test_resume_after_sigterm_mid_epoch(tmp_path, sst2_run, checkpoint, monkeypa
     where the uninterrupted run ended (same batches, same dropout keys)."""
     import signal
 
-    from bert_jax import sharding
+    from bert_jax.training import sharding
     data, _, uninterrupted = sst2_run
     calls = {"n": 0}
     to_global = sharding.to_global
@@ -847,7 +848,7 @@ def test_ner_from_files_and_tfds(tmp_path, checkpoint):
         types = {k[len(prefix):] for k in results if k.startswith(prefix + "f1_")}
         assert types == {k for k in want if k.startswith("f1_")}, split
     # mode=predict on the dev file (CoNLL columns) and on its sentences as plain text: the loop's tags.
-    from bert_jax import predict
+    from bert_jax.finetune import predict
     loop = [[line.split(" ") for line in block.splitlines()] for block in lines if block.strip()]
     text = tmp_path / "sentences.txt"
     text.write_text("".join(" ".join(w for w, _, _ in s) + "\n" for s in loop))
@@ -1034,29 +1035,29 @@ def test_train_plan_counts_steps_as_googles_scripts():
     config = glue_config.get_config()
     config.global_batch_size, config.num_train_epochs, config.warmup_proportion = 4, 3, 0.1
     # GLUE-like: 10 examples, one row each. Ours: 3 epochs of ceil(10 / 4) = 3 batches (padded).
-    assert finetune.train_plan(config, 10, 10) == (9, 0, [3, 6, 9])
+    assert finetune_batches.train_plan(config, 10, 10) == (9, 0, [3, 6, 9])
     # Google: int(10 / 4 * 3) = 7 steps of full batches, int(7 * 0.1) = 0 warmup steps; an
     # evaluation after the batch that completes each pass over the rows (rows 10, 20) and at the end.
     google_recipe(config)
-    assert finetune.train_plan(config, 10, 10) == (7, 0, [3, 5, 7])
+    assert finetune_batches.train_plan(config, 10, 10) == (7, 0, [3, 5, 7])
     config.warmup_proportion = 0.3
-    assert finetune.train_plan(config, 10, 10) == (7, 2, [3, 5, 7])  # int(2.1) = 2
+    assert finetune_batches.train_plan(config, 10, 10) == (7, 2, [3, 5, 7])  # int(2.1) = 2
     # SQuAD-like: 10 questions in 13 windows, 2 epochs: int(10 / 4 * 2) = 5 steps (not
     # ceil(13 / 4) * 2 = 8), fewer than two passes over the windows; a float number of epochs.
     config.num_train_epochs, config.warmup_proportion = 2, 0.1
-    assert finetune.train_plan(config, 10, 13) == (5, 0, [4, 5])
+    assert finetune_batches.train_plan(config, 10, 13) == (5, 0, [4, 5])
     config.num_train_epochs = 2.5
-    assert finetune.train_plan(config, 10, 13) == (6, 0, [4, 6])
+    assert finetune_batches.train_plan(config, 10, 13) == (6, 0, [4, 6])
     # SQuAD v1.1's 87,599 training questions (more windows), batch 32, 3 epochs, warmup 0.1.
     config.global_batch_size, config.num_train_epochs = 32, 3.0
-    assert finetune.train_plan(config, 87599, 88641)[:2] == (8212, 821)
+    assert finetune_batches.train_plan(config, 87599, 88641)[:2] == (8212, 821)
     config.num_train_steps_from = "epochs"
     with pytest.raises(ValueError, match="config.num_train_epochs=3.5 must be a whole number"):
         config.num_train_epochs = 3.5
-        finetune.train_plan(config, 10, 10)
+        finetune_batches.train_plan(config, 10, 10)
     config.num_train_steps_from = "features"
     with pytest.raises(ValueError, match="config.num_train_steps_from"):
-        finetune.train_plan(config, 10, 10)
+        finetune_batches.train_plan(config, 10, 10)
     # Examples are counted as those that gave feature rows (a SQuAD question gives several).
     split = type("Split", (), {"examples": list("abcd"), "features": {"example_index": np.array([0, 0, 1, 3, 3])}})
     assert finetune.count_examples(split) == 3
@@ -1170,8 +1171,7 @@ def test_batches_cut_short_of_the_padding_train_and_predict_as_full_padding(tmp_
     each evaluation row's logits (in row order, at its real positions) of the same run padded to
     16, to float rounding; the cut really happens, in training and evaluation. So does a run whose
     training rows are packed several to a row (config.packing)."""
-    from bert_jax import sharding
-    from data_pipeline import tasks as tasks_lib
+    from bert_jax.training import sharding
     folder = tmp_path / "data" / ("SST-2" if kind == "sst2" else "conll")
     varied_files(folder, kind, np.random.RandomState(5))
     widths, shapes, evaluated = [], [], []
@@ -1179,7 +1179,7 @@ def test_batches_cut_short_of_the_padding_train_and_predict_as_full_padding(tmp_
     monkeypatch.setattr(sharding, "to_global", lambda b, mesh: (
         widths.append(b["input_ids"].shape[-1]), shapes.append((b["input_ids"].shape, "pack_ids" in b)),
         to_global(b, mesh))[2])
-    predict = finetune._predict
+    predict = finetune_steps.predict_split
 
     def spy(p_eval, params, split, **kw):  # each evaluation's logits and its rows' input masks
         outputs, sums = predict(p_eval, params, split, **kw)
@@ -1232,7 +1232,7 @@ def test_batches_cut_short_of_the_padding_train_and_predict_as_full_padding(tmp_
     evaluations = 2 if kind == "sst2" else 4  # after each epoch: dev (CoNLL: valid and test)
     assert [len(runs[b][5]) for b in runs] == [evaluations] * len(runs)
     for (logits, mask), *cuts in zip(*(runs[b][5] for b in (0, "4 free", 4, "4 packed"))):
-        order = np.argsort(tasks_lib.row_lengths(mask), kind="stable")
+        order = np.argsort(bucketing.row_lengths(mask), kind="stable")
         assert np.abs(real(logits[order], mask) - real(logits, mask)).max() > 10 * 5e-6
         for cut_logits, cut_mask in cuts:
             assert cut_logits.shape == logits.shape and np.array_equal(cut_mask, mask)
@@ -1242,8 +1242,7 @@ def test_batches_cut_short_of_the_padding_train_and_predict_as_full_padding(tmp_
 @pytest.mark.parametrize("steps_from", ["epochs", "examples"])
 def test_training_needs_are_the_lengths_the_training_batches_are_cut_to(steps_from):
     """What the length choice counts, per step of the whole run, is what the loop's batches (of
-    `tasks.batches` per epoch, or `stream_batches`) are cut to when every length is allowed."""
-    from data_pipeline import tasks as tasks_lib
+    `batches.batches` per epoch, or `stream_batches`) are cut to when every length is allowed."""
     rng = np.random.RandomState(4)
     lengths = rng.randint(1, 17, size=21)
     mask = (np.arange(16)[None] < lengths[:, None]).astype(np.int32)
@@ -1251,7 +1250,7 @@ def test_training_needs_are_the_lengths_the_training_batches_are_cut_to(steps_fr
     every = dict(lengths=tuple(range(1, 17)), sequence_keys=("input_ids",))
     if steps_from == "epochs":
         total, epochs = 9, 3  # 3 batches of 8 per epoch, the last completed with row 0
-        batches = [b for e in range(epochs) for b in tasks_lib.batches(features, ["input_ids"], 8, shuffle_seed=5 + e, **every)]
+        batches = [b for e in range(epochs) for b in finetune_batches.batches(features, ["input_ids"], 8, shuffle_seed=5 + e, **every)]
     else:
         total, epochs = 7, 3  # int(21 / 8 * 2.7): 56 rows from a stream of passes
         batches = list(finetune_batches.stream_batches(features, ["input_ids"], 8, range(total), seed=5, **every))

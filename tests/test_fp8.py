@@ -15,8 +15,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bert_jax import optim, steps
-from bert_jax.model import modeling, pretraining_heads
+from bert_jax.model import model_config, modeling, pretraining_heads
+from bert_jax.pretrain import steps
+from bert_jax.training import optim, train_state
 
 ROOT = Path(__file__).resolve().parents[1]
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -48,7 +49,7 @@ def _fp8_state(x_amax: float, k_amax: float, history: int = 1024) -> dict:
 
 
 def test_an_fp8_dense_layer_equals_the_hand_quantized_matmul_with_delayed_scales():
-    cfg = modeling.BertConfig(hidden_size=32, num_attention_heads=4, dtype="bfloat16", fp8=True)
+    cfg = model_config.BertConfig(hidden_size=32, num_attention_heads=4, dtype="bfloat16", fp8=True)
     rng = np.random.default_rng(0)
     x = rng.normal(0, 3.0, (6, 32)).astype(np.float32)
     kernel = rng.normal(0, 0.05, (32, 16)).astype(np.float32)
@@ -69,8 +70,8 @@ def test_an_fp8_dense_layer_equals_the_hand_quantized_matmul_with_delayed_scales
     assert np.max(np.abs(got - exact)) < 0.1 * np.max(np.abs(exact))
 
 
-def _tiny(fp8: bool, **kw) -> modeling.BertConfig:
-    return modeling.BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+def _tiny(fp8: bool, **kw) -> model_config.BertConfig:
+    return model_config.BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                intermediate_size=128, dtype="bfloat16", fp8=fp8, **kw)
 
 
@@ -89,7 +90,7 @@ def _state_and_step(cfg, accum_steps: int = 1):
     variables = nn.meta.unbox(
         model.init(jax.random.key(0), **modeling.dummy_inputs(cfg, batch=4, length=16, predictions=3)))
     tx = optim.make_optimizer("adamw", lambda s: 1e-3, clip_norm=1.0)
-    state = steps.create_train_state(variables["params"], tx, jax.random.key(1),
+    state = train_state.create_train_state(variables["params"], tx, jax.random.key(1),
                                      fp8=variables.get(modeling.FP8_COLLECTION))
     step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=lambda s: 1e-3,
                                      accum_steps=accum_steps))
@@ -149,7 +150,7 @@ def test_the_train_step_carries_the_scaling_state_one_amax_per_step():
 
 
 def _loss(cfg, params, fp8, batch):
-    out = pretraining_heads.BertForPreTraining(cfg).apply(steps.model_variables(params, fp8), **{
+    out = pretraining_heads.BertForPreTraining(cfg).apply(train_state.model_variables(params, fp8), **{
         k: batch[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")})
     return jnp.sum(out.mlm_logits)
 
@@ -182,9 +183,9 @@ def test_scanned_layers_stack_the_state_and_the_config_file_leaves_fp8_out(tmp_p
     cfg = _tiny(True)
     cfg.to_json_file(tmp_path / "bert_config.json")
     assert "fp8" not in json.loads((tmp_path / "bert_config.json").read_text())
-    assert modeling.BertConfig.from_json_file(tmp_path / "bert_config.json") == cfg.replace(fp8=False)
+    assert model_config.BertConfig.from_json_file(tmp_path / "bert_config.json") == cfg.replace(fp8=False)
     with pytest.raises(ValueError, match="fp8"):
-        modeling.BertConfig(fp8="yes")
+        model_config.BertConfig(fp8="yes")
 
 
 def test_a_resumed_fp8_run_repeats_the_uninterrupted_one_bit_for_bit(tmp_path, monkeypatch):
@@ -213,7 +214,7 @@ def test_a_resumed_fp8_run_repeats_the_uninterrupted_one_bit_for_bit(tmp_path, m
     assert tp.losses(tmp_path / "resumed") == want  # steps 5-12 again, the same floats
     assert "fp8" not in json.loads((tmp_path / "ref" / "bert_config.json").read_text())
     # Fine-tuning is not an FP8 path: said before anything runs.
-    from bert_jax import finetune
+    from bert_jax.finetune import loop as finetune
     from configs import glue
     config = glue.get_config()
     config.model.fp8 = True

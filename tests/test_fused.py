@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import dropout, fused, modeling, pretraining_heads
+from bert_jax.model import dropout, fused, model_config, modeling, pretraining_heads
 import model_parity  # tests/ is on sys.path
 
 
@@ -44,7 +44,7 @@ def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypat
     monkeypatch.setattr(fused, "INTERPRET_FORWARD", shapes[launch][0])
     monkeypatch.setattr(fused, "INTERPRET_BACKWARD", shapes[launch][1])
     hidden = {"gpu": 128, "chunked": 112}[launch]
-    cfg = modeling.BertConfig(hidden_size=hidden, num_attention_heads=4, dtype=dtype)
+    cfg = model_config.BertConfig(hidden_size=hidden, num_attention_heads=4, dtype=dtype)
     rng = np.random.default_rng(0)
     shape = (3, 40, hidden)  # 120 rows: blocks of 8 (halved from 16 or 32 until they divide)
     h, x, dy = (jnp.asarray(rng.normal(0, 1, shape), cfg.compute_dtype) for _ in range(3))
@@ -89,7 +89,7 @@ def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypat
 @pytest.mark.parametrize("dtype,logits_atol,loss_rtol,grad_tol", [
     ("float32", 2e-6, 1e-5, 1e-5), ("bfloat16", 8e-3, 1.5e-2, 6e-2)])
 def test_the_fused_model_trains_like_the_unfused_one(dtype, logits_atol, loss_rtol, grad_tol):
-    cfg = modeling.BertConfig(vocab_size=300, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+    cfg = model_config.BertConfig(vocab_size=300, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                               intermediate_size=256, dtype=dtype)
     model_parity.assert_trains_alike(cfg, cfg.replace(fused_ops=True), kernels=("pallas_call",),
                                      logits_atol=logits_atol, loss_rtol=loss_rtol, grad_tol=grad_tol)
@@ -99,14 +99,14 @@ def test_hidden_sizes_the_kernels_cannot_read_use_the_unfused_path():
     assert fused.pieces(768) == ((0, 512), (512, 256)) and fused.pieces(1024) == ((0, 1024),)
     assert all(fused.supported(h) for h in (1024, 768, 384, 128, 112))
     assert not any(fused.supported(h) for h in (120, 8, 240))  # not a multiple of 16; four pieces
-    cfg = modeling.BertConfig(vocab_size=100, hidden_size=120, num_hidden_layers=1, num_attention_heads=4,
+    cfg = model_config.BertConfig(vocab_size=100, hidden_size=120, num_hidden_layers=1, num_attention_heads=4,
                               intermediate_size=128, fused_ops=True)
     batch = modeling.dummy_inputs(cfg, batch=1, length=8, predictions=2)
     params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"]
     jaxpr = str(jax.make_jaxpr(lambda p: pretraining_heads.BertForPreTraining(cfg).apply({"params": p}, **batch))(params))
     assert "pallas_call" not in jaxpr
     with pytest.raises(ValueError, match="fused_ops"):
-        modeling.BertConfig(fused_ops=1)
+        model_config.BertConfig(fused_ops=1)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import fused_ffn, modeling, pretraining_heads
+from bert_jax.model import fused_ffn, model_config, modeling, pretraining_heads
 import model_parity  # tests/ is on sys.path
 
 # Launch shapes that make the interpreter walk a grid of 2 x 2 output tiles and the contraction in
@@ -98,7 +98,7 @@ def test_the_gelu_and_its_derivative_match_jax(activation):
 @pytest.mark.parametrize("dtype,logits_atol,loss_rtol,grad_tol", [
     ("float32", 2e-6, 1e-5, 1e-5), ("bfloat16", 1.5e-2, 1.5e-2, 6e-2)])
 def test_the_model_with_the_kernels_trains_like_the_one_without(dtype, logits_atol, loss_rtol, grad_tol):
-    cfg = modeling.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = model_config.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                               intermediate_size=128, hidden_act="gelu_tanh", dtype=dtype)
     model_parity.assert_trains_alike(cfg, cfg.replace(fused_ffn=True),
                                      kernels=("ffn_gemm_bias_gelu_fwd", "ffn_gemm_gelu_bwd"),
@@ -109,14 +109,14 @@ def test_where_the_kernels_do_not_apply_the_layer_is_unfused():
     assert fused_ffn.supported(768, 3072, "gelu") and fused_ffn.supported(1024, 4096, "gelu_tanh")
     assert not fused_ffn.supported(96, 3072, "gelu") and not fused_ffn.supported(1024, 4096, "relu")
     for changes in ({"hidden_size": 96, "intermediate_size": 128}, {"hidden_act": "relu"}):
-        cfg = modeling.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+        cfg = model_config.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                   intermediate_size=128, fused_ffn=True).replace(**changes)
         batch = modeling.dummy_inputs(cfg, batch=1, length=8, predictions=2)
         # (init traces the forward pass: its program has every layer's FFN)
         jaxpr = str(jax.make_jaxpr(lambda: pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch))())
         assert "pallas_call" not in jaxpr, changes
     with pytest.raises(ValueError, match="fused_ffn"):
-        modeling.BertConfig(fused_ffn="yes")
+        model_config.BertConfig(fused_ffn="yes")
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])

@@ -1,4 +1,4 @@
-"""bert_jax.host_memory: on a CPU-only machine, a jitted program's large buffers are reused, not faulted in anew.
+"""bert_jax.training.host_memory: on a CPU-only machine, a jitted program's large buffers are reused, not faulted in anew.
 
 Measured in fresh processes (malloc's settings are the process's, and threads pick their arena
 once): a program whose output is 128 MB (above glibc's largest mmap threshold, 32 MB) faults every page
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from bert_jax import host_memory
+from bert_jax.training import host_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
 import resource, sys
-from bert_jax import host_memory
+from bert_jax.training import host_memory
 print("configure:", host_memory.configure(sys.argv[1]))
 import jax, jax.numpy as jnp
 x = jnp.ones((256, 512)); w = jnp.full((512, 65536), 1e-3)  # the gradient of w: 128 MB

@@ -754,9 +754,9 @@ def test_packed_batch_runs_the_model_like_separate_sequences():
     """The model sees each packed sequence as if alone: same hidden states, own [CLS] pooling."""
     import jax
     import jax.numpy as jnp
-    from bert_jax.model import modeling, pretraining_heads
+    from bert_jax.model import model_config, modeling, pretraining_heads
 
-    cfg = modeling.BertConfig(vocab_size=VOCAB + ID_BASE, hidden_size=32, num_hidden_layers=2,
+    cfg = model_config.BertConfig(vocab_size=VOCAB + ID_BASE, hidden_size=32, num_hidden_layers=2,
                               num_attention_heads=2, intermediate_size=64,
                               max_position_embeddings=L)
     model = pretraining_heads.BertForPreTraining(cfg)
@@ -848,9 +848,9 @@ def unrolled_loss_params():
     the scanned cases stack the same ones)."""
     import flax.linen as nn
     import jax
-    from bert_jax.model import modeling, pretraining_heads
+    from bert_jax.model import model_config, modeling, pretraining_heads
 
-    cfg = modeling.BertConfig(**_LOSS_CONFIG)
+    cfg = model_config.BertConfig(**_LOSS_CONFIG)
     return nn.meta.unbox(jax.jit(pretraining_heads.BertForPreTraining(cfg).init)(
         jax.random.key(0), **modeling.dummy_inputs(cfg, batch=1, length=8, predictions=1)))["params"]
 
@@ -872,10 +872,11 @@ def test_packed_batch_trains_like_separate_sequences(unrolled_loss_params, scan_
     import functools
 
     import jax
-    from bert_jax import steps
-    from bert_jax.model import modeling, pretraining_heads
+    from bert_jax.model import model_config, modeling, pretraining_heads
+    from bert_jax.pretrain import steps
+    from bert_jax.training import train_state
 
-    cfg = modeling.BertConfig(**_LOSS_CONFIG, scan_layers=scan_layers,
+    cfg = model_config.BertConfig(**_LOSS_CONFIG, scan_layers=scan_layers,
                               sparse_last_layer=sparse_last_layer)
     # 6 sequences of 5..10 tokens, 12 predictions; packed (first-fit decreasing) into 2 rows of 3
     # sequences, 8 + 7 + 6 and 10 + 9 + 5 tokens, each row with an empty 4th slot (weight 0).
@@ -899,7 +900,7 @@ def test_packed_batch_trains_like_separate_sequences(unrolled_loss_params, scan_
     if scan_layers:
         params = modeling.stack_layers(params, cfg.num_hidden_layers)
     tx = _gradient_catcher()
-    state = steps.create_train_state(params, tx, jax.random.key(1))
+    state = train_state.create_train_state(params, tx, jax.random.key(1))
     step = functools.partial(steps.train_step, model=pretraining_heads.BertForPreTraining(cfg), tx=tx,
                              schedule=lambda s: 0.0)
     # Both steps from the same state, in one program (one compilation: ~15% less CPU time).
@@ -931,7 +932,7 @@ def test_nsp_labels_and_weights_of_packed_and_unpacked_batches():
     """One NSP label per sequence: Google's `[B, 1]` squeezed to `[B]` for ordinary rows; a packed
     row's `[S]` slots kept as they are (even S = 1) with the packer's weights, 0 for empty slots."""
     import jax.numpy as jnp
-    from bert_jax import steps
+    from bert_jax.pretrain import steps
 
     def check(batch, labels, weights):
         got_labels, got_weights = steps.nsp_labels_and_weights(

@@ -14,9 +14,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from bert_jax import pretrain
-from bert_jax.model import mixed_precision, modeling
+from bert_jax.model import mixed_precision, model_config, modeling
 from bert_jax.model.pretraining_heads import BertForPreTraining
+from bert_jax.training import run_setup
 
 
 def _round(x):
@@ -77,7 +77,7 @@ def _step_dots(cfg):
     return dots, loss, params
 
 
-CFG = modeling.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+CFG = model_config.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                           intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
@@ -125,18 +125,18 @@ def test_the_bf16_units_are_read_from_cpuinfo():
 def test_cpu_bf16_sets_the_model_where_it_pays_and_warns_where_it_does_not(monkeypatch, caplog, cpu_bf16, units,
                                                                            want):
     monkeypatch.setattr(mixed_precision, "bf16_units", lambda: units)
-    config = ml_collections.ConfigDict({"model": modeling.BertConfig(vocab_size=50).to_dict(), "cpu_bf16": cpu_bf16,
+    config = ml_collections.ConfigDict({"model": model_config.BertConfig(vocab_size=50).to_dict(), "cpu_bf16": cpu_bf16,
                                         "init_checkpoint": ""})
     with caplog.at_level(logging.WARNING):
-        assert pretrain.bert_config_from(config).mixed_matmuls is want
+        assert run_setup.bert_config_from(config).mixed_matmuls is want
     warned = "no bf16 matmul units" in caplog.text
     assert warned == (want and not units), caplog.text
 
 
 def test_bad_settings_are_refused_naming_them():
-    config = ml_collections.ConfigDict({"model": modeling.BertConfig(vocab_size=50).to_dict(), "cpu_bf16": "yes",
+    config = ml_collections.ConfigDict({"model": model_config.BertConfig(vocab_size=50).to_dict(), "cpu_bf16": "yes",
                                         "init_checkpoint": ""})
     with pytest.raises(ValueError, match="config.cpu_bf16"):
-        pretrain.bert_config_from(config)
+        run_setup.bert_config_from(config)
     with pytest.raises(ValueError, match="mixed_matmuls"):
-        modeling.BertConfig(mixed_matmuls=True, dtype="bfloat16")
+        model_config.BertConfig(mixed_matmuls=True, dtype="bfloat16")

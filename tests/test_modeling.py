@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import attention, dropout, modeling, pretraining_heads
-from bert_jax.model.modeling import BertConfig, BertModel
+from bert_jax.model import attention, dropout, model_config, modeling, pretraining_heads
+from bert_jax.model.model_config import BertConfig
+from bert_jax.model.modeling import BertModel
 from bert_jax.model.pretraining_heads import BertForPreTraining
 
 transformers = pytest.importorskip("transformers")  # a [test] extra: present in CI
@@ -613,7 +614,7 @@ def test_output_positions_equal_the_full_output_gathered():
 
 
 def test_sentence_heads_compute_the_last_layer_at_cls_only():
-    from bert_jax import heads
+    from bert_jax.finetune import heads
 
     config = tiny_config()
     inputs = {k: batch()[k] for k in ("input_ids", "input_mask", "segment_ids")}
@@ -636,7 +637,7 @@ def test_separate_qkv_matmuls_train_like_the_stacked_kernel():
     stacked kernels (float32: to rounding), logits, loss and every gradient, with dropout on; and
     the program has no stacked Q/K/V kernel left, nor the slices of its output."""
     import model_parity  # tests/ is on sys.path
-    cfg = modeling.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = model_config.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                               intermediate_size=128, sparse_last_layer=False)
     other = cfg.replace(separate_qkv=True)
     model_parity.assert_trains_alike(cfg, other, kernels=(), logits_atol=2e-6, loss_rtol=1e-6, grad_tol=1e-5)

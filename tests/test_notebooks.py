@@ -55,7 +55,8 @@ def release_zip(tmp_path, words=None):
     """A release-style zip of a tiny random Google checkpoint, to 'download' from a file:// URL."""
     import jax
     from bert_jax import convert
-    from bert_jax.model.modeling import BertConfig, dummy_inputs
+    from bert_jax.model.model_config import BertConfig
+    from bert_jax.model.modeling import dummy_inputs
     from bert_jax.model.pretraining_heads import BertForPreTraining
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + (words or (
         "the a man is playing guitar someone an instrument stock market fell sharply today . capital of "

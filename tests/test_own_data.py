@@ -17,8 +17,9 @@ import jax
 import numpy as np
 import pytest
 
-from bert_jax import convert, finetune, predict
-from bert_jax.model import modeling, pretraining_heads
+from bert_jax import convert
+from bert_jax.finetune import loop as finetune, predict
+from bert_jax.model import model_config, modeling, pretraining_heads
 from configs import own_data
 from data_pipeline import tasks, tokenization
 from data_pipeline.tasks import DataError, glue, ner
@@ -329,7 +330,7 @@ def checkpoint(tmp_path_factory):
     """A tiny random encoder (L=1, H=32) in bert_jax's export format, with a Chinese + Latin vocab."""
     root = tmp_path_factory.mktemp("pretrained")
     vocab = Vocab(root, FILLER + list("好差北京上海张王") + LATIN + list(".,"))
-    cfg = modeling.BertConfig(vocab_size=48, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+    cfg = model_config.BertConfig(vocab_size=48, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                               intermediate_size=64, max_position_embeddings=32)
     params = nn.meta.unbox(pretraining_heads.BertForPreTraining(cfg).init(
         jax.random.key(0), **modeling.dummy_inputs(cfg))["params"])

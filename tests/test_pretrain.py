@@ -151,8 +151,9 @@ def test_a_resume_under_other_library_versions_is_refused_unless_allowed(data, u
     jax and orbax-checkpoint seem to have been upgraded: refused naming both versions of each, then
     resumed with config.allow_version_change, warning about them."""
     sys.path.insert(0, str(ROOT))
-    from bert_jax import pretrain, versions
+    from bert_jax import versions
     from bert_jax.checkpoints.checkpointing import CheckpointRestoreError
+    from bert_jax.pretrain import loop as pretrain
     from configs import test as test_config
 
     saved = versions.installed()
@@ -320,14 +321,15 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
     # Independent check: the same weights scored record by record in numpy.
     sys.path.insert(0, str(ROOT))
     import jax
-    from bert_jax import pretrain
     from bert_jax.model import pretraining_heads
+    from bert_jax.pretrain import loop as pretrain
+    from bert_jax.training import run_setup
     from configs import test as test_config
     cfg = test_config.get_config()
     cfg.init_checkpoint = str(tmp_path / "train")
-    bert_config = pretrain.bert_config_from(cfg)
-    from bert_jax import sharding
-    params, _ = pretrain.load_params(cfg, bert_config, sharding.create_mesh({"data": -1}, devices=jax.devices()[:1]))
+    bert_config = run_setup.bert_config_from(cfg)
+    from bert_jax.training import sharding
+    params, _ = run_setup.load_params(cfg, bert_config, sharding.create_mesh({"data": -1}, devices=jax.devices()[:1]))
     nll_sum = w_sum = correct = nsp_nll = nsp_correct = n = 0.0
     for raw in tf.data.TFRecordDataset(str(data / "eval-0.tfrecord")).as_numpy_iterator():
         ex = tf.train.Example.FromString(raw).features.feature
@@ -371,7 +373,7 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
     for fmt in ("google", "hf"):
         out = convert.save_pretrained(pretrained, str(tmp_path / fmt), fmt)
         cfg.init_checkpoint = out
-        other, _ = pretrain.load_params(cfg, pretrain.bert_config_from(cfg),
+        other, _ = run_setup.load_params(cfg, run_setup.bert_config_from(cfg),
                                         sharding.create_mesh({"data": -1}, devices=jax.devices()[:1]))
         for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(other)):
             np.testing.assert_array_equal(a, b)
@@ -387,8 +389,8 @@ def test_pretraining_continues_from_an_encoder_only_hf_checkpoint(data, tmp_path
     sys.path.insert(0, str(ROOT))
     import jax
     from bert_jax import convert
-    from bert_jax.model import modeling
-    config = modeling.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    from bert_jax.model import model_config, modeling
+    config = model_config.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                  intermediate_size=64, max_position_embeddings=64)
     params = modeling.BertModel(config).init(jax.random.key(7), np.zeros((1, 8), np.int32))["params"]
     src = convert.Pretrained(config, {"bert": convert.unrolled(params)}, None, True)
@@ -513,38 +515,39 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
 
 
 def test_data_casing_comes_from_the_records_dataset_info(tmp_path):
-    from bert_jax import convert, pretrain
-    from bert_jax.model import modeling
+    from bert_jax import convert, workdir as workdir_files
+    from bert_jax.model import model_config
+    from bert_jax.pretrain import phases, pretrain_checks
     for name, lower in (("uncased", True), ("cased", False), ("unknown", None)):
         (tmp_path / name).mkdir()
         flags = {} if lower is None else {"do_lower_case": lower}
         (tmp_path / name / "dataset_info.json").write_text(json.dumps({"flags": flags, "files": {}}))
-    phase = lambda name: pretrain.Phase(128, 20, str(tmp_path / name / "part-*"), 0, 10)
-    assert pretrain.data_casing([phase("uncased")]) is True
-    assert pretrain.data_casing([phase("cased"), phase("cased")]) is False
-    assert pretrain.data_casing([phase("uncased"), phase("cased")]) is None  # disagree: not recorded
-    assert pretrain.data_casing([phase("unknown")]) is None
-    assert pretrain.data_casing([pretrain.Phase(128, 20, str(tmp_path / "none" / "x"), 0, 10)]) is None
+    phase = lambda name: phases.Phase(128, 20, str(tmp_path / name / "part-*"), 0, 10)
+    assert pretrain_checks.data_casing([phase("uncased")]) is True
+    assert pretrain_checks.data_casing([phase("cased"), phase("cased")]) is False
+    assert pretrain_checks.data_casing([phase("uncased"), phase("cased")]) is None  # disagree: not recorded
+    assert pretrain_checks.data_casing([phase("unknown")]) is None
+    assert pretrain_checks.data_casing([phases.Phase(128, 20, str(tmp_path / "none" / "x"), 0, 10)]) is None
     # What the workdir then holds is what convert reads back.
-    config = modeling.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+    config = model_config.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=16, max_position_embeddings=16)
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("[PAD]\n[UNK]\n")
-    pretrain.write_model_files(str(tmp_path / "w"), config, str(vocab), False)
+    workdir_files.write_model_files(str(tmp_path / "w"), config, str(vocab), False)
     assert convert._read_casing(str(tmp_path / "w")) is False
     # Written again only when changed: a finished (read-only) workdir re-runs as a no-op.
     files = [tmp_path / "w" / n for n in ("bert_config.json", "vocab.txt", "tokenizer_config.json")]
     times = [f.stat().st_mtime_ns for f in files]
     time.sleep(0.01)
-    pretrain.write_model_files(str(tmp_path / "w"), config, str(vocab), False)
+    workdir_files.write_model_files(str(tmp_path / "w"), config, str(vocab), False)
     assert [f.stat().st_mtime_ns for f in files] == times
-    pretrain.write_model_files(str(tmp_path / "w"), config, str(vocab), True)
+    workdir_files.write_model_files(str(tmp_path / "w"), config, str(vocab), True)
     assert convert._read_casing(str(tmp_path / "w")) is True
 
 
 def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
     sys.path.insert(0, str(ROOT))
-    from bert_jax import pretrain
+    from bert_jax.pretrain import loop as pretrain
     from configs import test as test_config
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB)]) + "\n")
@@ -557,7 +560,7 @@ def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
 def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path):
     """Each names its config field (or the pattern) before the first step, so nothing is lost."""
     sys.path.insert(0, str(ROOT))
-    from bert_jax import pretrain
+    from bert_jax.pretrain import loop as pretrain
     from configs import test as test_config
 
     def config(**overrides):
@@ -590,42 +593,42 @@ def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path)
 def test_token_ids_past_the_model_and_a_different_vocab_are_named(tmp_path):
     import hashlib
 
-    from bert_jax import pretrain
+    from bert_jax.pretrain import pretrain_checks
     batch = {"input_ids": np.array([[2, 7, 511, 3]]), "masked_lm_ids": np.array([[600, 0]])}
-    pretrain.check_token_ids(batch, 601, "data/*.tfrecord")
+    pretrain_checks.check_token_ids(batch, 601, "data/*.tfrecord")
     with pytest.raises(ValueError, match=r"data/\*.tfrecord: masked_lm_ids holds token id 600 but "
                                          r"config.model.vocab_size=600"):
-        pretrain.check_token_ids(batch, 600, "data/*.tfrecord")
+        pretrain_checks.check_token_ids(batch, 600, "data/*.tfrecord")
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nword\n")
     made = tmp_path / "made"
     made.mkdir()
     info = {"vocab_sha256": hashlib.sha256(vocab.read_bytes()).hexdigest(), "flags": {"vocab_file": str(vocab)}}
     (made / "dataset_info.json").write_text(json.dumps(info))
-    pretrain.check_vocab_matches_data(str(vocab), [str(made / "*.tfrecord")])  # the same file: fine
+    pretrain_checks.check_vocab_matches_data(str(vocab), [str(made / "*.tfrecord")])  # the same file: fine
     crlf = tmp_path / "crlf.txt"  # the same tokens, other bytes: fine
     crlf.write_bytes(vocab.read_bytes().replace(b"\n", b"\r\n").rstrip())
-    pretrain.check_vocab_matches_data(str(crlf), [str(made / "*.tfrecord")])
+    pretrain_checks.check_vocab_matches_data(str(crlf), [str(made / "*.tfrecord")])
     other = tmp_path / "other.txt"
     other.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nmot\n")
     with pytest.raises(ValueError, match=r"other.txt is not the vocabulary .*made/\*.tfrecord was made with "
                                          r"\(.*vocab.txt, per its dataset_info.json\): their tokens differ"):
-        pretrain.check_vocab_matches_data(str(other), [f"{tmp_path / 'nothing' / '*'},{made / '*.tfrecord'}"])
+        pretrain_checks.check_vocab_matches_data(str(other), [f"{tmp_path / 'nothing' / '*'},{made / '*.tfrecord'}"])
     vocab.unlink()  # the recorded file gone: bytes differ, tokens unknown -> a warning, not an error
-    pretrain.check_vocab_matches_data(str(other), [str(made / "*.tfrecord")])
+    pretrain_checks.check_vocab_matches_data(str(other), [str(made / "*.tfrecord")])
 
 
 def test_hparams_report_the_model_as_built_not_the_config_defaults():
     # An init checkpoint's config.json replaces config.model's sizes; TensorBoard must show those.
     import importlib
 
-    from bert_jax import pretrain
-    from bert_jax.model.modeling import BertConfig
+    from bert_jax.model.model_config import BertConfig
+    from bert_jax.training import run_setup
 
     config = importlib.import_module("configs.base").get_config()
     built = BertConfig(vocab_size=1000, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                        intermediate_size=1536)
-    h = pretrain.hparams(config, built)
+    h = run_setup.hparams(config, built)
     assert config.model.hidden_size == 768 and h["model.hidden_size"] == 384
     assert h["model.num_hidden_layers"] == 6 and h["model.vocab_size"] == 1000
     assert h["learning_rate"] == config.learning_rate and h["mesh.data"] == -1

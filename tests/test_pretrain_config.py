@@ -1,4 +1,4 @@
-"""Which `config.model` keys apply on top of an init checkpoint (`pretrain.bert_config_from`, used
+"""Which `config.model` keys apply on top of an init checkpoint (`run_setup.bert_config_from`, used
 by pretraining, evaluation and fine-tuning): the run's compute options always, a training setting
 when it is given on the command line, an architecture key never (a different value given is
 refused, naming the key). The checkpoint here is a HuggingFace folder whose values all differ from
@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from bert_jax import config_overrides, pretrain
+from bert_jax import config_overrides
 from bert_jax.model.model_config import BertConfig
+from bert_jax.training import run_setup
 from configs import glue
 
 CHECKPOINT = {  # HF's config.json of a small BERT; every value unlike configs/glue.py's model
@@ -39,7 +40,7 @@ def config(tmp_path):
 
 
 def test_every_field_is_in_exactly_one_group():
-    groups = (pretrain.RUN_KEYS, pretrain.SETTING_KEYS, pretrain.ARCHITECTURE_KEYS)
+    groups = (run_setup.RUN_KEYS, run_setup.SETTING_KEYS, run_setup.ARCHITECTURE_KEYS)
     names = [k for g in groups for k in g]
     assert sorted(names) == sorted(f.name for f in dataclasses.fields(BertConfig))
     assert set(OTHER) == set(names)
@@ -47,31 +48,31 @@ def test_every_field_is_in_exactly_one_group():
 
 def test_without_flags_the_checkpoint_gives_architecture_and_settings(config):
     # (mixed_matmuls, a float32 model's option, cannot go with OTHER's bfloat16 and fp8: applied alone below)
-    run_keys = [k for k in pretrain.RUN_KEYS if k != "mixed_matmuls"]
+    run_keys = [k for k in run_setup.RUN_KEYS if k != "mixed_matmuls"]
     for key in run_keys:
         config.model[key] = OTHER[key]
-    got = pretrain.bert_config_from(config, given=())
-    for key in pretrain.ARCHITECTURE_KEYS + pretrain.SETTING_KEYS:
+    got = run_setup.bert_config_from(config, given=())
+    for key in run_setup.ARCHITECTURE_KEYS + run_setup.SETTING_KEYS:
         want = {"hidden_act": "gelu_tanh", "causal_attention": False}.get(key, CHECKPOINT.get(key))
         assert getattr(got, key) == want, key
     for key in run_keys:  # the config's, whether given or not: no checkpoint names them
         assert getattr(got, key) == OTHER[key], key
 
 
-@pytest.mark.parametrize("key", pretrain.SETTING_KEYS + pretrain.RUN_KEYS)
+@pytest.mark.parametrize("key", run_setup.SETTING_KEYS + run_setup.RUN_KEYS)
 def test_a_given_setting_applies(config, key):
     config.model[key] = OTHER[key]
-    assert getattr(pretrain.bert_config_from(config, given=[f"config.model.{key}"]), key) == OTHER[key]
+    assert getattr(run_setup.bert_config_from(config, given=[f"config.model.{key}"]), key) == OTHER[key]
 
 
-@pytest.mark.parametrize("key", pretrain.ARCHITECTURE_KEYS)
+@pytest.mark.parametrize("key", run_setup.ARCHITECTURE_KEYS)
 def test_a_given_architecture_key_must_match_the_checkpoint(config, key):
     config.model[key] = OTHER[key]
     with pytest.raises(ValueError, match=rf"--config\.model\.{key}=.*the init checkpoint .* has {key}="):
-        pretrain.bert_config_from(config, given=[f"config.model.{key}"])
+        run_setup.bert_config_from(config, given=[f"config.model.{key}"])
     # The checkpoint's own value given is no conflict.
     config.model[key] = {"hidden_act": "gelu_tanh"}.get(key, CHECKPOINT.get(key))
-    assert getattr(pretrain.bert_config_from(config, given=[f"config.model.{key}"]), key) == config.model[key]
+    assert getattr(run_setup.bert_config_from(config, given=[f"config.model.{key}"]), key) == config.model[key]
 
 
 def test_the_command_line_decides_what_is_given(config):
@@ -82,7 +83,7 @@ def test_the_command_line_decides_what_is_given(config):
                                           "--config.model.hidden_dropout_prob=0.2",
                                           "--config.model.attention_probs_dropout_prob=0"])
     try:
-        got = pretrain.bert_config_from(config)
+        got = run_setup.bert_config_from(config)
     finally:
         config_overrides.record_command_line([])
     assert (got.hidden_dropout_prob, got.attention_probs_dropout_prob, got.hidden_size) == (0.2, 0.0, 48)
@@ -93,8 +94,8 @@ def test_prng_impl_is_checked_and_set():
     import ml_collections
 
     with pytest.raises(ValueError, match=r"config\.prng_impl must be one of .*'rbg'.*got 'philox'"):
-        pretrain.use_prng_impl(ml_collections.ConfigDict({"prng_impl": "philox"}))
-    pretrain.use_prng_impl(ml_collections.ConfigDict({"prng_impl": "threefry2x32"}))
+        run_setup.use_prng_impl(ml_collections.ConfigDict({"prng_impl": "philox"}))
+    run_setup.use_prng_impl(ml_collections.ConfigDict({"prng_impl": "threefry2x32"}))
     assert jax.config.jax_default_prng_impl == "threefry2x32"
     assert glue.get_config().prng_impl == "threefry2x32"
 
@@ -102,7 +103,7 @@ def test_prng_impl_is_checked_and_set():
 def test_only_multi_process_cpu_runs_wait_for_every_step():
     """The per-step wait is gloo's CPU deadlock workaround; on TPU and GPU it would stop the host
     from dispatching ahead of the device."""
-    from bert_jax.pretrain import blocks_every_step
+    from bert_jax.pretrain.loop import blocks_every_step
     assert blocks_every_step("cpu", 2) and blocks_every_step("cpu", 4)
     assert not blocks_every_step("cpu", 1)
     assert not any(blocks_every_step(backend, n) for backend in ("tpu", "gpu") for n in (1, 2, 64))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from bert_jax import convert
-from bert_jax.model.modeling import BertConfig
+from bert_jax.model.model_config import BertConfig
 from data_pipeline import storage
 from xla_flags import xla_flags  # tests/ is on sys.path
 

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from bert_jax.finetune import bucketing, batches as finetune_batches
 from data_pipeline import tasks, tokenization
 from data_pipeline.tasks import glue, multiple_choice, ner, squad
 
@@ -198,11 +199,11 @@ def test_glue_scores_and_postprocess():
 
 def test_batches_pad_with_weight_zero_and_split_hosts():
     features = {"x": np.arange(10), "weight": np.ones(10, np.float32)}
-    one = list(tasks.batches(features, ["x"], 4, shuffle_seed=7))
+    one = list(finetune_batches.batches(features, ["x"], 4, shuffle_seed=7))
     assert len(one) == 3 and [b["weight"].tolist() for b in one][-1] == [1, 1, 0, 0]
     seen = np.concatenate([b["x"][b["weight"] > 0] for b in one])
     assert sorted(seen.tolist()) == list(range(10))  # every row exactly once
-    hosts = [list(tasks.batches(features, ["x"], 4, process_index=p, process_count=2, shuffle_seed=7))
+    hosts = [list(finetune_batches.batches(features, ["x"], 4, process_index=p, process_count=2, shuffle_seed=7))
              for p in range(2)]
     for b in range(3):  # host rows, concatenated in process order, are the global batch
         np.testing.assert_array_equal(np.concatenate([hosts[0][b]["x"], hosts[1][b]["x"]]), one[b]["x"])
@@ -210,13 +211,13 @@ def test_batches_pad_with_weight_zero_and_split_hosts():
 
 
 def test_bucket_lengths_by_hand():
-    assert tasks.bucket_lengths(64, 4) == (16, 32, 48, 64)
-    assert tasks.bucket_lengths(128, 4) == (32, 64, 96, 128)
-    assert tasks.bucket_lengths(100, 3) == (40, 72, 100)  # 34 -> 40, 67 -> 72, then the length itself
-    assert tasks.bucket_lengths(10, 4) == (8, 10)
-    assert tasks.bucket_lengths(64, 0) == tasks.bucket_lengths(64, 1) == (64,)
+    assert bucketing.bucket_lengths(64, 4) == (16, 32, 48, 64)
+    assert bucketing.bucket_lengths(128, 4) == (32, 64, 96, 128)
+    assert bucketing.bucket_lengths(100, 3) == (40, 72, 100)  # 34 -> 40, 67 -> 72, then the length itself
+    assert bucketing.bucket_lengths(10, 4) == (8, 10)
+    assert bucketing.bucket_lengths(64, 0) == bucketing.bucket_lengths(64, 1) == (64,)
     with pytest.raises(ValueError, match="buckets=-1"):
-        tasks.bucket_lengths(64, -1)
+        bucketing.bucket_lengths(64, -1)
 
 
 def test_batch_needs_are_the_lengths_batches_cut_to():
@@ -228,10 +229,10 @@ def test_batch_needs_are_the_lengths_batches_cut_to():
     features = {"input_ids": mask, "input_mask": mask, "weight": np.ones(37, np.float32)}
     for seed in (0, 1, 2):
         order = np.random.RandomState(seed).permutation(37)
-        cut = [b["input_ids"].shape[1] for b in tasks.batches(features, ["input_ids"], 8, order=order,
+        cut = [b["input_ids"].shape[1] for b in finetune_batches.batches(features, ["input_ids"], 8, order=order,
                                                                lengths=tuple(range(1, 33)), sequence_keys=("input_ids",))]
-        assert tasks.batch_needs(tasks.row_lengths(mask), 8, order).tolist() == cut
-    assert tasks.batch_needs(np.array([5, 9, 3, 7, 2]), 2, np.array([4, 2, 0, 1, 3])).tolist() == [3, 9, 7]
+        assert bucketing.batch_needs(bucketing.row_lengths(mask), 8, order).tolist() == cut
+    assert bucketing.batch_needs(np.array([5, 9, 3, 7, 2]), 2, np.array([4, 2, 0, 1, 3])).tolist() == [3, 9, 7]
 
 
 def _set_cost(needs, chosen, top, compile_cost):
@@ -249,7 +250,7 @@ def test_choose_lengths_is_the_cheapest_set_of_all():
         lengths = tuple(sorted(rng.choice(np.arange(8, 129, 8), size=rng.randint(1, 7), replace=False).tolist()))
         needs = rng.randint(0, lengths[-1] + 1, size=rng.randint(1, 80))
         cost = float(rng.choice([0, 0.5, 3, 8, 20, 1000]))
-        chosen = tasks.choose_lengths(needs, lengths, cost)
+        chosen = bucketing.choose_lengths(needs, lengths, cost)
         valid = [c for r in range(1, len(lengths) + 1) for c in itertools.combinations(lengths, r)
                  if max(c) >= needs.max()]
         best = min(_set_cost(needs, c, lengths[-1], cost) for c in valid)
@@ -262,17 +263,17 @@ def test_choose_lengths_is_the_cheapest_set_of_all():
 def test_choose_lengths_by_hand():
     # SST-2's first 2,000 shuffled rows at length 64, batch 32: 11 batches need 32, 43 need 48, 9 need 64.
     needs = [32] * 11 + [48] * 43 + [64] * 9
-    assert tasks.choose_lengths(needs, (16, 32, 48, 64), 8) == (48, 64)  # 65.5 against 71 and 70.75
-    assert tasks.choose_lengths(needs, (16, 32, 48, 64), 0) == (32, 48, 64)  # free compiles: every length used
-    assert tasks.choose_lengths(needs, (16, 32, 48, 64), 20) == (64,)
-    assert tasks.choose_lengths([3, 5], (8, 16), 0) == (8,)  # nothing needs 16: not compiled
-    assert tasks.choose_lengths([], (8, 16), 1) == (16,)
+    assert bucketing.choose_lengths(needs, (16, 32, 48, 64), 8) == (48, 64)  # 65.5 against 71 and 70.75
+    assert bucketing.choose_lengths(needs, (16, 32, 48, 64), 0) == (32, 48, 64)  # free compiles: every length used
+    assert bucketing.choose_lengths(needs, (16, 32, 48, 64), 20) == (64,)
+    assert bucketing.choose_lengths([3, 5], (8, 16), 0) == (8,)  # nothing needs 16: not compiled
+    assert bucketing.choose_lengths([], (8, 16), 1) == (16,)
     with pytest.raises(ValueError, match="past the longest length 16"):
-        tasks.choose_lengths([17], (8, 16), 1)
+        bucketing.choose_lengths([17], (8, 16), 1)
     with pytest.raises(ValueError, match="ascending"):
-        tasks.choose_lengths([1], (16, 8), 1)
+        bucketing.choose_lengths([1], (16, 8), 1)
     with pytest.raises(ValueError, match="compile_cost=-1"):
-        tasks.choose_lengths([1], (8, 16), -1)
+        bucketing.choose_lengths([1], (8, 16), -1)
 
 
 def test_batches_are_cut_to_the_global_batchs_longest_row_on_every_host():
@@ -283,9 +284,9 @@ def test_batches_are_cut_to_the_global_batchs_longest_row_on_every_host():
     keys = ["input_ids", "input_mask", "label_ids", "label"]
     seq = ("input_ids", "input_mask", "label_ids")
     order = np.array([0, 2, 3, 6, 1, 7, 8, 5, 4, 9])  # batches of 4: longest 4, 9 and 16 (the last completed with row 0)
-    whole = list(tasks.batches(features, keys, 4, order=order, lengths=(8, 12, 16), sequence_keys=seq))
+    whole = list(finetune_batches.batches(features, keys, 4, order=order, lengths=(8, 12, 16), sequence_keys=seq))
     assert [b["input_ids"].shape[1] for b in whole] == [8, 12, 16]
-    padded = list(tasks.batches(features, keys, 4, order=order))
+    padded = list(finetune_batches.batches(features, keys, 4, order=order))
     for cut, full in zip(whole, padded):
         n = cut["input_ids"].shape[1]
         for k in seq:  # the kept columns as they were; nothing real cut off
@@ -293,16 +294,16 @@ def test_batches_are_cut_to_the_global_batchs_longest_row_on_every_host():
             assert not full[k][:, n:].any()
         np.testing.assert_array_equal(cut["label"], full["label"])
     # Two hosts: each cuts its half to the global batch's length, even when its own rows are shorter.
-    hosts = [list(tasks.batches(features, keys, 4, order=order, lengths=(8, 12, 16), sequence_keys=seq,
+    hosts = [list(finetune_batches.batches(features, keys, 4, order=order, lengths=(8, 12, 16), sequence_keys=seq,
                                 process_index=p, process_count=2)) for p in range(2)]
     for b in range(3):
         for k in keys:
             np.testing.assert_array_equal(np.concatenate([hosts[0][b][k], hosts[1][b][k]]), whole[b][k])
-    assert tasks.row_lengths(mask).tolist() == lengths.tolist()
+    assert bucketing.row_lengths(mask).tolist() == lengths.tolist()
     # Multiple choice ([rows, choices, length]): the longest choice counts.
     choices = np.zeros((2, 3, 16), np.int32)
     choices[0, 1, :11] = 1
-    assert tasks.row_lengths(choices).tolist() == [11, 0] and tasks.trimmed_length(choices, (8, 12, 16)) == 12
+    assert bucketing.row_lengths(choices).tolist() == [11, 0] and bucketing.trimmed_length(choices, (8, 12, 16)) == 12
 
 
 # ---------------------------------------------------------------------------------------------

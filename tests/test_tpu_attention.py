@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bert_jax import sharding
 from bert_jax.model import attention
-from bert_jax.model.modeling import BertConfig, BertModel
+from bert_jax.model.model_config import BertConfig
+from bert_jax.model.modeling import BertModel
+from bert_jax.training import sharding
 
 BATCH, LENGTH, HEADS, HEAD_DIM = 4, 128, 2, 64
 

@@ -10,10 +10,11 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from bert_jax import optim, sharding, steps
 from bert_jax.model import dropout, modeling
-from bert_jax.model.modeling import BertConfig
+from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
+from bert_jax.pretrain import steps
+from bert_jax.training import optim, sharding, train_state
 
 CONFIG = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                     intermediate_size=64, max_position_embeddings=32)
@@ -45,7 +46,7 @@ def setup(mesh_shape, config=CONFIG, opt="adamw", accum=1, scan=False):
 
     def init(rng):
         params = model.init(rng, **modeling.dummy_inputs(config))["params"]
-        return steps.create_train_state(params, tx, jax.random.key(1))
+        return train_state.create_train_state(params, tx, jax.random.key(1))
 
     state, shardings = sharding.sharded_init(init, jax.random.key(0), mesh)
     step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule,
@@ -420,9 +421,9 @@ def test_clipping_at_global_norm_one():
 def test_guarded_update_skips_non_finite_steps_and_otherwise_is_the_plain_update(name):
     tx = optim.make_optimizer(name, lambda s: 0.01, clip_norm=1.0)
     params = {"w": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "bias": jnp.array([0.1, -0.1])}
-    state = steps.create_train_state(params, tx, jax.random.key(0))
+    state = train_state.create_train_state(params, tx, jax.random.key(0))
     grads = {"w": jnp.array([[0.3, -0.1], [2.0, 0.0]]), "bias": jnp.array([0.5, 0.25])}
-    guarded = jax.jit(functools.partial(steps.apply_guarded_update, tx=tx))
+    guarded = jax.jit(functools.partial(train_state.apply_guarded_update, tx=tx))
     # Finite: the optimizer's own update and optax.apply_updates, as if there were no guard.
     new, info = guarded(state, grads, jnp.float32(1.5))
     updates, opt_state = tx.update(grads, state.opt_state, params)
@@ -505,7 +506,7 @@ def test_bench_optimizer_variants_apply_the_same_update(load_benchmark, tmp_path
     assert result["optax clip, cond guard"]["max_param_diff_vs_before"] <= ROUNDING
     assert result["now"]["max_param_diff_vs_before"] <= ROUNDING
     assert optim.clip_by_global_norm is not optax.clip_by_global_norm  # the benchmark restored it
-    assert steps.apply_guarded_update is not bench.where_guarded_update
+    assert train_state.apply_guarded_update is not bench.where_guarded_update
 
 
 def test_bench_step_counts_what_each_step_executes(load_benchmark):

@@ -151,9 +151,9 @@ def test_the_training_input_keeps_the_hashes_in_the_workdir_and_logs_the_counts(
     """pretrain's input builder: one line per start saying what verification took."""
     import logging
 
-    from bert_jax.phases import resolve_phases
+    from bert_jax.pretrain.phases import resolve_phases
     from data_pipeline import storage
-    from bert_jax.pretrain_input import make_train_input
+    from bert_jax.pretrain.pretrain_input import make_train_input
     from configs import test as test_config
 
     objects = _upload(tmp_path, bucket, [8, 8])

@@ -4,7 +4,7 @@ Every reader in `bert_jax.formats` returns a `Pretrained` and every writer takes
 the parameters as numpy float32 in `BertForPreTraining`'s layout with unrolled layers
 (`bert/encoder/layer_{i}`; the "mlm" and "nsp" heads absent when the checkpoint has none), the vocab
 file and the casing. A fine-tuned model also carries its task head: `params["head"]`
-(`bert_jax.heads.BertForTask`'s output layer) and `task`, the `task.json` that says what it is
+(`bert_jax.finetune.heads.BertForTask`'s output layer) and `task`, the `task.json` that says what it is
 (`check_task`). The helpers here read and write what sits beside the weights in every format
 (`vocab.txt`, `tokenizer_config.json`, `task.json`) and walk parameter trees.
 """
@@ -18,13 +18,14 @@ from typing import Optional
 import numpy as np
 from absl import logging
 
-from bert_jax.model.modeling import BertConfig
+from bert_jax import layout
+from bert_jax.layout import TASK_FILE
+from bert_jax.model.model_config import BertConfig
 from data_pipeline import storage
 
 FORMATS = ("bert_jax", "google", "hf")
 HEADS = ("mlm", "nsp")
-TASK_HEAD = "head"  # the fine-tuning head's key in the parameters (`bert_jax.heads.BertForTask`)
-TASK_FILE = "task.json"
+TASK_HEAD = "head"  # the fine-tuning head's key in the parameters (`bert_jax.finetune.heads.BertForTask`)
 FINETUNED = ("best", "last")  # which parameters of a fine-tuning workdir: its best epoch, its last state
 
 
@@ -98,10 +99,10 @@ def head_width(task: dict) -> int:
 
 
 def check_task(task, where: str) -> dict:
-    """`task.json`'s content, checked: `{"task": name, "head": one of bert_jax.heads.HEAD_KINDS,
+    """`task.json`'s content, checked: `{"task": name, "head": one of data_pipeline.tasks.HEAD_KINDS,
     "num_outputs": int, "labels": [...] in the order of the head's outputs (empty for regression and
     span), "max_seq_length": int}`; only "head" and "num_outputs" are required. Other keys are kept."""
-    from bert_jax.heads import HEAD_KINDS
+    from data_pipeline.tasks import HEAD_KINDS
 
     if not isinstance(task, dict):
         raise ValueError(f"{where}: a task must be a JSON object, got {type(task).__name__}")
@@ -177,7 +178,7 @@ def tokenizer_config_json(do_lower_case: bool) -> str:
 
 
 def _read_casing(directory: str) -> Optional[bool]:
-    p = storage.join(directory, "tokenizer_config.json")
+    p = storage.join(directory, layout.TOKENIZER_CONFIG)
     if storage.isfile(p):
         value = _load_json(p)
         value = value.get("do_lower_case") if isinstance(value, dict) else None
@@ -221,10 +222,10 @@ def _prepare_dir(path: str, overwrite: bool) -> None:
 
 def _write_tokenizer_files(p: Pretrained, path: str) -> None:
     if p.vocab_file:
-        target = storage.join(path, "vocab.txt")
+        target = storage.join(path, layout.VOCAB)
         if storage.abspath(p.vocab_file) != storage.abspath(target):
             storage.copy(p.vocab_file, target)
     else:
         logging.warning("%s: no vocab.txt to write (pass vocab_file)", path)
     if p.do_lower_case is not None:
-        storage.write_text(storage.join(path, "tokenizer_config.json"), tokenizer_config_json(p.do_lower_case))
+        storage.write_text(storage.join(path, layout.TOKENIZER_CONFIG), tokenizer_config_json(p.do_lower_case))

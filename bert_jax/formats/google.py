@@ -31,7 +31,7 @@ from absl import logging
 from bert_jax.formats.common import (HEADS, TASK_HEAD, Pretrained, _get, _load_json, _maybe, _prepare_dir,
                                      _read_casing, _require, _set, _write_tokenizer_files, casing_from_vocab,
                                      check_head, head_output, read_task, task_of, unrolled, write_task)
-from bert_jax.model.modeling import BertConfig
+from bert_jax.model.model_config import BertConfig
 from data_pipeline import storage
 
 

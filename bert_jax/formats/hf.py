@@ -31,7 +31,7 @@ from bert_jax.formats.common import (HEADS, TASK_HEAD, Pretrained, _load_json, _
                                      _require, _set, _write_tokenizer_files, casing_from_vocab, check_head,
                                      check_task, head_output, task_of)
 from bert_jax.formats.google import _GOOGLE_FIELDS, _table, from_google, to_google
-from bert_jax.model.modeling import BertConfig
+from bert_jax.model.model_config import BertConfig
 from data_pipeline import storage
 
 

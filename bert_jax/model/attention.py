@@ -29,7 +29,7 @@ from bert_jax.model.dropout import dropout
 
 Array = jax.Array
 
-# Logical names of q, k and v, `[batch, length, heads, head_dim]` (see `bert_jax.sharding`): the
+# Logical names of q, k and v, `[batch, length, heads, head_dim]` (see `bert_jax.training.sharding`): the
 # layout `SelfAttention` constrains them to and the one the splash kernel is split by.
 ACT_HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 

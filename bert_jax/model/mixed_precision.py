@@ -19,7 +19,7 @@ On a CPU without bf16 units the bfloat16 inputs are converted in software and th
 than float32 (an AMD EPYC Zen 3, 2026-11-28: 0.66x for the dense layer above, docs/performance.md);
 `bf16_units()` tells which CPU this is: `config.cpu_bf16="auto"` turns the path on only where it
 reports the units, and a bfloat16 setting on a CPU without them is warned about
-(`bert_jax.pretrain.bert_config_from`).
+(`bert_jax.training.run_setup.bert_config_from`).
 """
 
 from __future__ import annotations

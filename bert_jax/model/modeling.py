@@ -4,17 +4,17 @@ This module owns the network and nothing else: the embeddings, self-attention,
 feed-forward, the encoder over L layers (optionally through `nn.scan` and `nn.remat`), the pooler,
 and the parameter-tree utilities around them (counts, stacking layers for `nn.scan`). The heads
 on top have modules of their own: the pretraining ones (masked LM, next-sentence prediction,
-`BertForPreTraining`) in `bert_jax.model.pretraining_heads`, the fine-tuning ones in `bert_jax.heads`.
+`BertForPreTraining`) in `bert_jax.model.pretraining_heads`, the fine-tuning ones in `bert_jax.finetune.heads`.
 
 Three subjects it uses live beside it: `bert_jax.model.model_config` (`BertConfig`, a frozen dataclass
 with the fields of Google's `bert_config.json` plus our performance options), `bert_jax.model.attention`
 (the masks and the attention kernels: einsum, cuDNN, TPU splash) and `bert_jax.model.dropout`
-(`keep_mask`, `Dropout`). Their public names are importable from here too.
+(`keep_mask`, `Dropout`); import their names from them (`bert_jax.model.model_config.BertConfig`).
 
 Numerics: parameters are created in `param_dtype` (float32); matmuls run in the compute `dtype`
 (bfloat16 on accelerators); LayerNorm, the attention softmax and all logits are float32.
 
-Every parameter carries logical axis names (see `bert_jax.sharding` for the rule table); without a
+Every parameter carries logical axis names (see `bert_jax.training.sharding` for the rule table); without a
 mesh the names are inert and the model runs unsharded.
 
 This module must not import tensorflow.
@@ -32,13 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Re-exported: `modeling.attention`, `modeling.keep_mask`, ... stay importable from here.
 from bert_jax.model import fused, fused_ffn, mixed_precision
-from bert_jax.model.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids  # noqa: F401
-from bert_jax.model.dropout import Dropout, dropout, keep_mask  # noqa: F401
-from bert_jax.model.model_config import (  # noqa: F401
-    ACTIVATIONS, ATTENTION_IMPLS, DEFAULT_GOOGLE_GELU, DTYPES, GOOGLE_GELUS, REMAT_POLICIES, BertConfig,
-    _google_hidden_act)
+from bert_jax.model.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids
+from bert_jax.model.dropout import Dropout, keep_mask
+from bert_jax.model.model_config import ACTIVATIONS, BertConfig
 
 Array = jax.Array
 
@@ -576,3 +573,10 @@ def unstack_layers(params: dict) -> dict:
     holder["encoder"] = {
         f"layer_{i}": jax.tree_util.tree_map(lambda x, i=i: x[i], stacked) for i in range(num_layers)}
     return params
+
+
+def __getattr__(name):
+    """A name this module re-exported until 2026-11-29 (`modeling.BertConfig`): the error names its home."""
+    import bert_jax
+    raise bert_jax.moved_attribute(__name__, name, ("bert_jax.model.model_config", "bert_jax.model.attention",
+                                                    "bert_jax.model.dropout"))

@@ -4,7 +4,7 @@ embeddings, applied at the masked positions only), `NspHead` (next-sentence pred
 
 The parameter tree is `bert` (the encoder, as in `modeling.BertModel`), `mlm` and `nsp`, the same
 names as Google's checkpoints map onto (`bert_jax.formats`). The fine-tuning heads are in
-`bert_jax.heads`.
+`bert_jax.finetune.heads`.
 
 This module must not import tensorflow.
 """
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from bert_jax.model import mixed_precision
-from bert_jax.model.modeling import (
-    ACT_EMBED, ACT_MLP, BertConfig, BertModel, LayerNorm, _dense, _zeros, activation_fn)
+from bert_jax.model.model_config import BertConfig
+from bert_jax.model.modeling import ACT_EMBED, ACT_MLP, BertModel, LayerNorm, _dense, _zeros, activation_fn
 
 Array = jax.Array
 

@@ -21,8 +21,7 @@ import os
 import re
 import time
 
-from bert_jax.planning import chips as chips_lib
-from bert_jax.planning import hlo as hlo_lib
+from bert_jax.planning import chips as chips_lib, hlo as hlo_lib
 
 MESHES = ("data", "fsdp", "tensor")
 COLLECTIVES = hlo_lib.KINDS
@@ -67,7 +66,8 @@ def compile_step(config, bert_config, devices, mesh_kind: str, batch_per_chip: i
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
-    from bert_jax import pretrain, sharding, steps
+    from bert_jax.pretrain import loop as pretrain, steps
+    from bert_jax.training import sharding
 
     mesh = sharding.create_mesh(mesh_axes(mesh_kind, len(devices)), devices=devices)
     model, tx, schedule, init_state = pretrain.build(config, bert_config, mesh)

@@ -27,9 +27,10 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from bert_jax import sharding
-from bert_jax.model.modeling import BertConfig
-from bert_jax.phases import Phase
+from bert_jax.model.model_config import BertConfig
+from bert_jax.pretrain.phases import Phase
+from bert_jax.training import sharding
+from bert_jax.training.run_setup import flatten_dict
 
 # The config fields of the learning-rate schedule, saved with each checkpoint to compare on resume.
 SCHEDULE_KEYS = ("learning_rate", "warmup_steps", "num_train_steps", "lr_decay_power", "google_lr_schedule",
@@ -44,17 +45,6 @@ SCHEDULE_KEYS = ("learning_rate", "warmup_steps", "num_train_steps", "lr_decay_p
 def config_fingerprint(config: ml_collections.ConfigDict) -> str:
     """sha256 of the resolved config's canonical JSON."""
     return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()
-
-
-def flatten_dict(d: dict, prefix: str = "") -> dict:
-    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (config dicts: TensorBoard's hparams, host comparisons)."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten_dict(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def config_differences(mine: dict, theirs: dict, limit: int = 8) -> list[str]:

@@ -20,7 +20,7 @@
 Clipping note: original BERT clipped each replica's gradient before the cross-replica average;
 we clip the averaged (global-batch) gradient, which does not depend on the number of devices.
 
-Gradient accumulation lives in `bert_jax.steps` (a scan over micro-batches inside one jitted
+Gradient accumulation lives in `bert_jax.pretrain.steps` (a scan over micro-batches inside one jitted
 step, normalizing by the whole batch's weights) rather than `optax.MultiSteps`: MultiSteps averages
 per-micro-batch means, which differs from the large batch's loss whenever micro-batches hold
 different numbers of masked tokens.

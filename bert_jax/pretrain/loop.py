@@ -23,122 +23,26 @@ and one learning-rate schedule over all steps; each phase has its own data and c
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
 import time
-from typing import Iterable, Optional
 
 import flax.linen as nn
 import jax
 import ml_collections
 
-from bert_jax import optim, sharding, steps, versions
+from bert_jax import layout, versions
 from bert_jax.checkpoints import checkpointing
-from bert_jax.model import mixed_precision, modeling
-from bert_jax.model.modeling import BertConfig
-from bert_jax.phases import Phase, resolve_phases  # noqa: F401  (importable from here too)
-# The checks before compiling, and the input; their names are importable from here too.
-from bert_jax.pretrain_checks import (SCHEDULE_KEYS, check_mesh, check_same_config_on_all_hosts,  # noqa: F401
-                                      check_sequence_lengths, flatten_dict, check_token_ids, check_vocab_matches_data,
-                                      config_differences, config_fingerprint, data_casing, report_schedule_change,
-                                      special_token_ids)
-from bert_jax.pretrain_input import ShardedInput, make_eval_input, make_train_input, run_eval  # noqa: F401
+from bert_jax.model import modeling
+from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
-from bert_jax.workdir import metric_writer, write_json, write_model_files  # noqa: F401
+from bert_jax.pretrain import pretrain_checks, steps
+from bert_jax.pretrain.phases import resolve_phases
+from bert_jax.pretrain.pretrain_input import make_eval_input, make_train_input, run_eval
+from bert_jax.training import optim, run_setup, sharding, train_state
+from bert_jax.workdir import metric_writer, write_json, write_model_files
 from data_pipeline import storage
-
-# Peak dense bf16 FLOP/s per device, for MFU (by jax's device_kind prefix).
-PEAK_FLOPS = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA A100": 312e12,
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# Config resolution
-# ---------------------------------------------------------------------------------------------
-
-
-# With an init checkpoint, which `config.model` keys apply (`bert_config_from`). Every field of
-# BertConfig is in exactly one group (tests/test_pretrain_config.py).
-# How this run computes; no checkpoint decides it (Google's and HF's configs do not name it):
-RUN_KEYS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl", "vocab_pad_multiple",
-            "sparse_last_layer", "fp8", "fused_ops", "fused_ffn", "mixed_matmuls", "separate_qkv")
-# The checkpoint's value, unless `--config.model.<key>` is given (then that):
-SETTING_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "causal_attention", "initializer_range")
-# What the checkpoint's weights are: its value; a different one given is refused:
-ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                     "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps")
-
-
-def bert_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable[str]] = None) -> BertConfig:
-    """The model config: `config.model`, or with an init checkpoint (any format: a bert_jax
-    directory, Google TF1, HuggingFace) the checkpoint's config with `config.model`'s RUN_KEYS and
-    the SETTING_KEYS `given` (dotted, `config.model.hidden_dropout_prob`; default: those on this
-    process's command line). An ARCHITECTURE_KEYS value given that differs from the checkpoint's
-    raises ValueError naming the key."""
-    init = config.get("init_checkpoint", "")
-    model = _resolve_mixed_matmuls(config.model.to_dict(), config.get("cpu_bf16", "off"))
-    if not init:
-        return BertConfig.from_dict(model)
-    from bert_jax import convert
-    from bert_jax.config_overrides import given_on_command_line
-    given = {k[len("config.model."):] for k in (given_on_command_line() if given is None else given)
-             if k.startswith("config.model.")}
-    checkpoint = convert.load_config(init, google_gelu=config.get("google_gelu"))
-    for key in sorted(given & set(ARCHITECTURE_KEYS)):
-        if model[key] != getattr(checkpoint, key):
-            hint = " (Google's \"gelu\": set config.google_gelu)" if key == "hidden_act" else ""
-            raise ValueError(
-                f"--config.model.{key}={model[key]!r}: the init checkpoint {init} has {key}="
-                f"{getattr(checkpoint, key)!r}, and its weights are of that architecture{hint}; drop the flag, "
-                f"or pretrain from scratch without config.init_checkpoint")
-    changes = {k: model[k] for k in RUN_KEYS if k in model}
-    changes.update({k: model[k] for k in SETTING_KEYS if k in given})
-    return checkpoint.replace(**changes)
-
-
-CPU_BF16 = ("off", "on", "auto")
-
-
-def _resolve_mixed_matmuls(model: dict, cpu_bf16: str) -> dict:
-    """`config.cpu_bf16` into `model.mixed_matmuls` on a CPU: "on" sets it, "auto" sets it where
-    the CPU reports bf16 matmul units (`mixed_precision.bf16_units`), "off" leaves the model's
-    setting. A bfloat16 setting on a CPU without the units gets a warning (slower than float32)."""
-    if cpu_bf16 not in CPU_BF16:
-        raise ValueError(f"config.cpu_bf16 must be one of {CPU_BF16}, got {cpu_bf16!r}")
-    setting = bool(model.get("mixed_matmuls", False))
-    on_cpu = jax.default_backend() == "cpu"
-    units = mixed_precision.bf16_units() if on_cpu else []
-    if on_cpu and cpu_bf16 != "off":
-        setting = cpu_bf16 == "on" or bool(units and model.get("dtype") == "float32" and not model.get("fp8"))
-        logging.info("config.cpu_bf16=%s: model.mixed_matmuls=%s (%s)", cpu_bf16, setting,
-                     f"this CPU reports {', '.join(units)}" if units else "this CPU reports no bf16 matmul units")
-    if on_cpu and not units and (setting or model.get("dtype") == "bfloat16"):
-        what = "model.mixed_matmuls" if setting else "model.dtype=bfloat16"
-        logging.warning("%s on a CPU that reports no bf16 matmul units (no avx512_bf16, amx_bf16 or bf16 in "
-                        "/proc/cpuinfo): its bfloat16 matmuls are converted in software, slower than float32 here "
-                        "(0.66x for a BERT-base dense layer on an AMD EPYC Zen 3, docs/performance.md)", what)
-    return dict(model, mixed_matmuls=setting)
-
-
-PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
-
-
-def use_prng_impl(config: ml_collections.ConfigDict) -> None:
-    """jax's random-bit generator per `config.prng_impl` (dropout's masks), before any key is made."""
-    impl = config.get("prng_impl", "threefry2x32")
-    if impl not in PRNG_IMPLS:
-        raise ValueError(f"config.prng_impl must be one of {PRNG_IMPLS}, got {impl!r}")
-    jax.config.update("jax_default_prng_impl", impl)
 
 
 def blocks_every_step(backend: str, process_count: int) -> bool:
@@ -151,14 +55,6 @@ def blocks_every_step(backend: str, process_count: int) -> bool:
     pipelined steps, 2026-11-27 and 2026-11-28).
     """
     return backend == "cpu" and process_count > 1
-
-
-def peak_flops_per_device() -> Optional[float]:
-    kind = jax.devices()[0].device_kind
-    for prefix, flops in PEAK_FLOPS.items():
-        if kind.startswith(prefix):
-            return flops
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +75,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
     def init_state(rng):
         params_rng, dropout_rng = jax.random.split(rng)
         variables = model.init(params_rng, **modeling.dummy_inputs(bert_config))
-        return steps.create_train_state(variables["params"], tx, dropout_rng,
+        return train_state.create_train_state(variables["params"], tx, dropout_rng,
                                         fp8=variables.get(modeling.FP8_COLLECTION))
 
     return model, tx, schedule, init_state
@@ -200,30 +96,30 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     Returns the last logged metrics (also written to TensorBoard under `workdir`).
     """
     jax.config.update("jax_threefry_partitionable", True)
-    use_prng_impl(config)
-    check_same_config_on_all_hosts(config)
-    bert_config = bert_config_from(config)
+    run_setup.use_prng_impl(config)
+    pretrain_checks.check_same_config_on_all_hosts(config)
+    bert_config = run_setup.bert_config_from(config)
     phases = resolve_phases(config)
-    check_sequence_lengths(config, bert_config, phases)
+    pretrain_checks.check_sequence_lengths(config, bert_config, phases)
     mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
-    check_mesh(config, bert_config, mesh)
+    pretrain_checks.check_mesh(config, bert_config, mesh)
     if config.objective not in ("mlm", "ltr"):
         raise ValueError(f"config.objective must be 'mlm' or 'ltr', got {config.objective!r}")
     if config.nonfinite not in ("stop", "skip"):
         raise ValueError(f"config.nonfinite must be 'stop' or 'skip', got {config.nonfinite!r}")
-    special_ids = special_token_ids(config.vocab_file)
+    special_ids = pretrain_checks.special_token_ids(config.vocab_file)
     if special_ids and special_ids["vocab_size"] > bert_config.vocab_size:
         raise ValueError(f"config.vocab_file={config.vocab_file} has {special_ids['vocab_size']} tokens but "
                          f"config.model.vocab_size={bert_config.vocab_size}: set the model's vocab_size to the "
                          f"vocabulary's size (ids past the embedding table would be silently clamped)")
     if config.dynamic_masking and special_ids is None:
         raise ValueError("config.dynamic_masking needs config.vocab_file (for the [MASK] id and the vocabulary)")
-    check_vocab_matches_data(config.vocab_file, [p.train_data for p in phases]
+    pretrain_checks.check_vocab_matches_data(config.vocab_file, [p.train_data for p in phases]
                              + ([config.eval_data] if config.eval_data else []))
     if config.eval_data and config.eval_every_steps:
         make_eval_input(config, config.eval_data, workdir)  # bad eval data: an error now, not after hours
     if jax.process_index() == 0:
-        write_model_files(workdir, bert_config, config.vocab_file, data_casing(phases))
+        write_model_files(workdir, bert_config, config.vocab_file, pretrain_checks.data_casing(phases))
 
     model, tx, schedule, init_state = build(config, bert_config, mesh)
     rules = sharding.DEFAULT_RULES
@@ -233,7 +129,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     installed_versions = versions.installed()  # saved with every step, checked on resume (versions.py)
     ckpt = checkpointing.Checkpointer(
-        storage.join(workdir, "checkpoints"), save_interval_steps=config.checkpoint_every_steps,
+        storage.join(workdir, layout.CHECKPOINTS), save_interval_steps=config.checkpoint_every_steps,
         max_to_keep=config.keep_checkpoints, async_save=config.async_checkpointing,
         on_damaged=config.get("on_damaged_checkpoint", "fallback"),
         save_timeout_s=config.get("checkpoint_save_timeout_seconds", 1800))
@@ -249,20 +145,20 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
             raise
         logging.info("resumed from step %d", start_step)
         start_step = int(start_step)
-        report_schedule_change(config, meta, start_step)
+        pretrain_checks.report_schedule_change(config, meta, start_step)
         shard_state_dir = input_position(config, ckpt, int(start_step), meta)  # before compiling
     else:
         state, _ = sharding.sharded_init(init_state, jax.random.key(config.seed), mesh, rules)
         start_step, shard_state_dir = 0, None
         if config.init_checkpoint:  # continued pretraining from released (or our) weights
-            state = state.replace(params=init_from_checkpoint(
+            state = state.replace(params=run_setup.init_from_checkpoint(
                 config.init_checkpoint, bert_config, state.params, state_shardings.params,
                 google_gelu=config.get("google_gelu")))
             logging.info("initialized from %s", config.init_checkpoint)
 
     writer = metric_writer(workdir, just_logging=jax.process_index() > 0)
     if start_step == 0:
-        writer.write_hparams(hparams(config, bert_config))
+        writer.write_hparams(run_setup.hparams(config, bert_config))
 
     batch_sharding = sharding.batch_sharding(mesh)
     train_step = functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule,
@@ -275,10 +171,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     p_eval = jax.jit(functools.partial(steps.eval_step, model=eval_model, objective=config.objective),
                      in_shardings=(state_shardings.params, batch_sharding))
 
-    peak = peak_flops_per_device()
+    peak = run_setup.peak_flops_per_device()
     block_every_step = blocks_every_step(jax.default_backend(), jax.process_count())
     last_metrics: dict = {}
-    log_path = storage.join(workdir, "train_log.jsonl")
+    log_path = storage.join(workdir, layout.TRAIN_LOG)
     consecutive_bad = 0
     step = start_step
     stop = False
@@ -308,7 +204,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     # step meanwhile, so input stalls the loop only when this exceeds a step.
                     input_started = time.perf_counter()
                     batch = next(batches)
-                    check_token_ids(batch, bert_config.vocab_size, phase.train_data)
+                    pretrain_checks.check_token_ids(batch, bert_config.vocab_size, phase.train_data)
                     global_batch = sharding.to_global(batch, mesh)
                     input_seconds += time.perf_counter() - input_started
                     if phase_step is None:
@@ -336,7 +232,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     # Saved before evaluating: an evaluation that fails loses no training.
                     stop = ckpt.should_stop(step)
                     ckpt.save(step, state, {"phase": phase_index, "step": step, "data_shards": batches.num_shards,
-                                            "schedule": {k: config.get(k) for k in SCHEDULE_KEYS},
+                                            "schedule": {k: config.get(k) for k in pretrain_checks.SCHEDULE_KEYS},
                                             versions.META_KEY: installed_versions},
                               force=stop or step == phase.end_step,
                               input_state_writer=batches.save_state)
@@ -407,14 +303,6 @@ def compile_step(p_train, state, batch, name: str):
     return compiled
 
 
-def hparams(config: ml_collections.ConfigDict, bert_config: BertConfig) -> dict:
-    """The run's scalar settings for TensorBoard, `model.*` as the model really is (an init
-    checkpoint's config.json replaces `config.model`'s sizes)."""
-    flat = {k: v for k, v in flatten_dict(config.to_dict()).items() if not k.startswith("model.")}
-    flat.update(flatten_dict({"model": dataclasses.asdict(bert_config)}))
-    return {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
-
-
 def _log(pending, step, window_start, writer, bar, flops, global_batch, seq_len, peak, consecutive_bad,
          config, log_path, input_seconds) -> tuple[dict, int]:
     """Fetches the window's metrics, checks finiteness, writes scalars and the jsonl log.
@@ -478,9 +366,9 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if not config.eval_data:
         raise ValueError("config.eval_data is empty: give the evaluation TFRecords (glob)")
     jax.config.update("jax_threefry_partitionable", True)
-    bert_config = bert_config_from(config)
+    bert_config = run_setup.bert_config_from(config)
     mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
-    params, params_shardings = load_params(config, bert_config, mesh)
+    params, params_shardings = run_setup.load_params(config, bert_config, mesh)
     model = BertForPreTraining(bert_config.replace(fp8=False))  # as in training's evaluations
     p_eval = jax.jit(functools.partial(steps.eval_step, model=model, objective=config.objective),
                      in_shardings=(params_shardings, sharding.batch_sharding(mesh)))
@@ -488,73 +376,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         results = run_eval(p_eval, params, make_eval_input(config, config.eval_data), mesh,
             config.eval_steps)
     if jax.process_index() == 0:
-        write_json(workdir, "eval_results.json", results, indent=2, sort_keys=True)
+        write_json(workdir, layout.EVAL_RESULTS, results, indent=2, sort_keys=True)
         print(json.dumps(results, sort_keys=True))
     return results
 
 
-def init_from_checkpoint(path: str, bert_config: BertConfig, fresh_params: dict, shardings: dict,
-                         *, require_heads: bool = False, google_gelu: Optional[str] = None) -> dict:
-    """`fresh_params` with every part `path` (any format) has replaced by its weights, on `shardings`.
-
-    Heads the checkpoint lacks keep their fresh initialization (logged), unless `require_heads`.
-    """
-    from bert_jax import convert
-    pretrained = convert.load_pretrained(path, google_gelu=google_gelu)
-    if pretrained.missing:
-        if require_heads:
-            raise ValueError(f"config.init_checkpoint={path} has no {' and no '.join(pretrained.missing)} "
-                             f"head: the pretraining objectives need them")
-        logging.info("init_checkpoint has no %s head(s): they start from a fresh initialization",
-                     ", ".join(pretrained.missing))
-    loaded = convert.model_params(pretrained, bert_config)
-    if loaded.pop(convert.TASK_HEAD, None) is not None:  # a fine-tuned model: its task head has no place here
-        logging.info("init_checkpoint is a fine-tuned model: its %s head is not used", pretrained.task_head)
-    placed = sharding.place(loaded, {k: shardings[k] for k in loaded})
-    return {**fresh_params, **placed}
-
-
-def load_params(config, bert_config: BertConfig, mesh):
-    """Parameters of `config.init_checkpoint`, sharded onto `mesh`: a bert_jax workdir's newest
-    train state (only its parameters are read, shard by shard), or any checkpoint `bert_jax.convert`
-    reads.
-
-    A workdir restores whatever optimizer, clipping, number of hosts or layer layout
-    (`scan_layers`) trained it: the optimizer state and the per-host input state are not read, and
-    scanned layers are unstacked (or unrolled ones stacked) to this config's layout.
-    """
-    path = config.init_checkpoint
-    model = BertForPreTraining(bert_config)
-
-    def abstract_params(cfg):
-        abstract = jax.eval_shape(lambda: model.clone(config=cfg).init(
-            jax.random.key(0), **modeling.dummy_inputs(cfg))["params"])
-        return abstract, sharding.logical_to_sharding(abstract, mesh)
-
-    abstract, shardings = abstract_params(bert_config)
-    from bert_jax import convert
-    has_checkpoints = storage.isdir(storage.join(path, "checkpoints"))
-    train_state_dir = has_checkpoints or (
-        convert.detect_format(path) == "bert_jax" and not storage.isdir(storage.join(path, "params")))
-    if not train_state_dir:  # an export, a Google or a HuggingFace checkpoint
-        return init_from_checkpoint(path, bert_config, {}, shardings, require_heads=True,
-                                    google_gelu=config.get("google_gelu")), shardings
-    ckpt_dir = storage.join(path, "checkpoints") if has_checkpoints else path
-    try:
-        saved_scanned = any("/encoder/layers/" in key for key in checkpointing.saved_keys(ckpt_dir))
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"config.init_checkpoint={path}: {e}") from None
-    saved_config = dataclasses.replace(bert_config, scan_layers=saved_scanned)
-    saved_abstract, saved_shardings = (abstract, shardings) if saved_scanned == bert_config.scan_layers \
-        else abstract_params(saved_config)
-    target = sharding.abstract_with_shardings(nn.meta.unbox(saved_abstract), saved_shardings)
-    part, step = checkpointing.restore_part(ckpt_dir, {"params": target})
-    params = part["params"]
-    logging.info("init_checkpoint: parameters of step %d of %s", step, ckpt_dir)
-    if saved_scanned != bert_config.scan_layers:
-        logging.info("init_checkpoint: %s its layers to config.model.scan_layers=%s",
-                     "unstacking" if saved_scanned else "stacking", bert_config.scan_layers)
-        params = (modeling.unstack_layers(params) if saved_scanned
-                  else modeling.stack_layers(params, bert_config.num_hidden_layers))
-        params = sharding.place(params, nn.meta.unbox(shardings))
-    return params, shardings

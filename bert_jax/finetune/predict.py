@@ -3,7 +3,7 @@
     python -m bert_jax.main --config=configs/glue.py --config.mode=predict --workdir=runs/sst2 \\
         --config.predict_input=reviews.txt
 
-The workdir is a fine-tuning run's (`bert_jax.finetune`): its `task.json` names the task, the head
+The workdir is a fine-tuning run's (`bert_jax.finetune.loop`): its `task.json` names the task, the head
 and the labels, `bert_config.json`, `vocab.txt` and `tokenizer_config.json` the encoder and its
 tokenizer; the parameters are the best epoch's (`W/best/`, `config.predict_params="best"`) or the
 last state (`"last"`). The task is the one fine-tuned (a different `--config.task` is refused).
@@ -34,8 +34,10 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from bert_jax import finetune, finetune_batches, heads, pretrain, sharding
-from bert_jax.formats.common import TASK_FILE, read_task
+from bert_jax.finetune import batches as finetune_batches, heads, steps
+from bert_jax.formats.common import read_task
+from bert_jax.layout import TASK_FILE
+from bert_jax.training import run_setup, sharding
 from data_pipeline import storage
 
 PREDICT_FORMATS = ("auto", "text", "task")
@@ -121,7 +123,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     path = config.get("predict_input", "")
     if not path:
-        raise ValueError("config.predict_input is empty: the file to predict (module bert_jax.predict)")
+        raise ValueError("config.predict_input is empty: the file to predict (module bert_jax.finetune.predict)")
     storage.check(path, "config.predict_input")
     if not storage.isfile(path):
         raise FileNotFoundError(f"config.predict_input={path}: no such file")
@@ -136,7 +138,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     pretrained = convert.load_finetuned(workdir, which=which)
     with_checkpoint = ml_collections.ConfigDict(config.to_dict())
     with_checkpoint.init_checkpoint = workdir
-    bert_config = pretrain.bert_config_from(with_checkpoint)
+    bert_config = run_setup.bert_config_from(with_checkpoint)
     max_len = (config.max_seq_length if "config.max_seq_length" in given_on_command_line()
                else int(description["max_seq_length"]))
     if max_len > bert_config.max_position_embeddings:
@@ -169,10 +171,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(shardings):
         raise ValueError(f"{workdir}: its parameters do not match a {task.head} head on its bert_config.json")
     params = sharding.place(params, shardings)
-    p_eval = jax.jit(functools.partial(finetune.eval_step, model=model),
+    p_eval = jax.jit(functools.partial(steps.eval_step, model=model),
                      in_shardings=(shardings, sharding.batch_sharding(mesh)))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        outputs, _ = finetune._predict(p_eval, params, split, mesh=mesh, keys=heads.batch_keys(task.head),
+        outputs, _ = steps.predict_split(p_eval, params, split, mesh=mesh, keys=heads.batch_keys(task.head),
                                        batch_size=batch_size, **finetune_batches.trim_arguments(
                                            config.get("trim_padding_buckets", 0), max_len, task.head))
     predictions = task.postprocess(split.examples, split.features, outputs)

@@ -27,7 +27,7 @@ nothing a step computes. Heads: those that read the pooled [CLS] of each sequenc
 (`classification`, `regression`) or every position (`token`); not a span head, whose softmax
 runs over the whole row, nor multiple choice (a row per choice already).
 
-This module imports neither jax nor bert_jax.
+This module imports neither jax nor tensorflow.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from data_pipeline.tasks import row_lengths
+from bert_jax.finetune.bucketing import row_lengths
 
 SEQUENCE_KEYS = ("input_ids", "input_mask", "segment_ids")
 TOKEN_KEYS = ("label_ids", "label_weights")

@@ -10,19 +10,19 @@ vocabulary and casing; then `train_and_evaluate` does the rest with explicit arg
 
 What the loop does, whatever the task (the task supplies the head kind, the number of outputs,
 featurization, post-processing and the metric; there is no per-task branch here):
-- the encoder from the checkpoint plus a fresh head (`bert_jax.heads.BertForTask`), initialized
+- the encoder from the checkpoint plus a fresh head (`bert_jax.finetune.heads.BertForTask`), initialized
   straight into its shards on the same (data, fsdp, tensor) mesh as pretraining;
 - AdamW (`config.optimizer`), linear warmup over `warmup_proportion` of the steps then linear
   decay to 0, global-norm clipping; the paper's defaults live in the configs;
 - epochs over the in-memory features, reshuffled each epoch with `seed + epoch`; the last batch
   is completed with weight-0 rows, so nothing is dropped;
 - each batch cut to the shortest of `config.trim_padding_buckets` lengths that holds its longest
-  row (`data_pipeline.tasks.batches`; evaluation takes its rows by length): the padded
+  row (`bert_jax.finetune.batches`; evaluation takes its rows by length): the padded
   computation to float rounding, at the cost of a compile per length; not for the span head;
 - training rows packed several to a row (`config.packing`, classification, regression and token
-  heads; `data_pipeline/tasks/packed.py`): the unpacked loss to float rounding, in the rows
+  heads; `bert_jax/finetune/packing.py`): the unpacked loss to float rounding, in the rows
   each step needs; the lengths and row counts compiled are those that pay for their compile
-  (`bert_jax.finetune_batches` plans every step's batch before training);
+  (`bert_jax.finetune.batches` plans every step's batch before training);
 - or google-research/bert's `run_classifier.py` / `run_squad.py` recipe (docs/finetuning.md):
   `optimizer="google_adamw"`, `google_lr_schedule=True` and `num_train_steps_from="examples"`:
   `int(len(train_examples) / global_batch_size * num_train_epochs)` steps of full batches from
@@ -44,102 +44,26 @@ import itertools
 import json
 import logging
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 
-from bert_jax import finetune_batches, heads, optim, pretrain, sharding, steps, versions
+from bert_jax import layout, versions, workdir as workdir_files
 from bert_jax.checkpoints import checkpointing
-from bert_jax import workdir as workdir_files
-from bert_jax.formats.common import TASK_FILE
-from bert_jax.model.modeling import BertConfig
+from bert_jax.finetune import batches as finetune_batches, heads, packing, steps
+from bert_jax.layout import TASK_FILE
+from bert_jax.model.model_config import BertConfig
+from bert_jax.training import optim, run_setup, sharding, train_state
 from data_pipeline import storage
-from data_pipeline.tasks import packed
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure steps
+# The optimizer, and the examples a run counts
 # ---------------------------------------------------------------------------------------------
-
-
-def train_step(state: steps.TrainState, batch: dict, *, model: heads.BertForTask,
-               tx: optax.GradientTransformation, schedule) -> tuple[steps.TrainState, dict]:
-    """One optimizer step; loss = summed head loss / summed weight over the global batch."""
-    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-
-    def loss_fn(params):
-        out = model.apply({"params": params}, **heads.model_inputs(batch), deterministic=False,
-                          rngs={"dropout": rng})
-        sums = heads.loss_sums(model.head, out, batch)
-        return sums["loss_sum"] / jnp.maximum(sums["weight"], 1e-6), sums
-
-    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    new_state, guard = steps.apply_guarded_update(state, grads, loss, tx)
-    return new_state, dict(sums, loss=loss, learning_rate=schedule(state.step), **guard)
-
-
-def eval_step(params: Any, batch: dict, *, model: heads.BertForTask) -> tuple[dict, dict]:
-    """The head's outputs (to post-process on the host) and summed losses of one global batch."""
-    out = model.apply({"params": params}, **heads.model_inputs(batch), deterministic=True)
-    return out, heads.loss_sums(model.head, out, batch)
-
-
-# ---------------------------------------------------------------------------------------------
-# Steps, schedule and batches of a run
-# ---------------------------------------------------------------------------------------------
-
-STEPS_FROM = ("epochs", "examples")
-
-
-def train_plan(config: ml_collections.ConfigDict, num_examples: int, num_rows: int) -> tuple[int, int, list]:
-    """(total steps, warmup steps, the step at which each epoch ends) for `config`.
-
-    `num_train_steps_from="epochs"`: `num_train_epochs` passes over the `num_rows` feature rows,
-    each in `ceil(rows / batch)` batches (the last completed with weight-0 rows).
-    `"examples"`: google-research/bert's count, `int(num_examples / batch * epochs)` steps, where
-    an example is a question for SQuAD (a feature row is a window of one) and a sentence pair
-    for GLUE; the batches are full ones cut from one stream of feature rows (`stream_batches`), and
-    an "epoch" (an evaluation) ends with the batch that completes a pass over the rows, or at the
-    last step.
-
-    Example: 10 examples (10 rows), batch 4, 3 epochs, warmup_proportion 0.1: "epochs" gives
-    3 * 3 = 9 steps and epochs ending at [3, 6, 9]; "examples" gives int(10 / 4 * 3) = 7 steps,
-    int(7 * 0.1) = 0 warmup, epochs ending at [3, 5, 7].
-    """
-    batch, epochs = config.global_batch_size, config.num_train_epochs
-    steps_from = config.get("num_train_steps_from", "epochs")
-    if steps_from == "epochs":
-        if epochs != int(epochs):
-            raise ValueError(f"config.num_train_epochs={epochs} must be a whole number with "
-                             "num_train_steps_from='epochs' (a fraction needs 'examples')")
-        per_epoch = -(-num_rows // batch)
-        total = int(epochs) * per_epoch
-    elif steps_from == "examples":
-        total = int(num_examples / batch * epochs)  # run_classifier.py, run_squad.py
-    else:
-        raise ValueError(f"config.num_train_steps_from must be one of {STEPS_FROM}, got {steps_from!r}")
-    if total <= 0:
-        raise ValueError(f"config.num_train_epochs={epochs} with {num_rows} training rows ({num_examples} "
-                         f"examples) and global_batch_size={batch} gives no training step "
-                         f"(num_train_steps_from={steps_from!r})")
-    if not 0 <= config.warmup_proportion <= 1:
-        raise ValueError(f"config.warmup_proportion={config.warmup_proportion} must be in [0, 1]")
-    if steps_from == "epochs":
-        ends = [per_epoch * (e + 1) for e in range(int(epochs))]
-    else:
-        ends, passes = [], 0
-        while not ends or ends[-1] < total:
-            passes += 1  # the batch holding the last row of pass `passes` ends an epoch
-            end = min(-(-passes * num_rows // batch), total)
-            if not ends or end > ends[-1]:
-                ends.append(end)
-    return total, int(total * config.warmup_proportion), ends
 
 
 def make_optimizer(config: ml_collections.ConfigDict, total_steps: int, warmup_steps: int):
@@ -187,11 +111,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Fine-tunes `config.init_checkpoint` on `config.task`; returns the final eval results."""
 
     if config.model.get("fp8"):
-        raise ValueError("config.model.fp8=True: FP8 training is a pretraining option (bert_jax.pretrain); "
+        raise ValueError("config.model.fp8=True: FP8 training is a pretraining option (bert_jax.pretrain.loop); "
                          "fine-tuning runs in config.model.dtype (e.g. bfloat16): set config.model.fp8=False")
     task = make_task(config)
-    pretrain.use_prng_impl(config)
-    bert_config = pretrain.bert_config_from(config)
+    run_setup.use_prng_impl(config)
+    bert_config = run_setup.bert_config_from(config)
     init_params, vocab_file, do_lower_case = None, config.vocab_file, config.do_lower_case
     if config.init_checkpoint:
         from bert_jax import convert
@@ -263,7 +187,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     # --- model, optimizer, state ---
     model = heads.BertForTask(bert_config, task.head, task.num_outputs)
     num_train = len(train.features["weight"])
-    total_steps, warmup, epoch_ends = train_plan(config, count_examples(train), num_train)
+    total_steps, warmup, epoch_ends = finetune_batches.train_plan(config, count_examples(train), num_train)
     stream = config.get("num_train_steps_from", "epochs") == "examples"
     logging.info("%d training steps (%d warmup), evaluations after steps %s", total_steps, warmup, epoch_ends)
     schedule, tx = make_optimizer(config, total_steps, warmup)
@@ -272,7 +196,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     def init_state(rng):
         params_rng, dropout_rng = jax.random.split(rng)
         params = model.init(params_rng, *(dummy[k] for k in heads.MODEL_INPUTS))["params"]
-        return steps.create_train_state(params, tx, dropout_rng)
+        return train_state.create_train_state(params, tx, dropout_rng)
 
     rules = sharding.DEFAULT_RULES
     level = config.get("xla_backend_optimization_level", -1)
@@ -286,12 +210,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     if every < 0:
         raise ValueError(f"config.checkpoint_every_steps={every}: 0 (each epoch) or a positive step count")
     save_timeout_s = config.get("checkpoint_save_timeout_seconds", 1800)  # both checkpointers' deadline
-    ckpt = checkpointing.Checkpointer(storage.join(workdir, "checkpoints"),
+    ckpt = checkpointing.Checkpointer(storage.join(workdir, layout.CHECKPOINTS),
                                       save_interval_steps=every or total_steps + 1,
                                       max_to_keep=1, async_save=config.async_checkpointing,
                                       on_damaged=config.get("on_damaged_checkpoint", "fallback"),
                                       save_timeout_s=save_timeout_s)
-    best_ckpt = checkpointing.Checkpointer(storage.join(workdir, "best"), save_interval_steps=1, max_to_keep=1,
+    best_ckpt = checkpointing.Checkpointer(storage.join(workdir, layout.BEST), save_interval_steps=1, max_to_keep=1,
                                            async_save=False, handle_sigterm=False,
                                            save_timeout_s=save_timeout_s)
     start_step, meta = ckpt.latest_step(), {}
@@ -324,22 +248,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                 state = jax.jit(init_with_encoder, out_shardings=state_shardings, donate_argnums=1,
                                 compiler_options=compiler_options)(jax.random.key(config.seed), encoder)
     if jax.process_index() == 0:
-        pretrain.write_model_files(workdir, bert_config, vocab_file, do_lower_case)
+        workdir_files.write_model_files(workdir, bert_config, vocab_file, do_lower_case)
         workdir_files.write_json(workdir, TASK_FILE, task_description(task, config), indent=2)
 
     writer = workdir_files.metric_writer(workdir, just_logging=jax.process_index() > 0)
     if start_step == 0:
-        writer.write_hparams(pretrain.hparams(config, bert_config))
+        writer.write_hparams(run_setup.hparams(config, bert_config))
     batch_sharding = sharding.batch_sharding(mesh)
-    p_train = jax.jit(functools.partial(train_step, model=model, tx=tx, schedule=schedule),
+    p_train = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule),
                       in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
                       donate_argnums=0, compiler_options=compiler_options)
-    p_eval = jax.jit(functools.partial(eval_step, model=model),
+    p_eval = jax.jit(functools.partial(steps.eval_step, model=model),
                      in_shardings=(state_shardings.params, batch_sharding), compiler_options=compiler_options)
     keys = heads.batch_keys(task.head)
-    trimming, eval_trimming, step_rows, slots = _plan_batches(
+    trimming, eval_trimming, step_rows, slots = finetune_batches.plan_batches(
         config, task, train, evals, mesh, total_steps, len(epoch_ends), stream, eval_batch)
-    predict = functools.partial(_predict, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch, **eval_trimming)
+    predict = functools.partial(steps.predict_split, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch, **eval_trimming)
 
     history = list(meta.get("history", []))
     best = meta.get("best")
@@ -366,11 +290,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                         train.features, keys, config.global_batch_size, range(step, end), seed=config.seed,
                         **hosts, **trimming)
                 else:
-                    batches = itertools.islice(tasks_lib.batches(
+                    batches = itertools.islice(finetune_batches.batches(
                         train.features, keys, config.global_batch_size, shuffle_seed=config.seed + epoch,
                         **hosts, **trimming), skip, None)
-                if step_rows is not None:  # this host's rows of each step, packed (data_pipeline/tasks/packed.py)
-                    batches = (packed.pack(b, int(step_rows[k]) // jax.process_count(), slots)
+                if step_rows is not None:  # this host's rows of each step, packed (bert_jax/finetune/packing.py)
+                    batches = (packing.pack(b, int(step_rows[k]) // jax.process_count(), slots)
                                for k, b in zip(itertools.count(step), batches))
                 for batch in batches:
                     global_batch = sharding.to_global(batch, mesh)
@@ -419,7 +343,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                     best_ckpt.save(step, {"params": state.params}, {"epoch": epoch + 1, "results": results},
                                    force=True)
                     if jax.process_index() == 0:
-                        best_dir = storage.join(workdir, "best_predictions")
+                        best_dir = storage.join(workdir, layout.BEST_PREDICTIONS)
                         storage.rmtree(best_dir)
                         for split, predictions in split_predictions:
                             task.write_predictions(split.examples, predictions, best_dir, split.name)
@@ -450,8 +374,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
             ckpt.close()
             best_ckpt.close()
     if jax.process_index() == 0 and not stop:
-        workdir_files.write_json(workdir, "eval_results.json", results, indent=2, sort_keys=True)
-        workdir_files.write_json(workdir, "eval_history.json", history, indent=2)
+        workdir_files.write_json(workdir, layout.EVAL_RESULTS, results, indent=2, sort_keys=True)
+        workdir_files.write_json(workdir, layout.EVAL_HISTORY, history, indent=2)
         print(json.dumps(results, sort_keys=True))
     return results
 
@@ -479,7 +403,7 @@ def _prepare_tfds_on_host_zero(task, splits, optional_splits=()) -> None:
                     task.read(split)
                 except (FileNotFoundError, KeyError, ValueError) as e:  # as the prediction loop
                     logging.info("no %s split to prepare: %s", split, e)
-    multihost_utils.sync_global_devices("bert_jax.finetune: TFDS datasets prepared")
+    multihost_utils.sync_global_devices("bert_jax.finetune.loop: TFDS datasets prepared")
 
 
 def _place_encoder(encoder: dict, shardings: dict) -> dict:
@@ -490,122 +414,6 @@ def _place_encoder(encoder: dict, shardings: dict) -> dict:
         raise ValueError("the checkpoint's encoder parameters do not match the model "
                          f"(expected {want}, got {have})")
     return sharding.place(encoder, shardings)
-
-
-COMPILE_COST_AUTO = {"cpu": 8.0}  # else ACCELERATOR_COMPILE_COST
-ACCELERATOR_COMPILE_COST = 1000.0
-# An evaluation program (forward only) compiles in about an eighth of the training step's time
-# (MiniLM on 2 CPU cores: 1.4-1.8 s against 12.7 s), and a forward pass costs about a third of a
-# training step per row: evaluation's compile cost, in its own batches, follows from training's.
-FORWARD_COMPILE_SHARE = 1 / 8
-FORWARD_STEP_SHARE = 1 / 3
-
-
-def compile_cost(config: ml_collections.ConfigDict) -> float:
-    """What compiling one more length costs, in training steps at `max_seq_length`
-    (`config.trim_padding_compile_cost`; -1 = measured defaults for the backend: 8 on CPU, where
-    all-MiniLM-L6-v2's step at batch 32, length 64 compiles in 12.7 s and runs in 1.6 s on two
-    cores; 1000 on GPUs and TPUs, where BERT-Base's step at batch 128 compiled in ~41 s and ran in
-    ~49 ms on an H100, benchmarks/RESULTS.md: ~840 steps, and more at fine-tuning's batch 32)."""
-    cost = float(config.get("trim_padding_compile_cost", -1))
-    if cost == -1:
-        return COMPILE_COST_AUTO.get(jax.default_backend(), ACCELERATOR_COMPILE_COST)
-    if cost < 0:
-        raise ValueError(f"config.trim_padding_compile_cost={cost}: -1 (the backend's default), "
-                         "0 (every length a batch needs) or a number of steps")
-    return cost
-
-
-def _plan_batches(config: ml_collections.ConfigDict, task, train, evals: list, mesh, total_steps: int,
-                  epochs: int, stream: bool, eval_batch: int) -> tuple[dict, dict, Any, Any]:
-    """Training's and evaluation's trimming (`tasks.batches`' `lengths` and `sequence_keys`) and,
-    when training batches are packed (`config.packing`), each step's packed rows and the slots a
-    row has (else None, None). Only the lengths and row counts whose steps save more than their
-    compile costs are chosen; every choice is a function of the data, the seed and the config: the
-    same on every host and on resuming."""
-    from data_pipeline import tasks as tasks_lib
-
-    max_len, batch = config.max_seq_length, config.global_batch_size
-    buckets = config.get("trim_padding_buckets", 0)
-    trimming = eval_trimming = finetune_batches.trim_arguments(buckets, max_len, task.head)
-    cost = compile_cost(config)
-    asked = bool(config.get("packing", False))
-    packing = asked and task.head in heads.PACKED_HEADS
-    if asked and not packing:
-        logging.info("config.packing: the %s head trains on unpacked rows (packing is for %s)",
-                     task.head, heads.PACKED_HEADS)
-    step_rows = slots = None
-    if packing:
-        rows, real = finetune_batches.training_rows(len(train.features["weight"]), batch, config.seed,
-                                                    total_steps, epochs, stream)
-        step_rows, slots = finetune_batches.plan_packing(
-            train.features, rows, real, max_len, cost=cost,
-            batch_shards=sharding.axis_size(mesh, sharding.BATCH_AXES))
-    if not trimming["lengths"]:
-        return trimming, eval_trimming, step_rows, slots
-    eval_needs = np.tile(np.concatenate([finetune_batches.eval_batch_needs(s.features, eval_batch) for s in evals]
-                                        or [np.zeros(0, np.int64)]), epochs)
-    eval_batch_cost = FORWARD_STEP_SHARE * eval_batch / batch  # in training steps
-    eval_cost = cost * FORWARD_COMPILE_SHARE / eval_batch_cost
-    chosen = {"evaluation": tasks_lib.choose_lengths(eval_needs, trimming["lengths"], eval_cost)}
-    needs = {"evaluation": eval_needs}
-    if not packing:
-        needs["training"] = finetune_batches.training_needs(train.features, batch, config.seed, total_steps,
-                                                            epochs, stream)
-        chosen["training"] = tasks_lib.choose_lengths(needs["training"], trimming["lengths"], cost)
-    logging.info("batches cut to the shortest length holding their longest row, out of %s "
-                 "(config.trim_padding_buckets=%d), where the steps saved pay for the compile (one "
-                 "costs %g training steps, config.trim_padding_compile_cost): %s", trimming["lengths"],
-                 buckets, cost, "; ".join(f"{k} {finetune_batches.batches_per_length(v, needs[k])}"
-                                           for k, v in chosen.items()))
-    return (dict(trimming, lengths=chosen.get("training")), dict(trimming, lengths=chosen["evaluation"]),
-            step_rows, slots)
-
-
-def _predict(p_eval, params, split, *, mesh, keys, batch_size, lengths=None, sequence_keys=()
-             ) -> tuple[dict, dict]:
-    """Outputs of every feature row of `split` (numpy, in row order) and the summed losses.
-
-    With `lengths` (`trim_arguments`), the rows go by length (a stable sort of their real
-    positions), so each batch is cut to the shortest length holding its longest row; outputs
-    with a sequence axis are padded back to the features' length with zeros, and everything is
-    returned in row order again."""
-    from tqdm import tqdm
-
-    from data_pipeline import tasks as tasks_lib
-
-    chunks: list = []
-    sums = {"loss_sum": 0.0, "weight": 0.0}
-    n = len(split.features["weight"])
-    full = split.features["input_mask"].shape[-1]
-    order = None
-    if lengths:
-        order = np.argsort(tasks_lib.row_lengths(split.features["input_mask"]), kind="stable")
-    batches = tasks_lib.batches(split.features, keys, batch_size, process_index=jax.process_index(),
-                                process_count=jax.process_count(), order=order, lengths=lengths,
-                                sequence_keys=sequence_keys)
-    for batch in tqdm(batches, total=tasks_lib.num_batches(n, batch_size), desc=f"predict {split.name}",
-                      unit=" batches", leave=False, disable=jax.process_index() > 0, dynamic_ncols=True):
-        length = batch["input_mask"].shape[-1]
-        outputs, batch_sums = p_eval(params, sharding.to_global(batch, mesh))
-        outputs = multihost_utils.process_allgather(outputs, tiled=True)
-        if length < full and "label_ids" in sequence_keys:  # token logits [rows, length, classes]
-            outputs = {k: np.pad(v, [(0, 0), (0, full - length)] + [(0, 0)] * (v.ndim - 2))
-                       for k, v in outputs.items()}
-        chunks.append(outputs)
-        for k in sums:
-            sums[k] += float(batch_sums[k])
-    outputs = {k: np.concatenate([c[k] for c in chunks])[:n] for k in chunks[0]}
-    if order is not None:
-        outputs = {k: _unsort(v, order) for k, v in outputs.items()}
-    return outputs, sums
-
-
-def _unsort(values: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """`values[i]` belongs to row `order[i]`: the values in row order."""
-    out = np.empty_like(values)
-    out[order] = values
-    return out
 
 
 def _log(pending, step, window_start, writer, bar, config, train_sums) -> None:

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax import sharding, steps
-from bert_jax.phases import Phase
+from bert_jax.pretrain import steps
+from bert_jax.pretrain.phases import Phase
+from bert_jax.training import sharding
 from data_pipeline import storage
 
 

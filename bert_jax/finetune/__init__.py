@@ -1,0 +1,23 @@
+"""Fine-tuning: the loop, its batches, the task heads and prediction (docs/finetuning.md,
+docs/architecture.md). It imports `bert_jax.model`, `bert_jax.training` and `bert_jax.checkpoints`,
+never `bert_jax.pretrain`; `data_pipeline.tasks` reads and featurizes the data.
+
+  loop     `run` and `train_and_evaluate`: one loop for every task, evaluation after each epoch,
+           the best epoch kept, test predictions
+  steps    the train and eval steps, and predicting a split batch by batch
+  batches  every batching decision: the steps of a run, each step's rows, trimming rows short of
+           their padding, the lengths and packed row counts worth a compile
+  bucketing  the arithmetic of row and batch lengths, and which lengths are worth a compile
+  packing  rows packed several to a row (first fit), for the classification, regression and
+           token heads
+  heads    `BertForTask`: the encoder plus a classification, regression, span, token or
+           multiple-choice head, and their losses
+  predict  the fine-tuned model on new text (`config.mode=predict`)
+"""
+
+import bert_jax
+
+
+def __getattr__(name):
+    """An attribute of the old `bert_jax.finetune` module (`bert_jax.finetune.run`): the error names its new home."""
+    raise bert_jax.moved_attribute(__name__, name, ('bert_jax.finetune.loop', 'bert_jax.finetune.steps', 'bert_jax.finetune.batches'))

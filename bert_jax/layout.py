@@ -1,0 +1,35 @@
+"""Every file and folder name in a bert_jax workdir or export: the one place that spells them.
+
+    W/                          a pretraining or fine-tuning workdir (`--workdir`)
+      checkpoints/<step>/       CHECKPOINTS        the resumable train state (`bert_jax.checkpoints`)
+      best/<step>/              BEST               fine-tuning: the best epoch's parameters
+      best_predictions/         BEST_PREDICTIONS   fine-tuning: the best epoch's predictions
+      bert_config.json          MODEL_CONFIG       the model's config (Google's file name and fields)
+      vocab.txt                 VOCAB              the WordPiece vocabulary, one token a line
+      tokenizer_config.json     TOKENIZER_CONFIG   the casing (`do_lower_case`), as HF writes it
+      task.json                 TASK_FILE          fine-tuning: the task, its head and labels
+      train_log.jsonl           TRAIN_LOG          one line of metrics per logged step
+      eval_results.json         EVAL_RESULTS       the last evaluation (metric -> value)
+      eval_history.json         EVAL_HISTORY       fine-tuning: every epoch's evaluation
+      events.out.tfevents.*                        TensorBoard's (`bert_jax.workdir.MetricWriter`)
+
+    E/                          an export (`bert_jax.convert --to=bert_jax`)
+      params/                   EXPORTED_PARAMS    an orbax checkpoint of the parameter tree
+      bert_config.json, vocab.txt, tokenizer_config.json, and task.json for a fine-tuned model
+
+A step folder's own layout (its state, the per-host input state, the integrity manifest) is
+`bert_jax.checkpoints.checkpoint_steps`'. Google's and HuggingFace's checkpoints keep their own
+names (`bert_jax.formats.google`, `bert_jax.formats.hf`).
+"""
+
+CHECKPOINTS = "checkpoints"
+BEST = "best"
+BEST_PREDICTIONS = "best_predictions"
+MODEL_CONFIG = "bert_config.json"
+VOCAB = "vocab.txt"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TASK_FILE = "task.json"
+TRAIN_LOG = "train_log.jsonl"
+EVAL_RESULTS = "eval_results.json"
+EVAL_HISTORY = "eval_history.json"
+EXPORTED_PARAMS = "params"

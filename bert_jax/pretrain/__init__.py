@@ -1,0 +1,19 @@
+"""Pretraining: the loop, its input, the checks before compiling, phases, and the losses and step
+(docs/pretraining.md, docs/architecture.md). It imports `bert_jax.model`, `bert_jax.training` and
+`bert_jax.checkpoints`, never `bert_jax.finetune`.
+
+  loop             `run` (pretrain, resuming from the workdir) and `evaluate`: mesh, sharded init,
+                   restore, the jitted step, logging, evaluation, saves, preemption
+  pretrain_input   the per-host tf.data input made global, its position saved with the checkpoint
+  pretrain_checks  what every host checks before compiling: config, mesh, data, vocab, token ids
+  phases           the phases of a two-phase run (length 128, then 512) over one schedule
+  steps            the masked-LM / next-sentence / left-to-right losses, the train and eval steps,
+                   FLOPs per sequence
+"""
+
+import bert_jax
+
+
+def __getattr__(name):
+    """An attribute of the old `bert_jax.pretrain` module (`bert_jax.pretrain.run`): the error names its new home."""
+    raise bert_jax.moved_attribute(__name__, name, ('bert_jax.pretrain.loop', 'bert_jax.training.run_setup', 'bert_jax.pretrain.pretrain_checks', 'bert_jax.pretrain.pretrain_input', 'bert_jax.pretrain.phases', 'bert_jax.workdir'))
