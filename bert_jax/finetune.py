@@ -55,7 +55,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from bert_jax import finetune_batches, heads, optim, pretrain, sharding, steps, versions
-from bert_jax.checkpoints import checkpointing
+from bert_jax.checkpoints import checkpoint_steps, checkpointing
 from bert_jax import workdir as workdir_files
 from bert_jax.formats.common import TASK_FILE
 from bert_jax.model.modeling import BertConfig
@@ -300,7 +300,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
         try:  # before anything compiles
             versions.check_resume(meta.get(versions.META_KEY), allow_change=config.get("allow_version_change", False),
                                   where=f"checkpoint step {start_step} in {ckpt.directory}")
-        except checkpointing.CheckpointRestoreError:
+        except checkpoint_steps.CheckpointRestoreError:
             ckpt.close()  # puts the previous SIGTERM handler back
             best_ckpt.close()
             raise

@@ -35,7 +35,7 @@ import jax
 import ml_collections
 
 from bert_jax import optim, sharding, steps, versions
-from bert_jax.checkpoints import checkpointing
+from bert_jax.checkpoints import checkpoint_reading, checkpoint_steps, checkpointing
 from bert_jax.model import mixed_precision, modeling
 from bert_jax.model.modeling import BertConfig
 from bert_jax.phases import Phase, resolve_phases  # noqa: F401  (importable from here too)
@@ -244,7 +244,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         try:  # before anything compiles
             versions.check_resume(meta.get(versions.META_KEY), allow_change=config.get("allow_version_change", False),
                                   where=f"checkpoint step {start_step} in {ckpt.directory}")
-        except checkpointing.CheckpointRestoreError:
+        except checkpoint_steps.CheckpointRestoreError:
             ckpt.close()  # puts the previous SIGTERM handler back
             raise
         logging.info("resumed from step %d", start_step)
@@ -291,7 +291,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 resume_in_phase = step > phase.start_step
                 if resume_in_phase:
                     if meta.get("phase") != phase_index:
-                        raise checkpointing.CheckpointRestoreError(
+                        raise checkpoint_steps.CheckpointRestoreError(
                             f"checkpoint step {step} belongs to phase {meta.get('phase')}, expected {phase_index}")
                     batches.restore_shards(shard_state_dir)
                 flops = steps.train_flops_per_sequence(bert_config, phase.max_seq_length,
@@ -374,14 +374,14 @@ def input_position(config: ml_collections.ConfigDict, ckpt, step: int, meta: dic
     saved_shards = meta.get("data_shards")
     if saved_shards is None:  # saved before checkpoints recorded their shard count
         if saved_processes != jax.process_count():
-            raise checkpointing.CheckpointRestoreError(
+            raise checkpoint_steps.CheckpointRestoreError(
                 f"checkpoint step {step} was saved by {saved_processes} processes without its file shard count "
                 f"(an older bert_jax): resume it on {saved_processes} processes")
         saved_shards = shards
     if saved_shards != shards:
         fix = (f"set config.data_shards={saved_shards}" if saved_shards % jax.process_count() == 0 else
                f"resume on a number of processes that divides {saved_shards}")
-        raise checkpointing.CheckpointRestoreError(
+        raise checkpoint_steps.CheckpointRestoreError(
             f"checkpoint step {step} was saved by {saved_processes} processes reading {saved_shards} file shards; "
             f"this run has {jax.process_count()} processes and {shards} shards (config.data_shards="
             f"{config.data_shards}), which split the files differently, so the input position cannot carry over: "
@@ -541,14 +541,14 @@ def load_params(config, bert_config: BertConfig, mesh):
                                     google_gelu=config.get("google_gelu")), shardings
     ckpt_dir = storage.join(path, "checkpoints") if has_checkpoints else path
     try:
-        saved_scanned = any("/encoder/layers/" in key for key in checkpointing.saved_keys(ckpt_dir))
+        saved_scanned = any("/encoder/layers/" in key for key in checkpoint_reading.saved_keys(ckpt_dir))
     except FileNotFoundError as e:
         raise FileNotFoundError(f"config.init_checkpoint={path}: {e}") from None
     saved_config = dataclasses.replace(bert_config, scan_layers=saved_scanned)
     saved_abstract, saved_shardings = (abstract, shardings) if saved_scanned == bert_config.scan_layers \
         else abstract_params(saved_config)
     target = sharding.abstract_with_shardings(nn.meta.unbox(saved_abstract), saved_shardings)
-    part, step = checkpointing.restore_part(ckpt_dir, {"params": target})
+    part, step = checkpoint_reading.restore_part(ckpt_dir, {"params": target})
     params = part["params"]
     logging.info("init_checkpoint: parameters of step %d of %s", step, ckpt_dir)
     if saved_scanned != bert_config.scan_layers:
