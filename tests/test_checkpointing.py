@@ -463,7 +463,27 @@ def test_a_restore_failing_on_one_host_fails_on_every_host(tmp_path, monkeypatch
     assert _on_both(hosts, [7, 7], lambda h, step: h.failure(step, None)) == [None, None]
     alone = HostAgreement(str(tmp_path), process_index=0, process_count=1)
     assert alone.failure(7, None) is None and alone.failure(7, mismatch) is mismatch
-    alone.barrier("nothing to wait for")  # no coordination service: returns at once
+
+
+def test_hosts_meet_at_barriers_of_one_name_and_one_process_at_none(tmp_path, monkeypatch):
+    """After the same exchanges, every host's barrier has the same key (the hosts' calls in step);
+    a single process waits at no barrier."""
+    import orbax.checkpoint as ocp
+
+    from bert_jax.checkpoints.host_agreement import HostAgreement
+
+    _, hosts = _two_hosts(tmp_path, monkeypatch)
+    met = []
+    monkeypatch.setattr(ocp.multihost, "sync_global_processes",
+                        lambda key, timeout, processes: met.append((key, sorted(processes))))
+    _on_both(hosts, [3, 3], lambda h, step: h.verdict(step, "ok", None))
+    for host in hosts:
+        host.barrier("moved_damaged")
+    assert len(met) == 2 and met[0] == met[1] and met[0][1] == [0, 1], met
+    assert met[0][0].endswith("/2/moved_damaged"), met  # the second exchange of this directory
+
+    HostAgreement(str(tmp_path), process_index=0, process_count=1).barrier("moved_damaged")
+    assert len(met) == 2, met
 
 
 # ---------------------------------------------------------------------------------------------
