@@ -22,12 +22,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from bert_jax.checkpoints import checkpoint_integrity as integrity
-from bert_jax.checkpoints import checkpointing
-from bert_jax.checkpoints.checkpointing import CheckpointCorruptError, Checkpointer, CheckpointSaveError
+from bert_jax.checkpoints.checkpoint_reading import restore_part, saved_keys
+from bert_jax.checkpoints.checkpoint_steps import CheckpointCorruptError, CheckpointSaveError, check_step
+from bert_jax.checkpoints.checkpointing import Checkpointer
 from data_pipeline import storage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +115,7 @@ def test_the_manifest_lists_every_file_of_the_step(template):
     assert set(manifest["files"]) == on_disk - {integrity.MANIFEST}
     kinds = {_kind(rel) for rel in manifest["files"]}
     assert {"array data", "array metadata", "input-pipeline state", "the run's metadata"} <= kinds
-    assert checkpointing.check_step(template, 2) == ("ok", None)
+    assert check_step(template, 2) == ("ok", None)
 
 
 def test_every_single_bit_flip_in_the_newest_step_falls_back_to_the_previous(template, tmp_path, caplog):
@@ -243,14 +245,14 @@ def test_with_nothing_intact_to_fall_back_to_it_stops_and_moves_nothing(template
 def test_a_step_that_orbax_cannot_read_falls_back(template, tmp_path, monkeypatch, caplog):
     """Damage the verification cannot see (here: a read error injected into orbax) falls back too."""
     directory = _copy(template, tmp_path, "unreadable")
-    real = checkpointing.ocp.StandardCheckpointHandler.restore
+    real = ocp.StandardCheckpointHandler.restore
 
     def failing(self, directory, *args, **kwargs):
         if directory.parent.name == "2":
             raise ValueError("DATA_LOSS: Error reading local file (injected)")
         return real(self, directory, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing.ocp.StandardCheckpointHandler, "restore", failing)
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore", failing)
     with caplog.at_level(logging.ERROR):
         step, state, _ = _resume(directory)
     assert step == 1
@@ -281,16 +283,16 @@ def test_restore_part_and_saved_keys_verify_and_never_move(template, tmp_path, c
     victim.write_bytes(bytes(raw))
     target = {"params": _target()["params"]}
     with caplog.at_level(logging.ERROR):
-        part, step = checkpointing.restore_part(directory, target)
-        keys = checkpointing.saved_keys(directory)
+        part, step = restore_part(directory, target)
+        keys = saved_keys(directory)
     assert step == 1 and "params/w" in keys
     np.testing.assert_array_equal(np.asarray(part["params"]["w"]), np.asarray(_state(1)["params"]["w"]))
     assert any("step 2" in r.getMessage() and "reading step 1 instead" in r.getMessage() for r in caplog.records)
     assert (directory / "2").is_dir() and not (directory / "damaged").exists()  # read-only
     with pytest.raises(CheckpointCorruptError, match="step 2 .* is damaged"):
-        checkpointing.restore_part(directory, target, step=2)
+        restore_part(directory, target, step=2)
     with pytest.raises(CheckpointCorruptError, match="step 2 .* is damaged"):
-        checkpointing.restore_part(directory, target, on_damaged="stop")
+        restore_part(directory, target, on_damaged="stop")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +308,7 @@ def _assert_resumes_from_step_1(directory):
         _assert_state(state, 1)
         # The run goes on: step 2 can be saved again once there is space.
         assert ckpt.save(2, _state(2), {"position": 2}, input_state_writer=_input_writer(2))
-    assert checkpointing.check_step(directory, 2) == ("ok", None)
+    assert check_step(directory, 2) == ("ok", None)
 
 
 def _save_step_1(directory):

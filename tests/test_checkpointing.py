@@ -26,7 +26,8 @@ import pytest
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from bert_jax.checkpoints.checkpointing import CheckpointRestoreError, Checkpointer, CheckpointSaveError
+from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError, CheckpointSaveError
+from bert_jax.checkpoints.checkpointing import Checkpointer
 from xla_flags import xla_flags  # tests/ is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,15 +135,15 @@ def test_restore_onto_other_meshes_is_bitwise(tmp_path):
 def test_reading_only_the_parameters_is_bitwise_and_quiet(tmp_path, caplog):
     """`restore_part` (evaluation, export) reads the parameters alone, read-only, without orbax
     warnings about the checkpoint's other items or about being read-only."""
-    from bert_jax.checkpoints import checkpointing
+    from bert_jax.checkpoints import checkpoint_reading
     saved = _make_state(_mesh(2, 4))
     with Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False) as ckpt:
         assert ckpt.save(3, saved, {"note": "x"}, force=True)
     one = SingleDeviceSharding(jax.devices()[0])
     target = {"params": _abstract(saved, lambda name: one).params}
     with caplog.at_level("INFO"):
-        part, step = checkpointing.restore_part(tmp_path, target)
-        keys = checkpointing.saved_keys(tmp_path)
+        part, step = checkpoint_reading.restore_part(tmp_path, target)
+        keys = checkpoint_reading.saved_keys(tmp_path)
     assert step == 3 and any(k.startswith("params/") for k in keys) and any(k.startswith("opt_state") for k in keys)
     for a, b in zip(jax.tree.leaves(part["params"]), jax.tree.leaves(saved.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -206,7 +207,7 @@ def test_interval_force_keep_k_and_input_state(tmp_path):
 def test_every_step_gets_an_integrity_manifest_sealed_once_committed(tmp_path):
     """Written before orbax's commit (so a committed step always has one), sealed after it."""
     from bert_jax.checkpoints import checkpoint_integrity as integrity
-    from bert_jax.checkpoints import checkpointing
+    from bert_jax.checkpoints import checkpoint_steps
 
     with Checkpointer(tmp_path / "sync", save_interval_steps=1, max_to_keep=2, async_save=False,
                       handle_sigterm=False) as ckpt:
@@ -218,14 +219,14 @@ def test_every_step_gets_an_integrity_manifest_sealed_once_committed(tmp_path):
     manifest = integrity.read_manifest(str(tmp_path / "async" / "1"))
     assert not manifest["sealed"] and "input_state/process_0/x" in manifest["files"]
     assert "commit_success.txt" not in manifest["files"]  # written by orbax's rename, after the manifest
-    assert checkpointing.check_step(tmp_path / "async", 1) == ("ok", None)  # unsealed still verifies
+    assert checkpoint_steps.check_step(tmp_path / "async", 1) == ("ok", None)  # unsealed still verifies
     ckpt.wait_until_finished()
     manifest = integrity.read_manifest(str(tmp_path / "async" / "1"))
     assert manifest["sealed"] and {"commit_success.txt", "_CHECKPOINT_METADATA"} <= set(manifest["files"])
     state, _ = ckpt.restore(_abstract_of(_small_state()))
     assert float(state["params"]["w"][0, 0]) == 1.0
     ckpt.close()
-    assert checkpointing.check_step(tmp_path / "async", 1) == ("ok", None)  # restoring changed no file
+    assert checkpoint_steps.check_step(tmp_path / "async", 1) == ("ok", None)  # restoring changed no file
 
 
 def test_state_may_be_donated_as_soon_as_save_returns(tmp_path):
@@ -389,51 +390,100 @@ class _KeyValueStore:
             return self.values[key]
 
 
+def _two_hosts(tmp_path, monkeypatch):
+    """Two `HostAgreement`s of one directory, hosts 0 and 1 of 2, sharing a fake coordination service."""
+    import orbax.checkpoint as ocp
+
+    from bert_jax.checkpoints.host_agreement import HostAgreement
+
+    store = _KeyValueStore()
+    monkeypatch.setattr(ocp.multihost, "get_jax_distributed_client", lambda: store)
+    return store, [HostAgreement(str(tmp_path), process_index=i, process_count=2) for i in range(2)]
+
+
+def _on_both(hosts, steps, call):
+    """`call(host, step)` on both hosts at once (threads), each with its step: results or exceptions."""
+    results = [None, None]
+
+    def host(i):
+        try:
+            results[i] = call(hosts[i], steps[i])
+        except Exception as e:  # pylint: disable=broad-except
+            results[i] = e
+
+    threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
 def test_hosts_agreeing_about_different_steps_raise_naming_both(tmp_path, monkeypatch):
     """Two hosts (threads) exchange verdicts through a fake coordination service: about the same
     step they combine them, under keys naming the step; about different steps (their exchanges
     drifted apart) each raises, naming both steps, instead of pairing them."""
-    import orbax.checkpoint as ocp
-
     from bert_jax.checkpoints.checkpoint_integrity import Damage
 
-    store = _KeyValueStore()
-    monkeypatch.setattr(ocp.multihost, "get_jax_distributed_client", lambda: store)
-    hosts = [Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=1, handle_sigterm=False) for _ in range(2)]
-    for index, host in enumerate(hosts):
-        host._process_index, host._process_count = index, 2  # pylint: disable=protected-access
-
-    def on_both(steps, call):
-        results = [None, None]
-
-        def host(i):
-            try:
-                results[i] = call(hosts[i], steps[i])
-            except Exception as e:  # pylint: disable=broad-except
-                results[i] = e
-
-        threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        return results
-
+    store, hosts = _two_hosts(tmp_path, monkeypatch)
     damage = Damage("state/d/0", "checksum mismatch")
-    verdicts = on_both([8, 8], lambda h, step: h._agreed_verdict(  # pylint: disable=protected-access
-        step, *(("damaged", damage) if h._process_index == 1 else ("ok", None))))  # pylint: disable=protected-access
+    verdicts = _on_both(hosts, [8, 8], lambda h, step: h.verdict(
+        step, *(("damaged", damage) if h is hosts[1] else ("ok", None))))
     assert verdicts == [("damaged", Damage("state/d/0", "checksum mismatch (found by host 1)")), ("damaged", damage)]
     found = [key for key in store.values if not key.rsplit("/", 2)[-2] == "step"]  # the verdicts' keys
     assert len(found) == 2 and all("/step_8/" in key for key in found), sorted(store.values)
 
-    for call in ("_agreed_verdict", "_agreed_failure"):
-        args = ("ok", None) if call == "_agreed_verdict" else (None,)
-        drifted = on_both([8, 4], lambda h, step: getattr(h, call)(step, *args))
+    for call in ("verdict", "failure"):
+        args = ("ok", None) if call == "verdict" else (None,)
+        drifted = _on_both(hosts, [8, 4], lambda h, step: getattr(h, call)(step, *args))
         for error in drifted:
             assert isinstance(error, CheckpointRestoreError), drifted
             assert "about step 8" in str(error) and "about step 4" in str(error), str(error)
+
+
+def test_a_restore_failing_on_one_host_fails_on_every_host(tmp_path, monkeypatch):
+    """The restores' outcomes are combined: a host whose own read succeeded gets the failing host's
+    error (a corrupt read as `CheckpointCorruptError` carrying the step, so that it falls back too);
+    a corrupt failure outranks a mismatch; all ok stays ok; one process exchanges nothing."""
+    from bert_jax.checkpoints.checkpoint_steps import CheckpointCorruptError
+    from bert_jax.checkpoints.host_agreement import HostAgreement
+
+    _, hosts = _two_hosts(tmp_path, monkeypatch)
+    unreadable = CheckpointCorruptError("chunk 3 unreadable")
+    outcomes = _on_both(hosts, [5, 5], lambda h, step: h.failure(step, unreadable if h is hosts[1] else None))
+    assert outcomes[1] is unreadable
+    assert type(outcomes[0]) is CheckpointCorruptError and outcomes[0].step == 5, outcomes
+    assert str(outcomes[0]) == "host 1: chunk 3 unreadable" and "host 1 could not restore it" in str(outcomes[0].damage)
+
+    mismatch = CheckpointRestoreError("no key 'params/x'")
+    outcomes = _on_both(hosts, [6, 6], lambda h, step: h.failure(step, mismatch if h is hosts[0] else unreadable))
+    assert outcomes[1] is unreadable and type(outcomes[0]) is CheckpointCorruptError, outcomes
+    assert str(outcomes[0]) == "host 1: chunk 3 unreadable"
+
+    assert _on_both(hosts, [7, 7], lambda h, step: h.failure(step, None)) == [None, None]
+    alone = HostAgreement(str(tmp_path), process_index=0, process_count=1)
+    assert alone.failure(7, None) is None and alone.failure(7, mismatch) is mismatch
+
+
+def test_hosts_meet_at_barriers_of_one_name_and_one_process_at_none(tmp_path, monkeypatch):
+    """After the same exchanges, every host's barrier has the same key (the hosts' calls in step);
+    a single process waits at no barrier."""
+    import orbax.checkpoint as ocp
+
+    from bert_jax.checkpoints.host_agreement import HostAgreement
+
+    _, hosts = _two_hosts(tmp_path, monkeypatch)
+    met = []
+    monkeypatch.setattr(ocp.multihost, "sync_global_processes",
+                        lambda key, timeout, processes: met.append((key, sorted(processes))))
+    _on_both(hosts, [3, 3], lambda h, step: h.verdict(step, "ok", None))
     for host in hosts:
-        host.close()
+        host.barrier("moved_damaged")
+    assert len(met) == 2 and met[0] == met[1] and met[0][1] == [0, 1], met
+    assert met[0][0].endswith("/2/moved_damaged"), met  # the second exchange of this directory
+
+    HostAgreement(str(tmp_path), process_index=0, process_count=1).barrier("moved_damaged")
+    assert len(met) == 2, met
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Modules that moved into folders (docs/architecture.md): the documented old paths,
 `bert_jax.modeling` and `bert_jax.checkpointing`, still import (with a DeprecationWarning) the same
-objects; every other old path fails with a message naming its new one, as `import` and as
-`from bert_jax import`."""
+objects (each from the module that defines it now, with every name the old path offered before the
+Checkpointer's parts left `checkpointing.py`); every other old path fails with a message naming
+its new one, as `import` and as `from bert_jax import`."""
 
 import importlib
 import sys
@@ -9,8 +10,18 @@ import sys
 import pytest
 
 import bert_jax
-from bert_jax.checkpoints import checkpointing
+from bert_jax.checkpoints import checkpoint_reading, checkpoint_steps, checkpointing
 from bert_jax.model import dropout, modeling, pretraining_heads
+
+# Every public name `bert_jax.checkpointing` offered when it star-imported `checkpoints.checkpointing`,
+# which re-exported the read-only helpers and carried its own imports along.
+OLD_CHECKPOINTING_NAMES = (
+    "Any", "Callable", "CheckpointCorruptError", "CheckpointRestoreError", "CheckpointSaveError", "Checkpointer",
+    "FORMAT_VERSION", "INFO", "INPUT_STATE", "META", "ON_DAMAGED", "Optional", "Preemption", "PyTree", "STATE",
+    "SaveDeadline", "annotations", "check_against_metadata", "check_step", "corrupt_error", "flat", "hashlib",
+    "input_dir", "integrity", "is_read_failure", "is_typed_key", "jax", "json", "listed", "logging", "move_aside",
+    "newest_intact_step", "ocp", "os", "read_error", "rebuild_like", "restore_part", "saved_keys", "storage",
+    "to_abstract", "warnings")
 
 
 @pytest.mark.parametrize("old,new,names", [
@@ -21,12 +32,17 @@ def test_the_documented_old_paths_still_import_the_same_objects(old, new, names)
     sys.modules.pop(old, None)
     with pytest.warns(DeprecationWarning, match=new):
         module = importlib.import_module(old)
-    home = {"bert_jax.modeling": modeling, "bert_jax.checkpointing": checkpointing}[old]
+    home = {"BertConfig": modeling, "BertModel": modeling, "keep_mask": modeling, "Checkpointer": checkpointing,
+            "CheckpointRestoreError": checkpoint_steps, "newest_intact_step": checkpoint_reading,
+            "saved_keys": checkpoint_reading}
     for name in names:
-        assert getattr(module, name) is getattr(home, name), name
+        assert getattr(module, name) is getattr(home[name], name), name
     if old == "bert_jax.modeling":
         assert module.keep_mask is dropout.keep_mask
         assert module.BertForPreTraining is pretraining_heads.BertForPreTraining
+    else:
+        missing = [name for name in OLD_CHECKPOINTING_NAMES if not hasattr(module, name)]
+        assert not missing, f"bert_jax.checkpointing no longer offers {missing}"
 
 
 def test_the_other_old_paths_name_their_new_one():

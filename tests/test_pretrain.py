@@ -152,7 +152,7 @@ def test_a_resume_under_other_library_versions_is_refused_unless_allowed(data, u
     resumed with config.allow_version_change, warning about them."""
     sys.path.insert(0, str(ROOT))
     from bert_jax import versions
-    from bert_jax.checkpoints.checkpointing import CheckpointRestoreError
+    from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError
     from bert_jax.pretrain import loop as pretrain
     from configs import test as test_config
 

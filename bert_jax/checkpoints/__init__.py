@@ -2,10 +2,13 @@
 on disk, reading, integrity manifests, preemption and the save deadline (docs/architecture.md,
 docs/reliability.md). Nothing here imports the training loops.
 
-  checkpointing         `Checkpointer`: async saves, keep-K, auto-resume, the multi-host agreement
+  checkpointing         `Checkpointer`: the orbax manager; async saves, keep-K, auto-resume
   checkpoint_steps      a step's layout on disk, its errors, verifying it, moving a damaged one aside
-  checkpoint_reading    pytree keys, restore targets, read-only access to a step
+  checkpoint_reading    pytree keys, restore targets, one host's read of a step, read-only access
   checkpoint_integrity  the manifest of what a step wrote, and whether it is still that
+  input_state           each host's input-pipeline state beside a step: write, check, prune
+  host_agreement        the hosts' exchanges: one verdict on a step, one outcome of a restore
+  intact_steps          which steps every host takes for intact, and the newest one to resume
   preemption            when a loop should save and stop (SIGTERM, the cloud's notice)
   save_deadline         a deadline on every save: a stalled store ends the run loudly
 """

@@ -3,10 +3,11 @@
 What a restore needs before orbax reads anything: the state's leaves by '/'-joined key path
 (`flat`, the names orbax uses), a validated abstract target with a sharding on every leaf
 (`to_abstract`), and a comparison with the saved metadata that names every key whose presence, shape
-or dtype differs (`check_against_metadata`). `checkpointing.Checkpointer.restore` uses them, and so
-do the read-only helpers here for evaluation and export: `restore_part` (some fields of a saved
-state, e.g. the parameters alone), `saved_keys` and `newest_intact_step`. These never create, clean,
-move or delete anything in the directory, so a training run may still be writing there.
+or dtype differs (`check_against_metadata`). `checkpointing.Checkpointer.restore` uses them, through
+`StepReader` (one host's read of a verified step), and so do the read-only helpers here for
+evaluation and export: `restore_part` (some fields of a saved state, e.g. the parameters alone),
+`saved_keys` and `newest_intact_step`. None of these creates, cleans, moves or deletes anything in
+the directory, so a training run may still be writing there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from bert_jax.checkpoints import input_state
 from bert_jax.checkpoints.checkpoint_steps import (INFO, META, ON_DAMAGED, STATE, CheckpointRestoreError, check_step,
                                        corrupt_error, is_read_failure, read_error)
 from data_pipeline import storage
@@ -136,6 +138,63 @@ def rebuild_like(target: PyTree, restored: PyTree) -> PyTree:
     by_key = flat(restored)
     treedef = jax.tree_util.tree_structure(target)
     return jax.tree_util.tree_unflatten(treedef, [by_key[key] for key in flat(target)])
+
+
+# ---------------------------------------------------------------------------------------------
+# One host's read of a verified step (`Checkpointer.restore`)
+# ---------------------------------------------------------------------------------------------
+
+
+class StepReader:
+    """Reads the steps of one directory through orbax's handlers, not a `CheckpointManager`: the
+    manager's restore ends in a barrier across processes, which a host whose read failed would
+    never reach (the hosts agree on the outcome instead: `HostAgreement.failure`). `close` it.
+
+    Args:
+        directory: the absolute checkpoint directory.
+    """
+
+    def __init__(self, directory: str):
+        self._directory = directory
+        self._handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler(),
+                          INFO: ocp.JsonCheckpointHandler()}
+
+    def _path(self, step: int, item: str):
+        return storage.epath(storage.join(self._directory, str(step), item))
+
+    def info(self, step: int) -> dict:
+        """The step's bookkeeping (`checkpointer_info`: format version, input-state process count)."""
+        return self._handlers[INFO].restore(self._path(step, INFO), args=ocp.args.JsonRestore()) or {}
+
+    def read(self, step: int, target: PyTree, check_input_state: bool) -> tuple[PyTree, dict]:
+        """(state, meta) of a verified step, onto `target` (validated by `to_abstract`).
+
+        Raises:
+            CheckpointRestoreError: the target does not match what was saved.
+            CheckpointCorruptError: orbax cannot read the step's metadata or JSON items, or (with
+                `check_input_state`) a saving process's input state is missing.
+            Exception: orbax's own, from the array read (`is_read_failure` tells a read error).
+        """
+        try:
+            saved = self._handlers[STATE].metadata(self._path(step, STATE))
+        except Exception as e:  # pylint: disable=broad-except
+            raise read_error(step, self._directory, e) from e
+        saved_tree = getattr(saved, "tree", saved)
+        check_against_metadata(target, saved_tree, f"checkpoint step {step} in {self._directory}")
+        # The small JSON items first, so that a missing input state fails before the big read.
+        try:
+            meta, info = (self._handlers[name].restore(self._path(step, name), args=ocp.args.JsonRestore())
+                          for name in (META, INFO))
+        except Exception as e:  # pylint: disable=broad-except
+            raise read_error(step, self._directory, e) from e
+        if check_input_state:
+            input_state.check(self._directory, step, (info or {}).get("input_state_process_count"))
+        restored = self._handlers[STATE].restore(self._path(step, STATE), args=ocp.args.StandardRestore(target))
+        return rebuild_like(target, restored), dict(meta or {})
+
+    def close(self) -> None:
+        for handler in self._handlers.values():
+            handler.close()
 
 
 # ---------------------------------------------------------------------------------------------

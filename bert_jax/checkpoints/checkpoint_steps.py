@@ -35,6 +35,7 @@ This module only touches files (through `data_pipeline.storage`): no jax, no orb
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import Optional
@@ -68,6 +69,29 @@ class CheckpointCorruptError(CheckpointRestoreError):
 def input_dir(directory: str, step: int) -> str:
     """`<directory>/input_state/<step>`: every process's input state of `step`."""
     return storage.join(directory, INPUT_STATE, str(step))
+
+
+def committing_dir(directory: str, step: int) -> str:
+    """The folder of a step whose save is being committed, as orbax's post-finalization hook sees it.
+
+    Local filesystems: the temporary folder orbax is about to rename; object stores commit in place
+    with a marker file, so the data is in the final folder already.
+    """
+    final = storage.join(directory, str(step))
+    candidates = [] if storage.is_remote(final) else storage.glob(storage.glob_escape(final) + ".orbax-checkpoint-tmp*")
+    return max(candidates, key=storage.getmtime) if candidates else final
+
+
+def remove_uncommitted(directory: str, committed: set[int]) -> None:
+    """Removes the step folders of `directory` that are not in `committed` (orbax's steps).
+
+    For object stores, where a save that never committed (a kill -9 mid-save) leaves a step folder
+    without `commit_success.txt` rather than a `<step>.orbax-checkpoint-tmp` folder.
+    """
+    for name in storage.listdir(directory):
+        if name.isdigit() and int(name) not in committed:
+            logging.info("checkpointing: removing step %s of %s, whose save never committed", name, directory)
+            storage.rmtree(storage.join(directory, name))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,27 +3,16 @@
 This module owns everything a training loop needs to survive being stopped: when to save, what a
 step on disk contains, which steps are kept, how a step is restored onto any mesh, and how a
 SIGTERM (single process) or the multi-host preemption sync point turns into "save now and stop".
-It wraps one orbax `CheckpointManager`; there is no hand-written checkpoint format. Its parts:
-
-    checkpointing.py          `Checkpointer`: saving, keep-K, restoring, resuming (this module)
-    checkpoint_steps.py       the on-disk layout, the errors, verifying a step, moving damaged ones aside
-    checkpoint_integrity.py   the integrity manifest of a step (sizes and CRC-32C of its files)
-    checkpoint_reading.py     restore targets and key checks; read-only `restore_part`, `saved_keys`,
-                              `newest_intact_step`
-    preemption.py             SIGTERM / the multi-host preemption sync point -> `should_stop`
-
-Every public name of those is importable from here too (`checkpointing.restore_part`, ...).
-
-Consistency of the per-host input state with the step: each process writes its own
-`input_state/<step>/process_<i>/` synchronously, *before* orbax starts the save, and orbax's save
-begins with a barrier across processes; so when the step is committed every host's input state is
-already on disk. A folder whose step never committed (a crash mid-save) is cleared when that step
-is written again, and folders of steps that orbax no longer keeps are deleted only after orbax has
-deleted the step itself, so a committed step never lacks its input state.
+It wraps one orbax `CheckpointManager`; there is no hand-written checkpoint format. `Checkpointer`
+saves, keeps K, restores and resumes, and composes the other modules of bert_jax/checkpoints/ (the
+package docstring lists them): `input_state` (each host's input-pipeline state beside a step),
+`HostAgreement` and `IntactSteps` (the hosts' agreement on every verdict, and the step a resume
+uses), `StepReader` (one host's read of a step), `Preemption` and `SaveDeadline`.
 
 Integrity: every step carries a manifest written before orbax commits it, and is checked against
-it before anything of it is read; a damaged newest step is moved aside or raised, as `on_damaged`
-says (checkpoint_steps.py, docs/reliability.md).
+it before anything of it is read, with one verdict for all hosts (intact_steps.py); a damaged
+newest step is moved aside or raised, as `on_damaged` says (docs/reliability.md). A restore that
+fails on one host fails on all of them (host_agreement.py), so they all fall back to one step.
 
 Preemption (preemption.py): `should_stop(step)` turns True at the first step after a SIGTERM
 (single process) or at the multi-host preemption sync point (the same step on every host); it must
@@ -51,23 +40,12 @@ PRNG keys: typed keys (`jax.random.key`) are rejected at save time, because orba
 raw `uint32` data and cannot restore them as typed keys. Store `jax.random.key_data(key)` and use
 `jax.random.wrap_key_data` after restoring.
 
-Several hosts agree on every verdict: a step is intact only if every host verified it, and a
-restore that fails on one host (a read error, missing input state) fails on all of them, with the
-same error, so they all fall back to the same step; no host resumes alone and none waits forever
-(restores go through orbax's handlers, which hold no barrier a failing host would skip). Each
-exchange names the step it is about, and a host that is sent another step's finding raises
-`CheckpointRestoreError` naming both steps rather than combine them.
-
 Paths: local or gs:// (`data_pipeline.storage`; orbax's own writes reach gs:// through etils.epath
-and tensorstore).
-
-This module must not import tensorflow (the input-pipeline state is written by a caller-provided
-function).
+and tensorstore). No tensorflow here: the input-pipeline state is written by a caller's function.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -77,21 +55,22 @@ import jax
 import orbax.checkpoint as ocp
 
 from bert_jax.checkpoints import checkpoint_integrity as integrity
-from bert_jax.checkpoints.checkpoint_reading import check_against_metadata, flat, is_typed_key, listed, rebuild_like, to_abstract
-from bert_jax.checkpoints.checkpoint_reading import newest_intact_step, restore_part, saved_keys  # noqa: F401  (re-exported)
-from bert_jax.checkpoints.checkpoint_steps import (FORMAT_VERSION, INFO, INPUT_STATE, META, ON_DAMAGED, STATE,
-                                       CheckpointCorruptError, CheckpointRestoreError, CheckpointSaveError, check_step,
-                                       corrupt_error, input_dir, is_read_failure, move_aside, read_error)
+from bert_jax.checkpoints import input_state
+from bert_jax.checkpoints.checkpoint_reading import StepReader, flat, is_typed_key, listed, to_abstract
+from bert_jax.checkpoints.checkpoint_steps import (FORMAT_VERSION, INFO, META, ON_DAMAGED, STATE, CheckpointCorruptError,
+                                                   CheckpointRestoreError, CheckpointSaveError, committing_dir,
+                                                   corrupt_error, input_dir, is_read_failure, read_error,
+                                                   remove_uncommitted)
+from bert_jax.checkpoints.host_agreement import HostAgreement
+from bert_jax.checkpoints.intact_steps import IntactSteps
 from bert_jax.checkpoints.preemption import Preemption
 from bert_jax.checkpoints.save_deadline import SaveDeadline
 from data_pipeline import storage
 
 PyTree = Any
 
-# How long a host waits for the others' verdicts or at a barrier (`_all_hosts`, `_barrier`): a
-# slow host may be verifying or reading a large step. A host that died ends the wait sooner
-# (jax's coordination service reports it to every process).
-_AGREEMENT_TIMEOUT_S = 3600
+# The names it imports are for its own use: import each from the module that defines it.
+__all__ = ["Checkpointer"]
 
 
 class Checkpointer:
@@ -140,10 +119,9 @@ class Checkpointer:
         self._process_index = jax.process_index()
         self._process_count = jax.process_count()
         self._async = async_save
-        self._on_damaged = on_damaged
         self._saving_step: Optional[int] = None  # the step `_write_manifest` runs for
-        self._checked: dict[int, Optional[integrity.Damage]] = {}  # verification results by step
-        self._exchanges = 0  # how many `_all_hosts`/`_barrier` calls so far: the same on every host
+        self._hosts = HostAgreement(self._directory, self._process_index, self._process_count)
+        self._steps = IntactSteps(self._directory, on_damaged, self._hosts, self._process_index)
         options = ocp.CheckpointManagerOptions(
             # `max_to_keep` is deprecated in favour of a preservation policy.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
@@ -176,9 +154,8 @@ class Checkpointer:
             },
         )
         self._deadline = SaveDeadline(save_timeout_s, self._directory, self._mngr.is_saving_in_progress)
-        # Restores read through these (see `_read`); the manager's own are for saving.
-        self._handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler(),
-                          INFO: ocp.JsonCheckpointHandler()}
+        # Restores read through this, not the manager (whose handlers are for saving).
+        self._reader = StepReader(self._directory)
         self._pending_step: Optional[int] = None  # a save started by us, not yet known finished
         self._error: Optional[CheckpointSaveError] = None
         self._closed = False
@@ -205,7 +182,7 @@ class Checkpointer:
             process_index: defaults to `jax.process_index()`.
         """
         index = self._process_index if process_index is None else process_index
-        return storage.join(self._directory, INPUT_STATE, str(step), f"process_{index}")
+        return input_state.process_dir(self._directory, step, index)
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (a save still in flight is not listed)."""
@@ -227,59 +204,9 @@ class Checkpointer:
             CheckpointCorruptError: a damaged newest step, with on_damaged="stop" or nothing
                 intact to fall back to.
         """
-        steps = self.all_steps()
-        if not steps:
-            return None
-        newest = storage.join(self._directory, str(steps[-1]))
-        if not storage.exists(storage.join(newest, STATE)) and not storage.exists(storage.join(newest, integrity.MANIFEST)):
-            earlier = [s for s in steps[:-1] if storage.exists(storage.join(self._directory, str(s), STATE))]
-            then = f"resume from step {earlier[-1]}" if earlier else "start afresh"
-            raise CheckpointRestoreError(
-                f"{newest} has no '{STATE}' item: not a checkpoint "
-                f"bert_jax wrote, or a damaged one; move it out of {self._directory} to {then}")
-        return self._newest_intact(steps)
-
-    def _verified(self, step: int) -> Optional[integrity.Damage]:
-        """The step's damage (None when intact or unverifiable), checked once per Checkpointer, and
-        the same on every host: damaged if any host found it damaged or could not read it."""
-        if step not in self._checked:
-            try:
-                status, damage = check_step(self._directory, step)
-            except Exception as e:  # pylint: disable=broad-except  # the store failed us mid-check
-                if isinstance(e, MemoryError):
-                    raise
-                first_line = (str(e).strip().splitlines() or [""])[0][:300]
-                status, damage = "damaged", integrity.Damage(
-                    STATE, f"could not be read to verify it ({type(e).__name__}: {first_line})")
-            status, damage = self._agreed_verdict(step, status, damage)
-            if status == "unverified":
-                logging.warning("checkpointing: step %d in %s has no integrity manifest (saved by an older "
-                                "bert_jax): restoring it unverified", step, self._directory)
-            self._checked[step] = damage
-        return self._checked[step]
-
-    def _newest_intact(self, steps: list[int]) -> Optional[int]:
-        damaged, intact = [], None
-        for step in reversed(steps):
-            damage = self._verified(step)
-            if damage is None:
-                intact = step
-                break
-            damaged.append((step, damage))
-        if not damaged:
-            return intact
-        if self._on_damaged == "stop" or intact is None:
-            step, damage = damaged[0]
-            raise corrupt_error(self._directory, step, damage, intact)
-        for step, damage in damaged:
-            moved = move_aside(self._directory, step) if self._process_index == 0 else "damaged/"
-            logging.error("checkpointing: checkpoint step %d in %s is damaged: %s; moved it to %s and resume from "
-                          "step %d (config.on_damaged_checkpoint='stop' stops instead)",
-                          step, self._directory, damage, moved, intact)
-            self._checked.pop(step, None)
-        if self._process_count > 1:
-            self._barrier("moved_damaged")
-        self._mngr.reload()  # orbax lists the steps it has seen; the moved ones are gone
+        intact, moved = self._steps.newest(self.all_steps())
+        if moved:
+            self._mngr.reload()  # orbax lists the steps it has seen; the moved ones are gone
         return intact
 
     # --- saving ---------------------------------------------------------------------------------
@@ -343,11 +270,7 @@ class Checkpointer:
         self._deadline.arm(step)  # from here to the commit: a stalled store ends the run loudly
         try:
             if input_state_writer is not None:
-                path = self.input_state_dir(step)
-                # A folder for an uncommitted step is left over from a crash: start empty.
-                storage.rmtree(path)
-                storage.makedirs(path)
-                input_state_writer(path)
+                input_state.write(self._directory, step, self._process_index, input_state_writer)
                 info["input_state_process_count"] = self._process_count
             self._mngr.save(
                 step,
@@ -378,13 +301,7 @@ class Checkpointer:
         Raising here fails the save: the step is then never committed.
         """
         step = self._saving_step
-        final = storage.join(self._directory, str(step))
-        # Local filesystems: the temporary folder orbax is about to rename; object stores commit
-        # in place with a marker file, so the data is in the final folder already.
-        candidates = [] if storage.is_remote(final) else storage.glob(
-            storage.glob_escape(final) + ".orbax-checkpoint-tmp*")
-        step_dir = max(candidates, key=storage.getmtime) if candidates else final
-        integrity.write_manifest(step_dir, input_dir(self._directory, step), step)
+        integrity.write_manifest(committing_dir(self._directory, step), input_dir(self._directory, step), step)
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight is committed; raises `CheckpointSaveError` if it failed."""
@@ -423,8 +340,7 @@ class Checkpointer:
             self._closed = True
             self._deadline.close()
             self._preemption.close()
-            for handler in self._handlers.values():
-                handler.close()
+            self._reader.close()
             try:
                 self._mngr.close()
             except Exception as e:  # pylint: disable=broad-except
@@ -501,46 +417,23 @@ class Checkpointer:
             )
         target = to_abstract(abstract_state)
         # Verify before use: nothing of a damaged step is read.
-        damage = self._verified(step)
+        damage = self._steps.damage(step)
         if damage is not None:
-            intact = next((s for s in reversed(steps) if s < step and self._verified(s) is None), None)
+            intact = next((s for s in reversed(steps) if s < step and self._steps.damage(s) is None), None)
             raise corrupt_error(self._directory, step, damage, intact)
         failure: Optional[CheckpointRestoreError] = None
         try:
-            state, meta = self._read(step, target, check_input_state)
+            state, meta = self._reader.read(step, target, check_input_state)
         except CheckpointRestoreError as e:  # a wrong target, missing input state, or unreadable
             failure = e
         except Exception as e:  # pylint: disable=broad-except
             if not is_read_failure(e):
                 raise
             failure = read_error(step, self._directory, e)
-        failure = self._agreed_failure(step, failure)
+        failure = self._hosts.failure(step, failure)
         if failure is not None:
             raise failure
         return state, meta
-
-    def _read(self, step: int, target: PyTree, check_input_state: bool) -> tuple[PyTree, dict]:
-        """One host's read of a verified step. Through orbax's handlers, not the manager: the
-        manager's restore ends in a barrier, which a host whose read failed would never reach."""
-        step_dir = storage.join(self._directory, str(step))
-        try:
-            saved = self._handlers[STATE].metadata(storage.epath(storage.join(step_dir, STATE)))
-        except Exception as e:  # pylint: disable=broad-except
-            raise read_error(step, self._directory, e) from e
-        saved_tree = getattr(saved, "tree", saved)
-        check_against_metadata(target, saved_tree, f"checkpoint step {step} in {self._directory}")
-        # The small JSON items first, so that a missing input state fails before the big read.
-        try:
-            meta, info = (self._handlers[name].restore(storage.epath(storage.join(step_dir, name)),
-                                                       args=ocp.args.JsonRestore())
-                          for name in (META, INFO))
-        except Exception as e:  # pylint: disable=broad-except
-            raise read_error(step, self._directory, e) from e
-        if check_input_state:
-            self._check_input_state(step, info or {})
-        restored = self._handlers[STATE].restore(storage.epath(storage.join(step_dir, STATE)),
-                                                 args=ocp.args.StandardRestore(target))
-        return rebuild_like(target, restored), dict(meta or {})
 
     def restore_latest(
         self, abstract_state: PyTree, *, check_input_state: bool = True
@@ -563,29 +456,13 @@ class Checkpointer:
                 state, meta = self.restore(abstract_state, step, check_input_state=check_input_state)
                 return step, state, meta
             except CheckpointCorruptError as e:
-                # Every host raised it (`_agreed_failure`): all fall back together. Remembered as
+                # Every host raised it (`HostAgreement.failure`): all fall back together. Remembered as
                 # damaged: latest_step moves it aside, or raises, as configured.
-                self._checked[step] = e.damage
+                self._steps.mark_damaged(step, e.damage)
 
     def input_state_process_count(self, step: int) -> Optional[int]:
         """How many processes saved `step`'s input state (None: saved without any)."""
-        info = self._handlers[INFO].restore(storage.epath(storage.join(self._directory, str(step), INFO)),
-                                            args=ocp.args.JsonRestore())
-        return (info or {}).get("input_state_process_count")
-
-    def _check_input_state(self, step: int, info: dict) -> None:
-        count = info.get("input_state_process_count")
-        if count is None:
-            return
-        # Every saving process's folder: a run on another number of processes reads the
-        # folders of the processes whose shards it now reads (`pretrain.input_position`).
-        for index in range(count):
-            path = self.input_state_dir(step, index)
-            if not storage.listdir(path):
-                damage = integrity.Damage(f"{INPUT_STATE}/process_{index}", "missing or empty")
-                error = CheckpointCorruptError(f"step {step}: input state {path} is missing or empty")
-                error.step, error.damage = step, damage
-                raise error
+        return self._reader.info(step).get("input_state_process_count")
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -620,119 +497,9 @@ class Checkpointer:
         kill -9 mid-save) are removed at startup by the primary process, as orbax removes a
         local `<step>.orbax-checkpoint-tmp` folder."""
         if self._process_index == 0:
-            committed = set(self._mngr.all_steps())
-            for name in storage.listdir(self._directory):
-                if name.isdigit() and int(name) not in committed:
-                    logging.info("checkpointing: removing step %s of %s, whose save never committed",
-                                 name, self._directory)
-                    storage.rmtree(storage.join(self._directory, name))
-        if self._process_count > 1:
-            self._barrier("removed_uncommitted")
+            remove_uncommitted(self._directory, set(self._mngr.all_steps()))
+        self._hosts.barrier("removed_uncommitted")
 
     def _prune_input_state(self) -> None:
-        """Deletes this process's input state of steps orbax no longer has (pruned or never committed).
-
-        Only steps at or below the latest committed one: a folder above it may belong to a save
-        that another host is starting right now, and is cleared when that step is written.
-        """
-        root = storage.join(self._directory, INPUT_STATE)
-        try:
-            names = storage.listdir(root)
-        except OSError:  # e.g. the checkpoint directory is no folder (a failed save says so)
-            return
-        if not names:
-            return
-        kept = set(self._mngr.all_steps())
-        if not kept:
-            return
-        latest = max(kept)
-        for name in names:
-            if not name.isdigit():
-                continue
-            step = int(name)
-            if step in kept or step == self._pending_step or step > latest:
-                continue
-            storage.rmtree(self.input_state_dir(step))
-            try:
-                # Succeeds once the last host has removed its own folder (object stores: nothing to do).
-                storage.rmdir(storage.join(root, name))
-            except OSError:
-                pass
-
-    # --- agreement across hosts -----------------------------------------------------------------
-
-    def _exchange_key(self, what: str) -> str:
-        """A key no earlier exchange of this Checkpointer (or another one's) used; the same on every host."""
-        self._exchanges += 1
-        digest = hashlib.sha256(self._directory.encode()).hexdigest()[:12]
-        return f"bert_jax_checkpointing/{digest}/{self._exchanges}/{what}"
-
-    def _all_hosts(self, step: int, what: str, code: int, text: str) -> list[tuple[int, str]]:
-        """Every host's (code, text) about `step`, in host order: the same list on every host.
-
-        Through the key-value store of jax's coordination service, not a collective: no device
-        program, and no collective's short timeout (gloo's 30 s on CPU) for a host that is slower
-        to verify or read. Each host publishes its finding under a key naming the step,
-        `<exchange>/step_<step>/<host>`, then the step it is at under `<exchange>/step/<host>`;
-        every host reads each host's step first, so hosts whose exchanges drifted apart (one
-        verifying a step another skipped) can never combine findings about different steps.
-
-        Raises:
-            CheckpointRestoreError: a host is at another step in this exchange (a bug: every host
-                must make the same calls in the same order), naming both steps.
-        """
-        if self._process_count == 1:
-            return [(code, text)]
-        client = ocp.multihost.get_jax_distributed_client()
-        key = self._exchange_key(what)
-        client.key_value_set(f"{key}/step_{step}/{self._process_index}", json.dumps([code, text]))
-        client.key_value_set(f"{key}/step/{self._process_index}", str(step))
-        verdicts = []
-        for i in range(self._process_count):
-            theirs = int(client.blocking_key_value_get(f"{key}/step/{i}", _AGREEMENT_TIMEOUT_S * 1000))
-            if theirs != step:
-                raise CheckpointRestoreError(
-                    f"checkpointing: host {self._process_index} exchanged its {what} about step {step} of "
-                    f"{self._directory} with host {i}, which sent its {what} about step {theirs} ({key}): the "
-                    f"hosts' checkpoint calls went out of step (a bug); not combining them")
-            verdicts.append(tuple(json.loads(client.blocking_key_value_get(f"{key}/step_{step}/{i}",
-                                                                           _AGREEMENT_TIMEOUT_S * 1000))))
-        return verdicts
-
-    def _barrier(self, what: str) -> None:
-        """Every host waits until all got here (the coordination service's barrier, not a collective)."""
-        ocp.multihost.sync_global_processes(self._exchange_key(what), timeout=_AGREEMENT_TIMEOUT_S,
-                                            processes=set(range(self._process_count)))
-
-    def _agreed_verdict(self, step: int, status: str, damage: Optional[integrity.Damage]
-                        ) -> tuple[str, Optional[integrity.Damage]]:
-        """A step's verification, combined over hosts: damaged when any host found damage (the
-        first such host's finding, everywhere), else unverified when any host could not verify."""
-        codes = ("ok", "unverified", "damaged")
-        text = f"{damage.file}\0{damage.problem}" if damage is not None else ""
-        verdicts = self._all_hosts(step, "verdicts", codes.index(status), text)
-        for host, (code, found) in enumerate(verdicts):
-            if codes[code] == "damaged":
-                if host == self._process_index:
-                    return status, damage
-                file, problem = found.split("\0", 1)
-                return "damaged", integrity.Damage(file, f"{problem} (found by host {host})")
-        return ("unverified" if any(codes[c] == "unverified" for c, _ in verdicts) else "ok"), None
-
-    def _agreed_failure(self, step: int, failure: Optional[CheckpointRestoreError]
-                        ) -> Optional[CheckpointRestoreError]:
-        """The restore's outcome, combined over hosts: if any host's read failed, every host gets
-        a failure (its own, or the first failing host's), corrupt ones first, so all fall back."""
-        code = 0 if failure is None else 2 if isinstance(failure, CheckpointCorruptError) else 1
-        verdicts = self._all_hosts(step, "restores", code, "" if failure is None else str(failure))
-        worst = max(c for c, _ in verdicts)
-        if worst == 0 or code == worst:
-            return failure
-        host, text = next((h, t) for h, (c, t) in enumerate(verdicts) if c == worst)
-        message = f"host {host}: {text}"
-        if worst == 1:
-            return CheckpointRestoreError(message)
-        error = CheckpointCorruptError(message)
-        error.step = step
-        error.damage = integrity.Damage(STATE, f"host {host} could not restore it: {text[:300]}")
-        return error
+        """Deletes this process's input state of steps orbax no longer has (`input_state.prune`)."""
+        input_state.prune(self._directory, self._process_index, set(self._mngr.all_steps()), self._pending_step)

@@ -53,7 +53,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bert_jax import layout, versions, workdir as workdir_files
-from bert_jax.checkpoints import checkpointing
+from bert_jax.checkpoints import checkpoint_steps, checkpointing
 from bert_jax.finetune import batches as finetune_batches, heads, packing, steps
 from bert_jax.layout import TASK_FILE
 from bert_jax.model.model_config import BertConfig
@@ -224,7 +224,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
         try:  # before anything compiles
             versions.check_resume(meta.get(versions.META_KEY), allow_change=config.get("allow_version_change", False),
                                   where=f"checkpoint step {start_step} in {ckpt.directory}")
-        except checkpointing.CheckpointRestoreError:
+        except checkpoint_steps.CheckpointRestoreError:
             ckpt.close()  # puts the previous SIGTERM handler back
             best_ckpt.close()
             raise

@@ -33,7 +33,7 @@ import jax
 import ml_collections
 
 from bert_jax import layout, versions
-from bert_jax.checkpoints import checkpointing
+from bert_jax.checkpoints import checkpoint_steps, checkpointing
 from bert_jax.model import modeling
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
@@ -140,7 +140,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         try:  # before anything compiles
             versions.check_resume(meta.get(versions.META_KEY), allow_change=config.get("allow_version_change", False),
                                   where=f"checkpoint step {start_step} in {ckpt.directory}")
-        except checkpointing.CheckpointRestoreError:
+        except checkpoint_steps.CheckpointRestoreError:
             ckpt.close()  # puts the previous SIGTERM handler back
             raise
         logging.info("resumed from step %d", start_step)
@@ -187,7 +187,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 resume_in_phase = step > phase.start_step
                 if resume_in_phase:
                     if meta.get("phase") != phase_index:
-                        raise checkpointing.CheckpointRestoreError(
+                        raise checkpoint_steps.CheckpointRestoreError(
                             f"checkpoint step {step} belongs to phase {meta.get('phase')}, expected {phase_index}")
                     batches.restore_shards(shard_state_dir)
                 flops = steps.train_flops_per_sequence(bert_config, phase.max_seq_length,
@@ -270,14 +270,14 @@ def input_position(config: ml_collections.ConfigDict, ckpt, step: int, meta: dic
     saved_shards = meta.get("data_shards")
     if saved_shards is None:  # saved before checkpoints recorded their shard count
         if saved_processes != jax.process_count():
-            raise checkpointing.CheckpointRestoreError(
+            raise checkpoint_steps.CheckpointRestoreError(
                 f"checkpoint step {step} was saved by {saved_processes} processes without its file shard count "
                 f"(an older bert_jax): resume it on {saved_processes} processes")
         saved_shards = shards
     if saved_shards != shards:
         fix = (f"set config.data_shards={saved_shards}" if saved_shards % jax.process_count() == 0 else
                f"resume on a number of processes that divides {saved_shards}")
-        raise checkpointing.CheckpointRestoreError(
+        raise checkpoint_steps.CheckpointRestoreError(
             f"checkpoint step {step} was saved by {saved_processes} processes reading {saved_shards} file shards; "
             f"this run has {jax.process_count()} processes and {shards} shards (config.data_shards="
             f"{config.data_shards}), which split the files differently, so the input position cannot carry over: "
