@@ -59,7 +59,7 @@ from bert_jax.checkpoints import checkpointing
 from bert_jax import workdir as workdir_files
 from bert_jax.formats.common import TASK_FILE
 from bert_jax.model.modeling import BertConfig
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 from data_pipeline.tasks import packed
 
 
@@ -286,12 +286,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     if every < 0:
         raise ValueError(f"config.checkpoint_every_steps={every}: 0 (each epoch) or a positive step count")
     save_timeout_s = config.get("checkpoint_save_timeout_seconds", 1800)  # both checkpointers' deadline
-    ckpt = checkpointing.Checkpointer(storage.join(workdir, "checkpoints"),
+    ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, "checkpoints"),
                                       save_interval_steps=every or total_steps + 1,
                                       max_to_keep=1, async_save=config.async_checkpointing,
                                       on_damaged=config.get("on_damaged_checkpoint", "fallback"),
                                       save_timeout_s=save_timeout_s)
-    best_ckpt = checkpointing.Checkpointer(storage.join(workdir, "best"), save_interval_steps=1, max_to_keep=1,
+    best_ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, "best"), save_interval_steps=1, max_to_keep=1,
                                            async_save=False, handle_sigterm=False,
                                            save_timeout_s=save_timeout_s)
     start_step, meta = ckpt.latest_step(), {}
@@ -419,7 +419,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                     best_ckpt.save(step, {"params": state.params}, {"epoch": epoch + 1, "results": results},
                                    force=True)
                     if jax.process_index() == 0:
-                        best_dir = storage.join(workdir, "best_predictions")
+                        best_dir = storage_paths.join(workdir, "best_predictions")
                         storage.rmtree(best_dir)
                         for split, predictions in split_predictions:
                             task.write_predictions(split.examples, predictions, best_dir, split.name)

@@ -47,7 +47,7 @@ from bert_jax.pretrain_checks import (SCHEDULE_KEYS, check_mesh, check_same_conf
 from bert_jax.pretrain_input import ShardedInput, make_eval_input, make_train_input, run_eval  # noqa: F401
 from bert_jax.model.pretraining_heads import BertForPreTraining
 from bert_jax.workdir import metric_writer, write_json, write_model_files  # noqa: F401
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 # Peak dense bf16 FLOP/s per device, for MFU (by jax's device_kind prefix).
 PEAK_FLOPS = {
@@ -233,7 +233,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     installed_versions = versions.installed()  # saved with every step, checked on resume (versions.py)
     ckpt = checkpointing.Checkpointer(
-        storage.join(workdir, "checkpoints"), save_interval_steps=config.checkpoint_every_steps,
+        storage_paths.join(workdir, "checkpoints"), save_interval_steps=config.checkpoint_every_steps,
         max_to_keep=config.keep_checkpoints, async_save=config.async_checkpointing,
         on_damaged=config.get("on_damaged_checkpoint", "fallback"),
         save_timeout_s=config.get("checkpoint_save_timeout_seconds", 1800))
@@ -278,7 +278,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     peak = peak_flops_per_device()
     block_every_step = blocks_every_step(jax.default_backend(), jax.process_count())
     last_metrics: dict = {}
-    log_path = storage.join(workdir, "train_log.jsonl")
+    log_path = storage_paths.join(workdir, "train_log.jsonl")
     consecutive_bad = 0
     step = start_step
     stop = False
@@ -387,7 +387,7 @@ def input_position(config: ml_collections.ConfigDict, ckpt, step: int, meta: dic
             f"{config.data_shards}), which split the files differently, so the input position cannot carry over: "
             f"{fix} to resume it (the batches then are the ones the saved run would have read)")
     per_saved_process = saved_shards // saved_processes
-    return lambda shard: storage.join(ckpt.input_state_dir(step, shard // per_saved_process),
+    return lambda shard: storage_paths.join(ckpt.input_state_dir(step, shard // per_saved_process),
                                       f"shard_{shard % per_saved_process}")
 
 
@@ -533,13 +533,13 @@ def load_params(config, bert_config: BertConfig, mesh):
 
     abstract, shardings = abstract_params(bert_config)
     from bert_jax import convert
-    has_checkpoints = storage.isdir(storage.join(path, "checkpoints"))
+    has_checkpoints = storage.isdir(storage_paths.join(path, "checkpoints"))
     train_state_dir = has_checkpoints or (
-        convert.detect_format(path) == "bert_jax" and not storage.isdir(storage.join(path, "params")))
+        convert.detect_format(path) == "bert_jax" and not storage.isdir(storage_paths.join(path, "params")))
     if not train_state_dir:  # an export, a Google or a HuggingFace checkpoint
         return init_from_checkpoint(path, bert_config, {}, shardings, require_heads=True,
                                     google_gelu=config.get("google_gelu")), shardings
-    ckpt_dir = storage.join(path, "checkpoints") if has_checkpoints else path
+    ckpt_dir = storage_paths.join(path, "checkpoints") if has_checkpoints else path
     try:
         saved_scanned = any("/encoder/layers/" in key for key in checkpointing.saved_keys(ckpt_dir))
     except FileNotFoundError as e:

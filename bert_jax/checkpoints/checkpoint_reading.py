@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 
 from bert_jax.checkpoints.checkpoint_steps import (INFO, META, ON_DAMAGED, STATE, CheckpointRestoreError, check_step,
                                        corrupt_error, is_read_failure, read_error)
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 PyTree = Any
 
@@ -168,7 +168,7 @@ def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Option
         CheckpointRestoreError: a field, key, shape or dtype the checkpoint does not have.
         CheckpointCorruptError: the step is damaged (see `on_damaged`) or orbax cannot read it.
     """
-    directory = storage.abspath(directory)
+    directory = storage_paths.abspath(directory)
     step, saved_tree = _saved_state_metadata(directory, step, on_damaged)
     target = to_abstract(abstract_part)
     have = {k: v for k, v in flat(saved_tree).items()
@@ -179,7 +179,7 @@ def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Option
     check_against_metadata(flat(target), have, f"checkpoint step {step} in {directory}")
     try:
         restored = ocp.PyTreeCheckpointer().restore(
-            storage.join(directory, str(step), STATE),
+            storage_paths.join(directory, str(step), STATE),
             args=ocp.args.PyTreeRestore(item=target,
                                         restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                         partial_restore=True))
@@ -217,7 +217,7 @@ def newest_intact_step(directory: str | os.PathLike, steps: list[int], on_damage
     """
     if on_damaged not in ON_DAMAGED:
         raise ValueError(f"on_damaged must be one of {ON_DAMAGED}, got {on_damaged!r}")
-    directory = storage.abspath(directory)
+    directory = storage_paths.abspath(directory)
     damaged = []
     for step in sorted(steps, reverse=True):
         status, damage = check_step(directory, step)
@@ -282,4 +282,4 @@ def saved_keys(directory: str | os.PathLike, step: Optional[int] = None) -> list
     Raises:
         FileNotFoundError: no committed checkpoint (or not that step) in `directory`.
     """
-    return sorted(flat(_saved_state_metadata(storage.abspath(directory), step)[1]))
+    return sorted(flat(_saved_state_metadata(storage_paths.abspath(directory), step)[1]))

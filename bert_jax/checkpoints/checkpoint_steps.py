@@ -40,7 +40,7 @@ import time
 from typing import Optional
 
 from bert_jax.checkpoints import checkpoint_integrity as integrity
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 # Items and folders of the layout above.
 STATE = "state"
@@ -67,7 +67,7 @@ class CheckpointCorruptError(CheckpointRestoreError):
 
 def input_dir(directory: str, step: int) -> str:
     """`<directory>/input_state/<step>`: every process's input state of `step`."""
-    return storage.join(directory, INPUT_STATE, str(step))
+    return storage_paths.join(directory, INPUT_STATE, str(step))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,14 +82,14 @@ def check_step(directory: str | os.PathLike, step: int) -> tuple[str, Optional[i
     (its `checkpointer_info` says format 1, or it has none); it restores as before. A step whose
     bookkeeping says it was written with a manifest but has none is damaged.
     """
-    directory = storage.abspath(directory)
-    step_dir = storage.join(directory, str(step))
+    directory = storage_paths.abspath(directory)
+    step_dir = storage_paths.join(directory, str(step))
     manifest, damage = integrity.verify(step_dir, input_dir(directory, step), step)
     if damage is not None:
         return "damaged", damage
     if manifest is not None:
         return "ok", None
-    info_path = storage.join(step_dir, INFO, "metadata")
+    info_path = storage_paths.join(step_dir, INFO, "metadata")
     try:
         version = json.loads(storage.read_text(info_path)).get("format_version", 1)
     except FileNotFoundError:
@@ -110,7 +110,7 @@ def check_step(directory: str | os.PathLike, step: int) -> tuple[str, Optional[i
 
 def damage_message(directory: str, step: int, damage: integrity.Damage, intact: Optional[int]) -> str:
     """One line: the step, the file, what is wrong with it, and what to do."""
-    step_dir = storage.join(directory, str(step))
+    step_dir = storage_paths.join(directory, str(step))
     if intact is None:
         remedy = (f"no earlier intact step to resume from: put the file back from a copy, or move {step_dir} "
                   f"(and {input_dir(directory, step)}) out of {directory} to start afresh")
@@ -131,7 +131,7 @@ def corrupt_error(directory: str, step: int, damage: integrity.Damage,
 
 def move_aside(directory: str, step: int) -> str:
     """Renames a damaged step (and its input state) to `<directory>/damaged/<step>-<time>/`; never deletes."""
-    dest = storage.join(directory, DAMAGED, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    dest = storage_paths.join(directory, DAMAGED, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
     base, n = dest, 1
     while storage.exists(dest):
         dest, n = f"{base}-{n}", n + 1
@@ -139,8 +139,8 @@ def move_aside(directory: str, step: int) -> str:
     # Input state first: a crash in between leaves the step in place and missing its input
     # state (damaged again next time), never input state that pruning would delete.
     if storage.isdir(input_dir(directory, step)):
-        storage.rename(input_dir(directory, step), storage.join(dest, INPUT_STATE))
-    storage.rename(storage.join(directory, str(step)), storage.join(dest, str(step)))
+        storage.rename(input_dir(directory, step), storage_paths.join(dest, INPUT_STATE))
+    storage.rename(storage_paths.join(directory, str(step)), storage_paths.join(dest, str(step)))
     return dest
 
 
@@ -151,7 +151,7 @@ def read_error(step: int, directory: str, cause: BaseException) -> CheckpointCor
     error = CheckpointCorruptError(
         f"checkpoint step {step} in {directory} is damaged: {damage}. To go on: restore an earlier step "
         f"(Checkpointer.restore_latest does, with on_damaged='fallback'), or move "
-        f"{storage.join(directory, str(step))} out of {directory}")
+        f"{storage_paths.join(directory, str(step))} out of {directory}")
     error.step, error.damage = step, damage
     error.__cause__ = cause
     return error

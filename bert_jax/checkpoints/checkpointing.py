@@ -84,7 +84,7 @@ from bert_jax.checkpoints.checkpoint_steps import (FORMAT_VERSION, INFO, INPUT_S
                                        corrupt_error, input_dir, is_read_failure, move_aside, read_error)
 from bert_jax.checkpoints.preemption import Preemption
 from bert_jax.checkpoints.save_deadline import SaveDeadline
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 PyTree = Any
 
@@ -135,7 +135,7 @@ class Checkpointer:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
-        self._directory = storage.abspath(storage.check(os.fspath(directory), "checkpoint directory"))
+        self._directory = storage_paths.abspath(storage_paths.check(os.fspath(directory), "checkpoint directory"))
         self._interval = save_interval_steps
         self._process_index = jax.process_index()
         self._process_count = jax.process_count()
@@ -163,7 +163,7 @@ class Checkpointer:
             # this removes it at startup. On Cloud Storage orbax would take every folder without
             # a commit marker for such a leftover, `input_state/` and `damaged/` included:
             # `_remove_uncommitted_steps` removes only uncommitted step folders there.
-            cleanup_tmp_directories=not storage.is_remote(self._directory),
+            cleanup_tmp_directories=not storage_paths.is_remote(self._directory),
             create=True,
         )
         self._mngr = ocp.CheckpointManager(
@@ -183,7 +183,7 @@ class Checkpointer:
         self._error: Optional[CheckpointSaveError] = None
         self._closed = False
         self._preemption = Preemption(handle_sigterm)
-        if storage.is_remote(self._directory):
+        if storage_paths.is_remote(self._directory):
             self._remove_uncommitted_steps()
         self._prune_input_state()
 
@@ -205,7 +205,7 @@ class Checkpointer:
             process_index: defaults to `jax.process_index()`.
         """
         index = self._process_index if process_index is None else process_index
-        return storage.join(self._directory, INPUT_STATE, str(step), f"process_{index}")
+        return storage_paths.join(self._directory, INPUT_STATE, str(step), f"process_{index}")
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (a save still in flight is not listed)."""
@@ -230,9 +230,9 @@ class Checkpointer:
         steps = self.all_steps()
         if not steps:
             return None
-        newest = storage.join(self._directory, str(steps[-1]))
-        if not storage.exists(storage.join(newest, STATE)) and not storage.exists(storage.join(newest, integrity.MANIFEST)):
-            earlier = [s for s in steps[:-1] if storage.exists(storage.join(self._directory, str(s), STATE))]
+        newest = storage_paths.join(self._directory, str(steps[-1]))
+        if not storage.exists(storage_paths.join(newest, STATE)) and not storage.exists(storage_paths.join(newest, integrity.MANIFEST)):
+            earlier = [s for s in steps[:-1] if storage.exists(storage_paths.join(self._directory, str(s), STATE))]
             then = f"resume from step {earlier[-1]}" if earlier else "start afresh"
             raise CheckpointRestoreError(
                 f"{newest} has no '{STATE}' item: not a checkpoint "
@@ -378,11 +378,11 @@ class Checkpointer:
         Raising here fails the save: the step is then never committed.
         """
         step = self._saving_step
-        final = storage.join(self._directory, str(step))
+        final = storage_paths.join(self._directory, str(step))
         # Local filesystems: the temporary folder orbax is about to rename; object stores commit
         # in place with a marker file, so the data is in the final folder already.
-        candidates = [] if storage.is_remote(final) else storage.glob(
-            storage.glob_escape(final) + ".orbax-checkpoint-tmp*")
+        candidates = [] if storage_paths.is_remote(final) else storage.glob(
+            storage_paths.glob_escape(final) + ".orbax-checkpoint-tmp*")
         step_dir = max(candidates, key=storage.getmtime) if candidates else final
         integrity.write_manifest(step_dir, input_dir(self._directory, step), step)
 
@@ -397,7 +397,7 @@ class Checkpointer:
         self._deadline.disarm()
         if self._pending_step is not None and self._process_index == 0:
             try:
-                integrity.seal_manifest(storage.join(self._directory, str(self._pending_step)))
+                integrity.seal_manifest(storage_paths.join(self._directory, str(self._pending_step)))
             except (OSError, ValueError) as e:
                 # The unsealed manifest still covers every file but orbax's two commit-time writes.
                 logging.warning("checkpointing: could not seal the integrity manifest of step %d: %s",
@@ -522,23 +522,23 @@ class Checkpointer:
     def _read(self, step: int, target: PyTree, check_input_state: bool) -> tuple[PyTree, dict]:
         """One host's read of a verified step. Through orbax's handlers, not the manager: the
         manager's restore ends in a barrier, which a host whose read failed would never reach."""
-        step_dir = storage.join(self._directory, str(step))
+        step_dir = storage_paths.join(self._directory, str(step))
         try:
-            saved = self._handlers[STATE].metadata(storage.epath(storage.join(step_dir, STATE)))
+            saved = self._handlers[STATE].metadata(storage.epath(storage_paths.join(step_dir, STATE)))
         except Exception as e:  # pylint: disable=broad-except
             raise read_error(step, self._directory, e) from e
         saved_tree = getattr(saved, "tree", saved)
         check_against_metadata(target, saved_tree, f"checkpoint step {step} in {self._directory}")
         # The small JSON items first, so that a missing input state fails before the big read.
         try:
-            meta, info = (self._handlers[name].restore(storage.epath(storage.join(step_dir, name)),
+            meta, info = (self._handlers[name].restore(storage.epath(storage_paths.join(step_dir, name)),
                                                        args=ocp.args.JsonRestore())
                           for name in (META, INFO))
         except Exception as e:  # pylint: disable=broad-except
             raise read_error(step, self._directory, e) from e
         if check_input_state:
             self._check_input_state(step, info or {})
-        restored = self._handlers[STATE].restore(storage.epath(storage.join(step_dir, STATE)),
+        restored = self._handlers[STATE].restore(storage.epath(storage_paths.join(step_dir, STATE)),
                                                  args=ocp.args.StandardRestore(target))
         return rebuild_like(target, restored), dict(meta or {})
 
@@ -569,7 +569,7 @@ class Checkpointer:
 
     def input_state_process_count(self, step: int) -> Optional[int]:
         """How many processes saved `step`'s input state (None: saved without any)."""
-        info = self._handlers[INFO].restore(storage.epath(storage.join(self._directory, str(step), INFO)),
+        info = self._handlers[INFO].restore(storage.epath(storage_paths.join(self._directory, str(step), INFO)),
                                             args=ocp.args.JsonRestore())
         return (info or {}).get("input_state_process_count")
 
@@ -625,7 +625,7 @@ class Checkpointer:
                 if name.isdigit() and int(name) not in committed:
                     logging.info("checkpointing: removing step %s of %s, whose save never committed",
                                  name, self._directory)
-                    storage.rmtree(storage.join(self._directory, name))
+                    storage.rmtree(storage_paths.join(self._directory, name))
         if self._process_count > 1:
             self._barrier("removed_uncommitted")
 
@@ -635,7 +635,7 @@ class Checkpointer:
         Only steps at or below the latest committed one: a folder above it may belong to a save
         that another host is starting right now, and is cleared when that step is written.
         """
-        root = storage.join(self._directory, INPUT_STATE)
+        root = storage_paths.join(self._directory, INPUT_STATE)
         try:
             names = storage.listdir(root)
         except OSError:  # e.g. the checkpoint directory is no folder (a failed save says so)
@@ -655,7 +655,7 @@ class Checkpointer:
             storage.rmtree(self.input_state_dir(step))
             try:
                 # Succeeds once the last host has removed its own folder (object stores: nothing to do).
-                storage.rmdir(storage.join(root, name))
+                storage.rmdir(storage_paths.join(root, name))
             except OSError:
                 pass
 
