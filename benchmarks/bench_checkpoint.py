@@ -46,7 +46,7 @@ from bert_jax.checkpoints import checkpoint_integrity as integrity  # noqa: E402
 from bert_jax.checkpoints import checkpoint_steps, checkpointing, intact_steps  # noqa: E402
 from bert_jax.pretrain import loop as pretrain  # noqa: E402
 from bert_jax.training import run_setup  # noqa: E402
-from data_pipeline import storage  # noqa: E402
+from data_pipeline import storage, storage_paths  # noqa: E402
 
 
 def _load_config(path):
@@ -125,7 +125,7 @@ def main(argv=None):
     init_seconds = time.perf_counter() - started
     nbytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
     abstract = _abstract(state)
-    work = {True: storage.join(args.dir, "with"), False: storage.join(args.dir, "without")}
+    work = {True: storage_paths.join(args.dir, "with"), False: storage_paths.join(args.dir, "without")}
 
     save = {True: [], False: []}
     for i in range(args.repeats):
@@ -143,10 +143,10 @@ def main(argv=None):
     manifest = []  # the save side alone: checksum every file, write the manifest, seal it
     for _ in range(args.repeats):
         start = time.perf_counter()
-        integrity.write_manifest(storage.join(directory, "1"), None, 1)
-        integrity.seal_manifest(storage.join(directory, "1"))
+        integrity.write_manifest(storage_paths.join(directory, "1"), None, 1)
+        integrity.seal_manifest(storage_paths.join(directory, "1"))
         manifest.append(time.perf_counter() - start)
-    files = integrity.read_manifest(storage.join(directory, "1"))["files"]
+    files = integrity.read_manifest(storage_paths.join(directory, "1"))["files"]
     disk_bytes = sum(size for size, _ in files.values())
     median = statistics.median
     result = {

@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from data_pipeline import records, schema, storage  # noqa: E402
+from data_pipeline import records, schema, storage, storage_paths  # noqa: E402
 
 
 def main(argv=None):
@@ -45,7 +45,7 @@ def main(argv=None):
         size = int(args.shard_mb * 2**20)
         paths = []
         for i in range(args.shards):
-            path = storage.join(args.dir, f"train-{i:05d}-of-{args.shards:05d}.tfrecord")
+            path = storage_paths.join(args.dir, f"train-{i:05d}-of-{args.shards:05d}.tfrecord")
             storage.write_bytes(path, os.urandom(size))
             paths.append(path)
         schema.write_dataset_info(args.dir, {p: 1 for p in paths})
@@ -56,7 +56,7 @@ def main(argv=None):
 
         def check(verify):
             started = time.perf_counter()
-            files = records.check_files(storage.join(args.dir, "*.tfrecord"), process_index=0, process_count=1,
+            files = records.check_files(storage_paths.join(args.dir, "*.tfrecord"), process_index=0, process_count=1,
                                         verify=verify, skip_corrupt=False, require_files_per_host=True)
             assert len(files.read_paths) == args.shards
             return time.perf_counter() - started

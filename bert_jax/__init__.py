@@ -2,13 +2,14 @@
 
 The model (`bert_jax.model.modeling`) and the train step never import tensorflow; everything
 that touches text, tokens, files and tf.data lives in the sibling `data_pipeline` package.
-Every file is read and written through `data_pipeline.storage` (local paths and gs://).
+Every file is read and written through `data_pipeline.storage` and its `storage_*` siblings
+(local paths and gs://).
 """
 
 import sys as _sys
 
 # First: it points orbax's path library at the same gs:// client as ours (EPATH_USE_TF=false).
-from data_pipeline import storage as _storage  # noqa: F401
+from data_pipeline import storage_gcs as _storage_gcs  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -42,7 +42,7 @@ from bert_jax.formats.google import (  # noqa: F401
 from bert_jax.formats.hf import (  # noqa: F401
     _HF_WEIGHTS, _read_hf_config, flax_to_hf_names, from_hf, hf_config_dict, hf_name, load_hf, save_hf, to_hf)
 from bert_jax.model.model_config import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths, storage_staging
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,8 +53,8 @@ from data_pipeline import storage
 def detect_format(path: str) -> str:
     """"bert_jax", "google" or "hf" from the files at `path` (local or gs://); a clear error otherwise."""
     is_dir = storage.isdir(path)
-    if is_dir and storage.isfile(storage.join(path, "config.json")) \
-            and any(storage.exists(storage.join(path, w)) for w in _HF_WEIGHTS):
+    if is_dir and storage.isfile(storage_paths.join(path, "config.json")) \
+            and any(storage.exists(storage_paths.join(path, w)) for w in _HF_WEIGHTS):
         return "hf"
     if _google_prefix(path):
         return "google"
@@ -62,7 +62,7 @@ def detect_format(path: str) -> str:
         return "bert_jax"
     if not storage.exists(path) and not storage.exists(path + ".index"):
         raise FileNotFoundError(f"checkpoint {path}: no such file or directory")
-    found = storage.listdir(path)[:20] if is_dir else [storage.basename(path)]
+    found = storage.listdir(path)[:20] if is_dir else [storage_paths.basename(path)]
     raise ValueError(
         f"checkpoint {path}: format not recognized (found {found}). Expected a Google TF1 checkpoint "
         f"(bert_model.ckpt.index + bert_config.json), a HuggingFace directory (config.json + "
@@ -73,8 +73,8 @@ def detect_format(path: str) -> str:
 def _is_download(source: str) -> bool:
     """An http(s):// URL, or a file:// URL of a .zip (a release archive on disk): what `fetch`
     downloads. Every other source (a local path, gs://) is a storage path."""
-    s = storage.scheme(source)
-    return s in storage.URL_SCHEMES or (source.lower().startswith("file://") and source.lower().endswith(".zip"))
+    s = storage_paths.scheme(source)
+    return s in storage_paths.URL_SCHEMES or (source.lower().startswith("file://") and source.lower().endswith(".zip"))
 
 
 def fetch(source: str, cache_dir: str) -> str:
@@ -88,11 +88,11 @@ def fetch(source: str, cache_dir: str) -> str:
     import zipfile
 
     if not _is_download(source):
-        return storage.check(source, "checkpoint")
+        return storage_paths.check(source, "checkpoint")
     name = os.path.basename(urllib.parse.urlparse(source).path)
     if not name.endswith(".zip"):
         raise ValueError(f"{source}: only .zip archives are fetched (Google's checkpoint releases)")
-    target = storage.join(cache_dir, name[: -len(".zip")])
+    target = storage_paths.join(cache_dir, name[: -len(".zip")])
     if not storage.isdir(target):
         storage.makedirs(cache_dir)
         archive = target + ".zip.part"
@@ -105,19 +105,19 @@ def fetch(source: str, cache_dir: str) -> str:
                     bar.update(len(chunk))
         tmp = target + ".tmp"
         storage.rmtree(tmp)
-        with zipfile.ZipFile(storage.local_copy(archive)) as z:  # storage: local (storage.local_copy)
+        with zipfile.ZipFile(storage_staging.local_copy(archive)) as z:  # storage: local (storage_staging.local_copy)
             for member in z.namelist():  # no absolute paths or ".." in an archive we unpack
                 if member.startswith("/") or ".." in member.split("/"):
                     raise ValueError(f"{source}: unsafe path {member!r} in the archive")
-            with storage.writing_dir(tmp) as local:  # the folder itself, or staging uploaded at the end
+            with storage_staging.writing_dir(tmp) as local:  # the folder itself, or staging uploaded at the end
                 z.extractall(local)
         storage.remove(archive)
         storage.rename(tmp, target)
-    configs = sorted(storage.glob(storage.join(target, "**", "bert_config.json"))
-                     + storage.glob(storage.join(target, "**", "config.json")))
+    configs = sorted(storage.glob(storage_paths.join(target, "**", "bert_config.json"))
+                     + storage.glob(storage_paths.join(target, "**", "config.json")))
     if not configs:
         raise ValueError(f"{source}: the archive holds no bert_config.json or config.json")
-    return storage.dirname(min(configs, key=len))  # the 2018 releases have their own top folder
+    return storage_paths.dirname(min(configs, key=len))  # the 2018 releases have their own top folder
 
 
 def _check_google_gelu(google_gelu: Optional[str]) -> None:
@@ -129,8 +129,8 @@ def _check_google_gelu(google_gelu: Optional[str]) -> None:
 def _checkpoint_path(path) -> str:
     """A checkpoint path as given, `~` expanded when local; refused (naming it) when no backend
     reads it (an unknown scheme, gs:// without gcsfs, a `gs:` folder)."""
-    path = storage.check(os.fspath(path), "checkpoint")
-    return path if storage.is_remote(path) else os.path.expanduser(path)
+    path = storage_paths.check(os.fspath(path), "checkpoint")
+    return path if storage_paths.is_remote(path) else os.path.expanduser(path)
 
 
 def load_pretrained(path: str, format: Optional[str] = None, *,  # pylint: disable=redefined-builtin
@@ -194,12 +194,12 @@ def load_config(path: str, format: Optional[str] = None, *,  # pylint: disable=r
     path = _checkpoint_path(path)
     format = format or detect_format(path)
     if format == "google":
-        config = read_google_config(storage.join(storage.dirname(_google_prefix(path)), "bert_config.json"),
+        config = read_google_config(storage_paths.join(storage_paths.dirname(_google_prefix(path)), "bert_config.json"),
                                     google_gelu)
     elif format == "hf":
         config = _read_hf_config(path)
     else:
-        config = BertConfig.from_json_file(_require(storage.join(path, "bert_config.json"), "bert_config.json"))
+        config = BertConfig.from_json_file(_require(storage_paths.join(path, "bert_config.json"), "bert_config.json"))
     return config.replace(**overrides) if overrides else config
 
 
@@ -270,10 +270,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              f"google-research/bert code of 2019-02-07 or later); see docs/checkpoints.md")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
     args = parser.parse_args(argv)
-    storage.check(args.input, "--input")  # before anything runs: no local folder named "gs:"
-    storage.check(args.output, "--output")
+    storage_paths.check(args.input, "--input")  # before anything runs: no local folder named "gs:"
+    storage_paths.check(args.output, "--output")
     if args.vocab_file:
-        storage.check(args.vocab_file, "--vocab_file")
+        storage_paths.check(args.vocab_file, "--vocab_file")
     logging.set_verbosity(logging.INFO)  # ours: missing heads, skipped variables; not orbax's chatter
     logging.get_absl_logger().addFilter(_NotOrbaxInfo())
     std_logging.getLogger("bert_jax").setLevel(std_logging.INFO)  # e.g. the Google GELU chosen

@@ -22,7 +22,7 @@ import ml_collections
 from bert_jax import layout
 from bert_jax.pretrain import loop as pretrain
 from bert_jax.training import run_setup, sharding
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 PROMPTS = (
     "The function returns a [MASK] of the elements.",
@@ -37,26 +37,26 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str) -> dict:
     from data_pipeline import corpora, create_pretraining_data, train_vocab
 
     d = config.demo
-    corpus_dir = storage.join(workdir, "corpus")
-    files = storage.glob(storage.join(corpus_dir, "*.txt"))
+    corpus_dir = storage_paths.join(workdir, "corpus")
+    files = storage.glob(storage_paths.join(corpus_dir, "*.txt"))
     if not files:
         files = corpora.write_embedded_corpus(corpus_dir, num_shards=d.num_shards)
     train_files, eval_files = files[:-1], files[-1:]  # the last shard is held out
 
-    vocab_file = storage.join(workdir, layout.VOCAB)
+    vocab_file = storage_paths.join(workdir, layout.VOCAB)
     if not storage.exists(vocab_file):
         train_vocab.train_vocab(train_files, d.vocab_size, vocab_file, do_lower_case=True)
 
     out = {}
     for name, inputs, dupe in (("train", train_files, d.dupe_factor), ("eval", eval_files, 1)):
-        out_dir = storage.join(workdir, "data", name)
-        if not storage.exists(storage.join(out_dir, "dataset_info.json")):
+        out_dir = storage_paths.join(workdir, "data", name)
+        if not storage.exists(storage_paths.join(out_dir, "dataset_info.json")):
             create_pretraining_data.create_pretraining_data(
                 input_files=inputs, output_dir=out_dir, vocab_file=vocab_file, do_lower_case=True,
                 max_seq_length=config.max_seq_length,
                 max_predictions_per_seq=config.max_predictions_per_seq,
                 dupe_factor=dupe, random_seed=config.seed, num_workers=1)
-        out[name] = storage.join(out_dir, "*.tfrecord*")
+        out[name] = storage_paths.join(out_dir, "*.tfrecord*")
     out["vocab_file"] = vocab_file
     return out
 
@@ -101,9 +101,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
             for guesses in r["guesses"]:
                 shown = ", ".join(f"{t} ({p:.2f})" for t, p in guesses)
                 print(f"{r['prompt']}\n    [MASK] -> {shown}")
-        storage.write_text(storage.join(workdir, "fill_mask.json"), json.dumps(results, indent=2))
+        storage.write_text(storage_paths.join(workdir, "fill_mask.json"), json.dumps(results, indent=2))
         from bert_jax import plot
-        curves = storage.join(workdir, "curves.png")
+        curves = storage_paths.join(workdir, "curves.png")
         plot.plot(workdir, curves)
         print(f"\ntraining curves: {curves}  (python -m bert_jax.plot --workdir={workdir})")
     return results

@@ -40,7 +40,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 COMBINATIONS = ("none", "embeddings", "second_to_last", "last", "sum_last_four", "concat_last_four", "sum_all")
 
@@ -275,7 +275,7 @@ def main(argv):
     # Before anything runs: an unusable path is named (and no local folder "gs:" is made).
     for flag in ("input_file", "output_file", "init_checkpoint", "vocab_file", "bert_config_file"):
         if FLAGS[flag].value:
-            storage.check(FLAGS[flag].value, f"--{flag}")
+            storage_paths.check(FLAGS[flag].value, f"--{flag}")
     try:
         layers = [int(x) for x in FLAGS.layers.split(",") if x.strip()]
     except ValueError:
@@ -306,7 +306,7 @@ def main(argv):
     extractor = FeatureExtractor(config, convert.model_params(pretrained, config, heads=False)["bert"],
                                  layers, FLAGS.combine, FLAGS.sentence_pooling)
     stats: dict = {}
-    storage.makedirs(storage.dirname(storage.abspath(FLAGS.output_file)))
+    storage.makedirs(storage_paths.dirname(storage_paths.abspath(FLAGS.output_file)))
     count = 0
     if not storage.isfile(FLAGS.input_file):
         raise FileNotFoundError(f"--input_file={FLAGS.input_file}: no such file")

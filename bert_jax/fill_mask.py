@@ -85,11 +85,11 @@ def main(argv=None) -> int:
     if args.top_k < 1:
         parser.error(f"--top_k={args.top_k} must be at least 1")
     lower = None if args.do_lower_case is None else args.do_lower_case == "true"
-    from data_pipeline import storage
+    from data_pipeline import storage_paths
     try:  # before anything is read: a path no backend handles, named by its flag
-        storage.check(args.init_checkpoint, "--init_checkpoint", urls=True)
+        storage_paths.check(args.init_checkpoint, "--init_checkpoint", urls=True)
         if args.vocab_file:
-            storage.check(args.vocab_file, "--vocab_file")
+            storage_paths.check(args.vocab_file, "--vocab_file")
         params, config, tokenizer = load(args.init_checkpoint, args.vocab_file, lower, args.google_gelu)
         results = fill_mask(params, config, tokenizer, args.text, args.top_k)
     except (ValueError, FileNotFoundError) as e:  # bad input: one line, not a traceback

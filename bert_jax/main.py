@@ -77,7 +77,7 @@ def main(argv):
         raise SystemExit(f"FATAL: {e}") from None
     logging.info("host memory: %s", memory)
     from bert_jax.workdir import check_paths
-    from data_pipeline.storage import StorageError
+    from data_pipeline.storage_paths import StorageError
     try:  # a path no installed backend handles: refused before anything runs or is written
         check_paths(config.to_dict(), _WORKDIR.value)
     except StorageError as e:

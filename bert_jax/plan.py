@@ -39,7 +39,7 @@ import os
 import sys
 import time
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 RECIPES = {
     "paper": [{"seq_len": 128, "steps": 900_000, "batch": 256}, {"seq_len": 512, "steps": 100_000, "batch": 256}],
@@ -289,10 +289,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--recipes={r} needs --seq_len to include {sorted(missing)}")
     if args.json:
         try:
-            storage.check(args.json, "--json")
-        except storage.StorageError as e:
+            storage_paths.check(args.json, "--json")
+        except storage_paths.StorageError as e:
             p.error(str(e))
-    if storage.is_remote(args.config):  # imported as a Python module: a local file
+    if storage_paths.is_remote(args.config):  # imported as a Python module: a local file
         p.error(f"--config={args.config}: a config is a local Python file (copy it here first)")
     try:  # a file, or a config's name (`--config=large`) from any folder: config_overrides.resolve_config
         load_config(args.config, args.seq_lens[0] if args.seq_lens else 128, args.dtype, args.overrides)

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 _SKIP = ("per_second", "mfu", "finite", "steps_per", "input_ms", "input_fraction")
 
@@ -28,7 +28,7 @@ def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     from a temporary local copy (TensorBoard's reader opens local files)."""
     from tensorboard.backend.event_processing import event_accumulator
 
-    files = storage.glob(storage.join(workdir, "**", "events.out.tfevents.*"))
+    files = storage.glob(storage_paths.join(workdir, "**", "events.out.tfevents.*"))
     if not files:
         raise FileNotFoundError(f"--workdir={workdir}: no TensorBoard event files (events.out.tfevents.*) "
                                 f"found; is it a bert_jax training workdir?")
@@ -36,8 +36,8 @@ def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     with tempfile.TemporaryDirectory(prefix="bert_jax_plot_") as tmp:
         for i, path in enumerate(files):
             local = path
-            if storage.is_remote(path):
-                local = os.path.join(tmp, str(i), storage.basename(path))
+            if storage_paths.is_remote(path):
+                local = os.path.join(tmp, str(i), storage_paths.basename(path))
                 storage.copy(path, local)
             _read_events(event_accumulator, local, series)
     return {tag: (np.array(sorted(d)), np.array([d[s] for s in sorted(d)])) for tag, d in series.items()}
@@ -82,7 +82,7 @@ def plot(workdir: str, output: Optional[str] = None, tags: Optional[Sequence[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    output = output or storage.join(workdir, "curves.png")
+    output = output or storage_paths.join(workdir, "curves.png")
     series = read_scalars(workdir)
     if tags:
         series = {t: v for t, v in series.items() if t in tags}
@@ -109,7 +109,7 @@ def plot(workdir: str, output: Optional[str] = None, tags: Optional[Sequence[str
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
     axes[-1, 0].set_xlabel("step")
-    fig.suptitle(storage.basename(storage.abspath(workdir)), fontsize=11)
+    fig.suptitle(storage_paths.basename(storage_paths.abspath(workdir)), fontsize=11)
     fig.tight_layout()
     # Drawn in memory, then written whole (local or gs://); the format from the extension, as
     # savefig(path) does (png without one).
@@ -127,10 +127,10 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", required=True, help="a pretraining or fine-tuning workdir")
     p.add_argument("--output", default=None, help="PNG path (default: WORKDIR/curves.png)")
     args = p.parse_args(argv)
-    storage.check(args.workdir, "--workdir")
+    storage_paths.check(args.workdir, "--workdir")
     if args.output:
-        storage.check(args.output, "--output")
-    output = args.output or storage.join(args.workdir, "curves.png")
+        storage_paths.check(args.output, "--output")
+    output = args.output or storage_paths.join(args.workdir, "curves.png")
     plotted = plot(args.workdir, output)
     print(f"wrote {output}: {', '.join(sorted(plotted))}")
     return 0

@@ -57,7 +57,7 @@ import time
 from typing import Optional
 
 from bert_jax import layout
-from data_pipeline import storage
+from data_pipeline import storage, storage_atomic, storage_paths
 
 POD_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "tpu_pod.sh")
 
@@ -188,7 +188,7 @@ class Supervisor:
         if missing:
             raise SystemExit(f"supervisor: environment variable {missing[0]} is required (see launch/tpu_pod.sh)")
         self.args = list(args)
-        self.workdir = storage.check(self.env["WORKDIR"], "WORKDIR")
+        self.workdir = storage_paths.check(self.env["WORKDIR"], "WORKDIR")
         self.slice = Slice(self.env["TPU_NAME"], self.env["ZONE"], self.env["PROJECT"],
                            self.env.get("GCLOUD", "gcloud"))
         self.poll = setting("POLL_SECONDS", 60)
@@ -196,15 +196,15 @@ class Supervisor:
         self.backoff = setting("BACKOFF_SECONDS", 60)
         self.max_backoff = setting("MAX_BACKOFF_SECONDS", 1800)
         self.ready_timeout = setting("READY_TIMEOUT", 3600)
-        self.attempts_file = storage.join(self.workdir, "attempts.jsonl")
-        self.constraints_file = storage.join(self.workdir, "constraints.txt")
-        self.spec_file = storage.join(self.workdir, "slice.json")
+        self.attempts_file = storage_paths.join(self.workdir, "attempts.jsonl")
+        self.constraints_file = storage_paths.join(self.workdir, "constraints.txt")
+        self.spec_file = storage_paths.join(self.workdir, "slice.json")
 
     # --- the workdir's records ----------------------------------------------------------------
 
     def _record(self, **row) -> None:
         row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **row}
-        storage.append_text(self.attempts_file, json.dumps(row) + "\n")
+        storage_atomic.append_text(self.attempts_file, json.dumps(row) + "\n")
 
     def _attempts(self) -> list[dict]:
         try:
@@ -214,16 +214,16 @@ class Supervisor:
 
     def _saved_step(self) -> Optional[int]:
         """The newest step folder in WORKDIR/checkpoints (the run checks its integrity on resume)."""
-        steps = [int(n) for n in storage.listdir(storage.join(self.workdir, layout.CHECKPOINTS)) if n.isdigit()]
+        steps = [int(n) for n in storage.listdir(storage_paths.join(self.workdir, layout.CHECKPOINTS)) if n.isdigit()]
         return max(steps) if steps else None
 
     def log_dest(self, attempt: int) -> str:
-        return storage.join(self.workdir, "logs", f"attempt-{attempt}")
+        return storage_paths.join(self.workdir, "logs", f"attempt-{attempt}")
 
     def _resumed_step(self, attempt: int) -> Optional[int]:
         """The step worker 0's run resumed from (0: it started fresh), from its collected log."""
         try:
-            text = storage.read_text(storage.join(self.log_dest(attempt), "worker-0.log"))
+            text = storage.read_text(storage_paths.join(self.log_dest(attempt), "worker-0.log"))
         except (FileNotFoundError, UnicodeDecodeError):
             return None
         found = RESUMED.search(text)

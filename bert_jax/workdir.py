@@ -15,11 +15,11 @@ writes go on, and at `flush`/`close`, so TensorBoard pointed at the bucket follo
 event file is started every 4 MiB (`EVENT_FILE_BYTES`) so an upload stays ~0.1 s. A killed run
 loses at most the events of its last 5 s plus one upload. `train_log.jsonl` is appended to in
 place on local disk and by server-side composition on Cloud Storage (no download of what is
-there), at most once a second, each line once (`storage.Appender`); the loop flushes it (at most
-10 s) before each checkpoint save, so a committed step's lines are in the log.
+there), at most once a second, each line once (`storage_atomic.Appender`); the loop flushes it (at
+most 10 s) before each checkpoint save, so a committed step's lines are in the log.
 
 `check_paths` refuses, before anything runs, a workdir or config path that no installed backend
-handles, naming the flag or key (data_pipeline.storage.check).
+handles, naming the flag or key (data_pipeline.storage_paths.check).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from bert_jax import layout
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths, storage_staging
 from data_pipeline.log_writer import CLOSE_TIMEOUT_S, MIRROR_INTERVAL_S, LogWriter
 
 # A new event file once the current one passes this: a gs:// workdir uploads its newest file
@@ -60,16 +60,16 @@ def _strings(value: Any, key: str) -> Iterable[tuple[str, str]]:
 
 
 def check_paths(config: Mapping, workdir: Optional[str]) -> None:
-    """Raises `storage.StorageError` naming the flag or config key of the first path bert_jax
+    """Raises `storage_paths.StorageError` naming the flag or config key of the first path bert_jax
     cannot use: the workdir, and every config string that names a scheme (`gs://...`, or a
     mangled `gs:/...`); comma-separated lists are checked item by item."""
     if workdir is not None:
-        storage.check(workdir, "--workdir")
+        storage_paths.check(workdir, "--workdir")
     for key, value in _strings(dict(config), "config"):
         for item in value.split(","):
             item = item.strip()
             if "://" in item or ":/" in item:
-                storage.check(item, key, urls=key.rsplit(".", 1)[-1] in URL_KEYS)
+                storage_paths.check(item, key, urls=key.rsplit(".", 1)[-1] in URL_KEYS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
     from bert_jax import convert
 
     storage.makedirs(workdir)
-    config_file = storage.join(workdir, layout.MODEL_CONFIG)
+    config_file = storage_paths.join(workdir, layout.MODEL_CONFIG)
     try:
         unchanged = BertConfig.from_json_file(config_file) == bert_config.replace(fp8=False)
     except (OSError, ValueError):
@@ -94,9 +94,9 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
     if not unchanged:
         bert_config.to_json_file(config_file)
     if vocab_file:
-        write_if_changed(storage.join(workdir, layout.VOCAB), storage.read_bytes(vocab_file))
+        write_if_changed(storage_paths.join(workdir, layout.VOCAB), storage.read_bytes(vocab_file))
     if do_lower_case is not None:
-        write_if_changed(storage.join(workdir, layout.TOKENIZER_CONFIG),
+        write_if_changed(storage_paths.join(workdir, layout.TOKENIZER_CONFIG),
                          convert.tokenizer_config_json(do_lower_case).encode())
 
 
@@ -121,7 +121,7 @@ def jsonl(rows: Iterable[dict]) -> str:
 
 def write_json(workdir: str, name: str, value: Any, **kwargs) -> str:
     """`workdir/name` holding `value` as JSON, written whole (never half a file)."""
-    path = storage.join(workdir, name)
+    path = storage_paths.join(workdir, name)
     storage.write_json(path, value, **kwargs)
     return path
 
@@ -151,7 +151,7 @@ class _EventFile:
         _EventFile._counter += 1
         name = (f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}."
                 f"{_EventFile._counter}.v2")
-        self._file = storage.open(storage.join(directory, name), "ab")  # pylint: disable=consider-using-with
+        self._file = storage.open(storage_paths.join(directory, name), "ab")  # pylint: disable=consider-using-with
         self._event = event_pb2.Event
         self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
 
@@ -203,7 +203,7 @@ class MetricWriter:
         self.logs = logs or LogWriter()
         self._events_dir = events_dir
         self._events = _EventFile(events_dir) if events_dir else None
-        self._lock = lock or threading.Lock()  # held while event files are written (`storage.Mirror`)
+        self._lock = lock or threading.Lock()  # held while event files are written (`storage_staging.Mirror`)
 
     def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
         from absl import logging
@@ -264,7 +264,7 @@ def metric_writer(workdir: str, *, just_logging: bool, sync_every_seconds: float
     `sync_every_seconds` while writes go on, and at `flush`/`close` (bounded by their timeout)."""
     if just_logging:
         return MetricWriter()
-    mirror = storage.Mirror(workdir, name="tensorboard")
+    mirror = storage_staging.Mirror(workdir, name="tensorboard")
 
     class _MirroredWriter(MetricWriter):
         """Writes events into `mirror.local`; the log writer uploads them to the workdir."""

@@ -73,7 +73,7 @@ except ImportError as e:  # the core install does not have Beam
     raise ImportError("--runner=beam needs Apache Beam: pip install -e '.[beam]' "
                       f"(or pip install apache-beam) ({e})") from e
 
-from data_pipeline import corpora, instances as inst, schema, storage, tfrecord
+from data_pipeline import corpora, instances as inst, schema, storage, storage_paths, tfrecord
 from data_pipeline.shards import (Options, ShardTotals, check_output_dir_free, dataset_info, init_worker, output_dir,
                                   output_index, shard_records, worker_options)
 
@@ -337,7 +337,7 @@ def _check_counters(found: dict, info: dict) -> List[str]:
 def _check_local_inputs(sources: Sequence[tuple]) -> None:
     # Fails before a job is submitted; remote inputs are checked by the workers that read them.
     for s in sources:
-        if s[0] == "text" and not storage.is_remote(s[1]) and not storage.exists(s[1]):
+        if s[0] == "text" and not storage_paths.is_remote(s[1]) and not storage.exists(s[1]):
             raise FileNotFoundError(f"input file not found: {s[1]}")
 
 

@@ -44,7 +44,7 @@ import tempfile
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 from data_pipeline.char_classes import CJK_RANGES
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def read_user_dict(path: str) -> List[Tuple[str, Optional[int]]]:
       ValueError: a line that is not one of those forms, or not UTF-8 (named by line number).
     """
     where = f"{USER_DICT_FLAG}={path}"
-    if not storage.exists(storage.check(path, USER_DICT_FLAG)):
+    if not storage.exists(storage_paths.check(path, USER_DICT_FLAG)):
         raise FileNotFoundError(f"{where}: no such file")
     try:
         text = storage.read_bytes(path).decode("utf-8-sig")

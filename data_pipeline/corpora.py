@@ -29,7 +29,7 @@ import re
 import sysconfig
 from typing import Iterable, Iterator, List, Optional
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 Document = List[str]
 
@@ -293,7 +293,7 @@ def write_embedded_corpus(out_dir: str, num_shards: int = 4, include_stdlib: boo
         shards[i % num_shards].append(doc)
     paths = []
     for i, docs in enumerate(shards):
-        path = storage.join(out_dir, f"embedded-{i:05d}-of-{num_shards:05d}.txt")
+        path = storage_paths.join(out_dir, f"embedded-{i:05d}-of-{num_shards:05d}.txt")
         write_google_text(path, docs)
         paths.append(path)
     return paths

@@ -51,7 +51,8 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 
 from absl import app, flags
 
-from data_pipeline import chinese_words, corpora, instances as inst, schema, shards, storage, tfrecord, tokenization
+from data_pipeline import (chinese_words, corpora, instances as inst, schema, shards, storage, storage_paths, tfrecord,
+                           tokenization)
 # The per-shard work and its options live in shards.py (the Beam runner shares them); importable from here too.
 from data_pipeline.shards import (  # noqa: F401
     BATCH_INSTANCES, Options, ShardTotals, check_output_dir_free, dataset_info, init_worker, output_dir, output_index,
@@ -115,7 +116,7 @@ def expand_inputs(patterns: str | Sequence[str]) -> List[str]:
         patterns = [p for p in patterns.split(",") if p]
     files: List[str] = []
     for p in patterns:
-        matched = storage.glob(storage.check(p, "--input_file"))  # sorted; local or gs://
+        matched = storage.glob(storage_paths.check(p, "--input_file"))  # sorted; local or gs://
         if not matched:
             raise FileNotFoundError(f"--input_file: nothing matches {p!r}")
         files.extend(matched)
@@ -221,7 +222,7 @@ def output_paths(output_file: str, num_output_shards: int, compression: str) -> 
     if len(outputs) == 1 and num_output_shards > 1:
         stem, ext = outputs[0], ""
         for known in (".tfrecords", ".tfrecord", ".tfrec"):
-            if stem.endswith(known) and len(storage.basename(stem)) > len(known):
+            if stem.endswith(known) and len(storage_paths.basename(stem)) > len(known):
                 stem, ext = stem[: -len(known)], known
                 break
         outputs = [f"{stem}-{i:05d}-of-{num_output_shards:05d}{ext}" for i in range(num_output_shards)]
@@ -304,7 +305,8 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
         read = totals.read_stats
         raise ValueError(f"no training instance from {len(sources)} input source(s) ({read.lines} lines, "
                          f"{read.documents} documents, {read.documents_without_tokens} without tokens): "
-                         "empty or blank input? (statistics in " + storage.join(out_dir, "dataset_info.json") + ")")
+                         "empty or blank input? (statistics in "
+                         + storage_paths.join(out_dir, "dataset_info.json") + ")")
     return info
 
 
@@ -314,7 +316,7 @@ def create_pretraining_data(input_files: Sequence[str], output_dir: str, vocab_f
     """Library entry point: text files -> `output_dir/part-*.tfrecord` + dataset_info.json."""
     opts = Options(vocab_file=vocab_file, **options)
     ext = ".tfrecord.gz" if compression == "gzip" else ".tfrecord"
-    outputs = [storage.join(output_dir, f"part-{i:05d}-of-{num_output_shards:05d}{ext}")
+    outputs = [storage_paths.join(output_dir, f"part-{i:05d}-of-{num_output_shards:05d}{ext}")
                for i in range(num_output_shards)]
     return run(opts, sources=[("text", f) for f in expand_inputs(list(input_files))], outputs=outputs,
                reference_compatible=reference_compatible, num_workers=num_workers, compression=compression)

@@ -48,7 +48,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 import numpy as np
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
-from data_pipeline import schema, storage
+from data_pipeline import schema, storage, storage_paths, storage_staging
 from data_pipeline.masking import (SpecialIds, dynamic_mask, dynamic_predictions_per_sequence,
                                    recorded_whole_word_mask, resolve_whole_word_mask,
                                    restore_original_ids, subword_table)
@@ -420,13 +420,13 @@ class PretrainingInput:
         file offsets, random streams: it grows with shuffle_buffer_size), and
         `directory/input_state.json` the options it belongs to and the counters. A gs://
         directory is written through `storage`: the checkpoint in a local staging folder, then
-        uploaded (`storage.writing_dir`), the JSON last.
+        uploaded (`storage_staging.writing_dir`), the JSON last.
         """
-        with storage.writing_dir(directory) as local:
-            checkpoint = tf.train.Checkpoint(iterator=self._iterator)  # storage: local (storage.writing_dir)
+        with storage_staging.writing_dir(directory) as local:
+            checkpoint = tf.train.Checkpoint(iterator=self._iterator)  # storage: local (storage_staging.writing_dir)
             checkpoint.write(os.path.join(local, _ITERATOR_PREFIX))
         state = {"fingerprint": self._fingerprint(), "counters": self._counters}
-        storage.write_text(storage.join(directory, _STATE_JSON), json.dumps(state, indent=1))
+        storage.write_text(storage_paths.join(directory, _STATE_JSON), json.dumps(state, indent=1))
 
     def restore_state(self, directory: str) -> None:
         """Continues from a position written by `save_state` with the same options.
@@ -435,7 +435,7 @@ class PretrainingInput:
           FileNotFoundError: `directory` holds no saved input state.
           ValueError: the state was saved with different options (the differing ones named).
         """
-        state_path = storage.join(directory, _STATE_JSON)
+        state_path = storage_paths.join(directory, _STATE_JSON)
         if not storage.exists(state_path):
             raise FileNotFoundError(f"{state_path}: no saved input state")
         state = json.loads(storage.read_text(state_path))
@@ -445,8 +445,8 @@ class PretrainingInput:
             detail = "; ".join(f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in diff[:4])
             raise ValueError(f"{state_path} was saved by an input pipeline with other options "
                              f"({detail})")
-        with storage.reading_dir(directory) as local:
-            checkpoint = tf.train.Checkpoint(iterator=self._iterator)  # storage: local (storage.reading_dir)
+        with storage_staging.reading_dir(directory) as local:
+            checkpoint = tf.train.Checkpoint(iterator=self._iterator)  # storage: local (storage_staging.reading_dir)
             checkpoint.read(os.path.join(local, _ITERATOR_PREFIX)).assert_consumed()
         self._counters = dict(state["counters"])
 

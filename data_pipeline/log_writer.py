@@ -1,9 +1,9 @@
 """Writes that only feed logs, done off the training step by one background thread, in bounded time.
 
 What goes through here: appends to a run's text logs (`train_log.jsonl`) and uploads of staged
-TensorBoard event files (`storage.Mirror`). On Cloud Storage either can stall (a request hangs
-until `storage.gcs_timeout()`, 60 s) or fail for minutes (an outage); neither may stall or stop
-training, so the training loop only queues them:
+TensorBoard event files (`storage_staging.Mirror`). On Cloud Storage either can stall (a request
+hangs until `storage_gcs.gcs_timeout()`, 60 s) or fail for minutes (an outage); neither may stall or
+stop training, so the training loop only queues them:
 
 - `append(path, text)` and `sync(mirror)` queue and return at once; they never touch storage.
 - Coalescing and rate: what is queued for one file is written in one go, at most once per
@@ -15,7 +15,7 @@ training, so the training loop only queues them:
   `dropped_lines` counts the log lines given up, `dropped_uploads` the uploads (the event files
   stay staged and go with the next upload), `failed_writes` every failed try. Each drop is logged
   with the totals.
-- No line twice, none lost while it is retried: appends go through `storage.Appender`, which
+- No line twice, none lost while it is retried: appends go through `storage_atomic.Appender`, which
   composes with a generation precondition and, after a failure, checks whether the failed write
   landed before writing again.
 - `flush(timeout)` writes everything queued now (ignoring the intervals) and waits for it at most
@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Optional
 
-from data_pipeline import storage
+from data_pipeline import storage_atomic, storage_paths, storage_staging
 
 MIN_INTERVAL_S = 1.0  # between two writes of one object (Cloud Storage: ~1 write/s per object name)
 MIRROR_INTERVAL_S = 5.0  # between two TensorBoard uploads
@@ -46,8 +46,8 @@ _BACKOFF_S = (0.5, 30.0)  # first retry delay, doubling up to the second
 class _Job:
     """One file to append to, or one mirror to upload: what is queued and when it may go."""
 
-    def __init__(self, interval: float, appender: Optional[storage.Appender] = None,
-                 mirror: Optional[storage.Mirror] = None):
+    def __init__(self, interval: float, appender: Optional[storage_atomic.Appender] = None,
+                 mirror: Optional[storage_staging.Mirror] = None):
         self.interval = interval
         self.appender, self.mirror = appender, mirror
         self.queued: list[str] = []  # appends not yet handed to the appender (the caller's thread adds)
@@ -108,19 +108,19 @@ class LogWriter:
         """Queues `text` to be appended to `path` (local or remote)."""
         if not text:
             return
-        path = storage.abspath(path)
+        path = storage_paths.abspath(path)
         with self._cond:
             self._check_open()
             job = self._jobs.get(path)
             if job is None:
-                interval = self.min_interval_s if storage.is_remote(path) else 0.0
-                job = self._jobs[path] = _Job(interval, appender=storage.Appender(path))
+                interval = self.min_interval_s if storage_paths.is_remote(path) else 0.0
+                job = self._jobs[path] = _Job(interval, appender=storage_atomic.Appender(path))
             job.queued.append(text)
             self._wake()
 
-    def sync(self, mirror: storage.Mirror) -> None:
+    def sync(self, mirror: storage_staging.Mirror) -> None:
         """Asks for an upload of what `mirror` has staged (nothing to do for a local one)."""
-        if not storage.is_remote(mirror.remote):
+        if not storage_paths.is_remote(mirror.remote):
             return
         with self._cond:
             self._check_open()

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
-from data_pipeline import storage, tfrecord
+from data_pipeline import storage, storage_staging, tfrecord
 
 
 def is_gzip(path: str) -> bool:
@@ -75,9 +75,10 @@ def _gunzip(path: str) -> tuple[str, Optional[str]]:
 def _random_reader(path: str):
     # TF's random-access record reader verifies the data CRC of the record at a given offset.
     # It is not public API (tensorflow.python), hence this one import site. TensorFlow opens the
-    # file itself: `storage.tf_path` gives it the path, or a local copy where it cannot reach it.
+    # file itself: `storage_staging.tf_path` gives it the path, or a local copy where it cannot
+    # reach it.
     from tensorflow.python.lib.io import tf_record
-    return tf_record.tf_record_random_reader(storage.tf_path(path))  # storage: local (storage.tf_path)
+    return tf_record.tf_record_random_reader(storage_staging.tf_path(path))  # storage: local (storage_staging.tf_path)
 
 
 class _Headers:

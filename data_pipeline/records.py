@@ -35,7 +35,7 @@ from typing import Optional, Sequence, Union
 
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
-from data_pipeline import schema, storage
+from data_pipeline import schema, storage, storage_paths, storage_staging
 from data_pipeline.record_scan import count_records_by_framing, is_gzip, scan_tfrecord_file
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def expand_file_patterns(file_patterns: FilePatterns) -> list[str]:
     """
     files = set()
     for pattern in split_patterns(file_patterns):
-        matched = storage.glob(storage.check(pattern, "input file pattern"))
+        matched = storage.glob(storage_paths.check(pattern, "input file pattern"))
         if not matched:
             raise FileNotFoundError(f"input file pattern {pattern!r} matches no file")
         files.update(matched)
@@ -99,7 +99,7 @@ def record_shape(file_patterns: FilePatterns) -> tuple[int, int]:
     """
     files = expand_file_patterns(file_patterns)
     for path in files:
-        records = tf.data.TFRecordDataset(storage.tf_path(path),  # storage: local (storage.tf_path)
+        records = tf.data.TFRecordDataset(storage_staging.tf_path(path),  # storage: local (storage_staging.tf_path)
                                           compression_type=_compression(path))
         for raw in records.take(1):
             example = tf.train.Example.FromString(raw.numpy()).features.feature
@@ -116,7 +116,7 @@ def dataset_info(file_patterns: FilePatterns) -> dict:
     """The `dataset_info.json` beside the first pattern's files that has one ({} if none does):
     the flags the data was made with (casing, lengths, seed), its statistics and manifest."""
     for pattern in split_patterns(file_patterns):
-        path = storage.join(storage.dirname(pattern), MANIFEST_NAME)
+        path = storage_paths.join(storage_paths.dirname(pattern), MANIFEST_NAME)
         if storage.exists(path):
             try:
                 return json.loads(storage.read_text(path))
@@ -156,7 +156,7 @@ class FileInfo:
 def _what_is_there(pattern: str) -> str:
     """What the folder of a pattern that matched nothing holds (a user's first guess at the shard
     names is often near: `train*.tfrecord` for `train-00000-of-00016.tfrecord.gz`)."""
-    directory = storage.dirname(pattern)
+    directory = storage_paths.dirname(pattern)
     if _pattern_has_glob(directory) or not storage.isdir(directory or "."):
         return ""
     names = sorted(n for n in storage.listdir(directory or ".") if n != MANIFEST_NAME)
@@ -168,13 +168,13 @@ def _what_is_there(pattern: str) -> str:
 
 def load_manifest(directory: str) -> Optional[dict[str, FileInfo]]:
     """The manifest of the TFRecords in `directory` keyed by full path, or None if it has none."""
-    path = storage.join(directory, MANIFEST_NAME)
+    path = storage_paths.join(directory, MANIFEST_NAME)
     if not storage.exists(path):
         return None
     entries = _manifest_file_entries(path)
     out = {}
     for name, entry in entries.items():
-        full = name if os.path.isabs(name) or "://" in name else storage.join(directory, name)
+        full = name if os.path.isabs(name) or "://" in name else storage_paths.join(directory, name)
         out[full] = FileInfo(path=full, num_records=int(entry["num_records"]),
                              num_bytes=entry.get("num_bytes"), sha256=entry.get("sha256"))
     return out
@@ -240,8 +240,8 @@ class HostFiles:
 
 class KnownHashes:
     """The SHA-256 of data files hashed before, by path and identity (size and mtime on local
-    disk, size and generation on Cloud Storage), kept in `storage.cache_dir()`: a restart checks
-    an unchanged file by its identity in microseconds instead of reading it again (hours at
+    disk, size and generation on Cloud Storage), kept in `storage_staging.cache_dir()`: a restart
+    checks an unchanged file by its identity in microseconds instead of reading it again (hours at
     Wikipedia scale on a bucket). Any rewrite changes the identity, and the file is hashed again.
     A local file modified within the last 2 s is not remembered (an mtime that a write in the same
     clock tick would not change: git's "racy clean" case). `fresh=True` hashes every file again
@@ -262,7 +262,7 @@ class KnownHashes:
 
     def __init__(self, fresh: bool = False, shared_file: Optional[str] = None):
         self.fresh, self.changed, self._listed, self._known = fresh, False, {}, None
-        self.path = storage.join(storage.cache_dir(), self.NAME)
+        self.path = storage_paths.join(storage_staging.cache_dir(), self.NAME)
         self.shared_file = shared_file
         self._shared: dict = {}  # path -> [entries of the `shared_file` folder's files]
         self._shared_before: dict = {}  # what `shared_file` held when read
@@ -276,13 +276,13 @@ class KnownHashes:
         if self._known is None:
             self._known = _read_json_dict(self.path)
             if self.shared_file is not None:
-                folder, own = storage.dirname(self.shared_file), storage.basename(self.shared_file)
+                folder, own = storage_paths.dirname(self.shared_file), storage_paths.basename(self.shared_file)
                 for name in storage.listdir(folder):
                     if not name.endswith(".json"):
                         continue
                     # A remote file's entry holds on any machine (path, size, generation).
-                    entries = {k: v for k, v in _read_json_dict(storage.join(folder, name)).items()
-                               if storage.is_remote(k) and isinstance(v, dict)}
+                    entries = {k: v for k, v in _read_json_dict(storage_paths.join(folder, name)).items()
+                               if storage_paths.is_remote(k) and isinstance(v, dict)}
                     if name == own:
                         self._shared_before = entries
                     for key, entry in entries.items():
@@ -292,9 +292,9 @@ class KnownHashes:
     def identity(self, path: str) -> list:
         """`storage.identity(path)`; for a remote file, from one listing of its folder (a bucket
         answers one request for a thousand objects, not one each)."""
-        if not storage.is_remote(path):
+        if not storage_paths.is_remote(path):
             return list(storage.identity(path))
-        folder = storage.dirname(path)
+        folder = storage_paths.dirname(path)
         if folder not in self._listed:
             self._listed[folder] = {info["path"]: [info["size"], info["generation"]]
                                     for rel, info in storage.files_info(folder).items() if "/" not in rel}
@@ -304,7 +304,7 @@ class KnownHashes:
         return int(self.identity(path)[0])
 
     def sha256(self, path: str) -> str:
-        key = path if storage.is_remote(path) else storage.abspath(path)
+        key = path if storage_paths.is_remote(path) else storage_paths.abspath(path)
         identity = self.identity(path)
         known = self.known  # reads the shared folder too, on first use
         candidates = [known.get(key), *self._shared.get(key, ())]
@@ -312,24 +312,24 @@ class KnownHashes:
                       and isinstance(e.get("sha256"), str)), None)
         if not self.fresh and entry is not None:
             self.counts["trusted_files"] += 1
-            if storage.is_remote(path):
+            if storage_paths.is_remote(path):
                 self._shared_used[key] = entry
             return entry["sha256"]
         started = time.time()
         digest = schema.sha256_file(path)
         self.counts["hashed_files"] += 1
         self.counts["hashed_bytes"] += int(identity[0])
-        if storage.is_remote(path) or identity[1] / 1e9 < started - self.RACY_S:
+        if storage_paths.is_remote(path) or identity[1] / 1e9 < started - self.RACY_S:
             self.known[key] = {"identity": identity, "sha256": digest}
             self.changed = True
-            if storage.is_remote(path):
+            if storage_paths.is_remote(path):
                 self._shared_used[key] = self.known[key]
         return digest
 
     def save(self) -> None:
         if self.changed:
             try:  # written whole; two processes at once lose an entry, not the file
-                storage.makedirs(storage.dirname(self.path))
+                storage.makedirs(storage_paths.dirname(self.path))
                 storage.write_text(self.path, json.dumps(self.known, sort_keys=True))
             except OSError as e:
                 log.warning("could not remember the verified data files in %s (%s): the next start hashes "
@@ -338,7 +338,7 @@ class KnownHashes:
         shared = {**self._shared_before, **self._shared_used}
         if self.shared_file is not None and shared != self._shared_before:
             try:  # this process's file only: no other process writes it
-                storage.makedirs(storage.dirname(self.shared_file))
+                storage.makedirs(storage_paths.dirname(self.shared_file))
                 storage.write_text(self.shared_file, json.dumps(shared, sort_keys=True))
             except OSError as e:
                 log.warning("could not remember the verified data files in %s (%s): a new machine hashes "
@@ -365,7 +365,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
     hashes = KnownHashes(fresh=verify == "full", shared_file=known_hashes_file)
     found, unmatched = set(), []
     for pattern in patterns:
-        matched = storage.glob(storage.check(pattern, "input file pattern"))
+        matched = storage.glob(storage_paths.check(pattern, "input file pattern"))
         if not matched:
             unmatched.append(pattern)
         found.update(matched)
@@ -380,18 +380,18 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
         # Manifests live next to the files: the directories of the files found, and of the
         # patterns whose directory part is literal (so a pattern whose files all vanished is
         # still checked against its manifest).
-        directories = {storage.dirname(p) for p in found}
-        directories |= {storage.dirname(p) for p in patterns if not _pattern_has_glob(storage.dirname(p))}
+        directories = {storage_paths.dirname(p) for p in found}
+        directories |= {storage_paths.dirname(p) for p in patterns if not _pattern_has_glob(storage_paths.dirname(p))}
         for directory in sorted(directories):
             manifest = load_manifest(directory)
             if manifest is None:
-                if not any(storage.dirname(p) == directory for p in found):  # nothing here at all
-                    pattern = next((u for u in unmatched if storage.dirname(u) == directory), directory)
+                if not any(storage_paths.dirname(p) == directory for p in found):  # nothing here at all
+                    pattern = next((u for u in unmatched if storage_paths.dirname(u) == directory), directory)
                     raise CorruptDataError(pattern, ("no input file matches this pattern"
                                            if _pattern_has_glob(pattern) else "input file is missing")
                                            + _what_is_there(pattern))
                 raise CorruptDataError(
-                    storage.join(directory, MANIFEST_NAME),
+                    storage_paths.join(directory, MANIFEST_NAME),
                     "no data manifest next to the input files (create_pretraining_data writes one); "
                     "to read them unchecked " + _VERIFY_HINT)
             # Every manifest file a pattern names is expected (so a deleted file is noticed).
@@ -457,7 +457,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
                     scan.num_good, lost)
         if scan.num_good:
             # Read in place (no copy to clean up): the scan's offsets locate every good record.
-            good_records[path] = _GoodRecords(storage.tf_path(scan.path), scan.size,
+            good_records[path] = _GoodRecords(storage_staging.tf_path(scan.path), scan.size,
                                               tuple(zip(scan.good_offsets, scan.good_lengths)))
             read_paths.append(path)
             read_counts.append(scan.num_good)
@@ -484,9 +484,9 @@ def read_error(files: HostFiles, patterns: Sequence[str], error: tf.errors.DataL
 
 
 def _record_dataset(path) -> tf.data.Dataset:
-    """The records of one file (a path tensor, as `interleave` passes it: a `storage.tf_path`), gzip or not."""
+    """The records of one file (a path tensor, as `interleave` passes it: a `storage_staging.tf_path`), gzip or not."""
     compression = tf.where(tf.strings.regex_full_match(path, r".*\.gz"), "GZIP", "")
-    return tf.data.TFRecordDataset(path, compression_type=compression)  # storage: local (a storage.tf_path)
+    return tf.data.TFRecordDataset(path, compression_type=compression)  # storage: local (a storage_staging.tf_path)
 
 
 _CHUNK_BYTES = 1 << 20  # good records of a damaged file are read in runs of up to this many bytes
@@ -496,7 +496,7 @@ _CHUNK_BYTES = 1 << 20  # good records of a damaged file are read in runs of up 
 class _GoodRecords:
     """Where the intact records of a damaged file are: read in place, never copied.
 
-    `source` is the file as TensorFlow opens it (`storage.tf_path`; for a gzip file, the
+    `source` is the file as TensorFlow opens it (`storage_staging.tf_path`; for a gzip file, the
     uncompressed scratch copy the scan made);
     `records` the (offset, payload length) of each record that passed its CRC checks.
     """
@@ -530,7 +530,7 @@ def file_datasets(files: "HostFiles"):
     """
     # TensorFlow opens the files itself: gs:// paths as they are, or local copies where its own
     # GCS client cannot reach the store (an emulator); the order, hence the shuffles, is the same.
-    paths = [storage.tf_path(p) for p in files.read_paths]
+    paths = [storage_staging.tf_path(p) for p in files.read_paths]
     if not files.good_records:
         return tf.data.Dataset.from_tensor_slices(paths), _record_dataset
     chunk_lo, chunk_hi, sources, starts, nbytes, footers, rec_lo, rec_hi = [], [], [], [], [], [], [], []
@@ -556,12 +556,12 @@ def file_datasets(files: "HostFiles"):
     def read_chunk(c):
         cut = lambda blob: tf.data.Dataset.from_tensor_slices(tf.strings.substr(
             blob, rel[rec_lo[c]:rec_hi[c]], lens[rec_lo[c]:rec_hi[c]]))  # [records in the run]
-        return tf.data.FixedLengthRecordDataset(  # storage: local (sources are storage.tf_path)
+        return tf.data.FixedLengthRecordDataset(  # storage: local (sources are storage_staging.tf_path)
             sources[c], nbytes[c], header_bytes=starts[c], footer_bytes=footers[c]).flat_map(cut)
 
     def read(path, i):
         intact = tf.cast(tf.equal(chunk_lo[i], chunk_hi[i]), tf.int32)  # 1: a plain file
-        whole = tf.data.TFRecordDataset(  # storage: local (paths are storage.tf_path)
+        whole = tf.data.TFRecordDataset(  # storage: local (paths are storage_staging.tf_path)
             tf.reshape(path, [1])[:intact],
             compression_type=tf.where(tf.strings.regex_full_match(path, r".*\.gz"), "GZIP", ""))
         return whole.concatenate(tf.data.Dataset.range(chunk_lo[i], chunk_hi[i]).flat_map(read_chunk))

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 MANIFEST_NAME = "dataset_info.json"
 INT_FEATURES_SEQ = ("input_ids", "input_mask", "segment_ids")
@@ -152,8 +152,8 @@ def write_dataset_info(directory: str, files: Mapping[str, int], info: Optional[
       files: file path -> number of records written to it.
       info: flags, seed, vocab sha256, statistics, ...
     """
-    manifest = {storage.basename(p): file_entry(p, n) for p, n in sorted(files.items())}
-    path = storage.join(directory, MANIFEST_NAME)
+    manifest = {storage_paths.basename(p): file_entry(p, n) for p, n in sorted(files.items())}
+    path = storage_paths.join(directory, MANIFEST_NAME)
     storage.write_text(path, dataset_info_json(manifest, info))  # whole or not at all
     return path
 

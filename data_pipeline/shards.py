@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from data_pipeline import (chinese_words, corpora, fast_instances, fast_tokenization, instances as inst, schema,
-                           storage, tfrecord, tokenization)
+                           storage, storage_paths, tfrecord, tokenization)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Options:
             raise ValueError(f"--short_seq_prob={self.short_seq_prob} must be in [0, 1]")
         if self.dupe_factor < 1:
             raise ValueError(f"--dupe_factor={self.dupe_factor} must be >= 1")
-        if not storage.exists(storage.check(self.vocab_file, "--vocab_file")):
+        if not storage.exists(storage_paths.check(self.vocab_file, "--vocab_file")):
             raise FileNotFoundError(f"--vocab_file={self.vocab_file}: not found")
         tokenization.require_tokens(tokenization.load_vocab(self.vocab_file), f"--vocab_file={self.vocab_file}",
                                     ("[CLS]", "[SEP]", "[MASK]"))
@@ -199,7 +199,7 @@ class ShardTotals:
 
 def output_dir(outputs: Sequence[str]) -> str:
     """The one directory of all `outputs` (dataset_info.json goes there)."""
-    out_dirs = {storage.dirname(storage.abspath(storage.check(p, "--output_file"))) for p in outputs}
+    out_dirs = {storage_paths.dirname(storage_paths.abspath(storage_paths.check(p, "--output_file"))) for p in outputs}
     if len(out_dirs) != 1:
         raise ValueError("--output_file: all outputs must be in one directory (dataset_info.json goes there)")
     return out_dirs.pop()
@@ -212,23 +212,23 @@ def check_output_dir_free(out_dir: str, outputs: Sequence[str]) -> None:
     trainer would refuse the other records as unlisted."""
     import json
 
-    path = storage.join(out_dir, schema.MANIFEST_NAME)
+    path = storage_paths.join(out_dir, schema.MANIFEST_NAME)
     if not storage.exists(path):
         return
     try:
         listed = json.loads(storage.read_text(path)).get("files", {})
     except (ValueError, AttributeError):
         return  # unreadable: this run's manifest replaces it
-    mine = {storage.basename(p) for p in outputs}
-    others = sorted(n for n in listed if n not in mine and storage.exists(storage.join(out_dir, n)))
+    mine = {storage_paths.basename(p) for p in outputs}
+    others = sorted(n for n in listed if n not in mine and storage.exists(storage_paths.join(out_dir, n)))
     if others:
-        name = storage.basename(outputs[0])
-        folder = storage.join(out_dir, name.split(".")[0] or "records")
+        name = storage_paths.basename(outputs[0])
+        folder = storage_paths.join(out_dir, name.split(".")[0] or "records")
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
         raise ValueError(
             f"--output_file: {path} describes other records that are still there ({len(others)} files: "
             f"{shown}); a folder holds one dataset (one {schema.MANIFEST_NAME}), and writing these here would "
-            f"replace it. Write them to a folder of their own (e.g. --output_file={storage.join(folder, name)}), "
+            f"replace it. Write them to a folder of their own (e.g. --output_file={storage_paths.join(folder, name)}), "
             f"or delete the other records first")
 
 

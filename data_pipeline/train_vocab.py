@@ -39,7 +39,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from absl import app, flags, logging
 
-from data_pipeline import storage, tokenization
+from data_pipeline import storage, storage_paths, storage_staging, tokenization
 
 GOOGLE_VOCAB_SIZE = 30522
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -77,7 +77,7 @@ def expand_input_files(input_files: Union[str, Sequence[str]]) -> List[str]:
     for pattern in (p.strip() for p in patterns):
         if not pattern:
             continue
-        matches = storage.glob(storage.check(pattern, "--input_file"))  # local (~ expanded) or gs://
+        matches = storage.glob(storage_paths.check(pattern, "--input_file"))  # local (~ expanded) or gs://
         if not matches:
             raise FileNotFoundError(f"No file matches {pattern!r}")
         paths.extend(sorted(matches))
@@ -146,7 +146,7 @@ def _train_sentencepiece(word_counts: Sequence[Tuple[str, int]], model_prefix: s
                          vocab_size: int, model_type: str, num_threads: int) -> List[str]:
     """Trains SentencePiece on (word, count) pairs; returns its pieces in id order.
 
-    `model_prefix` is local (a folder from `storage.writing_dir` or a `tempfile` one): the C
+    `model_prefix` is local (a folder from `storage_staging.writing_dir` or a `tempfile` one): the C
     library writes PREFIX.model and PREFIX.vocab there itself.
     """
     import sentencepiece
@@ -235,9 +235,9 @@ def build_vocab(word_counts: "collections.Counter[str]", vocab_size: int, *,
             if spm_model_prefix:
                 # Trained in the prefix's folder when local (as before: the model records its
                 # prefix), else in a staging folder uploaded when training is done.
-                folder = storage.dirname(spm_model_prefix)
-                local = stack.enter_context(storage.writing_dir(folder or os.curdir))
-                prefix = os.path.join(local, storage.basename(spm_model_prefix)) if folder else spm_model_prefix
+                folder = storage_paths.dirname(spm_model_prefix)
+                local = stack.enter_context(storage_staging.writing_dir(folder or os.curdir))
+                prefix = os.path.join(local, storage_paths.basename(spm_model_prefix)) if folder else spm_model_prefix
             else:
                 prefix = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "spm")
             # SentencePiece counts single characters and "▁c" forms that duplicate the entries
@@ -271,7 +271,7 @@ def write_vocab(vocab: Sequence[str], output_file: str) -> None:
     Written whole or not at all (`storage.open`, local or gs://): a stopped run must not leave a
     short vocab.txt that a later stage (records, a resumed pipeline) would take for a finished one.
     """
-    directory = storage.dirname(output_file)
+    directory = storage_paths.dirname(output_file)
     if directory:
         storage.makedirs(directory)
     with storage.open(output_file, "w", encoding="utf-8", newline="\n") as writer:

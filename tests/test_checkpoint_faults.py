@@ -30,7 +30,7 @@ from bert_jax.checkpoints import checkpoint_integrity as integrity
 from bert_jax.checkpoints.checkpoint_reading import restore_part, saved_keys
 from bert_jax.checkpoints.checkpoint_steps import CheckpointCorruptError, CheckpointSaveError, check_step
 from bert_jax.checkpoints.checkpointing import Checkpointer
-from data_pipeline import storage
+from data_pipeline import storage_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -340,13 +340,13 @@ def test_disk_full_while_writing_the_manifest(tmp_path, monkeypatch):
     def full(fd):  # the manifest's bytes went to a temporary file; flushing them to disk fails
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-    monkeypatch.setattr(storage.os, "fsync", full)
+    monkeypatch.setattr(storage_atomic.os, "fsync", full)
     ckpt = _open(directory)
     assert ckpt.save(2, _state(2), {"position": 2}, input_state_writer=_input_writer(2))
     with pytest.raises(CheckpointSaveError, match="step 2.*No space left"):
         ckpt.wait_until_finished()
     ckpt.close()
-    monkeypatch.setattr(storage.os, "fsync", real_fsync)
+    monkeypatch.setattr(storage_atomic.os, "fsync", real_fsync)
     assert not (directory / "2").exists()  # never committed
     _assert_resumes_from_step_1(directory)
 

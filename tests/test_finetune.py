@@ -1186,7 +1186,7 @@ def test_batches_cut_short_of_the_padding_train_and_predict_as_full_padding(tmp_
         evaluated.append((outputs["logits"], split.features["input_mask"]))
         return outputs, sums
 
-    monkeypatch.setattr(finetune, "_predict", spy)
+    monkeypatch.setattr(finetune_steps, "predict_split", spy)
 
     def real(logits, mask):  # token logits at padding positions (zeros where cut) set to 0
         return np.where(mask[..., None] > 0, logits, 0.0) if logits.ndim == 3 else logits

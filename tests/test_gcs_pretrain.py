@@ -8,7 +8,7 @@ caches named here (BERT_JAX_CACHE_DIR, the XLA compilation cache).
 What reaches the emulator how: gcsfs (our storage layer, and orbax's metadata through
 etils.epath) via STORAGE_EMULATOR_HOST; tensorstore (orbax's arrays) via TENSORSTORE_GCS_HTTP_URL.
 TensorFlow's own GCS client has no endpoint override: tf.data reads local copies of the bucket's
-records (data_pipeline.storage.tf_path), the one place where a real pod takes another path
+records (data_pipeline.storage_staging.tf_path), the one place where a real pod takes another path
 (TensorFlow reads gs:// itself there). TensorBoard events and the tf.data iterator state are
 written locally and uploaded through the storage layer on a pod as here.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_gcs, storage_staging
 import fault_hooks  # tests/ is on sys.path
 from pretraining_records import kill9_once_logged, logged_losses
 from xla_flags import xla_flags
@@ -50,7 +50,7 @@ def places(gcs_server, tmp_path_factory):
     """A bucket with a corpus, a vocabulary, and train and eval records made into it by
     `create_pretraining_data` (gs:// in, gs:// out); local folders for the runs."""
     bucket = f"gs://pretrain-{uuid.uuid4().hex[:8]}"
-    storage._fs(bucket).mkdir(bucket[5:])  # pylint: disable=protected-access
+    storage_gcs.filesystem(bucket).mkdir(bucket[5:])
     rng = np.random.RandomState(0)
     for i in range(2):
         storage.write_text(f"{bucket}/corpus/part-{i}.txt", corpus(rng, 24))
@@ -171,7 +171,7 @@ def tensorboard_scalars(workdir) -> dict:
     import tensorflow as tf
     out: dict = {}
     for path in storage.glob(f"{workdir}/events.out.tfevents.*"):
-        for event in tf.compat.v1.train.summary_iterator(storage.local_copy(path)):
+        for event in tf.compat.v1.train.summary_iterator(storage_staging.local_copy(path)):
             for v in event.summary.value:
                 value = tf.make_ndarray(v.tensor)
                 if value.ndim == 0 and value.dtype.kind == "f":  # scalars (not the hparams' text)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline import schema, storage
+from data_pipeline import schema, storage, storage_gcs
 import fake_pod  # tests/ is on sys.path
 import fault_hooks
 from pretraining_records import logged_losses, write_records
@@ -75,7 +75,7 @@ if _step:
 @pytest.fixture
 def pod(gcs_server, tmp_path):
     bucket = f"gs://pod-{uuid.uuid4().hex[:8]}"
-    storage._fs(bucket).mkdir(bucket[5:])  # pylint: disable=protected-access
+    storage_gcs.filesystem(bucket).mkdir(bucket[5:])
     for i in range(4):
         write_records(tmp_path / f"train-{i}.tfrecord", 48, seed=i)
         storage.copy(str(tmp_path / f"train-{i}.tfrecord"), f"{bucket}/data/train-{i}.tfrecord")

@@ -1,5 +1,6 @@
-"""data_pipeline.storage: one layer for every path, local and gs:// (against fake-gcs-server), the
-refusals at startup, and a scan that no other module touches files on its own."""
+"""data_pipeline.storage and its storage_* siblings: one layer for every path, local and gs://
+(against fake-gcs-server), the refusals at startup, and a scan that no other module touches files on
+its own."""
 
 import ast
 import os
@@ -9,13 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_atomic, storage_paths, storage_staging
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------------------------------------
-# The scan: file access outside storage.py
+# The scan: file access outside the storage modules
 # ---------------------------------------------------------------------------------------------
+
+# The storage layer: the only modules that may call the file system themselves.
+STORAGE_MODULES = {f"data_pipeline/{name}.py" for name in
+                   ("storage", "storage_paths", "storage_gcs", "storage_atomic", "storage_staging")}
 
 # Calls that reach the file system by themselves. `open` is the builtin (storage.open is fine).
 _FORBIDDEN_ATTRS = {
@@ -89,13 +94,13 @@ def scan(path: Path) -> list[str]:
 def _sources():
     for package in ("bert_jax", "data_pipeline", "configs"):
         for p in sorted((ROOT / package).rglob("*.py")):
-            if p.name != "storage.py":
+            if p.relative_to(ROOT).as_posix() not in STORAGE_MODULES:
                 yield p
 
 
 def test_no_module_but_storage_touches_files_itself():
     bad = [line for p in _sources() for line in scan(p)]
-    assert not bad, "file access outside data_pipeline/storage.py:\n" + "\n".join(bad)
+    assert not bad, "file access outside the storage modules:\n" + "\n".join(bad)
 
 
 def test_the_scan_catches_each_kind_of_access(tmp_path, monkeypatch):
@@ -127,16 +132,16 @@ def test_the_scan_catches_each_kind_of_access(tmp_path, monkeypatch):
     ("gs:///run", "no bucket name"),
 ])
 def test_unusable_paths_are_refused_naming_the_flag(path, needle):
-    with pytest.raises(storage.StorageError) as e:
-        storage.check(path, "--workdir")
+    with pytest.raises(storage_paths.StorageError) as e:
+        storage_paths.check(path, "--workdir")
     assert str(e.value).startswith(f"--workdir={path}: ") and needle in str(e.value)
 
 
 def test_urls_only_where_a_caller_downloads():
-    with pytest.raises(storage.StorageError, match="'https://' paths are not supported"):
-        storage.check("https://example.com/x.zip", "config.train_data")
-    assert storage.check("https://example.com/x.zip", "config.init_checkpoint", urls=True)
-    assert storage.check("file:///tmp/x", "f") == "file:///tmp/x" and not storage.is_remote("file:///tmp/x")
+    with pytest.raises(storage_paths.StorageError, match="'https://' paths are not supported"):
+        storage_paths.check("https://example.com/x.zip", "config.train_data")
+    assert storage_paths.check("https://example.com/x.zip", "config.init_checkpoint", urls=True)
+    assert storage_paths.check("file:///tmp/x", "f") == "file:///tmp/x" and not storage_paths.is_remote("file:///tmp/x")
 
 
 def test_gs_without_gcsfs_names_the_extra_and_writes_nothing(tmp_path):
@@ -168,41 +173,43 @@ def root(request, tmp_path):
 
 
 def test_files_folders_and_globs(root):
-    a, b = storage.join(root, "d", "a.txt"), storage.join(root, "d", "sub", "b.bin")
+    a, b = storage_paths.join(root, "d", "a.txt"), storage_paths.join(root, "d", "sub", "b.bin")
     storage.write_text(a, "alpha\n")
     storage.write_bytes(b, b"\x00\x01")
-    with storage.open(storage.join(root, "d", "c.txt"), "w") as f:
+    with storage.open(storage_paths.join(root, "d", "c.txt"), "w") as f:
         f.write("gamma")
     assert storage.read_text(a) == "alpha\n" and storage.read_bytes(b) == b"\x00\x01"
-    assert storage.isfile(a) and not storage.isdir(a) and storage.isdir(storage.join(root, "d"))
-    assert not storage.exists(storage.join(root, "nothing")) and not storage.isdir(storage.join(root, "nothing"))
-    assert storage.listdir(storage.join(root, "d")) == ["a.txt", "c.txt", "sub"]
-    assert storage.glob(storage.join(root, "d", "*.txt")) == [a, storage.join(root, "d", "c.txt")]
-    assert storage.glob(storage.join(root, "**", "*.bin")) == [b]
+    assert storage.isfile(a) and not storage.isdir(a) and storage.isdir(storage_paths.join(root, "d"))
+    nothing = storage_paths.join(root, "nothing")
+    assert not storage.exists(nothing) and not storage.isdir(nothing)
+    assert storage.listdir(storage_paths.join(root, "d")) == ["a.txt", "c.txt", "sub"]
+    assert storage.glob(storage_paths.join(root, "d", "*.txt")) == [a, storage_paths.join(root, "d", "c.txt")]
+    assert storage.glob(storage_paths.join(root, "**", "*.bin")) == [b]
     assert storage.getsize(a) == 6
-    walked = {(storage.relpath(here, root), tuple(dirs), tuple(files)) for here, dirs, files in storage.walk(root)}
+    walked = {(storage_paths.relpath(here, root), tuple(dirs), tuple(files))
+              for here, dirs, files in storage.walk(root)}
     assert walked == {(".", ("d",), ()), ("d", ("sub",), ("a.txt", "c.txt")), ("d/sub", (), ("b.bin",))}
     info = storage.files_info(root)
     assert sorted(info) == ["d/a.txt", "d/c.txt", "d/sub/b.bin"] and info["d/a.txt"]["size"] == 6
     with pytest.raises(FileNotFoundError):
-        storage.read_bytes(storage.join(root, "nothing"))
+        storage.read_bytes(storage_paths.join(root, "nothing"))
 
 
 def test_append_rename_copy_and_remove(root, tmp_path):
-    log = storage.join(root, "log.jsonl")
+    log = storage_paths.join(root, "log.jsonl")
     for i in range(3):
-        storage.append_text(log, f'{{"step": {i}}}\n')
+        storage_atomic.append_text(log, f'{{"step": {i}}}\n')
     assert storage.read_text(log).splitlines() == ['{"step": 0}', '{"step": 1}', '{"step": 2}']
     assert storage.listdir(root) == ["log.jsonl"]  # no part objects left behind
-    storage.write_text(storage.join(root, "x", "1"), "one")
-    storage.write_text(storage.join(root, "x", "y", "2"), "two")
-    storage.rename(storage.join(root, "x"), storage.join(root, "moved"))
-    assert not storage.exists(storage.join(root, "x"))
-    assert storage.read_text(storage.join(root, "moved", "y", "2")) == "two"
-    storage.copy_tree(storage.join(root, "moved"), str(tmp_path / "down"))
+    storage.write_text(storage_paths.join(root, "x", "1"), "one")
+    storage.write_text(storage_paths.join(root, "x", "y", "2"), "two")
+    storage.rename(storage_paths.join(root, "x"), storage_paths.join(root, "moved"))
+    assert not storage.exists(storage_paths.join(root, "x"))
+    assert storage.read_text(storage_paths.join(root, "moved", "y", "2")) == "two"
+    storage.copy_tree(storage_paths.join(root, "moved"), str(tmp_path / "down"))
     assert (tmp_path / "down" / "y" / "2").read_text() == "two"
-    storage.rmtree(storage.join(root, "moved"))
-    storage.rmtree(storage.join(root, "moved"))  # absent: nothing to do
+    storage.rmtree(storage_paths.join(root, "moved"))
+    storage.rmtree(storage_paths.join(root, "moved"))  # absent: nothing to do
     assert storage.listdir(root) == ["log.jsonl"]
     storage.remove(log)
     storage.remove(log, missing_ok=True)
@@ -211,7 +218,7 @@ def test_append_rename_copy_and_remove(root, tmp_path):
 
 
 def test_a_rewrite_is_whole_or_absent(root):
-    p = storage.join(root, "f.json")
+    p = storage_paths.join(root, "f.json")
     storage.write_json(p, {"a": 1})
     with pytest.raises(RuntimeError):
         with storage.open(p, "w") as f:
@@ -227,38 +234,39 @@ def test_a_rewrite_is_whole_or_absent(root):
 
 def test_staging_for_tensorflow_and_c_readers(root, monkeypatch, tmp_path):
     monkeypatch.setenv("BERT_JAX_CACHE_DIR", str(tmp_path / "cache"))
-    with storage.writing_dir(storage.join(root, "state")) as local:
+    with storage_staging.writing_dir(storage_paths.join(root, "state")) as local:
         assert os.path.isdir(local)
         Path(local, "iterator.index").write_bytes(b"idx")
         Path(local, "sub").mkdir()
         Path(local, "sub", "x").write_text("x")
-    assert storage.read_bytes(storage.join(root, "state", "iterator.index")) == b"idx"
-    with storage.reading_dir(storage.join(root, "state")) as local:
+    assert storage.read_bytes(storage_paths.join(root, "state", "iterator.index")) == b"idx"
+    with storage_staging.reading_dir(storage_paths.join(root, "state")) as local:
         assert Path(local, "sub", "x").read_text() == "x"
-    copy = storage.local_copy(storage.join(root, "state", "iterator.index"))
+    index = storage_paths.join(root, "state", "iterator.index")
+    copy = storage_staging.local_copy(index)
     assert Path(copy).read_bytes() == b"idx"
-    if storage.is_remote(root):
+    if storage_paths.is_remote(root):
         assert copy.startswith(str(tmp_path / "cache"))
-        storage.write_bytes(storage.join(root, "state", "iterator.index"), b"changed")
-        assert Path(storage.local_copy(storage.join(root, "state", "iterator.index"))).read_bytes() == b"changed"
-        assert not storage.tf_reaches(root)  # the emulator: TensorFlow's GCS client cannot follow
-        assert storage.tf_path(storage.join(root, "state", "iterator.index")).startswith(str(tmp_path / "cache"))
-    mirror = storage.Mirror(storage.join(root, "events"))
+        storage.write_bytes(index, b"changed")
+        assert Path(storage_staging.local_copy(index)).read_bytes() == b"changed"
+        assert not storage_staging.tf_reaches(root)  # the emulator: TensorFlow's GCS client cannot follow
+        assert storage_staging.tf_path(index).startswith(str(tmp_path / "cache"))
+    mirror = storage_staging.Mirror(storage_paths.join(root, "events"))
     Path(mirror.local, "events.out").write_bytes(b"1")
     mirror.sync()
     Path(mirror.local, "events.out").write_bytes(b"12")
     mirror.close()
-    assert storage.read_bytes(storage.join(root, "events", "events.out")) == b"12"
+    assert storage.read_bytes(storage_paths.join(root, "events", "events.out")) == b"12"
 
 
 def test_tensorflow_reads_gs_itself_without_an_endpoint_override(monkeypatch):
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
-    assert storage.tf_reaches("gs://bucket/data/train-0.tfrecord")
-    assert storage.tf_path("gs://bucket/data/train-0.tfrecord") == "gs://bucket/data/train-0.tfrecord"
-    assert storage.tf_path("/data/x") == "/data/x"
+    assert storage_staging.tf_reaches("gs://bucket/data/train-0.tfrecord")
+    assert storage_staging.tf_path("gs://bucket/data/train-0.tfrecord") == "gs://bucket/data/train-0.tfrecord"
+    assert storage_staging.tf_path("/data/x") == "/data/x"
 
 
 def test_remote_appends_and_updates_in_place_are_refused(bucket):
     for mode in ("a", "r+", "ab"):
-        with pytest.raises(storage.StorageError, match="append_text"):
+        with pytest.raises(storage_paths.StorageError, match="append_text"):
             storage.open(bucket + "/x", mode)

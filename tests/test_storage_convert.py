@@ -17,7 +17,7 @@ import pytest
 
 from bert_jax import convert
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 from xla_flags import xla_flags  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def test_gs_paths_are_storage_paths_not_downloads(bucket, tmp_path):
     convert.save_hf(p, f"{bucket}/hf")
     with pytest.raises(FileExistsError, match=f"{bucket}/hf exists and is not empty"):
         convert.save_hf(p, f"{bucket}/hf")
-    with pytest.raises(storage.StorageError, match="looks like a URL scheme that lost a slash"):
+    with pytest.raises(storage_paths.StorageError, match="looks like a URL scheme that lost a slash"):
         convert.load_pretrained(f"gs:/{bucket[len('gs://'):]}/hf")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 tf = pytest.importorskip("tensorflow")
 
@@ -42,7 +42,7 @@ def corpus_texts(num_files: int = 2, docs_per_file: int = 12) -> list[str]:
 def put(root: str, files: dict) -> None:
     """Writes {relative name: text or bytes} under `root` (a local folder or a gs:// prefix)."""
     for name, data in files.items():
-        path = storage.join(root, *name.split("/"))
+        path = storage_paths.join(root, *name.split("/"))
         storage.write_bytes(path, data.encode("utf-8") if isinstance(data, str) else data)
 
 
@@ -70,18 +70,19 @@ def test_train_vocab_and_create_pretraining_data_write_the_same_files_in_a_bucke
 
     for root in (local, remote):
         run_module("data_pipeline.train_vocab", [
-            f"--input_file={storage.join(root, 'corpus', '*.txt')}", "--vocab_size=60",
-            f"--output_file={storage.join(root, 'vocab', 'vocab.txt')}",
-            f"--spm_model_prefix={storage.join(root, 'vocab', 'spm')}", "--heldout_every=7"], cwd, cache)
+            f"--input_file={storage_paths.join(root, 'corpus', '*.txt')}", "--vocab_size=60",
+            f"--output_file={storage_paths.join(root, 'vocab', 'vocab.txt')}",
+            f"--spm_model_prefix={storage_paths.join(root, 'vocab', 'spm')}", "--heldout_every=7"], cwd, cache)
     for name in ("vocab.txt", "spm.vocab", "spm.tokenizer.json"):
-        assert storage.read_bytes(storage.join(remote, "vocab", name)) == \
-            storage.read_bytes(storage.join(local, "vocab", name)), name
-    assert storage.listdir(storage.join(remote, "vocab")) == sorted(os.listdir(storage.join(local, "vocab"))) == [
+        assert storage.read_bytes(storage_paths.join(remote, "vocab", name)) == \
+            storage.read_bytes(storage_paths.join(local, "vocab", name)), name
+    listed = sorted(os.listdir(storage_paths.join(local, "vocab")))
+    assert storage.listdir(storage_paths.join(remote, "vocab")) == listed == [
         "spm.model", "spm.tokenizer.json", "spm.vocab", "vocab.txt"]
     # The SentencePiece model (whose bytes record the paths it was trained from) loads from the
     # bucket and tokenizes as the local one does.
-    sp_local = tokenization.create_tokenizer(storage.join(local, "vocab", "spm.model"))
-    sp_remote = tokenization.create_tokenizer(storage.join(remote, "vocab", "spm.model"))
+    sp_local = tokenization.create_tokenizer(storage_paths.join(local, "vocab", "spm.model"))
+    sp_remote = tokenization.create_tokenizer(storage_paths.join(remote, "vocab", "spm.model"))
     sentence = "The silver rivers glinting at morning"
     assert sp_remote.vocab == sp_local.vocab and sp_remote.tokenize(sentence) == sp_local.tokenize(sentence)
     assert len(sp_local.tokenize(sentence)) > 3
@@ -90,18 +91,18 @@ def test_train_vocab_and_create_pretraining_data_write_the_same_files_in_a_bucke
     # none: the files do not depend on the worker count.
     for root, workers in ((local, 1), (remote, 2)):
         run_module("data_pipeline.create_pretraining_data", [
-            f"--input_file={storage.join(root, 'corpus', 'part-*.txt')}",
-            f"--output_file={storage.join(root, 'records', 'train.tfrecord')}",
-            f"--vocab_file={storage.join(root, 'vocab', 'vocab.txt')}", "--max_seq_length=24",
+            f"--input_file={storage_paths.join(root, 'corpus', 'part-*.txt')}",
+            f"--output_file={storage_paths.join(root, 'records', 'train.tfrecord')}",
+            f"--vocab_file={storage_paths.join(root, 'vocab', 'vocab.txt')}", "--max_seq_length=24",
             "--max_predictions_per_seq=4", "--dupe_factor=2", "--num_output_shards=2", "--compression=gzip",
             f"--num_workers={workers}", "--random_seed=5"], cwd, cache)
     names = ["dataset_info.json", "train-00000-of-00002.tfrecord.gz", "train-00001-of-00002.tfrecord.gz"]
-    assert storage.listdir(storage.join(remote, "records")) == sorted(os.listdir(os.path.join(local, "records")))
-    assert storage.listdir(storage.join(remote, "records")) == names
+    assert storage.listdir(storage_paths.join(remote, "records")) == sorted(os.listdir(os.path.join(local, "records")))
+    assert storage.listdir(storage_paths.join(remote, "records")) == names
     for name in names[1:]:
-        ours = storage.read_bytes(storage.join(remote, "records", name))
-        assert ours == storage.read_bytes(storage.join(local, "records", name)) and len(ours) > 1000, name
-    info = {root: json.loads(storage.read_text(storage.join(root, "records", "dataset_info.json")))
+        ours = storage.read_bytes(storage_paths.join(remote, "records", name))
+        assert ours == storage.read_bytes(storage_paths.join(local, "records", name)) and len(ours) > 1000, name
+    info = {root: json.loads(storage.read_text(storage_paths.join(root, "records", "dataset_info.json")))
             for root in (local, remote)}
     for key in ("input_file", "output_file", "vocab_file"):  # the flags as given: the paths differ
         assert info[remote]["flags"].pop(key).startswith(remote + "/")
@@ -148,7 +149,7 @@ def make_input(folder, **kw) -> ip.PretrainingInput:
     args = dict(per_host_batch_size=4, max_seq_length=L, max_predictions_per_seq=P, seed=3,
                 shuffle_buffer_size=16, dynamic_masking=True, special_ids=SPECIAL)
     args.update(kw)
-    return ip.PretrainingInput(storage.join(folder, "part-*.tfrecord"), **args)
+    return ip.PretrainingInput(storage_paths.join(folder, "part-*.tfrecord"), **args)
 
 
 def batches(ds, n: int) -> list[dict]:
@@ -167,13 +168,13 @@ def test_pretraining_input_from_a_bucket_saves_and_resumes_there(records, tmp_pa
     local, remote = records
     want = batches(make_input(local), 14)  # over 1 epoch (the files hold ~40 records): reshuffled
     ds = make_input(remote)
-    assert ds.host_files == [storage.join(remote, f"part-{i:05d}-of-00003.tfrecord") for i in range(3)]
+    assert ds.host_files == [storage_paths.join(remote, f"part-{i:05d}-of-00003.tfrecord") for i in range(3)]
     first = batches(ds, 5)
     assert_same_batches(first, want[:5])
     assert ds.stats["records_per_epoch"] == make_input(local).stats["records_per_epoch"] > 30
 
     # Saved into the bucket after 5 batches: the same files as a local save, nothing local left.
-    state = storage.join(storage.dirname(remote), "state")  # a sibling prefix in the bucket
+    state = storage_paths.join(storage_paths.dirname(remote), "state")  # a sibling prefix in the bucket
     ds.save_state(state)
     local_ds = make_input(local)
     batches(local_ds, 5)
@@ -181,7 +182,7 @@ def test_pretraining_input_from_a_bucket_saves_and_resumes_there(records, tmp_pa
     assert storage.listdir(state) == sorted(os.listdir(tmp_path / "state"))
     assert "input_state.json" in storage.listdir(state)
     assert any(n.startswith("iterator.") for n in storage.listdir(state))
-    saved = json.loads(storage.read_text(storage.join(state, "input_state.json")))
+    saved = json.loads(storage.read_text(storage_paths.join(state, "input_state.json")))
     assert saved["counters"] == {"batches": 5, "sequences": 20}
 
     # A new input restored from the bucket continues exactly as the uninterrupted one.
@@ -190,16 +191,16 @@ def test_pretraining_input_from_a_bucket_saves_and_resumes_there(records, tmp_pa
     assert_same_batches(batches(resumed, 9), want[5:])
     assert resumed.stats["batches"] == 14
     with pytest.raises(FileNotFoundError, match=f"{remote}/nothing/input_state.json: no saved input state"):
-        make_input(remote).restore_state(storage.join(remote, "nothing"))
+        make_input(remote).restore_state(storage_paths.join(remote, "nothing"))
 
     # The finite, padded evaluation pass reads the bucket as it reads the disk.
-    evals = {root: list(ip.make_eval_iterator(storage.join(root, "part-*.tfrecord"), per_host_batch_size=8,
+    evals = {root: list(ip.make_eval_iterator(storage_paths.join(root, "part-*.tfrecord"), per_host_batch_size=8,
                                               max_seq_length=L, max_predictions_per_seq=P)) for root in (local, remote)}
     assert len(evals[remote]) > 3
     assert_same_batches(evals[remote], evals[local])
-    assert ip.record_shape(storage.join(remote, "part-*.tfrecord")) == (L, P)
-    assert ip.dataset_info(storage.join(remote, "part-*.tfrecord")) == ip.dataset_info(
-        storage.join(local, "part-*.tfrecord"))
+    assert ip.record_shape(storage_paths.join(remote, "part-*.tfrecord")) == (L, P)
+    assert ip.dataset_info(storage_paths.join(remote, "part-*.tfrecord")) == ip.dataset_info(
+        storage_paths.join(local, "part-*.tfrecord"))
 
 
 def _flip_a_payload_byte(data: bytes) -> bytes:
@@ -212,26 +213,26 @@ def _flip_a_payload_byte(data: bytes) -> bytes:
 def test_a_corrupt_file_in_a_bucket_is_named_or_its_good_records_read(records, tmp_path):
     local, remote = records
     name = "part-00001-of-00003.tfrecord"
-    bad = _flip_a_payload_byte(storage.read_bytes(storage.join(local, name)))
-    storage.write_bytes(storage.join(remote, name), bad)
-    storage.write_bytes(storage.join(local, name), bad)
+    bad = _flip_a_payload_byte(storage.read_bytes(storage_paths.join(local, name)))
+    storage.write_bytes(storage_paths.join(remote, name), bad)
+    storage.write_bytes(storage_paths.join(local, name), bad)
 
     with pytest.raises(ip.CorruptDataError, match="sha256 differs from the manifest") as e:
         make_input(remote)
-    assert e.value.path == storage.join(remote, name) and str(e.value).startswith(f"{remote}/{name}: ")
+    assert e.value.path == storage_paths.join(remote, name) and str(e.value).startswith(f"{remote}/{name}: ")
 
     # Lenient: the same good records as from the damaged local file, in the same batches.
     kw = dict(skip_corrupt=True, repeat=False, dynamic_masking=False, per_host_batch_size=2)
     ours, want = make_input(remote, **kw), make_input(local, **kw)
-    assert ours.stats["corrupt_files"] == [storage.join(remote, name)]
-    assert want.stats["corrupt_files"] == [storage.join(local, name)]
+    assert ours.stats["corrupt_files"] == [storage_paths.join(remote, name)]
+    assert want.stats["corrupt_files"] == [storage_paths.join(local, name)]
     assert ours.stats["skipped_records"] == want.stats["skipped_records"] == 1
     assert_same_batches(list(ours), list(want))
 
     # Unverified, the damage is found while reading and named (a gs:// path, scanned through storage).
     with pytest.raises(ip.CorruptDataError, match="record data CRC mismatch") as e:
         list(make_input(remote, verify=False, repeat=False, shuffle_buffer_size=1, cycle_length=1))
-    assert e.value.path == storage.join(remote, name)
+    assert e.value.path == storage_paths.join(remote, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,17 +264,17 @@ def test_glue_task_reads_and_writes_predictions_in_a_bucket(bucket, tmp_path):
         preds = {"test_matched": ["neutral"], "test_ax": ["entailment", "contradiction"],
                  "dev_matched": ["entailment"]}
         written = [p for split, pred in preds.items()
-                   for p in task.write_predictions(read[split], pred, storage.join(root, "predictions"), split)]
-        assert all(p.startswith(storage.join(root, "predictions") + "/") for p in written)
+                   for p in task.write_predictions(read[split], pred, storage_paths.join(root, "predictions"), split)]
+        assert all(p.startswith(storage_paths.join(root, "predictions") + "/") for p in written)
     assert out[remote] == out[local] and len(out[local]["train"]) == 3 and len(out[local]["test_ax"]) == 2
-    names = storage.listdir(storage.join(remote, "predictions"))
+    names = storage.listdir(storage_paths.join(remote, "predictions"))
     assert names == sorted(os.listdir(os.path.join(local, "predictions"))) == [
         "AX.tsv", "MNLI-m.tsv", "mnli_dev_matched_predictions.tsv", "mnli_test_ax_predictions.tsv",
         "mnli_test_matched_predictions.tsv"]
     for name in names:
-        assert storage.read_bytes(storage.join(remote, "predictions", name)) == \
+        assert storage.read_bytes(storage_paths.join(remote, "predictions", name)) == \
             storage.read_bytes(os.path.join(local, "predictions", name)), name
-    assert storage.read_text(storage.join(remote, "predictions", "AX.tsv")) == \
+    assert storage.read_text(storage_paths.join(remote, "predictions", "AX.tsv")) == \
         "index\tprediction\n0\tentailment\n1\tcontradiction\n"
 
 

@@ -47,7 +47,7 @@ from typing import Optional
 
 import google_crc32c
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 MANIFEST = "bert_jax_integrity.json"
 INPUT_STATE = "input_state"
@@ -132,7 +132,7 @@ def _files(step_dir: str, input_dir: Optional[str]) -> dict[str, dict]:
 
 
 def _checksum_kind(step_dir: str) -> str:
-    return "md5" if storage.is_remote(step_dir) else "crc32c"
+    return "md5" if storage_paths.is_remote(step_dir) else "crc32c"
 
 
 def _entry(info: dict, kind: str) -> list:
@@ -162,7 +162,7 @@ def write_manifest(step_dir: str, input_dir: Optional[str], step: int) -> None:
     kind = _checksum_kind(step_dir)
     files = {rel: _entry(info, kind) for rel, info in sorted(_files(step_dir, input_dir).items())
              if rel not in _WRITTEN_AT_COMMIT}
-    _write_atomically(storage.join(step_dir, MANIFEST),
+    _write_atomically(storage_paths.join(step_dir, MANIFEST),
                       {"format": _FORMAT, "version": _VERSION, "step": step, "checksum": kind,
                        "sealed": False, "files": files})
 
@@ -170,7 +170,7 @@ def write_manifest(step_dir: str, input_dir: Optional[str], step: int) -> None:
 def read_manifest(step_dir: str) -> Optional[dict]:
     """The manifest, None when there is none; raises `ValueError` when it is damaged."""
     try:
-        raw = storage.read_bytes(storage.join(step_dir, MANIFEST))
+        raw = storage.read_bytes(storage_paths.join(step_dir, MANIFEST))
     except FileNotFoundError:
         return None
     try:
@@ -196,7 +196,7 @@ def seal_manifest(step_dir: str) -> None:
         if name in present:
             body["files"][name] = _entry(present[name], body["checksum"])
     body["sealed"] = True
-    _write_atomically(storage.join(step_dir, MANIFEST), body)
+    _write_atomically(storage_paths.join(step_dir, MANIFEST), body)
 
 
 def verify(step_dir: str, input_dir: Optional[str], step: int) -> tuple[Optional[dict], Optional[Damage]]:

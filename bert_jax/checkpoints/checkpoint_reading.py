@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from bert_jax.checkpoints import input_state
 from bert_jax.checkpoints.checkpoint_steps import (INFO, META, ON_DAMAGED, STATE, CheckpointRestoreError, check_step,
                                        corrupt_error, is_read_failure, read_error)
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 PyTree = Any
 
@@ -160,7 +160,7 @@ class StepReader:
                           INFO: ocp.JsonCheckpointHandler()}
 
     def _path(self, step: int, item: str):
-        return storage.epath(storage.join(self._directory, str(step), item))
+        return storage.epath(storage_paths.join(self._directory, str(step), item))
 
     def info(self, step: int) -> dict:
         """The step's bookkeeping (`checkpointer_info`: format version, input-state process count)."""
@@ -227,7 +227,7 @@ def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Option
         CheckpointRestoreError: a field, key, shape or dtype the checkpoint does not have.
         CheckpointCorruptError: the step is damaged (see `on_damaged`) or orbax cannot read it.
     """
-    directory = storage.abspath(directory)
+    directory = storage_paths.abspath(directory)
     step, saved_tree = _saved_state_metadata(directory, step, on_damaged)
     target = to_abstract(abstract_part)
     have = {k: v for k, v in flat(saved_tree).items()
@@ -238,7 +238,7 @@ def restore_part(directory: str | os.PathLike, abstract_part: dict, step: Option
     check_against_metadata(flat(target), have, f"checkpoint step {step} in {directory}")
     try:
         restored = ocp.PyTreeCheckpointer().restore(
-            storage.join(directory, str(step), STATE),
+            storage_paths.join(directory, str(step), STATE),
             args=ocp.args.PyTreeRestore(item=target,
                                         restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                         partial_restore=True))
@@ -276,7 +276,7 @@ def newest_intact_step(directory: str | os.PathLike, steps: list[int], on_damage
     """
     if on_damaged not in ON_DAMAGED:
         raise ValueError(f"on_damaged must be one of {ON_DAMAGED}, got {on_damaged!r}")
-    directory = storage.abspath(directory)
+    directory = storage_paths.abspath(directory)
     damaged = []
     for step in sorted(steps, reverse=True):
         status, damage = check_step(directory, step)
@@ -341,4 +341,4 @@ def saved_keys(directory: str | os.PathLike, step: Optional[int] = None) -> list
     Raises:
         FileNotFoundError: no committed checkpoint (or not that step) in `directory`.
     """
-    return sorted(flat(_saved_state_metadata(storage.abspath(directory), step)[1]))
+    return sorted(flat(_saved_state_metadata(storage_paths.abspath(directory), step)[1]))

@@ -41,7 +41,7 @@ import time
 from typing import Optional
 
 from bert_jax.checkpoints import checkpoint_integrity as integrity
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 # Items and folders of the layout above.
 STATE = "state"
@@ -68,7 +68,7 @@ class CheckpointCorruptError(CheckpointRestoreError):
 
 def input_dir(directory: str, step: int) -> str:
     """`<directory>/input_state/<step>`: every process's input state of `step`."""
-    return storage.join(directory, INPUT_STATE, str(step))
+    return storage_paths.join(directory, INPUT_STATE, str(step))
 
 
 def committing_dir(directory: str, step: int) -> str:
@@ -77,8 +77,8 @@ def committing_dir(directory: str, step: int) -> str:
     Local filesystems: the temporary folder orbax is about to rename; object stores commit in place
     with a marker file, so the data is in the final folder already.
     """
-    final = storage.join(directory, str(step))
-    candidates = [] if storage.is_remote(final) else storage.glob(storage.glob_escape(final) + ".orbax-checkpoint-tmp*")
+    final = storage_paths.join(directory, str(step))
+    candidates = [] if storage_paths.is_remote(final) else storage.glob(storage_paths.glob_escape(final) + ".orbax-checkpoint-tmp*")
     return max(candidates, key=storage.getmtime) if candidates else final
 
 
@@ -91,7 +91,7 @@ def remove_uncommitted(directory: str, committed: set[int]) -> None:
     for name in storage.listdir(directory):
         if name.isdigit() and int(name) not in committed:
             logging.info("checkpointing: removing step %s of %s, whose save never committed", name, directory)
-            storage.rmtree(storage.join(directory, name))
+            storage.rmtree(storage_paths.join(directory, name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,14 +106,14 @@ def check_step(directory: str | os.PathLike, step: int) -> tuple[str, Optional[i
     (its `checkpointer_info` says format 1, or it has none); it restores as before. A step whose
     bookkeeping says it was written with a manifest but has none is damaged.
     """
-    directory = storage.abspath(directory)
-    step_dir = storage.join(directory, str(step))
+    directory = storage_paths.abspath(directory)
+    step_dir = storage_paths.join(directory, str(step))
     manifest, damage = integrity.verify(step_dir, input_dir(directory, step), step)
     if damage is not None:
         return "damaged", damage
     if manifest is not None:
         return "ok", None
-    info_path = storage.join(step_dir, INFO, "metadata")
+    info_path = storage_paths.join(step_dir, INFO, "metadata")
     try:
         version = json.loads(storage.read_text(info_path)).get("format_version", 1)
     except FileNotFoundError:
@@ -134,7 +134,7 @@ def check_step(directory: str | os.PathLike, step: int) -> tuple[str, Optional[i
 
 def damage_message(directory: str, step: int, damage: integrity.Damage, intact: Optional[int]) -> str:
     """One line: the step, the file, what is wrong with it, and what to do."""
-    step_dir = storage.join(directory, str(step))
+    step_dir = storage_paths.join(directory, str(step))
     if intact is None:
         remedy = (f"no earlier intact step to resume from: put the file back from a copy, or move {step_dir} "
                   f"(and {input_dir(directory, step)}) out of {directory} to start afresh")
@@ -155,7 +155,7 @@ def corrupt_error(directory: str, step: int, damage: integrity.Damage,
 
 def move_aside(directory: str, step: int) -> str:
     """Renames a damaged step (and its input state) to `<directory>/damaged/<step>-<time>/`; never deletes."""
-    dest = storage.join(directory, DAMAGED, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    dest = storage_paths.join(directory, DAMAGED, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
     base, n = dest, 1
     while storage.exists(dest):
         dest, n = f"{base}-{n}", n + 1
@@ -163,8 +163,8 @@ def move_aside(directory: str, step: int) -> str:
     # Input state first: a crash in between leaves the step in place and missing its input
     # state (damaged again next time), never input state that pruning would delete.
     if storage.isdir(input_dir(directory, step)):
-        storage.rename(input_dir(directory, step), storage.join(dest, INPUT_STATE))
-    storage.rename(storage.join(directory, str(step)), storage.join(dest, str(step)))
+        storage.rename(input_dir(directory, step), storage_paths.join(dest, INPUT_STATE))
+    storage.rename(storage_paths.join(directory, str(step)), storage_paths.join(dest, str(step)))
     return dest
 
 
@@ -175,7 +175,7 @@ def read_error(step: int, directory: str, cause: BaseException) -> CheckpointCor
     error = CheckpointCorruptError(
         f"checkpoint step {step} in {directory} is damaged: {damage}. To go on: restore an earlier step "
         f"(Checkpointer.restore_latest does, with on_damaged='fallback'), or move "
-        f"{storage.join(directory, str(step))} out of {directory}")
+        f"{storage_paths.join(directory, str(step))} out of {directory}")
     error.step, error.damage = step, damage
     error.__cause__ = cause
     return error

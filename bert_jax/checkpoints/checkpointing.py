@@ -65,7 +65,7 @@ from bert_jax.checkpoints.host_agreement import HostAgreement
 from bert_jax.checkpoints.intact_steps import IntactSteps
 from bert_jax.checkpoints.preemption import Preemption
 from bert_jax.checkpoints.save_deadline import SaveDeadline
-from data_pipeline import storage
+from data_pipeline import storage_paths
 
 PyTree = Any
 
@@ -114,7 +114,7 @@ class Checkpointer:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
-        self._directory = storage.abspath(storage.check(os.fspath(directory), "checkpoint directory"))
+        self._directory = storage_paths.abspath(storage_paths.check(os.fspath(directory), "checkpoint directory"))
         self._interval = save_interval_steps
         self._process_index = jax.process_index()
         self._process_count = jax.process_count()
@@ -141,7 +141,7 @@ class Checkpointer:
             # this removes it at startup. On Cloud Storage orbax would take every folder without
             # a commit marker for such a leftover, `input_state/` and `damaged/` included:
             # `_remove_uncommitted_steps` removes only uncommitted step folders there.
-            cleanup_tmp_directories=not storage.is_remote(self._directory),
+            cleanup_tmp_directories=not storage_paths.is_remote(self._directory),
             create=True,
         )
         self._mngr = ocp.CheckpointManager(
@@ -160,7 +160,7 @@ class Checkpointer:
         self._error: Optional[CheckpointSaveError] = None
         self._closed = False
         self._preemption = Preemption(handle_sigterm)
-        if storage.is_remote(self._directory):
+        if storage_paths.is_remote(self._directory):
             self._remove_uncommitted_steps()
         self._prune_input_state()
 
@@ -314,7 +314,7 @@ class Checkpointer:
         self._deadline.disarm()
         if self._pending_step is not None and self._process_index == 0:
             try:
-                integrity.seal_manifest(storage.join(self._directory, str(self._pending_step)))
+                integrity.seal_manifest(storage_paths.join(self._directory, str(self._pending_step)))
             except (OSError, ValueError) as e:
                 # The unsealed manifest still covers every file but orbax's two commit-time writes.
                 logging.warning("checkpointing: could not seal the integrity manifest of step %d: %s",

@@ -20,12 +20,12 @@ from typing import Callable, Optional
 
 from bert_jax.checkpoints import checkpoint_integrity as integrity
 from bert_jax.checkpoints.checkpoint_steps import INPUT_STATE, CheckpointCorruptError, input_dir
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 
 def process_dir(directory: str, step: int, process_index: int) -> str:
     """`<directory>/input_state/<step>/process_<process_index>`: one process's input state of `step`."""
-    return storage.join(input_dir(directory, step), f"process_{process_index}")
+    return storage_paths.join(input_dir(directory, step), f"process_{process_index}")
 
 
 def write(directory: str, step: int, process_index: int, writer: Callable[[str], None]) -> None:
@@ -73,7 +73,7 @@ def prune(directory: str, process_index: int, kept: set[int], pending: Optional[
     Only steps at or below the latest kept one: a folder above it may belong to a save that another
     host is starting right now, and is cleared when that step is written.
     """
-    root = storage.join(directory, INPUT_STATE)
+    root = storage_paths.join(directory, INPUT_STATE)
     try:
         names = storage.listdir(root)
     except OSError:  # e.g. the checkpoint directory is no folder (a failed save says so)
@@ -90,6 +90,6 @@ def prune(directory: str, process_index: int, kept: set[int], pending: Optional[
         storage.rmtree(process_dir(directory, step, process_index))
         try:
             # Succeeds once the last host has removed its own folder (object stores: nothing to do).
-            storage.rmdir(storage.join(root, name))
+            storage.rmdir(storage_paths.join(root, name))
         except OSError:
             pass

@@ -18,7 +18,7 @@ from typing import Optional
 from bert_jax.checkpoints import checkpoint_integrity as integrity
 from bert_jax.checkpoints.checkpoint_steps import STATE, CheckpointRestoreError, check_step, corrupt_error, move_aside
 from bert_jax.checkpoints.host_agreement import HostAgreement
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 
 class IntactSteps:
@@ -75,9 +75,9 @@ class IntactSteps:
         """
         if not steps:
             return None, False
-        newest = storage.join(self._directory, str(steps[-1]))
-        if not storage.exists(storage.join(newest, STATE)) and not storage.exists(storage.join(newest, integrity.MANIFEST)):
-            earlier = [s for s in steps[:-1] if storage.exists(storage.join(self._directory, str(s), STATE))]
+        newest = storage_paths.join(self._directory, str(steps[-1]))
+        if not storage.exists(storage_paths.join(newest, STATE)) and not storage.exists(storage_paths.join(newest, integrity.MANIFEST)):
+            earlier = [s for s in steps[:-1] if storage.exists(storage_paths.join(self._directory, str(s), STATE))]
             then = f"resume from step {earlier[-1]}" if earlier else "start afresh"
             raise CheckpointRestoreError(
                 f"{newest} has no '{STATE}' item: not a checkpoint "

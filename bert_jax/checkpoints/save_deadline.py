@@ -2,11 +2,11 @@
 
 A save writes the state's arrays through tensorstore and its metadata through gcsfs (on Cloud
 Storage), partly in the caller's thread and partly in orbax's background thread. gcsfs's requests
-are bounded (`data_pipeline.storage.gcs_timeout`), tensorstore's are not by default: a write to a
-bucket that stops answering waits for as long as the bucket does, and on a pod the other hosts wait
-for it in the next collective, heartbeating: the run hangs without an error. `SaveDeadline` gives
-each save `seconds` (`config.checkpoint_save_timeout_seconds`) from its start to its commit. Past
-that it logs which step, where and how long, dumps every thread's stack (what was waiting on
+are bounded (`data_pipeline.storage_gcs.gcs_timeout`), tensorstore's are not by default: a write to
+a bucket that stops answering waits for as long as the bucket does, and on a pod the other hosts
+wait for it in the next collective, heartbeating: the run hangs without an error. `SaveDeadline`
+gives each save `seconds` (`config.checkpoint_save_timeout_seconds`) from its start to its commit.
+Past that it logs which step, where and how long, dumps every thread's stack (what was waiting on
 what), and ends the process with exit code `EXIT_CODE`: an uncommitted step is never restored, so
 the next attempt resumes from the newest committed one, and a supervisor (`bert_jax.supervisor`)
 restarts it. The other hosts of a pod then fail within jax's heartbeat timeout

@@ -58,7 +58,7 @@ from bert_jax.finetune import batches as finetune_batches, heads, packing, steps
 from bert_jax.layout import TASK_FILE
 from bert_jax.model.model_config import BertConfig
 from bert_jax.training import optim, run_setup, sharding, train_state
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,12 +210,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     if every < 0:
         raise ValueError(f"config.checkpoint_every_steps={every}: 0 (each epoch) or a positive step count")
     save_timeout_s = config.get("checkpoint_save_timeout_seconds", 1800)  # both checkpointers' deadline
-    ckpt = checkpointing.Checkpointer(storage.join(workdir, layout.CHECKPOINTS),
+    ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, layout.CHECKPOINTS),
                                       save_interval_steps=every or total_steps + 1,
                                       max_to_keep=1, async_save=config.async_checkpointing,
                                       on_damaged=config.get("on_damaged_checkpoint", "fallback"),
                                       save_timeout_s=save_timeout_s)
-    best_ckpt = checkpointing.Checkpointer(storage.join(workdir, layout.BEST), save_interval_steps=1, max_to_keep=1,
+    best_ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, layout.BEST), save_interval_steps=1, max_to_keep=1,
                                            async_save=False, handle_sigterm=False,
                                            save_timeout_s=save_timeout_s)
     start_step, meta = ckpt.latest_step(), {}
@@ -343,7 +343,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                     best_ckpt.save(step, {"params": state.params}, {"epoch": epoch + 1, "results": results},
                                    force=True)
                     if jax.process_index() == 0:
-                        best_dir = storage.join(workdir, layout.BEST_PREDICTIONS)
+                        best_dir = storage_paths.join(workdir, layout.BEST_PREDICTIONS)
                         storage.rmtree(best_dir)
                         for split, predictions in split_predictions:
                             task.write_predictions(split.examples, predictions, best_dir, split.name)

@@ -38,7 +38,7 @@ from bert_jax.finetune import batches as finetune_batches, heads, steps
 from bert_jax.formats.common import read_task
 from bert_jax.layout import TASK_FILE
 from bert_jax.training import run_setup, sharding
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 PREDICT_FORMATS = ("auto", "text", "task")
 PREDICT_PARAMS = ("best", "last")
@@ -48,7 +48,7 @@ def read_task_file(workdir: str) -> dict:
     """`W/task.json` of a fine-tuning run (checked: `formats.common.check_task`); a clear error when
     `workdir` is not one."""
     task = read_task(workdir)
-    path = storage.join(workdir, TASK_FILE)
+    path = storage_paths.join(workdir, TASK_FILE)
     if task is None:
         raise FileNotFoundError(
             f"{path} not found: --workdir must be a fine-tuning run's workdir (mode=finetune writes "
@@ -72,7 +72,7 @@ def make_task(config: ml_collections.ConfigDict, description: dict, input_path: 
             options[key] = value
     if description.get("labels") and tasks.labels_from_data(description["task"]):
         options["labels"] = list(description["labels"])  # your own data's labels, as fine-tuned
-    task = tasks.get_task(description["task"], storage.dirname(input_path) or ".", source="files",
+    task = tasks.get_task(description["task"], storage_paths.dirname(input_path) or ".", source="files",
                           skip_bad_rows=config.skip_bad_rows, **options)
     if "config.task" in given and tasks.get_task(config.task, ".").name != task.name:
         raise ValueError(f"--config.task={config.task}: the workdir was fine-tuned on {task.name} "
@@ -90,7 +90,7 @@ def input_format(task, path: str, wanted: str) -> str:
         raise ValueError(f"config.predict_format must be one of {PREDICT_FORMATS}, got {wanted!r}")
     if wanted != "auto":
         return wanted
-    name = storage.basename(path)
+    name = storage_paths.basename(path)
     return "task" if name in task.file_names() or name.lower().endswith(task.file_suffixes) else "text"
 
 
@@ -111,7 +111,7 @@ def read_input(task, path: str, form: str) -> list:
 
 def output_name(path: str) -> str:
     """A file-name-safe name of the input: `reviews.txt` -> `reviews`."""
-    stem = storage.basename(path).split(".")[0] or "input"
+    stem = storage_paths.basename(path).split(".")[0] or "input"
     return re.sub(r"[^A-Za-z0-9_-]+", "_", stem)
 
 
@@ -124,7 +124,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     path = config.get("predict_input", "")
     if not path:
         raise ValueError("config.predict_input is empty: the file to predict (module bert_jax.finetune.predict)")
-    storage.check(path, "config.predict_input")
+    storage_paths.check(path, "config.predict_input")
     if not storage.isfile(path):
         raise FileNotFoundError(f"config.predict_input={path}: no such file")
     which = config.get("predict_params", "best")
@@ -178,14 +178,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                        batch_size=batch_size, **finetune_batches.trim_arguments(
                                            config.get("trim_padding_buckets", 0), max_len, task.head))
     predictions = task.postprocess(split.examples, split.features, outputs)
-    out_dir = config.get("predict_output_dir", "") or storage.join(workdir, "predictions")
+    out_dir = config.get("predict_output_dir", "") or storage_paths.join(workdir, "predictions")
     summary = {"input": path, "format": form, "task": task.name, "params": which, "examples": len(examples),
                "skipped_bad_rows": task.skipped}
     if jax.process_index() == 0:
         summary["files"] = task.write_predictions(split.examples, predictions, out_dir, split.name)
         if task.is_labelled(examples):
             summary["scores"] = {k: float(v) for k, v in task.score(examples, predictions).items()}
-            summary["files"].append(storage.join(out_dir, f"{split.name}_scores.json"))
+            summary["files"].append(storage_paths.join(out_dir, f"{split.name}_scores.json"))
             storage.write_json(summary["files"][-1], summary["scores"], indent=2, sort_keys=True)
         print(json.dumps(summary, indent=2))
     logging.info("predicted %d examples of %s into %s", len(examples), path, out_dir)

@@ -22,14 +22,14 @@ from bert_jax.formats.common import (FINETUNED, HEADS, TASK_HEAD, Pretrained, _m
                                      task_of, unrolled, write_task)
 from bert_jax.formats.google import from_google, to_google
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 
 def _step_dirs(directory: str) -> list[int]:
     if not storage.isdir(directory):
         return []
     return sorted(int(d) for d in storage.listdir(directory)
-                  if d.isdigit() and storage.isdir(storage.join(directory, d, "state")))
+                  if d.isdigit() and storage.isdir(storage_paths.join(directory, d, "state")))
 
 
 def _bert_jax_source(path: str, finetuned: Optional[str] = None) -> Optional[tuple[str, str]]:
@@ -38,15 +38,15 @@ def _bert_jax_source(path: str, finetuned: Optional[str] = None) -> Optional[tup
     the best epoch of a fine-tuning workdir when it has one, else the last state). None: nothing."""
     if finetuned not in (None,) + FINETUNED:
         raise ValueError(f"finetuned must be one of {FINETUNED}, got {finetuned!r}")
-    if storage.isdir(storage.join(path, layout.EXPORTED_PARAMS)):
-        return "params", storage.join(path, layout.EXPORTED_PARAMS)
-    best = storage.join(path, layout.BEST)
-    if finetuned == "best" or (finetuned is None and storage.isfile(storage.join(path, TASK_FILE))):
+    if storage.isdir(storage_paths.join(path, layout.EXPORTED_PARAMS)):
+        return "params", storage_paths.join(path, layout.EXPORTED_PARAMS)
+    best = storage_paths.join(path, layout.BEST)
+    if finetuned == "best" or (finetuned is None and storage.isfile(storage_paths.join(path, TASK_FILE))):
         if _step_dirs(best):
             return "best", best
         if finetuned == "best":
             return None
-    for ckpt_dir in (storage.join(path, layout.CHECKPOINTS), path):
+    for ckpt_dir in (storage_paths.join(path, layout.CHECKPOINTS), path):
         if _step_dirs(ckpt_dir):
             return "last", ckpt_dir
     if finetuned is None and _step_dirs(best):  # a fine-tuning workdir whose checkpoints/ was deleted
@@ -67,7 +67,7 @@ def load_bert_jax(path: str, finetuned: Optional[str] = None) -> Pretrained:
     if kind == "params" and finetuned is not None:
         raise ValueError(f"{path} is an export (params/), one set of parameters: finetuned={finetuned!r} "
                          f"picks between a fine-tuning workdir's best/ and checkpoints/")
-    config = BertConfig.from_json_file(_require(storage.join(path, layout.MODEL_CONFIG), layout.MODEL_CONFIG))
+    config = BertConfig.from_json_file(_require(storage_paths.join(path, layout.MODEL_CONFIG), layout.MODEL_CONFIG))
     task = read_task(path)
     import orbax.checkpoint as ocp
 
@@ -75,12 +75,12 @@ def load_bert_jax(path: str, finetuned: Optional[str] = None) -> Pretrained:
     if kind != "params":  # the newest step that passes its integrity manifest; damaged ones are named
         from bert_jax.checkpoints import checkpoint_reading
         step = checkpoint_reading.newest_intact_step(ckpt_dir, _step_dirs(ckpt_dir))
-        ckpt = storage.join(ckpt_dir, str(step), "state")
+        ckpt = storage_paths.join(ckpt_dir, str(step), "state")
         if task is not None:
             logging.info("%s: the fine-tuned parameters of %s (step %d)", path,
                          "the best epoch" if kind == "best" else "the last state", step)
     with ocp.StandardCheckpointer() as checkpointer:  # orbax takes a gs:// path as it is
-        tree = checkpointer.restore(storage.abspath(ckpt))
+        tree = checkpointer.restore(storage_paths.abspath(ckpt))
     if kind != "params":  # a TrainState, or best/'s {"params": ...}: keep the parameters
         tree = tree["params"]
     params = unrolled(tree)
@@ -96,7 +96,7 @@ def load_bert_jax(path: str, finetuned: Optional[str] = None) -> Pretrained:
     # Validate shapes (and the encoder's completeness) through the Google table.
     checked, missing, _ = from_google(to_google(kept, config), config, where=ckpt)
     del checked
-    return Pretrained(config, kept, _maybe(storage.join(path, layout.VOCAB)), _read_casing(path),
+    return Pretrained(config, kept, _maybe(storage_paths.join(path, layout.VOCAB)), _read_casing(path),
                       "bert_jax", missing, tuple(other), task,
                       None if task is None or kind == "params" else kind)
 
@@ -110,8 +110,8 @@ def save_bert_jax(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
     _prepare_dir(path, overwrite)
     params = unrolled({k: v for k, v in p.params.items() if k in ("bert",) + HEADS + (TASK_HEAD,)})
     to_google(params, p.config)  # validates every shape against the config
-    p.config.to_json_file(storage.join(path, layout.MODEL_CONFIG))
-    target = storage.abspath(storage.join(path, layout.EXPORTED_PARAMS))
+    p.config.to_json_file(storage_paths.join(path, layout.MODEL_CONFIG))
+    target = storage_paths.abspath(storage_paths.join(path, layout.EXPORTED_PARAMS))
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(target, params, force=True)
         checkpointer.wait_until_finished()

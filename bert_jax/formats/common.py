@@ -21,7 +21,7 @@ from absl import logging
 from bert_jax import layout
 from bert_jax.layout import TASK_FILE
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 FORMATS = ("bert_jax", "google", "hf")
 HEADS = ("mlm", "nsp")
@@ -148,13 +148,13 @@ def task_of(p: Pretrained, where: str) -> Optional[dict]:
 
 def read_task(directory: str) -> Optional[dict]:
     """`directory/task.json` checked (`check_task`), or None when there is none."""
-    path = storage.join(directory, TASK_FILE)
+    path = storage_paths.join(directory, TASK_FILE)
     return check_task(_load_json(path), path) if storage.isfile(path) else None
 
 
 def write_task(task: Optional[dict], directory: str) -> None:
     if task is not None:
-        storage.write_text(storage.join(directory, TASK_FILE), json.dumps(task, indent=2) + "\n")
+        storage.write_text(storage_paths.join(directory, TASK_FILE), json.dumps(task, indent=2) + "\n")
 
 
 def head_output(kernel, bias) -> dict:
@@ -178,7 +178,7 @@ def tokenizer_config_json(do_lower_case: bool) -> str:
 
 
 def _read_casing(directory: str) -> Optional[bool]:
-    p = storage.join(directory, layout.TOKENIZER_CONFIG)
+    p = storage_paths.join(directory, layout.TOKENIZER_CONFIG)
     if storage.isfile(p):
         value = _load_json(p)
         value = value.get("do_lower_case") if isinstance(value, dict) else None
@@ -222,10 +222,10 @@ def _prepare_dir(path: str, overwrite: bool) -> None:
 
 def _write_tokenizer_files(p: Pretrained, path: str) -> None:
     if p.vocab_file:
-        target = storage.join(path, layout.VOCAB)
-        if storage.abspath(p.vocab_file) != storage.abspath(target):
+        target = storage_paths.join(path, layout.VOCAB)
+        if storage_paths.abspath(p.vocab_file) != storage_paths.abspath(target):
             storage.copy(p.vocab_file, target)
     else:
         logging.warning("%s: no vocab.txt to write (pass vocab_file)", path)
     if p.do_lower_case is not None:
-        storage.write_text(storage.join(path, layout.TOKENIZER_CONFIG), tokenizer_config_json(p.do_lower_case))
+        storage.write_text(storage_paths.join(path, layout.TOKENIZER_CONFIG), tokenizer_config_json(p.do_lower_case))

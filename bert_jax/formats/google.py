@@ -32,7 +32,7 @@ from bert_jax.formats.common import (HEADS, TASK_HEAD, Pretrained, _get, _load_j
                                      _read_casing, _require, _set, _write_tokenizer_files, casing_from_vocab,
                                      check_head, head_output, read_task, task_of, unrolled, write_task)
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths, storage_staging
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,18 +211,19 @@ def _google_prefix(path: str) -> Optional[str]:
     if storage.isfile(path + ".index"):
         return path
     if storage.isdir(path):
-        indexes = storage.glob(storage.join(path, "*.index"))
-        if storage.isfile(storage.join(path, "bert_model.ckpt.index")):
-            return storage.join(path, "bert_model.ckpt")
+        indexes = storage.glob(storage_paths.join(path, "*.index"))
+        if storage.isfile(storage_paths.join(path, "bert_model.ckpt.index")):
+            return storage_paths.join(path, "bert_model.ckpt")
         if len(indexes) == 1:
             return indexes[0][: -len(".index")]
         if indexes:  # several: the one the `checkpoint` state file names, else the newest
-            state = storage.join(path, "checkpoint")
+            state = storage_paths.join(path, "checkpoint")
             if storage.isfile(state):
                 m = re.search(r'^model_checkpoint_path:\s*"(.*)"', storage.read_text(state), re.M)
                 if m:
                     named = m.group(1)
-                    p = named if storage.is_remote(named) or os.path.isabs(named) else storage.join(path, named)
+                    p = (named if storage_paths.is_remote(named) or os.path.isabs(named)
+                         else storage_paths.join(path, named))
                     if storage.isfile(p + ".index"):
                         return p
             return max(indexes, key=storage.getmtime)[: -len(".index")]
@@ -231,7 +232,8 @@ def _google_prefix(path: str) -> Optional[str]:
 
 def _casing_from_name(path: str) -> Optional[bool]:
     """Google's release names say the casing ("uncased_L-12_H-768_A-12", "cased_L-24_...")."""
-    name = (storage.basename(path) if storage.is_remote(path) else os.path.basename(os.path.normpath(path))).lower()
+    remote = storage_paths.is_remote(path)
+    name = (storage_paths.basename(path) if remote else os.path.basename(os.path.normpath(path))).lower()
     if "uncased" in name:
         return True
     if "cased" in name:
@@ -252,10 +254,10 @@ def _read_tf_checkpoint(prefix: str) -> tuple[dict, list]:
                      if not re.search(r"/(adam_[mv]|Adam(_1)?|LAMB(_1)?|Momentum)$", n) and n != "global_step"}
         return variables, names
 
-    if not storage.is_remote(prefix):
+    if not storage_paths.is_remote(prefix):
         return read(prefix)
     with tempfile.TemporaryDirectory(prefix="bert_jax_tf_checkpoint_") as tmp:
-        local = os.path.join(tmp, storage.basename(prefix))
+        local = os.path.join(tmp, storage_paths.basename(prefix))
         for f in [prefix + ".index"] + storage.glob(prefix + ".data-*"):
             storage.copy(f, local + f[len(prefix):])
         return read(local)
@@ -266,8 +268,8 @@ def load_google(path: str, google_gelu: Optional[str] = None) -> Pretrained:
     prefix = _google_prefix(path)
     if prefix is None:
         raise FileNotFoundError(f"{path}: no TF checkpoint (*.index) found")
-    directory = storage.dirname(prefix)
-    config = read_google_config(_require(storage.join(directory, "bert_config.json"), "bert_config.json"),
+    directory = storage_paths.dirname(prefix)
+    config = read_google_config(_require(storage_paths.join(directory, "bert_config.json"), "bert_config.json"),
                                 google_gelu)
     variables, names = _read_tf_checkpoint(prefix)
     params, missing, skipped = from_google(variables, config, where=prefix)
@@ -282,7 +284,7 @@ def load_google(path: str, google_gelu: Optional[str] = None) -> Pretrained:
                         task["head"])
         task = None
     skipped = tuple(sorted(set(skipped) | (set(names) - set(variables))))
-    casing, vocab = _read_casing(directory), _maybe(storage.join(directory, "vocab.txt"))
+    casing, vocab = _read_casing(directory), _maybe(storage_paths.join(directory, "vocab.txt"))
     if casing is None and vocab:  # the vocabulary says it (a release's folder may be renamed)
         casing = casing_from_vocab(vocab)
     return Pretrained(config, params, vocab,
@@ -298,17 +300,17 @@ def save_google(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
     head = head_to_google(p.params, task) if task is not None else {}  # refused before anything is written
     _prepare_dir(path, overwrite)
     variables = {**to_google(p.params, p.config), **head}
-    storage.write_text(storage.join(path, "bert_config.json"),
+    storage.write_text(storage_paths.join(path, "bert_config.json"),
                        json.dumps(google_config_dict(p.config), indent=2, sort_keys=True) + "\n")
     from data_pipeline.tf_import import tf  # only here: writing TF checkpoints
 
     names = sorted(variables)
-    with storage.writing_dir(path) as local:  # the folder itself, or a staging folder uploaded at the end
+    with storage_staging.writing_dir(path) as local:  # the folder itself, or a staging folder uploaded at the end
         prefix = os.path.join(local, "bert_model.ckpt")
         with tf.device("/cpu:0"):
             tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),  # storage: local (writing_dir)
                               tensors=[tf.constant(variables[n]) for n in names])
-    storage.write_text(storage.join(path, "checkpoint"),
+    storage.write_text(storage_paths.join(path, "checkpoint"),
                        'model_checkpoint_path: "bert_model.ckpt"\nall_model_checkpoint_paths: "bert_model.ckpt"\n')
     _write_tokenizer_files(p, path)
     write_task(task, path)

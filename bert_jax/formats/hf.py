@@ -32,7 +32,7 @@ from bert_jax.formats.common import (HEADS, TASK_HEAD, Pretrained, _load_json, _
                                      check_task, head_output, task_of)
 from bert_jax.formats.google import _GOOGLE_FIELDS, _table, from_google, to_google
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths, storage_staging
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def _read_hf_config(path: str) -> BertConfig:
 
 
 def _read_hf_config_and_task(path: str) -> tuple[BertConfig, Optional[dict]]:
-    config_path = _require(storage.join(path, "config.json"), "config.json")
+    config_path = _require(storage_paths.join(path, "config.json"), "config.json")
     d = _load_json(config_path)
     if d.get("model_type", "bert") != "bert":
         raise ValueError(f"{config_path}: model_type={d.get('model_type')!r}, expected 'bert'")
@@ -245,15 +245,15 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
     def read_safetensors(path, promised=(), index=None):
         from safetensors import SafetensorError, safe_open
         out = {}
-        local = storage.local_copy(path)  # the file itself, or a cached download of a gs:// one
+        local = storage_staging.local_copy(path)  # the file itself, or a cached download of a gs:// one
         try:
             try:
-                with safe_open(local, framework="np") as f:  # storage: local (storage.local_copy)
+                with safe_open(local, framework="np") as f:  # storage: local (storage_staging.local_copy)
                     flax_names = (f.metadata() or {}).get("format") == "flax"
                     for k in f.keys():
                         out[k] = f.get_tensor(k)
             except (TypeError, ValueError):  # bfloat16 has no numpy dtype: read through jax
-                with safe_open(local, framework="flax") as f:  # storage: local (storage.local_copy)
+                with safe_open(local, framework="flax") as f:  # storage: local (storage_staging.local_copy)
                     flax_names = (f.metadata() or {}).get("format") == "flax"
                     for k in f.keys():
                         out[k] = np.asarray(f.get_tensor(k), np.float32)
@@ -271,10 +271,10 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
             return flax_to_hf_names(tree)
         return out
 
-    p = storage.join(directory, "model.safetensors")
+    p = storage_paths.join(directory, "model.safetensors")
     if storage.isfile(p):
         return read_safetensors(p)
-    p = storage.join(directory, "model.safetensors.index.json")
+    p = storage_paths.join(directory, "model.safetensors.index.json")
     if storage.isfile(p):
         index = _load_json(p)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -285,18 +285,18 @@ def _read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
             by_shard.setdefault(name, []).append(tensor)
         out = {}
         for name in sorted(by_shard):
-            shard = storage.join(directory, name)
+            shard = storage_paths.join(directory, name)
             if not storage.isfile(shard):
                 raise FileNotFoundError(f"{p} names shard {name}, which is not in {directory}: an "
                                         "incomplete download?")
             out.update(read_safetensors(shard, by_shard[name], p))
         return out
-    p = storage.join(directory, "flax_model.msgpack")
+    p = storage_paths.join(directory, "flax_model.msgpack")
     if storage.isfile(p):
         from flax import serialization
         tree = serialization.msgpack_restore(storage.read_bytes(p))
         return flax_to_hf_names(tree)
-    p = storage.join(directory, "pytorch_model.bin")
+    p = storage_paths.join(directory, "pytorch_model.bin")
     if storage.isfile(p):
         try:
             import torch
@@ -319,7 +319,7 @@ def load_hf(path: str) -> Pretrained:
     if task is not None and TASK_HEAD not in params:
         logging.warning("%s: config.json names a %s head, but the weights have none", path, task["head"])
         task = None
-    vocab, casing = _maybe(storage.join(path, "vocab.txt")), _read_casing(path)
+    vocab, casing = _maybe(storage_paths.join(path, "vocab.txt")), _read_casing(path)
     if casing is None and vocab:  # no tokenizer_config.json: the vocabulary says it
         casing = casing_from_vocab(vocab)
     return Pretrained(config, params, vocab, casing, "hf", missing, skipped, task)
@@ -332,9 +332,9 @@ def save_hf(p: Pretrained, path: str, *, overwrite: bool = False) -> str:
 
     task = task_of(p, path)
     _prepare_dir(path, overwrite)
-    storage.write_bytes(storage.join(path, "model.safetensors"),
+    storage.write_bytes(storage_paths.join(path, "model.safetensors"),
                         save(to_hf(p.params, p.config, task), metadata={"format": "pt"}))
-    storage.write_text(storage.join(path, "config.json"),
+    storage.write_text(storage_paths.join(path, "config.json"),
                        json.dumps(hf_config_dict(p.config, p.heads, task), indent=2, sort_keys=True) + "\n")
     _write_tokenizer_files(p, path)
     return path

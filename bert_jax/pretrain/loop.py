@@ -42,7 +42,7 @@ from bert_jax.pretrain.phases import resolve_phases
 from bert_jax.pretrain.pretrain_input import make_eval_input, make_train_input, run_eval
 from bert_jax.training import optim, run_setup, sharding, train_state
 from bert_jax.workdir import metric_writer, write_json, write_model_files
-from data_pipeline import storage
+from data_pipeline import storage_paths
 
 
 def blocks_every_step(backend: str, process_count: int) -> bool:
@@ -129,7 +129,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     installed_versions = versions.installed()  # saved with every step, checked on resume (versions.py)
     ckpt = checkpointing.Checkpointer(
-        storage.join(workdir, layout.CHECKPOINTS), save_interval_steps=config.checkpoint_every_steps,
+        storage_paths.join(workdir, layout.CHECKPOINTS), save_interval_steps=config.checkpoint_every_steps,
         max_to_keep=config.keep_checkpoints, async_save=config.async_checkpointing,
         on_damaged=config.get("on_damaged_checkpoint", "fallback"),
         save_timeout_s=config.get("checkpoint_save_timeout_seconds", 1800))
@@ -174,7 +174,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     peak = run_setup.peak_flops_per_device()
     block_every_step = blocks_every_step(jax.default_backend(), jax.process_count())
     last_metrics: dict = {}
-    log_path = storage.join(workdir, layout.TRAIN_LOG)
+    log_path = storage_paths.join(workdir, layout.TRAIN_LOG)
     consecutive_bad = 0
     step = start_step
     stop = False
@@ -283,7 +283,7 @@ def input_position(config: ml_collections.ConfigDict, ckpt, step: int, meta: dic
             f"{config.data_shards}), which split the files differently, so the input position cannot carry over: "
             f"{fix} to resume it (the batches then are the ones the saved run would have read)")
     per_saved_process = saved_shards // saved_processes
-    return lambda shard: storage.join(ckpt.input_state_dir(step, shard // per_saved_process),
+    return lambda shard: storage_paths.join(ckpt.input_state_dir(step, shard // per_saved_process),
                                       f"shard_{shard % per_saved_process}")
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from bert_jax.pretrain import steps
 from bert_jax.pretrain.phases import Phase
 from bert_jax.training import sharding
-from data_pipeline import storage
+from data_pipeline import storage_paths
 
 
 class ShardedInput:
@@ -51,11 +51,11 @@ class ShardedInput:
 
     def save_state(self, directory: str) -> None:
         for j, s in enumerate(self.shards):
-            s.save_state(storage.join(directory, f"shard_{j}"))
+            s.save_state(storage_paths.join(directory, f"shard_{j}"))
 
     def restore_state(self, directory: str) -> None:
         for j, s in enumerate(self.shards):
-            s.restore_state(storage.join(directory, f"shard_{j}"))
+            s.restore_state(storage_paths.join(directory, f"shard_{j}"))
 
     def restore_shards(self, shard_dir) -> None:
         """Each shard's position from `shard_dir(global shard index)`, wherever the process that
@@ -76,7 +76,7 @@ VERIFIED_DATA = "verified_data"
 
 def known_hashes_file(workdir: Optional[str]) -> Optional[str]:
     """This process's `WORKDIR/verified_data/process_<i>.json` (None without a workdir)."""
-    return storage.join(workdir, VERIFIED_DATA, f"process_{jax.process_index()}.json") if workdir else None
+    return storage_paths.join(workdir, VERIFIED_DATA, f"process_{jax.process_index()}.json") if workdir else None
 
 
 def _verify(config):

@@ -28,7 +28,7 @@ import importlib.util
 import os
 import threading
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths, storage_staging
 
 AUTO_MAX_BYTES = 4 << 30  # "auto": at most 4 GiB on disk, least recently used programs dropped first
 OFF = ("off", "false", "none", "no")
@@ -49,7 +49,7 @@ def configure(value: str) -> str:
         own = jax.config.jax_compilation_cache_dir
         if own:
             return f"{own} (JAX's own setting: JAX_COMPILATION_CACHE_DIR or jax.config)"
-        folder = storage.join(storage.cache_dir(), "xla")
+        folder = storage_paths.join(storage_staging.cache_dir(), "xla")
         try:
             storage.makedirs(folder)
         except OSError as e:
@@ -62,7 +62,7 @@ def configure(value: str) -> str:
         return f"{folder} (config.compilation_cache=auto, at most {AUTO_MAX_BYTES >> 30} GiB)"
     try:
         storage.makedirs(value)
-    except (OSError, storage.StorageError) as e:
+    except (OSError, storage_paths.StorageError) as e:
         raise ValueError(f"config.compilation_cache={value!r}: cannot create the folder ({e}); "
                          "give a writable folder, 'auto' or 'off'") from None
     _use(value)

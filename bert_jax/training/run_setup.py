@@ -27,7 +27,7 @@ from bert_jax.model import mixed_precision, modeling
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
 from bert_jax.training import sharding
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 # Peak dense bf16 FLOP/s per device, for MFU (by jax's device_kind prefix).
 PEAK_FLOPS = {
@@ -176,13 +176,13 @@ def load_params(config, bert_config: BertConfig, mesh):
 
     abstract, shardings = abstract_params(bert_config)
     from bert_jax import convert
-    has_checkpoints = storage.isdir(storage.join(path, layout.CHECKPOINTS))
+    has_checkpoints = storage.isdir(storage_paths.join(path, layout.CHECKPOINTS))
     train_state_dir = has_checkpoints or (
-        convert.detect_format(path) == "bert_jax" and not storage.isdir(storage.join(path, layout.EXPORTED_PARAMS)))
+        convert.detect_format(path) == "bert_jax" and not storage.isdir(storage_paths.join(path, layout.EXPORTED_PARAMS)))
     if not train_state_dir:  # an export, a Google or a HuggingFace checkpoint
         return init_from_checkpoint(path, bert_config, {}, shardings, require_heads=True,
                                     google_gelu=config.get("google_gelu")), shardings
-    ckpt_dir = storage.join(path, layout.CHECKPOINTS) if has_checkpoints else path
+    ckpt_dir = storage_paths.join(path, layout.CHECKPOINTS) if has_checkpoints else path
     try:
         saved_scanned = any("/encoder/layers/" in key for key in checkpoint_reading.saved_keys(ckpt_dir))
     except FileNotFoundError as e:

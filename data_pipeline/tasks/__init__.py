@@ -44,7 +44,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 HEAD_KINDS = ("classification", "regression", "span", "token", "multiple_choice")
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids")
@@ -136,7 +136,7 @@ class Task:
     def file_names(self) -> set:
         """The names of the files the task reads its splits from (`mode=predict` reads a file so
         named, or with one of `file_suffixes`, in the task's format)."""
-        return {storage.basename(n) for names in getattr(self, "files", {}).values() for n in names}
+        return {storage_paths.basename(n) for names in getattr(self, "files", {}).values() for n in names}
 
     def read_lines(self, path: str) -> list:
         """Unlabelled examples from a plain text file, one a line (`line_format`); blank lines
@@ -188,7 +188,7 @@ class Task:
                 raise FileNotFoundError(f"task {self.name}: {split} file {self.split_files[split]} does not exist")
             return self.split_files[split]
         for name in candidates:
-            path = storage.join(self.data_dir, name)
+            path = storage_paths.join(self.data_dir, name)
             if storage.exists(path):
                 return path
         raise FileNotFoundError(f"task {self.name}: none of {list(candidates)} in {self.data_dir}")

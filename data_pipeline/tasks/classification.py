@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 from data_pipeline.tasks import DataError, Task
 from data_pipeline.tasks.files import (OwnFiles, labels_in_order, parse_labels, read_table, require_columns,
                                        table_format)
@@ -198,7 +198,7 @@ class Classification(OwnFiles, Task):
     def write_predictions(self, examples, predictions, directory, split):
         """`<task>_<split>_predictions.csv`: the row's id, the prediction and the gold label."""
         storage.makedirs(directory)
-        path = storage.join(directory, f"{self.name}_{split}_predictions.csv")
+        path = storage_paths.join(directory, f"{self.name}_{split}_predictions.csv")
         fmt = repr if self.head == "regression" else str  # a float in full
         with storage.open(path, "w", encoding="utf-8", newline="") as f:
             writer = csv.writer(f)

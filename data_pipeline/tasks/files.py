@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 from data_pipeline.tasks import BadRows, DataError, read_text
 
 TABLE_FORMATS = ("csv", "tsv", "jsonl")
@@ -44,7 +44,7 @@ def table_format(path: str, fmt: str = "auto") -> str:
         if fmt not in TABLE_FORMATS:
             raise ValueError(f"config.task_options.format must be auto or one of {TABLE_FORMATS}, got {fmt!r}")
         return fmt
-    name = storage.basename(path).lower()
+    name = storage_paths.basename(path).lower()
     for suffix, found in _SUFFIXES.items():
         if name.endswith(suffix):
             return found
@@ -128,7 +128,7 @@ def find_split_file(data_dir: str, split: str, suffixes: Sequence[str]) -> Optio
         return None
     for name in SPLIT_NAMES.get(split, (split,)):
         for suffix in suffixes:
-            path = storage.join(data_dir, name + suffix)
+            path = storage_paths.join(data_dir, name + suffix)
             if storage.exists(path):
                 return path
     return None
@@ -235,4 +235,4 @@ class OwnFiles:
         raise NotImplementedError
 
     def file_names(self) -> set:
-        return {storage.basename(p) for p in self.split_files.values()}
+        return {storage_paths.basename(p) for p in self.split_files.values()}

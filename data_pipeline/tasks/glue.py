@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 from data_pipeline.tasks import DataError, Task, encode_pair, read_tsv, stack, tfds_examples, tokenize_all, check_vocab
 
 
@@ -107,8 +107,8 @@ SPECS = {
 def _join(folder: str, name: str) -> str:
     """`folder/name`. A name that goes up (MNLI's `../diagnostic/diagnostic.tsv`) is resolved for a
     gs:// folder, whose object names no file system resolves; a local path keeps its `..`."""
-    path = storage.join(folder, name)
-    if storage.is_remote(path) and ".." in name.split("/"):
+    path = storage_paths.join(folder, name)
+    if storage_paths.is_remote(path) and ".." in name.split("/"):
         s, rest = path.split("://", 1)
         path = f"{s}://{posixpath.normpath(rest)}"
     return path
@@ -244,7 +244,7 @@ class GlueTask(Task):
         return tokenization.FastTokenizer(vocab_file, do_lower_case)
 
     def _folder(self) -> str:
-        nested = storage.join(self.data_dir, self.spec.folder)
+        nested = storage_paths.join(self.data_dir, self.spec.folder)
         return nested if storage.isdir(nested) else self.data_dir
 
     # --- reading -------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ class GlueTask(Task):
     file_suffixes = (".tsv",)
 
     def file_names(self) -> set:
-        return {storage.basename(n) for names in self.spec.splits.values() for n in names}
+        return {storage_paths.basename(n) for names in self.spec.splits.values() for n in names}
 
     @property
     def line_format(self) -> str:
@@ -390,7 +390,7 @@ class GlueTask(Task):
         """`<split>_predictions.tsv` (index, prediction, label); test splits: the server's file too."""
         storage.makedirs(directory)
         fmt = (lambda p: f"{p:.6f}") if not self.labels else str
-        path = storage.join(directory, f"{self.name}_{split}_predictions.tsv")
+        path = storage_paths.join(directory, f"{self.name}_{split}_predictions.tsv")
         with storage.open(path, "w", encoding="utf-8") as f:
             f.write("index\tprediction\tlabel\n")
             for e, p in zip(examples, predictions):
@@ -402,7 +402,7 @@ class GlueTask(Task):
 
     def write_submission(self, examples, predictions, directory, split) -> str:
         """The GLUE server's format: `index\\tprediction`, in the test file's order."""
-        path = storage.join(directory, self.spec.submission[split])
+        path = storage_paths.join(directory, self.spec.submission[split])
         with storage.open(path, "w", encoding="utf-8") as f:
             f.write("index\tprediction\n")
             for e, p in zip(examples, predictions):

@@ -15,7 +15,7 @@ import io
 
 import numpy as np
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 from data_pipeline.tasks import Task, check_vocab, encode_pair, read_text, stack, tokenize_all
 from data_pipeline.tasks.glue import accuracy
@@ -114,7 +114,7 @@ class Swag(Task):
 
     def write_predictions(self, examples, predictions, directory, split):
         storage.makedirs(directory)
-        path = storage.join(directory, f"{self.name}_{split}_predictions.csv")
+        path = storage_paths.join(directory, f"{self.name}_{split}_predictions.csv")
         with storage.open(path, "w", encoding="utf-8", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["id", "pred", "label"])

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 from data_pipeline.tasks import Task, check_vocab, pad_row, read_text, stack, tfds_examples
 
@@ -303,7 +303,7 @@ class Conll2003(Task):
     def write_predictions(self, examples, predictions, directory, split):
         """conlleval's input: `word gold predicted` per line, a blank line after each sentence."""
         storage.makedirs(directory)
-        path = storage.join(directory, f"{self.name}_{split}_predictions.txt")
+        path = storage_paths.join(directory, f"{self.name}_{split}_predictions.txt")
         with storage.open(path, "w", encoding="utf-8") as f:
             for e, tags in zip(examples, predictions):
                 for i, (w, p) in enumerate(zip(e.words, tags)):

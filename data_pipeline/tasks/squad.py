@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 
 from data_pipeline.tasks import Task, check_vocab, pad_row, read_json, stack, tfds_examples
 # The official scorer lives in squad_eval; its names stay importable from here (and `main` runs below).
@@ -350,7 +350,7 @@ class SquadV1(Task):
         for key, name in (("predictions", "predictions.json"), ("nbest", "nbest_predictions.json"),
                           ("null_odds", "null_odds.json")):
             if key in predictions:
-                path = storage.join(directory, prefix + name)
+                path = storage_paths.join(directory, prefix + name)
                 values = predictions[key]
                 with storage.open(path, "w", encoding="utf-8") as f:
                     json.dump(values, f, indent=2 if key != "predictions" else None)

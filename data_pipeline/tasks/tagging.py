@@ -32,7 +32,7 @@ from __future__ import annotations
 import io
 import json
 
-from data_pipeline import storage
+from data_pipeline import storage, storage_paths
 from data_pipeline.tasks import DataError, read_text
 from data_pipeline.tasks.files import OwnFiles, parse_labels, read_jsonl
 from data_pipeline.tasks.ner import Conll2003, Example, conlleval
@@ -111,7 +111,7 @@ class Tagging(OwnFiles, Conll2003):
     def _format(self, path: str) -> str:
         if self.format != "auto":
             return self.format
-        return "jsonl" if storage.basename(path).lower().endswith((".jsonl", ".json")) else "conll"
+        return "jsonl" if storage_paths.basename(path).lower().endswith((".jsonl", ".json")) else "conll"
 
     def read_file(self, path: str, split: str) -> list[Example]:
         reader = self._read_jsonl if self._format(path) == "jsonl" else self._read_conll
@@ -231,7 +231,7 @@ class Tagging(OwnFiles, Conll2003):
         """conlleval's column file (`ner.py`), and `<task>_<split>_predictions.jsonl`: each
         sentence's id, tokens and predicted tags."""
         paths = super().write_predictions(examples, predictions, directory, split)
-        path = storage.join(directory, f"{self.name}_{split}_predictions.jsonl")
+        path = storage_paths.join(directory, f"{self.name}_{split}_predictions.jsonl")
         with storage.open(path, "w", encoding="utf-8") as f:
             for e, tags in zip(examples, predictions):
                 f.write(json.dumps({"id": e.guid, "tokens": e.words, "tags": tags},
