@@ -49,12 +49,17 @@ def moved_attribute(package: str, name: str, homes: tuple) -> AttributeError:
     names the module of `homes` holding it now. The package's own modules are not looked for here
     (the import system asks for them before importing them)."""
     import importlib
-    import os
-    folder = os.path.join(os.path.dirname(__file__), *package.split(".")[1:])
-    if not name.startswith("_") and not os.path.exists(os.path.join(folder, f"{name}.py")):
-        for home in homes:
-            if hasattr(importlib.import_module(home), name):
-                return AttributeError(f"module {package!r} has no attribute {name!r}: it moved to '{home}.{name}'")
+    import importlib.util
+    if name.startswith("_"):  # dunder lookups (`__path__`, ...) and private names: nothing moved
+        return AttributeError(f"module {package!r} has no attribute {name!r}")
+    folder = "__path__" in vars(_sys.modules[package])
+    if not (folder and importlib.util.find_spec(f"{package}.{name}") is not None):
+        found = [home for home in homes if hasattr(importlib.import_module(home), name)]
+        # The module that defines it, when that is one of `homes` (a loop may import it from there).
+        defining = [home for home in found if getattr(getattr(_sys.modules[home], name), "__module__", None) == home]
+        if found:
+            home = (defining or found)[0]
+            return AttributeError(f"module {package!r} has no attribute {name!r}: it moved to '{home}.{name}'")
     return AttributeError(f"module {package!r} has no attribute {name!r}")
 
 

@@ -55,3 +55,25 @@ def test_the_other_old_paths_name_their_new_one():
         from bert_jax import fused  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match=r"bert_jax\.checkpoints\.preemption"):
         from bert_jax import preemption  # noqa: F401
+
+
+def test_names_of_the_modules_that_became_folders_name_their_new_home():
+    """`bert_jax.pretrain` and `bert_jax.finetune` were modules and are folders: their old names fail
+    naming the module that holds them now, as do the names `modeling` re-exported until 2026-11-29."""
+    import bert_jax.finetune
+    import bert_jax.pretrain
+    for package, name, home in ((bert_jax.pretrain, "run", "bert_jax.pretrain.loop"),
+                                (bert_jax.pretrain, "bert_config_from", "bert_jax.training.run_setup"),
+                                (bert_jax.pretrain, "write_model_files", "bert_jax.workdir"),
+                                (bert_jax.finetune, "train_and_evaluate", "bert_jax.finetune.loop"),
+                                (bert_jax.finetune, "train_plan", "bert_jax.finetune.batches"),
+                                (modeling, "ATTENTION_IMPLS", "bert_jax.model.model_config"),
+                                (modeling, "DTYPES", "bert_jax.model.model_config"),
+                                (modeling, "dropout", "bert_jax.model.dropout")):
+        with pytest.raises(AttributeError, match=f"it moved to '{home}.{name}'"):
+            getattr(package, name)
+        assert getattr(importlib.import_module(home), name) is not None
+    with pytest.raises(AttributeError, match=r"has no attribute 'no_such_name'$"):
+        bert_jax.pretrain.no_such_name  # noqa: B018
+    from bert_jax.pretrain import loop  # the folder's own modules import as usual
+    assert loop.run is bert_jax.pretrain.loop.run
