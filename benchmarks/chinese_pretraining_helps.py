@@ -27,7 +27,7 @@ Everything runs from ../shared/data (MANIFEST.md, "Chinese") with Google's BERT-
    the reported score is the test split's at the epoch with the best dev score.
 6. report: W/chinese_pretraining_helps.json and .png (pretraining curves; scores per arm and seed).
 
---quick (tests/test_chinese_pretraining_helps.py): a test-sized model, a few steps, small slices.
+--quick (tests/pretrain/test_chinese_pretraining_helps.py): a test-sized model, a few steps, small slices.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 #           kernel alone against XLA with its launch shapes swept; the step with the tanh GELU, with
 #           the kernels, and each with Q/K/V as three matmuls (`separate_qkv`); then BERT-Large:
 #           the tanh GELU, the kernels, the kernels with `separate_qkv` (profiled);
-#   lane B: tests/test_fused.py and the separate-Q/K/V test on the GPU (the real Triton kernels,
+#   lane B: tests/model/test_fused.py and the separate-Q/K/V test on the GPU (the real Triton kernels,
 #           BERT-Base's 768 among them); HF's FlaxBertForPreTraining (transformers<5, carried as
 #           wheels in .whl/), BERT-Base, in a process of its own;
 #   then, alone: HF's BERT-Large (its step allocates 49 GiB at once).
@@ -35,8 +35,8 @@ lane_a() {
 
 lane_b() {
   local log=$OUT_DIR/lane_b.log
-  phase "$log" tests 40 0.08 $LOCKED env JAX_DEFAULT_MATMUL_PRECISION=float32 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py \
-    "tests/test_modeling.py::test_separate_qkv_matmuls_train_like_the_stacked_kernel"
+  phase "$log" tests 40 0.08 $LOCKED env JAX_DEFAULT_MATMUL_PRECISION=float32 python3 -m pytest -q -p no:cacheprovider tests/model/test_fused.py \
+    "tests/model/test_modeling.py::test_separate_qkv_matmuls_train_like_the_stacked_kernel"
   phase "$log" hf_base 60 0.3 python3 benchmarks/bench_step.py --config=configs/base.py $COMMON \
     --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --hf_gpu_lock=$LOCK --host_memory=false
 }

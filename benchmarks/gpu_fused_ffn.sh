@@ -6,7 +6,7 @@
 #           fused LayerNorm kernels (`fused_ops`, the output biases now inside them), and those with
 #           the FFN kernels (`fused_ffn`), waited-for and pipelined steps, the last profiled; then
 #           BERT-Base (hidden 768: no LayerNorm kernels): tanh GELU without and with the FFN kernels;
-#   lane B: tests/test_fused_ffn.py and tests/test_fused.py on the GPU (the real Triton kernels
+#   lane B: tests/model/test_fused_ffn.py and tests/model/test_fused.py on the GPU (the real Triton kernels
 #           against the unfused path); HF's FlaxBertForPreTraining (transformers<5, carried as wheels
 #           in .whl/) on the same shapes, BERT-Base, in a process of its own;
 #   then, alone: HF's BERT-Large.
@@ -35,7 +35,7 @@ lane_a() {
 
 lane_b() {
   local log=$OUT_DIR/lane_b.log
-  phase "$log" tests 40 0.08 $LOCKED python3 -m pytest -q -p no:cacheprovider tests/test_fused_ffn.py tests/test_fused.py
+  phase "$log" tests 40 0.08 $LOCKED python3 -m pytest -q -p no:cacheprovider tests/model/test_fused_ffn.py tests/model/test_fused.py
   phase "$log" hf_base 60 0.3 python3 benchmarks/bench_step.py --config=configs/base.py $COMMON \
     --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --hf_gpu_lock=$LOCK --host_memory=false
 }

@@ -5,7 +5,7 @@
 #   lane A: BERT-Large, T=128, batch 256, 24 layers unrolled: bf16 / gelu_tanh / fused_gelu_tanh
 #           timed in alternating rounds, each profiled (2 steps) and two of their HLOs kept;
 #   lane B: the kernel alone: its launch shapes swept (the fused variants use the fastest), then
-#           against XLA's passes; tests/test_fused.py on the GPU (the Triton kernels against the
+#           against XLA's passes; tests/model/test_fused.py on the GPU (the Triton kernels against the
 #           unfused path); BERT-Large packed 512 (32 rows of 3 sequences): bf16 / fused_gelu_tanh;
 #   lane C: FP8's loss curve against bf16's (BERT-Base, 300 steps of real records, scanned), then
 #           BERT-Base T=128 batch 256: bf16 / gelu_tanh / fp8_gelu_tanh;
@@ -38,7 +38,7 @@ lane_b() {
     --out_json=/tmp/kernel.json
   [ -f /tmp/fused_blocks.json ] || echo '{"forward": null, "backward": null}' >/tmp/fused_blocks.json
   [ -f /tmp/kernel.json ] && { echo "== kernel.json"; cat /tmp/kernel.json; echo; } >>"$log"
-  phase "$log" test_fused 60 0.08 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py
+  phase "$log" test_fused 60 0.08 python3 -m pytest -q -p no:cacheprovider tests/model/test_fused.py
   phase "$log" packed512 150 0.45 python3 benchmarks/bench_fp8.py --config=configs/large.py $COMMON $SLOT \
     --seq_len=512 --batch=32 --packing --variants=bf16,fused_gelu_tanh --parallel_compile \
     --fused_blocks_from=/tmp/fused_blocks.json \

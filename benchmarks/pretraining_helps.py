@@ -31,7 +31,7 @@ MRPC: `data_pipeline.tasks.glue` reads the raw `msr_paraphrase_train.txt`, but G
 split (dev_ids.tsv) is not in shared/data; the labelled `msr_paraphrase_test.txt` (= GLUE's MRPC
 test) is scored as "dev" here, through `config.split_files.dev`.
 
---quick (what tests/test_pretraining_helps.py runs): the test-sized model of configs/test.py
+--quick (what tests/pretrain/test_pretraining_helps.py runs): the test-sized model of configs/test.py
 shape, a few steps, the data under --corpus_dir/--glue_dir/--vocab_file the caller gives.
 """
 

@@ -2,7 +2,7 @@
 imports, with a DeprecationWarning, so that code written against it keeps working. bert_jax itself
 imports the new paths.
 
-It offers every name it offered when it star-imported that module (tests/test_moved_modules.py),
+It offers every name it offered when it star-imported that module (tests/docs/test_moved_modules.py),
 each from the module that defines it now: the Checkpointer's errors and layout from
 checkpoint_steps, the read-only helpers from checkpoint_reading, and the modules the old one had
 imported (a star import carried them along).

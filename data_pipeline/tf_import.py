@@ -9,11 +9,11 @@ longer uses: `bert_jax.workdir` writes its events itself, without TensorFlow.)
 That is 4-5 CPU seconds of each run's start on the 2-core development machine (2026-11-27:
 `python -m bert_jax.main` of configs/test.py with a cached compile, 20 s in all), and on a host
 whose home has no matplotlib font cache yet (a fresh TPU VM, each worker of
-tests/test_pod_rehearsal.py) another 20 s while matplotlib builds it.
+tests/pod/test_pod_rehearsal.py) another 20 s while matplotlib builds it.
 
 `keras_deferred()` makes that import fail, as TensorFlow expects it may, while the code inside it
 imports. When it exits, the name is taken out of `sys.modules`, so a later `import keras` in the
-same process works as usual. `tests/test_tf_import.py` checks both.
+same process works as usual. `tests/data_pipeline/test_tf_import.py` checks both.
 
 Every module of this project that needs TensorFlow imports it from here (`from
 data_pipeline.tf_import import tf`), and so do the callers of libraries that import it themselves

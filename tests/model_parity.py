@@ -1,5 +1,5 @@
 """The pretraining model under one BertConfig against the same model under another (a fused-kernel
-option against the unfused path): tests/test_fused.py and tests/test_fused_ffn.py."""
+option against the unfused path): tests/model/test_fused.py and tests/model/test_fused_ffn.py."""
 
 import functools
 

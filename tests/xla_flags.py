@@ -4,7 +4,7 @@ and XLA's older fusion code generator.
 The suite's models are tiny: compiling their programs costs more than running them, and at
 `--xla_backend_optimization_level=0` XLA's CPU backend compiles several times faster (the
 fine-tuning loop's `config.xla_backend_optimization_level=0` does the same per program). Measured
-side by side on the 2-core machine (2026-11-26): tests/test_fp8.py 174 -> 126 s, test_training.py
+side by side on the 2-core machine (2026-11-26): tests/model/test_fp8.py 174 -> 126 s, test_training.py
 with test_modeling.py 571 -> 403 s. Results agree with the default level to float32 rounding; runs
 compared bit for bit (kill -9 and resume, one process against two) all use these flags.
 
@@ -15,10 +15,10 @@ a running test suite, 2026-11-27: 13.4 -> 6.2 s compile, 22.5 -> 13.2 CPU s for 
 the suite on a clean clone, 2,028 -> 1,497 s with data_pipeline.tf_import's start). Both emitters
 compute the same operations, and the parity tests against transformers and Google's graph hold
 their bounds; two programs of the same update may round differently, by an ulp of a parameter
-(tests/test_training.py's bench variant tests, bit for bit under the default emitter).
+(tests/pretrain/test_training.py's bench variant tests, bit for bit under the default emitter).
 The TPU
 compiles of test_aot_tpu.py and test_plan.py keep libtpu's defaults (their processes set no flag);
-the pod rehearsal's workers (tests/test_pod_rehearsal.py) get FAST_COMPILE alone (their devices
+the pod rehearsal's workers (tests/pod/test_pod_rehearsal.py) get FAST_COMPILE alone (their devices
 come from JAX_NUM_CPU_DEVICES).
 """
 

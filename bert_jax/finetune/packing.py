@@ -5,7 +5,7 @@ its batches are padded to. Packing lays a batch's rows end to end in fewer rows 
 length (first fit, longest first), and the model keeps them apart: each token attends only to
 its own sequence (`pack_ids`), positions restart at 0 for each (`position_ids`), and the head
 reads each sequence's [CLS] (`cls_positions`). The loss of a packed batch is the loss of the
-unpacked one to float rounding (tests/test_packed_rows.py); only dropout's masks, drawn per
+unpacked one to float rounding (tests/finetune/test_packed_rows.py); only dropout's masks, drawn per
 shape, differ.
 
 A batch of `b` rows packed into `R` rows of `L` positions, at most `S` sequences a row:

@@ -13,7 +13,7 @@ way (without it they compile as before: no extra input or output).
 
 The arithmetic is the unfused path's, in its dtypes: the dense bias add (`h_bias` rounded to the
 compute dtype first), the dropout scaling and the residual add in the compute dtype, the
-normalization in float32, the output cast back (`tests/test_fused.py` compares both passes against
+normalization in float32, the output cast back (`tests/model/test_fused.py` compares both passes against
 `modeling.LayerNorm` after `dropout.dropout`, with the same mask).
 On GPUs the kernels lower through Triton (named: a bare `pallas_call` would go to Mosaic GPU);
 elsewhere they run in Pallas' interpreter (correct, slow: for tests). On an H200 they run at

@@ -15,7 +15,7 @@ produce it:
 
 The arithmetic differs from the unfused path only where this rounds later: XLA rounds the GEMM's
 output to the compute dtype before the bias and the GELU, here they act on the float32
-accumulator (`tests/test_fused_ffn.py` compares both passes against the unfused path and a float32
+accumulator (`tests/model/test_fused_ffn.py` compares both passes against the unfused path and a float32
 reference). On GPUs the kernels lower through Triton; elsewhere they run in Pallas' interpreter
 (correct, slow: for tests). Both GELUs are built (`gelu`, the exact erf form; `gelu_tanh`). The
 sizes must divide by the blocks (hidden and intermediate by 64; BERT-Base's 768/3072 and Large's

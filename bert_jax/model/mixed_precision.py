@@ -13,7 +13,7 @@ float32 output takes the float32 cotangent against a bfloat16 operand, a float32
 `einsum(spec, a, b)` is that matmul for any two-operand einsum whose every input index appears in
 the output or in the other input (all of BERT's). Numerically it equals the float32 einsum of
 `a` and `b` rounded to bfloat16, and its gradients the float32 ones of the same rounded values
-(tests/test_mixed_precision.py).
+(tests/model/test_mixed_precision.py).
 
 On a CPU without bf16 units the bfloat16 inputs are converted in software and the path is slower
 than float32 (an AMD EPYC Zen 3, 2026-11-28: 0.66x for the dense layer above, docs/performance.md);

@@ -1,7 +1,7 @@
 """The stated cost model of a pod plan: a step's time from its compiled program and the chip's specs.
 
 Everything here is arithmetic on numbers the compiled program and public specifications give;
-tests/test_planning_cost.py checks it against hand-computed cases.
+tests/pod/test_planning_cost.py checks it against hand-computed cases.
 
 Compute and memory (per chip, per step)
     compute_s = XLA FLOPs / peak FLOP/s;  memory_s = HBM traffic / HBM bandwidth, the traffic

@@ -43,7 +43,7 @@ PEAK_FLOPS = {
 
 
 # With an init checkpoint, which `config.model` keys apply (`bert_config_from`). Every field of
-# BertConfig is in exactly one group (tests/test_pretrain_config.py).
+# BertConfig is in exactly one group (tests/pretrain/test_pretrain_config.py).
 # How this run computes; no checkpoint decides it (Google's and HF's configs do not name it):
 RUN_KEYS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl", "vocab_pad_multiple",
             "sparse_last_layer", "fp8", "fused_ops", "fused_ffn", "mixed_matmuls", "separate_qkv")

@@ -1,0 +1,116 @@
+"""The house by role (docs/architecture.md): each part of `bert_jax` imports only the layers drawn
+below it, `pretrain/` and `finetune/` never import each other, the parts import each other in no
+cycle, `data_pipeline` never imports `bert_jax` or jax, and no source file passes 600 lines.
+
+Imports are read from the source (every `import` statement, function-level ones included), so a
+lazy import up the layers fails here as a module-level one does."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The layers of docs/architecture.md's drawing, bottom up: a part imports only parts of its own
+# layer or below.
+LAYERS = (
+    ("bert_jax", "layout"),  # the package's root (its moved-module messages) and the workdir's names
+    ("model/",),
+    ("checkpoints/", "formats/", "convert"),
+    ("training/", "workdir", "versions", "config_overrides"),
+    ("pretrain/", "finetune/"),
+    ("main", "plan", "planning/", "fill_mask", "extract_features", "demo", "supervisor", "plot",
+     "modeling", "checkpointing"),  # the entry points, and the two documented old paths
+)
+LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+
+
+def part_of(module: str):
+    """`bert_jax.pretrain.loop` -> "pretrain/", `bert_jax.workdir` -> "workdir" (None outside bert_jax)."""
+    names = module.split(".")
+    if names[0] != "bert_jax":
+        return None
+    if len(names) == 1:
+        return "bert_jax"
+    return names[1] + "/" if os.path.isdir(os.path.join(ROOT, "bert_jax", names[1])) else names[1]
+
+
+def imports(path: str) -> set:
+    """Every module `path` imports (`from bert_jax import x` counts as `bert_jax.x`)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            top = node.module.split(".")[0] in ("bert_jax", "data_pipeline") and "." not in node.module
+            found.update(f"{node.module}.{alias.name}" for alias in node.names) if top else found.add(node.module)
+    return found
+
+
+def modules(package: str):
+    for folder, _, files in os.walk(os.path.join(ROOT, package)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                yield module, path
+
+
+def part_graph() -> dict:
+    graph: dict = {}
+    for module, path in modules("bert_jax"):
+        mine = part_of(module)
+        for target in imports(path):
+            other = part_of(target)
+            if other and other != mine:
+                graph.setdefault(mine, set()).add(other)
+    return graph
+
+
+def test_every_part_is_drawn_in_a_layer():
+    parts = {part_of(module) for module, _ in modules("bert_jax")}
+    assert parts - set(LAYER) == set(), "a new part of bert_jax: draw it in docs/architecture.md and LAYERS"
+
+
+def test_each_part_imports_only_its_layer_and_below():
+    wrong = [f"{mine} (layer {LAYER[mine]}) imports {other} (layer {LAYER[other]})"
+             for mine, others in part_graph().items() for other in others if LAYER[other] > LAYER[mine]]
+    assert not wrong, wrong
+
+
+def test_pretraining_and_fine_tuning_do_not_import_each_other():
+    graph = part_graph()
+    assert "finetune/" not in graph.get("pretrain/", set())
+    assert "pretrain/" not in graph.get("finetune/", set())
+
+
+def test_the_parts_import_each_other_in_no_cycle():
+    graph = part_graph()
+    state: dict = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == "open":
+                pytest.fail("import cycle: " + " -> ".join(path + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_data_pipeline_imports_neither_bert_jax_nor_jax():
+    wrong = [(module, target) for module, path in modules("data_pipeline") for target in imports(path)
+             if target.split(".")[0] in ("bert_jax", "jax", "flax")]
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("package", ["bert_jax", "data_pipeline"])
+def test_no_source_file_passes_600_lines(package):
+    long = {module: n for module, path in modules(package)
+            if (n := sum(1 for _ in open(path, encoding="utf-8"))) > 600}
+    assert not long, long

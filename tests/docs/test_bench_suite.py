@@ -1,0 +1,160 @@
+"""benchmarks/bench_suite.py: one process per run, killed at its limit, records kept as runs end."""
+
+import json
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def suite(load_benchmark):
+    return load_benchmark("bench_suite")
+
+
+def _script(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _alive(pid):
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_hung_run_is_killed_with_what_it_started_and_says_where_it_was(suite, tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    hang = _script(tmp_path, "hang.py", f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print("[bench_step 1.0 s] compiled in 0.5 s", file=sys.stderr, flush=True)
+        print("[bench_step 1.1 s] timing round 1 of 1", file=sys.stderr, flush=True)
+        time.sleep(120)
+    """)
+    t0 = time.perf_counter()
+    record = suite.run_one([sys.executable, hang], timeout_s=3)
+    assert time.perf_counter() - t0 < 30
+    assert record["status"] == "timeout" and "result" not in record
+    assert record["stderr_tail"].splitlines()[-1].endswith("timing round 1 of 1")
+    grandchild = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while _alive(grandchild) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(grandchild), "the run's own child survived the kill"
+
+
+def test_failures_and_missing_output_are_errors_with_their_tails(suite, tmp_path):
+    boom = _script(tmp_path, "boom.py", """
+        import sys
+        print("half a line of output")
+        sys.exit("RESOURCE_EXHAUSTED: out of memory allocating 56 GiB")
+    """)
+    record = suite.run_one([sys.executable, boom], timeout_s=60)
+    assert record["status"] == "error" and record["returncode"] == 1
+    assert "RESOURCE_EXHAUSTED" in record["stderr_tail"]
+    silent = _script(tmp_path, "silent.py", "print('no json here')\n")
+    record = suite.run_one([sys.executable, silent], timeout_s=60)
+    assert record["status"] == "error" and record["returncode"] == 0
+    assert record["stdout_tail"] == "no json here"
+    missing = suite.run_one([str(tmp_path / "no_such_program")], timeout_s=60)
+    assert missing["status"] == "error" and "no_such_program" in missing["stderr_tail"]
+
+
+def test_the_budget_skips_runs_it_cannot_fit_and_every_record_is_written_as_it_ends(suite, tmp_path):
+    ok = _script(tmp_path, "ok.py", """
+        import json, sys
+        print("some text first")
+        print(json.dumps({"flags": sys.argv[1:], "step_s": 0.5}))
+    """)
+    slow = _script(tmp_path, "slow.py", "import time; time.sleep(60)\n")
+    out = tmp_path / "sub" / "results.jsonl"
+    out.parent.mkdir()
+    out.write_text(json.dumps({"name": "earlier", "status": "ok", "wall_s": 1.0}) + "\n")  # appended to
+    runs = [("first", ok, ["--a=1"]), ("slow", slow, []), ("never", ok, [])]
+    # 'slow' gets the 4 s limit; afterwards < MIN_RUN_S of the budget is left, so 'never' is skipped.
+    records = suite.run_suite(runs, str(out), timeout_s=4, budget_s=suite.MIN_RUN_S + 3)
+    assert [r["status"] for r in records] == ["ok", "timeout", "skipped"]
+    assert records[0]["result"] == {"flags": ["--a=1", "--json"], "step_s": 0.5}
+    assert records[1]["limit_s"] == 4
+    assert [r["name"] for r in suite.read_records(str(out))] == ["earlier", "first", "slow", "never"]
+    assert suite.read_records(str(out))[1:] == records
+
+
+def test_a_real_bench_step_run_and_its_table_row(suite, tmp_path):
+    (name, script, flags), = [run for run in suite.SUITES["smoke"] if run[0] == "tiny_unrolled"]
+    out = tmp_path / "smoke.jsonl"
+    suite.main(["--suite=smoke", "--only=tiny_unrolled", f"--out={out}"])
+    (record,) = suite.read_records(str(out))
+    assert record["status"] == "ok", record["stderr_tail"]
+    result = record["result"]
+    assert (result["layers"], result["seq_len"], result["batch"], result["timed_steps"]) == (2, 32, 8, 2)
+    assert result["sequences_per_s"] == pytest.approx(8 / result["step_s"])
+    # bench_step.py logged its phases to stderr: a run killed later would show the last one.
+    assert "compiled in" in record["stderr_tail"] and "done: median step" in record["stderr_tail"]
+    row = suite.table([record]).splitlines()[2].split("|")
+    assert row[1].strip() == "tiny_unrolled" and row[-2].strip() == "ok"
+    assert row[10].strip() == f"{result['step_s'] * 1e3:.1f}"
+    rate = result["sequences_per_s"]  # (the table gives 3 digits below 100 sequences/s: a loaded machine)
+    assert row[11].strip() == format(rate, ",.0f" if rate >= 100 else ".3g")
+
+
+def test_only_names_unknown_runs(suite, capsys):
+    with pytest.raises(SystemExit):
+        suite.main(["--suite=gpu", "--only=large_128,larg_512"])
+    err = capsys.readouterr().err
+    assert "larg_512" in err and "large_512_packed" in err
+
+
+def test_every_suite_run_parses_with_its_scripts_flags(suite, load_benchmark):
+    """A typo in a suite's flags would cost a device-minute; parse them all here."""
+    bench_step, bench_fp8 = load_benchmark("bench_step"), load_benchmark("bench_fp8")
+    bench_finetune = load_benchmark("bench_finetune")
+    for runs in suite.SUITES.values():
+        for name, script, flags in runs:
+            assert os.path.exists(os.path.join(ROOT, "benchmarks", script)), name
+            flags, missing = suite.fill(flags, {"minilm": "/m", "hf_python": "/py"})
+            assert not missing and not any("{" in f for f in flags), name
+            if script == "bench_finetune.py":  # its own parser alone
+                args = bench_finetune.parse(flags + ["--json"])
+                assert (args.model, args.hf_python, args.json) == ("/m", "/py", True), name
+                continue
+            if script in ("bench_optimizer.py", "bench_dropout.py"):  # own flags; the rest are bench_step's
+                own = {"--step", "--rounds", "--steps"}
+                flags = [f for f in flags if f.split("=")[0] not in own]
+            if script == "bench_fp8.py":  # its own parser, then bench_step's for the rest
+                _, args = bench_fp8.parse(flags + ["--json"])
+            else:
+                args = bench_step.parse_args(flags + ["--json"])
+            assert os.path.exists(os.path.join(ROOT, args.config)), name
+
+
+def test_the_fine_tuning_run_is_skipped_without_its_python_and_tabled_with_its_ratio(suite, tmp_path):
+    """The cpu suite's end-to-end run: skipped (and said why) without --hf_python; its record's
+    row shows both sides' wall clocks and their ratio."""
+    runs = [(n, s, f) for n, s, f in suite.SUITES["cpu"] if s == "bench_finetune.py"]
+    assert len(runs) == 1
+    records = suite.run_suite(runs, str(tmp_path / "r.jsonl"), 60, 60, values={"minilm": "/m", "hf_python": ""})
+    assert records[0]["status"] == "skipped" and "--hf_python" in records[0]["stderr_tail"]
+    result = {"benchmark": "bench_finetune", "runs": [{
+        "task": "sst2", "train_examples": 2000,
+        "bert_jax": {"wall_s": 100.0, "train_sequences_per_s": 20.0},
+        "transformers": {"wall_s": 149.0, "process_wall_s": 150.0, "train_sequences_per_s": 16.5},
+        "bert_jax_warm": {"wall_s": 60.0, "train_sequences_per_s": 20.0}}]}
+    row = suite.table([{"name": runs[0][0], "status": "ok", "wall_s": 260.0, "result": result}]).splitlines()[-1]
+    assert "ours 100 s wall, 20 training seq/s; transformers 150 s, 16.5 seq/s; wall ratio 1.50x" in row
+    assert "ours again on its compilation cache 60 s (2.50x)" in row
+    assert "--warm" in runs[0][2]
+    skipped = suite.table([{"name": runs[0][0], "status": "ok", "wall_s": 1.0,
+                            "result": {"benchmark": "bench_finetune", "skipped": "needs ../shared/data"}}])
+    assert "skipped, needs ../shared/data" in skipped

@@ -1,0 +1,607 @@
+"""Fine-tuning end to end: SST-2 through the loop (training, evaluation, the best epoch, predictions,
+resuming, a bucket), predict mode, the heads' shapes and losses; the other task families are
+tests/finetune/test_finetune_tasks.py's, the plan of a run tests/finetune/test_finetune_plan.py's.
+
+One tiny "pretrained" encoder (L=1, H=32) is saved with `bert_jax.convert` and every run loads it
+through `config.init_checkpoint`, as a user would. Runs of the same head kind share shapes and
+hyper-parameters, so XLA's persistent compilation cache (a per-module temporary folder) compiles
+each kind once: the module takes about two minutes on two CPU cores.
+"""
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+
+from flax import traverse_util
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from bert_jax import convert
+from bert_jax.finetune import heads, loop as finetune
+from bert_jax.model import model_config, modeling, pretraining_heads
+from configs import glue as glue_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WORDS = ("good bad movie film the a was is plot actor great awful very really man woman dog cat sat ran "
+         "on mat park in paris john smith acme corp went to city he she it what where who did yes no "
+         "then walks away sits down opens door eats food").split()
+ENTITIES = {"paris": "LOC", "john": "PER", "smith": "PER", "acme": "ORG", "corp": "ORG"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """Each head kind compiles once per module (same shapes and hyper-parameters -> same HLO)."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {n: getattr(jax.config, n) for n in names}
+    cache = str(tmp_path_factory.mktemp("xla_cache"))
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    yield cache
+    for n, v in before.items():
+        jax.config.update(n, v)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny encoder in bert_jax's export format and in HuggingFace's, with its vocab."""
+    root = tmp_path_factory.mktemp("pretrained")
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list(".,?!'-")) + "\n")
+    cfg = model_config.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=64)
+    params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **modeling.dummy_inputs(cfg))["params"]
+    params = nn.meta.unbox(params)
+    pretrained = convert.Pretrained(cfg, jax.tree_util.tree_map(np.asarray, params), str(vocab), True)
+    paths = {fmt: convert.save_pretrained(pretrained, str(root / fmt), fmt) for fmt in ("bert_jax", "hf")}
+    return {"vocab": str(vocab), "config": cfg, "params": pretrained.params, **paths}
+
+
+def tiny(config, task, data_dir, init, **overrides):
+    config.task = task
+    config.data_dir = str(data_dir)
+    config.init_checkpoint = init
+    config.max_seq_length = 16
+    config.global_batch_size = 8
+    config.num_train_epochs = 1
+    config.learning_rate = 1e-3
+    config.log_every_steps = 1
+    config.async_checkpointing = False
+    config.xla_backend_optimization_level = 0  # ~3x faster compiles; these models are tiny
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return config
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: the saved model applied here, outside the loop
+# ---------------------------------------------------------------------------------------------
+
+
+class Reference:
+    """A run's saved parameters (`which`: "best" or "last", through `convert.load_finetuned`)
+    applied to texts featurized here, not by the task: Google's FullTokenizer (the loop uses
+    FastTokenizer), `[CLS] a [SEP] b [SEP]` truncated as run_classifier.py's _truncate_seq_pair,
+    a word's tag read at its first piece (data_pipeline/tasks/ner.py's documented convention),
+    one unsharded `BertForTask.apply` (the loop's is jitted over the 8-device mesh)."""
+
+    ROWS = 16  # inputs are padded to a multiple of this: one compile per head kind and width
+
+    def __init__(self, work, which, vocab, max_seq_length=16):
+        from data_pipeline import tokenization
+        p = convert.load_finetuned(str(work), which)
+        assert p.task["max_seq_length"] == max_seq_length
+        self.task, self.max_len = p.task, max_seq_length
+        self.model = heads.BertForTask(p.config, p.task["head"], p.task["num_outputs"])
+        self.params = convert.model_params(p)
+        self.tokenizer = tokenization.FullTokenizer(vocab, do_lower_case=True)
+
+    def _logits(self, tokens):
+        """Logits of each token list `[CLS] ... [SEP] (... [SEP])` (segment 1 after the first [SEP])."""
+        n = len(tokens)
+        ids, mask, segments = (np.zeros((-(-n // self.ROWS) * self.ROWS, self.max_len), np.int32) for _ in range(3))
+        for i, row in enumerate(tokens):
+            assert len(row) <= self.max_len, row
+            ids[i, :len(row)] = [self.tokenizer.vocab[t] for t in row]
+            mask[i, :len(row)] = 1
+            first_sep = row.index("[SEP]")
+            segments[i, first_sep + 1:len(row)] = 1
+        out = jax.jit(self.model.apply)({"params": self.params}, ids, mask, segments)
+        return np.asarray(out["logits"])[:n]
+
+    def sentence_logits(self, pairs):
+        """[examples(, classes)] for (text_a, text_b or None) pairs."""
+        rows = []
+        for a, b in pairs:
+            a = self.tokenizer.tokenize(a)
+            b = self.tokenizer.tokenize(b) if b is not None else None
+            if b is None:
+                a = a[:self.max_len - 2]
+            else:
+                while len(a) + len(b) > self.max_len - 3:  # _truncate_seq_pair: the longer one loses its last
+                    (a if len(a) > len(b) else b).pop()
+            rows.append(["[CLS]"] + a + ["[SEP]"] + (b + ["[SEP]"] if b is not None else []))
+        return self._logits(rows)
+
+    def word_logits(self, sentences):
+        """[words, tags] per sentence (a list of words): the logits at each word's first piece."""
+        rows, firsts = [], []
+        for words in sentences:
+            pieces = [self.tokenizer.tokenize(w) for w in words]
+            assert all(pieces) and sum(map(len, pieces)) <= self.max_len - 2, words  # one row each
+            firsts.append(1 + np.cumsum([0] + [len(p) for p in pieces[:-1]]))
+            rows.append(["[CLS]"] + [t for p in pieces for t in p] + ["[SEP]"])
+        logits = self._logits(rows)
+        return [logits[i, first] for i, first in enumerate(firsts)]
+
+
+def assert_argmax(predicted, logits, labels, what, tie=1e-4):
+    """Each predicted label is `labels[argmax]` of its row of logits; where the top two are within
+    `tie` (two compilations may round them apart) either of those two is accepted."""
+    logits = np.asarray(logits).reshape(-1, len(labels))
+    predicted = np.asarray(predicted).reshape(-1)
+    assert len(predicted) == len(logits), (what, len(predicted), len(logits))
+    top2 = np.argsort(-logits, axis=-1)[:, :2]
+    for i, (p, row, (first, second)) in enumerate(zip(predicted, logits, top2)):
+        allowed = {labels[first]} | ({labels[second]} if row[first] - row[second] < tie else set())
+        assert p in allowed, (what, i, p, labels[first], row.tolist())
+
+
+# ---------------------------------------------------------------------------------------------
+# GLUE
+# ---------------------------------------------------------------------------------------------
+
+
+def sentiment(rng, n):
+    """'good' -> 1, 'bad' -> 0, among filler words: learnable from one token."""
+    rows = []
+    for i in range(n):
+        words = list(rng.choice(WORDS[2:10], 5))
+        words.insert(rng.randint(6), "good" if i % 2 else "bad")
+        rows.append((" ".join(words), i % 2))
+    return rows
+
+
+def sst2_files(root):
+    rng = np.random.RandomState(0)
+    folder = root / "glue" / "SST-2"
+    folder.mkdir(parents=True)
+    for split, n in (("train", 64), ("dev", 16)):
+        (folder / f"{split}.tsv").write_text(
+            "sentence\tlabel\n" + "".join(f"{s} \t{l}\n" for s, l in sentiment(rng, n)))
+    # Test ids out of row order: a submission numbered by row, or off by one, maps rows to other examples.
+    (folder / "test.tsv").write_text("index\tsentence\n" + "".join(
+        f"{i}\t{s}\n" for i, (s, _) in zip(SST2_TEST_IDS, sentiment(rng, 5))))
+    return root / "glue"
+
+
+SST2_TEST_IDS = ("3", "0", "4", "1", "2")
+
+
+def sst2_config(data, checkpoint):
+    return tiny(glue_config.get_config(), "sst2", data, checkpoint["bert_jax"],
+                num_train_epochs=6, learning_rate=1e-2, global_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def sst2_run(tmp_path_factory, checkpoint):
+    """An uninterrupted 6-epoch run on a toy sentiment task (learnable from one word)."""
+    root = tmp_path_factory.mktemp("sst2")
+    data = sst2_files(root)
+    work = root / "work"
+    return data, work, finetune.run(sst2_config(data, checkpoint), str(work))
+
+
+def test_sst2_learns_and_writes_everything(sst2_run, checkpoint):
+    data, work, results = sst2_run
+    history = read_json(work / "eval_history.json")
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"]
+    assert results["accuracy"] >= 0.9 and results["score"] == results["accuracy"]
+    assert read_json(work / "eval_results.json") == results
+    assert results["best_epoch"] == max(history, key=lambda h: h["accuracy"])["epoch"]
+    assert results["best_epoch_score"] == max(h["score"] for h in history)
+    # Predictions (last epoch and best epoch), GLUE server file, model files, checkpoints, TensorBoard.
+    dev = list(csv.reader(open(work / "sst2_dev_predictions.tsv"), delimiter="\t"))
+    assert dev[0] == ["index", "prediction", "label"] and len(dev) == 17
+    assert os.path.exists(work / "best_predictions" / "sst2_dev_predictions.tsv")
+    server = (work / "SST-2.tsv").read_text().splitlines()
+    assert server[0] == "index\tprediction" and len(server) == 6
+    assert all(line.split("\t")[1] in ("0", "1") for line in server[1:])
+    assert sorted(os.listdir(work / "checkpoints")) == ["24"]
+    assert len(os.listdir(work / "best")) == 1
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(work))
+    assert convert.load_config(str(work)) == checkpoint["config"]
+    # The fine-tuned workdir is itself a checkpoint: its encoder loads, the head is reported.
+    loaded = convert.load_pretrained(str(work))
+    assert loaded.task_head == "classification" and loaded.finetuned == "best" and "head" in loaded.params
+    assert not np.allclose(loaded.params["bert"]["pooler"]["dense"]["kernel"],
+                           checkpoint["params"]["bert"]["pooler"]["dense"]["kernel"])
+    # Against references outside the loop: gold from the dev.tsv written above, predictions of the
+    # saved parameters (last: the last epoch's file and the submission; best: best_predictions/)
+    # applied by `Reference`, accuracy from scikit-learn.
+    from sklearn import metrics as skm
+    dev = [line.split("\t") for line in (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
+    test = [line.split("\t") for line in (data / "SST-2" / "test.tsv").read_text().splitlines()[1:]]
+    last, best = (Reference(work, which, checkpoint["vocab"]) for which in ("last", "best"))
+    for reference, path, accuracy in ((last, work / "sst2_dev_predictions.tsv", results["accuracy"]),
+                                      (best, work / "best_predictions" / "sst2_dev_predictions.tsv",
+                                       results["best_epoch_score"])):
+        rows = tsv_rows(path)
+        assert [r["index"] for r in rows] == [str(i) for i in range(16)]  # no id column: the row number
+        assert [r["label"] for r in rows] == [label for _, label in dev]
+        predicted = [r["prediction"] for r in rows]
+        assert_argmax(predicted, reference.sentence_logits([(s, None) for s, _ in dev]), ["0", "1"], str(path))
+        assert accuracy == pytest.approx(skm.accuracy_score([label for _, label in dev], predicted), abs=1e-9)
+    # The server file: the test file's ids in its order, each with the prediction for that id's sentence.
+    server = tsv_rows(work / "SST-2.tsv")
+    assert [r["index"] for r in server] == [i for i, _ in test] == list(SST2_TEST_IDS)
+    by_id = dict(test)
+    assert_argmax([r["prediction"] for r in server],
+                  last.sentence_logits([(by_id[r["index"]], None) for r in server]), ["0", "1"], "SST-2.tsv")
+    assert len({r["prediction"] for r in server}) == 2  # both labels: a row mix-up shows
+
+
+def predict_config(work, path, **overrides):
+    config = glue_config.get_config()
+    config.mode = "predict"
+    config.predict_input = str(path)
+    config.predict_output_dir = str(work / "predict_out")
+    config.global_batch_size = 8
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return config
+
+
+def tsv_rows(path):
+    return list(csv.DictReader(open(path, encoding="utf-8"), delimiter="\t"))
+
+
+def test_the_loop_starts_from_the_checkpoint_and_a_fresh_head(tmp_path, checkpoint):
+    """At learning rate 0 nothing moves, so the saved state is the initial one: the encoder is the
+    checkpoint's bit for bit, the head flax's initialization from the first half of the seed's key
+    (the loop compiles the head's initialization alone; the encoder's is dead code there)."""
+    config = sst2_config(sst2_files(tmp_path), checkpoint)
+    config.learning_rate, config.num_train_epochs = 0.0, 1
+    finetune.run(config, str(tmp_path / "work"))
+    saved = convert.load_finetuned(str(tmp_path / "work"), "last")
+    flat = lambda tree: {k: np.asarray(v) for k, v in traverse_util.flatten_dict(tree).items()}  # noqa: E731
+    encoder = flat(saved.params["bert"])
+    assert encoder.keys() == flat(checkpoint["params"]["bert"]).keys()
+    for key, value in flat(checkpoint["params"]["bert"]).items():
+        np.testing.assert_array_equal(encoder[key], value, err_msg=str(key))
+    model = heads.BertForTask(checkpoint["config"], "classification", 2)
+    dummy = heads.dummy_batch("classification", config.max_seq_length)
+    fresh = nn.meta.unbox(model.init(jax.random.split(jax.random.key(config.seed))[0],
+                                     *(dummy[k] for k in heads.MODEL_INPUTS))["params"])
+    head = flat(saved.params["head"])
+    assert head.keys() == flat(fresh["head"]).keys() and len(head) == 2  # kernel, bias
+    for key, value in flat(fresh["head"]).items():  # another program's truncated normal: an ulp apart
+        np.testing.assert_allclose(head[key], value, rtol=0, atol=1e-8, err_msg=str(key))
+    assert np.abs(head[("output", "kernel")]).max() > 0.01  # drawn (stddev 0.02), not zeros
+
+
+def test_predict_mode_gives_the_loops_predictions_from_text_or_the_tasks_files(sst2_run, tmp_path):
+    from bert_jax.finetune import predict
+    data, work, _ = sst2_run
+    description = read_json(work / "task.json")
+    assert description == {"task": "sst2", "head": "classification", "num_outputs": 2, "labels": ["0", "1"],
+                           "max_seq_length": 16, "task_options": {}}
+    history = read_json(work / "eval_history.json")
+    best = max(history, key=lambda h: h["score"])
+    # The dev file in the task's format (labelled): the best epoch's predictions and score, as the
+    # loop wrote them when that epoch was evaluated.
+    out = predict.run(predict_config(tmp_path, data / "SST-2" / "dev.tsv"), str(work))
+    assert out["format"] == "task" and out["examples"] == 16
+    assert out["scores"]["accuracy"] == pytest.approx(best["accuracy"], abs=1e-9)
+    rows = tsv_rows(tmp_path / "predict_out" / "sst2_dev_predictions.tsv")
+    loop = tsv_rows(work / "best_predictions" / "sst2_dev_predictions.tsv")
+    assert [r["prediction"] for r in rows] == [r["prediction"] for r in loop]
+    assert [r["label"] for r in rows] == [line.split("\t")[1] for line in
+                                          (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
+    # The same sentences as plain text, one a line (and a blank line): the same predictions,
+    # numbered by line, no labels and no scores.
+    sentences = [line.split("\t")[0] for line in (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
+    text = tmp_path / "new reviews.txt"
+    text.write_text("\n".join(sentences[:3] + [""] + sentences[3:]) + "\n")
+    out = predict.run(predict_config(tmp_path, text), str(work))
+    assert out["format"] == "text" and "scores" not in out
+    rows = tsv_rows(tmp_path / "predict_out" / "sst2_new_reviews_predictions.tsv")
+    assert [r["index"] for r in rows] == ["1", "2", "3"] + [str(i) for i in range(5, 18)]
+    assert [r["prediction"] for r in rows] == [r["prediction"] for r in loop]
+    assert all(r["label"] == "" for r in rows)
+    # params=last: the last epoch's state, whose predictions the loop wrote into the workdir.
+    out = predict.run(predict_config(tmp_path, data / "SST-2" / "dev.tsv", predict_params="last"), str(work))
+    assert out["scores"]["accuracy"] == pytest.approx(history[-1]["accuracy"], abs=1e-9)
+    rows = tsv_rows(tmp_path / "predict_out" / "sst2_dev_predictions.tsv")
+    assert [r["prediction"] for r in rows] == [r["prediction"] for r in tsv_rows(work / "sst2_dev_predictions.tsv")]
+    # A line that does not fit the task names the file and line; a pretraining workdir is refused.
+    bad = tmp_path / "pairs.txt"
+    bad.write_text("a good film\nthe plot\tthe actor\n")
+    with pytest.raises(ValueError, match=r"pairs.txt: row 2: 2 tab-separated fields, expected 1"):
+        predict.run(predict_config(tmp_path, bad), str(work))
+    with pytest.raises(FileNotFoundError, match="task.json not found"):
+        predict.run(predict_config(tmp_path, text), str(tmp_path))
+
+
+def test_fine_tuning_in_a_bucket_writes_what_a_local_run_writes(bucket, sst2_run, checkpoint, monkeypatch,
+                                                               tmp_path):
+    """Data, the pretrained checkpoint and the workdir in Cloud Storage (the emulator of
+    tests/conftest.py): the same results and the same files as the local run, in the bucket."""
+    from data_pipeline import storage
+    data, work, results = sst2_run
+    monkeypatch.setenv("BERT_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    storage.copy_tree(str(data), f"{bucket}/glue")
+    storage.copy_tree(checkpoint["bert_jax"], f"{bucket}/pretrained")
+    gs_work = f"{bucket}/work"
+    got = finetune.run(sst2_config(f"{bucket}/glue", {**checkpoint, "bert_jax": f"{bucket}/pretrained"}), gs_work)
+    assert got == results  # the same floats
+    for rel in ("eval_results.json", "eval_history.json", "sst2_dev_predictions.tsv", "SST-2.tsv",
+                "best_predictions/sst2_dev_predictions.tsv", "bert_config.json", "vocab.txt", "tokenizer_config.json"):
+        assert storage.read_bytes(f"{gs_work}/{rel}") == (work / rel).read_bytes(), rel
+    assert [n for n in storage.listdir(f"{gs_work}/checkpoints") if n.isdigit()] == ["24"]
+    assert len([n for n in storage.listdir(f"{gs_work}/best") if n.isdigit()]) == 1
+    assert any(name.startswith("events.out.tfevents") for name in storage.listdir(gs_work))
+    # The fine-tuned workdir in the bucket is a checkpoint too: the same encoder as the local one.
+    np.testing.assert_array_equal(
+        convert.load_pretrained(gs_work).params["bert"]["pooler"]["dense"]["kernel"],
+        convert.load_pretrained(str(work)).params["bert"]["pooler"]["dense"]["kernel"])
+
+
+def test_a_resume_under_another_jax_is_refused(tmp_path, sst2_run, checkpoint, monkeypatch):
+    """The finished run's last state, resumed where jax seems upgraded: refused before training,
+    naming the checkpoint's version and the installed one (bert_jax/versions.py)."""
+    import shutil
+
+    from bert_jax import versions
+    from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError
+    data, work, _ = sst2_run
+    saved = versions.installed()
+    monkeypatch.setattr(versions, "installed", lambda: {**saved, "jax": "99.0"})
+    shutil.copytree(work, tmp_path / "work")
+    with pytest.raises(CheckpointRestoreError, match=re.escape(f"jax {saved['jax']} (installed: 99.0)")):
+        finetune.run(sst2_config(data, checkpoint), str(tmp_path / "work"))
+
+
+def test_resume_after_sigterm_mid_epoch(tmp_path, sst2_run, checkpoint, monkeypatch):
+    """SIGTERM at step 6 (mid epoch 2) saves and exits; the rerun resumes there and ends exactly
+    where the uninterrupted run ended (same batches, same dropout keys)."""
+    import signal
+
+    from bert_jax.training import sharding
+    data, _, uninterrupted = sst2_run
+    calls = {"n": 0}
+    to_global = sharding.to_global
+
+    def signalling(batch, mesh):
+        calls["n"] += 1
+        if calls["n"] == 7:  # 4 training batches, 1 eval batch, then the 2nd batch of epoch 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return to_global(batch, mesh)
+
+    work = tmp_path / "work"
+    monkeypatch.setattr(sharding, "to_global", signalling)
+    finetune.run(sst2_config(data, checkpoint), str(work))
+    monkeypatch.setattr(sharding, "to_global", to_global)
+    assert sorted(os.listdir(work / "checkpoints")) == ["6"] and not (work / "eval_results.json").exists()
+    resumed = finetune.run(sst2_config(data, checkpoint), str(work))
+    for key in ("loss", "accuracy", "step", "best_epoch"):
+        assert resumed[key] == uninterrupted[key], key
+    assert [h["loss"] for h in read_json(work / "eval_history.json")] == [
+        h["loss"] for h in read_json(sst2_run[1] / "eval_history.json")]
+    # A finished workdir: the rerun trains nothing and reports the same results.
+    assert finetune.run(sst2_config(data, checkpoint), str(work)) == resumed
+
+    # Killed without warning during step 8 (mid epoch 2) with checkpoint_every_steps=3: the run
+    # resumes from step 6, saved mid-epoch, and still ends where the uninterrupted run ended.
+    class Killed(Exception):
+        pass
+
+    calls["n"] = 0
+
+    def dying(batch, mesh):
+        calls["n"] += 1
+        if calls["n"] == 9:  # 4 + 1 eval + 4: the 4th batch of epoch 2 (step 8)
+            raise Killed
+        return to_global(batch, mesh)
+
+    config = sst2_config(data, checkpoint)
+    config.checkpoint_every_steps = 3
+    work = tmp_path / "killed"
+    monkeypatch.setattr(sharding, "to_global", dying)
+    with pytest.raises(Killed):
+        finetune.run(config, str(work))
+    monkeypatch.setattr(sharding, "to_global", to_global)
+    assert sorted(os.listdir(work / "checkpoints")) == ["6"]
+    again = finetune.run(config, str(work))
+    for key in ("loss", "accuracy", "step", "best_epoch"):
+        assert again[key] == uninterrupted[key], key
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_train_epochs", 0, "config.num_train_epochs=0"),
+    ("warmup_proportion", 1.5, "config.warmup_proportion=1.5"),
+    ("checkpoint_every_steps", -1, "config.checkpoint_every_steps=-1"),
+    ("learning_rate", -1e-3, "config.learning_rate=-0.001 must not be negative"),
+    ("global_batch_size", 0, "config.global_batch_size=0 must be at least 1"),
+    ("eval_batch_size", -4, "config.eval_batch_size=-4 must be at least 1"),
+])
+def test_bad_schedule_settings_name_the_fine_tuning_field(tmp_path, checkpoint, field, value, message):
+    config = sst2_config(sst2_files(tmp_path), checkpoint)
+    config[field] = value
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        finetune.run(config, str(tmp_path / "work"))
+    assert not (tmp_path / "work" / "checkpoints").exists()
+
+
+TEST_IDS = ("2", "0", "1")  # GLUE test rows' ids, out of row order: a submission numbered by row shows
+
+def glue_files(folder, task, rng, n_train=8, n_dev=8):
+    """Tiny GLUE folders in the distributed formats (random words; labels valid).
+
+    Returns what it wrote, the tests' gold: split -> [(id, text_a, text_b, label)], the id being
+    the row's index/id column or else its row number, the label None in test splits. STS-B's
+    first sentence ends in "good" (score 4-5) or "bad" (0-1): learnable, so that a few epochs
+    spread its predictions far beyond float32 rounding.
+    """
+
+    def text():
+        return " ".join(rng.choice(WORDS, rng.randint(2, 7)))
+
+    os.makedirs(folder, exist_ok=True)
+    written = {}
+
+    def w(name, header, split, records, line):
+        written[split] = records
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            f.write(header + "".join(line(*r) for r in records))
+
+    labelled = (("train", n_train), ("dev", n_dev))
+    if task == "cola":  # no header in train/dev
+        for split, n in labelled:
+            w(f"{split}.tsv", "", split, [(str(i), text(), None, str(i % 2)) for i in range(n)],
+              lambda i, a, b, l: f"gj04\t{l}\t{'' if l == '1' else '*'}\t{a}\n")
+        w("test.tsv", "index\tsentence\n", "test", [(i, text(), None, None) for i in TEST_IDS],
+          lambda i, a, b, l: f"{i}\t{a}\n")
+    elif task == "mrpc":
+        for split, n in labelled:
+            w(f"{split}.tsv", "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n", split,
+              [(str(i), text(), text(), str(i % 2)) for i in range(n)],
+              lambda i, a, b, l: f"{l}\t{i}\t{int(i) + 100}\t{a}\t{b}\n")
+        w("test.tsv", "index\t#1 ID\t#2 ID\t#1 String\t#2 String\n", "test",
+          [(i, text(), text(), None) for i in TEST_IDS], lambda i, a, b, l: f"{i}\t1\t2\t{a}\t{b}\n")
+    elif task == "stsb":
+        head = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"
+        row = lambda i, a, b: f"{i}\tg\tf\t2012\t{i}\tnone\tnone\t{a}\t{b}"
+        for split, n in labelled:
+            w(f"{split}.tsv", head + "\tscore\n", split,
+              [(str(i), f"{text()} {'good' if i % 2 else 'bad'}", text(), float(f"{4 * (i % 2) + rng.rand():.3f}"))
+               for i in range(n)], lambda i, a, b, l: f"{row(i, a, b)}\t{l:.3f}\n")
+        w("test.tsv", head + "\n", "test",
+          [(i, f"{text()} {'good' if int(i) % 2 else 'bad'}", text(), None) for i in TEST_IDS],
+          lambda i, a, b, l: row(i, a, b) + "\n")
+    elif task == "qqp":
+        for split, n in labelled:
+            w(f"{split}.tsv", "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n", split,
+              [(str(i), f"{text()}?", f"{text()}?", str(i % 2)) for i in range(n)],
+              lambda i, a, b, l: f"{i}\t1\t2\t{a}\t{b}\t{l}\n")
+        w("test.tsv", "id\tquestion1\tquestion2\n", "test", [(i, text(), text(), None) for i in TEST_IDS],
+          lambda i, a, b, l: f"{i}\t{a}\t{b}\n")
+    elif task == "mnli":
+        labels = ("contradiction", "entailment", "neutral")
+        head = "index\tpromptID\tpairID\tgenre\ts1bp\ts2bp\ts1p\ts2p\tsentence1\tsentence2"
+        line = lambda i, a, b, extra: f"{i}\t1\t1a\tfiction\t()\t()\t()\t()\t{a}\t{b}{extra}\n"
+        w("train.tsv", head + "\tlabel1\tgold_label\n", "train",
+          [(str(i), text(), text(), labels[i % 3]) for i in range(n_train)],
+          lambda i, a, b, l: line(i, a, b, f"\t{l}\t{l}"))
+        for split in ("dev_matched", "dev_mismatched"):
+            w(f"{split}.tsv", head + "\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label\n", split,
+              [(str(i), text(), text(), labels[i % 3]) for i in range(n_dev)],
+              lambda i, a, b, l: line(i, a, b, "\tneutral" * 5 + f"\t{l}"))
+        for split in ("test_matched", "test_mismatched"):
+            w(f"{split}.tsv", head + "\n", split, [(i, text(), text(), None) for i in TEST_IDS],
+              lambda i, a, b, l: line(i, a, b, ""))
+        os.makedirs(os.path.join(folder, "..", "diagnostic"), exist_ok=True)
+        w(os.path.join("..", "diagnostic", "diagnostic.tsv"), "index\tsentence1\tsentence2\n", "test_ax",
+          [(i, text(), text(), None) for i in TEST_IDS], lambda i, a, b, l: f"{i}\t{a}\t{b}\n")
+    else:  # qnli, rte, wnli
+        cols = {"qnli": ("question", "sentence"), "rte": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2")}[task]
+        labels = {"qnli": ("entailment", "not_entailment"), "rte": ("entailment", "not_entailment"), "wnli": ("0", "1")}[task]
+        for split, n in labelled:
+            w(f"{split}.tsv", f"index\t{cols[0]}\t{cols[1]}\tlabel\n", split,
+              [(str(i), text(), text(), labels[i % 2]) for i in range(n)], lambda i, a, b, l: f"{i}\t{a}\t{b}\t{l}\n")
+        w("test.tsv", f"index\t{cols[0]}\t{cols[1]}\n", "test", [(i, text(), text(), None) for i in TEST_IDS],
+          lambda i, a, b, l: f"{i}\t{a}\t{b}\n")
+    return written
+
+
+def test_main_second_run_loads_its_programs(tmp_path, checkpoint):
+    """`python -m bert_jax.main` twice, the same run: the first compiles its programs into
+    config.compilation_cache's "auto" folder ($BERT_JAX_CACHE_DIR/xla), the second loads every one
+    of them from there, and its results are the first's to the bit."""
+    glue_files(tmp_path / "data" / "RTE", "rte", np.random.RandomState(6))
+    env = dict(os.environ, BERT_JAX_CACHE_DIR=str(tmp_path / "cache"))
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        env.pop(name, None)
+    runs = []
+    for n in range(2):
+        work = tmp_path / f"work{n}"
+        cmd = [sys.executable, "-m", "bert_jax.main", "--config=configs/glue.py", "--config.task=rte",
+               f"--config.data_dir={tmp_path / 'data'}", f"--config.init_checkpoint={checkpoint['bert_jax']}",
+               f"--workdir={work}", "--config.max_seq_length=16", "--config.global_batch_size=8",
+               "--config.num_train_epochs=1", "--config.learning_rate=1e-3", "--config.log_every_steps=1",
+               "--config.async_checkpointing=false", "--config.xla_backend_optimization_level=0"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"compilation cache: {tmp_path / 'cache' / 'xla'} (config.compilation_cache=auto" in proc.stderr
+        loaded = re.search(r"compilation cache: (\d+) of (\d+) programs loaded from it", proc.stderr)
+        assert loaded, proc.stderr[-3000:]
+        runs.append(dict(hits=int(loaded[1]), programs=int(loaded[2]), results=read_json(work / "eval_results.json"),
+                         predictions=(work / "RTE.tsv").read_text()))
+    first, second = runs
+    assert "accuracy" in first["results"]
+    assert first["hits"] == 0 and first["programs"] >= 3  # init, training, evaluation at least
+    assert second["hits"] == second["programs"] == first["programs"]
+    assert second["results"] == first["results"]
+    assert second["predictions"] == first["predictions"]
+
+
+@pytest.mark.parametrize("head,outputs,shape", [
+    ("classification", 3, {"logits": (2, 3)}),
+    ("regression", 1, {"logits": (2,)}),
+    ("span", 2, {"start_logits": (2, 8), "end_logits": (2, 8)}),
+    ("token", 5, {"logits": (2, 8, 5)}),
+    ("multiple_choice", 4, {"logits": (2, 4)}),
+])
+def test_heads_shapes_and_losses(head, outputs, shape, checkpoint):
+    cfg = checkpoint["config"]
+    model = heads.BertForTask(cfg, head, outputs)
+    dummy = heads.dummy_batch(head, 8, outputs)
+    params = nn.meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(1), *dummy.values())["params"]))
+    assert set(params) == {"bert", "head"}
+    assert jax.tree_util.tree_structure(params["bert"]) == jax.tree_util.tree_structure(checkpoint["params"]["bert"])
+    ids = jax.ShapeDtypeStruct((2,) + dummy["input_ids"].shape[1:], np.int32)
+    out = jax.eval_shape(lambda p, x: model.apply({"params": p}, x, x, x), params, ids)
+    assert {k: v.shape for k, v in out.items()} == shape
+    rng = np.random.RandomState(0)
+    out = {k: rng.randn(*v.shape).astype(np.float32) for k, v in out.items()}
+    labels = {"label": np.array([1, 0]) if head != "regression" else np.array([1.5, 2.0], np.float32),
+              "start_positions": np.array([1, 2]), "end_positions": np.array([3, 2]),
+              "label_ids": np.ones((2, 8), np.int32), "label_weights": np.ones((2, 8), np.float32)}
+    batch = {k: labels[k] for k in heads.LABEL_KEYS[head]}
+    # Row 1 padding (weight 0): the sums are row 0's alone.
+    sums = heads.loss_sums(head, out, dict(batch, weight=np.array([1.0, 0.0], np.float32)))
+    one = heads.loss_sums(head, {k: v[:1] for k, v in out.items()},
+                          dict({k: v[:1] for k, v in batch.items()}, weight=np.ones(1, np.float32)))
+    np.testing.assert_allclose(sums["loss_sum"], one["loss_sum"], rtol=1e-6)
+    np.testing.assert_allclose(sums["weight"], one["weight"])
+    assert ("correct" in sums) == (head != "regression")  # no train/accuracy logged for a score
+    # An independent numpy loss for row 0.
+    def xent(logits, label):
+        logits = logits - logits.max()
+        return float(np.log(np.exp(logits).sum()) - logits[label])
+    expected = {
+        "classification": lambda: xent(out["logits"][0], 1),
+        "multiple_choice": lambda: xent(out["logits"][0], 1),
+        "regression": lambda: (out["logits"][0] - 1.5) ** 2,
+        "span": lambda: 0.5 * (xent(out["start_logits"][0], 1) + xent(out["end_logits"][0], 3)),
+        "token": lambda: sum(xent(out["logits"][0, i], 1) for i in range(8)),
+    }[head]()
+    np.testing.assert_allclose(float(sums["loss_sum"]), expected, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Google's recipe: run_classifier.py / run_squad.py's optimizer, schedule and number of steps
+# ---------------------------------------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""bert_jax.plan: the pod planner on a compiled program (libtpu, no TPU), and its recipe arithmetic.
+
+The compile test plans the test-sized model on a v5e 2x2 slice and checks what the planner read
+from the program against what the model says it must be (the gradient all-reduce carries every
+parameter), and the projection against the stated model computed by hand from those readings.
+Skips without libtpu, except in CI (`.ci/run` installs it, BERT_JAX_CI=1).
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bert_jax import plan
+
+ROOT = Path(__file__).resolve().parents[2]
+_MISSING = None if importlib.util.find_spec("libtpu") else "libtpu not installed (pip install 'libtpu==0.0.42.*')"
+
+
+def _need_libtpu():
+    if _MISSING and os.environ.get("BERT_JAX_CI"):
+        pytest.fail(_MISSING, pytrace=False)
+    if _MISSING:
+        pytest.skip(_MISSING)
+
+
+PARAMS_SCRIPT = """
+import json, jax, numpy as np, flax.linen as nn
+from bert_jax import plan
+from bert_jax.model import modeling, pretraining_heads
+config, bc = plan.load_config("configs/test.py", 64, "bfloat16")
+params = jax.eval_shape(lambda: pretraining_heads.BertForPreTraining(bc).init(jax.random.key(0), **modeling.dummy_inputs(bc)))
+print(json.dumps({"params": int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(nn.meta.unbox(params)))),
+                  "hidden": bc.hidden_size, "vocab": bc.vocab_size}))
+"""
+
+
+def test_plan_a_v5e_2x2_slice(tmp_path):
+    _need_libtpu()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "bert_jax.plan", "--config=configs/test.py", "--topology=v5e-4",
+                        "--mesh=data,fsdp,tensor", "--seq_len=64", "--batch_per_chip=4", f"--json={out}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    data, fsdp, tensor = report["plans"]
+    assert (data["mesh"], tensor["mesh"]) == ({"data": 4, "fsdp": 1, "tensor": 1}, {"data": 1, "fsdp": 1, "tensor": 4})
+    assert data["global_batch"] == 16 and tensor["global_batch"] == 4 and data["flop_count_loops"] == 0
+    assert data["flop_count_slice"] == fsdp["flop_count_slice"] == "v5e:2x2"
+
+    # Data parallel: the gradient all-reduce carries every parameter once, plus the tied word
+    # embedding's decoder half (the MLM decoder's gradient is reduced apart from the lookup's,
+    # at the padded vocabulary) and a few scalars (loss sums).
+    model = json.loads(subprocess.run([sys.executable, "-c", PARAMS_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                                      text=True, check=True).stdout.splitlines()[-1])
+    padded_vocab = -(-model["vocab"] // 128) * 128
+    assert set(data["comm"]) == {"all-reduce"}
+    extra = data["comm"]["all-reduce"]["elements"] - model["params"] - padded_vocab * model["hidden"]
+    assert 0 <= extra <= 16, extra
+    # FSDP: every parameter gathered at least once (forward), at most three times (again for the
+    # backward, and the tied embedding for both its uses); a collective counted once per
+    # iteration of a loop it was only sunk into would break the upper bound.
+    gathered = fsdp["comm"]["all-gather"]["elements"]
+    assert model["params"] <= gathered <= 3 * (model["params"] + padded_vocab * model["hidden"]), gathered
+
+    # The projection, by hand from what the planner read: v5e 2x2 has no wraparound (axes of 2),
+    # 5e10 B/s per link; an all-reduce over both axes, buffer in 2 parts, each 1/2 then 1/4 of
+    # its part per axis, twice (reduce-scatter + all-gather), 1 us per ring step.
+    ar = data["comm"]["all-reduce"]
+    expected = 2 * (ar["bytes"] / 2) * (1 / 2 + 1 / 4) / 5e10 + ar["executions"] * 2 * 2 * 1e-6
+    assert data["comm_s"] == pytest.approx(expected, rel=1e-9)
+    for row in (data, fsdp, tensor):
+        assert row["compute_s"] == pytest.approx(row["xla_flops"] / 197e12)
+        assert row["memory_s"] == pytest.approx(row["hbm_bytes"] / 819e9)
+        # The step reads and writes the float32 parameters and both Adam moments at least once
+        # (wherever the compiler keeps them).
+        assert row["hbm_bytes"] + row["on_chip_bytes"] >= 6 * 4 * model["params"] / (1 if row is data else 4)
+        core = row["compute_s"] + row["memory_s"]
+        assert row["step_s"] == pytest.approx(max(core, row["comm_s"]) + row["comm_s"] / 2)
+        assert row["step_s_no_overlap"] == pytest.approx(core + row["comm_s"])
+        assert row["sequences_per_s"] == pytest.approx(row["global_batch"] / row["step_s"])
+        a = row["achieved"]
+        assert row["step_s_calibrated"] == pytest.approx(max(core / a, row["comm_s"]) + row["comm_s"] / 2)
+        assert row["sequences_per_s_calibrated"] == pytest.approx(row["global_batch"] / row["step_s_calibrated"])
+        assert 0 < row["mfu"] < 1 and row["xla_flops"] >= row["model_flops"]
+    # Tensor parallel: activations reduced inside the 4-chip group, which grow with the batch.
+    assert tensor["batch_comm_s"] > 0 and data["batch_comm_s"] == 0
+    assert report["recommended"]["64"]["v5e-4"] in ("data", "tensor")
+
+
+def row(**kw):
+    base = {"slice": "v4-16", "chips": 8, "mesh_kind": "data", "seq_len": 128, "batch_per_chip": 32,
+            "global_batch": 256, "compute_s": 0.08, "memory_s": 0.04, "hbm_bytes": 4e10, "fixed_bytes": 1e10,
+            "hbm_bw": 1e12, "comm_s": 0.03, "batch_comm_s": 0.0, "layers": 24, "sequences_per_s": 1000.0}
+    base.update(kw)
+    return base
+
+
+def test_scaled_step_and_recipes_by_hand():
+    r = row()
+    # half the rows: compute 0.04, traffic 1e10 + 3e10/2 = 2.5e10 -> 0.025 s, comm fixed 0.03
+    # overlap: max(0.065, 0.03) + 0.03/24
+    assert plan.scaled_step_s(r, 16) == pytest.approx(0.065 + 0.03 / 24)
+    assert plan.scaled_step_s(r, 16, overlap=False) == pytest.approx(0.065 + 0.03)
+    tp = row(mesh_kind="tensor", batch_comm_s=0.02)  # activation collectives scale with the rows
+    assert plan.scaled_step_s(tp, 64, overlap=False) == pytest.approx(0.16 + 0.07 + 0.05)
+
+    phases = [{"seq_len": 128, "steps": 1000, "batch": 512}, {"seq_len": 512, "steps": 100, "batch": 64}]
+    rows = {128: [row(), row(mesh_kind="fsdp", sequences_per_s=900.0)],
+            512: [row(seq_len=512, batch_per_chip=8, global_batch=64, sequences_per_s=300.0)]}
+    (entry,) = plan.recipe_plan("toy", phases, rows)
+    p1, p2 = entry["phases"]
+    # phase 1: 512 rows over 8 chips = 64 per chip, 32 fit: 2 passes of 32 (accumulation)
+    assert (p1["mesh"], p1["batch_per_chip"], p1["accumulation"]) == ("data", 64, 2)
+    assert p1["step_s"] == pytest.approx(2 * plan.scaled_step_s(rows[128][0], 32))
+    assert (p2["batch_per_chip"], p2["accumulation"]) == (8, 1)
+    assert entry["wall_s"] == pytest.approx(1000 * p1["step_s"] + 100 * p2["step_s"])
+    assert entry["chip_hours"] == pytest.approx(entry["wall_s"] * 8 / 3600)
+    # calibrated: compute and traffic at planning.chips.ACHIEVED of the peaks, the collectives not
+    from bert_jax.planning import chips
+    a = chips.ACHIEVED
+    assert plan.scaled_step_s(r, 16, achieved=a) == pytest.approx(max(0.065 / a, 0.03) + 0.03 / 24)
+    # both phases' programs at their own batch: core 0.08 + 0.04 = 0.12 s, at a of the peaks; 2 passes at 128
+    assert entry["calibrated"]["wall_s"] == pytest.approx((1000 * 2 + 100) * (max(0.12 / a, 0.03) + 0.03 / 24))
+
+    small = [{"seq_len": 128, "steps": 10, "batch": 4}]  # 4 rows over 8 chips: impossible
+    (entry,) = plan.recipe_plan("tiny", small, {128: [row()]})
+    assert "under one row per chip" in entry["error"]
+
+
+def test_a_data_parallel_plan_counts_flops_on_the_chips_4_chip_slice():
+    from bert_jax.planning import chips
+
+    for name, want in (("v4-2048", "v4:2x2x1"), ("v5p-16", "v5p:2x2x1"), ("v5e-256", "v5e:2x2"), ("v6e-8", "v6e:2x2")):
+        small = chips.smallest_slice(chips.parse_slice(name))
+        assert (small.topology_name, small.chips) == (want, 4)
+        again = chips.parse_slice(small.name)  # a name aot.slice_devices takes
+        assert (again.dims, again.chip) == (small.dims, small.chip)
+
+
+def test_bad_flags_name_the_flag(capsys):
+    for argv, message in ((["--topology=v4-7"], "TensorCores"), (["--topology=v9-8"], "expected e.g."),
+                          (["--topology=v5e-12"], "no standard TPU v5e shape of 12 chips"),
+                          (["--mesh=pipeline"], "unknown mesh"), (["--recipes=paper"], "needs --seq_len"),
+                          (["--config=nope.py"], "no such file")):
+        with pytest.raises(SystemExit):
+            plan.parse_args(argv)
+        assert message in capsys.readouterr().err
+    for argv, message in ((["--config.model.attention_imp=dot_product"], "nearest: config.model.attention_impl"),
+                          (["--config.model.num_hidden_layers=two"], "expected an integer"),
+                          (["--config.model.scan_layers=false"], "the planner sets it"),
+                          (["--config.max_seq_length=512"], "--seq_len"), (["--bogus=1"], "unrecognized")):
+        with pytest.raises(SystemExit):
+            plan.parse_args(argv)
+        assert message in capsys.readouterr().err
+    r = subprocess.run([sys.executable, "-m", "bert_jax.plan", "--topology=v4-7"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--topology 'v4-7'" in r.stderr and "TensorCores" in r.stderr
+
+
+def test_config_overrides_reach_the_planned_model():
+    """`--config.key=value` as bert_jax.main takes it: parsed as the field's type, applied before
+    the planner's own settings (dtype, length, scanned layers)."""
+    args = plan.parse_args(["--config=configs/test.py", "--config.model.attention_impl=dot_product",
+                            "--config.model.num_hidden_layers=3", "--config.model.fused_ops=true",
+                            "--config.learning_rate=2e-4", "--seq_len=64"])
+    config, bc = plan.load_config(args.config, 64, "bfloat16", args.overrides)
+    assert (bc.attention_impl, bc.num_hidden_layers, bc.fused_ops) == ("dot_product", 3, True)
+    assert config.learning_rate == 2e-4 and isinstance(config.learning_rate, float)
+    assert (bc.dtype, bc.scan_layers, config.max_seq_length) == ("bfloat16", True, 64)
+    plain, plain_bc = plan.load_config(args.config, 64, "bfloat16")
+    assert (plain_bc.attention_impl, plain_bc.num_hidden_layers, plain_bc.fused_ops) != ("dot_product", 3, True)

@@ -1,0 +1,635 @@
+"""End to end: the pretraining entry point in subprocesses (resume after kill -9, SIGTERM, multi-host,
+config mismatch, non-finite loss, evaluation mode) on small TFRecords the tests write themselves."""
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from pretraining_records import VOCAB, kill9_once_logged, logged_losses, write_records  # tests/ is on sys.path
+from xla_flags import xla_flags  # tests/ is on sys.path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")  # session: the longest tests run first (conftest), the rest later
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    for i in range(4):
+        write_records(d / f"train-{i}.tfrecord", 64, seed=i)
+    write_records(d / "eval-0.tfrecord", 40, seed=99)
+    write_records(d / "nan.tfrecord", 16, seed=5, nan_weight=True)
+    for i in range(2):  # phase 2 of a two-phase run: longer sequences, more predictions
+        write_records(d / f"long-{i}.tfrecord", 32, seed=10 + i, SEQ=48, PREDS=7)
+    return d
+
+
+_CACHE = {}  # the compilation cache the runs of this module share (set by `compilation_cache`)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent XLA cache for the module's subprocesses: most runs compile the same step of
+    configs/test.py, which a cached executable serves in half the run's time. (A cached executable
+    is the same program: the kill -9 and multi-process tests still compare bit for bit against a
+    run that compiled.)"""
+    _CACHE["dir"] = str(tmp_path_factory.mktemp("xla_cache"))
+    yield _CACHE["dir"]
+    _CACHE.clear()
+
+
+def env(devices: int = 2) -> dict:
+    e = dict(os.environ)
+    e.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices),
+             TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
+    if "dir" in _CACHE:
+        e.update(JAX_COMPILATION_CACHE_DIR=_CACHE["dir"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return e
+
+
+def cmd(workdir, data, *overrides):
+    return [sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/test.py'}",
+            f"--workdir={workdir}", f"--config.train_data={data}/train-*.tfrecord",
+            "--config.log_every_steps=1", "--config.checkpoint_every_steps=4",
+            "--config.num_train_steps=12", "--config.shuffle_buffer_size=64",
+            "--config.verify_data=false", *overrides]
+
+
+def losses(workdir) -> dict:
+    """step -> loss from train_log.jsonl (a resumed run logs some steps again: last one wins)."""
+    return logged_losses((Path(workdir) / "train_log.jsonl").read_text())
+
+
+def run(args, timeout=300, devices=2, **kw):
+    return subprocess.run(args, env=env(devices), cwd=ROOT, timeout=timeout, capture_output=True,
+                          text=True, **kw)
+
+
+@pytest.fixture(scope="session")  # session, as `data`: the longest tests run first, the rest later
+def uninterrupted(data, tmp_path_factory):
+    """configs/test.py for 12 steps, checkpoints at 4, 8 and 12: the workdir and the process's
+    result. Read it, or copy it before writing (`shutil.copytree`)."""
+    work = tmp_path_factory.mktemp("uninterrupted") / "ref"
+    r = run(cmd(work, data))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return work, r
+
+
+def test_kill9_and_a_flipped_bit_resume_with_the_uninterrupted_loss_sequence(data, uninterrupted, tmp_path, caplog):
+    want = losses(uninterrupted[0])
+    assert sorted(want) == list(range(1, 13))
+    assert want[12] < want[1]
+
+    work = tmp_path / "killed"
+    proc = subprocess.Popen(cmd(work, data), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    kill9_once_logged(proc, str(work / "train_log.jsonl"))  # after step 6: past the step-4 checkpoint
+    resumed = run(cmd(work, data))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = losses(work)
+    assert got == want  # bitwise: the same floats, step for step
+
+    # One flipped bit in the newest step's parameter/optimizer data (the checksums of
+    # checkpoint_integrity): a reader (convert) takes step 8 read-only; the same command again
+    # moves step 12 aside, resumes from 8, and steps 9-12 trained again give the same losses.
+    logged = len((work / "train_log.jsonl").read_text().splitlines())
+    ckpt_dir = work / "checkpoints"
+    victim = max((p for p in (ckpt_dir / "12" / "state").rglob("*") if p.is_file() and "/d/" in str(p)),
+                 key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 3] ^= 0x04
+    victim.write_bytes(bytes(raw))
+    from bert_jax import convert
+    with caplog.at_level(logging.ERROR):
+        convert.load_bert_jax(str(work))
+    assert any("step 12" in r.getMessage() and "reading step 8 instead" in r.getMessage() for r in caplog.records)
+    assert not (ckpt_dir / "damaged").exists()
+    again = run(cmd(work, data))
+    assert again.returncode == 0, again.stderr[-3000:]
+    damaged_lines = [line for line in again.stderr.splitlines() if "is damaged" in line]
+    assert len(damaged_lines) == 1 and "step 12" in damaged_lines[0] and "resume from step 8" in damaged_lines[0], \
+        again.stderr[-3000:]
+    assert [p.name.split("-")[0] for p in (ckpt_dir / "damaged").iterdir()] == ["12"]
+    retrained = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()[logged:]]
+    assert [r["step"] for r in retrained] == [9, 10, 11, 12]
+    assert {r["step"]: r["loss"] for r in retrained} == {s: want[s] for s in (9, 10, 11, 12)}  # bitwise
+
+
+def test_a_changed_schedule_on_resume_and_a_zero_learning_rate_are_reported(data, uninterrupted, tmp_path):
+    first_work, first = uninterrupted
+    assert "config.learning_rate=0:" not in first.stderr
+    # Its step-4 checkpoint, resumed by a run that reports both: the changed keys against the
+    # checkpoint's, and the zero rate.
+    shutil.copytree(first_work, tmp_path / "w")
+    for later in ("8", "12", "input_state/8", "input_state/12"):
+        shutil.rmtree(tmp_path / "w" / "checkpoints" / later)
+    longer = run(cmd(tmp_path / "w", data, "--config.num_train_steps=6", "--config.learning_rate=0"))
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert "resumed from step 4" in longer.stderr
+    assert ("resuming step 4 with config.num_train_steps=6; the checkpoint was trained with "
+            "config.num_train_steps=12") in longer.stderr
+    assert "config.learning_rate=0.0; the checkpoint was trained with config.learning_rate=0.0001" in longer.stderr
+    assert "warmup_steps" not in longer.stderr  # unchanged keys are not reported
+    assert "config.learning_rate=0: the parameters will not change" in longer.stderr
+
+
+def test_a_resume_under_other_library_versions_is_refused_unless_allowed(data, uninterrupted, tmp_path,
+                                                                         monkeypatch, caplog):
+    """Its finished checkpoint (step 12 of 12: a resume compiles nothing) resumed in-process where
+    jax and orbax-checkpoint seem to have been upgraded: refused naming both versions of each, then
+    resumed with config.allow_version_change, warning about them."""
+    sys.path.insert(0, str(ROOT))
+    from bert_jax import versions
+    from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError
+    from bert_jax.pretrain import loop as pretrain
+    from configs import test as test_config
+
+    saved = versions.installed()
+    meta = json.loads((uninterrupted[0] / "checkpoints" / "12" / "meta" / "metadata").read_text())
+    assert meta["versions"] == saved
+    upgraded = {**saved, "jax": "99.0", "orbax-checkpoint": "98.0", "optax": "97.0"}
+    monkeypatch.setattr(versions, "installed", lambda: upgraded)
+    shutil.copytree(uninterrupted[0], tmp_path / "w")
+    cfg = test_config.get_config()
+    cfg.train_data, cfg.verify_data, cfg.num_train_steps = f"{data}/train-*.tfrecord", False, 12
+    cfg.checkpoint_every_steps = 4
+    with pytest.raises(CheckpointRestoreError) as refused:
+        pretrain.run(cfg, str(tmp_path / "w"))
+    message = str(refused.value)
+    assert f"jax {saved['jax']} (installed: 99.0)" in message, message
+    assert f"orbax-checkpoint {saved['orbax-checkpoint']} (installed: 98.0)" in message, message
+    assert "optax" not in message and "--config.allow_version_change=true" in message, message
+
+    cfg.allow_version_change = True
+    with caplog.at_level(logging.WARNING):
+        pretrain.run(cfg, str(tmp_path / "w"))
+    warned = [r.getMessage() for r in caplog.records if "other library versions" in r.getMessage()]
+    assert len(warned) == 2 and "jax" in warned[0] and "optax" in warned[1], warned
+    # A step saved before versions were recorded: one warning, and on.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        versions.check_resume(None, allow_change=False, where="checkpoint step 4 in W")
+    assert [r.getMessage() for r in caplog.records] == [
+        "checkpoint step 4 in W records no library versions (saved by an older bert_jax): resuming without "
+        "checking them"]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data, tmp_path):
+    # With the hardware random-bit generator of the speed tables (config.prng_impl=rbg): its
+    # key (4 words; threefry's has 2) is what the step carries and the checkpoint holds.
+    work = tmp_path / "w"
+    proc = subprocess.Popen(cmd(work, data, "--config.num_train_steps=100000",
+                                "--config.checkpoint_every_steps=100000", "--config.prng_impl=rbg"),
+                            env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = work / "train_log.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("SIGTERM did not stop the run within 60 s")
+    assert code == 0, proc.stderr.read()[-3000:]
+    steps = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] >= 3
+    assert max(losses(work)) == steps[-1]  # it saved the step it stopped at
+    import orbax.checkpoint as ocp
+    metadata = ocp.StandardCheckpointer().metadata(str(work / "checkpoints" / str(steps[-1]) / "state"))
+    assert getattr(metadata, "item_metadata", metadata)["rng"].shape == (4,)
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.parametrize("devices_per_process", [1])
+def test_two_processes_match_one_process_with_the_same_devices(data, tmp_path, devices_per_process):
+    # One process with all the devices, reading the same two file shards (data_shards=2) as the
+    # two processes do. Two processes of 2 devices each (where the loop must block on every
+    # step: 2+ CPU devices per process deadlocked otherwise, ../shared/RELIABILITY.md) train three
+    # times in tests/pod/test_pod_rehearsal.py, so that case is not run here again.
+    one = run(cmd(tmp_path / "one", data, "--config.num_train_steps=6", "--config.data_shards=2"),
+              devices=2 * devices_per_process)
+    assert one.returncode == 0, one.stderr[-3000:]
+    e = dict(env(1), XLA_FLAGS=xla_flags(), NUM_PROCESSES="2", DEVICES_PER_PROCESS=str(devices_per_process),
+             PORT=str(_port()), PYTHON=sys.executable, KILL_AFTER="5")
+    two = subprocess.run(["bash", str(ROOT / "launch/local_multihost.sh"),
+                          *cmd(tmp_path / "two", data, "--config.num_train_steps=6", "--config.data_shards=2")[3:]],
+                         env=e, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(a) == list(range(1, 7))
+    np.testing.assert_allclose([b[s] for s in sorted(a)], [a[s] for s in sorted(a)], rtol=1e-6)
+
+    # The two processes' step 4 resumed by one process (a smaller slice after a preemption): each
+    # file shard's position is read from the folder of the process that saved it, so steps 5-6
+    # see the batches the two processes saw.
+    import shutil
+    shutil.copytree(tmp_path / "two", tmp_path / "fewer")
+    for later in ("6", "input_state/6"):
+        shutil.rmtree(tmp_path / "fewer" / "checkpoints" / later)
+    fewer = run(cmd(tmp_path / "fewer", data, "--config.num_train_steps=6", "--config.data_shards=2"),
+                devices=2 * devices_per_process)
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    assert "resumed from step 4" in fewer.stderr
+    c = losses(tmp_path / "fewer")
+    np.testing.assert_allclose([c[s] for s in (5, 6)], [a[s] for s in (5, 6)], rtol=1e-6)
+    # Without data_shards, one process would read one shard: another split of the files, refused
+    # before compiling, with the setting that resumes it.
+    shutil.rmtree(tmp_path / "fewer" / "checkpoints" / "6")
+    refused = run(cmd(tmp_path / "fewer", data, "--config.num_train_steps=6"), devices=2 * devices_per_process)
+    assert refused.returncode != 0
+    assert ("saved by 2 processes reading 2 file shards; this run has 1 processes and 1 shards" in refused.stderr
+            and "set config.data_shards=2 to resume it" in refused.stderr), refused.stderr[-3000:]
+
+
+def test_a_host_with_a_different_config_stops_every_host_before_compiling(data, tmp_path):
+    port = _port()
+    procs = []
+    for pid, lr in ((0, "1e-4"), (1, "2e-4")):
+        e = dict(env(1), XLA_FLAGS=xla_flags(), BERT_JAX_COORDINATOR=f"127.0.0.1:{port}", BERT_JAX_NUM_PROCESSES="2",
+                 BERT_JAX_PROCESS_ID=str(pid), JAX_NUM_CPU_DEVICES="1")
+        procs.append(subprocess.Popen(cmd(tmp_path / f"w{pid}", data, f"--config.learning_rate={lr}"),
+                                      env=e, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=240))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("hosts with different configs did not exit")
+    assert all(c != 0 for c in codes)
+    errors = [p.stderr.read() for p in procs]
+    for text in errors:  # each host names the key and both values, not hash bytes
+        assert "config mismatch across hosts" in text
+        assert "process 1 vs process 0: config.learning_rate: 0.0002 != 0.0001" in text, text[-2000:]
+    assert not (tmp_path / "w0" / "train_log.jsonl").exists()
+
+
+def test_an_unknown_config_key_is_named_with_the_nearest_valid_ones(data, tmp_path):
+    r = run(cmd(tmp_path / "w", data, "--config.learning_rat=1e-3", "--config.model.hiden_size=64"), timeout=120)
+    assert r.returncode != 0
+    assert "--config.learning_rat: " in r.stderr and "has no key 'config.learning_rat'; nearest: " \
+        "config.learning_rate" in r.stderr, r.stderr[-2000:]
+    assert "nearest: config.model.hidden_size" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "w").exists()
+
+
+def test_nonfinite_loss_stops_with_a_diagnostic(data, tmp_path):
+    r = run(cmd(tmp_path / "w", data, f"--config.train_data={data}/nan.tfrecord", "--config.num_train_steps=3"))
+    assert r.returncode != 0
+    assert "non-finite loss or gradient" in r.stderr
+
+
+def _log_softmax64(logits) -> np.ndarray:
+    x = np.asarray(logits, np.float64)  # numpy: float64 without jax_enable_x64
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_path):
+    shutil.copytree(uninterrupted[0], tmp_path / "train")  # this test writes into its checkpoints folder
+    r = run([sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/test.py'}",
+             f"--workdir={tmp_path / 'eval'}", "--config.mode=evaluate",
+             f"--config.init_checkpoint={tmp_path / 'train'}", f"--config.eval_data={data}/eval-0.tfrecord",
+             "--config.global_batch_size=16", "--config.verify_data=false"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "host memory: on" in r.stderr  # a CPU-only run keeps freed buffers (tests/training/test_host_memory.py)
+    results = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    assert set(results) == {"masked_lm_loss", "masked_lm_accuracy", "next_sentence_loss", "next_sentence_accuracy"}
+    # Independent check: the same weights scored record by record in numpy.
+    sys.path.insert(0, str(ROOT))
+    import jax
+    from bert_jax.model import pretraining_heads
+    from bert_jax.pretrain import loop as pretrain
+    from bert_jax.training import run_setup
+    from configs import test as test_config
+    cfg = test_config.get_config()
+    cfg.init_checkpoint = str(tmp_path / "train")
+    bert_config = run_setup.bert_config_from(cfg)
+    from bert_jax.training import sharding
+    params, _ = run_setup.load_params(cfg, bert_config, sharding.create_mesh({"data": -1}, devices=jax.devices()[:1]))
+    nll_sum = w_sum = correct = nsp_nll = nsp_correct = n = 0.0
+    for raw in tf.data.TFRecordDataset(str(data / "eval-0.tfrecord")).as_numpy_iterator():
+        ex = tf.train.Example.FromString(raw).features.feature
+        get = lambda k: np.array(ex[k].int64_list.value)[None]
+        out = pretraining_heads.BertForPreTraining(bert_config).apply(
+            {"params": params}, get("input_ids"), get("input_mask"), get("segment_ids"), get("masked_lm_positions"))
+        logp = _log_softmax64(out.mlm_logits[0])
+        w = np.array(ex["masked_lm_weights"].float_list.value)
+        lab = get("masked_lm_ids")[0]
+        nll_sum += float(-(logp[np.arange(len(lab)), lab] * w).sum())
+        correct += float(((logp.argmax(-1) == lab) * w).sum())
+        w_sum += w.sum()
+        nsp = _log_softmax64(out.nsp_logits[0])
+        label = int(get("next_sentence_labels")[0, 0])
+        nsp_nll += -nsp[label]
+        nsp_correct += float(nsp.argmax() == label)
+        n += 1
+    assert n == 40
+    np.testing.assert_allclose(results["masked_lm_loss"], nll_sum / w_sum, rtol=1e-4)
+    np.testing.assert_allclose(results["masked_lm_accuracy"], correct / w_sum, rtol=1e-6)
+    np.testing.assert_allclose(results["next_sentence_loss"], nsp_nll / n, rtol=1e-4)
+    np.testing.assert_allclose(results["next_sentence_accuracy"], nsp_correct / n, rtol=1e-6)
+
+    # Scored by a config that trains differently (LAMB, no clipping: another optimizer state) and
+    # lays the layers out scanned: only the parameters are read, and restacked. An unfinished save
+    # (a training run still writing there) is left alone.
+    unfinished = tmp_path / "train" / "checkpoints" / "99.orbax-checkpoint-tmp-1"
+    unfinished.mkdir()
+    other_cfg = test_config.get_config()
+    other_cfg.init_checkpoint, other_cfg.optimizer, other_cfg.clip_norm = str(tmp_path / "train"), "lamb", 0.0
+    other_cfg.model.scan_layers = True
+    other_cfg.eval_data, other_cfg.global_batch_size, other_cfg.verify_data = f"{data}/eval-0.tfrecord", 16, False
+    scanned = pretrain.evaluate(other_cfg, str(tmp_path / "eval_scanned"))
+    for k, v in results.items():
+        np.testing.assert_allclose(scanned[k], v, rtol=1e-5, err_msg=f"scanned: {k}")
+    assert unfinished.is_dir()
+
+    # The same weights exported to Google's and HF's formats load identically and score the same.
+    from bert_jax import convert
+    pretrained = convert.load_pretrained(str(tmp_path / "train"))
+    for fmt in ("google", "hf"):
+        out = convert.save_pretrained(pretrained, str(tmp_path / fmt), fmt)
+        cfg.init_checkpoint = out
+        other, _ = run_setup.load_params(cfg, run_setup.bert_config_from(cfg),
+                                        sharding.create_mesh({"data": -1}, devices=jax.devices()[:1]))
+        for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(other)):
+            np.testing.assert_array_equal(a, b)
+        cfg.eval_data, cfg.global_batch_size, cfg.verify_data = f"{data}/eval-0.tfrecord", 16, False
+        again = pretrain.evaluate(cfg, str(tmp_path / f"eval_{fmt}"))
+        for k, v in results.items():
+            np.testing.assert_allclose(again[k], v, rtol=1e-5, err_msg=f"{fmt}: {k}")
+
+
+def test_pretraining_continues_from_an_encoder_only_hf_checkpoint(data, tmp_path):
+    """init_checkpoint in HF format, no heads: the encoder starts from its weights (learning rate 0
+    keeps them), the heads from a fresh initialization."""
+    sys.path.insert(0, str(ROOT))
+    import jax
+    from bert_jax import convert
+    from bert_jax.model import model_config, modeling
+    config = model_config.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=64, max_position_embeddings=64)
+    params = modeling.BertModel(config).init(jax.random.key(7), np.zeros((1, 8), np.int32))["params"]
+    src = convert.Pretrained(config, {"bert": convert.unrolled(params)}, None, True)
+    convert.save_hf(src, str(tmp_path / "hf"))
+    r = run(cmd(tmp_path / "w", data, f"--config.init_checkpoint={tmp_path / 'hf'}", "--config.num_train_steps=1",
+                "--config.learning_rate=0.0", "--config.warmup_steps=0"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    trained = convert.load_pretrained(str(tmp_path / "w"))
+    assert trained.heads == ("mlm", "nsp")
+    for a, b in zip(jax.tree_util.tree_leaves(trained.params["bert"]), jax.tree_util.tree_leaves(src.params["bert"])):
+        np.testing.assert_array_equal(a, b)
+
+
+def _eval_steps(workdir) -> list[int]:
+    """Steps at which TensorBoard got a finite eval/masked_lm_loss."""
+    from tensorflow.core.util import event_pb2
+    steps = []
+    for path in sorted(Path(workdir).rglob("events.out.tfevents*")):
+        for raw in tf.data.TFRecordDataset(str(path)):
+            event = event_pb2.Event.FromString(raw.numpy())
+            for value in event.summary.value:
+                if value.tag == "eval/masked_lm_loss":
+                    number = value.simple_value if value.HasField("simple_value") else float(
+                        tf.make_ndarray(value.tensor))
+                    assert np.isfinite(number)
+                    steps.append(event.step)
+    return sorted(steps)
+
+
+def test_two_phases_resume_across_the_boundary(data, tmp_path):
+    """Phase 1 then phase 2 (its own data and length, its own compiled step), evaluated every 2
+    steps on the same held-out records (their own length); kill -9 inside phase 2 and resume from
+    the checkpoint at the boundary: the loss sequence equals the uninterrupted run's."""
+    cfg = tmp_path / "two_phase.py"
+    cfg.write_text(
+        "from configs import test\n\n"
+        "def get_config():\n"
+        "    c = test.get_config()\n"
+        f"    c.phases = (dict(max_seq_length=32, max_predictions_per_seq=5, fraction=0.5,\n"
+        f"                     train_data='{data}/train-[01].tfrecord'),\n"
+        f"                dict(max_seq_length=48, max_predictions_per_seq=7, fraction=0.5,\n"
+        f"                     train_data='{data}/long-*.tfrecord'))\n"
+        "    return c\n")
+
+    def two_phase_cmd(workdir):
+        args = cmd(workdir, data, "--config.num_train_steps=8", f"--config.eval_data={data}/eval-0.tfrecord",
+                   "--config.eval_every_steps=2", "--config.eval_steps=1")
+        args[3] = f"--config={cfg}"
+        return [a for a in args if not a.startswith("--config.train_data")]
+
+    ref = run(two_phase_cmd(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = losses(tmp_path / "ref")
+    assert sorted(want) == list(range(1, 9))
+    assert _eval_steps(tmp_path / "ref") == [2, 4, 6, 8]  # at length 32 in both phases
+    work = tmp_path / "killed"
+    proc = subprocess.Popen(two_phase_cmd(work), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    log, deadline = work / "train_log.jsonl", time.time() + 300
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 6):
+        if proc.poll() is not None:
+            pytest.fail(proc.stderr.read()[-3000:])
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait(timeout=30)
+    resumed = run(two_phase_cmd(work))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(work) == want
+
+
+def test_packing_dynamic_masking_and_the_ablations_train(data, tmp_path):
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)]) + "\n")
+    for name, extra in (("packed", ["--config.packing=true", "--config.dynamic_masking=true",
+                                    f"--config.vocab_file={vocab}", "--config.max_seqs_per_pack=3"]),
+                        ("ltr", ["--config.objective=ltr", "--config.model.causal_attention=true",
+                                 "--config.use_nsp=false"])):
+        r = run(cmd(tmp_path / name, data, "--config.num_train_steps=3", *extra))
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+        got = losses(tmp_path / name)
+        assert sorted(got) == [1, 2, 3] and all(np.isfinite(list(got.values())))
+    # The LTR model predicts every next token: its loss starts near log(vocab).
+    assert abs(losses(tmp_path / "ltr")[1] - np.log(VOCAB)) < 0.5
+
+
+def test_offline_demo_end_to_end_shortened(tmp_path):
+    """The README's first command, shortened: corpus -> vocab -> TFRecords -> pretrain -> [MASK]; run
+    as a user runs it from their own folder, outside the checkout: `--config=configs/demo.py` (no
+    such file there: the installed configs package's, `config_overrides.resolve_config`) and a
+    relative workdir."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert ROOT not in elsewhere.resolve().parents and not (elsewhere / "configs").exists()
+    r = subprocess.run([sys.executable, "-m", "bert_jax.main", "--config=configs/demo.py", "--workdir=demo",
+                        "--config.num_train_steps=40", "--config.demo.vocab_size=2000",
+                        "--config.demo.dupe_factor=1", "--config.log_every_steps=5", "--config.eval_every_steps=40",
+                        "--config.checkpoint_every_steps=40", "--config.global_batch_size=16"],
+                       env=env(), cwd=elsewhere, timeout=600, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["demo"]
+    tmp_path = elsewhere / "demo"
+    assert "[MASK] ->" in r.stdout
+    guesses = json.loads((tmp_path / "fill_mask.json").read_text())
+    assert len(guesses) == 4 and all(len(g["guesses"][0]) == 5 for g in guesses)
+    assert len((tmp_path / "vocab.txt").read_text().splitlines()) <= 2000
+    assert json.loads((tmp_path / "data" / "train" / "dataset_info.json").read_text())["num_instances"] > 100
+    # The casing of the data is recorded in the workdir, so conversions and fill_mask know it.
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["do_lower_case"] is True
+    log = losses(tmp_path)
+    assert sorted(log) == list(range(1, 41))
+    assert np.mean([log[s] for s in range(31, 41)]) < np.mean([log[s] for s in range(1, 11)]) - 0.5
+    assert set(json.loads((tmp_path / "eval_results.json").read_text())) >= {"masked_lm_accuracy"}
+    assert "training curves: demo/curves.png" in r.stdout  # the workdir as given
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # The host's wait for input is logged per window: a share of the window's time and ms per step.
+    from bert_jax import plot
+    scalars = plot.read_scalars(str(tmp_path))
+    steps_logged, fraction = scalars["train/input_fraction"]
+    assert list(steps_logged) == list(range(5, 41, 5))
+    assert all(0.0 <= f < 1.0 for f in fraction)
+    assert all(ms > 0.0 for ms in scalars["train/input_ms_per_step"][1])
+
+
+def test_data_casing_comes_from_the_records_dataset_info(tmp_path):
+    from bert_jax import convert, workdir as workdir_files
+    from bert_jax.model import model_config
+    from bert_jax.pretrain import phases, pretrain_checks
+    for name, lower in (("uncased", True), ("cased", False), ("unknown", None)):
+        (tmp_path / name).mkdir()
+        flags = {} if lower is None else {"do_lower_case": lower}
+        (tmp_path / name / "dataset_info.json").write_text(json.dumps({"flags": flags, "files": {}}))
+    phase = lambda name: phases.Phase(128, 20, str(tmp_path / name / "part-*"), 0, 10)
+    assert pretrain_checks.data_casing([phase("uncased")]) is True
+    assert pretrain_checks.data_casing([phase("cased"), phase("cased")]) is False
+    assert pretrain_checks.data_casing([phase("uncased"), phase("cased")]) is None  # disagree: not recorded
+    assert pretrain_checks.data_casing([phase("unknown")]) is None
+    assert pretrain_checks.data_casing([phases.Phase(128, 20, str(tmp_path / "none" / "x"), 0, 10)]) is None
+    # What the workdir then holds is what convert reads back.
+    config = model_config.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=16, max_position_embeddings=16)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n")
+    workdir_files.write_model_files(str(tmp_path / "w"), config, str(vocab), False)
+    assert convert._read_casing(str(tmp_path / "w")) is False
+    # Written again only when changed: a finished (read-only) workdir re-runs as a no-op.
+    files = [tmp_path / "w" / n for n in ("bert_config.json", "vocab.txt", "tokenizer_config.json")]
+    times = [f.stat().st_mtime_ns for f in files]
+    time.sleep(0.01)
+    workdir_files.write_model_files(str(tmp_path / "w"), config, str(vocab), False)
+    assert [f.stat().st_mtime_ns for f in files] == times
+    workdir_files.write_model_files(str(tmp_path / "w"), config, str(vocab), True)
+    assert convert._read_casing(str(tmp_path / "w")) is True
+
+
+def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from bert_jax.pretrain import loop as pretrain
+    from configs import test as test_config
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB)]) + "\n")
+    cfg = test_config.get_config()
+    cfg.train_data, cfg.vocab_file, cfg.verify_data = f"{data}/train-*.tfrecord", str(vocab), False
+    with pytest.raises(ValueError, match=rf"vocab.txt has {VOCAB + 5} tokens but config.model.vocab_size={VOCAB}"):
+        pretrain.run(cfg, str(tmp_path / "w"))
+
+
+def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path):
+    """Each names its config field (or the pattern) before the first step, so nothing is lost."""
+    sys.path.insert(0, str(ROOT))
+    from bert_jax.pretrain import loop as pretrain
+    from configs import test as test_config
+
+    def config(**overrides):
+        cfg = test_config.get_config()
+        cfg.train_data, cfg.verify_data = f"{data}/train-*.tfrecord", False
+        cfg.log_every_steps = 1  # a step that ran would leave train_log.jsonl
+        cfg.update(overrides)
+        return cfg
+
+    cases = [(dict(learning_rate=-1e-4), r"config.learning_rate=-0.0001 must not be negative"),
+             (dict(global_batch_size=0), r"config.global_batch_size=0 must be at least 1"),
+             (dict(checkpoint_every_steps=0), r"config.checkpoint_every_steps=0 must be at least 1"),
+             (dict(eval_data=f"{data}/nothing*.tfrecord", eval_every_steps=2), r"nothing\*.tfrecord' matches no file"),
+             # The records are length 32 with 5 predictions; the test model's position table is 64.
+             (dict(max_seq_length=128), r"config.max_seq_length=128 exceeds config.model.max_position_embeddings=64"),
+             (dict(max_seq_length=48), r"written with max_seq_length=32, max_predictions_per_seq=5, but "
+                                       r"config.max_seq_length=48, config.max_predictions_per_seq=5"),
+             (dict(max_predictions_per_seq=7), r"config.max_predictions_per_seq=7: set these to the records'"),
+             (dict(phases=[dict(fraction=0.5, max_seq_length=32, max_predictions_per_seq=5,
+                                train_data=f"{data}/train-*.tfrecord"),
+                           dict(fraction=0.5, max_seq_length=48, max_predictions_per_seq=7,
+                                train_data=f"{data}/train-*.tfrecord")]),
+              r"but config.phases\[1\].max_seq_length=48")]
+    for i, (overrides, message) in enumerate(cases):
+        with pytest.raises(Exception, match=message):
+            pretrain.run(config(**overrides), str(tmp_path / f"w{i}"))
+        assert not (tmp_path / f"w{i}" / "train_log.jsonl").exists()
+
+
+def test_token_ids_past_the_model_and_a_different_vocab_are_named(tmp_path):
+    import hashlib
+
+    from bert_jax.pretrain import pretrain_checks
+    batch = {"input_ids": np.array([[2, 7, 511, 3]]), "masked_lm_ids": np.array([[600, 0]])}
+    pretrain_checks.check_token_ids(batch, 601, "data/*.tfrecord")
+    with pytest.raises(ValueError, match=r"data/\*.tfrecord: masked_lm_ids holds token id 600 but "
+                                         r"config.model.vocab_size=600"):
+        pretrain_checks.check_token_ids(batch, 600, "data/*.tfrecord")
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nword\n")
+    made = tmp_path / "made"
+    made.mkdir()
+    info = {"vocab_sha256": hashlib.sha256(vocab.read_bytes()).hexdigest(), "flags": {"vocab_file": str(vocab)}}
+    (made / "dataset_info.json").write_text(json.dumps(info))
+    pretrain_checks.check_vocab_matches_data(str(vocab), [str(made / "*.tfrecord")])  # the same file: fine
+    crlf = tmp_path / "crlf.txt"  # the same tokens, other bytes: fine
+    crlf.write_bytes(vocab.read_bytes().replace(b"\n", b"\r\n").rstrip())
+    pretrain_checks.check_vocab_matches_data(str(crlf), [str(made / "*.tfrecord")])
+    other = tmp_path / "other.txt"
+    other.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nmot\n")
+    with pytest.raises(ValueError, match=r"other.txt is not the vocabulary .*made/\*.tfrecord was made with "
+                                         r"\(.*vocab.txt, per its dataset_info.json\): their tokens differ"):
+        pretrain_checks.check_vocab_matches_data(str(other), [f"{tmp_path / 'nothing' / '*'},{made / '*.tfrecord'}"])
+    vocab.unlink()  # the recorded file gone: bytes differ, tokens unknown -> a warning, not an error
+    pretrain_checks.check_vocab_matches_data(str(other), [str(made / "*.tfrecord")])
+
+
+def test_hparams_report_the_model_as_built_not_the_config_defaults():
+    # An init checkpoint's config.json replaces config.model's sizes; TensorBoard must show those.
+    import importlib
+
+    from bert_jax.model.model_config import BertConfig
+    from bert_jax.training import run_setup
+
+    config = importlib.import_module("configs.base").get_config()
+    built = BertConfig(vocab_size=1000, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                       intermediate_size=1536)
+    h = run_setup.hparams(config, built)
+    assert config.model.hidden_size == 768 and h["model.hidden_size"] == 384
+    assert h["model.num_hidden_layers"] == 6 and h["model.vocab_size"] == 1000
+    assert h["learning_rate"] == config.learning_rate and h["mesh.data"] == -1
+    assert "model.bert_jax" not in h and all(isinstance(v, (int, float, str, bool)) for v in h.values())
