@@ -124,8 +124,8 @@ def subword_table(vocab_file: str) -> np.ndarray:
 
 
 def recorded_whole_word_mask(file_patterns: FilePatterns) -> Optional[bool]:
-    """`do_whole_word_mask` the records were made with, per the dataset_info.json beside each
-    pattern's files; None when none records it. Raises when the patterns' data disagree."""
+    """`do_whole_word_mask` the records were made with, per the manifests of each pattern's records
+    (`records.dataset_info`); None when none records it. Raises when the patterns' data disagree."""
     found = {}
     for pattern in split_patterns(file_patterns):
         value = dataset_info(pattern).get("flags", {}).get("do_whole_word_mask")
@@ -138,7 +138,7 @@ def recorded_whole_word_mask(file_patterns: FilePatterns) -> Optional[bool]:
 
 
 def recorded_chinese_whole_word_mask(file_patterns: FilePatterns) -> list:
-    """The patterns whose dataset_info.json says the records were made with
+    """The patterns whose records' manifests say they were made with
     `--chinese_whole_word_mask` (words from a segmenter, which the records do not carry)."""
     return [pattern for pattern in split_patterns(file_patterns)
             if dataset_info(pattern).get("flags", {}).get("chinese_whole_word_mask") is True]

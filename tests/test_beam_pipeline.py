@@ -100,8 +100,8 @@ def test_direct_runner_in_process_writes_the_local_paths_files(tmp_path):
         data = (tmp_path / "beam" / n).read_bytes()
         assert data == (tmp_path / "local" / n).read_bytes(), n
         assert count_records(data) > 30
-    local_info = json.loads((tmp_path / "local" / "dataset_info.json").read_text())
-    beam_info = json.loads((tmp_path / "beam" / "dataset_info.json").read_text())
+    local_info = json.loads((tmp_path / "local" / "part-0.dataset_info.json").read_text())  # named after the first
+    beam_info = json.loads((tmp_path / "beam" / "part-0.dataset_info.json").read_text())
     assert without_run_fields(beam_info) == without_run_fields(local_info)  # manifest included
     assert beam_info["runner"]["beam_runner"] == "DirectRunner"
     assert beam["peak_rss_mb"]["workers"] is None  # in_memory: the shards ran in this process
@@ -110,7 +110,7 @@ def test_direct_runner_in_process_writes_the_local_paths_files(tmp_path):
         "shards": 4, "documents": read["documents"], "empty_documents": read["empty_documents"],
         "lines_with_bad_utf8": 1, "instances": local["mask_stats"]["instances"],
         "records_written": local["num_instances"]}
-    assert sorted(p.name for p in (tmp_path / "beam").iterdir()) == ["dataset_info.json"] + names  # no temp dir
+    assert sorted(p.name for p in (tmp_path / "beam").iterdir()) == ["part-0.dataset_info.json"] + names  # no temp dir
 
 
 def test_the_shard_step_carries_the_vocab_to_workers_that_cannot_read_the_drivers_file(tmp_path):
@@ -150,8 +150,8 @@ def test_cli_beam_worker_processes_equal_the_local_worker_pool_gzip_whole_word(t
         data = (tmp_path / "beam" / n).read_bytes()
         assert data == (tmp_path / "local" / n).read_bytes(), n
         assert count_records(file_bytes(tmp_path / "beam" / n)) > 20
-    local = json.loads((tmp_path / "local" / "dataset_info.json").read_text())
-    beam = json.loads((tmp_path / "beam" / "dataset_info.json").read_text())
+    local = json.loads((tmp_path / "local" / "train.dataset_info.json").read_text())
+    beam = json.loads((tmp_path / "beam" / "train.dataset_info.json").read_text())
     assert list(beam["files"]) == outputs
     assert local["flags"].pop("num_workers") == 2 and beam["flags"].pop("num_workers") == 1
     assert local["flags"].pop("output_file").startswith(str(tmp_path / "local"))
@@ -170,7 +170,7 @@ def test_missing_input_and_flag_misuse_are_errors_naming_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-shard.txt"):
         beam_pipeline.run(opts, sources=[("text", files[0]), ("text", missing)],
                           outputs=[str(tmp_path / "out" / "train.tfrecord")])
-    assert not (tmp_path / "out" / "dataset_info.json").exists()
+    assert not (tmp_path / "out" / "train.dataset_info.json").exists()
     base = [sys.executable, "-m", "data_pipeline.create_pretraining_data", f"--input_file={files[0]}",
             f"--vocab_file={vocab}", f"--output_file={tmp_path / 'cli' / 'train.tfrecord'}"]
     for extra, message in ((["--runner=beam", "--reference_compatible"], "--reference_compatible"),

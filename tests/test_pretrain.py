@@ -494,7 +494,7 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
     guesses = json.loads((tmp_path / "fill_mask.json").read_text())
     assert len(guesses) == 4 and all(len(g["guesses"][0]) == 5 for g in guesses)
     assert len((tmp_path / "vocab.txt").read_text().splitlines()) <= 2000
-    assert json.loads((tmp_path / "data" / "train" / "dataset_info.json").read_text())["num_instances"] > 100
+    assert json.loads((tmp_path / "data" / "train" / "part.dataset_info.json").read_text())["num_instances"] > 100
     # The casing of the data is recorded in the workdir, so conversions and fill_mask know it.
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["do_lower_case"] is True
     log = losses(tmp_path)
