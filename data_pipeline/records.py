@@ -406,8 +406,8 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
                         continue
                     if path in listed_by:
                         raise CorruptDataError(path, f"is listed by two data manifests, {listed_by[path]} and "
-                                               f"{manifest.path}: one of them describes records written over "
-                                               "since; delete it (or make the records again)")
+                                               f"{manifest.path}: one file, two descriptions (a copy, or a "
+                                               "manifest of records written over since); delete the stale one")
                     listed_by[path] = manifest.path
                     expected.add(path)
                     infos[path] = _file_info(path, entry)
