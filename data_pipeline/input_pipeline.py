@@ -188,7 +188,7 @@ class PretrainingInput:
             required by dynamic masking.
           masked_lm_prob: fraction of tokens dynamic masking predicts.
           whole_word_mask: dynamic masking masks whole words (Google's `--do_whole_word_mask`);
-            None = as the records were made (their dataset_info.json flags; token by token when
+            None = as the records were made (their manifests' flags; token by token when
             not recorded). Needs `subword`.
           subword: `[vocab_size]` bool, True for `##` tokens (`subword_table(vocab.txt)`).
           packing: pack several records per row (packed-batch keys of the module docstring).

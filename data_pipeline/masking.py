@@ -15,7 +15,7 @@ candidates are the real tokens other than [CLS], [SEP] and [PAD]; each chosen po
 [MASK] with probability 0.8, else keeps its token with probability 0.5, else becomes an id drawn
 uniformly from `[0, vocab_size)`. Positions are sorted ascending and padded with position 0,
 id 0, weight 0. With whole-word masking (`whole_word_mask`, by default as the records were made:
-`--do_whole_word_mask` in their dataset_info.json) the candidates are words instead, as in the
+`--do_whole_word_mask` in their manifests) the candidates are words instead, as in the
 reference: a word is a token and the `##` pieces after it (a boolean table over the vocabulary,
 `subword_table`), words are taken in random order while they fit the count (one that would
 overflow it is skipped, not split), and the 80/10/10 draw is made for each token.

@@ -149,7 +149,7 @@ def shard_files(files: Sequence[str], process_index: int, process_count: int) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# The manifest (dataset_info.json, written by schema.py next to the TFRecords)
+# The manifests (one per run, `<run>.dataset_info.json`, written by schema.py next to the TFRecords)
 # ---------------------------------------------------------------------------------------------
 
 
