@@ -36,7 +36,7 @@ RUNS = (("local, `--num_workers=1`", ["--num_workers=1"]),
 
 def file_hashes(directory: str) -> dict:
     return {name: hashlib.sha256(open(os.path.join(directory, name), "rb").read()).hexdigest()
-            for name in sorted(os.listdir(directory)) if name != "dataset_info.json"}
+            for name in sorted(os.listdir(directory)) if not name.endswith("dataset_info.json")}
 
 
 def uptime() -> str:
@@ -71,7 +71,7 @@ def main():
             out = os.path.join(args.out_dir, f"d{dupe}-{len(rows)}")
             secs, cpu, _ = timed([sys.executable, "-m", "data_pipeline.create_pretraining_data", *common,
                                   f"--output_file={os.path.join(out, 'train.tfrecord')}", *extra])
-            info = json.load(open(os.path.join(out, "dataset_info.json")))
+            info = json.load(open(os.path.join(out, "train.dataset_info.json")))
             hashes = file_hashes(out)
             baseline = baseline or hashes
             row = {"dupe_factor": dupe, "run": label, "instances": info["num_instances"], "wall_s": round(secs, 2),

@@ -11,7 +11,7 @@ books cut every 50 paragraphs), in 8 shards. Each configuration runs in its own 
 (wall time includes start-up); for each dupe factor the runs follow each other, reference
 included, so they share the machine's load; CPU seconds (user + system of the process and its
 workers) are reported too, being less sensitive than wall time to other jobs. Peak RSS: the
-parent's and the largest worker's, from `dataset_info.json` (each process's `getrusage`
+parent's and the largest worker's, from the run's manifest (`train.dataset_info.json`; each process's `getrusage`
 maximum); for the reference, its one process. The memory runs then feed the same fast mode 4x the corpus as 4x the shards
 (`--memory_scale`): peak RSS per process should not grow with the number of shards.
 
@@ -124,7 +124,7 @@ def run_ours(name, out_dir, inputs, common, extra):
     out = os.path.join(out_dir, name, "train.tfrecord")
     secs, cpu, tree_rss = timed([sys.executable, "-m", "data_pipeline.create_pretraining_data", inputs,
                                  f"--output_file={out}", *common, *extra])
-    info = json.load(open(os.path.join(out_dir, name, "dataset_info.json")))
+    info = json.load(open(os.path.join(out_dir, name, "train.dataset_info.json")))
     rss = info.get("peak_rss_mb", {})
     m = info["mask_stats"]
     return {"seconds": round(secs, 2), "cpu_seconds": round(cpu, 2), "instances": info["num_instances"],

@@ -4,7 +4,7 @@ each unchanged file by its identity (`records.KnownHashes`), `rehash_data` hashe
     python benchmarks/bench_verify_data.py [--shards=100] [--shard_mb=4] [--dir=/tmp/bench_verify]
     python benchmarks/bench_verify_data.py --emulator [--dir=gs://bench/verify]   # Cloud Storage, emulated
 
-Writes `--shards` files of `--shard_mb` random bytes with their dataset_info.json (verification
+Writes `--shards` files of `--shard_mb` random bytes with their manifest, train.dataset_info.json (verification
 checks sizes and SHA-256s against it and parses no record, so the bytes need not be records), then
 times `records.check_files` as a pretraining start calls it: first start (empty cache of verified
 files), restart (the cache from the first), and `verify="full"` (config.rehash_data). Prints one

@@ -218,10 +218,10 @@ def create_records(inputs: list[str], output: str, vocab: str, *, dupe_factor: i
 
 
 def records_info(out: str, **extra) -> dict:
-    """`extra` plus the instance counts of out/train and out/heldout (their dataset_info.json)."""
+    """`extra` plus the instance counts of out/train and out/heldout (their runs' manifests)."""
     info = dict(extra)
     for split in ("train", "heldout"):
-        with open(os.path.join(out, split, "dataset_info.json"), encoding="utf-8") as f:
+        with open(os.path.join(out, split, f"{split}.dataset_info.json"), encoding="utf-8") as f:
             di = json.load(f)
         info[split] = {k: di[k] for k in ("instances", "num_instances", "records") if k in di}
     return info
@@ -229,7 +229,8 @@ def records_info(out: str, **extra) -> dict:
 
 def stage_records(corpus: str, out: str, vocab: str, *, dupe_factor: int, seq_len: int, predictions: int,
                   workers: int) -> dict:
-    """W/records/train/train-*.tfrecord and W/records/heldout/heldout.tfrecord (+ each folder's dataset_info.json)."""
+    """W/records/train/train-*.tfrecord and W/records/heldout/heldout.tfrecord (+ each run's manifest,
+    train.dataset_info.json and heldout.dataset_info.json)."""
     done = os.path.join(out, "records_done.json")
     if os.path.exists(done):
         log(f"records: {out} exists, skipped")
@@ -237,7 +238,7 @@ def stage_records(corpus: str, out: str, vocab: str, *, dupe_factor: int, seq_le
     os.makedirs(out, exist_ok=True)
     started = time.time()
     train = sorted(glob.glob(os.path.join(corpus, "train-*.txt")))
-    # Two subfolders: each run writes its own dataset_info.json next to its records.
+    # Two subfolders (two datasets: the trainer reads each through its own glob), a manifest in each.
     create_records(train, os.path.join(out, "train", "train.tfrecord"), vocab, dupe_factor=dupe_factor,
                    seq_len=seq_len, predictions=predictions, shards=len(train), workers=workers)
     create_records([os.path.join(corpus, "heldout.txt")], os.path.join(out, "heldout", "heldout.tfrecord"),

@@ -4,7 +4,7 @@
 
 1. writes the embedded corpus (documentation text that ships with Python) in Google's format;
 2. trains a WordPiece vocabulary on it (sentencepiece underneath);
-3. writes pre-masked TFRecords (+ dataset_info.json) for training and a held-out evaluation set;
+3. writes pre-masked TFRecords (+ their manifest) for training and a held-out evaluation set;
 4. pretrains a tiny BERT with the ordinary loop (checkpoints, TensorBoard, resumable);
 5. prints the model's top-5 guesses for the [MASK] in a few sentences.
 
@@ -34,7 +34,7 @@ PROMPTS = (
 
 def prepare_data(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Stages 1-3; returns the paths the pretraining config needs."""
-    from data_pipeline import corpora, create_pretraining_data, train_vocab
+    from data_pipeline import corpora, create_pretraining_data, manifests, train_vocab
 
     d = config.demo
     corpus_dir = storage_paths.join(workdir, "corpus")
@@ -50,7 +50,7 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str) -> dict:
     out = {}
     for name, inputs, dupe in (("train", train_files, d.dupe_factor), ("eval", eval_files, 1)):
         out_dir = storage_paths.join(workdir, "data", name)
-        if not storage.exists(storage_paths.join(out_dir, "dataset_info.json")):
+        if not manifests.in_directory(out_dir, lenient=True):  # a manifest is written last: the records are whole
             create_pretraining_data.create_pretraining_data(
                 input_files=inputs, output_dir=out_dir, vocab_file=vocab_file, do_lower_case=True,
                 max_seq_length=config.max_seq_length,

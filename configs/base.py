@@ -65,8 +65,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.max_seqs_per_pack = 3  # sequences per packed row at most
     config.skip_corrupt_records = False  # True: skip (and count) corrupt records instead of failing
     config.data_shards = 0  # file shards (0 = one per process); fix it to make runs identical across host counts
-    # Check every file against its dataset_info.json before training: its size, and its SHA-256 the
-    # first time (remembered by path, size and mtime/generation; an unchanged file is not read again).
+    # Check every file against the manifest listing it (*.dataset_info.json) before training: its size, and its
+    # SHA-256 the first time (remembered by path, size and mtime/generation; an unchanged file is not read again).
     config.verify_data = True
     config.rehash_data = False  # True: hash every file again, whatever was verified before
     # Two-phase pretraining: a list of dicts with keys max_seq_length, max_predictions_per_seq,

@@ -9,8 +9,9 @@ Any Beam runner by name (DirectRunner, DataflowRunner, FlinkRunner, SparkRunner,
 the local path's own per-shard function, `shards.shard_records`, with its random stream
 `shard_rng(random_seed, shard)`; each output file is then written from the shards' buckets that map
 to it (`shards.output_index`), in shard order. So for the same flags, seed and inputs the files are
-byte for byte the local path's, whatever the runner or the number of workers, and dataset_info.json
-holds the same fields (timing and peak RSS aside) plus `runner`.
+byte for byte the local path's, whatever the runner or the number of workers, and the run's
+manifest (`<output name>.dataset_info.json`, as the local path names it) holds the same fields
+(timing and peak RSS aside) plus `runner`.
 
 The pipeline:
 
@@ -29,11 +30,11 @@ runs per worker process. With --chinese_whole_word_mask the workers need jieba i
 Records go from a shard's worker to its file's worker through files, not through a shuffle: no
 process holds more than one shard's records (as in the local path), and a retried bundle rewrites
 the same bytes (everything is a function of the seed and the shard), so retries are harmless. The
-driver reads the summary, writes dataset_info.json and deletes the temporary directory.
+driver reads the summary, writes the run's manifest and deletes the temporary directory.
 
 Counters (namespace "create_pretraining_data", shown by the runner, e.g. Dataflow's job page):
 shards, documents, empty_documents, lines_with_bad_utf8, instances, records_written. The
-statistics in dataset_info.json come from the data itself (the shards' ReadStats/MaskStats added up
+statistics in the run's manifest come from the data itself (the shards' ReadStats/MaskStats added up
 by `ShardTotals`), which is exact on every runner; the counters are read back from the pipeline
 result where the runner supports it, recorded under `runner.counters` and checked against them.
 
@@ -317,7 +318,7 @@ def counters(result) -> Optional[dict]:
     try:
         found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))["counters"]
     except (NotImplementedError, AttributeError, KeyError) as e:
-        logging.warning("the Beam runner reports no counters (%r); dataset_info.json has the statistics", e)
+        logging.warning("the Beam runner reports no counters (%r); the run's manifest has the statistics", e)
         return None
     out = {name: 0 for name in COUNTERS}
     for m in found:
@@ -362,15 +363,15 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], comp
     Args:
       opts: the instance options (seed included).
       sources: `("text", path)` or `tfds_sources(...)` entries, one per shard.
-      outputs: the output files, all in one directory (dataset_info.json goes there).
+      outputs: the output files, all in one directory (the run's manifest goes there).
       compression: "none" or "gzip".
       num_workers: the DirectRunner's worker processes (see `pipeline_options`).
       beam_runner: a Beam runner name.
       pipeline_args: more Beam pipeline options, e.g. ["--project=p", "--region=us-central1"].
-      flags_used: the command line's flags, recorded in dataset_info.json.
+      flags_used: the command line's flags, recorded in the run's manifest.
 
     Returns:
-      The info dict written to dataset_info.json (without the manifest).
+      The info dict written to the run's manifest (`schema.run_manifest_name(outputs)`), without the file list.
 
     Raises:
       FileNotFoundError: naming a local input file that does not exist.
@@ -381,7 +382,7 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], comp
         raise ValueError(f"--compression={compression!r}: 'none' or 'gzip'")
     _check_local_inputs(sources)
     out_dir = output_dir(outputs)
-    check_output_dir_free(out_dir, outputs)
+    replaced = check_output_dir_free(out_dir, outputs)
     temp_dir = FileSystems.join(out_dir, f".beam-tmp-{uuid.uuid4().hex}")
     options = pipeline_options(beam_runner, num_workers, pipeline_args)
     started = time.time()
@@ -404,13 +405,15 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], comp
     if found is not None:
         wrong = _check_counters(found, info)
         if wrong:
-            logging.warning("Beam counters %s differ from the statistics the data carried: %s; dataset_info.json "
-                            "has the latter", wrong, found)
+            logging.warning("Beam counters %s differ from the statistics the data carried: %s; the run's "
+                            "manifest has the latter", wrong, found)
     info["runner"] = {"name": "beam", "beam_runner": beam_runner, "pipeline_options": list(pipeline_args),
                       "counters": found}
     manifest = {os.path.basename(outputs[int(i)]): entry for i, entry in summary["files"].items()}
-    path = FileSystems.join(out_dir, schema.MANIFEST_NAME)
+    path = FileSystems.join(out_dir, schema.run_manifest_name(outputs))  # this run's own: parallel runs write others
     with _create(path + ".tmp") as f:
         f.write(schema.dataset_info_json(manifest, info).encode())
     FileSystems.rename([path + ".tmp"], [path])
+    if replaced:  # an earlier version's manifest of these very files
+        FileSystems.delete(replaced)
     return info

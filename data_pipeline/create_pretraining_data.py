@@ -1,4 +1,4 @@
-"""CLI: text -> pre-masked TFRecords in Google's schema, + dataset_info.json.
+"""CLI: text -> pre-masked TFRecords in Google's schema, + the run's manifest (`<name>.dataset_info.json`).
 
     python -m data_pipeline.create_pretraining_data --input_file='corpus/*.txt' \\
         --output_file=out/train.tfrecord --vocab_file=vocab.txt [--num_workers=2 --num_output_shards=8]
@@ -33,9 +33,15 @@ Both modes and the Beam runner; in every other respect Google's whole-word maski
 and file assignment (`shards.py`), so the same files as the local path for the same flags, seed and
 inputs.
 
-Outputs: the TFRecords (gzip with `--compression=gzip`) and `dataset_info.json` next to them: the
-flags, seed, vocab sha256, reading and masking statistics, and the manifest (records, bytes, sha256
-per file) that the input pipeline verifies before training.
+Outputs: the TFRecords (gzip with `--compression=gzip`) and the run's manifest next to them, named
+after the output (`--output_file=data/train.tfrecord` -> `data/train.dataset_info.json`;
+`schema.run_manifest_name`): the flags, seed, vocab sha256, reading and masking statistics, and the
+records, bytes and sha256 of each file, which the input pipeline verifies before training. Any
+number of runs may write into one folder, in parallel too (Google's "shard the input file and call
+the script multiple times": one run per input shard, each with its own `--output_file`); the
+trainer reads them through one glob once their manifests agree on how the records were made
+(`manifests.py`). A run that would overwrite another run's files is refused before any work
+(`shards.check_output_dir_free`).
 """
 
 from __future__ import annotations
@@ -233,12 +239,12 @@ def output_paths(output_file: str, num_output_shards: int, compression: str) -> 
 
 def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], reference_compatible: bool,
         num_workers: int = 1, compression: str = "none", flags_used: Optional[dict] = None) -> dict:
-    """Writes the records and dataset_info.json; returns the info dict."""
+    """Writes the records and the run's manifest; returns the info dict."""
     from tqdm import tqdm
 
     opts.validate()
     out_dir = output_dir(outputs)
-    check_output_dir_free(out_dir, outputs)
+    replaced = check_output_dir_free(out_dir, outputs)
     tfrecord.makedirs(out_dir)
     writers = [tfrecord.Writer(p, compression) for p in outputs]
     totals = ShardTotals()
@@ -300,20 +306,21 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
     info = dataset_info(opts, totals, num_instances=written, seconds=time.time() - started,
                         mode="reference_compatible" if reference_compatible else "fast", compression=compression,
                         flags_used=flags_used, workers_rss=num_workers > 1 and not reference_compatible)
-    schema.write_dataset_info(out_dir, {w.path: w.num_records for w in writers}, info)
+    manifest = schema.write_dataset_info(out_dir, {w.path: w.num_records for w in writers}, info)
+    for path in replaced:  # an earlier version's manifest of these very files, now described by this run's
+        storage.remove(path, missing_ok=True)
     if not written:  # the files and statistics are written: they show what was read
         read = totals.read_stats
         raise ValueError(f"no training instance from {len(sources)} input source(s) ({read.lines} lines, "
                          f"{read.documents} documents, {read.documents_without_tokens} without tokens): "
-                         "empty or blank input? (statistics in "
-                         + storage_paths.join(out_dir, "dataset_info.json") + ")")
+                         f"empty or blank input? (statistics in {manifest})")
     return info
 
 
 def create_pretraining_data(input_files: Sequence[str], output_dir: str, vocab_file: str, *,
                             num_output_shards: int = 1, reference_compatible: bool = False,
                             num_workers: int = 1, compression: str = "none", **options) -> dict:
-    """Library entry point: text files -> `output_dir/part-*.tfrecord` + dataset_info.json."""
+    """Library entry point: text files -> `output_dir/part-*.tfrecord` + `output_dir/part.dataset_info.json`."""
     opts = Options(vocab_file=vocab_file, **options)
     ext = ".tfrecord.gz" if compression == "gzip" else ".tfrecord"
     outputs = [storage_paths.join(output_dir, f"part-{i:05d}-of-{num_output_shards:05d}{ext}")

@@ -55,13 +55,13 @@ from data_pipeline.masking import (SpecialIds, dynamic_mask, dynamic_predictions
 from data_pipeline.packing import pack_window
 from data_pipeline.record_scan import RecordScan, is_gzip, scan_tfrecord_file
 from data_pipeline.records import (MANIFEST_NAME, CorruptDataError, FileInfo, FilePatterns,
-                                   HostFiles, check_files, dataset_info, expand_file_patterns,
-                                   file_datasets, load_manifest, read_error, record_shape,
-                                   shard_files, split_patterns)
+                                   HostFiles, ManifestMismatchError, check_files, dataset_info,
+                                   expand_file_patterns, file_datasets, load_manifest, read_error,
+                                   record_shape, shard_files, split_patterns)
 
 __all__ = [  # this module's own names, then those it re-exports (callers import them from here)
     "PretrainingInput", "EvalInput", "make_eval_iterator", "parse_batch",
-    "MANIFEST_NAME", "CorruptDataError", "FileInfo", "FilePatterns", "dataset_info",
+    "MANIFEST_NAME", "CorruptDataError", "FileInfo", "FilePatterns", "ManifestMismatchError", "dataset_info",
     "expand_file_patterns", "load_manifest", "record_shape", "shard_files",
     "RecordScan", "is_gzip", "scan_tfrecord_file",
     "SpecialIds", "dynamic_mask", "dynamic_predictions_per_sequence", "recorded_whole_word_mask",
@@ -188,14 +188,14 @@ class PretrainingInput:
             required by dynamic masking.
           masked_lm_prob: fraction of tokens dynamic masking predicts.
           whole_word_mask: dynamic masking masks whole words (Google's `--do_whole_word_mask`);
-            None = as the records were made (their dataset_info.json flags; token by token when
+            None = as the records were made (their manifests' flags; token by token when
             not recorded). Needs `subword`.
           subword: `[vocab_size]` bool, True for `##` tokens (`subword_table(vocab.txt)`).
           packing: pack several records per row (packed-batch keys of the module docstring).
           max_seqs_per_pack: S, sequences per packed row at most.
           max_predictions_per_pack: Pp, the packed masked_lm width; default P * S.
           packing_window: records the packer sees at once (larger packs tighter, costs memory).
-          verify: check every file against its dataset_info.json before reading.
+          verify: check every file against the manifest listing it (`*.dataset_info.json`) before reading.
           skip_corrupt: skip (and count in `stats`) bad records and files instead of raising;
             the good records of a damaged file are read in place (nothing is copied).
           cycle_length: files read concurrently (interleave).

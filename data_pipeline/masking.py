@@ -15,7 +15,7 @@ candidates are the real tokens other than [CLS], [SEP] and [PAD]; each chosen po
 [MASK] with probability 0.8, else keeps its token with probability 0.5, else becomes an id drawn
 uniformly from `[0, vocab_size)`. Positions are sorted ascending and padded with position 0,
 id 0, weight 0. With whole-word masking (`whole_word_mask`, by default as the records were made:
-`--do_whole_word_mask` in their dataset_info.json) the candidates are words instead, as in the
+`--do_whole_word_mask` in their manifests) the candidates are words instead, as in the
 reference: a word is a token and the `##` pieces after it (a boolean table over the vocabulary,
 `subword_table`), words are taken in random order while they fit the count (one that would
 overflow it is skipped, not split), and the 80/10/10 draw is made for each token.
@@ -124,8 +124,8 @@ def subword_table(vocab_file: str) -> np.ndarray:
 
 
 def recorded_whole_word_mask(file_patterns: FilePatterns) -> Optional[bool]:
-    """`do_whole_word_mask` the records were made with, per the dataset_info.json beside each
-    pattern's files; None when none records it. Raises when the patterns' data disagree."""
+    """`do_whole_word_mask` the records were made with, per the manifests of each pattern's records
+    (`records.dataset_info`); None when none records it. Raises when the patterns' data disagree."""
     found = {}
     for pattern in split_patterns(file_patterns):
         value = dataset_info(pattern).get("flags", {}).get("do_whole_word_mask")
@@ -138,7 +138,7 @@ def recorded_whole_word_mask(file_patterns: FilePatterns) -> Optional[bool]:
 
 
 def recorded_chinese_whole_word_mask(file_patterns: FilePatterns) -> list:
-    """The patterns whose dataset_info.json says the records were made with
+    """The patterns whose records' manifests say they were made with
     `--chinese_whole_word_mask` (words from a segmenter, which the records do not carry)."""
     return [pattern for pattern in split_patterns(file_patterns)
             if dataset_info(pattern).get("flags", {}).get("chinese_whole_word_mask") is True]

@@ -1,19 +1,24 @@
 """Record files: which TFRecords a host reads, whether they are intact, and how to read them.
 
-The first stage of the training input (`create_pretraining_data` -> TFRecords + dataset_info.json
--> **records** -> `masking`, `packing` -> `input_pipeline`): comma-separated globs expanded and
-sorted, the `dataset_info.json` manifest (flags, record shape, per-file size/sha256/count), the
-per-host share of the files, their check against the manifest before training, and the tf.data
-reading of a host's files, the good records of damaged ones included (found by
-`record_scan.scan_tfrecord_file`, which walks a file's framing and checks every CRC).
+The first stage of the training input (`create_pretraining_data` -> TFRecords + a manifest per
+run -> **records** -> `masking`, `packing` -> `input_pipeline`): comma-separated globs expanded and
+sorted, the manifests (`<run>.dataset_info.json`, or one `dataset_info.json` in folders of earlier
+versions: flags, record shape, per-file size/sha256/count; `manifests.py`), the per-host share of
+the files, their check against the manifests before training, and the tf.data reading of a host's
+files, the good records of damaged ones included (found by `record_scan.scan_tfrecord_file`, which
+walks a file's framing and checks every CRC).
 
 - **Files.** Comma-separated globs (or a list of them) are expanded, de-duplicated and *sorted*
   (`*.gz` files are read as gzip-compressed TFRecords, as `--compression=gzip` writes them);
   host `process_index` of `process_count` reads files `sorted_files[process_index::process_count]`
   (disjoint, and complete over the hosts). Never `Dataset.list_files`, which shuffles unseeded.
-- **Integrity, before training.** With `verify=True` each file is checked against the
-  `dataset_info.json` manifest next to it (size, sha256, record count; `schema.py` writes it): a
-  missing, empty, truncated, bit-flipped or garbage file raises `CorruptDataError` naming the file.
+- **One dataset per glob.** The manifests of the records a glob matches must agree on how they
+  were made (vocabulary, casing, lengths, masking: `manifests.check_agree`), else
+  `ManifestMismatchError` names both manifests, the field and both values; checked whether or not
+  the files are verified.
+- **Integrity, before training.** With `verify=True` each file is checked against the manifest
+  that lists it (size, sha256, record count; `schema.py` writes it): a file no manifest lists, or
+  a missing, empty, truncated, bit-flipped or garbage file raises `CorruptDataError` naming the file.
   With `skip_corrupt=True` exactly the good records of the bad file are read, in place (no copy:
   `scan_tfrecord_file` walks the record framing, checks every CRC and records where each good
   record lies), and the lost records are counted. Only this host's files are hashed, and an
@@ -29,13 +34,13 @@ import dataclasses
 import fnmatch
 import json
 import logging
-import os
 import time
 from typing import Optional, Sequence, Union
 
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
-from data_pipeline import schema, storage, storage_paths, storage_staging
+from data_pipeline import manifests, schema, storage, storage_paths, storage_staging
+from data_pipeline.manifests import ManifestMismatchError  # noqa: F401  (importable from here and input_pipeline)
 from data_pipeline.record_scan import count_records_by_framing, is_gzip, scan_tfrecord_file
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,12 @@ def split_patterns(file_patterns: FilePatterns) -> list[str]:
     return patterns
 
 
+def _glob_records(pattern: str) -> list[str]:
+    """The files a glob matches, less the data manifests (`data/*` matches them too)."""
+    return [p for p in storage.glob(storage_paths.check(pattern, "input file pattern"))
+            if not manifests.is_manifest(storage_paths.basename(p))]
+
+
 def expand_file_patterns(file_patterns: FilePatterns) -> list[str]:
     """Sorted, de-duplicated files matching the globs. Raises naming a pattern that matches nothing.
 
@@ -79,7 +90,7 @@ def expand_file_patterns(file_patterns: FilePatterns) -> list[str]:
     """
     files = set()
     for pattern in split_patterns(file_patterns):
-        matched = storage.glob(storage_paths.check(pattern, "input file pattern"))
+        matched = _glob_records(pattern)
         if not matched:
             raise FileNotFoundError(f"input file pattern {pattern!r} matches no file")
         files.update(matched)
@@ -113,17 +124,16 @@ def record_shape(file_patterns: FilePatterns) -> tuple[int, int]:
 
 
 def dataset_info(file_patterns: FilePatterns) -> dict:
-    """The `dataset_info.json` beside the first pattern's files that has one ({} if none does):
-    the flags the data was made with (casing, lengths, seed), its statistics and manifest."""
-    for pattern in split_patterns(file_patterns):
-        path = storage_paths.join(storage_paths.dirname(pattern), MANIFEST_NAME)
-        if storage.exists(path):
-            try:
-                return json.loads(storage.read_text(path))
-            except ValueError as e:  # verify_data names it; the flags are only informative
-                logging.warning("%s: unreadable (%r); its flags (casing, vocabulary) are not checked", path, e)
-                return {}
-    return {}
+    """How the records the globs match were made ({} when no manifest says): the first of their
+    manifests (`manifests.touched`), once all are checked to agree on the settings that change
+    what the model sees (`manifests.check_agree`; raises `ManifestMismatchError`). Its flags
+    (casing, lengths, vocabulary) are those of every run; its statistics are its own run's."""
+    patterns = split_patterns(file_patterns)
+    found = [f for p in patterns for f in _glob_records(p)]
+    # Unreadable manifests are skipped with a warning: verify_data names them; the flags are informative.
+    touched = manifests.touched(patterns, found, lenient=True)
+    manifests.check_agree(touched, ",".join(patterns))
+    return dict(touched[0].info) if touched else {}
 
 
 def shard_files(files: Sequence[str], process_index: int, process_count: int) -> list[str]:
@@ -139,7 +149,7 @@ def shard_files(files: Sequence[str], process_index: int, process_count: int) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# The manifest (dataset_info.json, written by schema.py next to the TFRecords)
+# The manifests (one per run, `<run>.dataset_info.json`, written by schema.py next to the TFRecords)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -159,40 +169,33 @@ def _what_is_there(pattern: str) -> str:
     directory = storage_paths.dirname(pattern)
     if _pattern_has_glob(directory) or not storage.isdir(directory or "."):
         return ""
-    names = sorted(n for n in storage.listdir(directory or ".") if n != MANIFEST_NAME)
+    names = sorted(n for n in storage.listdir(directory or ".") if not manifests.is_manifest(n))
     if not names:
         return f" ({directory or '.'} is empty)"
     shown = ", ".join(names[:3]) + (f", ... ({len(names)} files)" if len(names) > 3 else "")
     return f" ({directory or '.'} holds {shown})"
 
 
-def load_manifest(directory: str) -> Optional[dict[str, FileInfo]]:
-    """The manifest of the TFRecords in `directory` keyed by full path, or None if it has none."""
-    path = storage_paths.join(directory, MANIFEST_NAME)
-    if not storage.exists(path):
-        return None
-    entries = _manifest_file_entries(path)
-    out = {}
-    for name, entry in entries.items():
-        full = name if os.path.isabs(name) or "://" in name else storage_paths.join(directory, name)
-        out[full] = FileInfo(path=full, num_records=int(entry["num_records"]),
-                             num_bytes=entry.get("num_bytes"), sha256=entry.get("sha256"))
-    return out
-
-
-def _manifest_file_entries(path: str) -> dict[str, dict]:
-    """{file name: {num_records, num_bytes, sha256}} of a dataset_info.json (`schema.write_dataset_info`).
-
-    schema.py writes the manifest but has no reader yet; this is the one place that knows its layout.
-    """
+def _read_manifests(directory: str) -> list[manifests.Manifest]:
+    """The manifests in `directory`; an unreadable one is a `CorruptDataError` naming it."""
     try:
-        files = json.loads(storage.read_text(path))["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptDataError(path, f"unreadable data manifest ({e!r})") from e
-    for name, entry in files.items():
-        if not isinstance(entry, dict) or "num_records" not in entry:
-            raise CorruptDataError(path, f"manifest entry for {name} has no num_records")
-    return files
+        return manifests.in_directory(directory)
+    except manifests.UnreadableManifest as e:
+        raise CorruptDataError(e.path, f"unreadable data manifest ({e.reason})") from e
+
+
+def _file_info(path: str, entry: dict) -> FileInfo:
+    return FileInfo(path=path, num_records=int(entry["num_records"]), num_bytes=entry.get("num_bytes"),
+                    sha256=entry.get("sha256"))
+
+
+def load_manifest(directory: str) -> Optional[dict[str, FileInfo]]:
+    """The entries of every manifest in `directory` (each run's, or the legacy one) keyed by full
+    path, or None if it has none."""
+    found = _read_manifests(directory)
+    if not found:
+        return None
+    return {path: _file_info(path, entry) for m in found for path, entry in m.files.items()}
 
 
 def _pattern_has_glob(pattern: str) -> bool:
@@ -365,7 +368,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
     hashes = KnownHashes(fresh=verify == "full", shared_file=known_hashes_file)
     found, unmatched = set(), []
     for pattern in patterns:
-        matched = storage.glob(storage_paths.check(pattern, "input file pattern"))
+        matched = _glob_records(pattern)
         if not matched:
             unmatched.append(pattern)
         found.update(matched)
@@ -376,33 +379,44 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
 
     infos: dict[str, FileInfo] = {}
     expected = set(found)
-    if verify:
-        # Manifests live next to the files: the directories of the files found, and of the
-        # patterns whose directory part is literal (so a pattern whose files all vanished is
-        # still checked against its manifest).
-        directories = {storage_paths.dirname(p) for p in found}
-        directories |= {storage_paths.dirname(p) for p in patterns if not _pattern_has_glob(storage_paths.dirname(p))}
-        for directory in sorted(directories):
-            manifest = load_manifest(directory)
-            if manifest is None:
+    what = ",".join(patterns)
+    if not verify:  # the files unchecked; the manifests there are still one dataset's (cheap to read)
+        manifests.check_agree(manifests.touched(patterns, found, lenient=True), what)
+    else:
+        # Manifests live next to the files (`manifests.folders`). Each run's lists its own files;
+        # together they must list every file found and agree on how the records were made.
+        touched = []
+        for directory in manifests.folders(patterns, found):
+            here = _read_manifests(directory)
+            if not here:
                 if not any(storage_paths.dirname(p) == directory for p in found):  # nothing here at all
                     pattern = next((u for u in unmatched if storage_paths.dirname(u) == directory), directory)
                     raise CorruptDataError(pattern, ("no input file matches this pattern"
                                            if _pattern_has_glob(pattern) else "input file is missing")
                                            + _what_is_there(pattern))
                 raise CorruptDataError(
-                    storage_paths.join(directory, MANIFEST_NAME),
-                    "no data manifest next to the input files (create_pretraining_data writes one); "
+                    storage_paths.join(directory, "*." + MANIFEST_NAME),
+                    "no data manifest next to the input files (create_pretraining_data writes one per run); "
                     "to read them unchecked " + _VERIFY_HINT)
-            # Every manifest file a pattern names is expected (so a deleted file is noticed).
-            for path, info in manifest.items():
-                if any(fnmatch.fnmatchcase(path, p) for p in patterns):
+            listed_by: dict[str, str] = {}
+            for manifest in here:
+                # Every manifest file a pattern names is expected (so a deleted file is noticed).
+                for path, entry in manifest.files.items():
+                    if not any(fnmatch.fnmatchcase(path, p) for p in patterns):
+                        continue
+                    if path in listed_by:
+                        raise CorruptDataError(path, f"is listed by two data manifests, {listed_by[path]} and "
+                                               f"{manifest.path}: one file, two descriptions (a copy, or a "
+                                               "manifest of records written over since); delete the stale one")
+                    listed_by[path] = manifest.path
                     expected.add(path)
-                    infos[path] = info
+                    infos[path] = _file_info(path, entry)
+            touched += manifests.touching(here, patterns)
+        manifests.check_agree(touched, what)
         unlisted = sorted(p for p in found if p not in infos)
         if unlisted:
-            raise CorruptDataError(unlisted[0], f"is not listed in its {MANIFEST_NAME} "
-                                   f"({len(unlisted)} unlisted files); to read it anyway " + _VERIFY_HINT)
+            raise CorruptDataError(unlisted[0], f"is not listed in any data manifest of its folder (*.{MANIFEST_NAME}; "
+                                   f"{len(unlisted)} unlisted files); to read it anyway " + _VERIFY_HINT)
         for pattern in unmatched:
             if not any(fnmatch.fnmatchcase(p, pattern) for p in expected):
                 raise CorruptDataError(pattern, "no input file (on disk or in the manifest) "

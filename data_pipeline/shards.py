@@ -5,7 +5,8 @@ per-process worker state (`init_worker`: the `FastTokenizer` and vocabulary, and
 `--chinese_whole_word_mask` the word segmenter, loaded once per process), `shard_records` (an input shard -> framed TFRecord bytes per output bucket + statistics,
 a function of (seed, shard) only through `shard_rng`), `output_index` (which output file a shard's
 bucket goes to: the reference's round-robin), `ShardTotals` and `dataset_info` (the statistics
-dataset_info.json reports).
+the run's manifest reports), `check_output_dir_free` (what a run may write into a folder that
+other runs' records are in).
 
 `create_pretraining_data` (the CLI and local process pool) and `beam_pipeline` (the Beam runner)
 both import this module, so the two runners write the same files for the same flags, seed and
@@ -20,8 +21,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import (chinese_words, corpora, fast_instances, fast_tokenization, instances as inst, schema,
-                           storage, storage_paths, tfrecord, tokenization)
+from data_pipeline import (chinese_words, corpora, fast_instances, fast_tokenization, instances as inst, manifests,
+                           schema, storage, storage_paths, tfrecord, tokenization)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +186,7 @@ def output_index(records_before: int, bucket: int, num_outputs: int) -> int:
 
 @dataclasses.dataclass
 class ShardTotals:
-    """The shards' statistics added up (what dataset_info.json reports)."""
+    """The shards' statistics added up (what the run's manifest reports)."""
 
     read_stats: corpora.ReadStats = dataclasses.field(default_factory=corpora.ReadStats)
     mask_stats: inst.MaskStats = dataclasses.field(default_factory=inst.MaskStats)
@@ -198,43 +199,57 @@ class ShardTotals:
 
 
 def output_dir(outputs: Sequence[str]) -> str:
-    """The one directory of all `outputs` (dataset_info.json goes there)."""
+    """The one directory of all `outputs` (the run's manifest goes there)."""
     out_dirs = {storage_paths.dirname(storage_paths.abspath(storage_paths.check(p, "--output_file"))) for p in outputs}
     if len(out_dirs) != 1:
-        raise ValueError("--output_file: all outputs must be in one directory (dataset_info.json goes there)")
+        raise ValueError("--output_file: all outputs must be in one directory (the run's manifest goes there)")
     return out_dirs.pop()
 
 
-def check_output_dir_free(out_dir: str, outputs: Sequence[str]) -> None:
-    """Refuses, before any work, a folder whose dataset_info.json describes other records that are
-    still there (train records, say, when eval records are written next to them): one
-    dataset_info.json describes one dataset, and this run's would replace it, after which the
-    trainer would refuse the other records as unlisted."""
-    import json
+def check_output_dir_free(out_dir: str, outputs: Sequence[str]) -> list[str]:
+    """Refuses, before any work, a run that would leave a manifest of the folder wrong; returns
+    the manifests this run's replaces (to delete once it is written).
 
-    path = storage_paths.join(out_dir, schema.MANIFEST_NAME)
-    if not storage.exists(path):
-        return
-    try:
-        listed = json.loads(storage.read_text(path)).get("files", {})
-    except (ValueError, AttributeError):
-        return  # unreadable: this run's manifest replaces it
+    Any number of runs write into one folder, each its own manifest (`schema.run_manifest_name`),
+    so records of other runs are left alone. Refused: writing a file another run's manifest lists
+    (that manifest would describe bytes that are gone), and rerunning under a name whose earlier
+    run listed files this one does not write and that are still there (a rerun with another shard
+    count: those files would be left unlisted, and the trainer refuses unlisted files). A folder
+    of an earlier version's single `dataset_info.json` that lists only this run's files (a rerun
+    there) is this run's: its manifest is replaced by this run's.
+    """
     mine = {storage_paths.basename(p) for p in outputs}
-    others = sorted(n for n in listed if n not in mine and storage.exists(storage_paths.join(out_dir, n)))
-    if others:
-        name = storage_paths.basename(outputs[0])
-        folder = storage_paths.join(out_dir, name.split(".")[0] or "records")
-        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-        raise ValueError(
-            f"--output_file: {path} describes other records that are still there ({len(others)} files: "
-            f"{shown}); a folder holds one dataset (one {schema.MANIFEST_NAME}), and writing these here would "
-            f"replace it. Write them to a folder of their own (e.g. --output_file={storage_paths.join(folder, name)}), "
-            f"or delete the other records first")
+    own = schema.run_manifest_name(outputs)
+    replaced = []
+    for manifest in manifests.in_directory(out_dir, lenient=True):  # unreadable: describes nothing
+        name = storage_paths.basename(manifest.path)
+        listed = {storage_paths.basename(p) for p in manifest.files}
+        there = sorted(n for n in listed - mine if storage.exists(storage_paths.join(out_dir, n)))
+        if name == own or (manifest.legacy and listed & mine and not there):
+            if there:
+                shown = ", ".join(there[:3]) + (", ..." if len(there) > 3 else "")
+                raise ValueError(
+                    f"--output_file: {manifest.path}, the manifest this run writes, lists other records that are "
+                    f"still there ({len(there)} files: {shown}), which this run would leave unlisted (the trainer "
+                    f"refuses unlisted files). Delete them first (a rerun with another shard count), or name "
+                    f"this run's output differently")
+            if name != own:
+                replaced.append(manifest.path)
+            continue
+        clash = sorted(listed & mine)
+        if clash:
+            shown = ", ".join(clash[:3]) + (", ..." if len(clash) > 3 else "")
+            raise ValueError(
+                f"--output_file: {manifest.path} lists {len(clash)} of this run's output files ({shown}): "
+                f"writing them would leave that manifest describing records that are gone. Name this run's "
+                f"output differently (each run in a folder writes its own files and its own "
+                f"<output name>.{schema.MANIFEST_NAME}), or delete that manifest and its records first")
+    return replaced
 
 
 def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds: float, mode: str,
                  compression: str, flags_used: Optional[dict], workers_rss: bool) -> dict:
-    """dataset_info.json's fields besides the manifest (`schema.write_dataset_info` adds that).
+    """The run manifest's fields besides the file list (`schema.write_dataset_info` adds that).
 
     Args:
       workers_rss: whether the shards ran in processes other than this one (then their peak RSS

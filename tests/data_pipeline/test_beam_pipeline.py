@@ -9,6 +9,7 @@ reader in tests/data_pipeline/test_create_pretraining_data.py)."""
 import dataclasses
 import gzip
 import json
+import os
 import pickle
 import random
 import struct
@@ -100,8 +101,8 @@ def test_direct_runner_in_process_writes_the_local_paths_files(tmp_path):
         data = (tmp_path / "beam" / n).read_bytes()
         assert data == (tmp_path / "local" / n).read_bytes(), n
         assert count_records(data) > 30
-    local_info = json.loads((tmp_path / "local" / "dataset_info.json").read_text())
-    beam_info = json.loads((tmp_path / "beam" / "dataset_info.json").read_text())
+    local_info = json.loads((tmp_path / "local" / "part-0.dataset_info.json").read_text())  # named after the first
+    beam_info = json.loads((tmp_path / "beam" / "part-0.dataset_info.json").read_text())
     assert without_run_fields(beam_info) == without_run_fields(local_info)  # manifest included
     assert beam_info["runner"]["beam_runner"] == "DirectRunner"
     assert beam["peak_rss_mb"]["workers"] is None  # in_memory: the shards ran in this process
@@ -110,7 +111,33 @@ def test_direct_runner_in_process_writes_the_local_paths_files(tmp_path):
         "shards": 4, "documents": read["documents"], "empty_documents": read["empty_documents"],
         "lines_with_bad_utf8": 1, "instances": local["mask_stats"]["instances"],
         "records_written": local["num_instances"]}
-    assert sorted(p.name for p in (tmp_path / "beam").iterdir()) == ["dataset_info.json"] + names  # no temp dir
+    assert sorted(p.name for p in (tmp_path / "beam").iterdir()) == sorted(["part-0.dataset_info.json"] + names)  # no temp dir
+
+
+def test_a_beam_run_joins_a_folder_other_runs_wrote_with_its_own_manifest(tmp_path):
+    """Google's "call the script multiple times", one of the calls a Beam job: each run's manifest
+    beside its records, all of them one dataset (`manifests`: every file listed once, the same
+    settings); a Beam run overwriting another run's files is refused before the job starts."""
+    from data_pipeline import manifests
+
+    files, vocab = write_corpus(tmp_path)
+    opts = cpd.Options(vocab_file=str(vocab), max_seq_length=32, max_predictions_per_seq=5, dupe_factor=2)
+    out = tmp_path / "data"
+    cpd.run(opts, sources=[("text", files[0])], outputs=[str(out / "local.tfrecord")], reference_compatible=False)
+    beam = [str(out / f"beam-{i:05d}-of-00003.tfrecord") for i in range(3)]
+    beam_pipeline.run(opts, sources=[("text", f) for f in files[1:]], outputs=beam)
+    assert sorted(p.name for p in out.iterdir()) == ["beam-00000-of-00003.tfrecord", "beam-00001-of-00003.tfrecord",
+                                                    "beam-00002-of-00003.tfrecord", "beam.dataset_info.json",
+                                                    "local.dataset_info.json", "local.tfrecord"]
+    found = manifests.touched([str(out / "*.tfrecord")])
+    manifests.check_agree(found, "data/*.tfrecord")
+    listed = {path: entry["num_records"] for m in found for path, entry in m.files.items()}
+    assert sorted(listed) == sorted(str(p) for p in out.glob("*.tfrecord"))
+    assert all(count_records((out / os.path.basename(p)).read_bytes()) == n for p, n in listed.items())
+    with pytest.raises(ValueError, match=r"beam\.dataset_info\.json lists 1 of this run's output files "
+                                         r"\(beam-00000-of-00003\.tfrecord\)"):
+        beam_pipeline.run(opts, sources=[("text", files[0])], outputs=beam[:1])
+    assert not list(out.glob(".beam-tmp-*"))
 
 
 def test_the_shard_step_carries_the_vocab_to_workers_that_cannot_read_the_drivers_file(tmp_path):
@@ -150,8 +177,8 @@ def test_cli_beam_worker_processes_equal_the_local_worker_pool_gzip_whole_word(t
         data = (tmp_path / "beam" / n).read_bytes()
         assert data == (tmp_path / "local" / n).read_bytes(), n
         assert count_records(file_bytes(tmp_path / "beam" / n)) > 20
-    local = json.loads((tmp_path / "local" / "dataset_info.json").read_text())
-    beam = json.loads((tmp_path / "beam" / "dataset_info.json").read_text())
+    local = json.loads((tmp_path / "local" / "train.dataset_info.json").read_text())
+    beam = json.loads((tmp_path / "beam" / "train.dataset_info.json").read_text())
     assert list(beam["files"]) == outputs
     assert local["flags"].pop("num_workers") == 2 and beam["flags"].pop("num_workers") == 1
     assert local["flags"].pop("output_file").startswith(str(tmp_path / "local"))
@@ -170,7 +197,7 @@ def test_missing_input_and_flag_misuse_are_errors_naming_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-shard.txt"):
         beam_pipeline.run(opts, sources=[("text", files[0]), ("text", missing)],
                           outputs=[str(tmp_path / "out" / "train.tfrecord")])
-    assert not (tmp_path / "out" / "dataset_info.json").exists()
+    assert not (tmp_path / "out" / "train.dataset_info.json").exists()
     base = [sys.executable, "-m", "data_pipeline.create_pretraining_data", f"--input_file={files[0]}",
             f"--vocab_file={vocab}", f"--output_file={tmp_path / 'cli' / 'train.tfrecord'}"]
     for extra, message in ((["--runner=beam", "--reference_compatible"], "--reference_compatible"),

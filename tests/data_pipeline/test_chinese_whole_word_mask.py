@@ -387,7 +387,7 @@ def test_same_seed_same_bytes_any_worker_count_and_the_beam_runner(tmp_path, cor
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Building prefix dict" not in r.stderr  # jieba's chatter stays off stderr
     assert out.read_bytes() == one.read_bytes()
-    info = json.loads((tmp_path / "two" / "dataset_info.json").read_text())
+    info = json.loads((tmp_path / "two" / "part.dataset_info.json").read_text())  # part-00000-of-00001: one of one
     assert info["flags"]["chinese_whole_word_mask"] is True and info["flags"]["do_whole_word_mask"] is True
     assert info["chinese_segmenter"] == {"name": "jieba", "version": jieba.__version__, "hmm": True,
                                          "user_dict_sha256": None}

@@ -228,7 +228,7 @@ def test_bad_input_is_counted_or_named(tmp_path):
     blank.write_text("\n\n  \n")
     with pytest.raises(ValueError, match=r"no training instance from 1 input source\(s\) \(3 lines, 0 documents"):
         cpd.create_pretraining_data([str(blank)], str(tmp_path / "o4"), str(vocab))
-    assert (tmp_path / "o4" / "dataset_info.json").exists()
+    assert (tmp_path / "o4" / "part.dataset_info.json").exists()
     no_mask = tmp_path / "no_mask.txt"
     no_mask.write_text("\n".join(t for t in vocab.read_text().splitlines() if t != "[MASK]") + "\n")
     with pytest.raises(ValueError, match=r"--vocab_file=.*no_mask.txt: no \[MASK\]"):
@@ -297,7 +297,7 @@ def test_cli_with_googles_flags_and_gzip(tmp_path):
                         "--max_predictions_per_seq=6", "--dupe_factor=2", "--compression=gzip"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    info = json.loads((tmp_path / "cli" / "dataset_info.json").read_text())
+    info = json.loads((tmp_path / "cli" / "train.dataset_info.json").read_text())
     assert info["flags"]["dupe_factor"] == 2 and info["flags"]["random_seed"] == 12345
     assert list(info["files"]) == ["train.tfrecord.gz"]
     assert len(read_records(tmp_path / "cli" / "train.tfrecord.gz")) == info["files"]["train.tfrecord.gz"]["num_records"]
@@ -540,7 +540,7 @@ def test_fast_mode_forked_cli_equals_in_process_and_skips_empty_shards(tmp_path)
                         *[f"--{k}={v}" for k, v in flags_.items()]], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tensorflow" not in r.stderr.lower()
-    info = json.loads((tmp_path / "cli" / "dataset_info.json").read_text())
+    info = json.loads((tmp_path / "cli" / "train.dataset_info.json").read_text())
     assert info["num_instances"] == one["num_instances"] > 100
     assert info["peak_rss_mb"]["workers"] > 0 and info["peak_rss_mb"]["parent"] > 0
     for i in range(2):
@@ -586,7 +586,7 @@ def test_tfds_input_end_to_end(tmp_path):
     # mock_data serves 30 examples for any split it is asked for, here each of the 3 even parts.
     assert info["read_stats"]["documents"] == 3 * 30
     records = read_records(tmp_path / "out" / "train.tfrecord")
-    manifest = json.loads((tmp_path / "out" / "dataset_info.json").read_text())["files"]
+    manifest = json.loads((tmp_path / "out" / "train.dataset_info.json").read_text())["files"]
     assert len(records) == info["num_instances"] == manifest["train.tfrecord"]["num_records"] > 90
     ex = schema.decode_example(records[0])
     assert ex["input_ids"][0] == 2 and (ex["input_ids"] == 1).sum() == 0  # [CLS], no [UNK]
@@ -607,21 +607,36 @@ def test_shard_names_match_the_documented_globs():
     assert cpd.output_paths("a.tfrecord,b.tfrecord", 4, "none") == ["a.tfrecord", "b.tfrecord"]  # named: as named
 
 
-def test_a_second_dataset_in_the_same_folder_is_refused_before_any_work(tmp_path):
+def test_a_run_that_would_leave_a_manifest_wrong_is_refused_before_any_work(tmp_path):
+    """Runs share a folder (tests/data_pipeline/test_many_runs.py); refused are only a rerun that would leave its
+    earlier run's files unlisted, and a run writing files another run's manifest lists. The
+    messages name the manifest and the files, and suggest no path (they once suggested a folder
+    named after a shard, `part-00000-of-00002/part-00000-of-00002.tfrecord`)."""
     text, vocab = synthetic_corpus(tmp_path)
     kw = dict(max_seq_length=32, max_predictions_per_seq=4, dupe_factor=2, random_seed=1)
     out = tmp_path / "data"
     cpd.create_pretraining_data([str(text)], str(out), str(vocab), num_output_shards=2, **kw)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(ValueError, match=r"dataset_info\.json describes other records that are still there "
-                                         r"\(2 files: part-00000-of-00002\.tfrecord, part-00001-of-00002"):
+    assert sorted(before) == ["part-00000-of-00002.tfrecord", "part-00001-of-00002.tfrecord", "part.dataset_info.json"]
+    with pytest.raises(ValueError, match=r"part\.dataset_info\.json, the manifest this run writes, lists other records "
+                                         r"that are still there \(2 files: part-00000-of-00002\.tfrecord, "
+                                         r"part-00001-of-00002") as refused:
         cpd.create_pretraining_data([str(text)], str(out), str(vocab), num_output_shards=1, **kw)
+    opts = cpd.Options(vocab_file=str(vocab), **kw)
+    with pytest.raises(ValueError, match=r"part\.dataset_info\.json lists 1 of this run's output files "
+                                         r"\(part-00001-of-00002\.tfrecord\)") as clash:
+        cpd.run(opts, sources=[("text", str(text))], reference_compatible=False,
+                outputs=[str(out / "a.tfrecord"), str(out / "part-00001-of-00002.tfrecord")])
+    for e in (refused, clash):
+        assert "--output_file=" not in str(e.value).split(":", 1)[1] and "-of-00002/" not in str(e.value)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing lost, nothing written
-    # The same dataset again (a rerun) replaces itself.
+    # The same dataset again (a rerun) replaces itself; a run of another name joins the folder.
     cpd.create_pretraining_data([str(text)], str(out), str(vocab), num_output_shards=2, **kw)
     assert {p.name: p.read_bytes() for p in out.iterdir()}.keys() == before.keys()
-    # A pattern that matches nothing says what the folder holds.
-    with pytest.raises(input_pipeline.CorruptDataError, match=r"matches this pattern \(.*data holds "
-                                                              r"part-00000-of-00002\.tfrecord, part-00001"):
+    cpd.run(opts, sources=[("text", str(text))], outputs=[str(out / "eval.tfrecord")], reference_compatible=False)
+    assert sorted(set(p.name for p in out.iterdir()) - set(before)) == ["eval.dataset_info.json", "eval.tfrecord"]
+    # A pattern that matches nothing says what the folder holds (records, not their manifests).
+    with pytest.raises(input_pipeline.CorruptDataError, match=r"matches this pattern \(.*data holds eval\.tfrecord, "
+                                                              r"part-00000-of-00002\.tfrecord, part-00001.*\)$"):
         input_pipeline.EvalInput(str(out / "train-*.tfrecord"), per_host_batch_size=4, max_seq_length=32,
                                  max_predictions_per_seq=4)

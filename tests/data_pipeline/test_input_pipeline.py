@@ -58,7 +58,8 @@ def make_record(rid: int, length: int | None = None) -> dict:
 
 
 def write_dataset(directory: Path, counts: list[int], first_id: int = 0, gzip: bool = False) -> list[str]:
-    """TFRecord files with `counts[i]` records each plus their dataset_info.json (schema's writer)."""
+    """TFRecord files with `counts[i]` records each plus their manifest (schema's writer:
+    `part-00000.dataset_info.json`, named after the first file)."""
     directory.mkdir(parents=True, exist_ok=True)
     paths, rid = [], first_id
     for i, count in enumerate(counts):
@@ -1036,7 +1037,7 @@ def test_lenient_mode_skips_exactly_the_bad_records_and_counts_them(tmp_path, ki
     # (TensorFlow's autograph may leave its own `__autograph_generated_file*.py` there.)
     ours = [p for p in temp.iterdir() if not p.name.startswith("__autograph_generated_file")]
     assert ours == [] and sorted(os.listdir(tmp_path / "data")) == sorted(
-        [os.path.basename(p) for p in paths if os.path.exists(p)] + [ip.MANIFEST_NAME])
+        [os.path.basename(p) for p in paths if os.path.exists(p)] + [schema.run_manifest_name(paths)])
 
 
 def test_lenient_mode_reads_the_good_records_byte_for_byte_in_runs(tmp_path, monkeypatch):
@@ -1071,7 +1072,7 @@ def test_a_missing_manifest_or_an_unlisted_file_is_an_error(tmp_path):
     Path(tmp_path / "part-00009.tfrecord").write_bytes(Path(paths[0]).read_bytes())
     with pytest.raises(ip.CorruptDataError, match="part-00009.*not listed"):
         make_input(str(tmp_path / "part-*.tfrecord"))
-    os.remove(tmp_path / ip.MANIFEST_NAME)
+    os.remove(tmp_path / schema.run_manifest_name(paths))
     with pytest.raises(ip.CorruptDataError, match="verify=False"):
         make_input(str(tmp_path / "part-*.tfrecord"))
     assert make_input(str(tmp_path / "part-*.tfrecord"), verify=False).stats["records_in_files"] == 9

@@ -96,13 +96,13 @@ def test_train_vocab_and_create_pretraining_data_write_the_same_files_in_a_bucke
             f"--vocab_file={storage_paths.join(root, 'vocab', 'vocab.txt')}", "--max_seq_length=24",
             "--max_predictions_per_seq=4", "--dupe_factor=2", "--num_output_shards=2", "--compression=gzip",
             f"--num_workers={workers}", "--random_seed=5"], cwd, cache)
-    names = ["dataset_info.json", "train-00000-of-00002.tfrecord.gz", "train-00001-of-00002.tfrecord.gz"]
+    names = ["train-00000-of-00002.tfrecord.gz", "train-00001-of-00002.tfrecord.gz", "train.dataset_info.json"]
     assert storage.listdir(storage_paths.join(remote, "records")) == sorted(os.listdir(os.path.join(local, "records")))
     assert storage.listdir(storage_paths.join(remote, "records")) == names
-    for name in names[1:]:
+    for name in names[:2]:
         ours = storage.read_bytes(storage_paths.join(remote, "records", name))
         assert ours == storage.read_bytes(storage_paths.join(local, "records", name)) and len(ours) > 1000, name
-    info = {root: json.loads(storage.read_text(storage_paths.join(root, "records", "dataset_info.json")))
+    info = {root: json.loads(storage.read_text(storage_paths.join(root, "records", "train.dataset_info.json")))
             for root in (local, remote)}
     for key in ("input_file", "output_file", "vocab_file"):  # the flags as given: the paths differ
         assert info[remote]["flags"].pop(key).startswith(remote + "/")
@@ -127,7 +127,7 @@ SPECIAL = {"mask_id": 4, "cls_id": 2, "sep_id": 3, "vocab_size": 40}
 
 @pytest.fixture
 def records(bucket, tmp_path, monkeypatch):
-    """The same records (3 files + dataset_info.json) on local disk and in the bucket:
+    """The same records (3 files + part.dataset_info.json) on local disk and in the bucket:
     (local folder, gs:// folder)."""
     monkeypatch.setenv("BERT_JAX_CACHE_DIR", str(tmp_path / "cache"))
     texts = corpus_texts(num_files=3, docs_per_file=8)

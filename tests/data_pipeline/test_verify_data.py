@@ -91,7 +91,7 @@ def test_in_a_bucket_the_generation_is_the_identity(tmp_path, bucket, hashed):
     from data_pipeline import storage
 
     paths = write_dataset(tmp_path / "d", [3, 4])
-    for p in paths + [str(tmp_path / "d" / "dataset_info.json")]:
+    for p in paths + [str(tmp_path / "d" / schema.run_manifest_name(paths))]:
         storage.copy(p, f"{bucket}/d/{os.path.basename(p)}")
     hashed.clear()
     pattern = f"{bucket}/d/*.tfrecord"
@@ -111,7 +111,7 @@ def _upload(tmp_path, bucket, counts) -> list[str]:
     from data_pipeline import storage
 
     paths = write_dataset(tmp_path / "d", counts)
-    for p in paths + [str(tmp_path / "d" / "dataset_info.json")]:
+    for p in paths + [str(tmp_path / "d" / schema.run_manifest_name(paths))]:
         storage.copy(p, f"{bucket}/d/{os.path.basename(p)}")
     return [f"{bucket}/d/{os.path.basename(p)}" for p in paths]
 

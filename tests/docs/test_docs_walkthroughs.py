@@ -2,8 +2,9 @@
 file names and globs, from one folder, on a small corpus the test makes.
 
 docs/data.md: train a vocabulary -> the Python tokenization snippet on it -> training records (16
-shards named as the page says, `dataset_info.json` beside them) and evaluation records, each in its
-own folder. What the test changes: the optional flags the page shows in brackets are left out, and
+shards named as the page says, the run's `train.dataset_info.json` beside them) and evaluation
+records, each in its own folder -> the many-runs loop (two runs at once into one folder, read through
+one glob). What the test changes: the optional flags the page shows in brackets are left out, and
 `lines` (the snippet's free name) is the corpus's lines. The Beam command (an alternative to the
 local one, tested against it in tests/data_pipeline/test_beam_pipeline.py) and the Chinese whole-word masking one
 (tests/data_pipeline/test_chinese_whole_word_mask.py) are not run here.
@@ -76,13 +77,34 @@ def test_the_data_page_runs_in_order_as_written(tmp_path):
     names = sorted(p.name for p in (tmp_path / "data" / "train").glob("train-*.tfrecord"))
     # The names the page gives, and its glob finds them all.
     assert names == [f"train-{i:05d}-of-00016.tfrecord" for i in range(16)], names
-    # dataset_info.json beside them lists each file with its size and SHA-256, as the page says.
+    # The run's manifest beside them lists each file with its size and SHA-256, as the page says.
     for folder, listed in (("train", names), ("eval", ["eval.tfrecord"])):
-        files = json.loads((tmp_path / "data" / folder / "dataset_info.json").read_text())["files"]
+        files = json.loads((tmp_path / "data" / folder / f"{folder}.dataset_info.json").read_text())["files"]
         assert sorted(files) == listed
         for name, entry in files.items():
             raw = (tmp_path / "data" / folder / name).read_bytes()
             assert (entry["num_bytes"], entry["sha256"]) == (len(raw), hashlib.sha256(raw).hexdigest()), name
+
+    # The many-runs loop as written (its runs in the background, at once), by bash; then the
+    # trainer's check reads both runs' records through the glob the page gives.
+    many = page.split("### Many runs into one folder", 1)[1].split("\n### ", 1)[0]
+    loop = re.search(r"```bash\n(.*?)```", many, re.S).group(1)
+    assert "--config.train_data='data/many/part-*.tfrecord'" in many
+    r = subprocess.run(["bash", "-c", f'python() {{ "{sys.executable}" "$@"; }}\n{loop}'], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "data" / "many").iterdir()) == [
+        "part-0.dataset_info.json", "part-0.tfrecord", "part-1.dataset_info.json", "part-1.tfrecord"]
+    made = sum(json.loads((tmp_path / "data" / "many" / f"part-{i}.dataset_info.json").read_text())["num_instances"]
+               for i in range(2))
+    check = subprocess.run(
+        [sys.executable, "-c", "from data_pipeline import records; print(records.check_files("
+         "'data/many/part-*.tfrecord', process_index=0, process_count=1, verify=True, skip_corrupt=False, "
+         "require_files_per_host=True).read_records)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2"))
+    assert check.returncode == 0 and int(check.stdout.split()[-1]) == made > 0, check.stderr[-3000:]
 
     # docs/pretraining.md's next step reads these files under these names.
     pretrain = [w for _, w in _commands((ROOT / "docs" / "pretraining.md").read_text())
@@ -107,7 +129,7 @@ def test_the_pretraining_finetuning_and_checkpoint_pages_walk_the_readme_path():
     checkpoints = _page_commands("docs/checkpoints.md")
     walks = {
         "data": [c for c in data if "create_pretraining_data" in c and "--runner=beam" not in c
-                 and "--chinese_whole_word_mask" not in c],
+                 and "--chinese_whole_word_mask" not in c and "$i" not in c],  # not the many-runs loop
         "pretraining": pretraining,  # pretrain, then evaluate its checkpoint
         "finetuning": [c for c in finetuning if "--config.task=sst2" in c or "--workdir=/tmp/sst2" in c],
         "checkpoints": [c for c in checkpoints if "bert_jax.convert" in c and "--output_format=google" not in c

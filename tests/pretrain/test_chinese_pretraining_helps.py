@@ -77,7 +77,8 @@ def test_the_two_masking_arms_differ_only_in_the_chinese_flag(tmp_path):
     infos = {arm: cph.stage_records(args, str(tmp_path / "corpus"), str(tmp_path / arm), arm) for arm in cph.PRETRAINED}
     assert infos["wwm"]["flags"] == ["--do_whole_word_mask=true", "--chinese_whole_word_mask=true"]
     assert infos["char"]["flags"] == ["--do_whole_word_mask=true"]
-    flags = {arm: json.load(open(tmp_path / arm / "train" / "dataset_info.json"))["flags"] for arm in cph.PRETRAINED}
+    flags = {arm: json.load(open(tmp_path / arm / "train" / "train.dataset_info.json"))["flags"]
+             for arm in cph.PRETRAINED}
     assert flags["wwm"]["chinese_whole_word_mask"] is True and not flags["char"].get("chinese_whole_word_mask")
     assert {k: v for k, v in flags["wwm"].items() if "chinese" not in k and "file" not in k} == \
         {k: v for k, v in flags["char"].items() if "chinese" not in k and "file" not in k}

@@ -66,7 +66,7 @@ def places(gcs_server, tmp_path_factory):
                          f"--vocab_file={bucket}/vocab.txt", f"--max_seq_length={SEQ}",
                          f"--max_predictions_per_seq={PREDS}", f"--dupe_factor={dupe}", "--random_seed=1"])
         assert r.returncode == 0, r.stderr[-3000:]
-    assert storage.glob(f"{bucket}/data/train.tfrecord*") and storage.exists(f"{bucket}/data/dataset_info.json")
+    assert storage.glob(f"{bucket}/data/train.tfrecord*") and storage.exists(f"{bucket}/data/train.dataset_info.json")
     return places
 
 

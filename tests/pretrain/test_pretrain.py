@@ -496,7 +496,7 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
     guesses = json.loads((tmp_path / "fill_mask.json").read_text())
     assert len(guesses) == 4 and all(len(g["guesses"][0]) == 5 for g in guesses)
     assert len((tmp_path / "vocab.txt").read_text().splitlines()) <= 2000
-    assert json.loads((tmp_path / "data" / "train" / "dataset_info.json").read_text())["num_instances"] > 100
+    assert json.loads((tmp_path / "data" / "train" / "part.dataset_info.json").read_text())["num_instances"] > 100
     # The casing of the data is recorded in the workdir, so conversions and fill_mask know it.
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["do_lower_case"] is True
     log = losses(tmp_path)
@@ -570,6 +570,15 @@ def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path)
         cfg.update(overrides)
         return cfg
 
+    # One glob over the records of two runs made otherwise (casing): refused, naming both manifests.
+    from data_pipeline import schema
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for name, lower in (("a", True), ("b", False)):
+        shutil.copy(data / "train-0.tfrecord", mixed / f"{name}.tfrecord")
+        schema.write_dataset_info(str(mixed), {str(mixed / f"{name}.tfrecord"): 64},
+                                  {"flags": {"do_lower_case": lower}})
+
     cases = [(dict(learning_rate=-1e-4), r"config.learning_rate=-0.0001 must not be negative"),
              (dict(global_batch_size=0), r"config.global_batch_size=0 must be at least 1"),
              (dict(checkpoint_every_steps=0), r"config.checkpoint_every_steps=0 must be at least 1"),
@@ -583,7 +592,9 @@ def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path)
                                 train_data=f"{data}/train-*.tfrecord"),
                            dict(fraction=0.5, max_seq_length=48, max_predictions_per_seq=7,
                                 train_data=f"{data}/train-*.tfrecord")]),
-              r"but config.phases\[1\].max_seq_length=48")]
+              r"but config.phases\[1\].max_seq_length=48"),
+             (dict(train_data=f"{mixed}/*.tfrecord"),
+              r"different do_lower_case: True per \S*/mixed/a\.dataset_info\.json, False per \S*/b\.dataset_info")]
     for i, (overrides, message) in enumerate(cases):
         with pytest.raises(Exception, match=message):
             pretrain.run(config(**overrides), str(tmp_path / f"w{i}"))

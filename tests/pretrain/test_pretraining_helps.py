@@ -109,10 +109,10 @@ def test_quick_pipeline_and_resume(tmp_path, capsys, compile_cache):
     text = "".join(p.read_text() for p in shards)
     assert "Licence" not in text and "King:" not in text
     assert len({p.read_text() for p in shards}) > 1
-    records = json.loads((work / "records" / "train" / "dataset_info.json").read_text())
+    records = json.loads((work / "records" / "train" / "train.dataset_info.json").read_text())
     assert len(records["files"]) == pretraining_helps.TRAIN_SHARDS
     for split in ("train", "heldout"):
-        assert json.loads((work / "records" / split / "dataset_info.json").read_text())["num_instances"] > 0
+        assert json.loads((work / "records" / split / f"{split}.dataset_info.json").read_text())["num_instances"] > 0
     # stage 2: the pretraining reached its last step and logged MLM curves
     assert (work / "pretrain" / "checkpoints" / "4" / "commit_success.txt").exists()
     assert len(report["pretraining_curves"]["train/mlm_loss"]) == 4
