@@ -78,7 +78,8 @@ def committing_dir(directory: str, step: int) -> str:
     with a marker file, so the data is in the final folder already.
     """
     final = storage_paths.join(directory, str(step))
-    candidates = [] if storage_paths.is_remote(final) else storage.glob(storage_paths.glob_escape(final) + ".orbax-checkpoint-tmp*")
+    candidates = [] if storage_paths.is_remote(final) else storage.glob(
+        storage_paths.glob_escape(final) + ".orbax-checkpoint-tmp*")
     return max(candidates, key=storage.getmtime) if candidates else final
 
 

@@ -76,7 +76,8 @@ class IntactSteps:
         if not steps:
             return None, False
         newest = storage_paths.join(self._directory, str(steps[-1]))
-        if not storage.exists(storage_paths.join(newest, STATE)) and not storage.exists(storage_paths.join(newest, integrity.MANIFEST)):
+        if not storage.exists(storage_paths.join(newest, STATE)) and not storage.exists(
+                storage_paths.join(newest, integrity.MANIFEST)):
             earlier = [s for s in steps[:-1] if storage.exists(storage_paths.join(self._directory, str(s), STATE))]
             then = f"resume from step {earlier[-1]}" if earlier else "start afresh"
             raise CheckpointRestoreError(

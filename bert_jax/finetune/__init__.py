@@ -19,5 +19,6 @@ import bert_jax
 
 
 def __getattr__(name):
-    """An attribute of the old `bert_jax.finetune` module (`bert_jax.finetune.run`): the error names its new home."""
-    raise bert_jax.moved_attribute(__name__, name, ('bert_jax.finetune.loop', 'bert_jax.finetune.steps', 'bert_jax.finetune.batches'))
+    """A name of the old `bert_jax.finetune` module (`bert_jax.finetune.run`): the error names its new home."""
+    raise bert_jax.moved_attribute(__name__, name, ("bert_jax.finetune.loop", "bert_jax.finetune.steps",
+                                                    "bert_jax.finetune.batches"))

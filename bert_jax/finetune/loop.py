@@ -215,7 +215,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                                       max_to_keep=1, async_save=config.async_checkpointing,
                                       on_damaged=config.get("on_damaged_checkpoint", "fallback"),
                                       save_timeout_s=save_timeout_s)
-    best_ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, layout.BEST), save_interval_steps=1, max_to_keep=1,
+    best_ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, layout.BEST), save_interval_steps=1,
+                                           max_to_keep=1,
                                            async_save=False, handle_sigterm=False,
                                            save_timeout_s=save_timeout_s)
     start_step, meta = ckpt.latest_step(), {}
@@ -263,7 +264,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     keys = heads.batch_keys(task.head)
     trimming, eval_trimming, step_rows, slots = finetune_batches.plan_batches(
         config, task, train, evals, mesh, total_steps, len(epoch_ends), stream, eval_batch)
-    predict = functools.partial(steps.predict_split, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch, **eval_trimming)
+    predict = functools.partial(steps.predict_split, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch,
+                                **eval_trimming)
 
     history = list(meta.get("history", []))
     best = meta.get("best")

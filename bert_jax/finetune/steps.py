@@ -20,6 +20,7 @@ from bert_jax.finetune import bucketing, heads
 from bert_jax.finetune.batches import batches
 from bert_jax.training import sharding, train_state
 
+
 def train_step(state: train_state.TrainState, batch: dict, *, model: heads.BertForTask,
                tx: optax.GradientTransformation, schedule) -> tuple[train_state.TrainState, dict]:
     """One optimizer step; loss = summed head loss / summed weight over the global batch."""

@@ -178,7 +178,8 @@ def load_params(config, bert_config: BertConfig, mesh):
     from bert_jax import convert
     has_checkpoints = storage.isdir(storage_paths.join(path, layout.CHECKPOINTS))
     train_state_dir = has_checkpoints or (
-        convert.detect_format(path) == "bert_jax" and not storage.isdir(storage_paths.join(path, layout.EXPORTED_PARAMS)))
+        convert.detect_format(path) == "bert_jax"
+        and not storage.isdir(storage_paths.join(path, layout.EXPORTED_PARAMS)))
     if not train_state_dir:  # an export, a Google or a HuggingFace checkpoint
         return init_from_checkpoint(path, bert_config, {}, shardings, require_heads=True,
                                     google_gelu=config.get("google_gelu")), shardings
