@@ -227,24 +227,27 @@ def check_output_dir_free(out_dir: str, outputs: Sequence[str]) -> list[str]:
         there = sorted(n for n in listed - mine if storage.exists(storage_paths.join(out_dir, n)))
         if name == own or (manifest.legacy and listed & mine and not there):
             if there:
-                shown = ", ".join(there[:3]) + (", ..." if len(there) > 3 else "")
                 raise ValueError(
                     f"--output_file: {manifest.path}, the manifest this run writes, lists other records that are "
-                    f"still there ({len(there)} files: {shown}), which this run would leave unlisted (the trainer "
-                    f"refuses unlisted files). Delete them first (a rerun with another shard count), or name "
+                    f"still there ({len(there)} files: {_some(there)}), which this run would leave unlisted (the "
+                    f"trainer refuses unlisted files). Delete them first (a rerun with another shard count), or name "
                     f"this run's output differently")
             if name != own:
                 replaced.append(manifest.path)
             continue
         clash = sorted(listed & mine)
         if clash:
-            shown = ", ".join(clash[:3]) + (", ..." if len(clash) > 3 else "")
             raise ValueError(
-                f"--output_file: {manifest.path} lists {len(clash)} of this run's output files ({shown}): "
+                f"--output_file: {manifest.path} lists {len(clash)} of this run's output files ({_some(clash)}): "
                 f"writing them would leave that manifest describing records that are gone. Name this run's "
                 f"output differently (each run in a folder writes its own files and its own "
                 f"<output name>.{schema.MANIFEST_NAME}), or delete that manifest and its records first")
     return replaced
+
+
+def _some(names: list) -> str:
+    """The first three of `names`, then "..." if there are more (an error message's list)."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds: float, mode: str,
