@@ -4,7 +4,7 @@ tests/finetune/test_finetune_tasks.py's, the plan of a run tests/finetune/test_f
 
 One tiny "pretrained" encoder (L=1, H=32) is saved with `bert_jax.convert` and every run loads it
 through `config.init_checkpoint`, as a user would. Runs of the same head kind share shapes and
-hyper-parameters, so XLA's persistent compilation cache (a per-module temporary folder) compiles
+hyper-parameters, so XLA's persistent compilation cache (a temporary folder the three modules share) compiles
 each kind once: the module takes about two minutes on two CPU cores.
 """
 
@@ -36,11 +36,14 @@ ENTITIES = {"paris": "LOC", "john": "PER", "smith": "PER", "acme": "ORG", "corp"
 
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache(tmp_path_factory):
-    """Each head kind compiles once per module (same shapes and hyper-parameters -> same HLO)."""
+    """Each head kind compiles once (same shapes and hyper-parameters -> same HLO), in one folder for
+    this module and the two that import the fixture (test_finetune_tasks.py, test_finetune_plan.py):
+    a test process's modules find each other's programs there."""
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes")
     before = {n: getattr(jax.config, n) for n in names}
-    cache = str(tmp_path_factory.mktemp("xla_cache"))
+    cache = str(tmp_path_factory.getbasetemp() / "finetune_xla_cache")
+    os.makedirs(cache, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

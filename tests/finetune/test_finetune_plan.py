@@ -3,7 +3,7 @@ counted as Google's scripts count them, the stream of full batches, Google's Ada
 rates, and batches cut short of their padding that train and predict as the full padding does.
 
 The tiny "pretrained" encoder and the helpers are tests/finetune/test_finetune.py's; this module
-has its own compilation cache (its `compilation_cache` fixture runs per module).
+shares its compilation cache folder (the `compilation_cache` fixture).
 """
 
 import jax

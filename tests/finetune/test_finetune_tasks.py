@@ -3,7 +3,7 @@ TFDS (their submission files), SQuAD v1.1 and v2.0, CoNLL-2003 NER, SWAG; each s
 independent reference (the official scorers' numbers, conlleval's counts, argmax by hand).
 
 The tiny "pretrained" encoder and the helpers are tests/finetune/test_finetune.py's; this module
-has its own compilation cache (its `compilation_cache` fixture runs per module).
+shares its compilation cache folder (the `compilation_cache` fixture).
 """
 
 import csv

@@ -32,11 +32,13 @@ def _env() -> dict:
 def test_tiny_config_compiles_for_a_v5e_2x2_slice():
     env = _env()
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_tpu.py"), "--config=configs/test.py",
-                        "--topology=v5e-4", "--mesh=data,fsdp", "--seq_len=32", "--batch_per_chip=4",
+                        "--topology=v5e-4", "--mesh=data", "--seq_len=32", "--batch_per_chip=4",
                         "--max_batch_per_chip=8", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert [row["mesh"] for row in rows] == [{"data": 4, "fsdp": 1, "tensor": 1}, {"data": 1, "fsdp": 4, "tensor": 1}]
+    # The data-parallel mesh; FSDP's program on this slice is the splash test's (its all-gathers are
+    # checked there), and BERT-large's widths on 16 chips the collective-matmul test's.
+    assert [row["mesh"] for row in rows] == [{"data": 4, "fsdp": 1, "tensor": 1}]
     for row in rows:
         assert row["chips"] == 4 and row["global_batch"] == 16 and row["fits"]
         assert 0 < row["hbm_gib"] < 0.1
@@ -45,7 +47,6 @@ def test_tiny_config_compiles_for_a_v5e_2x2_slice():
         assert row["max_batch_per_chip"] == 8  # capped by --max_batch_per_chip
         assert 0.0 < row["mfu_upper_bound"] <= 1.0
     assert "all-reduce" in rows[0]["collectives"]  # data parallel: gradients all-reduced
-    assert "all-gather" in rows[1]["collectives"]  # FSDP: parameters gathered
 
 
 WIDE_CONFIG = """
@@ -120,6 +121,7 @@ def test_dot_product_attention_compiles_to_the_pallas_splash_kernel():
     assert [k.split("_segmented")[0] for k in row["kernels"]] == [
         "splash_mha_dkv", "splash_mha_dq", "splash_mha_fwd"], row["kernels"]
     assert row["per_chip_qkv"], row  # [examples per chip, heads, length, head_dim]
+    assert row["collectives"].get("all-gather", 0) > 0, row  # FSDP: parameters gathered
     # The kernels' configs print over several lines: the planner's reading of the program still
     # holds every collective of it (it lost the scanned layer's after the kernels before).
     assert row["collectives_in_text"] and row["collectives_parsed"] == row["collectives_in_text"]
