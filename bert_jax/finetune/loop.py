@@ -216,8 +216,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                                       on_damaged=config.get("on_damaged_checkpoint", "fallback"),
                                       save_timeout_s=save_timeout_s)
     best_ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, layout.BEST), save_interval_steps=1,
-                                           max_to_keep=1,
-                                           async_save=False, handle_sigterm=False,
+                                           max_to_keep=1, async_save=False, handle_sigterm=False,
                                            save_timeout_s=save_timeout_s)
     start_step, meta = ckpt.latest_step(), {}
     if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
