@@ -32,6 +32,7 @@ import numpy as np
 from absl import logging
 
 # The formats' functions: used here, and importable from `bert_jax.convert` as before the split.
+from bert_jax import layout
 from bert_jax.formats.bert_jax import _bert_jax_source, load_bert_jax, save_bert_jax
 from bert_jax.formats.common import (  # noqa: F401
     FINETUNED, FORMATS, HEADS, TASK_HEAD, Pretrained, _read_casing, _require, check_task, read_task,
@@ -199,7 +200,7 @@ def load_config(path: str, format: Optional[str] = None, *,  # pylint: disable=r
     elif format == "hf":
         config = _read_hf_config(path)
     else:
-        config = BertConfig.from_json_file(_require(storage_paths.join(path, "bert_config.json"), "bert_config.json"))
+        config = BertConfig.from_json_file(_require(storage_paths.join(path, layout.MODEL_CONFIG), layout.MODEL_CONFIG))
     return config.replace(**overrides) if overrides else config
 
 

@@ -7,6 +7,7 @@ Imports are read from the source (every `import` statement, function-level ones 
 lazy import up the layers fails here as a module-level one does."""
 
 import ast
+import functools
 import os
 
 import pytest
@@ -58,7 +59,9 @@ def modules(package: str):
                 yield module, path
 
 
+@functools.lru_cache(maxsize=None)
 def part_graph() -> dict:
+    """part -> the parts it imports (read once per test process; the tests only read it)."""
     graph: dict = {}
     for module, path in modules("bert_jax"):
         mine = part_of(module)
