@@ -10,10 +10,14 @@ tests and the pod rehearsal.
 - `describe NAME --format=json`: the node, in the state written in `$FAKE_ROOT/state` (READY when
   absent); NOT_FOUND (an error, as gcloud's) after a delete.
 - `delete NAME`: the slice is gone (NOT_FOUND); `create NAME ...`: every worker's folder emptied
-  (a new VM), READY. `queued-resources delete|create` act the same on the node.
+  (a new VM), READY. `queued-resources delete|create` act the same on the node. Both wait for
+  `$FAKE_ROOT/slice.lock`, which a test holds while it takes the slice away (`taken_away`), so a
+  supervisor cannot recreate the VMs while the test is still wiping them.
 Each call is recorded in `$FAKE_LOG`, its arguments NUL-separated, one call per line.
 """
 
+import contextlib
+import fcntl
 import json
 from pathlib import Path
 
@@ -40,9 +44,11 @@ case "$3 $4" in
       "$FAKE_NODE" "$state"
     exit 0 ;;
   "tpu-vm delete" | "queued-resources delete")
+    exec 9>"$FAKE_ROOT/slice.lock"; flock 9
     if [ "$state" = NOT_FOUND ]; then echo "ERROR: NOT_FOUND" >&2; exit 1; fi
     echo NOT_FOUND > "$FAKE_ROOT/state"; exit 0 ;;
   "tpu-vm create" | "queued-resources create")
+    exec 9>"$FAKE_ROOT/slice.lock"; flock 9
     for ((i = 0; i < FAKE_WORKERS; i++)); do rm -rf "$FAKE_ROOT/worker$i"; mkdir -p "$FAKE_ROOT/worker$i"; done
     echo READY > "$FAKE_ROOT/state"; exit 0 ;;
 esac
@@ -90,3 +96,14 @@ def calls(root: Path) -> list[list[str]]:
     """Every gcloud call so far, as its argument list."""
     log = root / "gcloud.log"
     return [line.split("\0")[:-1] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@contextlib.contextmanager
+def taken_away(root: Path, state: str):
+    """The slice lost (`state`: PREEMPTED, TERMINATED...) for the duration of the block, in which
+    the test kills the workers' processes and wipes their folders; gcloud's delete and create wait
+    until the block ends."""
+    with open(root / "slice.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (root / "state").write_text(state)
+        yield

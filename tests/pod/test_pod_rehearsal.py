@@ -249,12 +249,12 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
         # (Its logs are uploaded while it runs, every LOG_SYNC_SECONDS: the VMs will take theirs with them.)
         wait_for(lambda: len(storage.listdir(f"{work}/logs/attempt-2")) == 2, "attempt 2's logs")
         wait_for(lambda: storage.exists(f"{work}/checkpoints/8/commit_success.txt"), "step 8 saved again")
-        (root / "state").write_text("PREEMPTED")
-        for i in range(2):
-            os.killpg(os.getpgid(pid(i)), signal.SIGKILL)
-        for w in pod["workers"]:
-            shutil.rmtree(w)
-            w.mkdir()
+        with fake_pod.taken_away(root, "PREEMPTED"):  # (the supervisor cannot recreate it meanwhile)
+            for i in range(2):
+                os.killpg(os.getpgid(pid(i)), signal.SIGKILL)
+            for w in pod["workers"]:
+                shutil.rmtree(w)
+                w.mkdir()
         assert supervisor.wait(timeout=420) == 0, out_file.read_text()[-4000:]
     finally:
         if supervisor.poll() is None:

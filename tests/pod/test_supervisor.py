@@ -119,10 +119,10 @@ def test_a_preempted_slice_is_recreated_from_its_spec_and_reinstalled_with_the_r
     wait_for(lambda: all((workdir / "logs" / "attempt-1" / f"worker-{i}.log").exists() for i in (0, 1)),
              "the logs' first upload", proc)
     # Preempted: describe says so, every worker's processes die with the VM.
-    (root / "state").write_text("PREEMPTED")
-    for i in (0, 1):
-        pid = int((root / f"worker{i}/bert_jax_run/pid").read_text())
-        os.killpg(os.getpgid(pid), signal.SIGKILL)
+    with fake_pod.taken_away(root, "PREEMPTED"):
+        for i in (0, 1):
+            pid = int((root / f"worker{i}/bert_jax_run/pid").read_text())
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
     wait_for(lambda: len(starts(root)) == 2, "the relaunch on the recreated slice", proc)
     (root / "finish").touch()
     out = proc.communicate(timeout=60)[0]
