@@ -19,12 +19,12 @@ def model_loss(cfg, params, batch, key):
     return jnp.sum(out.mlm_logits.astype(jnp.float32) ** 2) * 1e-3 + jnp.sum(out.nsp_logits), out
 
 
-def assert_trains_alike(cfg, other, *, kernels, logits_atol, loss_rtol, grad_tol):
+def assert_trains_alike(cfg, other, *, kernels, logits_atol, loss_rtol, grad_tol, absent=()):
     """`other` has `cfg`'s parameter tree (names, shapes, initial values); with dropout on (the
     same masks), its MLM logits, loss and every gradient equal `cfg`'s within the bounds (each
     gradient's relative to its leaf's largest value, 1e-3 at least: some leaves are zero but for
     noise, e.g. the attention key bias, which the softmax ignores); and its gradient program
-    contains each of `kernels` (the options really apply)."""
+    contains each of `kernels` (the options really apply) and none of `absent`."""
     batch = modeling.dummy_inputs(cfg, batch=2, length=24, predictions=4)
     batch["input_ids"] = jnp.asarray(np.random.default_rng(1).integers(5, cfg.vocab_size, (2, 24)), jnp.int32)
     params = nn.meta.unbox(pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
@@ -38,6 +38,7 @@ def assert_trains_alike(cfg, other, *, kernels, logits_atol, loss_rtol, grad_tol
     (o_loss, o_out), o_grads = jax.jit(jax.value_and_grad(other_loss_fn, has_aux=True))(params, batch, key)
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: other_loss_fn(*a)[0]))(params, batch, key))
     assert all(name in jaxpr for name in kernels), kernels
+    assert not any(name in jaxpr for name in absent), [name for name in absent if name in jaxpr]
     det = pretraining_heads.BertForPreTraining(cfg).apply({"params": params}, **{k: batch[k] for k in INPUTS})
     assert not np.allclose(np.asarray(det.mlm_logits), np.asarray(out.mlm_logits))  # dropout is on
     assert np.abs(np.asarray(out.mlm_logits)).max() > 10 * logits_atol  # the bound is not the logits' size

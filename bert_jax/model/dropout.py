@@ -58,6 +58,25 @@ def _threefry_key_data(rng: Array) -> Optional[Array]:
     return rng
 
 
+def threefry_key(rng: Array, size: int) -> Optional[Array]:
+    """`rng`'s uint32[2] key data when `keep_mask(rng, p, shape)` of `size` elements is the hash of
+    each element's row-major index (`keep_from_index`); None when it goes to jax.random.bernoulli."""
+    key = _threefry_key_data(rng)
+    return None if key is None or size >= 2 ** 32 else key
+
+
+def keep_from_index(k0: Array, k1: Array, index: Array, keep_prob: float) -> Array:
+    """The keep mask's value at the row-major element indices `index` (uint32) under the threefry
+    key `k0, k1`: jax.random.bernoulli's, bit for bit (`keep_mask`). Plain elementwise integer and
+    float ops, so a kernel can compute its own block's part (`bert_jax.model.fused`)."""
+    hi, lo = _threefry2x32(k0, k1, np.uint32(0), index)
+    bits = hi ^ lo
+    # jax.random.uniform's float32 in [0, 1): 23 random mantissa bits under the exponent of 1.0.
+    one = np.array(1.0, np.float32).view(np.uint32)
+    uniform = jax.lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - np.float32(1.0)
+    return uniform < np.float32(keep_prob)
+
+
 def keep_mask(rng: Array, keep_prob: float, shape: tuple) -> Array:
     """`jax.random.bernoulli(rng, keep_prob, shape)`, bit for bit, in one fused pass.
 
@@ -67,9 +86,8 @@ def keep_mask(rng: Array, keep_prob: float, shape: tuple) -> Array:
     keys (`rbg`, `unsafe_rbg`), 64-bit mode and arrays of 2**32 elements or more go to
     `jax.random.bernoulli` itself.
     """
-    key = _threefry_key_data(rng)
-    size = int(np.prod(shape))
-    if key is None or size >= 2 ** 32:
+    key = threefry_key(rng, int(np.prod(shape)))
+    if key is None:
         return jax.random.bernoulli(rng, keep_prob, shape)
     # The row-major index of every element (the counter's low word; its high word is 0).
     index = jnp.zeros(shape, jnp.uint32)
@@ -77,12 +95,7 @@ def keep_mask(rng: Array, keep_prob: float, shape: tuple) -> Array:
     for dim in reversed(range(len(shape))):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * np.uint32(stride)
         stride *= shape[dim]
-    hi, lo = _threefry2x32(key[0], key[1], np.uint32(0), index)
-    bits = hi ^ lo
-    # jax.random.uniform's float32 in [0, 1): 23 random mantissa bits under the exponent of 1.0.
-    one = np.array(1.0, np.float32).view(np.uint32)
-    uniform = jax.lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - np.float32(1.0)
-    return uniform < np.float32(keep_prob)
+    return keep_from_index(key[0], key[1], index, keep_prob)
 
 
 def dropout(x: Array, rate: float, rng: Array, broadcast_dims: tuple = ()) -> Array:

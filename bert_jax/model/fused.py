@@ -9,7 +9,11 @@ backward kernel reads them again, recomputes `x_hat`, and writes `dh`, `dx` and 
 sums of the scale and bias gradients (a `[blocks, hidden]` array, summed after). Given `h_bias`,
 the bias of the dense layer that produced `h`, the kernels also fold in its add,
 `LayerNorm(dropout(h + h_bias) + x)`, and the backward writes its gradient's partial sums the same
-way (without it they compile as before: no extra input or output).
+way (without it they compile as before: no extra input or output). Given the dropout's threefry
+key instead of its mask, the kernels draw the mask themselves, each block its own rows, from each
+element's row-major index (`dropout.keep_from_index`: `keep_mask`'s and jax.random.bernoulli's
+mask, bit for bit), and the backward draws it again: no int8 mask is written to memory, kept for
+the backward, or read (what it costs and saves on a GPU is not measured yet).
 
 The arithmetic is the unfused path's, in its dtypes: the dense bias add (`h_bias` rounded to the
 compute dtype first), the dropout scaling and the residual add in the compute dtype, the
@@ -39,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+
+from bert_jax.model import dropout as dropout_lib
 
 Array = jax.Array
 
@@ -123,18 +129,34 @@ def _row_sum(parts) -> Array:
     return functools.reduce(jnp.add, [jnp.sum(p, axis=1) for p in parts])
 
 
-def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: bool, with_h_bias: bool, hidden: int):
-    # Inputs h, x, [keep], scale, bias, [h_bias]; outputs y, mean, rstd. Every row is read and
+def _drawn_keep(key_ref, row0, rows: int, hidden: int, keep_prob: float) -> list:
+    """Dropout's keep mask of `rows` rows from row `row0` on, per column piece, drawn from the key
+    as `dropout.keep_mask` draws it for the whole `[rows, hidden]` array: the hash of each
+    element's row-major index (`dropout.keep_from_index`), so no mask is read or stored."""
+    k0, k1 = key_ref[0], key_ref[1]
+    row = (row0 + jnp.arange(rows, dtype=jnp.int32)).astype(jnp.uint32)[:, None] * np.uint32(hidden)
+    return [dropout_lib.keep_from_index(
+        k0, k1, row + (offset + jnp.arange(width, dtype=jnp.int32)).astype(jnp.uint32)[None, :], keep_prob)
+        for offset, width in pieces(hidden)]
+
+
+def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: Optional[str], with_h_bias: bool, hidden: int):
+    # Inputs h, x, [keep | key], scale, bias, [h_bias]; outputs y, mean, rstd. Every row is read and
     # written in power-of-two column pieces (`pieces`): one piece when the hidden size is one.
     refs = list(refs)
     h_ref, x_ref = refs.pop(0), refs.pop(0)
-    keep_ref = refs.pop(0) if dropout else None
+    mask_ref = refs.pop(0) if dropout else None
     scale_ref, bias_ref = refs.pop(0), refs.pop(0)
     h_bias_ref = refs.pop(0) if with_h_bias else None
     y_ref, mean_ref, rstd_ref = refs
     cols = _columns(hidden)
-    s = [_sum_input(h_ref[:, c], x_ref[:, c], None if keep_ref is None else keep_ref[:, c], keep_prob,
-                    None if h_bias_ref is None else h_bias_ref[c]) for c in cols]  # [rows, width] float32
+    rows = h_ref.shape[0]
+    if dropout == "key":
+        keep = _drawn_keep(mask_ref, pl.program_id(0) * rows, rows, hidden, keep_prob)
+    else:
+        keep = [None if mask_ref is None else mask_ref[:, c] for c in cols]
+    s = [_sum_input(h_ref[:, c], x_ref[:, c], k, keep_prob, None if h_bias_ref is None else h_bias_ref[c])
+         for c, k in zip(cols, keep)]  # [rows, width] float32
     mean = _row_sum(s) / np.float32(hidden)
     centered = [p - mean[:, None] for p in s]
     rstd = jax.lax.rsqrt(_row_sum([p * p for p in centered]) / np.float32(hidden) + eps)
@@ -145,12 +167,12 @@ def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: bool, with_h_b
     rstd_ref[...] = rstd
 
 
-def _backward_kernel(*refs, keep_prob: float, dropout: bool, with_h_bias: bool, chunk: int, chunks: int,
+def _backward_kernel(*refs, keep_prob: float, dropout: Optional[str], with_h_bias: bool, chunk: int, chunks: int,
                      hidden: int):
-    # Inputs h, x, [keep], scale, [h_bias], mean, rstd, dy; outputs dh, dx, dscale, dbias, [dh_bias].
+    # Inputs h, x, [keep | key], scale, [h_bias], mean, rstd, dy; outputs dh, dx, dscale, dbias, [dh_bias].
     refs = list(refs)
     h_ref, x_ref = refs.pop(0), refs.pop(0)
-    keep_ref = refs.pop(0) if dropout else None
+    mask_ref = refs.pop(0) if dropout else None
     scale_ref = refs.pop(0)
     h_bias_ref = refs.pop(0) if with_h_bias else None
     mean_ref, rstd_ref, dy_ref, dh_ref, dx_ref, dscale_ref, dbias_ref = refs[:7]
@@ -159,10 +181,14 @@ def _backward_kernel(*refs, keep_prob: float, dropout: bool, with_h_bias: bool, 
     scale = [scale_ref[c][None, :] for c in cols]
     h_bias = [None if h_bias_ref is None else h_bias_ref[c] for c in cols]
     n = np.float32(hidden)
+    first_row = pl.program_id(0) * (chunk * chunks)  # (outside the loop: the interpreter's program ids are top-level)
 
     def rows(i, carry):
         r = pl.ds(i * chunk, chunk)
-        keep = [None if keep_ref is None else keep_ref[r, c] for c in cols]
+        if dropout == "key":  # the forward's mask, drawn again
+            keep = _drawn_keep(mask_ref, first_row + i * chunk, chunk, hidden, keep_prob)
+        else:
+            keep = [None if mask_ref is None else mask_ref[r, c] for c in cols]
         rstd = rstd_ref[r][:, None]
         mean = mean_ref[r][:, None]
         x_hat = [(_sum_input(h_ref[r, c], x_ref[r, c], k, keep_prob, hb) - mean) * rstd
@@ -202,14 +228,24 @@ def _specs(rows_block: int, hidden: int):
     return row, vec, stat
 
 
-def _forward(h, x, keep, scale, bias, h_bias, keep_prob, eps):
+def _mask_input(keep, key, row) -> tuple[Optional[str], tuple, list]:
+    """The dropout operand (`keep` mask rows, or the 2-word key whole), its kind and its spec."""
+    if key is not None:
+        return "key", (key,), [pl.BlockSpec((2,), lambda i: (0,))]
+    if keep is not None:
+        return "mask", (keep,), [row]
+    return None, (), []
+
+
+def _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps):
     rows, hidden = h.shape
     shape = _launch()[0]
     block = _block_rows(rows, shape["block_rows"])
     row, vec, stat = _specs(block, hidden)
-    dropout, with_h_bias = keep is not None, h_bias is not None
-    inputs = (h, x) + ((keep,) if dropout else ()) + (scale, bias) + ((h_bias,) if with_h_bias else ())
-    in_specs = [row, row] + ([row] if dropout else []) + [vec, vec] + ([vec] if with_h_bias else [])
+    with_h_bias = h_bias is not None
+    dropout, mask, mask_spec = _mask_input(keep, key, row)
+    inputs = (h, x) + mask + (scale, bias) + ((h_bias,) if with_h_bias else ())
+    in_specs = [row, row] + mask_spec + [vec, vec] + ([vec] if with_h_bias else [])
     return pl.pallas_call(
         functools.partial(_forward_kernel, keep_prob=keep_prob, eps=eps, dropout=dropout,
                           with_h_bias=with_h_bias, hidden=hidden),
@@ -219,7 +255,7 @@ def _forward(h, x, keep, scale, bias, h_bias, keep_prob, eps):
         name="dropout_add_layernorm_fwd", **_backend_args(shape["num_warps"]))(*inputs)
 
 
-def _backward(h, x, keep, scale, h_bias, mean, rstd, dy, keep_prob):
+def _backward(h, x, keep, key, scale, h_bias, mean, rstd, dy, keep_prob):
     """dh, dx and the summed gradients of scale, bias and (None without it) h_bias."""
     rows, hidden = h.shape
     shape = _launch()[1]
@@ -227,10 +263,10 @@ def _backward(h, x, keep, scale, h_bias, mean, rstd, dy, keep_prob):
     chunk = min(shape["chunk_rows"], block)
     row, vec, stat = _specs(block, hidden)
     part = pl.BlockSpec((1, hidden), lambda i: (i, 0))
-    dropout, with_h_bias = keep is not None, h_bias is not None
-    inputs = ((h, x) + ((keep,) if dropout else ()) + (scale,) + ((h_bias,) if with_h_bias else ())
-              + (mean, rstd, dy))
-    in_specs = [row, row] + ([row] if dropout else []) + [vec] + ([vec] if with_h_bias else []) + [stat, stat, row]
+    with_h_bias = h_bias is not None
+    dropout, mask, mask_spec = _mask_input(keep, key, row)
+    inputs = (h, x) + mask + (scale,) + ((h_bias,) if with_h_bias else ()) + (mean, rstd, dy)
+    in_specs = [row, row] + mask_spec + [vec] + ([vec] if with_h_bias else []) + [stat, stat, row]
     blocks = rows // block
     parts = 3 if with_h_bias else 2  # [blocks, hidden] partial sums: dscale, dbias[, dh_bias]
     dh, dx, *partials = pl.pallas_call(
@@ -244,39 +280,48 @@ def _backward(h, x, keep, scale, h_bias, mean, rstd, dy, keep_prob):
     return dh, dx, dscale, dbias, dh_bias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _fused(h, x, keep, scale, bias, h_bias, keep_prob, eps):
-    return _forward(h, x, keep, scale, bias, h_bias, keep_prob, eps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _fused(h, x, keep, key, scale, bias, h_bias, keep_prob, eps):
+    return _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps)[0]
 
 
-def _fused_fwd(h, x, keep, scale, bias, h_bias, keep_prob, eps):
-    y, mean, rstd = _forward(h, x, keep, scale, bias, h_bias, keep_prob, eps)
-    return y, (h, x, keep, scale, h_bias, mean, rstd)
+def _fused_fwd(h, x, keep, key, scale, bias, h_bias, keep_prob, eps):
+    y, mean, rstd = _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps)
+    return y, (h, x, keep, key, scale, h_bias, mean, rstd)  # the key's 8 bytes, not the mask's rows x hidden
 
 
 def _fused_bwd(keep_prob, eps, res, dy):
-    h, x, keep, scale, h_bias, mean, rstd = res
-    dh, dx, dscale, dbias, dh_bias = _backward(h, x, keep, scale, h_bias, mean, rstd, dy, keep_prob)
-    dkeep = None if keep is None else np.zeros(keep.shape, jax.dtypes.float0)  # an integer input
+    h, x, keep, key, scale, h_bias, mean, rstd = res
+    dh, dx, dscale, dbias, dh_bias = _backward(h, x, keep, key, scale, h_bias, mean, rstd, dy, keep_prob)
+    # The mask and the key are integer inputs: no gradient.
+    dkeep, dkey = (None if a is None else np.zeros(a.shape, jax.dtypes.float0) for a in (keep, key))
     dh_bias = None if h_bias is None else dh_bias.astype(h_bias.dtype)
-    return dh, dx, dkeep, dscale.astype(scale.dtype), dbias.astype(scale.dtype), dh_bias
+    return dh, dx, dkeep, dkey, dscale.astype(scale.dtype), dbias.astype(scale.dtype), dh_bias
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def dropout_add_layernorm(h: Array, x: Array, keep: Optional[Array], scale: Array, bias: Array, *,
-                          keep_prob: float, eps: float, h_bias: Optional[Array] = None) -> Array:
+                          keep_prob: float, eps: float, h_bias: Optional[Array] = None,
+                          key: Optional[Array] = None) -> Array:
     """`LayerNorm(dropout(h + h_bias) + x)` over the last axis, fused; `keep` is dropout's boolean
     mask (None: no dropout), `h_bias` the bias of the dense layer that produced `h` (None: none;
     added as the dense layer would, `h + h_bias.astype(h.dtype)`). `h` and `x` in the compute dtype;
     `scale`, `bias` and `h_bias` float32 `[hidden]`. Returns the compute dtype, like
-    `modeling.LayerNorm`."""
+    `modeling.LayerNorm`.
+
+    Or, instead of `keep`, `key`: a threefry key's uint32[2] data (`dropout.threefry_key`); the
+    kernels then draw the mask `dropout.keep_mask(key, keep_prob, h.shape)` would give, bit for
+    bit, each for its own rows (the backward draws it again): no mask is written, stored or read."""
+    if keep is not None and key is not None:
+        raise ValueError("dropout_add_layernorm: give the dropout mask (keep) or its key, not both")
     shape = h.shape
     hidden = shape[-1]
     h2, x2 = h.reshape(-1, hidden), x.astype(h.dtype).reshape(-1, hidden)
     keep2 = None if keep is None else keep.reshape(-1, hidden).astype(jnp.int8)
+    key = None if key is None else jnp.asarray(key, jnp.uint32).reshape(2)
     h_bias = None if h_bias is None else h_bias.astype(jnp.float32)
-    y = _fused(h2, x2, keep2, scale.astype(jnp.float32), bias.astype(jnp.float32), h_bias, float(keep_prob),
+    y = _fused(h2, x2, keep2, key, scale.astype(jnp.float32), bias.astype(jnp.float32), h_bias, float(keep_prob),
                float(eps))
     return y.reshape(shape)

@@ -34,7 +34,7 @@ import numpy as np
 
 from bert_jax.model import fused, fused_ffn, mixed_precision
 from bert_jax.model.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids
-from bert_jax.model.dropout import Dropout, keep_mask
+from bert_jax.model.dropout import Dropout, keep_mask, threefry_key
 from bert_jax.model.model_config import ACTIVATIONS, BertConfig
 
 Array = jax.Array
@@ -224,15 +224,20 @@ def dropout_add_norm(cfg: BertConfig, deterministic: bool, out: Array, residual:
     """`LayerNorm(dropout(out + out_bias) + residual)`, the end of every sub-layer (call it from a
     module's compact `__call__`: it creates the submodules "Dropout_0" and "output_norm" there).
     With `cfg.fused_ops` where `bert_jax.model.fused` applies (`folds_output_bias`): one Pallas kernel
-    each way, the bias add inside it, with the same parameters and the same dropout mask."""
+    each way, the bias add inside it, with the same parameters and the same dropout mask (drawn
+    inside the kernels from a threefry key: never stored)."""
     rate = cfg.hidden_dropout_prob
     if folds_output_bias(cfg):
-        keep = None
+        keep = key = None
         if not deterministic and rate > 0.0:
-            keep = keep_mask(_DropoutRng(name="Dropout_0")(), 1.0 - rate, out.shape)
+            # A threefry key: the kernels draw the mask themselves (again in the backward), the
+            # one keep_mask gives; other keys' masks are drawn here and read.
+            rng = _DropoutRng(name="Dropout_0")()
+            key = threefry_key(rng, out.size)
+            keep = keep_mask(rng, 1.0 - rate, out.shape) if key is None else None
         scale, bias = _NormParams(cfg, name="output_norm")()
         return fused.dropout_add_layernorm(out, residual, keep, scale, bias, keep_prob=1.0 - rate,
-                                           eps=cfg.layer_norm_eps, h_bias=out_bias)
+                                           eps=cfg.layer_norm_eps, h_bias=out_bias, key=key)
     if out_bias is not None:
         out = out + out_bias.astype(out.dtype)
     out = Dropout(rate=rate, name="Dropout_0")(out, deterministic=deterministic)

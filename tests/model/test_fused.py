@@ -31,7 +31,7 @@ def _unfused(cfg, keep, keep_prob, h, x, scale, bias, h_bias=None):
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-6), ("bfloat16", 2e-2)])
-@pytest.mark.parametrize("with_dropout", [True, False])
+@pytest.mark.parametrize("with_dropout", ["mask", "key", None])
 @pytest.mark.parametrize("launch", ["gpu", "chunked"])
 @pytest.mark.parametrize("with_h_bias", [False, True])
 def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypatch, dtype, tol, with_dropout,
@@ -39,6 +39,8 @@ def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypat
     # The GPU's launch shapes (8-row blocks, the backward a row at a time), and blocks the backward
     # walks in two steps: the interpreter runs the kernels as a GPU would launch them. The chunked
     # launch at a hidden size of 112 = 64 + 32 + 16: rows read and written in three column pieces.
+    # Dropout's mask given (`keep`), or drawn by the kernels from its key, forward and backward,
+    # each block and chunk its own rows: the reference's mask is keep_mask's of the same key.
     shapes = {"gpu": (fused.FORWARD, fused.BACKWARD),
               "chunked": ({"block_rows": 16, "num_warps": 4}, {"block_rows": 32, "chunk_rows": 4, "num_warps": 4})}
     monkeypatch.setattr(fused, "INTERPRET_FORWARD", shapes[launch][0])
@@ -51,12 +53,13 @@ def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypat
     scale = jnp.asarray(rng.normal(1, 0.1, (hidden,)), jnp.float32)
     bias = jnp.asarray(rng.normal(0, 0.1, (hidden,)), jnp.float32)
     keep = dropout.keep_mask(jax.random.key(3), 0.9, shape) if with_dropout else None
+    key = jax.random.key_data(jax.random.key(3)) if with_dropout == "key" else None
     # The dense layer's bias before the dropout (float32, as its parameter is): large enough that
     # leaving it out, or adding it after the dropout, fails the comparison.
     args = (h, x, scale, bias) + ((jnp.asarray(rng.normal(0, 0.5, (hidden,)), jnp.float32),) if with_h_bias else ())
     ref = functools.partial(_unfused, cfg, keep, 0.9)
     fus = functools.partial(lambda h, x, s, b, hb=None: fused.dropout_add_layernorm(
-        h, x, keep, s, b, keep_prob=0.9, eps=cfg.layer_norm_eps, h_bias=hb))
+        h, x, None if key is not None else keep, s, b, keep_prob=0.9, eps=cfg.layer_norm_eps, h_bias=hb, key=key))
     want, want_vjp = jax.vjp(ref, *args)
     got, got_vjp = jax.vjp(fus, *args)
     assert got.dtype == want.dtype == cfg.compute_dtype
@@ -91,8 +94,10 @@ def test_the_kernel_equals_dropout_then_layernorm_values_and_gradients(monkeypat
 def test_the_fused_model_trains_like_the_unfused_one(dtype, logits_atol, loss_rtol, grad_tol):
     cfg = model_config.BertConfig(vocab_size=300, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                               intermediate_size=256, dtype=dtype)
+    # The kernels draw dropout's masks from its (threefry) key: no int8 mask is made for them.
     model_parity.assert_trains_alike(cfg, cfg.replace(fused_ops=True), kernels=("pallas_call",),
-                                     logits_atol=logits_atol, loss_rtol=loss_rtol, grad_tol=grad_tol)
+                                     logits_atol=logits_atol, loss_rtol=loss_rtol, grad_tol=grad_tol,
+                                     absent=("i8[",))
 
 
 def test_hidden_sizes_the_kernels_cannot_read_use_the_unfused_path():
@@ -110,26 +115,29 @@ def test_hidden_sizes_the_kernels_cannot_read_use_the_unfused_path():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("with_dropout", [True, False])
+@pytest.mark.parametrize("with_dropout", ["mask", "key", None])
 @pytest.mark.parametrize("with_h_bias", [False, True])
 def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dropout, with_h_bias):
     """What a GPU would compile, lowered here: both passes become Triton calls. Since jax 0.10 a
     `pallas_call` with no compiler parameters lowers through Mosaic GPU (which rejects these
     blocks), and Triton's lowering has no bfloat16 division (the dropout scaling). In bfloat16 at
-    BERT-Base's hidden size, 768: rows in two column pieces (Triton loads power-of-two blocks)."""
+    BERT-Base's hidden size, 768: rows in two column pieces (Triton loads power-of-two blocks).
+    With the key, the threefry hash lowers into both kernels and no int8 mask is an operand."""
     monkeypatch.setattr(fused, "_interpret", lambda: False)
     hidden = {"bfloat16": 768, "float32": 1024}[dtype]
     shape = (4, 64, hidden)
 
-    def grads(h, x, keep, scale, bias, h_bias):
+    def grads(h, x, keep, key, scale, bias, h_bias):
         def loss(h, x, scale, bias, h_bias):
-            y = fused.dropout_add_layernorm(h, x, keep if with_dropout else None, scale, bias,
-                                            keep_prob=0.9, eps=1e-12, h_bias=h_bias if with_h_bias else None)
+            y = fused.dropout_add_layernorm(h, x, keep if with_dropout == "mask" else None, scale, bias,
+                                            keep_prob=0.9, eps=1e-12, h_bias=h_bias if with_h_bias else None,
+                                            key=key if with_dropout == "key" else None)
             return jnp.sum(y.astype(jnp.float32) ** 2)
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4) if with_h_bias else (0, 1, 2, 3))(h, x, scale, bias, h_bias)
 
     args = (jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
-            jax.ShapeDtypeStruct(shape, jnp.bool_), jax.ShapeDtypeStruct((hidden,), jnp.float32),
+            jax.ShapeDtypeStruct(shape, jnp.bool_), jax.ShapeDtypeStruct((2,), jnp.uint32),
+            jax.ShapeDtypeStruct((hidden,), jnp.float32),
             jax.ShapeDtypeStruct((hidden,), jnp.float32), jax.ShapeDtypeStruct((hidden,), jnp.float32))
     exported = jax.export.export(
         jax.jit(grads), platforms=["cuda"],
@@ -143,8 +151,10 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dr
     assert "mosaic_gpu" not in text
     # h_bias goes into both kernels (its add is not an XLA pass of its own) and the backward writes
     # one more [blocks, hidden] partial sum; without it the kernels take and write what they did.
-    for name, operands, results in (("fwd", 4 + with_dropout + with_h_bias, 3),
-                                    ("bwd", 6 + with_dropout + with_h_bias, 4 + with_h_bias)):
+    for name, operands, results in (("fwd", 4 + bool(with_dropout) + with_h_bias, 3),
+                                    ("bwd", 6 + bool(with_dropout) + with_h_bias, 4 + with_h_bias)):
         line, = (line for line in calls if f'name = "dropout_add_layernorm_{name}"' in line)
         types = re.search(r": \(([^()]*)\) -> \(([^()]*)\)", line)
         assert (types[1].count("tensor<"), types[2].count("tensor<")) == (operands, results), (name, types[0])
+        assert ("xi8>" in types[1]) == (with_dropout == "mask"), (name, types[0])  # the mask's rows
+        assert ("tensor<2xui32>" in types[1]) == (with_dropout == "key"), (name, types[0])
