@@ -17,7 +17,8 @@ feed the classification and regression heads, with `cls_positions` `[batch, slot
 weights per position as unpacked.
 
 These are google-research/bert's `run_classifier.py` / `run_squad.py` output layers (truncated
-normal 0.02 kernels, zero biases, dropout `hidden_dropout_prob` before the layer; SQuAD has none)
+normal 0.02 kernels, zero biases, dropout `hidden_dropout_prob` before the layer; SQuAD has none;
+`config.head_init="normal"` draws the kernel as transformers does, `draw_head`)
 and the paper's token and multiple-choice setups. Logits and losses are float32.
 
 `loss_sums(head, outputs, batch)` returns sums plus weights (`loss_sum`, `weight`, `correct`), so
@@ -52,6 +53,32 @@ LABEL_KEYS = {
     "span": ("start_positions", "end_positions"),
     "token": ("label_ids", "label_weights"),
 }
+
+
+# How the head's kernel starts (`config.head_init`): google-research/bert's truncated normal (stddev
+# `initializer_range` before the cut at 2 stddev: 0.0176 after it for 0.02), or transformers' BERT
+# (`_init_weights`: a plain normal of stddev `initializer_range`). The biases start at zero either way.
+HEAD_INITS = ("truncated_normal", "normal")
+
+
+def check_head_init(how: str) -> None:
+    if how not in HEAD_INITS:
+        raise ValueError(f"config.head_init={how!r}: expected one of {HEAD_INITS} (truncated_normal: "
+                         "google-research/bert's head, normal: transformers')")
+
+
+def draw_head(params: dict, how: str, rng: jax.Array, stddev: float) -> dict:
+    """`params` (as `BertForTask.init` made them, the head's kernel a truncated normal) with the
+    head's kernel drawn `how` (`HEAD_INITS`); the encoder and the head's bias as they were."""
+    check_head_init(how)
+    if how == "truncated_normal":
+        return params
+    kernel = params["head"]["output"]["kernel"]  # boxed with its logical axis names
+    value = nn.meta.unbox(kernel)
+    drawn = stddev * jax.random.normal(rng, value.shape, value.dtype)
+    output = dict(params["head"]["output"], kernel=kernel.replace_boxed(drawn) if isinstance(
+        kernel, nn.meta.AxisMetadata) else drawn)
+    return dict(params, head=dict(params["head"], output=output))
 
 
 def model_inputs(batch: dict) -> dict:

@@ -113,6 +113,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if config.model.get("fp8"):
         raise ValueError("config.model.fp8=True: FP8 training is a pretraining option (bert_jax.pretrain.loop); "
                          "fine-tuning runs in config.model.dtype (e.g. bfloat16): set config.model.fp8=False")
+    heads.check_head_init(config.get("head_init", "truncated_normal"))
     task = make_task(config)
     run_setup.use_prng_impl(config)
     bert_config = run_setup.bert_config_from(config)
@@ -196,6 +197,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     def init_state(rng):
         params_rng, dropout_rng = jax.random.split(rng)
         params = model.init(params_rng, *(dummy[k] for k in heads.MODEL_INPUTS))["params"]
+        params = heads.draw_head(params, config.get("head_init", "truncated_normal"),
+                                 jax.random.fold_in(params_rng, 1), bert_config.initializer_range)
         return train_state.create_train_state(params, tx, dropout_rng)
 
     rules = sharding.DEFAULT_RULES

@@ -274,10 +274,11 @@ def tsv_rows(path):
 
 def test_the_loop_starts_from_the_checkpoint_and_a_fresh_head(tmp_path, checkpoint):
     """At learning rate 0 nothing moves, so the saved state is the initial one: the encoder is the
-    checkpoint's bit for bit, the head flax's initialization from the first half of the seed's key
-    (the loop compiles the head's initialization alone; the encoder's is dead code there)."""
+    checkpoint's bit for bit, the head drawn as `config.head_init="normal"` says (transformers' way:
+    a plain normal of stddev initializer_range, from the first half of the seed's key folded with 1;
+    the bias zero). The loop compiles the head's initialization alone (the encoder's is dead code there)."""
     config = sst2_config(sst2_files(tmp_path), checkpoint)
-    config.learning_rate, config.num_train_epochs = 0.0, 1
+    config.learning_rate, config.num_train_epochs, config.head_init = 0.0, 1, "normal"
     finetune.run(config, str(tmp_path / "work"))
     saved = convert.load_finetuned(str(tmp_path / "work"), "last")
     flat = lambda tree: {k: np.asarray(v) for k, v in traverse_util.flatten_dict(tree).items()}  # noqa: E731
@@ -285,15 +286,35 @@ def test_the_loop_starts_from_the_checkpoint_and_a_fresh_head(tmp_path, checkpoi
     assert encoder.keys() == flat(checkpoint["params"]["bert"]).keys()
     for key, value in flat(checkpoint["params"]["bert"]).items():
         np.testing.assert_array_equal(encoder[key], value, err_msg=str(key))
-    model = heads.BertForTask(checkpoint["config"], "classification", 2)
-    dummy = heads.dummy_batch("classification", config.max_seq_length)
-    fresh = nn.meta.unbox(model.init(jax.random.split(jax.random.key(config.seed))[0],
-                                     *(dummy[k] for k in heads.MODEL_INPUTS))["params"])
     head = flat(saved.params["head"])
-    assert head.keys() == flat(fresh["head"]).keys() and len(head) == 2  # kernel, bias
-    for key, value in flat(fresh["head"]).items():  # another program's truncated normal: an ulp apart
-        np.testing.assert_allclose(head[key], value, rtol=0, atol=1e-8, err_msg=str(key))
-    assert np.abs(head[("output", "kernel")]).max() > 0.01  # drawn (stddev 0.02), not zeros
+    hidden = checkpoint["config"].hidden_size
+    assert head.keys() == {("output", "kernel"), ("output", "bias")}
+    params_key = jax.random.split(jax.random.key(config.seed))[0]
+    want = 0.02 * np.asarray(jax.random.normal(jax.random.fold_in(params_key, 1), (hidden, 2)))
+    np.testing.assert_allclose(head[("output", "kernel")], want, rtol=1e-6, atol=1e-9)
+    np.testing.assert_array_equal(head[("output", "bias")], np.zeros(2, np.float32))
+
+
+def test_the_head_is_drawn_as_google_or_transformers_draw_it(checkpoint):
+    """`truncated_normal` (the default) keeps flax's draw, cut at 2 stddev as Google's; `normal`
+    replaces the kernel alone with a plain normal; anything else is refused, naming the flag."""
+    model = heads.BertForTask(checkpoint["config"], "token", 512)
+    dummy = heads.dummy_batch("token", 8)
+    params = model.init(jax.random.key(3), *(dummy[k] for k in heads.MODEL_INPUTS))["params"]
+    assert heads.draw_head(params, "truncated_normal", jax.random.key(4), 0.02) is params
+    google = np.asarray(nn.meta.unbox(params["head"]["output"]["kernel"]))
+    drawn = nn.meta.unbox(heads.draw_head(params, "normal", jax.random.key(4), 0.02))
+    kernel = np.asarray(drawn["head"]["output"]["kernel"])
+    assert kernel.shape == google.shape and not np.array_equal(kernel, google)
+    # A normal's tails pass 2 stddev (~4.6% of the values); a truncated normal's never do.
+    assert np.abs(google).max() <= 0.04 and (np.abs(kernel) > 0.04).mean() > 0.03
+    assert abs(kernel.std() - 0.02) < 0.001 and abs(google.std() - 0.0176) < 0.001
+    np.testing.assert_array_equal(drawn["head"]["output"]["bias"], nn.meta.unbox(params["head"]["output"]["bias"]))
+    assert traverse_util.flatten_dict(drawn["bert"]).keys() == traverse_util.flatten_dict(params["bert"]).keys()
+    for key, value in traverse_util.flatten_dict(nn.meta.unbox(params["bert"])).items():
+        np.testing.assert_array_equal(traverse_util.flatten_dict(drawn["bert"])[key], value)
+    with pytest.raises(ValueError, match=r"config.head_init='xavier'"):
+        heads.draw_head(params, "xavier", jax.random.key(4), 0.02)
 
 
 def test_predict_mode_gives_the_loops_predictions_from_text_or_the_tasks_files(sst2_run, tmp_path):
