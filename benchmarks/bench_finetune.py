@@ -29,6 +29,17 @@ compiles every program, as a first run does; `--warm` runs it once more on that 
 transformers run ("bert_jax_warm": what a second run with the same shapes and hyper-parameters,
 another seed or a rerun, costs).
 
+With `--seeds=42,1,2` each side runs once per seed (the seed draws the head, dropout and the data
+order on both sides) and each task's record ends with `scores`: every score's mean, sample standard
+deviation, min and max per side. Over the short runs sized for a CPU one seed's score says little:
+the head's first draw moves it by more than the two sides differ (RESULTS.md, CoNLL-2003). The
+heads start differently: ours as google-research/bert's (a truncated normal, stddev 0.02 before
+the cut at 2 stddev), transformers' as a plain normal of stddev 0.02; `--set head_init=normal`
+draws ours as transformers does. Each record names both (`head_init`). The first seed's runs are
+the record's `bert_jax` / `transformers` (/ `bert_jax_warm`); every seed's are under `seeds`. Our
+runs after the first load the first one's programs from its compilation cache (their walls are
+a second run's).
+
 Reported per run: the scores, the wall time of the whole process (loading, featurization,
 compilation, training, evaluation, predictions), and the steady training rate (bert_jax: the
 median of its logged `train/sequences_per_second` windows after the first, which holds the
@@ -75,17 +86,57 @@ def run_ours(config: str, workdir: str, overrides: dict) -> dict:
             "compile_s_saved": float(loaded[-1][2]) if loaded else 0.0}
 
 
-def ours_cold_and_warm(args, out: dict, config: str, tmp: str, name: str, overrides: dict, between=None) -> None:
+SCORE = re.compile(r"(accuracy|f1|exact_match)$")
+HEAD_INITS = {"truncated_normal": "google-research/bert's: truncated normal, stddev 0.02 before the cut at 2 stddev",
+              "normal": "transformers': normal, stddev 0.02"}
+
+
+def scores(result: dict) -> dict:
+    """The scores of one run's results (accuracy, F1, exact match), by name."""
+    return {k: float(v) for k, v in result.items() if SCORE.search(k) and isinstance(v, (int, float))}
+
+
+def spread(values: list) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "values": values}
+
+
+def over_seeds(args, out: dict, config: str, tmp: str, name: str, overrides: dict, hf_args=None) -> None:
+    """Each seed of `--seeds`: our run, then transformers' (`hf_args`, without the seed) right
+    after it; the first seed's runs fill `bert_jax`/`transformers`/`bert_jax_warm` as before,
+    every seed's go to `seeds`, and `scores` has each score's spread over the seeds per side."""
+    out["head_init"] = {"bert_jax": HEAD_INITS[args.overrides.get("head_init", "truncated_normal")]}
+    if hf_args is not None:
+        out["head_init"]["transformers"] = HEAD_INITS["normal"]
+    out["seeds"] = []
+    for i, seed in enumerate(args.seed_list):
+        row = {"seed": seed}
+        theirs = (lambda: row.__setitem__("transformers", run_hf(args.hf_python, [*hf_args, f"--seed={seed}"]))
+                  ) if hf_args is not None else None
+        ours_cold_and_warm(args, row, config, tmp, name, dict(overrides, seed=seed), theirs, warm=args.warm and i == 0)
+        out["seeds"].append(row)
+        if i == 0:
+            out.update({k: v for k, v in row.items() if k != "seed"})
+    sides = [side for side in ("bert_jax", "transformers") if side in out["seeds"][0]]
+    out["scores"] = {}
+    for side in sides:
+        per_seed = [scores(row[side]["results"] if side == "bert_jax" else row[side]) for row in out["seeds"]]
+        names = [k for k in per_seed[0] if all(k in p for p in per_seed)]
+        out["scores"][side] = {k: spread([p[k] for p in per_seed]) for k in names}
+
+
+def ours_cold_and_warm(args, out: dict, config: str, tmp: str, name: str, overrides: dict, between=None,
+                       warm: bool = False) -> None:
     """bert_jax's run on a fresh compilation cache ("bert_jax"), then `between` (the transformers
     run), then with `--warm` the same run again on that cache ("bert_jax_warm"): a second run
     of the same shapes and hyper-parameters (another seed, a rerun) loads its programs."""
     overrides = dict(overrides)
     overrides.setdefault("compilation_cache", os.path.join(tmp, f"xla_{name}"))
-    out["bert_jax"] = run_ours(config, os.path.join(tmp, f"w_{name}"), overrides)
+    out["bert_jax"] = run_ours(config, os.path.join(tmp, f"w_{name}_{overrides['seed']}"), overrides)
     out["load_between"] = load_average()
     if between is not None:
         between()
-    if args.warm:
+    if warm:
         out["bert_jax_warm"] = run_ours(config, os.path.join(tmp, f"w_{name}_warm"), overrides)
 
 
@@ -120,15 +171,11 @@ def sst2(args, tmp) -> dict:
             open(os.path.join(data, "dev.tsv"), "w", encoding="utf-8") as g:
         g.write(f.read())
     hp = dict(max_seq_length=args.sst2_max_seq_length, global_batch_size=32, num_train_epochs=args.epochs,
-              learning_rate=args.lr, eval_batch_size=128, seed=args.seed)
+              learning_rate=args.lr, eval_batch_size=128)
     out = {"task": "sst2", "train_examples": len(rows), "hyper_parameters": hp, "load_before": load_average()}
-    def hf():
-        out["transformers"] = run_hf(args.hf_python, [
-            "--task=sst2", f"--model={args.model}", f"--train={data}/train.tsv", f"--dev={data}/dev.tsv",
-            f"--max_seq_length={hp['max_seq_length']}", "--batch=32", f"--epochs={args.epochs}",
-            f"--lr={args.lr}", f"--seed={args.seed}"])
-
-    ours_cold_and_warm(args, out, "configs/glue.py", tmp, "sst2", dict(
+    hf = ["--task=sst2", f"--model={args.model}", f"--train={data}/train.tsv", f"--dev={data}/dev.tsv",
+          f"--max_seq_length={hp['max_seq_length']}", "--batch=32", f"--epochs={args.epochs}", f"--lr={args.lr}"]
+    over_seeds(args, out, "configs/glue.py", tmp, "sst2", dict(
         hp, task="sst2", data_dir=data, init_checkpoint=args.model, predict_test=False, **args.overrides),
         hf if args.hf_python else None)
     out["load_after"] = load_average()
@@ -150,17 +197,14 @@ def conll(args, tmp) -> dict:
                 open(os.path.join(data, name), "w", encoding="utf-8") as g:
             g.write(f.read())
     hp = dict(max_seq_length=args.conll_max_seq_length, global_batch_size=32, num_train_epochs=args.epochs,
-              learning_rate=args.lr, eval_batch_size=128, seed=args.seed)
+              learning_rate=args.lr, eval_batch_size=128)
     out = {"task": "conll2003", "train_sentences": len(keep), "hyper_parameters": hp,
            "load_before": load_average()}
     # MiniLM is uncased: its vocabulary has no capitals.
-    def hf():
-        out["transformers"] = run_hf(args.hf_python, [
-            "--task=conll2003", f"--model={args.model}", f"--train={data}/train.txt", f"--dev={data}/valid.txt",
-            f"--test={data}/test.txt", f"--max_seq_length={hp['max_seq_length']}", "--batch=32",
-            f"--epochs={args.epochs}", f"--lr={args.lr}", f"--seed={args.seed}"])
-
-    ours_cold_and_warm(args, out, "configs/ner.py", tmp, "conll", dict(
+    hf = ["--task=conll2003", f"--model={args.model}", f"--train={data}/train.txt", f"--dev={data}/valid.txt",
+          f"--test={data}/test.txt", f"--max_seq_length={hp['max_seq_length']}", "--batch=32",
+          f"--epochs={args.epochs}", f"--lr={args.lr}"]
+    over_seeds(args, out, "configs/ner.py", tmp, "conll", dict(
         hp, data_dir=data, init_checkpoint=args.model, predict_test=False, **args.overrides),
         hf if args.hf_python else None)
     out["load_after"] = load_average()
@@ -178,10 +222,10 @@ def squad(args, tmp) -> dict:
             json.dump({"version": dev["version"], "data": articles}, f)
     count = lambda arts: sum(len(p["qas"]) for a in arts for p in a["paragraphs"])
     hp = dict(max_seq_length=args.squad_max_seq_length, global_batch_size=32, num_train_epochs=args.epochs,
-              learning_rate=args.lr, eval_batch_size=128, seed=args.seed)
+              learning_rate=args.lr, eval_batch_size=128)
     out = {"task": "squad_v1", "train_questions": count(dev["data"][:k]),
            "eval_questions": count(dev["data"][k:]), "hyper_parameters": hp, "load_before": load_average()}
-    ours_cold_and_warm(args, out, "configs/squad.py", tmp, "squad", dict(
+    over_seeds(args, out, "configs/squad.py", tmp, "squad", dict(
         hp, data_dir=data, init_checkpoint=args.model, **args.overrides))
     out["load_after"] = load_average()
     return out
@@ -195,6 +239,8 @@ def parse(argv=None):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--seed", type=int, default=42, help="both sides: head init, dropout, data order")
+    p.add_argument("--seeds", default="", help="comma-separated seeds, each run on both sides (replaces --seed); "
+                   "each task's record then has every score's mean and spread (scores)")
     p.add_argument("--sst2_train", type=int, default=10000, help="0 = all 67,349")
     p.add_argument("--sst2_max_seq_length", type=int, default=64)
     p.add_argument("--conll_train", type=int, default=5000, help="0 = all 14,041 sentences")
@@ -214,6 +260,10 @@ def parse(argv=None):
 def main(argv=None):
     args = parse(argv)
     args.overrides = {}
+    try:
+        args.seed_list = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    except ValueError:
+        raise SystemExit(f"--seeds={args.seeds!r}: expected comma-separated integers, e.g. 42,1,2") from None
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -158,3 +158,43 @@ def test_the_fine_tuning_run_is_skipped_without_its_python_and_tabled_with_its_r
     skipped = suite.table([{"name": runs[0][0], "status": "ok", "wall_s": 1.0,
                             "result": {"benchmark": "bench_finetune", "skipped": "needs ../shared/data"}}])
     assert "skipped, needs ../shared/data" in skipped
+
+
+def test_fine_tuning_over_seeds_runs_both_sides_per_seed_and_reports_each_scores_spread(load_benchmark, monkeypatch):
+    """`bench_finetune.py --seeds`: each seed runs ours then transformers' with that seed; the first
+    seed's runs stay the record's `bert_jax`/`transformers`; `scores` has each score's mean and
+    sample standard deviation per side (here from hand-picked scores), and `head_init` names both
+    sides' head draws (ours as `--set head_init` says)."""
+    bench = load_benchmark("bench_finetune")
+    calls = []
+
+    def ours(config, workdir, overrides):
+        calls.append(("ours", overrides["seed"], overrides.get("head_init")))
+        f1 = {42: 0.10, 1: 0.20, 2: 0.60}[overrides["seed"]]
+        return {"results": {"conll2003/dev/f1": f1, "conll2003/dev/loss": 1.0}, "wall_s": 1.0}
+
+    def theirs(python, args):
+        seed = int(next(a for a in args if a.startswith("--seed="))[7:])
+        calls.append(("hf", seed, python))
+        return {"dev_f1": {42: 0.30, 1: 0.30, 2: 0.30}[seed], "wall_s": 2.0}
+
+    monkeypatch.setattr(bench, "run_ours", ours)
+    monkeypatch.setattr(bench, "run_hf", theirs)
+    args = bench.parse(["--seeds=42,1,2", "--hf_python=/py", "--warm", "--set", "head_init=normal"])
+    args.overrides, args.seed_list = {"head_init": "normal"}, [42, 1, 2]
+    out = {}
+    bench.over_seeds(args, out, "configs/ner.py", "/tmp", "conll", {"head_init": "normal"}, ["--task=conll2003"])
+    # Seed by seed, ours then theirs; ours once more on its cache after the first (--warm).
+    assert calls == [("ours", 42, "normal"), ("hf", 42, "/py"), ("ours", 42, "normal"),
+                     ("ours", 1, "normal"), ("hf", 1, "/py"), ("ours", 2, "normal"), ("hf", 2, "/py")]
+    assert [row["seed"] for row in out["seeds"]] == [42, 1, 2]
+    assert out["bert_jax"] is out["seeds"][0]["bert_jax"] and "bert_jax_warm" in out
+    ours_f1 = out["scores"]["bert_jax"]["conll2003/dev/f1"]
+    assert ours_f1["mean"] == pytest.approx(0.30) and ours_f1["std"] == pytest.approx(0.26457513, rel=1e-6)
+    assert (ours_f1["min"], ours_f1["max"], ours_f1["values"]) == (0.10, 0.60, [0.10, 0.20, 0.60])
+    assert "conll2003/dev/loss" not in out["scores"]["bert_jax"]  # scores only
+    assert out["scores"]["transformers"]["dev_f1"]["std"] == 0.0
+    assert out["head_init"]["bert_jax"].startswith("transformers'")
+    assert out["head_init"]["transformers"].startswith("transformers'")
+    with pytest.raises(SystemExit, match="--seeds"):
+        bench.main(["--seeds=1,x"])
