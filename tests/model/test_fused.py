@@ -158,3 +158,16 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dr
         assert (types[1].count("tensor<"), types[2].count("tensor<")) == (operands, results), (name, types[0])
         assert ("xi8>" in types[1]) == (with_dropout == "mask"), (name, types[0])  # the mask's rows
         assert ("tensor<2xui32>" in types[1]) == (with_dropout == "key"), (name, types[0])
+
+
+def test_the_kernel_benchmark_times_the_mask_read_and_the_mask_drawn_against_xla(load_benchmark):
+    """`bench_fp8.py --kernel` (what a GPU session times): XLA's passes, the kernel reading the
+    mask and the kernel drawing it from its key, all three within float32 rounding of the float32
+    reference: the same mask on every side."""
+    bench = load_benchmark("bench_fp8")
+    out = bench.main(["--config=configs/test.py", "--kernel", "--batch=2", "--seq_len=16", "--kernel_iters=1",
+                      "--dtype=float32"])
+    assert set(out["impl"]) == {"xla", "fused", "fused_key"}
+    for name, row in out["impl"].items():
+        assert row["median_s"] > 0 and max(row["rel_l2_error_vs_float32"].values()) < 1e-6, (name, row)
+    assert out["speedup_fused_key_vs_fused"] > 0
