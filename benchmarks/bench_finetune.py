@@ -111,9 +111,12 @@ def over_seeds(args, out: dict, config: str, tmp: str, name: str, overrides: dic
     out["seeds"] = []
     for i, seed in enumerate(args.seed_list):
         row = {"seed": seed}
-        theirs = (lambda: row.__setitem__("transformers", run_hf(args.hf_python, [*hf_args, f"--seed={seed}"]))
-                  ) if hf_args is not None else None
-        ours_cold_and_warm(args, row, config, tmp, name, dict(overrides, seed=seed), theirs, warm=args.warm and i == 0)
+
+        def theirs(row=row, seed=seed):
+            row["transformers"] = run_hf(args.hf_python, [*hf_args, f"--seed={seed}"])
+
+        ours_cold_and_warm(args, row, config, tmp, name, dict(overrides, seed=seed),
+                           theirs if hf_args is not None else None, warm=args.warm and i == 0)
         out["seeds"].append(row)
         if i == 0:
             out.update({k: v for k, v in row.items() if k != "seed"})

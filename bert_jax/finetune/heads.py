@@ -74,10 +74,9 @@ def draw_head(params: dict, how: str, rng: jax.Array, stddev: float) -> dict:
     if how == "truncated_normal":
         return params
     kernel = params["head"]["output"]["kernel"]  # boxed with its logical axis names
-    value = nn.meta.unbox(kernel)
-    drawn = stddev * jax.random.normal(rng, value.shape, value.dtype)
-    output = dict(params["head"]["output"], kernel=kernel.replace_boxed(drawn) if isinstance(
-        kernel, nn.meta.AxisMetadata) else drawn)
+    value = kernel.unbox()
+    output = dict(params["head"]["output"],
+                  kernel=kernel.replace_boxed(stddev * jax.random.normal(rng, value.shape, value.dtype)))
     return dict(params, head=dict(params["head"], output=output))
 
 
