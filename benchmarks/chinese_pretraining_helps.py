@@ -48,14 +48,15 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import pretraining_helps as ph  # noqa: E402  (the English benchmark's stages, reused)
+import pretraining_corpus as pc  # noqa: E402  (the English benchmark's record stage, reused)
+import pretraining_helps as ph  # noqa: E402  (its pretraining and fine-tuning stages, reused)
 
-ROOT, DATA = ph.ROOT, ph.DATA
+ROOT, DATA = pc.ROOT, pc.DATA
 ZH = os.path.join(DATA, "zh")
 ARMS = ("wwm", "char", "random")
 PRETRAINED = ("wwm", "char")
 TASKS = {"chnsenticorp": ("classification", "accuracy"), "msra": ("tagging", "f1")}
-log = ph.log
+log = pc.log
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,8 +190,8 @@ def stage_corpus(out: str, splits_dir: str, max_reviews: int) -> dict:
     held = max(1, len(docs) // 50)
     corpora.write_google_text(os.path.join(out, "heldout.txt"), docs[:held])
     train = docs[held:]
-    for k in range(ph.TRAIN_SHARDS):
-        corpora.write_google_text(os.path.join(out, f"train-{k:02d}.txt"), train[k::ph.TRAIN_SHARDS])
+    for k in range(pc.TRAIN_SHARDS):
+        corpora.write_google_text(os.path.join(out, f"train-{k:02d}.txt"), train[k::pc.TRAIN_SHARDS])
     info.update(reviews_used=len(kept), documents=len(docs), heldout_documents=held,
                 characters=sum(len(s) for d in docs for s in d))
     with open(done, "w", encoding="utf-8") as f:
@@ -214,10 +215,10 @@ def stage_records(args, corpus: str, out: str, arm: str) -> dict:
     for name, inputs, dupe, shards, workers in (
             ("train", train, args.dupe_factor, len(train), args.num_workers),
             ("heldout", [os.path.join(corpus, "heldout.txt")], 1, 1, 1)):
-        ph.create_records(inputs, os.path.join(out, name, name + ".tfrecord"), args.vocab_file, dupe_factor=dupe,
+        pc.create_records(inputs, os.path.join(out, name, name + ".tfrecord"), args.vocab_file, dupe_factor=dupe,
                           seq_len=args.max_seq_length, predictions=args.max_predictions, shards=shards,
                           workers=workers, flags=flags)
-    info = ph.records_info(out, wall_s=round(time.time() - started, 1), flags=flags)
+    info = pc.records_info(out, wall_s=round(time.time() - started, 1), flags=flags)
     with open(done, "w", encoding="utf-8") as f:
         json.dump(info, f, indent=1)
     log(f"records {arm}: {info}")

@@ -15,6 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import pretraining_corpus  # noqa: E402  pylint: disable=wrong-import-position
 import pretraining_helps  # noqa: E402  pylint: disable=wrong-import-position
 
 WORDS = ("the a cat dog sat ran on under mat house good bad film story king queen said went "
@@ -94,7 +95,7 @@ def test_quick_pipeline_and_resume(tmp_path, capsys, compile_cache):
     # the training text: 16 files, each a mix of the sources (documents dealt round-robin after a
     # seeded shuffle), together every training document once and no held-out one
     shards = sorted((work / "corpus").glob("train-*.txt"))
-    assert len(shards) == pretraining_helps.TRAIN_SHARDS
+    assert len(shards) == pretraining_corpus.TRAIN_SHARDS
     docs = [d for p in shards for d in p.read_text().split("\n\n") if d.strip()]
     assert len(docs) == sum(info[s]["documents"] for s in ("wikitext", "gutenberg", "shakespeare", "task_sst2"))
     # --task_text: every SST-2 training sentence, 20 to a document; no dev sentence, no label
@@ -110,7 +111,7 @@ def test_quick_pipeline_and_resume(tmp_path, capsys, compile_cache):
     assert "Licence" not in text and "King:" not in text
     assert len({p.read_text() for p in shards}) > 1
     records = json.loads((work / "records" / "train" / "train.dataset_info.json").read_text())
-    assert len(records["files"]) == pretraining_helps.TRAIN_SHARDS
+    assert len(records["files"]) == pretraining_corpus.TRAIN_SHARDS
     for split in ("train", "heldout"):
         assert json.loads((work / "records" / split / f"{split}.dataset_info.json").read_text())["num_instances"] > 0
     # stage 2: the pretraining reached its last step and logged MLM curves
@@ -165,16 +166,16 @@ def test_trained_vocab_reads_only_the_training_shards(tmp_path, capsys):
     # the last article is the held-out shard (a tenth of 4 articles, at least 1): give it a word
     raw.write_text(raw.read_text().rstrip("\n") + " Zyzzyva zyzzyva zyzzyva.\n")
     work = tmp_path / "work"
-    pretraining_helps.stage_corpus(str(corpus), str(work / "corpus"))
+    pretraining_corpus.stage_corpus(str(corpus), str(work / "corpus"))
     assert "zyzzyva" in (work / "corpus" / "heldout.txt").read_text().lower()
-    path = pretraining_helps.stage_vocab(str(work / "corpus"), str(work / "vocab"), 200)
+    path = pretraining_corpus.stage_vocab(str(work / "corpus"), str(work / "vocab"), 200)
     vocab = open(path, encoding="utf-8").read().splitlines()
     assert len(vocab) == 200 and vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     assert {"queen", "house", "green"} <= set(vocab)  # training words, whole
     assert "zyzzyva" not in vocab and "##zyzzyva" not in vocab
     # a rerun skips it (the stage is resumable)
     capsys.readouterr()
-    assert pretraining_helps.stage_vocab(str(work / "corpus"), str(work / "vocab"), 200) == path
+    assert pretraining_corpus.stage_vocab(str(work / "corpus"), str(work / "vocab"), 200) == path
     assert "skipped" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # argparse's error, naming the flag
         pretraining_helps.parse_args([f"--workdir={work}", "--train_vocab_size=-1"])
