@@ -27,6 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402  (benchmarks/ is not a package)
+import variant_timing  # noqa: E402
 
 
 def mask_shapes(bert_config, batch: int, seq_len: int) -> list:
@@ -62,7 +63,7 @@ class MaskRunner:
 
 
 def main(argv=None):
-    args, step_args = bench_step.parse_variant_args(__doc__.splitlines()[0], argv)
+    args, step_args = variant_timing.parse_variant_args(__doc__.splitlines()[0], argv)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -88,10 +89,10 @@ def main(argv=None):
     init_cache.clear()  # the copy's memory back before the timing
     units = {name: (functools.partial(runner.run, 1, record=False) if args.step else runner)
              for name, runner in runners.items()}
-    times = bench_step.time_alternating(units, args.rounds, args.steps)
+    times = variant_timing.time_alternating(units, args.rounds, args.steps)
     if args.step:
         before, now = (runner.state for runner in runners.values())
-        diff = bench_step.max_abs_diff(before.params, now.params)
+        diff = variant_timing.max_abs_diff(before.params, now.params)
         check = f"parameters after {int(now.step)} steps differ by at most {diff:.1e}"
     else:
         a, b = (runner(jax.random.key(123)) for runner in runners.values())

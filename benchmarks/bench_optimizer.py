@@ -27,6 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402  (benchmarks/ is not a package)
+import variant_timing  # noqa: E402
 
 
 def where_guarded_update(state, grads, loss, tx):
@@ -74,7 +75,7 @@ class UpdateRunner:
 
 
 def main(argv=None):
-    args, step_args = bench_step.parse_variant_args(__doc__.splitlines()[0], argv)
+    args, step_args = variant_timing.parse_variant_args(__doc__.splitlines()[0], argv)
     import statistics
 
     import jax
@@ -115,10 +116,10 @@ def main(argv=None):
     init_cache.clear()  # the copy's memory back before the timing
     units = {name: (functools.partial(runner.run, 1, record=False) if args.step else runner)
              for name, runner in runners.items()}
-    times = bench_step.time_alternating(units, args.rounds, args.steps)
+    times = variant_timing.time_alternating(units, args.rounds, args.steps)
     # Every variant applied the same updates to the same state: their parameters must agree (but
     # for the floor's, which were not clipped).
-    diffs = {name: bench_step.max_abs_diff(runner.state.params, runners["before"].state.params)
+    diffs = {name: variant_timing.max_abs_diff(runner.state.params, runners["before"].state.params)
              for name, runner in runners.items()}
     base = statistics.median(times["before"])
     what = "pretraining step" if args.step else "optimizer update"
