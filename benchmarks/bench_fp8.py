@@ -22,7 +22,9 @@ Google's code uses since 2019; cuBLASLt has a GEMM epilogue for it, which XLA di
 (`BertConfig.fp8`), `fp8_gelu_tanh` (both), `fused` (`BertConfig.fused_ops`: the Pallas
 dropout + residual + LayerNorm kernels), `fused_gelu_tanh`, `fused_ffn` and `fused_ffn_gelu_tanh`
 (those with `BertConfig.fused_ffn`'s GEMM + bias + GELU kernels as well), `gelu_tanh_separate_qkv` and
-`fused_gelu_tanh_separate_qkv` (`BertConfig.separate_qkv`: Q, K and V as three matmuls). A variant may add XLA options for its
+`fused_gelu_tanh_separate_qkv` (`BertConfig.separate_qkv`: Q, K and V as three matmuls),
+`fused_qkv_gelu_tanh` and `fused_qkv_ffn_gelu_tanh` (`BertConfig.fused_qkv`'s Q/K/V GEMM kernels,
+without and with the FFN's). A variant may add XLA options for its
 own program after `+`, e.g. `fused_gelu_tanh+xla_gpu_enable_triton_gemm=false` (cuBLAS for every
 GEMM, the biases in their epilogues); several `+`s may follow one another (benchmarks/RESULTS.md,
 "One H100, 2026-11-27": neither that nor `xla_gpu_enable_cublaslt` changed the step).
@@ -68,6 +70,10 @@ VARIANTS = {
     # Q, K and V as three matmuls (`BertConfig.separate_qkv`: no stacked kernel, no slices)
     "gelu_tanh_separate_qkv": {"hidden_act": "gelu_tanh", "separate_qkv": True},
     "fused_gelu_tanh_separate_qkv": {"fused_ops": True, "hidden_act": "gelu_tanh", "separate_qkv": True},
+    # + the Q/K/V GEMM kernels (`BertConfig.fused_qkv`, bert_jax/model/fused_qkv.py), without and
+    # with the FFN's
+    "fused_qkv_gelu_tanh": {"fused_ops": True, "fused_qkv": True, "hidden_act": "gelu_tanh"},
+    "fused_qkv_ffn_gelu_tanh": {"fused_ops": True, "fused_qkv": True, "fused_ffn": True, "hidden_act": "gelu_tanh"},
 }
 
 
@@ -130,6 +136,9 @@ def parse(argv=None):
     p.add_argument("--fused_blocks_wait", type=float, default=150.0)
     p.add_argument("--fused_ffn_blocks_from", default="",
                    help="a JSON file written by bench_fused_ffn.py --sweep: the FFN kernels' launch shapes "
+                        "(if it exists; else the defaults)")
+    p.add_argument("--fused_qkv_blocks_from", default="",
+                   help="a JSON file written by bench_fused_qkv.py --sweep: the Q/K/V kernels' launch shapes "
                         "(if it exists; else the defaults)")
     args, rest = p.parse_known_args(argv)
     step_args = bench_step.parse_args(rest)
@@ -213,6 +222,8 @@ def speed(args, step_args) -> dict:
             result["fused_blocks"] = _load_fused_blocks(args.fused_blocks_from, args.fused_blocks_wait)
         if changes.get("fused_ffn") and args.fused_ffn_blocks_from and "fused_ffn_blocks" not in result:
             result["fused_ffn_blocks"] = _load_fused_ffn_blocks(args.fused_ffn_blocks_from)
+        if changes.get("fused_qkv") and args.fused_qkv_blocks_from and "fused_qkv_blocks" not in result:
+            result["fused_qkv_blocks"] = _load_fused_qkv_blocks(args.fused_qkv_blocks_from)
         # `bench_ours` builds the model from the BertConfig it is given (config.model unused).
         compile_info, runner = bench_step.bench_ours(step_args, config, bert_config.replace(**changes),
                                                      mesh, batch_np, cache, compile=not args.parallel_compile,
@@ -292,6 +303,21 @@ def _load_fused_ffn_blocks(path: str) -> dict:
         fused_ffn.FORWARD, fused_ffn.BACKWARD = best["forward"], best["backward"]
     bench_step.log(f"fused_ffn launch shapes: {fused_ffn.FORWARD} / {fused_ffn.BACKWARD}")
     return {"forward": fused_ffn.FORWARD, "backward": fused_ffn.BACKWARD}
+
+
+def _load_fused_qkv_blocks(path: str) -> dict:
+    """Sets `fused_qkv`'s three launch shapes from a `bench_fused_qkv.py --sweep` file, if there is one."""
+    from bert_jax.model import fused_qkv
+
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            best = json.load(f)
+        fused_qkv.FORWARD = best["forward"]
+        fused_qkv.BACKWARD_INPUT, fused_qkv.BACKWARD_WEIGHTS = best["backward_input"], best["backward_weights"]
+    shapes = {"forward": fused_qkv.FORWARD, "backward_input": fused_qkv.BACKWARD_INPUT,
+              "backward_weights": fused_qkv.BACKWARD_WEIGHTS}
+    bench_step.log(f"fused_qkv launch shapes: {shapes}")
+    return shapes
 
 
 def _load_fused_blocks(path: str, wait_s: float) -> dict:

@@ -1,4 +1,4 @@
-# Sourced by the device scripts (gpu_fused_fp8.sh, gpu_fused_ffn.sh, gpu_base_kernels.sh): the wheels the GPU image lacks
+# Sourced by the device scripts (gpu_fused_fp8.sh, gpu_fused_ffn.sh, gpu_fused_qkv.sh, gpu_base_kernels.sh): the wheels the GPU image lacks
 # (.whl/, installed to /tmp/site), the environment, and `phase`, which runs one step of a script
 # under the time its BUDGET leaves (a phase that would not fit is skipped and says so), `$LOCKED`, `COMMON`.
 #   OUT_DIR=... BUDGET=...; source benchmarks/gpu_phases.sh

@@ -35,6 +35,7 @@ def get_model_config(num_layers=12, hidden=768, heads=12) -> ml_collections.Conf
     m.fused_ffn = False  # the FFN's first GEMM + bias + GELU as Pallas GEMM kernels each way (GPU)
     m.mixed_matmuls = False  # matmuls with bf16 inputs, float32 out; the rest float32 (CPUs with bf16 units)
     m.separate_qkv = False  # Q, K, V as three matmuls (no stacked kernel, no slices of its output)
+    m.fused_qkv = False  # Q, K, V as one Pallas GEMM kernel each way, biases in its epilogues (GPU)
     return m
 
 

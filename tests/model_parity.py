@@ -19,18 +19,33 @@ def model_loss(cfg, params, batch, key):
     return jnp.sum(out.mlm_logits.astype(jnp.float32) ** 2) * 1e-3 + jnp.sum(out.nsp_logits), out
 
 
-def assert_trains_alike(cfg, other, *, kernels, logits_atol, loss_rtol, grad_tol, absent=()):
+def _with_random_biases(params, seed=3):
+    """`params` with every bias (initialized to zeros) drawn ~N(0, 0.1): a kernel that drops or
+    misplaces a bias then changes the outputs."""
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        if jax.tree_util.keystr(path).endswith("['bias']"):
+            return jnp.asarray(rng.normal(0, 0.1, leaf.shape), leaf.dtype)
+        return leaf
+    return jax.tree_util.tree_map_with_path(draw, params)
+
+
+def assert_trains_alike(cfg, other, *, kernels, logits_atol, loss_rtol, grad_tol, absent=(), random_biases=False):
     """`other` has `cfg`'s parameter tree (names, shapes, initial values); with dropout on (the
     same masks), its MLM logits, loss and every gradient equal `cfg`'s within the bounds (each
     gradient's relative to its leaf's largest value, 1e-3 at least: some leaves are zero but for
     noise, e.g. the attention key bias, which the softmax ignores); and its gradient program
-    contains each of `kernels` (the options really apply) and none of `absent`."""
+    contains each of `kernels` (the options really apply) and none of `absent`. `random_biases`:
+    compared at parameters whose biases are drawn at random instead of their initial zeros."""
     batch = modeling.dummy_inputs(cfg, batch=2, length=24, predictions=4)
     batch["input_ids"] = jnp.asarray(np.random.default_rng(1).integers(5, cfg.vocab_size, (2, 24)), jnp.int32)
     params = nn.meta.unbox(pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
     other_params = nn.meta.unbox(pretraining_heads.BertForPreTraining(other).init(jax.random.key(0), **batch)["params"])
     assert jax.tree.structure(params) == jax.tree.structure(other_params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(other_params)))
+    if random_biases:
+        params = _with_random_biases(params)
     key = jax.random.key(7)
     (loss, out), grads = jax.jit(jax.value_and_grad(functools.partial(model_loss, cfg), has_aux=True))(
         params, batch, key)

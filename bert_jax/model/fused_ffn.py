@@ -37,7 +37,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
+
+from bert_jax.model import pallas_gemm
 
 Array = jax.Array
 
@@ -46,8 +47,7 @@ Array = jax.Array
 # `benchmarks/bench_fused_ffn.py --sweep` on an H200 at BERT-Large's shapes (benchmarks/RESULTS.md).
 FORWARD = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
 BACKWARD = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4}
-# Pallas' interpreter (CPUs, tests) pays for every program and loop step: few, large tiles there.
-INTERPRET = {"block_m": 256, "block_n": 256, "block_k": 1024, "num_warps": 4, "num_stages": 1}
+INTERPRET = pallas_gemm.INTERPRET
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
@@ -56,21 +56,13 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "gelu_new")
 
 
 def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
+    return pallas_gemm.interpret()
 
 
 def _launch(forward: bool) -> dict:
     if _interpret():
         return INTERPRET
     return FORWARD if forward else BACKWARD
-
-
-def _fit(size: int, most: int) -> int:
-    """The largest power of two <= `most` dividing `size` (at least 16: Triton's smallest dot)."""
-    block = most
-    while block > 16 and size % block:
-        block //= 2
-    return block
 
 
 def supported(hidden: int, intermediate: int, activation: str) -> bool:
@@ -106,23 +98,6 @@ def _gelu_and_grad(z, activation: str, grad: bool):
     return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
 
 
-def _backend_args(shape: dict) -> dict:
-    """Triton, named (a bare `pallas_call` lowers through Mosaic GPU on NVIDIA GPUs since jax 0.10)."""
-    if _interpret():
-        return {"interpret": True}
-    return {"compiler_params": pl_triton.CompilerParams(num_warps=shape["num_warps"],
-                                                         num_stages=shape["num_stages"])}
-
-
-def _tiles(m: int, n: int, k: int, shape: dict) -> tuple[int, int, int]:
-    return _fit(m, shape["block_m"]), _fit(n, shape["block_n"]), _fit(k, shape["block_k"])
-
-
-def _precision(dtype):
-    """float32 inputs multiply in float32 (not TF32: the float32 path's contract); bf16 as it is."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 def _forward_kernel(x_ref, w_ref, b_ref, pre_ref, act_ref, *, bm, bn, bk, steps, activation):
     i, j = pl.program_id(0), pl.program_id(1)
     rows, cols = pl.ds(i * bm, bm), pl.ds(j * bn, bn)
@@ -130,10 +105,9 @@ def _forward_kernel(x_ref, w_ref, b_ref, pre_ref, act_ref, *, bm, bn, bk, steps,
     def step(s, acc):
         ks = pl.ds(s * bk, bk)
         return acc + jnp.dot(x_ref[rows, ks], w_ref[ks, cols], preferred_element_type=jnp.float32,
-                             precision=_precision(x_ref.dtype))
+                             precision=pallas_gemm.precision(x_ref.dtype))
 
-    acc = jnp.zeros((bm, bn), jnp.float32)
-    acc = step(0, acc) if steps == 1 else jax.lax.fori_loop(0, steps, step, acc)
+    acc = pallas_gemm.loop(steps, step, jnp.zeros((bm, bn), jnp.float32))
     z = acc + b_ref[cols].astype(jnp.float32)[None, :]
     pre_ref[rows, cols] = z.astype(pre_ref.dtype)
     act_ref[rows, cols] = _gelu_and_grad(z, activation, grad=False).astype(act_ref.dtype)
@@ -146,10 +120,10 @@ def _backward_kernel(g_ref, w_ref, pre_ref, dpre_ref, db_ref, *, bm, bn, bk, ste
     def step(s, acc):  # g[rows, :] @ w[cols, :].T, the contraction over the hidden size
         ks = pl.ds(s * bk, bk)
         return acc + jax.lax.dot_general(g_ref[rows, ks], w_ref[cols, ks], (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32, precision=_precision(g_ref.dtype))
+                                         preferred_element_type=jnp.float32,
+                                         precision=pallas_gemm.precision(g_ref.dtype))
 
-    acc = jnp.zeros((bm, bn), jnp.float32)
-    acc = step(0, acc) if steps == 1 else jax.lax.fori_loop(0, steps, step, acc)
+    acc = pallas_gemm.loop(steps, step, jnp.zeros((bm, bn), jnp.float32))
     d = acc * _gelu_and_grad(pre_ref[rows, cols].astype(jnp.float32), activation, grad=True)
     dpre_ref[rows, cols] = d.astype(dpre_ref.dtype)
     db_ref[pl.ds(i, 1), cols] = jnp.sum(d, axis=0)[None, :]
@@ -160,12 +134,12 @@ def forward(x: Array, w1: Array, b1: Array, activation: str) -> tuple[Array, Arr
     m, k = x.shape
     n = w1.shape[1]
     shape = _launch(True)
-    bm, bn, bk = _tiles(m, n, k, shape)
+    bm, bn, bk = pallas_gemm.tiles(m, n, k, shape)
     out = jax.ShapeDtypeStruct((m, n), x.dtype)
     return pl.pallas_call(
         functools.partial(_forward_kernel, bm=bm, bn=bn, bk=bk, steps=k // bk, activation=activation),
         grid=(m // bm, n // bn), out_shape=[out, out], name="ffn_gemm_bias_gelu_fwd",
-        **_backend_args(shape))(x, w1, b1)
+        **pallas_gemm.backend_args(shape, _interpret()))(x, w1, b1)
 
 
 def backward(g: Array, w2: Array, pre: Array, activation: str) -> tuple[Array, Array]:
@@ -173,12 +147,12 @@ def backward(g: Array, w2: Array, pre: Array, activation: str) -> tuple[Array, A
     m, k = g.shape
     n = w2.shape[0]
     shape = _launch(False)
-    bm, bn, bk = _tiles(m, n, k, shape)
+    bm, bn, bk = pallas_gemm.tiles(m, n, k, shape)
     dpre, db = pl.pallas_call(
         functools.partial(_backward_kernel, bm=bm, bn=bn, bk=bk, steps=k // bk, activation=activation),
         grid=(m // bm, n // bn), name="ffn_gemm_gelu_bwd",
         out_shape=[jax.ShapeDtypeStruct((m, n), g.dtype), jax.ShapeDtypeStruct((m // bm, n), jnp.float32)],
-        **_backend_args(shape))(g, w2, pre)
+        **pallas_gemm.backend_args(shape, _interpret()))(g, w2, pre)
     return dpre, jnp.sum(db, axis=0)
 
 
@@ -218,11 +192,7 @@ def gemm_bias_gelu_gemm(x: Array, w1: Array, b1: Array, w2: Array, *, activation
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
-    # Row counts that 16 does not divide (the last layer's few query positions) are padded with
-    # zero rows: their outputs are cut off, so their gradient is zero and adds nothing to w1's or b1's.
-    padded = -(-rows // 16) * 16
-    if padded != rows:
-        x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))
+    x2 = pallas_gemm.pad_rows(x2)  # (zero rows: their outputs are cut off below)
     act = "gelu_tanh" if activation == "gelu_new" else activation
     y = _ffn(x2, w1, b1, w2, act)
     return y[:rows].reshape(*lead, w2.shape[1])

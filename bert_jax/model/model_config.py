@@ -95,6 +95,11 @@ class BertConfig:
     # 0.99x the step on an H200 (benchmarks/RESULTS.md, 2026-11-28): XLA's dot merger joins the
     # three matmuls again; off unless measured to pay.
     separate_qkv: bool = False
+    # Q, K and V as one Pallas GEMM kernel each way (`bert_jax.model.fused_qkv`; Triton on GPUs):
+    # q, k and v written with their biases from the GEMM's program (no slices), the bias gradients
+    # summed inside the kernels' gradients' GEMM. The same parameters; hidden sizes that 64 does not
+    # divide and FP8 run the projections unfused. Not yet timed on a GPU: off unless measured to pay.
+    fused_qkv: bool = False
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -121,7 +126,7 @@ class BertConfig:
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"BertConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        for name in ("fp8", "fused_ops", "fused_ffn", "mixed_matmuls", "separate_qkv"):
+        for name in ("fp8", "fused_ops", "fused_ffn", "mixed_matmuls", "separate_qkv", "fused_qkv"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"BertConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.mixed_matmuls and (self.dtype != "float32" or self.fp8):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.model import fused, fused_ffn, mixed_precision
+from bert_jax.model import fused, fused_ffn, fused_qkv, mixed_precision
 from bert_jax.model.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids
 from bert_jax.model.dropout import Dropout, keep_mask, threefry_key
 from bert_jax.model.model_config import ACTIVATIONS, BertConfig
@@ -260,17 +260,20 @@ class SelfAttention(nn.Module):
         qkv_names = ("embed", "heads", "kv")
         # Fused QKV: one matmul against the kernels stacked at run time (the parameters and their
         # checkpoint names stay query/key/value).
-        kernels, biases = zip(*(
+        kernels, params_biases = zip(*(
             DenseParams(cfg, (cfg.hidden_size,), (heads, head_dim), qkv_names, name=n)()
             for n in ("query", "key", "value")))
         kernels = [k.astype(cfg.compute_dtype) for k in kernels]
-        biases = [b.astype(cfg.compute_dtype) for b in biases]
+        biases = [b.astype(cfg.compute_dtype) for b in params_biases]
         xc = x.astype(cfg.compute_dtype)
         impl, seq_ids = cfg.attention_impl, sequence_ids
         einsum = mixed_precision.einsum if cfg.mixed_matmuls else jnp.einsum
         # FP8 (see Dense): the query and the key/value projections always as two matmuls, so that
         # the layer has the same scaling state whether or not it runs at a few query positions.
-        if query_positions is None and not cfg.fp8 and cfg.separate_qkv:
+        if query_positions is None and not cfg.fp8 and cfg.fused_qkv and fused_qkv.supported(cfg.hidden_size):
+            # One Pallas GEMM writing q, k and v with their biases (bert_jax.model.fused_qkv).
+            q, k, v = fused_qkv.qkv_projection(xc, kernels, params_biases)
+        elif query_positions is None and not cfg.fp8 and cfg.separate_qkv:
             # Each: [batch, length, heads, head_dim], written where attention reads it.
             q, k, v = (einsum("blh,hnd->blnd", xc, kern) + b for kern, b in zip(kernels, biases))
         elif query_positions is None and not cfg.fp8:

@@ -46,7 +46,8 @@ PEAK_FLOPS = {
 # BertConfig is in exactly one group (tests/pretrain/test_pretrain_config.py).
 # How this run computes; no checkpoint decides it (Google's and HF's configs do not name it):
 RUN_KEYS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl", "vocab_pad_multiple",
-            "sparse_last_layer", "fp8", "fused_ops", "fused_ffn", "mixed_matmuls", "separate_qkv")
+            "sparse_last_layer", "fp8", "fused_ops", "fused_ffn", "mixed_matmuls", "separate_qkv",
+            "fused_qkv")
 
 
 # The checkpoint's value, unless `--config.model.<key>` is given (then that):

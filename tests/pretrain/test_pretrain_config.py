@@ -27,7 +27,7 @@ OTHER = {"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4, "num_atte
          "causal_attention": True, "initializer_range": 0.01, "dtype": "bfloat16", "param_dtype": "bfloat16",
          "scan_layers": True, "remat_policy": "full", "attention_impl": "dot_product", "vocab_pad_multiple": 64,
          "sparse_last_layer": False, "fp8": True, "fused_ops": True, "fused_ffn": True, "mixed_matmuls": True,
-         "separate_qkv": True}
+         "separate_qkv": True, "fused_qkv": True}
 
 
 @pytest.fixture

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 56's Q/K/V kernels on a GPU in one device call, two lanes of processes sharing the GPU: their
+# compiles side by side, their timed parts never at once (a flock on /tmp/gpu.lock).
+#   lane A: the Q/K/V kernels alone (bench_fused_qkv.py: launch shapes swept, then against XLA's
+#           GEMM, bias and slices, errors against float32); BERT-Large T=128 batch 256: the fused
+#           LayerNorm kernels with tanh GELU (the fastest so far), then with the Q/K/V kernels
+#           (`fused_qkv`), waited-for and pipelined steps, the last profiled; then BERT-Base the same;
+#   lane B: tests/model/test_fused_qkv.py on the GPU (the real Triton kernels against the unfused
+#           path); HF's FlaxBertForPreTraining (transformers<5, carried as wheels in .whl/) on the
+#           same shapes, BERT-Base, in a process of its own;
+#   then, alone: HF's BERT-Large (49 GiB at once: not beside our BERT-Large on an 80 GB card).
+# Every phase runs under the time left (a phase that would not fit is skipped and says so).
+#   bash benchmarks/gpu_fused_qkv.sh OUT_DIR [BUDGET_S]      (the device tool: OUT_DIR=$OUT)
+set -u
+OUT_DIR=${1:?an output folder}; BUDGET=${2:-480}
+source "$(dirname "$0")/gpu_phases.sh"  # the wheels, the environment, `phase`
+
+lane_a() {
+  local log=$OUT_DIR/lane_a.log
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv >>"$log" 2>&1
+  phase "$log" kernel 60 0.2 $LOCKED python3 benchmarks/bench_fused_qkv.py --sweep=/tmp/qkv_blocks.json \
+    --out_json="$OUT_DIR/kernel.json"
+  local qkv=",fused_qkv_gelu_tanh"  # the Q/K/V kernels' variant only where every launch shape compiled
+  [ -f /tmp/qkv_blocks.json ] || { qkv=""; echo "== no Q/K/V launch shape compiled: its variant left out" >>"$log"; }
+  phase "$log" large 150 0.5 python3 benchmarks/bench_fp8.py --config=configs/large.py $COMMON --gpu_lock=$LOCK \
+    --variants=fused_gelu_tanh$qkv --parallel_compile --fused_qkv_blocks_from=/tmp/qkv_blocks.json \
+    --warmup=2 --rounds=3 --steps=5 --pipelined_steps=10 \
+    --profile_dir=/tmp/prof_large --profile_steps=2 --profile_variants=fused_qkv_gelu_tanh \
+    --out_json="$OUT_DIR/large.json"
+  phase "$log" base 80 0.3 python3 benchmarks/bench_fp8.py --config=configs/base.py $COMMON --gpu_lock=$LOCK \
+    --variants=fused_gelu_tanh$qkv --parallel_compile --fused_qkv_blocks_from=/tmp/qkv_blocks.json \
+    --warmup=2 --rounds=3 --steps=5 --pipelined_steps=10 --out_json="$OUT_DIR/base.json"
+}
+
+lane_b() {
+  local log=$OUT_DIR/lane_b.log
+  phase "$log" tests 40 0.08 $LOCKED python3 -m pytest -q -p no:cacheprovider tests/model/test_fused_qkv.py
+  phase "$log" hf_base 60 0.3 python3 benchmarks/bench_step.py --config=configs/base.py $COMMON \
+    --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --hf_gpu_lock=$LOCK --host_memory=false
+}
+
+lane_a & lane_b & wait
+phase "$OUT_DIR/lane_b.log" hf_large 120 0.9 python3 benchmarks/bench_step.py --config=configs/large.py $COMMON \
+  --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --host_memory=false
+echo "all lanes done at +$(( $(date +%s) - T )) s"
+for f in "$OUT_DIR"/lane_*.log; do
+  echo "#### $(basename "$f")"
+  grep -E "^==|seq/s|sweep: fastest|fused .* ms|errors vs|passed|failed|Error|hf_step_s" "$f" | cut -c1-400 | tail -40
+done
