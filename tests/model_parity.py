@@ -31,13 +31,14 @@ def _with_random_biases(params, seed=3):
     return jax.tree_util.tree_map_with_path(draw, params)
 
 
-def assert_trains_alike(cfg, other, *, kernels, logits_atol, loss_rtol, grad_tol, absent=(), random_biases=False):
+def assert_trains_alike(cfg, other, *, kernels, logits_atol, loss_rtol, grad_tol, absent=(), random_biases=True):
     """`other` has `cfg`'s parameter tree (names, shapes, initial values); with dropout on (the
     same masks), its MLM logits, loss and every gradient equal `cfg`'s within the bounds (each
     gradient's relative to its leaf's largest value, 1e-3 at least: some leaves are zero but for
     noise, e.g. the attention key bias, which the softmax ignores); and its gradient program
-    contains each of `kernels` (the options really apply) and none of `absent`. `random_biases`:
-    compared at parameters whose biases are drawn at random instead of their initial zeros."""
+    contains each of `kernels` (the options really apply) and none of `absent`. Compared at
+    parameters whose biases are drawn at random (`random_biases`; initialized they are zeros, and a
+    kernel that dropped a bias would pass: the FFN kernels with `b1` left out fail only so)."""
     batch = modeling.dummy_inputs(cfg, batch=2, length=24, predictions=4)
     batch["input_ids"] = jnp.asarray(np.random.default_rng(1).integers(5, cfg.vocab_size, (2, 24)), jnp.int32)
     params = nn.meta.unbox(pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])

@@ -115,7 +115,7 @@ def test_rows_that_do_not_fill_a_tile_and_each_projection_apart(monkeypatch):
 def test_the_model_with_the_kernels_trains_like_the_one_without(dtype, logits_atol, loss_rtol, grad_tol):
     cfg = model_config.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=128, dtype=dtype)
-    model_parity.assert_trains_alike(cfg, cfg.replace(fused_qkv=True), kernels=KERNELS, random_biases=True,
+    model_parity.assert_trains_alike(cfg, cfg.replace(fused_qkv=True), kernels=KERNELS,
                                      logits_atol=logits_atol, loss_rtol=loss_rtol, grad_tol=grad_tol)
 
 
