@@ -79,23 +79,21 @@ def unfused_block(x, w1, b1, w2, activation):
     return jax.lax.dot_general(act, w2, (((1,), (0,)), ((), ())))
 
 
-def _set(shape) -> None:
+def launch(shape) -> dict:
+    """A `SHAPES` tuple as the kernels' launch-shape dict (`bert_jax.model.pallas_gemm`)."""
     bm, bn, bk, warps, stages = shape
-    launch = {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
-    fused_ffn.FORWARD = dict(launch)
-    fused_ffn.BACKWARD = dict(launch)
+    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
 
 
-def sweep(which: str, args, activation: str, results: dict) -> dict:
+def sweep_shapes(which: str, shapes, use, make_fn, args, results: dict) -> dict:
+    """The fastest of `shapes` for one kernel: for each, `use(launch)` sets it and `make_fn()` jits
+    the kernel, timed on `args`; shapes that fail to compile are logged and skipped. The fastest is
+    set (`use`) and returned; every timing goes into `results[which]`."""
     best = None
-    for shape in SHAPES:
-        _set(shape)
-        if which == "forward":
-            fn = jax.jit(functools.partial(fused_ffn.forward, activation=activation))
-        else:
-            fn = jax.jit(functools.partial(fused_ffn.backward, activation=activation))
+    for shape in shapes:
+        use(launch(shape))
         try:
-            t = timed(fn, args, reps=3)
+            t = timed(make_fn(), args, reps=3)
         except Exception as e:  # a shape Triton cannot compile (shared memory, registers): skipped
             log(f"sweep {which} {shape}: failed: {str(e).splitlines()[0][:200]}")
             continue
@@ -103,13 +101,61 @@ def sweep(which: str, args, activation: str, results: dict) -> dict:
         log(f"sweep {which} {shape}: {t * 1e3:.3f} ms")
         if best is None or t < best[1]:
             best = (shape, t)
-    bm, bn, bk, warps, stages = best[0]
-    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+    if best is None:
+        raise RuntimeError(f"no launch shape of the {which} kernel compiled")
+    use(launch(best[0]))
+    return launch(best[0])
+
+
+def sweep(which: str, args, activation: str, results: dict) -> dict:
+    name = "FORWARD" if which == "forward" else "BACKWARD"
+    kernel = fused_ffn.forward if which == "forward" else fused_ffn.backward
+    return sweep_shapes(which, SHAPES, lambda shape: setattr(fused_ffn, name, shape),
+                        lambda: jax.jit(functools.partial(kernel, activation=activation)), args, results)
 
 
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def time_pairs(pairs: dict, gemm_flops: dict, calls: int = 20, reps: int = 5) -> dict:
+    """`{name: (fused_fn, xla_fn, fused_args, xla_args)}` timed side by side (`timed`): ms, the
+    speedup and the TFLOP/s that `gemm_flops[name]` (the GEMMs' FLOPs per call) makes of each."""
+    rows = {}
+    for name, (fused_j, xla_j, fused_in, xla_in) in pairs.items():
+        tf, tx = timed(fused_j, fused_in, calls=calls, reps=reps), timed(xla_j, xla_in, calls=calls, reps=reps)
+        flops = gemm_flops[name]
+        rows[name] = {"fused_ms": tf * 1e3, "xla_ms": tx * 1e3, "speedup": tx / tf,
+                      "fused_tflops": flops / tf / 1e12, "xla_tflops": flops / tx / 1e12}
+        log(f"{name}: fused {tf * 1e3:.3f} ms ({rows[name]['fused_tflops']:.0f} TFLOP/s) / XLA {tx * 1e3:.3f} ms "
+            f"({rows[name]['xla_tflops']:.0f}) = x{tx / tf:.3f}")
+    return rows
+
+
+def errors_vs_float32(fns: dict, reference, args, cotangent, names) -> dict:
+    """Each of `fns` (`{label: fn}`), its value and its pullback of `cotangent` at `args`, against
+    `reference`'s at `args` and `cotangent` in float32: `{label: {name: rel_err}}`, the outputs
+    (flattened: values, then gradients) named by `names`."""
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (args, cotangent))
+    want, ref_vjp = jax.vjp(reference, *f32[0])
+    want = jax.tree.leaves((want, ref_vjp(f32[1])))
+    errors = {}
+    for label, fn in fns.items():
+        y, vjp = jax.vjp(fn, *args)
+        got = jax.tree.leaves((y, vjp(cotangent)))
+        errors[label] = {nm: rel_err(a, w) for nm, a, w in zip(names, got, want)}
+    log(f"errors vs float32: {errors}")
+    return errors
+
+
+def report(result: dict, out_json: str) -> dict:
+    """`result` printed as JSON, and written to `out_json` if given."""
+    print(json.dumps(result))
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
 
 
 def main(argv=None) -> dict:
@@ -144,43 +190,25 @@ def main(argv=None) -> dict:
         log(f"sweep: fastest forward {best_f}, backward {best_b}")
     result["launch"] = {"forward": fused_ffn.FORWARD, "backward": fused_ffn.BACKWARD}
     flops = 2.0 * m * h * n
-    rows = {}
     pairs = {
         "forward": (jax.jit(functools.partial(fused_ffn.forward, activation=act)),
-                    jax.jit(functools.partial(xla_forward, activation=act)), (x, w1, b1)),
+                    jax.jit(functools.partial(xla_forward, activation=act)), (x, w1, b1), (x, w1, b1)),
         "backward": (jax.jit(functools.partial(fused_ffn.backward, activation=act)),
-                     jax.jit(functools.partial(xla_backward, activation=act)), (g, w2, pre)),
+                     jax.jit(functools.partial(xla_backward, activation=act)), (g, w2, pre), (g, w2, pre)),
     }
     fused_fn = functools.partial(fused_ffn.gemm_bias_gelu_gemm, activation=act)
     unfused_fn = functools.partial(unfused_block, activation=act)
     pairs["block_fwd_bwd"] = (jax.jit(lambda *a: jax.vjp(fused_fn, *a[:4])[1](a[4])),
-                              jax.jit(lambda *a: jax.vjp(unfused_fn, *a[:4])[1](a[4])), (x, w1, b1, w2, g))
+                              jax.jit(lambda *a: jax.vjp(unfused_fn, *a[:4])[1](a[4])), (x, w1, b1, w2, g),
+                              (x, w1, b1, w2, g))
     gemms = {"forward": 1, "backward": 1, "block_fwd_bwd": 6}
-    for name, (fused_j, xla_j, inputs) in pairs.items():
-        tf, tx = timed(fused_j, inputs, reps=args.reps), timed(xla_j, inputs, reps=args.reps)
-        rows[name] = {"fused_ms": tf * 1e3, "xla_ms": tx * 1e3, "speedup": tx / tf,
-                      "fused_tflops": gemms[name] * flops / tf / 1e12, "xla_tflops": gemms[name] * flops / tx / 1e12}
-        log(f"{name}: fused {tf * 1e3:.3f} ms ({rows[name]['fused_tflops']:.0f} TFLOP/s) / XLA {tx * 1e3:.3f} ms "
-            f"({rows[name]['xla_tflops']:.0f}) = x{tx / tf:.3f}")
-    result["timings"] = rows
+    result["timings"] = time_pairs(pairs, {name: n * flops for name, n in gemms.items()}, reps=args.reps)
     # Errors against float32 on 4,096 rows (the same inputs' first rows).
     k = min(m, 4096)
-    sub = (x[:k], w1, b1, w2)
-    f32 = [a.astype(jnp.float32) for a in sub]
-    want, ref_vjp = jax.vjp(lambda *a: unfused_block(*a, act), *f32)
-    want_g = ref_vjp(g[:k].astype(jnp.float32))
-    errors = {}
-    for label, fn in (("fused", fused_fn), ("xla_bf16", unfused_fn)):
-        y, vjp = jax.vjp(fn, *sub)
-        got = (y, *vjp(g[:k]))
-        errors[label] = {nm: rel_err(a, b) for nm, a, b in zip(("y", "dx", "dw1", "db1", "dw2"), got, (want, *want_g))}
-    result["errors_vs_float32"] = errors
-    log(f"errors vs float32: {errors}")
-    print(json.dumps(result))
-    if args.out_json:
-        with open(args.out_json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    result["errors_vs_float32"] = errors_vs_float32(
+        {"fused": fused_fn, "xla_bf16": unfused_fn}, lambda *a: unfused_block(*a, act), (x[:k], w1, b1, w2), g[:k],
+        ("y", "dx", "dw1", "db1", "dw2"))
+    return report(result, args.out_json)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bert_jax.model import fused_qkv  # noqa: E402
-from bench_fused_ffn import SHAPES, log, rel_err, timed  # noqa: E402
+from bench_fused_ffn import SHAPES, errors_vs_float32, log, report, sweep_shapes, time_pairs  # noqa: E402
 
 KERNELS = ("forward", "backward_input", "backward_weights")
 _LAUNCH_NAMES = {"forward": "FORWARD", "backward_input": "BACKWARD_INPUT", "backward_weights": "BACKWARD_WEIGHTS"}
@@ -49,11 +49,6 @@ def xla_projection(x, kernels, biases):
     return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
-def launch(shape) -> dict:
-    bm, bn, bk, warps, stages = shape
-    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
-
-
 def kernel_fn(which: str):
     """The kernel `which` alone, on 2-D operands, jitted."""
     return jax.jit({"forward": fused_qkv.forward, "backward_input": fused_qkv.input_grad,
@@ -62,22 +57,8 @@ def kernel_fn(which: str):
 
 def sweep(which: str, args, shapes, results: dict) -> dict:
     """The fastest of `shapes` for kernel `which` (set in `fused_qkv` and returned)."""
-    best = None
-    for shape in shapes:
-        setattr(fused_qkv, _LAUNCH_NAMES[which], launch(shape))
-        try:
-            t = timed(kernel_fn(which), args, reps=3)
-        except Exception as e:  # a shape Triton cannot compile (shared memory, registers): skipped
-            log(f"sweep {which} {shape}: failed: {str(e).splitlines()[0][:200]}")
-            continue
-        results.setdefault(which, []).append({"shape": shape, "ms": t * 1e3})
-        log(f"sweep {which} {shape}: {t * 1e3:.3f} ms")
-        if best is None or t < best[1]:
-            best = (shape, t)
-    if best is None:
-        raise RuntimeError(f"no launch shape of {which} compiled")
-    setattr(fused_qkv, _LAUNCH_NAMES[which], launch(best[0]))
-    return launch(best[0])
+    return sweep_shapes(which, shapes, lambda shape: setattr(fused_qkv, _LAUNCH_NAMES[which], shape),
+                        lambda: kernel_fn(which), args, results)
 
 
 def main(argv=None) -> dict:
@@ -133,34 +114,14 @@ def main(argv=None) -> dict:
     }
     flops = 3 * 2.0 * m * h * h  # one of the three passes' GEMMs: three projections
     gemms = {"forward": 1, "backward": 2, "block_fwd_bwd": 3}
-    rows = {}
-    for name, (fused_j, xla_j, fused_in, xla_in) in pairs.items():
-        tf = timed(fused_j, fused_in, calls=args.calls, reps=args.reps)
-        tx = timed(xla_j, xla_in, calls=args.calls, reps=args.reps)
-        rows[name] = {"fused_ms": tf * 1e3, "xla_ms": tx * 1e3, "speedup": tx / tf,
-                      "fused_tflops": gemms[name] * flops / tf / 1e12, "xla_tflops": gemms[name] * flops / tx / 1e12}
-        log(f"{name}: fused {tf * 1e3:.3f} ms ({rows[name]['fused_tflops']:.0f} TFLOP/s) / XLA {tx * 1e3:.3f} ms "
-            f"({rows[name]['xla_tflops']:.0f}) = x{tx / tf:.3f}")
-    result["timings"] = rows
+    result["timings"] = time_pairs(pairs, {name: n * flops for name, n in gemms.items()}, calls=args.calls,
+                                   reps=args.reps)
     # Errors against float32 on up to 32 examples (the same inputs' first).
     k = min(b, 32)
-    sub = (x[:k], kernels, biases)
-    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), sub)
-    want, ref_vjp = jax.vjp(xla_projection, *f32)
-    want = jax.tree.leaves((want, ref_vjp(tuple(g[:k].astype(jnp.float32) for g in gs))))
-    names = ("q", "k", "v", "dx", "dw_q", "dw_k", "dw_v", "db_q", "db_k", "db_v")
-    errors = {}
-    for label, fn in (("fused", fused_qkv.qkv_projection), ("xla_bf16", xla_projection)):
-        y, vjp = jax.vjp(fn, *sub)
-        got = jax.tree.leaves((y, vjp(tuple(g[:k] for g in gs))))
-        errors[label] = {nm: rel_err(a, w) for nm, a, w in zip(names, got, want)}
-    result["errors_vs_float32"] = errors
-    log(f"errors vs float32: {errors}")
-    print(json.dumps(result))
-    if args.out_json:
-        with open(args.out_json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    result["errors_vs_float32"] = errors_vs_float32(
+        {"fused": fused_qkv.qkv_projection, "xla_bf16": xla_projection}, xla_projection, (x[:k], kernels, biases),
+        tuple(g[:k] for g in gs), ("q", "k", "v", "dx", "dw_q", "dw_k", "dw_v", "db_q", "db_k", "db_v"))
+    return report(result, args.out_json)
 
 
 if __name__ == "__main__":

@@ -36,17 +36,11 @@ lane_a() {
 lane_b() {
   local log=$OUT_DIR/lane_b.log
   phase "$log" tests 40 0.08 $LOCKED python3 -m pytest -q -p no:cacheprovider tests/model/test_fused_ffn.py tests/model/test_fused.py
-  phase "$log" hf_base 60 0.3 python3 benchmarks/bench_step.py --config=configs/base.py $COMMON \
-    --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --hf_gpu_lock=$LOCK --host_memory=false
+  hf_peer "$log" hf_base 60 0.3 configs/base.py --hf_gpu_lock=$LOCK
 }
 
 lane_a & lane_b & wait
 # HF's BERT-Large alone at the end: its step allocates 49 GiB at once (an H200, 2026-11-28), more
 # than fits beside our BERT-Large process on an 80 GB card.
-phase "$OUT_DIR/lane_b.log" hf_large 120 0.9 python3 benchmarks/bench_step.py --config=configs/large.py $COMMON \
-  --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --host_memory=false
-echo "all lanes done at +$(( $(date +%s) - T )) s"
-for f in "$OUT_DIR"/lane_*.log; do
-  echo "#### $(basename "$f")"
-  grep -E "^==|seq/s|sweep: fastest|fused .* ms|errors vs|passed|failed|Error|hf_step_s" "$f" | cut -c1-400 | tail -40
-done
+hf_peer "$OUT_DIR/lane_b.log" hf_large 120 0.9 configs/large.py
+summarize

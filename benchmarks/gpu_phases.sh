@@ -31,3 +31,17 @@ phase() {  # phase LOG NAME NEEDED_S MEM_FRACTION command...
   XLA_PYTHON_CLIENT_MEM_FRACTION=$mem timeout -k 10 "$left" "$@" >>"$log" 2>&1
   echo "== $name: rc=$? at +$(( $(date +%s) - T )) s" >>"$log"
 }
+
+hf_peer() {  # hf_peer LOG NAME NEEDED_S MEM_FRACTION CONFIG [flags...]: HF's FlaxBertForPreTraining, COMMON's shapes
+  local log=$1 name=$2 need=$3 mem=$4 config=$5; shift 5
+  phase "$log" "$name" "$need" "$mem" python3 benchmarks/bench_step.py --config="$config" $COMMON \
+    --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --host_memory=false "$@"
+}
+
+summarize() {  # the lines of every lane's log that the results need
+  echo "all lanes done at +$(( $(date +%s) - T )) s"
+  for f in "$OUT_DIR"/lane_*.log; do
+    echo "#### $(basename "$f")"
+    grep -E "^==|seq/s|sweep: fastest|fused .* ms|errors vs|passed|failed|Error|hf_step_s" "$f" | cut -c1-400 | tail -40
+  done
+}
