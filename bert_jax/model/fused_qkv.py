@@ -17,7 +17,8 @@ Here three Pallas kernels (`bert_jax.model.pallas_gemm`) do that work inside the
   walked through the three gradients in turn (nothing stacked);
 - backward, the kernels' gradients: `dw_t = x.T @ d_t` over the rows, and in the same pass, from the
   same tiles of `d_t` the program reads for its GEMM, the bias gradient `db_t = sum_rows(d_t)` in
-  float32 (no pass of its own).
+  float32 (no pass of its own; the programs of the kernel's first row block sum it, the others
+  read the same tiles and skip the sums).
 
 The arithmetic differs from the unfused path only where this rounds later: XLA rounds the GEMM's
 output to the compute dtype before adding the bias (in the compute dtype), and sums the bias
@@ -113,24 +114,26 @@ def _weight_grad_kernel(x_ref, dq_ref, dk_ref, dv_ref, dwq_ref, dwk_ref, dwv_ref
     i, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ins, cols = pl.ds(i * bm, bm), pl.ds(j * bn, bn)  # the kernel's rows (x's columns), its columns
 
-    def grads(p, d_ref, dw_ref):
-        def step(s, carry):  # x[rows, ins].T @ d[rows, cols], and d's column sums, over the rows
+    def grads(p, d_ref, dw_ref, with_bias: bool):
+        def step(s, carry):  # x[rows, ins].T @ d[rows, cols] (and d's column sums) over the rows
             acc, col_sums = carry
             rs = pl.ds(s * bk, bk)
             d = d_ref[rs, cols]
             acc = acc + jax.lax.dot_general(x_ref[rs, ins], d, _CONTRACT_ROWS, preferred_element_type=jnp.float32,
                                             precision=pallas_gemm.precision(x_ref.dtype))
-            return acc, col_sums + jnp.sum(d.astype(jnp.float32), axis=0)
+            return acc, (col_sums + jnp.sum(d.astype(jnp.float32), axis=0)) if with_bias else col_sums
 
         init = (jnp.zeros((bm, bn), jnp.float32), jnp.zeros((bn,), jnp.float32))
         acc, col_sums = pallas_gemm.loop(steps, step, init)
         dw_ref[ins, cols] = acc.astype(dw_ref.dtype)
-
-        @pl.when(i == 0)  # every row block of the kernel sums the same columns: the first writes them
-        def _():
+        if with_bias:
             db_ref[pl.ds(p, 1), cols] = col_sums[None, :]
 
-    _each_projection(t, ((0, dq_ref, dwq_ref), (1, dk_ref, dwk_ref), (2, dv_ref, dwv_ref)), grads)
+    # Every row block of the kernel reads the same columns of d: only the first sums them (on a GPU
+    # the sums run on the CUDA cores, ~1/128 of the GEMM's operations per row block that does them).
+    refs = ((0, dq_ref, dwq_ref), (1, dk_ref, dwk_ref), (2, dv_ref, dwv_ref))
+    pl.when(i == 0)(lambda: _each_projection(t, refs, functools.partial(grads, with_bias=True)))
+    pl.when(i != 0)(lambda: _each_projection(t, refs, functools.partial(grads, with_bias=False)))
 
 
 def forward(x: Array, wq: Array, wk: Array, wv: Array, bq: Array, bk: Array, bv: Array) -> tuple[Array, Array, Array]:
