@@ -44,6 +44,7 @@ within the second run's.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -221,9 +222,12 @@ def speed(args, step_args) -> dict:
         if changes.get("fused_ops") and args.fused_blocks_from and "fused_blocks" not in result:
             result["fused_blocks"] = _load_fused_blocks(args.fused_blocks_from, args.fused_blocks_wait)
         if changes.get("fused_ffn") and args.fused_ffn_blocks_from and "fused_ffn_blocks" not in result:
-            result["fused_ffn_blocks"] = _load_fused_ffn_blocks(args.fused_ffn_blocks_from)
+            result["fused_ffn_blocks"] = _load_gemm_blocks(args.fused_ffn_blocks_from, "fused_ffn",
+                                                           {"forward": "FORWARD", "backward": "BACKWARD"})
         if changes.get("fused_qkv") and args.fused_qkv_blocks_from and "fused_qkv_blocks" not in result:
-            result["fused_qkv_blocks"] = _load_fused_qkv_blocks(args.fused_qkv_blocks_from)
+            result["fused_qkv_blocks"] = _load_gemm_blocks(
+                args.fused_qkv_blocks_from, "fused_qkv",
+                {"forward": "FORWARD", "backward_input": "BACKWARD_INPUT", "backward_weights": "BACKWARD_WEIGHTS"})
         # `bench_ours` builds the model from the BertConfig it is given (config.model unused).
         compile_info, runner = bench_step.bench_ours(step_args, config, bert_config.replace(**changes),
                                                      mesh, batch_np, cache, compile=not args.parallel_compile,
@@ -293,30 +297,18 @@ def speed(args, step_args) -> dict:
     return result
 
 
-def _load_fused_ffn_blocks(path: str) -> dict:
-    """Sets `fused_ffn.FORWARD`/`BACKWARD` from a `bench_fused_ffn.py --sweep` file, if there is one."""
-    from bert_jax.model import fused_ffn
-
+def _load_gemm_blocks(path: str, module: str, attributes: dict) -> dict:
+    """Sets the GEMM kernels' launch shapes (`bert_jax.model.<module>`, `attributes`: the sweep
+    file's key -> the module's attribute) from a `bench_fused_ffn.py`/`bench_fused_qkv.py --sweep`
+    file, if there is one; returns the shapes in use."""
+    kernels = importlib.import_module(f"bert_jax.model.{module}")
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             best = json.load(f)
-        fused_ffn.FORWARD, fused_ffn.BACKWARD = best["forward"], best["backward"]
-    bench_step.log(f"fused_ffn launch shapes: {fused_ffn.FORWARD} / {fused_ffn.BACKWARD}")
-    return {"forward": fused_ffn.FORWARD, "backward": fused_ffn.BACKWARD}
-
-
-def _load_fused_qkv_blocks(path: str) -> dict:
-    """Sets `fused_qkv`'s three launch shapes from a `bench_fused_qkv.py --sweep` file, if there is one."""
-    from bert_jax.model import fused_qkv
-
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            best = json.load(f)
-        fused_qkv.FORWARD = best["forward"]
-        fused_qkv.BACKWARD_INPUT, fused_qkv.BACKWARD_WEIGHTS = best["backward_input"], best["backward_weights"]
-    shapes = {"forward": fused_qkv.FORWARD, "backward_input": fused_qkv.BACKWARD_INPUT,
-              "backward_weights": fused_qkv.BACKWARD_WEIGHTS}
-    bench_step.log(f"fused_qkv launch shapes: {shapes}")
+        for key, attribute in attributes.items():
+            setattr(kernels, attribute, best[key])
+    shapes = {key: getattr(kernels, attribute) for key, attribute in attributes.items()}
+    bench_step.log(f"{module} launch shapes: {shapes}")
     return shapes
 
 

@@ -1,5 +1,6 @@
 """The pretraining model under one BertConfig against the same model under another (a fused-kernel
-option against the unfused path): tests/model/test_fused.py and tests/model/test_fused_ffn.py."""
+option against the unfused path), and a program as a GPU would compile it: tests/model/test_fused.py,
+tests/model/test_fused_ffn.py and tests/model/test_fused_qkv.py."""
 
 import functools
 
@@ -31,22 +32,21 @@ def _with_random_biases(params, seed=3):
     return jax.tree_util.tree_map_with_path(draw, params)
 
 
-def assert_trains_alike(cfg, other, *, kernels, logits_atol, loss_rtol, grad_tol, absent=(), random_biases=True):
+def assert_trains_alike(cfg, other, *, kernels, logits_atol, loss_rtol, grad_tol, absent=()):
     """`other` has `cfg`'s parameter tree (names, shapes, initial values); with dropout on (the
     same masks), its MLM logits, loss and every gradient equal `cfg`'s within the bounds (each
     gradient's relative to its leaf's largest value, 1e-3 at least: some leaves are zero but for
     noise, e.g. the attention key bias, which the softmax ignores); and its gradient program
     contains each of `kernels` (the options really apply) and none of `absent`. Compared at
-    parameters whose biases are drawn at random (`random_biases`; initialized they are zeros, and a
-    kernel that dropped a bias would pass: the FFN kernels with `b1` left out fail only so)."""
+    parameters whose biases are drawn at random (initialized they are zeros, and a kernel that
+    dropped a bias would pass: the FFN kernels with `b1` left out fail only so)."""
     batch = modeling.dummy_inputs(cfg, batch=2, length=24, predictions=4)
     batch["input_ids"] = jnp.asarray(np.random.default_rng(1).integers(5, cfg.vocab_size, (2, 24)), jnp.int32)
     params = nn.meta.unbox(pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
     other_params = nn.meta.unbox(pretraining_heads.BertForPreTraining(other).init(jax.random.key(0), **batch)["params"])
     assert jax.tree.structure(params) == jax.tree.structure(other_params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(other_params)))
-    if random_biases:
-        params = _with_random_biases(params)
+    params = _with_random_biases(params)
     key = jax.random.key(7)
     (loss, out), grads = jax.jit(jax.value_and_grad(functools.partial(model_loss, cfg), has_aux=True))(
         params, batch, key)
@@ -64,3 +64,13 @@ def assert_trains_alike(cfg, other, *, kernels, logits_atol, loss_rtol, grad_tol
         b = np.asarray(b)
         np.testing.assert_allclose(np.asarray(a), b, atol=grad_tol * max(1e-3, np.abs(b).max()), rtol=0,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def lowered_for_cuda(fn, *args) -> tuple[list, str]:
+    """`fn` jitted and lowered for NVIDIA GPUs here (no GPU needed: `jax.export`, Triton's custom
+    calls allowed): `(its custom-call lines, the whole module's text)`."""
+    exported = jax.export.export(
+        jax.jit(fn), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    text = exported.mlir_module()
+    return [line for line in text.splitlines() if "stablehlo.custom_call" in line], text

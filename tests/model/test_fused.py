@@ -139,11 +139,7 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dr
             jax.ShapeDtypeStruct(shape, jnp.bool_), jax.ShapeDtypeStruct((2,), jnp.uint32),
             jax.ShapeDtypeStruct((hidden,), jnp.float32),
             jax.ShapeDtypeStruct((hidden,), jnp.float32), jax.ShapeDtypeStruct((hidden,), jnp.float32))
-    exported = jax.export.export(
-        jax.jit(grads), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    text = exported.mlir_module()
-    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    calls, text = model_parity.lowered_for_cuda(grads, *args)
     names = sorted(name for line in calls for name in ("dropout_add_layernorm_fwd", "dropout_add_layernorm_bwd")
                    if f'name = "{name}"' in line)
     assert names == ["dropout_add_layernorm_bwd", "dropout_add_layernorm_fwd"], calls

@@ -133,10 +133,6 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, activation):
 
     args = (jax.ShapeDtypeStruct((4, 128, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16),
             jax.ShapeDtypeStruct((4096,), jnp.float32), jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16))
-    exported = jax.export.export(
-        jax.jit(grads), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    text = exported.mlir_module()
-    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    calls, text = model_parity.lowered_for_cuda(grads, *args)
     assert len(calls) == 2 and all("@__gpu$xla.gpu.triton" in line for line in calls), calls
     assert "mosaic_gpu" not in text

@@ -147,11 +147,7 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch):
 
     s = jax.ShapeDtypeStruct
     args = (s((4, 128, 1024), jnp.bfloat16), [s((1024, 16, 64), jnp.bfloat16)] * 3, [s((16, 64), jnp.float32)] * 3)
-    exported = jax.export.export(
-        jax.jit(grads), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    text = exported.mlir_module()
-    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    calls, text = model_parity.lowered_for_cuda(grads, *args)
     assert len(calls) == 3 and all("@__gpu$xla.gpu.triton" in line for line in calls), calls
     assert "mosaic_gpu" not in text
 
