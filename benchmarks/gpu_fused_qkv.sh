@@ -9,9 +9,11 @@
 #           merger off (it joined them again on 2026-11-28), their biases in cuBLASLt epilogues and
 #           no slices (on a card under 100 GB, BERT-Large leaves the Q/K/V kernels' variant out,
 #           and HF's BERT-Base runs after lane A: memory); then BERT-Base, all three;
-#   lane B: tests/model/test_fused_qkv.py on the GPU (the real Triton kernels against the unfused
-#           path); HF's FlaxBertForPreTraining (transformers<5, carried as wheels in .whl/) on the
-#           same shapes, BERT-Base, in a process of its own;
+#   lane B: tests/model/test_fused_qkv.py and test_fused_fp8.py on the GPU (the real Triton kernels
+#           against the unfused path, and the LayerNorm kernel's e5m2 gradient cast against flax's);
+#           HF's FlaxBertForPreTraining (transformers<5, carried as wheels in .whl/) on the same
+#           shapes, BERT-Base, in a process of its own; FP8 on BERT-Base with the LayerNorm kernels,
+#           the output denses' gradient cast to e5m2 (and its amax) in the kernel against XLA's passes;
 #   then, alone: HF's BERT-Large (49 GiB at once: not beside our BERT-Large on an 80 GB card).
 # Every phase runs under the time left (a phase that would not fit is skipped and says so).
 #   bash benchmarks/gpu_fused_qkv.sh OUT_DIR [BUDGET_S]      (the device tool: OUT_DIR=$OUT)
@@ -49,8 +51,12 @@ lane_a() {
 
 lane_b() {
   local log=$OUT_DIR/lane_b.log
-  phase "$log" tests 40 0.08 $LOCKED python3 -m pytest -q -p no:cacheprovider tests/model/test_fused_qkv.py
+  phase "$log" tests 60 0.08 $LOCKED python3 -m pytest -q -p no:cacheprovider tests/model/test_fused_qkv.py \
+    tests/model/test_fused_fp8.py
   [ "$SMALL" = 1 ] || hf_peer "$log" hf_base 60 0.3 configs/base.py --hf_gpu_lock=$LOCK
+  phase "$log" fp8_base 120 0.25 python3 benchmarks/bench_fp8.py --config=configs/base.py $COMMON --gpu_lock=$LOCK \
+    --variants=fp8_fused_gelu_tanh,fp8_fused_cast_apart_gelu_tanh --parallel_compile \
+    --warmup=2 --rounds=3 --steps=5 --pipelined_steps=10 --out_json="$OUT_DIR/fp8_base.json"
 }
 
 lane_a & lane_b & wait

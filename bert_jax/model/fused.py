@@ -13,7 +13,9 @@ way (without it they compile as before: no extra input or output). Given the dro
 key instead of its mask, the kernels draw the mask themselves, each block its own rows, from each
 element's row-major index (`dropout.keep_from_index`: `keep_mask`'s and jax.random.bernoulli's
 mask, bit for bit), and the backward draws it again: no int8 mask is written to memory, kept for
-the backward, or read (what it costs and saves on a GPU is not measured yet).
+the backward, or read (what it costs and saves on a GPU is not measured yet). Given FP8's gradient
+scale, the backward writes `dh` cast to float8_e5m2 and each block's largest |dh| (`_e5m2`; used by
+`bert_jax.model.fused_fp8`, whose custom VJP spans the FP8 dense layer and these kernels).
 
 The arithmetic is the unfused path's, in its dtypes: the dense bias add (`h_bias` rounded to the
 compute dtype first), the dropout scaling and the residual add in the compute dtype, the
@@ -110,6 +112,17 @@ def _scale_up(v, keep_prob: float):
     return (v.astype(jnp.float32) / jnp.float32(keep_prob)).astype(v.dtype)
 
 
+E5M2_MAX = float(jnp.finfo(jnp.float8_e5m2).max)  # 57344
+
+
+def _e5m2(g, scale):
+    """FP8's gradient cast, as `flax.linen.fp8_ops.quantize(g, float8_e5m2, scale, g.dtype)` does
+    it: `g / scale` in g's dtype (the float32 quotient rounded once: the correctly rounded one),
+    clipped to e5m2's largest finite value, rounded to nearest even."""
+    q = (g.astype(jnp.float32) / scale.astype(g.dtype).astype(jnp.float32)).astype(g.dtype)
+    return jnp.clip(q.astype(jnp.float32), -E5M2_MAX, E5M2_MAX).astype(jnp.float8_e5m2)
+
+
 def _sum_input(h, x, keep, keep_prob: float, h_bias=None):
     """`dropout(h + h_bias) + x` exactly as the unfused path computes it: in the compute dtype (the
     float32 `h_bias` rounded to it first, as the dense layer's `h + h_bias.astype(h.dtype)`)."""
@@ -167,16 +180,21 @@ def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: Optional[str],
     rstd_ref[...] = rstd
 
 
-def _backward_kernel(*refs, keep_prob: float, dropout: Optional[str], with_h_bias: bool, chunk: int, chunks: int,
-                     hidden: int):
-    # Inputs h, x, [keep | key], scale, [h_bias], mean, rstd, dy; outputs dh, dx, dscale, dbias, [dh_bias].
+def _backward_kernel(*refs, keep_prob: float, dropout: Optional[str], with_h_bias: bool, fp8: bool, chunk: int,
+                     chunks: int, hidden: int):
+    # Inputs h, x, [keep | key], scale, [h_bias], mean, rstd, dy, [grad_scale]; outputs dh, dx, dscale,
+    # dbias, [dh_bias], [amax]. With `fp8`, dh is written as float8_e5m2 (`_e5m2`) and the block's
+    # largest |dh| (before the cast) as `amax`.
     refs = list(refs)
     h_ref, x_ref = refs.pop(0), refs.pop(0)
     mask_ref = refs.pop(0) if dropout else None
     scale_ref = refs.pop(0)
     h_bias_ref = refs.pop(0) if with_h_bias else None
-    mean_ref, rstd_ref, dy_ref, dh_ref, dx_ref, dscale_ref, dbias_ref = refs[:7]
-    dh_bias_ref = refs[7] if with_h_bias else None
+    mean_ref, rstd_ref, dy_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    grad_scale_ref = refs.pop(0) if fp8 else None
+    dh_ref, dx_ref, dscale_ref, dbias_ref = refs[:4]
+    dh_bias_ref = refs[4] if with_h_bias else None
+    amax_ref = refs[-1] if fp8 else None
     cols = _columns(hidden)
     scale = [scale_ref[c][None, :] for c in cols]
     h_bias = [None if h_bias_ref is None else h_bias_ref[c] for c in cols]
@@ -184,6 +202,7 @@ def _backward_kernel(*refs, keep_prob: float, dropout: Optional[str], with_h_bia
     first_row = pl.program_id(0) * (chunk * chunks)  # (outside the loop: the interpreter's program ids are top-level)
 
     def rows(i, carry):
+        carry, amax = carry
         r = pl.ds(i * chunk, chunk)
         if dropout == "key":  # the forward's mask, drawn again
             keep = _drawn_keep(mask_ref, first_row + i * chunk, chunk, hidden, keep_prob)
@@ -203,22 +222,29 @@ def _backward_kernel(*refs, keep_prob: float, dropout: Optional[str], with_h_bia
             ds = ds.astype(dx_ref.dtype)  # the gradient of the sum, in the compute dtype as autodiff has it
             dx_ref[r, c] = ds
             dh = ds if keep[j] is None else jnp.where(keep[j] != 0, _scale_up(ds, keep_prob), jnp.zeros_like(ds))
-            dh_ref[r, c] = dh
+            if fp8:
+                dh_ref[r, c] = _e5m2(dh, grad_scale_ref[0])
+                amax = jnp.maximum(amax, jnp.max(jnp.abs(dh.astype(jnp.float32))))
+            else:
+                dh_ref[r, c] = dh
             part = carry[j]
             part = (part[0] + jnp.sum(dy[j] * x_hat[j], axis=0), part[1] + jnp.sum(dy[j], axis=0))
             if with_h_bias:  # the gradient of h + h_bias is dh's (in the compute dtype), summed in float32
                 part += (carry[j][2] + jnp.sum(dh.astype(jnp.float32), axis=0),)
             sums.append(part)
-        return tuple(sums)
+        return tuple(sums), amax
 
     zeros = tuple((jnp.zeros((width,), jnp.float32),) * (3 if with_h_bias else 2) for _, width in pieces(hidden))
+    carry = (zeros, jnp.zeros((), jnp.float32))
     if chunks == 1:  # the whole block at once (the interpreter's launch): no loop to run
-        partials = rows(0, zeros)
+        partials, amax = rows(0, carry)
     else:
-        partials = jax.lax.fori_loop(0, chunks, rows, zeros)
+        partials, amax = jax.lax.fori_loop(0, chunks, rows, carry)
     for c, piece in zip(cols, partials):
         for ref, partial in zip((dscale_ref, dbias_ref, dh_bias_ref), piece):
             ref[:, c] = partial[None, :]
+    if fp8:
+        amax_ref[...] = jnp.broadcast_to(amax, (1,))
 
 
 def _specs(rows_block: int, hidden: int):
@@ -255,29 +281,37 @@ def _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps):
         name="dropout_add_layernorm_fwd", **_backend_args(shape["num_warps"]))(*inputs)
 
 
-def _backward(h, x, keep, key, scale, h_bias, mean, rstd, dy, keep_prob):
-    """dh, dx and the summed gradients of scale, bias and (None without it) h_bias."""
+def _backward(h, x, keep, key, scale, h_bias, mean, rstd, dy, keep_prob, grad_scale=None):
+    """dh, dx and the summed gradients of scale, bias and (None without it) h_bias; given
+    `grad_scale` (float32 `[1]`), dh as float8_e5m2 scaled by it (`_e5m2`), and its largest |value|
+    before the cast as a sixth result (FP8's gradient amax)."""
     rows, hidden = h.shape
     shape = _launch()[1]
     block = _block_rows(rows, shape["block_rows"])
     chunk = min(shape["chunk_rows"], block)
     row, vec, stat = _specs(block, hidden)
     part = pl.BlockSpec((1, hidden), lambda i: (i, 0))
-    with_h_bias = h_bias is not None
+    with_h_bias, fp8 = h_bias is not None, grad_scale is not None
     dropout, mask, mask_spec = _mask_input(keep, key, row)
-    inputs = (h, x) + mask + (scale,) + ((h_bias,) if with_h_bias else ()) + (mean, rstd, dy)
-    in_specs = [row, row] + mask_spec + [vec] + ([vec] if with_h_bias else []) + [stat, stat, row]
+    inputs = ((h, x) + mask + (scale,) + ((h_bias,) if with_h_bias else ()) + (mean, rstd, dy)
+              + ((grad_scale,) if fp8 else ()))
+    in_specs = ([row, row] + mask_spec + [vec] + ([vec] if with_h_bias else []) + [stat, stat, row]
+                + ([pl.BlockSpec((1,), lambda i: (0,))] if fp8 else []))
     blocks = rows // block
     parts = 3 if with_h_bias else 2  # [blocks, hidden] partial sums: dscale, dbias[, dh_bias]
     dh, dx, *partials = pl.pallas_call(
         functools.partial(_backward_kernel, keep_prob=keep_prob, dropout=dropout, with_h_bias=with_h_bias,
-                          chunk=chunk, chunks=block // chunk, hidden=hidden),
-        grid=(blocks,), in_specs=in_specs, out_specs=[row, row] + [part] * parts,
-        out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype), jax.ShapeDtypeStruct((rows, hidden), x.dtype)]
-        + [jax.ShapeDtypeStruct((blocks, hidden), jnp.float32)] * parts,
+                          fp8=fp8, chunk=chunk, chunks=block // chunk, hidden=hidden),
+        grid=(blocks,), in_specs=in_specs,
+        out_specs=[row, row] + [part] * parts + ([pl.BlockSpec((1,), lambda i: (i,))] if fp8 else []),
+        out_shape=[jax.ShapeDtypeStruct((rows, hidden), jnp.float8_e5m2 if fp8 else h.dtype),
+                   jax.ShapeDtypeStruct((rows, hidden), x.dtype)]
+        + [jax.ShapeDtypeStruct((blocks, hidden), jnp.float32)] * parts
+        + ([jax.ShapeDtypeStruct((blocks,), jnp.float32)] if fp8 else []),
         name="dropout_add_layernorm_bwd", **_backend_args(shape["num_warps"]))(*inputs)
+    amax = jnp.max(partials.pop()) if fp8 else None
     dscale, dbias, dh_bias = ([jnp.sum(p, axis=0) for p in partials] + [None])[:3]
-    return dh, dx, dscale, dbias, dh_bias
+    return (dh, dx, dscale, dbias, dh_bias) + ((amax,) if fp8 else ())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.model import fused, fused_ffn, fused_qkv, mixed_precision
+from bert_jax.model import fused, fused_ffn, fused_fp8, fused_qkv, mixed_precision
 from bert_jax.model.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids
 from bert_jax.model.dropout import Dropout, keep_mask, threefry_key
 from bert_jax.model.model_config import ACTIVATIONS, BertConfig
@@ -122,7 +122,9 @@ class Dense(nn.Module):
     in_shape: tuple
     out_shape: tuple
     names: tuple  # logical names of kernel dims: in_shape's then out_shape's
-    return_bias: bool = False  # return `(x @ kernel, bias)`: the caller adds the bias (a fused kernel)
+    # Return `(x @ kernel, bias)`: the caller adds the bias (a fused kernel); with FP8 and the LayerNorm
+    # kernels, `(fused_fp8.Fp8Dense, bias)`: the GEMM too, inside `dropout_add_norm`.
+    return_bias: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -137,6 +139,10 @@ class Dense(nn.Module):
         # an FP8 GEMM on Hopper GPUs.
         if cfg.mixed_matmuls:  # bf16 inputs, float32 out (bert_jax.model.mixed_precision)
             y = mixed_precision.einsum(mixed_precision.dense_spec(x.ndim, n_in, len(self.out_shape)), x, kernel)
+        elif self.return_bias and fused_fp8.applies(cfg):
+            # The GEMM runs inside the LayerNorm kernel's custom VJP (`dropout_add_norm`), which
+            # casts its output gradient to e5m2 (bert_jax.model.fused_fp8).
+            y = fused_fp8.Fp8Operands(name="fp8")(x, kernel.astype(cfg.compute_dtype), dims)
         else:
             dot = fp8_ops.Fp8DirectDotGeneralOp(name="fp8") if cfg.fp8 else jax.lax.dot_general
             y = dot(x, kernel.astype(cfg.compute_dtype), dims)
@@ -236,6 +242,9 @@ def dropout_add_norm(cfg: BertConfig, deterministic: bool, out: Array, residual:
             key = threefry_key(rng, out.size)
             keep = keep_mask(rng, 1.0 - rate, out.shape) if key is None else None
         scale, bias = _NormParams(cfg, name="output_norm")()
+        if isinstance(out, fused_fp8.Fp8Dense):
+            return fused_fp8.dense_dropout_add_layernorm(out, residual, keep, scale, bias, out_bias,
+                                                         keep_prob=1.0 - rate, eps=cfg.layer_norm_eps, key=key)
         return fused.dropout_add_layernorm(out, residual, keep, scale, bias, keep_prob=1.0 - rate,
                                            eps=cfg.layer_norm_eps, h_bias=out_bias, key=key)
     if out_bias is not None:

@@ -1,0 +1,154 @@
+"""FP8's gradient cast inside the LayerNorm kernel (`BertConfig.fp8` with `fused_ops`).
+
+With FP8 (flax's `Fp8DirectDotGeneralOp`, delayed scaling) every dense layer's backward pass first
+reads its output gradient `g` twice more: once for its largest |value| (the amax that joins the
+layer's history) and once to cast it to float8_e5m2 for the two gradient GEMMs. Those memory-bound
+passes cost about what the FP8 GEMMs save (benchmarks/RESULTS.md: 0.998x at 4 layers on an H100).
+For the two dense layers whose output goes straight into `LayerNorm(dropout(h + b) + x)` (the
+attention output and the FFN output), `g` is `dh`, which the LayerNorm backward kernel
+(`bert_jax.model.fused`) computes anyway: here that kernel writes `dh` already cast to e5m2 (one
+byte where it wrote two) with its block's amax, and the dense layer's backward takes them as they
+are. One `custom_vjp` spans the layer's FP8 GEMM and the LayerNorm kernels, so that the e5m2
+gradient never passes through a bfloat16 cotangent.
+
+The arithmetic is flax's, operation for operation: the inputs and the kernel quantized by flax's
+`in_q` (their own amax and scales, as before), the forward GEMM on the e4m3 values dequantized by
+both scales, the gradient's scale computed from its history before the step (`compute_scale`), `g`
+divided by it in the compute dtype, clipped and rounded to e5m2, the history rolled with this
+step's amax, and the two gradient GEMMs on the e5m2 gradient (flax's own transposes), dequantized.
+The state keeps flax's layout and names (the same six variables in the layer's "fp8" scope), so a
+run switches between this path and flax's freely. `tests/model/test_fused_fp8.py` compares the
+kernel's e5m2 gradient and amax with flax's on the same `dh`, and the whole FP8 model, loss, every
+gradient and the next scaling state, with the kernel's cast against without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+from flax.linen import fp8_ops
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bert_jax.model import fused
+
+Array = jax.Array
+
+# Whether FP8 layers feeding the LayerNorm kernel take their gradient's cast from it (benchmarks
+# switch it off to time flax's own passes in the same call: `bench_fp8.py`'s `fp8_cast_apart_*`).
+ENABLED = True
+
+
+class Fp8Dense(NamedTuple):
+    """A dense layer's FP8 GEMM, not yet computed: its inputs, quantized by flax's `in_q`, and the
+    gradient's scaling state. `dropout_add_norm` computes it inside `dense_dropout_add_layernorm`."""
+    x: Array              # the input, in the compute dtype
+    q_x: Array            # ... as float8_e4m3fn, and its scale
+    x_scale: Array
+    kernel: Array         # the kernel, in the compute dtype
+    q_kernel: Array       # ... as float8_e4m3fn, and its scale
+    kernel_scale: Array
+    grad_scale: Array     # the output gradient's scale and amax history (the step before's)
+    grad_history: Array
+    dims: tuple           # dot_general's dimension numbers
+
+    @property
+    def shape(self) -> tuple:
+        contract = self.dims[0][0]
+        kept = [d for i, d in enumerate(self.x.shape) if i not in contract]
+        return tuple(kept) + tuple(d for i, d in enumerate(self.kernel.shape) if i not in self.dims[0][1])
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+class Fp8Operands(fp8_ops.Fp8DotGeneralBase):
+    """flax's FP8 dense op (`Fp8DirectDotGeneralOp`: the same variables and scaling), stopped
+    before its GEMM: returns the quantized operands as an `Fp8Dense`."""
+
+    def __call__(self, x: Array, kernel: Array, dims: tuple) -> Fp8Dense:
+        dtype = kernel.dtype
+        x = x.astype(dtype)
+        q_x, x_scale = fp8_ops.in_q(dtype, self.e4m3_dtype, x, self.input_scale.value,
+                                    self.input_amax_history.value)
+        q_k, k_scale = fp8_ops.in_q(dtype, self.e4m3_dtype, kernel, self.kernel_scale.value,
+                                    self.kernel_amax_history.value)
+        return Fp8Dense(x, q_x, x_scale, kernel, q_k, k_scale, self.output_grad_scale.value,
+                        self.output_grad_amax_history.value, dims)
+
+
+def _gemm(q_x, x_scale, q_kernel, kernel_scale, dims, dtype):
+    """flax's forward: the e4m3 product in `dtype`, dequantized by both scales (`out_dq`)."""
+    y = jax.lax.dot_general(q_x, q_kernel, dims, precision=jax.lax.Precision.DEFAULT, preferred_element_type=dtype)
+    return fp8_ops.dequantize(y, dtype, x_scale * kernel_scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(14, 15, 16))
+def _dense_norm(x, q_x, x_scale, kernel, q_kernel, kernel_scale, grad_scale, grad_history,
+                residual, keep, key, scale, bias, h_bias, dims, keep_prob, eps):
+    h = _gemm(q_x, x_scale, q_kernel, kernel_scale, dims, x.dtype)
+    return fused._forward(h.reshape(residual.shape), residual, keep, key, scale, bias, h_bias, keep_prob, eps)[0]
+
+
+def _dense_norm_fwd(x, q_x, x_scale, kernel, q_kernel, kernel_scale, grad_scale, grad_history,
+                    residual, keep, key, scale, bias, h_bias, dims, keep_prob, eps):
+    h = _gemm(q_x, x_scale, q_kernel, kernel_scale, dims, x.dtype)
+    h2 = h.reshape(residual.shape)
+    y, mean, rstd = fused._forward(h2, residual, keep, key, scale, bias, h_bias, keep_prob, eps)
+    return y, (x, q_x, x_scale, kernel, q_kernel, kernel_scale, grad_scale, grad_history,
+               h2, residual, keep, key, scale, h_bias, mean, rstd)
+
+
+def _dense_norm_bwd(dims, keep_prob, eps, res, dy):
+    (x, q_x, x_scale, kernel, q_kernel, kernel_scale, grad_scale, grad_history,
+     h2, residual, keep, key, scale, h_bias, mean, rstd) = res
+    e5m2_max = fp8_ops.get_fp8_max(jnp.float8_e5m2, jnp.float32)
+    # This step's scale, from the history before it (flax's `update_fp8_meta`): known before dh is.
+    new_scale = fp8_ops.compute_scale(jnp.max(grad_history, axis=0), grad_scale, e5m2_max)
+    q_g, dx, dscale, dbias, dh_bias, amax = fused._backward(h2, residual, keep, key, scale, h_bias, mean, rstd, dy,
+                                                           keep_prob, grad_scale=new_scale)
+    new_history = jnp.roll(grad_history, shift=-1, axis=0).at[0].set(amax.astype(grad_history.dtype))
+    q_g = q_g.reshape(x.shape[:x.ndim - len(dims[0][0])] + kernel.shape[len(dims[0][1]):])
+    highest = jax.lax.Precision.HIGHEST
+    grad_x = fp8_ops.dequantize(
+        fp8_ops.dot_general_transpose_lhs(q_g, x, q_kernel, dimension_numbers=dims, precision=highest,
+                                          preferred_element_type=x.dtype), x.dtype, kernel_scale * new_scale)
+    grad_kernel = fp8_ops.dequantize(
+        fp8_ops.dot_general_transpose_rhs(q_g, q_x, kernel, dimension_numbers=dims, precision=highest,
+                                          preferred_element_type=x.dtype), x.dtype, x_scale * new_scale)
+    dkeep, dkey = (None if a is None else np.zeros(a.shape, jax.dtypes.float0) for a in (keep, key))
+    return (grad_x, None, None, grad_kernel, None, None, new_scale, new_history,
+            dx, dkeep, dkey, dscale.astype(scale.dtype), dbias.astype(scale.dtype), dh_bias.astype(h_bias.dtype))
+
+
+_dense_norm.defvjp(_dense_norm_fwd, _dense_norm_bwd)
+
+
+def dense_dropout_add_layernorm(dense: Fp8Dense, residual: Array, keep: Optional[Array], scale: Array,
+                                bias: Array, h_bias: Array, *, keep_prob: float, eps: float,
+                                key: Optional[Array] = None) -> Array:
+    """`LayerNorm(dropout(dense + h_bias) + residual)` where `dense` is an FP8 GEMM (`Fp8Dense`):
+    `fused.dropout_add_layernorm` of its output, whose backward kernel also casts the GEMM's
+    output gradient to e5m2 and takes its amax (the module doc). Same arguments otherwise."""
+    if keep is not None and key is not None:
+        raise ValueError("dense_dropout_add_layernorm: give the dropout mask (keep) or its key, not both")
+    shape = dense.shape
+    hidden = shape[-1]
+    keep2 = None if keep is None else keep.reshape(-1, hidden).astype(jnp.int8)
+    key = None if key is None else jnp.asarray(key, jnp.uint32).reshape(2)
+    y = _dense_norm(dense.x, dense.q_x, dense.x_scale, dense.kernel, dense.q_kernel, dense.kernel_scale,
+                    dense.grad_scale, dense.grad_history, residual.astype(dense.x.dtype).reshape(-1, hidden), keep2,
+                    key, scale.astype(jnp.float32), bias.astype(jnp.float32), h_bias.astype(jnp.float32),
+                    dense.dims, float(keep_prob), float(eps))
+    return y.reshape(shape)
+
+
+def applies(cfg) -> bool:
+    """Whether `cfg`'s sub-layer output denses take this path: FP8 with the LayerNorm kernels
+    (`modeling.folds_output_bias`), unless switched off (`ENABLED`)."""
+    return bool(ENABLED and cfg.fp8 and cfg.fused_ops and fused.supported(cfg.hidden_size))
+
