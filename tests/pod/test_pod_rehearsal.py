@@ -86,7 +86,7 @@ def pod(gcs_server, tmp_path):
     python.chmod(0o755)
     faults = tmp_path / "faults"
     faults.mkdir()
-    (faults / "sitecustomize.py").write_text(FAULT + fault_hooks.FREEZE_AT_SAVE)
+    (faults / "sitecustomize.py").write_text(FAULT + fault_hooks.FREEZE_AT_SAVE + fault_hooks.PAUSE_AT_STEP)
     workers = [tmp_path / f"worker{i}" for i in range(2)]
     env = dict(os.environ, **fake, PATH=f"{fake['BIN']}:{os.environ['PATH']}", PYTHON=str(python),
                JAX_NUM_CPU_DEVICES="2", XLA_FLAGS=FAST_COMPILE,
@@ -158,21 +158,29 @@ def losses(workdir) -> dict:
     return logged_losses(storage.read_text(f"{workdir}/train_log.jsonl"))
 
 
+def pausing(pod, steps: str) -> str:
+    """A `FAKE_ENV_0` that holds worker 0 still once it has logged each of `steps` (fault_hooks.
+    PAUSE_AT_STEP): the run is then at that step when the test signals it, not already finished."""
+    return f"PYTHONPATH={pod['faults']} FAULT_PAUSE_AT_STEPS={steps} FAULT_PAUSE_DIR={pod['faults']}"
+
+
 def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_losses(pod):
     bucket = pod["bucket"]
     out = wait_exit(pod, launch(pod, f"{bucket}/ref"))
     want = losses(f"{bucket}/ref")
     assert sorted(want) == list(range(1, 13)), out[-4000:]
 
-    # A maintenance event: SIGTERM to worker 1 alone, once step 6 is logged.
+    # A maintenance event: SIGTERM to worker 1 alone, once step 6 is logged (worker 0 held there
+    # until the signal is sent).
     work = f"{bucket}/run"
-    pids = launch(pod, work)
+    pids = launch(pod, work, FAKE_ENV_0=pausing(pod, "6"))
     deadline = time.time() + 300
-    while not (storage.exists(f"{work}/train_log.jsonl") and len(losses(work)) >= 6):
+    while not (pod["faults"] / "paused-6").exists():
         if time.time() > deadline or not all(alive(p) for p in pids):
             pytest.fail("the run did not reach step 6:\n" + logs(pod)[-4000:])
-        time.sleep(0.2)
+        time.sleep(0.1)
     os.kill(pids[1], signal.SIGTERM)
+    (pod["faults"] / "resume-6").touch()
     out = wait_exit(pod, pids)
     saved = [int(s) for s in storage.listdir(f"{work}/checkpoints") if s.isdigit()]
     stop_step = max(saved)
@@ -222,7 +230,8 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
     root = pod["root"]
     env = dict(pod["env"], WORKDIR=work, SKIP_INSTALL="0", POLL_SECONDS="1", BACKOFF_SECONDS="1",
                LOG_SYNC_SECONDS="10", STOP_TIMEOUT="5", SUPERVISOR_PYTHON=sys.executable,
-               BERT_JAX_CACHE_DIR="")  # each VM's cache in its own home (~/.cache/bert_jax): wiped with it
+               BERT_JAX_CACHE_DIR="",  # each VM's cache in its own home (~/.cache/bert_jax): wiped with it
+               FAKE_ENV_0=pausing(pod, "5,9"))  # held at step 5 (attempt 1) and step 9 (attempt 2)
     out_file = root / "supervisor.out"
     args = [f"--config.train_data={bucket}/data/train-*.tfrecord", "--config.verify_data=true", *ARGS]
     with open(out_file, "w") as out:
@@ -240,8 +249,9 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
             return int((pod["workers"][i] / "bert_jax_run" / "pid").read_text())
 
         # One worker's run killed (an OOM kill, a segfault) once step 5 is logged.
-        wait_for(lambda: storage.exists(f"{work}/train_log.jsonl") and len(losses(work)) >= 5, "step 5")
+        wait_for(lambda: (pod["faults"] / "paused-5").exists(), "step 5")
         os.kill(pid(1), signal.SIGKILL)
+        (pod["faults"] / "resume-5").touch()
         attempts = f"{work}/attempts.jsonl"
         wait_for(lambda: storage.read_text(attempts).count('"event": "start"') == 2, "the relaunch")
         # The relaunched run saves step 8; then the slice is preempted: every process on every VM
@@ -249,12 +259,14 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
         # (Its logs are uploaded while it runs, every LOG_SYNC_SECONDS: the VMs will take theirs with them.)
         wait_for(lambda: len(storage.listdir(f"{work}/logs/attempt-2")) == 2, "attempt 2's logs")
         wait_for(lambda: storage.exists(f"{work}/checkpoints/8/commit_success.txt"), "step 8 saved again")
+        wait_for(lambda: (pod["faults"] / "paused-9").exists(), "step 9")
         with fake_pod.taken_away(root, "PREEMPTED"):  # (the supervisor cannot recreate it meanwhile)
             for i in range(2):
                 os.killpg(os.getpgid(pid(i)), signal.SIGKILL)
             for w in pod["workers"]:
                 shutil.rmtree(w)
                 w.mkdir()
+            (pod["faults"] / "resume-9").touch()  # the recreated run goes on past step 9
         assert supervisor.wait(timeout=420) == 0, out_file.read_text()[-4000:]
     finally:
         if supervisor.poll() is None:
