@@ -177,7 +177,8 @@ def sst2(args, tmp) -> dict:
               learning_rate=args.lr, eval_batch_size=128)
     out = {"task": "sst2", "train_examples": len(rows), "hyper_parameters": hp, "load_before": load_average()}
     hf = ["--task=sst2", f"--model={args.model}", f"--train={data}/train.tsv", f"--dev={data}/dev.tsv",
-          f"--max_seq_length={hp['max_seq_length']}", "--batch=32", f"--epochs={args.epochs}", f"--lr={args.lr}"]
+          f"--max_seq_length={hp['max_seq_length']}", "--batch=32", f"--epochs={args.epochs}", f"--lr={args.lr}",
+          f"--autocast_bf16={int(args.hf_autocast_bf16)}"]
     over_seeds(args, out, "configs/glue.py", tmp, "sst2", dict(
         hp, task="sst2", data_dir=data, init_checkpoint=args.model, predict_test=False, **args.overrides),
         hf if args.hf_python else None)
@@ -206,7 +207,7 @@ def conll(args, tmp) -> dict:
     # MiniLM is uncased: its vocabulary has no capitals.
     hf = ["--task=conll2003", f"--model={args.model}", f"--train={data}/train.txt", f"--dev={data}/valid.txt",
           f"--test={data}/test.txt", f"--max_seq_length={hp['max_seq_length']}", "--batch=32",
-          f"--epochs={args.epochs}", f"--lr={args.lr}"]
+          f"--epochs={args.epochs}", f"--lr={args.lr}", f"--autocast_bf16={int(args.hf_autocast_bf16)}"]
     over_seeds(args, out, "configs/ner.py", tmp, "conll", dict(
         hp, data_dir=data, init_checkpoint=args.model, predict_test=False, **args.overrides),
         hf if args.hf_python else None)
@@ -250,6 +251,9 @@ def parse(argv=None):
     p.add_argument("--conll_max_seq_length", type=int, default=128)
     p.add_argument("--squad_train_articles", type=int, default=8)
     p.add_argument("--squad_max_seq_length", type=int, default=256)
+    p.add_argument("--hf_autocast_bf16", action="store_true",
+                   help="transformers' runs under PyTorch's CPU autocast to bfloat16 (against ours with "
+                        "--set cpu_bf16=on: both sides' mixed precision)")
     p.add_argument("--warm", action="store_true",
                    help="run bert_jax a second time on the first run's compilation cache (bert_jax_warm)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

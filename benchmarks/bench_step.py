@@ -489,6 +489,7 @@ def main(argv=None):
         "predictions": predictions, "dtype": args.dtype, "attention": args.attention, "scan": args.scan,
         "remat": args.remat, "packing": args.packing, "prng": args.prng,
         "dropout": not args.no_dropout, "hidden_act": bert_config.hidden_act, "fp8": bert_config.fp8,
+        "mixed_matmuls": bert_config.mixed_matmuls,
         "host_memory": memory,
     }
     # The positions the last layer computes: the masked ones and each row's [CLS] (3 when packed).

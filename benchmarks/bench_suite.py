@@ -87,6 +87,13 @@ SUITES: dict = {
         # malloc; ours keeps freed buffers for the next step, as bert_jax.main does on CPU).
         ("base_128_vs_hf_own_process", "bench_step.py", ["--config=configs/base.py", "--seq_len=128", "--batch=8",
                                                          "--steps=3", "--rounds=2", "--warmup=1", "--hf_process"]),
+        # Issue 57: bf16 on the CPU. The matmuls in each form, then the step with every matmul in
+        # bf16 (float32 model: model.mixed_matmuls), and ours against HF's in bf16, side by side.
+        ("cpu_bf16_matmuls", "bench_cpu_bf16.py", ["--batch=8", "--seq_len=128"]),
+        ("base_128_mixed_matmuls", "bench_step.py", ["--config=configs/base.py", "--seq_len=128", "--batch=8",
+                                                     "--steps=2", "--rounds=3", "--warmup=1", "--mixed_matmuls"]),
+        ("base_128_bf16_vs_hf", "bench_step.py", ["--config=configs/base.py", "--seq_len=128", "--batch=8",
+                                                  "--steps=2", "--rounds=3", "--warmup=1", "--dtype=bfloat16", "--hf"]),
         # Dropout masks: keep_mask against jax.random.bernoulli (the masks alone, then the step).
         ("base_128_dropout_masks", "bench_dropout.py", ["--config=configs/base.py", "--seq_len=128", "--batch=8"]),
         ("base_128_dropout_step", "bench_dropout.py", ["--config=configs/base.py", "--seq_len=128", "--batch=8",
@@ -101,6 +108,10 @@ SUITES: dict = {
         # --warm: ours once more on the first run's compilation cache (a rerun, another seed).
         ("finetune_sst2_vs_transformers", "bench_finetune.py", ["--tasks=sst2", "--sst2_train=2000", "--warm",
                                                                 "--model={minilm}", "--hf_python={hf_python}"]),
+        # ... both sides in bf16: ours with every matmul in bf16, PyTorch under its CPU autocast.
+        ("finetune_sst2_bf16_vs_transformers_autocast", "bench_finetune.py", [
+            "--tasks=sst2", "--sst2_train=2000", "--set", "cpu_bf16=on", "--hf_autocast_bf16",
+            "--model={minilm}", "--hf_python={hf_python}"]),
     ],
     # Seconds on any machine: what the tests run.
     "smoke": [
@@ -243,6 +254,12 @@ def table(records: list) -> str:
                         text += f" ({wall / warm['wall_s']:.2f}x)"
                 lines.append(f"| {rec['name']} | {text} |" + " |" * 12 + f" {status} |")
             continue
+        if r.get("benchmark") == "bench_cpu_bf16":  # each matmul: bf16 in, float32 out, against float32
+            parts = [f"{op['op']} {op['float32_ms']:.3g} / {op['bf16_in_f32_out_ms']:.3g} ms "
+                     f"({op['mixed_speedup']:.2f}x)" for op in r["ops"]]
+            lines.append(f"| {rec['name']} | CPU, bf16 units: {', '.join(r['bf16_units']) or 'none'} | matmuls in "
+                         "float32 / bf16 in, float32 out: " + "; ".join(parts) + " |" + " |" * 12 + f" {status} |")
+            continue
         if "variants" in r or "impl" in r:  # bench_fp8.py, bench_optimizer.py, bench_dropout.py
             parts = [f"{k} {v['median_s'] * 1e3:.3g} ms" for k, v in (r.get("variants") or r["impl"]).items()]
             lines.append(f"| {rec['name']} | {r.get('device', '')} | {r.get('benchmark', '')} variants: "
@@ -267,7 +284,8 @@ def table(records: list) -> str:
                        + (" (its own process)" if r.get("hf_process") else ""))
         lines.append(
             f"| {rec['name']} | {r.get('device', '')} | {model} | {r.get('seq_len', '')} | {r.get('batch', '')} | "
-            f"{r.get('dtype', '')} | {r.get('attention', '')} | {layers} | {dropout} | {step} | {seqs} | "
+            f"{r.get('dtype', '')}{' (bf16 matmuls)' if r.get('mixed_matmuls') else ''} | {r.get('attention', '')} | "
+            f"{layers} | {dropout} | {step} | {seqs} | "
             f"{_fmt(r.get('tflops_per_s'), '.3g')} | {_fmt(r.get('mfu'), '.1%')} | "
             f"{compile_s} | {status} |")
     return "\n".join(lines)

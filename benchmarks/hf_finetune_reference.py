@@ -68,6 +68,9 @@ def main():
     p.add_argument("--warmup_proportion", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--autocast_bf16", type=int, default=0,
+                   help="1: the forward passes (training and evaluation) under torch.autocast('cpu', bfloat16), "
+                        "PyTorch's CPU mixed precision (oneDNN bf16 matmuls; parameters, optimizer float32)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -119,14 +122,18 @@ def main():
                             lr=args.lr, eps=1e-6)
     sched = transformers.get_linear_schedule_with_warmup(opt, int(args.warmup_proportion * total), total)
 
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.autocast_bf16))
+
     train_started = time.time()
     model.train()
     for epoch in range(args.epochs):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + epoch))
         for b in range(steps_per_epoch):
             idx = order[b * args.batch:(b + 1) * args.batch]
-            out = model(input_ids=train_enc["input_ids"][idx], attention_mask=train_enc["attention_mask"][idx],
-                        token_type_ids=train_enc["token_type_ids"][idx], labels=train_y[idx])
+            with autocast():  # the backward outside it, as PyTorch's autocast documentation says
+                out = model(input_ids=train_enc["input_ids"][idx], attention_mask=train_enc["attention_mask"][idx],
+                            token_type_ids=train_enc["token_type_ids"][idx], labels=train_y[idx])
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -139,7 +146,7 @@ def main():
     def predict(rows):
         enc, y = encode(rows)
         preds = []
-        with torch.no_grad():
+        with torch.no_grad(), autocast():
             for b in range(0, len(rows), 128):
                 sl = slice(b, b + 128)
                 logits = model(input_ids=enc["input_ids"][sl], attention_mask=enc["attention_mask"][sl],
@@ -148,6 +155,7 @@ def main():
         return enc, y, torch.cat(preds)
 
     result = {"task": args.task, "train_examples": n, "epochs": args.epochs, "torch": torch.__version__,
+              "autocast_bf16": bool(args.autocast_bf16),
               "transformers": transformers.__version__, "threads": torch.get_num_threads()}
     if args.task == "sst2":
         _, y, pred = predict(dev)

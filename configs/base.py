@@ -49,7 +49,8 @@ def get_config() -> ml_collections.ConfigDict:
     # A run resumes with the impl it started with (the checkpoint's key has its shape).
     config.prng_impl = "threefry2x32"
     # On a CPU: "on" runs every matmul with bfloat16 inputs and float32 outputs (model.mixed_matmuls),
-    # "auto" does where the CPU reports bf16 matmul units (avx512_bf16, amx_bf16), "off" leaves it.
+    # "auto" does where the CPU reports bf16 matmul units (avx512_bf16, amx_bf16) and a matmul timed
+    # both ways at start-up is faster in bf16 (docs/performance.md), "off" leaves it.
     config.cpu_bf16 = "off"
 
     # --- data (TFRecords in Google's schema, from data_pipeline.create_pretraining_data) ---

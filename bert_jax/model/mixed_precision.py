@@ -17,9 +17,11 @@ the output or in the other input (all of BERT's). Numerically it equals the floa
 
 On a CPU without bf16 units the bfloat16 inputs are converted in software and the path is slower
 than float32 (an AMD EPYC Zen 3, 2026-11-28: 0.66x for the dense layer above, docs/performance.md);
-`bf16_units()` tells which CPU this is: `config.cpu_bf16="auto"` turns the path on only where it
-reports the units, and a bfloat16 setting on a CPU without them is warned about
-(`bert_jax.training.run_setup.bert_config_from`).
+and the units alone do not make it faster: an Intel Xeon with `avx512_bf16` but no AMX runs it at
+0.57x (2026-11-29). `bf16_units()` tells which CPU this is and `bf16_matmul_speedup()` measures
+what the path gains on it: `config.cpu_bf16="auto"` turns the path on only where the CPU reports
+the units and the measured matmul is faster, and a bfloat16 setting on a CPU without them is warned
+about (`bert_jax.training.run_setup.bert_config_from`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,28 @@ def bf16_units(cpuinfo: Optional[str] = None) -> list[str]:
         if key.strip().lower() in ("flags", "features"):
             found.update(flag for flag in value.split() if flag in BF16_FLAGS)
     return sorted(found)
+
+
+def bf16_matmul_speedup(rows: int = 512, k: int = 768, n: int = 3072, repeats: int = 5) -> float:
+    """How much faster this CPU runs `einsum` (bf16 inputs, float32 out) than the float32 einsum,
+    measured: a BERT-Base dense layer's `[rows, k] x [k, n]`, each form jitted and called once to
+    warm up, then the best of `repeats` calls (~0.3 s in all on 2 cores). Reporting the units is not
+    enough: an Intel Xeon (family 6 model 207) with `avx512_bf16` but no AMX ran this matmul 0.57x
+    as fast as float32, and PyTorch's bf16 matmul (oneDNN) 0.63x (2026-11-29, docs/performance.md)."""
+    import time
+
+    a = jax.random.normal(jax.random.key(0), (rows, k), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
+    best = {}
+    for name, fn in (("float32", jax.jit(lambda a, b: a @ b)), ("mixed", jax.jit(lambda a, b: einsum("mk,kn->mn", a, b)))):
+        fn(a, b).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn(a, b).block_until_ready()
+            times.append(time.perf_counter() - start)
+        best[name] = min(times)
+    return best["float32"] / best["mixed"]
 
 
 def _check(spec: str) -> tuple[str, str, str]:

@@ -87,21 +87,30 @@ def bert_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable
 
 
 CPU_BF16 = ("off", "on", "auto")
+# "auto" turns the bf16 path on where its measured matmul is at least this much faster than float32's.
+AUTO_MIN_SPEEDUP = 1.1
 
 
 def _resolve_mixed_matmuls(model: dict, cpu_bf16: str) -> dict:
     """`config.cpu_bf16` into `model.mixed_matmuls` on a CPU: "on" sets it, "auto" sets it where
-    the CPU reports bf16 matmul units (`mixed_precision.bf16_units`), "off" leaves the model's
-    setting. A bfloat16 setting on a CPU without the units gets a warning (slower than float32)."""
+    the CPU reports bf16 matmul units (`mixed_precision.bf16_units`) and a dense layer's matmul
+    measured in that form runs at least `AUTO_MIN_SPEEDUP` times float32's
+    (`mixed_precision.bf16_matmul_speedup`: the units alone do not make it faster), "off" leaves
+    the model's setting. A bfloat16 setting on a CPU without the units gets a warning (slower than
+    float32)."""
     if cpu_bf16 not in CPU_BF16:
         raise ValueError(f"config.cpu_bf16 must be one of {CPU_BF16}, got {cpu_bf16!r}")
     setting = bool(model.get("mixed_matmuls", False))
     on_cpu = jax.default_backend() == "cpu"
     units = mixed_precision.bf16_units() if on_cpu else []
     if on_cpu and cpu_bf16 != "off":
-        setting = cpu_bf16 == "on" or bool(units and model.get("dtype") == "float32" and not model.get("fp8"))
-        logging.info("config.cpu_bf16=%s: model.mixed_matmuls=%s (%s)", cpu_bf16, setting,
-                     f"this CPU reports {', '.join(units)}" if units else "this CPU reports no bf16 matmul units")
+        why = f"this CPU reports {', '.join(units)}" if units else "this CPU reports no bf16 matmul units"
+        setting = cpu_bf16 == "on"
+        if cpu_bf16 == "auto" and units and model.get("dtype") == "float32" and not model.get("fp8"):
+            speedup = mixed_precision.bf16_matmul_speedup()
+            setting = speedup >= AUTO_MIN_SPEEDUP
+            why += f"; a dense layer's matmul ran {speedup:.2f}x float32's in bf16 (needs {AUTO_MIN_SPEEDUP}x)"
+        logging.info("config.cpu_bf16=%s: model.mixed_matmuls=%s (%s)", cpu_bf16, setting, why)
     if on_cpu and not units and (setting or model.get("dtype") == "bfloat16"):
         what = "model.mixed_matmuls" if setting else "model.dtype=bfloat16"
         logging.warning("%s on a CPU that reports no bf16 matmul units (no avx512_bf16, amx_bf16 or bf16 in "

@@ -119,7 +119,7 @@ def test_only_names_unknown_runs(suite, capsys):
 def test_every_suite_run_parses_with_its_scripts_flags(suite, load_benchmark):
     """A typo in a suite's flags would cost a device-minute; parse them all here."""
     bench_step, bench_fp8 = load_benchmark("bench_step"), load_benchmark("bench_fp8")
-    bench_finetune = load_benchmark("bench_finetune")
+    bench_finetune, bench_cpu_bf16 = load_benchmark("bench_finetune"), load_benchmark("bench_cpu_bf16")
     for runs in suite.SUITES.values():
         for name, script, flags in runs:
             assert os.path.exists(os.path.join(ROOT, "benchmarks", script)), name
@@ -128,6 +128,9 @@ def test_every_suite_run_parses_with_its_scripts_flags(suite, load_benchmark):
             if script == "bench_finetune.py":  # its own parser alone
                 args = bench_finetune.parse(flags + ["--json"])
                 assert (args.model, args.hf_python, args.json) == ("/m", "/py", True), name
+                continue
+            if script == "bench_cpu_bf16.py":  # its own parser alone
+                assert bench_cpu_bf16.parse(flags + ["--json"]).json, name
                 continue
             if script in ("bench_optimizer.py", "bench_dropout.py"):  # own flags; the rest are bench_step's
                 own = {"--step", "--rounds", "--steps"}
@@ -143,7 +146,8 @@ def test_the_fine_tuning_run_is_skipped_without_its_python_and_tabled_with_its_r
     """The cpu suite's end-to-end run: skipped (and said why) without --hf_python; its record's
     row shows both sides' wall clocks and their ratio."""
     runs = [(n, s, f) for n, s, f in suite.SUITES["cpu"] if s == "bench_finetune.py"]
-    assert len(runs) == 1
+    assert len(runs) == 2 and "--hf_autocast_bf16" in runs[1][2]  # the second: both sides in bf16
+    runs = runs[:1]
     records = suite.run_suite(runs, str(tmp_path / "r.jsonl"), 60, 60, values={"minilm": "/m", "hf_python": ""})
     assert records[0]["status"] == "skipped" and "--hf_python" in records[0]["stderr_tail"]
     result = {"benchmark": "bench_finetune", "runs": [{
@@ -198,3 +202,19 @@ def test_fine_tuning_over_seeds_runs_both_sides_per_seed_and_reports_each_scores
     assert out["head_init"]["transformers"].startswith("transformers'")
     with pytest.raises(SystemExit, match="--seeds"):
         bench.main(["--seeds=1,x"])
+
+
+def test_the_cpu_bf16_matmul_run_times_each_form_and_tables_its_ratios(suite, load_benchmark, capsys):
+    """`bench_cpu_bf16.py` (issue 57: which matmul form pays on this CPU), at a tiny size: every op in
+    each form, its ratio float32 over bf16-in-float32-out, and the suite's row naming them."""
+    bench = load_benchmark("bench_cpu_bf16")
+    bench.main(["--batch=1", "--seq_len=8", "--repeats=1", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [op["op"] for op in result["ops"]] == [name for name, *_ in bench.ops(1, 8)]
+    for op in result["ops"]:
+        assert min(op["float32_ms"], op["bf16_in_f32_out_ms"], op["bf16_in_bf16_out_ms"]) > 0
+        assert op["mixed_speedup"] == pytest.approx(op["float32_ms"] / op["bf16_in_f32_out_ms"])
+    row = suite.table([{"name": "cpu_bf16_matmuls", "status": "ok", "wall_s": 1.0, "result": result}]).splitlines()[-1]
+    first = result["ops"][0]
+    assert f"dense x @ w {first['float32_ms']:.3g} / {first['bf16_in_f32_out_ms']:.3g} ms" in row
+    assert row.count("x);") == len(result["ops"]) - 1

@@ -120,17 +120,34 @@ def test_the_bf16_units_are_read_from_cpuinfo():
     assert mixed_precision.bf16_units(zen3) == []
 
 
-@pytest.mark.parametrize("cpu_bf16,units,want", [("auto", [], False), ("auto", ["avx512_bf16"], True),
-                                                  ("on", [], True), ("off", ["amx_bf16"], False)])
+@pytest.mark.parametrize("cpu_bf16,units,speedup,want", [
+    ("auto", [], 2.0, False), ("auto", ["avx512_bf16"], 1.98, True), ("auto", ["avx512_bf16"], 0.57, False),
+    ("on", [], 0.5, True), ("off", ["amx_bf16"], 2.0, False)])
 def test_cpu_bf16_sets_the_model_where_it_pays_and_warns_where_it_does_not(monkeypatch, caplog, cpu_bf16, units,
-                                                                           want):
+                                                                           speedup, want):
+    """"auto" takes the path where the CPU reports the units and the measured matmul is faster
+    (1.98x: issue 57's AMD EPYC with avx512_bf16; 0.57x: an Intel Xeon with avx512_bf16, no AMX)."""
     monkeypatch.setattr(mixed_precision, "bf16_units", lambda: units)
+    probed = []
+    monkeypatch.setattr(mixed_precision, "bf16_matmul_speedup", lambda: probed.append(1) or speedup)
     config = ml_collections.ConfigDict({"model": model_config.BertConfig(vocab_size=50).to_dict(), "cpu_bf16": cpu_bf16,
                                         "init_checkpoint": ""})
     with caplog.at_level(logging.WARNING):
         assert run_setup.bert_config_from(config).mixed_matmuls is want
     warned = "no bf16 matmul units" in caplog.text
     assert warned == (want and not units), caplog.text
+    assert len(probed) == (cpu_bf16 == "auto" and bool(units))  # measured only where it can decide
+
+
+def test_the_speedup_probe_times_the_path_the_model_takes(monkeypatch):
+    """`bf16_matmul_speedup` is float32's time over `einsum`'s: made to take twice as long (each
+    call its own compute), the mixed form reads as half as fast."""
+    real = mixed_precision.einsum
+    monkeypatch.setattr(mixed_precision, "einsum", lambda spec, a, b: real(spec, real(spec, a, b)[:, :a.shape[1]] + a, b))
+    slowed = mixed_precision.bf16_matmul_speedup(rows=256, k=512, n=512, repeats=3)
+    monkeypatch.setattr(mixed_precision, "einsum", real)
+    plain = mixed_precision.bf16_matmul_speedup(rows=256, k=512, n=512, repeats=3)
+    assert 0 < slowed < plain and np.isfinite(plain)
 
 
 def test_bad_settings_are_refused_naming_them():
