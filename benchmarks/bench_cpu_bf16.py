@@ -35,16 +35,6 @@ def ops(batch: int, length: int, hidden: int = 768, inner: int = 3072, heads: in
     ]
 
 
-def median_ms(fn, a, b, repeats: int) -> float:
-    fn(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8)
@@ -74,7 +64,7 @@ def main(argv=None):
         a, b = jax.random.normal(ka, lhs, jnp.float32), jax.random.normal(kb, rhs, jnp.float32)
         row = {"op": name, "spec": spec, "lhs": list(lhs), "rhs": list(rhs)}
         for form, make in forms.items():
-            row[f"{form}_ms"] = median_ms(make(spec), a, b, args.repeats)
+            row[f"{form}_ms"] = statistics.median(mixed_precision.call_times(make(spec), a, b, args.repeats)) * 1e3
         row["mixed_speedup"] = row["float32_ms"] / row["bf16_in_f32_out_ms"]
         rows.append(row)
     result = {"benchmark": "bench_cpu_bf16", "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
