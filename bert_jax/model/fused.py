@@ -336,6 +336,15 @@ def _fused_bwd(keep_prob, eps, res, dy):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+def kernel_operands(x: Array, keep: Optional[Array], key: Optional[Array], dtype, hidden: int, caller: str):
+    """The residual, the dropout mask and the key as the kernels take them: `[rows, hidden]` rows
+    in `dtype`, int8 rows, uint32[2] (a mask or a key, not both)."""
+    if keep is not None and key is not None:
+        raise ValueError(f"{caller}: give the dropout mask (keep) or its key, not both")
+    return (x.astype(dtype).reshape(-1, hidden), None if keep is None else keep.reshape(-1, hidden).astype(jnp.int8),
+            None if key is None else jnp.asarray(key, jnp.uint32).reshape(2))
+
+
 def dropout_add_layernorm(h: Array, x: Array, keep: Optional[Array], scale: Array, bias: Array, *,
                           keep_prob: float, eps: float, h_bias: Optional[Array] = None,
                           key: Optional[Array] = None) -> Array:
@@ -348,13 +357,9 @@ def dropout_add_layernorm(h: Array, x: Array, keep: Optional[Array], scale: Arra
     Or, instead of `keep`, `key`: a threefry key's uint32[2] data (`dropout.threefry_key`); the
     kernels then draw the mask `dropout.keep_mask(key, keep_prob, h.shape)` would give, bit for
     bit, each for its own rows (the backward draws it again): no mask is written, stored or read."""
-    if keep is not None and key is not None:
-        raise ValueError("dropout_add_layernorm: give the dropout mask (keep) or its key, not both")
     shape = h.shape
-    hidden = shape[-1]
-    h2, x2 = h.reshape(-1, hidden), x.astype(h.dtype).reshape(-1, hidden)
-    keep2 = None if keep is None else keep.reshape(-1, hidden).astype(jnp.int8)
-    key = None if key is None else jnp.asarray(key, jnp.uint32).reshape(2)
+    h2 = h.reshape(-1, shape[-1])
+    x2, keep2, key = kernel_operands(x, keep, key, h.dtype, shape[-1], "dropout_add_layernorm")
     h_bias = None if h_bias is None else h_bias.astype(jnp.float32)
     y = _fused(h2, x2, keep2, key, scale.astype(jnp.float32), bias.astype(jnp.float32), h_bias, float(keep_prob),
                float(eps))

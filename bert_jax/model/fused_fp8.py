@@ -88,31 +88,29 @@ def _gemm(q_x, x_scale, q_kernel, kernel_scale, dims, dtype):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(14, 15, 16))
-def _dense_norm(x, q_x, x_scale, kernel, q_kernel, kernel_scale, grad_scale, grad_history,
-                residual, keep, key, scale, bias, h_bias, dims, keep_prob, eps):
-    h = _gemm(q_x, x_scale, q_kernel, kernel_scale, dims, x.dtype)
-    return fused._forward(h.reshape(residual.shape), residual, keep, key, scale, bias, h_bias, keep_prob, eps)[0]
+def _dense_norm(*args):
+    return _dense_norm_fwd(*args)[0]
 
 
 def _dense_norm_fwd(x, q_x, x_scale, kernel, q_kernel, kernel_scale, grad_scale, grad_history,
                     residual, keep, key, scale, bias, h_bias, dims, keep_prob, eps):
-    h = _gemm(q_x, x_scale, q_kernel, kernel_scale, dims, x.dtype)
-    h2 = h.reshape(residual.shape)
-    y, mean, rstd = fused._forward(h2, residual, keep, key, scale, bias, h_bias, keep_prob, eps)
+    h = _gemm(q_x, x_scale, q_kernel, kernel_scale, dims, x.dtype)  # the dense layer's output shape
+    y, mean, rstd = fused._forward(h.reshape(residual.shape), residual, keep, key, scale, bias, h_bias, keep_prob,
+                                   eps)
     return y, (x, q_x, x_scale, kernel, q_kernel, kernel_scale, grad_scale, grad_history,
-               h2, residual, keep, key, scale, h_bias, mean, rstd)
+               h, residual, keep, key, scale, h_bias, mean, rstd)
 
 
 def _dense_norm_bwd(dims, keep_prob, eps, res, dy):
     (x, q_x, x_scale, kernel, q_kernel, kernel_scale, grad_scale, grad_history,
-     h2, residual, keep, key, scale, h_bias, mean, rstd) = res
+     h, residual, keep, key, scale, h_bias, mean, rstd) = res
     e5m2_max = fp8_ops.get_fp8_max(jnp.float8_e5m2, jnp.float32)
     # This step's scale, from the history before it (flax's `update_fp8_meta`): known before dh is.
     new_scale = fp8_ops.compute_scale(jnp.max(grad_history, axis=0), grad_scale, e5m2_max)
-    q_g, dx, dscale, dbias, dh_bias, amax = fused._backward(h2, residual, keep, key, scale, h_bias, mean, rstd, dy,
-                                                           keep_prob, grad_scale=new_scale)
+    q_g, dx, dscale, dbias, dh_bias, amax = fused._backward(h.reshape(residual.shape), residual, keep, key, scale,
+                                                           h_bias, mean, rstd, dy, keep_prob, grad_scale=new_scale)
     new_history = jnp.roll(grad_history, shift=-1, axis=0).at[0].set(amax.astype(grad_history.dtype))
-    q_g = q_g.reshape(x.shape[:x.ndim - len(dims[0][0])] + kernel.shape[len(dims[0][1]):])
+    q_g = q_g.reshape(h.shape)
     highest = jax.lax.Precision.HIGHEST
     grad_x = fp8_ops.dequantize(
         fp8_ops.dot_general_transpose_lhs(q_g, x, q_kernel, dimension_numbers=dims, precision=highest,
@@ -134,16 +132,12 @@ def dense_dropout_add_layernorm(dense: Fp8Dense, residual: Array, keep: Optional
     """`LayerNorm(dropout(dense + h_bias) + residual)` where `dense` is an FP8 GEMM (`Fp8Dense`):
     `fused.dropout_add_layernorm` of its output, whose backward kernel also casts the GEMM's
     output gradient to e5m2 and takes its amax (the module doc). Same arguments otherwise."""
-    if keep is not None and key is not None:
-        raise ValueError("dense_dropout_add_layernorm: give the dropout mask (keep) or its key, not both")
     shape = dense.shape
-    hidden = shape[-1]
-    keep2 = None if keep is None else keep.reshape(-1, hidden).astype(jnp.int8)
-    key = None if key is None else jnp.asarray(key, jnp.uint32).reshape(2)
+    residual2, keep2, key = fused.kernel_operands(residual, keep, key, dense.x.dtype, shape[-1],
+                                                  "dense_dropout_add_layernorm")
     y = _dense_norm(dense.x, dense.q_x, dense.x_scale, dense.kernel, dense.q_kernel, dense.kernel_scale,
-                    dense.grad_scale, dense.grad_history, residual.astype(dense.x.dtype).reshape(-1, hidden), keep2,
-                    key, scale.astype(jnp.float32), bias.astype(jnp.float32), h_bias.astype(jnp.float32),
-                    dense.dims, float(keep_prob), float(eps))
+                    dense.grad_scale, dense.grad_history, residual2, keep2, key, scale.astype(jnp.float32),
+                    bias.astype(jnp.float32), h_bias.astype(jnp.float32), dense.dims, float(keep_prob), float(eps))
     return y.reshape(shape)
 
 

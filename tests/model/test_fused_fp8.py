@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import dropout, fused, fused_fp8, model_config, modeling, pretraining_heads
-from bert_jax.pretrain import steps
-from bert_jax.training import optim, train_state
+from bert_jax.model import dropout, fused, fused_fp8, model_config, modeling
 import model_parity  # tests/ is on sys.path
+import test_fp8  # tests/model/ too (pytest puts a test file's folder there)
 
 
 def _assert_same_cast(got, want, g, scale):
@@ -76,28 +75,13 @@ def _tiny(**kw) -> model_config.BertConfig:
                                              intermediate_size=128, dtype="bfloat16", fp8=True, fused_ops=True), **kw})
 
 
-def _batch() -> dict:
-    rng = np.random.default_rng(1)
-    return dict(input_ids=rng.integers(5, 200, (4, 16)).astype(np.int32), input_mask=np.ones((4, 16), np.int32),
-                segment_ids=np.zeros((4, 16), np.int32),
-                masked_lm_positions=np.tile(np.array([1, 5, 9], np.int32), (4, 1)),
-                masked_lm_ids=rng.integers(5, 200, (4, 3)).astype(np.int32),
-                masked_lm_weights=np.ones((4, 3), np.float32),
-                next_sentence_labels=rng.integers(0, 2, (4, 1)).astype(np.int32))
-
-
 def _train(cfg, steps_: int):
-    """`steps_` train steps from one initialization: the losses and the state."""
-    model = pretraining_heads.BertForPreTraining(cfg)
-    variables = nn.meta.unbox(model.init(jax.random.key(0), **modeling.dummy_inputs(cfg, batch=4, length=16,
-                                                                                     predictions=3)))
-    tx = optim.make_optimizer("adamw", lambda s: 1e-3, clip_norm=1.0)
-    state = train_state.create_train_state(variables["params"], tx, jax.random.key(1),
-                                           fp8=variables.get(modeling.FP8_COLLECTION))
-    step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=lambda s: 1e-3, accum_steps=1))
+    """`steps_` train steps from one initialization (tests/model/test_fp8.py's state, step and
+    batch): the losses and the state."""
+    state, step = test_fp8._state_and_step(cfg)
     losses = []
     for _ in range(steps_):
-        state, metrics = step(state, _batch())
+        state, metrics = step(state, test_fp8._batch(1))
         losses.append(float(metrics["loss"]))
     return losses, state
 
