@@ -95,8 +95,9 @@ def _resolve_mixed_matmuls(model: dict, cpu_bf16: str) -> dict:
     """`config.cpu_bf16` into `model.mixed_matmuls` on a CPU: "on" sets it, "auto" sets it where
     the CPU reports bf16 matmul units (`mixed_precision.bf16_units`) and a dense layer's matmul
     measured in that form runs at least `AUTO_MIN_SPEEDUP` times float32's
-    (`mixed_precision.bf16_matmul_speedup`: the units alone do not make it faster), "off" leaves
-    the model's setting. A bfloat16 setting on a CPU without the units gets a warning (slower than
+    (`mixed_precision.bf16_matmul_speedup`: the units alone do not make it faster; not in a run of
+    several processes, where hosts timing their own matmuls could choose different programs), "off"
+    leaves the model's setting. A bfloat16 setting on a CPU without the units gets a warning (slower than
     float32)."""
     if cpu_bf16 not in CPU_BF16:
         raise ValueError(f"config.cpu_bf16 must be one of {CPU_BF16}, got {cpu_bf16!r}")
@@ -107,9 +108,12 @@ def _resolve_mixed_matmuls(model: dict, cpu_bf16: str) -> dict:
         why = f"this CPU reports {', '.join(units)}" if units else "this CPU reports no bf16 matmul units"
         setting = cpu_bf16 == "on"
         if cpu_bf16 == "auto" and units and model.get("dtype") == "float32" and not model.get("fp8"):
-            speedup = mixed_precision.bf16_matmul_speedup()
-            setting = speedup >= AUTO_MIN_SPEEDUP
-            why += f"; a dense layer's matmul ran {speedup:.2f}x float32's in bf16 (needs {AUTO_MIN_SPEEDUP}x)"
+            if jax.process_count() > 1:  # each host would time its own matmul, and might decide apart
+                why += "; not measured in a run of several processes: cpu_bf16=on turns it on for all"
+            else:
+                speedup = mixed_precision.bf16_matmul_speedup()
+                setting = speedup >= AUTO_MIN_SPEEDUP
+                why += f"; a dense layer's matmul ran {speedup:.2f}x float32's in bf16 (needs {AUTO_MIN_SPEEDUP}x)"
         logging.info("config.cpu_bf16=%s: model.mixed_matmuls=%s (%s)", cpu_bf16, setting, why)
     if on_cpu and not units and (setting or model.get("dtype") == "bfloat16"):
         what = "model.mixed_matmuls" if setting else "model.dtype=bfloat16"
