@@ -10,7 +10,7 @@
 #           no slices (on a card under 100 GB, BERT-Large leaves the Q/K/V kernels' variant out,
 #           and HF's BERT-Base runs after lane A: memory); then BERT-Base, all three;
 #   lane B: tests/model/test_fused_qkv.py and test_fused_fp8.py on the GPU (the real Triton kernels
-#           against the unfused path, and the LayerNorm kernel's e5m2 gradient cast against flax's);
+#           against the unfused path, and the LayerNorm kernels' e5m2 and e4m3 casts against flax's);
 #           HF's FlaxBertForPreTraining (transformers<5, carried as wheels in .whl/) on the same
 #           shapes, BERT-Base, in a process of its own; FP8 on BERT-Base with the LayerNorm kernels,
 #           the output denses' gradient cast to e5m2 (and its amax) in the kernel against XLA's passes;

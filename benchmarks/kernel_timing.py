@@ -85,7 +85,7 @@ def kernel(args, step_args) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from bert_jax.model import dropout, fused, model_config, modeling
+    from bert_jax.model import dropout, fused, layers, model_config
 
     config = bench_step.load_config(step_args.config)
     hidden = config.model.hidden_size
@@ -102,7 +102,7 @@ def kernel(args, step_args) -> dict:
 
     def unfused(h, x, scale, bias, keep):
         d = jax.lax.select(keep, h / jnp.asarray(keep_prob, h.dtype), jnp.zeros_like(h))
-        return modeling.LayerNorm(cfg.replace(dtype=str(h.dtype))).apply(
+        return layers.LayerNorm(cfg.replace(dtype=str(h.dtype))).apply(
             {"params": {"scale": scale, "bias": bias}}, d + x)
 
     def kern(h, x, scale, bias, keep):

@@ -38,7 +38,8 @@ import optax
 
 from bert_jax.model.dropout import Dropout
 from bert_jax.model.model_config import BertConfig
-from bert_jax.model.modeling import BertModel, Dense
+from bert_jax.model.layers import Dense
+from bert_jax.model.modeling import BertModel
 from data_pipeline.tasks import HEAD_KINDS, MODEL_INPUTS
 
 # The head kinds and the model's inputs are the tasks' (`data_pipeline.tasks`): one list for both sides.

@@ -14,13 +14,15 @@ key instead of its mask, the kernels draw the mask themselves, each block its ow
 element's row-major index (`dropout.keep_from_index`: `keep_mask`'s and jax.random.bernoulli's
 mask, bit for bit), and the backward draws it again: no int8 mask is written to memory, kept for
 the backward, or read (what it costs and saves on a GPU is not measured yet). Given FP8's gradient
-scale, the backward writes `dh` cast to float8_e5m2 and each block's largest |dh| (`_e5m2`; used by
-`bert_jax.model.fused_fp8`, whose custom VJP spans the FP8 dense layer and these kernels).
+scale, the backward writes `dh` cast to float8_e5m2 and each block's largest |dh|; given the input
+scale of the FP8 layer that reads `y`, the forward writes `y` also cast to float8_e4m3fn and each
+block's largest |y| (`_fp8`; used by `bert_jax.model.fused_fp8`, whose custom VJPs span the FP8
+dense layers and these kernels).
 
 The arithmetic is the unfused path's, in its dtypes: the dense bias add (`h_bias` rounded to the
 compute dtype first), the dropout scaling and the residual add in the compute dtype, the
 normalization in float32, the output cast back (`tests/model/test_fused.py` compares both passes against
-`modeling.LayerNorm` after `dropout.dropout`, with the same mask).
+`layers.LayerNorm` after `dropout.dropout`, with the same mask).
 On GPUs the kernels lower through Triton (named: a bare `pallas_call` would go to Mosaic GPU);
 elsewhere they run in Pallas' interpreter (correct, slow: for tests). On an H200 they run at
 ~3.3 TB/s inside BERT-Large's step and make it 1.064x faster (benchmarks/RESULTS.md, 2026-11-26);
@@ -113,14 +115,16 @@ def _scale_up(v, keep_prob: float):
 
 
 E5M2_MAX = float(jnp.finfo(jnp.float8_e5m2).max)  # 57344
+E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 
 
-def _e5m2(g, scale):
-    """FP8's gradient cast, as `flax.linen.fp8_ops.quantize(g, float8_e5m2, scale, g.dtype)` does
-    it: `g / scale` in g's dtype (the float32 quotient rounded once: the correctly rounded one),
-    clipped to e5m2's largest finite value, rounded to nearest even."""
+def _fp8(g, scale, dtype=jnp.float8_e5m2):
+    """FP8's cast, as `flax.linen.fp8_ops.quantize(g, dtype, scale, g.dtype)` does it: `g / scale`
+    in g's dtype (the float32 quotient rounded once: the correctly rounded one), clipped to the
+    FP8 type's largest finite value, rounded to nearest even. e5m2 for gradients, e4m3 for inputs."""
+    most = E5M2_MAX if dtype == jnp.float8_e5m2 else E4M3_MAX
     q = (g.astype(jnp.float32) / scale.astype(g.dtype).astype(jnp.float32)).astype(g.dtype)
-    return jnp.clip(q.astype(jnp.float32), -E5M2_MAX, E5M2_MAX).astype(jnp.float8_e5m2)
+    return jnp.clip(q.astype(jnp.float32), -most, most).astype(dtype)
 
 
 def _sum_input(h, x, keep, keep_prob: float, h_bias=None):
@@ -153,15 +157,20 @@ def _drawn_keep(key_ref, row0, rows: int, hidden: int, keep_prob: float) -> list
         for offset, width in pieces(hidden)]
 
 
-def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: Optional[str], with_h_bias: bool, hidden: int):
-    # Inputs h, x, [keep | key], scale, bias, [h_bias]; outputs y, mean, rstd. Every row is read and
-    # written in power-of-two column pieces (`pieces`): one piece when the hidden size is one.
+def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: Optional[str], with_h_bias: bool, fp8: bool,
+                    hidden: int):
+    # Inputs h, x, [keep | key], scale, bias, [h_bias], [in_scale]; outputs y, mean, rstd, [q, amax].
+    # Every row is read and written in power-of-two column pieces (`pieces`): one piece when the
+    # hidden size is one. With `fp8`, y is also written as float8_e4m3fn (`_fp8`, scaled by
+    # in_scale) and the block's largest |y| (in y's dtype) as `amax`.
     refs = list(refs)
     h_ref, x_ref = refs.pop(0), refs.pop(0)
     mask_ref = refs.pop(0) if dropout else None
     scale_ref, bias_ref = refs.pop(0), refs.pop(0)
     h_bias_ref = refs.pop(0) if with_h_bias else None
-    y_ref, mean_ref, rstd_ref = refs
+    in_scale_ref = refs.pop(0) if fp8 else None
+    y_ref, mean_ref, rstd_ref = refs[:3]
+    q_ref, amax_ref = refs[3:] if fp8 else (None, None)
     cols = _columns(hidden)
     rows = h_ref.shape[0]
     if dropout == "key":
@@ -173,17 +182,23 @@ def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: Optional[str],
     mean = _row_sum(s) / np.float32(hidden)
     centered = [p - mean[:, None] for p in s]
     rstd = jax.lax.rsqrt(_row_sum([p * p for p in centered]) / np.float32(hidden) + eps)
+    amax = jnp.zeros((), jnp.float32)
     for c, p in zip(cols, centered):
-        y = p * rstd[:, None] * scale_ref[c][None, :] + bias_ref[c][None, :]
-        y_ref[:, c] = y.astype(y_ref.dtype)
+        y = (p * rstd[:, None] * scale_ref[c][None, :] + bias_ref[c][None, :]).astype(y_ref.dtype)
+        y_ref[:, c] = y
+        if fp8:
+            q_ref[:, c] = _fp8(y, in_scale_ref[0], jnp.float8_e4m3fn)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(y.astype(jnp.float32))))
     mean_ref[...] = mean
     rstd_ref[...] = rstd
+    if fp8:
+        amax_ref[...] = jnp.broadcast_to(amax, (1,))
 
 
 def _backward_kernel(*refs, keep_prob: float, dropout: Optional[str], with_h_bias: bool, fp8: bool, chunk: int,
                      chunks: int, hidden: int):
     # Inputs h, x, [keep | key], scale, [h_bias], mean, rstd, dy, [grad_scale]; outputs dh, dx, dscale,
-    # dbias, [dh_bias], [amax]. With `fp8`, dh is written as float8_e5m2 (`_e5m2`) and the block's
+    # dbias, [dh_bias], [amax]. With `fp8`, dh is written as float8_e5m2 (`_fp8`) and the block's
     # largest |dh| (before the cast) as `amax`.
     refs = list(refs)
     h_ref, x_ref = refs.pop(0), refs.pop(0)
@@ -223,7 +238,7 @@ def _backward_kernel(*refs, keep_prob: float, dropout: Optional[str], with_h_bia
             dx_ref[r, c] = ds
             dh = ds if keep[j] is None else jnp.where(keep[j] != 0, _scale_up(ds, keep_prob), jnp.zeros_like(ds))
             if fp8:
-                dh_ref[r, c] = _e5m2(dh, grad_scale_ref[0])
+                dh_ref[r, c] = _fp8(dh, grad_scale_ref[0])
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(dh.astype(jnp.float32))))
             else:
                 dh_ref[r, c] = dh
@@ -263,27 +278,38 @@ def _mask_input(keep, key, row) -> tuple[Optional[str], tuple, list]:
     return None, (), []
 
 
-def _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps):
+def _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps, in_scale=None):
+    """y, mean and 1/std; given `in_scale` (float32 `[1]`: the scale of the FP8 layer that reads y),
+    also y as float8_e4m3fn scaled by it (`_fp8`) and its largest |value| (FP8's input amax)."""
     rows, hidden = h.shape
     shape = _launch()[0]
     block = _block_rows(rows, shape["block_rows"])
     row, vec, stat = _specs(block, hidden)
-    with_h_bias = h_bias is not None
+    with_h_bias, fp8 = h_bias is not None, in_scale is not None
     dropout, mask, mask_spec = _mask_input(keep, key, row)
-    inputs = (h, x) + mask + (scale, bias) + ((h_bias,) if with_h_bias else ())
-    in_specs = [row, row] + mask_spec + [vec, vec] + ([vec] if with_h_bias else [])
-    return pl.pallas_call(
+    inputs = (h, x) + mask + (scale, bias) + ((h_bias,) if with_h_bias else ()) + ((in_scale,) if fp8 else ())
+    one = pl.BlockSpec((1,), lambda i: (0,))
+    in_specs = [row, row] + mask_spec + [vec, vec] + ([vec] if with_h_bias else []) + ([one] if fp8 else [])
+    blocks = rows // block
+    out = pl.pallas_call(
         functools.partial(_forward_kernel, keep_prob=keep_prob, eps=eps, dropout=dropout,
-                          with_h_bias=with_h_bias, hidden=hidden),
-        grid=(rows // block,), in_specs=in_specs, out_specs=[row, stat, stat],
+                          with_h_bias=with_h_bias, fp8=fp8, hidden=hidden),
+        grid=(blocks,), in_specs=in_specs,
+        out_specs=[row, stat, stat] + ([row, pl.BlockSpec((1,), lambda i: (i,))] if fp8 else []),
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype),
-                   jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)],
+                   jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)]
+        + ([jax.ShapeDtypeStruct((rows, hidden), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((blocks,), jnp.float32)]
+           if fp8 else []),
         name="dropout_add_layernorm_fwd", **_backend_args(shape["num_warps"]))(*inputs)
+    if fp8:
+        y, mean, rstd, q, amax = out
+        return y, mean, rstd, q, jnp.max(amax)
+    return tuple(out)
 
 
 def _backward(h, x, keep, key, scale, h_bias, mean, rstd, dy, keep_prob, grad_scale=None):
     """dh, dx and the summed gradients of scale, bias and (None without it) h_bias; given
-    `grad_scale` (float32 `[1]`), dh as float8_e5m2 scaled by it (`_e5m2`), and its largest |value|
+    `grad_scale` (float32 `[1]`), dh as float8_e5m2 scaled by it (`_fp8`), and its largest |value|
     before the cast as a sixth result (FP8's gradient amax)."""
     rows, hidden = h.shape
     shape = _launch()[1]
@@ -352,7 +378,7 @@ def dropout_add_layernorm(h: Array, x: Array, keep: Optional[Array], scale: Arra
     mask (None: no dropout), `h_bias` the bias of the dense layer that produced `h` (None: none;
     added as the dense layer would, `h + h_bias.astype(h.dtype)`). `h` and `x` in the compute dtype;
     `scale`, `bias` and `h_bias` float32 `[hidden]`. Returns the compute dtype, like
-    `modeling.LayerNorm`.
+    `layers.LayerNorm`.
 
     Or, instead of `keep`, `key`: a threefry key's uint32[2] data (`dropout.threefry_key`); the
     kernels then draw the mask `dropout.keep_mask(key, keep_prob, h.shape)` would give, bit for

@@ -158,7 +158,7 @@ def einsum(spec: str, a: Array, b: Array) -> Array:
 
 
 def dense_spec(x_ndim: int, n_in: int, n_out: int) -> str:
-    """The einsum of `modeling.Dense`: `x`'s trailing `n_in` axes against the kernel's leading ones."""
+    """The einsum of `layers.Dense`: `x`'s trailing `n_in` axes against the kernel's leading ones."""
     letters = "abcdefghijklmnopqrstuvwxyz"
     batch = letters[:x_ndim - n_in]
     contract = letters[x_ndim - n_in:x_ndim]

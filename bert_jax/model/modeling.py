@@ -6,10 +6,12 @@ and the parameter-tree utilities around them (counts, stacking layers for `nn.sc
 on top have modules of their own: the pretraining ones (masked LM, next-sentence prediction,
 `BertForPreTraining`) in `bert_jax.model.pretraining_heads`, the fine-tuning ones in `bert_jax.finetune.heads`.
 
-Three subjects it uses live beside it: `bert_jax.model.model_config` (`BertConfig`, a frozen dataclass
-with the fields of Google's `bert_config.json` plus our performance options), `bert_jax.model.attention`
-(the masks and the attention kernels: einsum, cuDNN, TPU splash) and `bert_jax.model.dropout`
-(`keep_mask`, `Dropout`); import their names from them (`bert_jax.model.model_config.BertConfig`).
+Four subjects it uses live beside it: `bert_jax.model.model_config` (`BertConfig`, a frozen dataclass
+with the fields of Google's `bert_config.json` plus our performance options), `bert_jax.model.layers`
+(`Dense`, `LayerNorm`, the activations and initializers, `dropout_add_norm`: the building blocks),
+`bert_jax.model.attention` (the masks and the attention kernels: einsum, cuDNN, TPU splash) and
+`bert_jax.model.dropout` (`keep_mask`, `Dropout`); import their names from them
+(`bert_jax.model.model_config.BertConfig`).
 
 Numerics: parameters are created in `param_dtype` (float32); matmuls run in the compute `dtype`
 (bfloat16 on accelerators); LayerNorm, the attention softmax and all logits are float32.
@@ -23,8 +25,7 @@ This module must not import tensorflow.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 from flax.linen import fp8_ops
@@ -32,10 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.model import fused, fused_ffn, fused_fp8, fused_qkv, mixed_precision
+from bert_jax.model import fused_ffn, fused_fp8, fused_qkv, mixed_precision
 from bert_jax.model.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids
-from bert_jax.model.dropout import Dropout, keep_mask, threefry_key
-from bert_jax.model.model_config import ACTIVATIONS, BertConfig
+from bert_jax.model.dropout import Dropout
+from bert_jax.model.layers import (FP8_COLLECTION, Dense, DenseParams, LayerNorm, activation_fn, dropout_add_norm,
+                                   folds_output_bias, kernel_init, make_dense)
+from bert_jax.model.model_config import BertConfig
 
 Array = jax.Array
 
@@ -44,132 +47,6 @@ Array = jax.Array
 # v's, ACT_HEADS, are `bert_jax.model.attention`'s.
 ACT_EMBED = ("activation_batch", "activation_length", "activation_embed")
 ACT_MLP = ("activation_batch", "activation_length", "activation_mlp")
-
-# The variable collection of the FP8 scaling state (`BertConfig.fp8`): amax histories and scales
-# whose "gradient" is their next value (flax's convention).
-FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
-
-
-# ---------------------------------------------------------------------------------------------
-# Building blocks
-# ---------------------------------------------------------------------------------------------
-
-
-def activation_fn(name: str) -> Callable[[Array], Array]:
-    """`gelu` is the exact erf form (HF); `gelu_tanh`/`gelu_new` the tanh form (Google TF1's "gelu")."""
-    if name == "gelu":
-        return functools.partial(jax.nn.gelu, approximate=False)
-    if name in ("gelu_tanh", "gelu_new"):
-        return functools.partial(jax.nn.gelu, approximate=True)
-    if name == "relu":
-        return jax.nn.relu
-    raise ValueError(f"unknown hidden_act {name!r}; expected one of {ACTIVATIONS}")
-
-
-def _kernel_init(config: BertConfig, names: tuple):
-    # Google: tf.truncated_normal_initializer(stddev=initializer_range), cut at 2 stddev.
-    return nn.with_logical_partitioning(
-        nn.initializers.truncated_normal(stddev=config.initializer_range), names)
-
-
-def _zeros(names: tuple):
-    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
-
-
-def _ones(names: tuple):
-    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm computed in float32 whatever the compute dtype; output cast back to `dtype`.
-
-    Two-pass variance (mean of squared deviations), as in Google's `tf.nn.moments`, rather than
-    E[x^2] - E[x]^2, which loses precision when the mean is large.
-    """
-
-    config: BertConfig
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        cfg = self.config
-        scale = self.param("scale", _ones(("embed",)), (x.shape[-1],), cfg.params_dtype)
-        bias = self.param("bias", _zeros(("embed",)), (x.shape[-1],), cfg.params_dtype)
-        x = x.astype(jnp.float32)
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + cfg.layer_norm_eps)
-        y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
-        return y.astype(cfg.compute_dtype)
-
-
-def _dense_params(module: nn.Module, config: BertConfig, in_shape: tuple, out_shape: tuple,
-                  names: tuple) -> tuple[Array, Array]:
-    """Creates `kernel` (in_shape + out_shape) and `bias` (out_shape) in `module`'s scope."""
-    kernel = module.param("kernel", _kernel_init(config, names), in_shape + out_shape,
-                          config.params_dtype)
-    bias = module.param("bias", _zeros(names[len(in_shape):]), out_shape, config.params_dtype)
-    return kernel, bias
-
-
-class Dense(nn.Module):
-    """`y = x @ kernel + bias` contracting the trailing `len(in_shape)` axes of x.
-
-    Parameters are created at their true (multi-axis) shapes so that logical axis names line up
-    with the dimensions, e.g. the query kernel is `[hidden, heads, head_dim]`.
-    """
-
-    config: BertConfig
-    in_shape: tuple
-    out_shape: tuple
-    names: tuple  # logical names of kernel dims: in_shape's then out_shape's
-    # Return `(x @ kernel, bias)`: the caller adds the bias (a fused kernel); with FP8 and the LayerNorm
-    # kernels, `(fused_fp8.Fp8Dense, bias)`: the GEMM too, inside `dropout_add_norm`.
-    return_bias: bool = False
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        cfg = self.config
-        kernel, bias = _dense_params(self, cfg, self.in_shape, self.out_shape, self.names)
-        n_in = len(self.in_shape)
-        x = x.astype(cfg.compute_dtype)
-        # Contract x's last n_in axes with the kernel's first n_in axes.
-        dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
-        # FP8: the inputs and the kernel quantized to e4m3, the output gradient to e5m2, with the
-        # scales of this layer's own state (its submodule "fp8"); XLA rewrites the scaled dot into
-        # an FP8 GEMM on Hopper GPUs.
-        if cfg.mixed_matmuls:  # bf16 inputs, float32 out (bert_jax.model.mixed_precision)
-            y = mixed_precision.einsum(mixed_precision.dense_spec(x.ndim, n_in, len(self.out_shape)), x, kernel)
-        elif self.return_bias and fused_fp8.applies(cfg):
-            # The GEMM runs inside the LayerNorm kernel's custom VJP (`dropout_add_norm`), which
-            # casts its output gradient to e5m2 (bert_jax.model.fused_fp8).
-            y = fused_fp8.Fp8Operands(name="fp8")(x, kernel.astype(cfg.compute_dtype), dims)
-        else:
-            dot = fp8_ops.Fp8DirectDotGeneralOp(name="fp8") if cfg.fp8 else jax.lax.dot_general
-            y = dot(x, kernel.astype(cfg.compute_dtype), dims)
-        if self.return_bias:
-            return y, bias
-        return y + bias.astype(cfg.compute_dtype)
-
-
-class DenseParams(nn.Module):
-    """A dense layer's `(kernel, bias)`, unapplied: lets a caller fuse several projections into
-    one matmul while each keeps its own parameters (and checkpoint names)."""
-
-    config: BertConfig
-    in_shape: tuple
-    out_shape: tuple
-    names: tuple
-
-    @nn.compact
-    def __call__(self) -> tuple[Array, Array]:
-        return _dense_params(self, self.config, self.in_shape, self.out_shape, self.names)
-
-
-def _dense(config: BertConfig, features, names: tuple, name: str, return_bias: bool = False) -> Dense:
-    """A dense layer from `hidden_size` (or `names`' first dim) to `features` (int or tuple)."""
-    out_shape = (features,) if isinstance(features, int) else tuple(features)
-    in_dim = {"embed": config.hidden_size, "mlp": config.intermediate_size}[names[0]]
-    return Dense(config, (in_dim,), out_shape, names, name=name, return_bias=return_bias)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,11 +63,11 @@ class Embeddings(nn.Module):
     def __call__(self, input_ids: Array, segment_ids: Array, position_ids: Array,
                  deterministic: bool) -> Array:
         cfg = self.config
-        word = self.param("word_embeddings", _kernel_init(cfg, ("vocab", "embed")),
+        word = self.param("word_embeddings", kernel_init(cfg, ("vocab", "embed")),
                           (cfg.vocab_size, cfg.hidden_size), cfg.params_dtype)
-        position = self.param("position_embeddings", _kernel_init(cfg, ("position", "embed")),
+        position = self.param("position_embeddings", kernel_init(cfg, ("position", "embed")),
                               (cfg.max_position_embeddings, cfg.hidden_size), cfg.params_dtype)
-        token_type = self.param("token_type_embeddings", _kernel_init(cfg, ("type_vocab", "embed")),
+        token_type = self.param("token_type_embeddings", kernel_init(cfg, ("type_vocab", "embed")),
                                 (cfg.type_vocab_size, cfg.hidden_size), cfg.params_dtype)
         # Gathers: [batch, length, hidden] each.
         x = (jnp.take(word, input_ids, axis=0) + jnp.take(position, position_ids, axis=0)
@@ -198,59 +75,6 @@ class Embeddings(nn.Module):
         x = LayerNorm(cfg, name="LayerNorm")(x)
         x = Dropout(rate=cfg.hidden_dropout_prob)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, ACT_EMBED)
-
-
-class _DropoutRng(nn.Module):
-    """Draws the "dropout" key that a `Dropout` module of the same name would draw."""
-
-    @nn.compact
-    def __call__(self) -> Array:
-        return self.make_rng("dropout")
-
-
-class _NormParams(nn.Module):
-    """`LayerNorm`'s `scale` and `bias`, unapplied (same names, shapes and initializers)."""
-
-    config: BertConfig
-
-    @nn.compact
-    def __call__(self) -> tuple[Array, Array]:
-        cfg = self.config
-        return (self.param("scale", _ones(("embed",)), (cfg.hidden_size,), cfg.params_dtype),
-                self.param("bias", _zeros(("embed",)), (cfg.hidden_size,), cfg.params_dtype))
-
-
-def folds_output_bias(cfg: BertConfig) -> bool:
-    """Whether `dropout_add_norm` takes the sub-layer's output bias into its fused kernel."""
-    return cfg.fused_ops and fused.supported(cfg.hidden_size)
-
-
-def dropout_add_norm(cfg: BertConfig, deterministic: bool, out: Array, residual: Array,
-                     out_bias: Optional[Array] = None) -> Array:
-    """`LayerNorm(dropout(out + out_bias) + residual)`, the end of every sub-layer (call it from a
-    module's compact `__call__`: it creates the submodules "Dropout_0" and "output_norm" there).
-    With `cfg.fused_ops` where `bert_jax.model.fused` applies (`folds_output_bias`): one Pallas kernel
-    each way, the bias add inside it, with the same parameters and the same dropout mask (drawn
-    inside the kernels from a threefry key: never stored)."""
-    rate = cfg.hidden_dropout_prob
-    if folds_output_bias(cfg):
-        keep = key = None
-        if not deterministic and rate > 0.0:
-            # A threefry key: the kernels draw the mask themselves (again in the backward), the
-            # one keep_mask gives; other keys' masks are drawn here and read.
-            rng = _DropoutRng(name="Dropout_0")()
-            key = threefry_key(rng, out.size)
-            keep = keep_mask(rng, 1.0 - rate, out.shape) if key is None else None
-        scale, bias = _NormParams(cfg, name="output_norm")()
-        if isinstance(out, fused_fp8.Fp8Dense):
-            return fused_fp8.dense_dropout_add_layernorm(out, residual, keep, scale, bias, out_bias,
-                                                         keep_prob=1.0 - rate, eps=cfg.layer_norm_eps, key=key)
-        return fused.dropout_add_layernorm(out, residual, keep, scale, bias, keep_prob=1.0 - rate,
-                                           eps=cfg.layer_norm_eps, h_bias=out_bias, key=key)
-    if out_bias is not None:
-        out = out + out_bias.astype(out.dtype)
-    out = Dropout(rate=rate, name="Dropout_0")(out, deterministic=deterministic)
-    return LayerNorm(cfg, name="output_norm")(out + residual)
 
 
 class SelfAttention(nn.Module):
@@ -322,7 +146,9 @@ class SelfAttention(nn.Module):
         out = Dense(cfg, (heads, head_dim), (cfg.hidden_size,), ("heads", "kv", "embed"),
                     name="output", return_bias=fold)(ctx)
         out, out_bias = out if fold else (out, None)
-        return dropout_add_norm(cfg, self.deterministic, out, x, out_bias)
+        # Under FP8 with the kernels, not computed yet (a PendingNorm): FeedForward's first dense layer
+        # runs it, so that the LayerNorm kernel also writes its output in e4m3 for that GEMM.
+        return dropout_add_norm(cfg, self.deterministic, out, x, out_bias, pending=True)
 
 
 class FeedForward(nn.Module):
@@ -344,11 +170,13 @@ class FeedForward(nn.Module):
                                                 activation=cfg.hidden_act)
             return dropout_add_norm(cfg, self.deterministic, out, x, b2)
         # [batch, length, intermediate]
-        h = _dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate")(x)
+        h = make_dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate")(x)
+        if isinstance(x, fused_fp8.PendingNorm):  # computed by the dense layer (see SelfAttention)
+            x, h = h
         h = activation_fn(cfg.hidden_act)(h)
         h = nn.with_logical_constraint(h, ACT_MLP)
         fold = folds_output_bias(cfg)
-        out = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", return_bias=fold)(h)  # [b, length, hidden]
+        out = make_dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", return_bias=fold)(h)  # [b, length, hidden]
         out, out_bias = out if fold else (out, None)
         return dropout_add_norm(cfg, self.deterministic, out, x, out_bias)
 
@@ -442,7 +270,7 @@ class Pooler(nn.Module):
         else:
             # [batch, num_seqs, hidden]
             first = jnp.take_along_axis(sequence_output, cls_positions[..., None], axis=1)
-        pooled = _dense(cfg, cfg.hidden_size, ("embed", "mlp"), "dense")(first)  # as `first`
+        pooled = make_dense(cfg, cfg.hidden_size, ("embed", "mlp"), "dense")(first)  # as `first`
         return jnp.tanh(pooled.astype(jnp.float32)).astype(cfg.compute_dtype)
 
 
@@ -595,5 +423,5 @@ def unstack_layers(params: dict) -> dict:
 def __getattr__(name):
     """A name this module re-exported until 2026-11-29 (`modeling.BertConfig`): the error names its home."""
     import bert_jax
-    raise bert_jax.moved_attribute(__name__, name, ("bert_jax.model.model_config", "bert_jax.model.attention",
-                                                    "bert_jax.model.dropout"))
+    raise bert_jax.moved_attribute(__name__, name, ("bert_jax.model.model_config", "bert_jax.model.layers",
+                                                    "bert_jax.model.attention", "bert_jax.model.dropout"))

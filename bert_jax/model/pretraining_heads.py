@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from bert_jax.model import mixed_precision
 from bert_jax.model.model_config import BertConfig
-from bert_jax.model.modeling import ACT_EMBED, ACT_MLP, BertModel, LayerNorm, _dense, _zeros, activation_fn
+from bert_jax.model.layers import LayerNorm, activation_fn, make_dense, zeros_init
+from bert_jax.model.modeling import ACT_EMBED, ACT_MLP, BertModel
 
 Array = jax.Array
 
@@ -38,11 +39,11 @@ class MlmHead(nn.Module):
     @nn.compact
     def __call__(self, x: Array, word_embeddings: Array) -> Array:
         cfg = self.config
-        h = _dense(cfg, cfg.hidden_size, ("embed", "mlp"), "transform")(x)  # [batch, predictions, hidden]
+        h = make_dense(cfg, cfg.hidden_size, ("embed", "mlp"), "transform")(x)  # [batch, predictions, hidden]
         h = nn.with_logical_constraint(h, ACT_MLP)
         h = activation_fn(cfg.hidden_act)(h)
         h = LayerNorm(cfg, name="transform_norm")(h)
-        bias = self.param("output_bias", _zeros(("vocab",)), (cfg.vocab_size,), cfg.params_dtype)
+        bias = self.param("output_bias", zeros_init(("vocab",)), (cfg.vocab_size,), cfg.params_dtype)
         pad = cfg.padded_vocab_size - cfg.vocab_size
         # The decoder matmul runs on a vocab dim padded to a multiple of vocab_pad_multiple (faster
         # tiles); the parameters keep the real size so checkpoints and counts are exact.
@@ -93,7 +94,7 @@ class NspHead(nn.Module):
     @nn.compact
     def __call__(self, pooled: Array) -> Array:
         cfg = self.config
-        logits = _dense(cfg, 2, ("embed", "classes"), "dense")(pooled)  # [batch, 2] or [batch, num_seqs, 2]
+        logits = make_dense(cfg, 2, ("embed", "classes"), "dense")(pooled)  # [batch, 2] or [batch, num_seqs, 2]
         return logits.astype(jnp.float32)
 
 

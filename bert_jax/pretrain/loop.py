@@ -34,7 +34,7 @@ import ml_collections
 
 from bert_jax import layout, versions
 from bert_jax.checkpoints import checkpoint_steps, checkpointing
-from bert_jax.model import modeling
+from bert_jax.model import layers, modeling
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
 from bert_jax.pretrain import pretrain_checks, steps
@@ -76,7 +76,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
         params_rng, dropout_rng = jax.random.split(rng)
         variables = model.init(params_rng, **modeling.dummy_inputs(bert_config))
         return train_state.create_train_state(variables["params"], tx, dropout_rng,
-                                        fp8=variables.get(modeling.FP8_COLLECTION))
+                                        fp8=variables.get(layers.FP8_COLLECTION))
 
     return model, tx, schedule, init_state
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bert_jax.model.modeling import FP8_COLLECTION
+from bert_jax.model.layers import FP8_COLLECTION
 
 @flax.struct.dataclass
 class TrainState:

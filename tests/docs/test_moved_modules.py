@@ -32,7 +32,7 @@ def test_the_documented_old_paths_still_import_the_same_objects(old, new, names)
     sys.modules.pop(old, None)
     with pytest.warns(DeprecationWarning, match=new):
         module = importlib.import_module(old)
-    home = {"BertConfig": modeling, "BertModel": modeling, "keep_mask": modeling, "Checkpointer": checkpointing,
+    home = {"BertConfig": modeling, "BertModel": modeling, "keep_mask": dropout, "Checkpointer": checkpointing,
             "CheckpointRestoreError": checkpoint_steps, "newest_intact_step": checkpoint_reading,
             "saved_keys": checkpoint_reading}
     for name in names:

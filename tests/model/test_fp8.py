@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bert_jax.model import model_config, modeling, pretraining_heads
+from bert_jax.model import layers, model_config, modeling, pretraining_heads
 from bert_jax.pretrain import steps
 from bert_jax.training import optim, train_state
 
@@ -54,16 +54,16 @@ def test_an_fp8_dense_layer_equals_the_hand_quantized_matmul_with_delayed_scales
     x = rng.normal(0, 3.0, (6, 32)).astype(np.float32)
     kernel = rng.normal(0, 0.05, (32, 16)).astype(np.float32)
     bias = rng.normal(0, 0.1, (16,)).astype(np.float32)
-    layer = modeling.Dense(cfg, (32,), (16,), ("embed", "mlp"))
+    layer = layers.Dense(cfg, (32,), (16,), ("embed", "mlp"))
     # Delayed scaling: the scales come from the history (the amax of earlier steps), not from x.
     x_amax, k_amax = 7.5, 0.2
     variables = {"params": {"kernel": jnp.asarray(kernel), "bias": jnp.asarray(bias)},
-                 modeling.FP8_COLLECTION: {"fp8": _fp8_state(x_amax, k_amax)}}
+                 layers.FP8_COLLECTION: {"fp8": _fp8_state(x_amax, k_amax)}}
     got = np.asarray(layer.apply(variables, jnp.asarray(x)), np.float32)
     want = _reference_fp8_dense(x, kernel, bias, x_amax / E4M3_MAX, k_amax / E4M3_MAX)
     np.testing.assert_allclose(got, want, rtol=1.6e-2, atol=1e-3)  # one bf16 ulp from rounding order
     # ... and the quantization is real: the same layer in plain bf16 is further away than that.
-    plain = modeling.Dense(cfg.replace(fp8=False), (32,), (16,), ("embed", "mlp"))
+    plain = layers.Dense(cfg.replace(fp8=False), (32,), (16,), ("embed", "mlp"))
     exact = np.asarray(plain.apply({"params": variables["params"]}, jnp.asarray(x)), np.float32)
     assert np.max(np.abs(got - exact)) > 5 * np.max(np.abs(got - want))
     # Relative to the output's size, FP8's error stays within e4m3's 3-bit mantissa.
@@ -91,7 +91,7 @@ def _state_and_step(cfg, accum_steps: int = 1):
         model.init(jax.random.key(0), **modeling.dummy_inputs(cfg, batch=4, length=16, predictions=3)))
     tx = optim.make_optimizer("adamw", lambda s: 1e-3, clip_norm=1.0)
     state = train_state.create_train_state(variables["params"], tx, jax.random.key(1),
-                                     fp8=variables.get(modeling.FP8_COLLECTION))
+                                     fp8=variables.get(layers.FP8_COLLECTION))
     step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=lambda s: 1e-3,
                                      accum_steps=accum_steps))
     return state, step

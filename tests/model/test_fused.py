@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import dropout, fused, model_config, modeling, pretraining_heads
+from bert_jax.model import dropout, fused, layers, model_config, modeling, pretraining_heads
 import model_parity  # tests/ is on sys.path
 
 
@@ -27,7 +27,7 @@ def _unfused(cfg, keep, keep_prob, h, x, scale, bias, h_bias=None):
     if h_bias is not None:  # the dense layer's bias, added as flax's Dense does: in the compute dtype
         h = h + h_bias.astype(h.dtype)
     d = h if keep is None else jax.lax.select(keep, h / jnp.asarray(keep_prob, h.dtype), jnp.zeros_like(h))
-    return modeling.LayerNorm(cfg).apply({"params": {"scale": scale, "bias": bias}}, d + x)
+    return layers.LayerNorm(cfg).apply({"params": {"scale": scale, "bias": bias}}, d + x)
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-6), ("bfloat16", 2e-2)])

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import fused_ffn, model_config, modeling, pretraining_heads
+from bert_jax.model import fused_ffn, layers, model_config, modeling, pretraining_heads
 import model_parity  # tests/ is on sys.path
 
 # Launch shapes that make the interpreter walk a grid of 2 x 2 output tiles and the contraction in
@@ -33,9 +33,9 @@ def _reference(x, w1, b1, w2, activation):
 
 
 def _unfused(x, w1, b1, w2, activation):
-    """What the model computes without the kernels, in the inputs' dtype (`modeling.Dense`)."""
+    """What the model computes without the kernels, in the inputs' dtype (`layers.Dense`)."""
     h = jax.lax.dot_general(x, w1, (((1,), (0,)), ((), ()))) + b1.astype(x.dtype)
-    h = modeling.activation_fn(activation)(h)
+    h = layers.activation_fn(activation)(h)
     return jax.lax.dot_general(h, w2, (((1,), (0,)), ((), ())))
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import attention, dropout, model_config, modeling, pretraining_heads
+from bert_jax.model import attention, dropout, layers, model_config, modeling, pretraining_heads
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.modeling import BertModel
 from bert_jax.model.pretraining_heads import BertForPreTraining
@@ -355,8 +355,8 @@ def test_bfloat16_compute_keeps_float32_params_logits_layernorm_and_softmax():
     ln = {"scale": params["bert"]["embeddings"]["LayerNorm"]["scale"],
           "bias": params["bert"]["embeddings"]["LayerNorm"]["bias"]}
     x = jnp.asarray(32.0 + np.random.RandomState(0).normal(0, 1, (6, config.hidden_size)), jnp.bfloat16)
-    y = modeling.LayerNorm(config).apply({"params": ln}, x)
-    y32 = modeling.LayerNorm(tiny_config()).apply({"params": ln}, x.astype(jnp.float32))
+    y = layers.LayerNorm(config).apply({"params": ln}, x)
+    y32 = layers.LayerNorm(tiny_config()).apply({"params": ln}, x.astype(jnp.float32))
     assert y.dtype == jnp.bfloat16 and np.abs(y32).max() > 1
     np.testing.assert_allclose(np.asarray(y, np.float32), y32, rtol=2 ** -7, atol=1e-6)
     # The attention softmax in float32, alone: bf16 queries, keys and values (as the bf16 model
@@ -469,9 +469,9 @@ def test_gelu_variants():
     x = jnp.array([-3.0, -1.0, 0.5, 2.0])
     erf = 0.5 * x * (1 + jax.scipy.special.erf(x / np.sqrt(2)))
     tanh = 0.5 * x * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
-    np.testing.assert_allclose(modeling.activation_fn("gelu")(x), erf, atol=1e-6)
-    np.testing.assert_allclose(modeling.activation_fn("gelu_tanh")(x), tanh, atol=1e-6)
-    np.testing.assert_allclose(modeling.activation_fn("gelu_new")(x), tanh, atol=1e-6)
+    np.testing.assert_allclose(layers.activation_fn("gelu")(x), erf, atol=1e-6)
+    np.testing.assert_allclose(layers.activation_fn("gelu_tanh")(x), tanh, atol=1e-6)
+    np.testing.assert_allclose(layers.activation_fn("gelu_new")(x), tanh, atol=1e-6)
     assert not np.allclose(erf, tanh, atol=1e-4)
 
 
