@@ -212,7 +212,10 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
     codes = exit_codes(pod)
     # Each host ends on its own deadline (124), or, when the other got there first, on the error its
     # own save then meets (the coordination service's or orbax's barrier losing that host), loudly.
-    assert codes[0] == 124 and codes[1] != 0, (codes, out[-4000:])
+    # Which host's deadline comes first is the machine's timing: worker 0 freezes the bucket as its
+    # save starts, but a loaded machine has seen worker 1's save start first and end first (124),
+    # worker 0's then failing on the lost peer and aborting at shutdown (134).
+    assert 124 in codes and 0 not in codes, (codes, out[-4000:])
     for i, text in enumerate(out.split("--- worker ")[1:]):
         assert (f"saving step {frozen} to {work}/checkpoints did not finish within 5 s" in text
                 or f"checkpoint save of step {frozen} in {work}/checkpoints failed" in text), (i, text[-3000:])
