@@ -31,17 +31,22 @@ step (rows read as 512 + 256 columns) 1.078-1.089x (1.074-1.086x pipelined, 2026
 Triton loads and stores power-of-two blocks only, so the kernels read and write each row in
 power-of-two column pieces (`pieces`): one for 128, 256, 512, 1024 (BERT-Tiny, -Mini, -Small,
 -Large), two for BERT-Base's 768 (512 + 256) and MiniLM's 384; hidden sizes that are not a multiple of
-16 or need more than `MAX_PIECES` pieces fall back to the unfused path. The kernels are meant for
-one GPU: XLA cannot split a Triton call over a mesh, so on several devices it gathers the operands
-to every device first (correct, not fast; running the kernel under `shard_map` over the batch axes
-is not built yet).
+16 or need more than `MAX_PIECES` pieces fall back to the unfused path. XLA cannot split a Triton
+call over a mesh (it would gather every operand to every device), so on the mesh of `jax.set_mesh`
+the kernels run under `jax.shard_map`, each device on its own rows (the activations' batch axes,
+`row_axes`), the dropout mask drawn from each element's index in the whole array (the shard's first
+row goes in with the key), and the partial sums and amaxes reduced over devices after: the same
+results as one device (`tests/model/test_fused_per_shard.py`). Rows that cannot split evenly, or a
+sequence or hidden axis split over devices, run as one call (gathered: correct, not fast).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,9 +154,11 @@ def _row_sum(parts) -> Array:
 def _drawn_keep(key_ref, row0, rows: int, hidden: int, keep_prob: float) -> list:
     """Dropout's keep mask of `rows` rows from row `row0` on, per column piece, drawn from the key
     as `dropout.keep_mask` draws it for the whole `[rows, hidden]` array: the hash of each
-    element's row-major index (`dropout.keep_from_index`), so no mask is read or stored."""
+    element's row-major index (`dropout.keep_from_index`), so no mask is read or stored. The key's
+    third word is the first row of this device's shard (`_per_shard`; 0 on one device)."""
     k0, k1 = key_ref[0], key_ref[1]
-    row = (row0 + jnp.arange(rows, dtype=jnp.int32)).astype(jnp.uint32)[:, None] * np.uint32(hidden)
+    first = key_ref[2] + jnp.asarray(row0).astype(jnp.uint32)
+    row = (first + jnp.arange(rows, dtype=jnp.int32).astype(jnp.uint32))[:, None] * np.uint32(hidden)
     return [dropout_lib.keep_from_index(
         k0, k1, row + (offset + jnp.arange(width, dtype=jnp.int32)).astype(jnp.uint32)[None, :], keep_prob)
         for offset, width in pieces(hidden)]
@@ -269,29 +276,84 @@ def _specs(rows_block: int, hidden: int):
     return row, vec, stat
 
 
-def _mask_input(keep, key, row) -> tuple[Optional[str], tuple, list]:
-    """The dropout operand (`keep` mask rows, or the 2-word key whole), its kind and its spec."""
+def _mask_input(keep, key, row, first_row) -> tuple[Optional[str], tuple, list]:
+    """The dropout operand (`keep` mask rows, or the 2-word key whole with the shard's first row as a
+    third word), its kind and its spec."""
     if key is not None:
-        return "key", (key,), [pl.BlockSpec((2,), lambda i: (0,))]
+        return "key", (jnp.concatenate([key, first_row.astype(jnp.uint32).reshape(1)]),), [
+            pl.BlockSpec((3,), lambda i: (0,))]
     if keep is not None:
         return "mask", (keep,), [row]
     return None, (), []
 
 
+def row_axes(rows: int) -> Optional[tuple]:
+    """The mesh axes the kernels' `rows` split over, each device running the kernels on its own rows
+    (`_per_shard`): the activations' batch axes on the mesh of `jax.set_mesh` (from the logical axis
+    rules, as the model constrains its activations). None: no mesh, or no batch axis on it, or rows
+    that do not split evenly, or the sequence or hidden axis split (a row's LayerNorm needs the whole
+    row); the kernels then run as one call, whose operands XLA gathers to every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    batch, length, hidden = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_embed"))
+    if length is not None or hidden is not None or batch is None:
+        return None
+    axes = (batch,) if isinstance(batch, str) else tuple(batch)
+    if any(a not in mesh.axis_names for a in axes) or rows % math.prod(mesh.shape[a] for a in axes):
+        return None
+    return axes
+
+
+def _per_shard(call, args: tuple, row_args: tuple):
+    """`call(*args, first_row=...)`, where `args` (None: absent) at `row_args` are `[rows, ...]`
+    arrays and the rest are taken whole. On a mesh (`row_axes`), under `jax.shard_map`: each
+    device calls it on its own rows with the index of its first row (for the dropout's element
+    indices), and every result is split by its first axis as the rows are. Triton's calls are
+    not split by XLA, which would instead gather every operand to every device."""
+    axes = row_axes(args[0].shape[0])
+    if axes is None:
+        return call(*args, first_row=jnp.zeros((), jnp.uint32))
+    present = [i for i, a in enumerate(args) if a is not None]
+
+    def body(*shards):
+        local = list(args)
+        for i, a in zip(present, shards):
+            local[i] = a
+        first = jax.lax.axis_index(axes).astype(jnp.uint32) * np.uint32(local[0].shape[0])
+        return call(*local, first_row=first)
+
+    spec = jax.sharding.PartitionSpec
+    # check_vma=False: pallas_call does not declare how its results vary over the mesh; each is
+    # per shard, as out_specs says.
+    return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
+                         in_specs=tuple(spec(axes) if i in row_args else spec() for i in present),
+                         out_specs=spec(axes), check_vma=False)(*(args[i] for i in present))
+
+
 def _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps, in_scale=None):
     """y, mean and 1/std; given `in_scale` (float32 `[1]`: the scale of the FP8 layer that reads y),
     also y as float8_e4m3fn scaled by it (`_fp8`) and its largest |value| (FP8's input amax)."""
+    out = _per_shard(functools.partial(_forward_call, keep_prob=keep_prob, eps=eps),
+                     (h, x, keep, key, scale, bias, h_bias, in_scale), row_args=(0, 1, 2))
+    if in_scale is not None:
+        y, mean, rstd, q, amax = out
+        return y, mean, rstd, q, jnp.max(amax)
+    return tuple(out)
+
+
+def _forward_call(h, x, keep, key, scale, bias, h_bias, in_scale, *, first_row, keep_prob, eps):
     rows, hidden = h.shape
     shape = _launch()[0]
     block = _block_rows(rows, shape["block_rows"])
     row, vec, stat = _specs(block, hidden)
     with_h_bias, fp8 = h_bias is not None, in_scale is not None
-    dropout, mask, mask_spec = _mask_input(keep, key, row)
+    dropout, mask, mask_spec = _mask_input(keep, key, row, first_row)
     inputs = (h, x) + mask + (scale, bias) + ((h_bias,) if with_h_bias else ()) + ((in_scale,) if fp8 else ())
     one = pl.BlockSpec((1,), lambda i: (0,))
     in_specs = [row, row] + mask_spec + [vec, vec] + ([vec] if with_h_bias else []) + ([one] if fp8 else [])
     blocks = rows // block
-    out = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_forward_kernel, keep_prob=keep_prob, eps=eps, dropout=dropout,
                           with_h_bias=with_h_bias, fp8=fp8, hidden=hidden),
         grid=(blocks,), in_specs=in_specs,
@@ -301,16 +363,23 @@ def _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps, in_scale=None
         + ([jax.ShapeDtypeStruct((rows, hidden), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((blocks,), jnp.float32)]
            if fp8 else []),
         name="dropout_add_layernorm_fwd", **_backend_args(shape["num_warps"]))(*inputs)
-    if fp8:
-        y, mean, rstd, q, amax = out
-        return y, mean, rstd, q, jnp.max(amax)
-    return tuple(out)
 
 
 def _backward(h, x, keep, key, scale, h_bias, mean, rstd, dy, keep_prob, grad_scale=None):
     """dh, dx and the summed gradients of scale, bias and (None without it) h_bias; given
     `grad_scale` (float32 `[1]`), dh as float8_e5m2 scaled by it (`_fp8`), and its largest |value|
     before the cast as a sixth result (FP8's gradient amax)."""
+    fp8 = grad_scale is not None
+    dh, dx, *partials = _per_shard(functools.partial(_backward_call, keep_prob=keep_prob),
+                                   (h, x, keep, key, scale, h_bias, mean, rstd, dy, grad_scale),
+                                   row_args=(0, 1, 2, 6, 7, 8))
+    amax = jnp.max(partials.pop()) if fp8 else None
+    dscale, dbias, dh_bias = ([jnp.sum(p, axis=0) for p in partials] + [None])[:3]
+    return (dh, dx, dscale, dbias, dh_bias) + ((amax,) if fp8 else ())
+
+
+def _backward_call(h, x, keep, key, scale, h_bias, mean, rstd, dy, grad_scale, *, first_row, keep_prob):
+    """The backward kernel on these rows: dh, dx, the per-block partial sums, [the per-block amax]."""
     rows, hidden = h.shape
     shape = _launch()[1]
     block = _block_rows(rows, shape["block_rows"])
@@ -318,14 +387,14 @@ def _backward(h, x, keep, key, scale, h_bias, mean, rstd, dy, keep_prob, grad_sc
     row, vec, stat = _specs(block, hidden)
     part = pl.BlockSpec((1, hidden), lambda i: (i, 0))
     with_h_bias, fp8 = h_bias is not None, grad_scale is not None
-    dropout, mask, mask_spec = _mask_input(keep, key, row)
+    dropout, mask, mask_spec = _mask_input(keep, key, row, first_row)
     inputs = ((h, x) + mask + (scale,) + ((h_bias,) if with_h_bias else ()) + (mean, rstd, dy)
               + ((grad_scale,) if fp8 else ()))
     in_specs = ([row, row] + mask_spec + [vec] + ([vec] if with_h_bias else []) + [stat, stat, row]
                 + ([pl.BlockSpec((1,), lambda i: (0,))] if fp8 else []))
     blocks = rows // block
     parts = 3 if with_h_bias else 2  # [blocks, hidden] partial sums: dscale, dbias[, dh_bias]
-    dh, dx, *partials = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_backward_kernel, keep_prob=keep_prob, dropout=dropout, with_h_bias=with_h_bias,
                           fp8=fp8, chunk=chunk, chunks=block // chunk, hidden=hidden),
         grid=(blocks,), in_specs=in_specs,
@@ -335,9 +404,6 @@ def _backward(h, x, keep, key, scale, h_bias, mean, rstd, dy, keep_prob, grad_sc
         + [jax.ShapeDtypeStruct((blocks, hidden), jnp.float32)] * parts
         + ([jax.ShapeDtypeStruct((blocks,), jnp.float32)] if fp8 else []),
         name="dropout_add_layernorm_bwd", **_backend_args(shape["num_warps"]))(*inputs)
-    amax = jnp.max(partials.pop()) if fp8 else None
-    dscale, dbias, dh_bias = ([jnp.sum(p, axis=0) for p in partials] + [None])[:3]
-    return (dh, dx, dscale, dbias, dh_bias) + ((amax,) if fp8 else ())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))

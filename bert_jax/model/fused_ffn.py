@@ -19,8 +19,9 @@ accumulator (`tests/model/test_fused_ffn.py` compares both passes against the un
 reference). On GPUs the kernels lower through Triton; elsewhere they run in Pallas' interpreter
 (correct, slow: for tests). Both GELUs are built (`gelu`, the exact erf form; `gelu_tanh`). The
 sizes must divide by the blocks (hidden and intermediate by 64; BERT-Base's 768/3072 and Large's
-1024/4096 do); `supported` says. Like `bert_jax.model.fused`, this is for one GPU: under a mesh of several
-devices XLA gathers a Triton call's operands to every device.
+1024/4096 do); `supported` says. This is for one GPU: under a mesh of several devices XLA gathers a
+Triton call's operands to every device (the LayerNorm kernels run per shard, `fused.row_axes`;
+these GEMMs would need their weights gathered and their gradients summed over the batch's devices).
 
 Measured on an H200 (benchmarks/RESULTS.md, 2026-11-28): the kernels are more exact than XLA's bf16
 path (the bias gradient 26x), but their GEMMs, as Pallas emits them through Triton, run at

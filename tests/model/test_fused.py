@@ -153,7 +153,8 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dr
         types = re.search(r": \(([^()]*)\) -> \(([^()]*)\)", line)
         assert (types[1].count("tensor<"), types[2].count("tensor<")) == (operands, results), (name, types[0])
         assert ("xi8>" in types[1]) == (with_dropout == "mask"), (name, types[0])  # the mask's rows
-        assert ("tensor<2xui32>" in types[1]) == (with_dropout == "key"), (name, types[0])
+        # The key's two words and the first row of the device's shard (0 here: one device).
+        assert ("tensor<3xui32>" in types[1]) == (with_dropout == "key"), (name, types[0])
 
 
 def test_the_kernel_benchmark_times_the_mask_read_and_the_mask_drawn_against_xla(load_benchmark):
