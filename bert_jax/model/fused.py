@@ -290,9 +290,10 @@ def _mask_input(keep, key, row, first_row) -> tuple[Optional[str], tuple, list]:
 def row_axes(rows: int) -> Optional[tuple]:
     """The mesh axes the kernels' `rows` split over, each device running the kernels on its own rows
     (`_per_shard`): the activations' batch axes on the mesh of `jax.set_mesh` (from the logical axis
-    rules, as the model constrains its activations). None: no mesh, or no batch axis on it, or rows
-    that do not split evenly, or the sequence or hidden axis split (a row's LayerNorm needs the whole
-    row); the kernels then run as one call, whose operands XLA gathers to every device."""
+    rules, as the model constrains its activations). None: no mesh, or no batch axis on it (or one of
+    one device), or rows that do not split evenly, or the sequence or hidden axis split (a row's
+    LayerNorm needs the whole row); the kernels then run as one call (on several devices, one whose
+    operands XLA gathers to every device)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
@@ -300,7 +301,10 @@ def row_axes(rows: int) -> Optional[tuple]:
     if length is not None or hidden is not None or batch is None:
         return None
     axes = (batch,) if isinstance(batch, str) else tuple(batch)
-    if any(a not in mesh.axis_names for a in axes) or rows % math.prod(mesh.shape[a] for a in axes):
+    if any(a not in mesh.axis_names for a in axes):
+        return None
+    devices = math.prod(mesh.shape[a] for a in axes)
+    if devices == 1 or rows % devices:  # one device's program as it was, without the shard_map
         return None
     return axes
 

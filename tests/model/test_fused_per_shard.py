@@ -75,6 +75,9 @@ def test_the_kernels_run_per_shard_and_equal_one_device(monkeypatch, mesh_shape,
 
 def test_the_kernels_run_as_one_call_where_rows_cannot_split():
     assert fused.row_axes(96) is None  # no mesh
+    with jax.set_mesh(sharding.create_mesh({"data": 1}, devices=jax.devices()[:1])):
+        with nn.logical_axis_rules(sharding.DEFAULT_RULES):
+            assert fused.row_axes(96) is None  # one device (one GPU's run): its program as it was
     mesh = sharding.create_mesh({"data": 4, "fsdp": 2})
     rules = dict(sharding.DEFAULT_RULES)
     with jax.set_mesh(mesh):
