@@ -4,7 +4,6 @@ element's index in the whole array, so that every result equals one device's, bi
 kernels alone (forward, backward, FP8's casts and amaxes), the program a GPU would compile (the
 Triton calls take one device's rows), and the whole pretraining model's gradients, dropout on."""
 
-import functools
 import re
 
 import flax.linen as nn
