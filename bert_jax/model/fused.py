@@ -34,7 +34,7 @@ power-of-two column pieces (`pieces`): one for 128, 256, 512, 1024 (BERT-Tiny, -
 16 or need more than `MAX_PIECES` pieces fall back to the unfused path. XLA cannot split a Triton
 call over a mesh (it would gather every operand to every device), so on the mesh of `jax.set_mesh`
 the kernels run under `jax.shard_map`, each device on its own rows (the activations' batch axes,
-`row_axes`), the dropout mask drawn from each element's index in the whole array (the shard's first
+`bert_jax.model.shards`), the dropout mask drawn from each element's index in the whole array (the shard's first
 row goes in with the key), and the partial sums and amaxes reduced over devices after: the same
 results as one device (`tests/model/test_fused_per_shard.py`). Rows that cannot split evenly, or a
 sequence or hidden axis split over devices, run as one call (gathered: correct, not fast).
@@ -43,17 +43,15 @@ sequence or hidden axis split over devices, run as one call (gathered: correct, 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from bert_jax.model import dropout as dropout_lib
+from bert_jax.model import dropout as dropout_lib, shards
 
 Array = jax.Array
 
@@ -155,7 +153,7 @@ def _drawn_keep(key_ref, row0, rows: int, hidden: int, keep_prob: float) -> list
     """Dropout's keep mask of `rows` rows from row `row0` on, per column piece, drawn from the key
     as `dropout.keep_mask` draws it for the whole `[rows, hidden]` array: the hash of each
     element's row-major index (`dropout.keep_from_index`), so no mask is read or stored. The key's
-    third word is the first row of this device's shard (`_per_shard`; 0 on one device)."""
+    third word is the first row of this device's shard (`shards.per_shard`; 0 on one device)."""
     k0, k1 = key_ref[0], key_ref[1]
     first = key_ref[2] + jnp.asarray(row0).astype(jnp.uint32)
     row = (first + jnp.arange(rows, dtype=jnp.int32).astype(jnp.uint32))[:, None] * np.uint32(hidden)
@@ -287,59 +285,11 @@ def _mask_input(keep, key, row, first_row) -> tuple[Optional[str], tuple, list]:
     return None, (), []
 
 
-def row_axes(rows: int) -> Optional[tuple]:
-    """The mesh axes the kernels' `rows` split over, each device running the kernels on its own rows
-    (`_per_shard`): the activations' batch axes on the mesh of `jax.set_mesh` (from the logical axis
-    rules, as the model constrains its activations). None: no mesh, or no batch axis on it (or one of
-    one device), or rows that do not split evenly, or the sequence or hidden axis split (a row's
-    LayerNorm needs the whole row); the kernels then run as one call (on several devices, one whose
-    operands XLA gathers to every device)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None
-    batch, length, hidden = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_embed"))
-    if length is not None or hidden is not None or batch is None:
-        return None
-    axes = (batch,) if isinstance(batch, str) else tuple(batch)
-    if any(a not in mesh.axis_names for a in axes):
-        return None
-    devices = math.prod(mesh.shape[a] for a in axes)
-    if devices == 1 or rows % devices:  # one device's program as it was, without the shard_map
-        return None
-    return axes
-
-
-def _per_shard(call, args: tuple, row_args: tuple):
-    """`call(*args, first_row=...)`, where `args` (None: absent) at `row_args` are `[rows, ...]`
-    arrays and the rest are taken whole. On a mesh (`row_axes`), under `jax.shard_map`: each
-    device calls it on its own rows with the index of its first row (for the dropout's element
-    indices), and every result is split by its first axis as the rows are. Triton's calls are
-    not split by XLA, which would instead gather every operand to every device."""
-    axes = row_axes(args[0].shape[0])
-    if axes is None:
-        return call(*args, first_row=jnp.zeros((), jnp.uint32))
-    present = [i for i, a in enumerate(args) if a is not None]
-
-    def body(*shards):
-        local = list(args)
-        for i, a in zip(present, shards):
-            local[i] = a
-        first = jax.lax.axis_index(axes).astype(jnp.uint32) * np.uint32(local[0].shape[0])
-        return call(*local, first_row=first)
-
-    spec = jax.sharding.PartitionSpec
-    # check_vma=False: pallas_call does not declare how its results vary over the mesh; each is
-    # per shard, as out_specs says.
-    return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
-                         in_specs=tuple(spec(axes) if i in row_args else spec() for i in present),
-                         out_specs=spec(axes), check_vma=False)(*(args[i] for i in present))
-
-
 def _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps, in_scale=None):
     """y, mean and 1/std; given `in_scale` (float32 `[1]`: the scale of the FP8 layer that reads y),
     also y as float8_e4m3fn scaled by it (`_fp8`) and its largest |value| (FP8's input amax)."""
-    out = _per_shard(functools.partial(_forward_call, keep_prob=keep_prob, eps=eps),
-                     (h, x, keep, key, scale, bias, h_bias, in_scale), row_args=(0, 1, 2))
+    out = shards.per_shard(functools.partial(_forward_call, keep_prob=keep_prob, eps=eps),
+                           (h, x, keep, key, scale, bias, h_bias, in_scale), row_args=(0, 1, 2), first_row=True)
     if in_scale is not None:
         y, mean, rstd, q, amax = out
         return y, mean, rstd, q, jnp.max(amax)
@@ -374,9 +324,9 @@ def _backward(h, x, keep, key, scale, h_bias, mean, rstd, dy, keep_prob, grad_sc
     `grad_scale` (float32 `[1]`), dh as float8_e5m2 scaled by it (`_fp8`), and its largest |value|
     before the cast as a sixth result (FP8's gradient amax)."""
     fp8 = grad_scale is not None
-    dh, dx, *partials = _per_shard(functools.partial(_backward_call, keep_prob=keep_prob),
-                                   (h, x, keep, key, scale, h_bias, mean, rstd, dy, grad_scale),
-                                   row_args=(0, 1, 2, 6, 7, 8))
+    dh, dx, *partials = shards.per_shard(functools.partial(_backward_call, keep_prob=keep_prob),
+                                         (h, x, keep, key, scale, h_bias, mean, rstd, dy, grad_scale),
+                                         row_args=(0, 1, 2, 6, 7, 8), first_row=True)
     amax = jnp.max(partials.pop()) if fp8 else None
     dscale, dbias, dh_bias = ([jnp.sum(p, axis=0) for p in partials] + [None])[:3]
     return (dh, dx, dscale, dbias, dh_bias) + ((amax,) if fp8 else ())

@@ -19,9 +19,8 @@ accumulator (`tests/model/test_fused_ffn.py` compares both passes against the un
 reference). On GPUs the kernels lower through Triton; elsewhere they run in Pallas' interpreter
 (correct, slow: for tests). Both GELUs are built (`gelu`, the exact erf form; `gelu_tanh`). The
 sizes must divide by the blocks (hidden and intermediate by 64; BERT-Base's 768/3072 and Large's
-1024/4096 do); `supported` says. This is for one GPU: under a mesh of several devices XLA gathers a
-Triton call's operands to every device (the LayerNorm kernels run per shard, `fused.row_axes`;
-these GEMMs would need their weights gathered and their gradients summed over the batch's devices).
+1024/4096 do); `supported` says. On a mesh of several devices each runs the kernels on its own rows
+(`bert_jax.model.shards`), the weights whole (a tensor-parallel split of them gathered first).
 
 Measured on an H200 (benchmarks/RESULTS.md, 2026-11-28): the kernels are more exact than XLA's bf16
 path (the bias gradient 26x), but their GEMMs, as Pallas emits them through Triton, run at
@@ -39,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bert_jax.model import pallas_gemm
+from bert_jax.model import pallas_gemm, shards
 
 Array = jax.Array
 
@@ -131,7 +130,13 @@ def _backward_kernel(g_ref, w_ref, pre_ref, dpre_ref, db_ref, *, bm, bn, bk, ste
 
 
 def forward(x: Array, w1: Array, b1: Array, activation: str) -> tuple[Array, Array]:
-    """`(pre, act)`: `x @ w1 + b1` and its GELU, `[m, intermediate]` in `x`'s dtype."""
+    """`(pre, act)`: `x @ w1 + b1` and its GELU, `[m, intermediate]` in `x`'s dtype (on a mesh, each
+    device on its own rows: `bert_jax.model.shards`)."""
+    return tuple(shards.per_shard(functools.partial(_forward_call, activation=activation), (x, w1, b1),
+                                  row_args=(0,), multiple=pallas_gemm.ROW_MULTIPLE))
+
+
+def _forward_call(x: Array, w1: Array, b1: Array, activation: str) -> list:
     m, k = x.shape
     n = w1.shape[1]
     shape = _launch(True)
@@ -144,17 +149,24 @@ def forward(x: Array, w1: Array, b1: Array, activation: str) -> tuple[Array, Arr
 
 
 def backward(g: Array, w2: Array, pre: Array, activation: str) -> tuple[Array, Array]:
-    """`(d_pre, d_b1)`: `(g @ w2.T) * gelu'(pre)` in `g`'s dtype and its column sums in float32."""
+    """`(d_pre, d_b1)`: `(g @ w2.T) * gelu'(pre)` in `g`'s dtype and its column sums in float32 (on a
+    mesh, each device on its own rows, the column sums' per-block partials summed over all)."""
+    dpre, db = shards.per_shard(functools.partial(_backward_call, activation=activation), (g, w2, pre),
+                                row_args=(0, 2), multiple=pallas_gemm.ROW_MULTIPLE)
+    return dpre, jnp.sum(db, axis=0)
+
+
+def _backward_call(g: Array, w2: Array, pre: Array, activation: str) -> list:
+    """`d_pre` and the per-block partial column sums `[row blocks, intermediate]`."""
     m, k = g.shape
     n = w2.shape[0]
     shape = _launch(False)
     bm, bn, bk = pallas_gemm.tiles(m, n, k, shape)
-    dpre, db = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_backward_kernel, bm=bm, bn=bn, bk=bk, steps=k // bk, activation=activation),
         grid=(m // bm, n // bn), name="ffn_gemm_gelu_bwd",
         out_shape=[jax.ShapeDtypeStruct((m, n), g.dtype), jax.ShapeDtypeStruct((m // bm, n), jnp.float32)],
         **pallas_gemm.backend_args(shape, _interpret()))(g, w2, pre)
-    return dpre, jnp.sum(db, axis=0)
 
 
 def _contract(a: Array, b: Array, a_axis: int, b_axis: int) -> Array:

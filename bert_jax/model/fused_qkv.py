@@ -25,8 +25,8 @@ output to the compute dtype before adding the bias (in the compute dtype), and s
 gradient from the compute-dtype gradients; here the bias is added to the float32 accumulator and
 its gradient summed in float32 (`tests/model/test_fused_qkv.py` compares both passes against the
 unfused path and a float32 reference). The hidden size must divide by 64 (BERT-Base's 768, Large's
-1024 do): `supported`. Like `bert_jax.model.fused_ffn` this is for one GPU: under a mesh of several
-devices XLA gathers a Triton call's operands to every device.
+1024 do): `supported`. On a mesh of several devices each runs the kernels on its own rows
+(`bert_jax.model.shards`), the weights whole, their gradients summed over the devices.
 
 Speed: not yet timed on a GPU (`benchmarks/bench_fused_qkv.py`, `benchmarks/gpu_fused_qkv.sh`).
 Pallas' Triton GEMMs ran at 0.65-0.75x cuBLAS's in the FFN kernels (benchmarks/RESULTS.md,
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bert_jax.model import pallas_gemm
+from bert_jax.model import pallas_gemm, shards
 
 Array = jax.Array
 
@@ -138,20 +138,30 @@ def _weight_grad_kernel(x_ref, dq_ref, dk_ref, dv_ref, dwq_ref, dwk_ref, dwv_ref
 
 def forward(x: Array, wq: Array, wk: Array, wv: Array, bq: Array, bk: Array, bv: Array) -> tuple[Array, Array, Array]:
     """`(q, k, v)`: `x @ w_t + b_t` for `x` `[m, hidden]` and each `w_t` `[hidden, n]`, `[m, n]` in
-    `x`'s dtype."""
+    `x`'s dtype (on a mesh, each device on its own rows: `bert_jax.model.shards`)."""
+    return tuple(shards.per_shard(_forward_call, (x, wq, wk, wv, bq, bk, bv), row_args=(0,),
+                                  multiple=pallas_gemm.ROW_MULTIPLE))
+
+
+def _forward_call(x, wq, wk, wv, bq, bk, bv) -> list:
     m, k = x.shape
     n = wq.shape[1]
     shape = _launch(FORWARD)
     bm, bn, bk_ = pallas_gemm.tiles(m, n, k, shape)
     out = jax.ShapeDtypeStruct((m, n), x.dtype)
-    return tuple(pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_forward_kernel, bm=bm, bn=bn, bk=bk_, steps=k // bk_),
         grid=(m // bm, 3, n // bn), out_shape=[out, out, out], name="qkv_gemm_bias_fwd",
-        **pallas_gemm.backend_args(shape, _interpret()))(x, wq, wk, wv, bq, bk, bv))
+        **pallas_gemm.backend_args(shape, _interpret()))(x, wq, wk, wv, bq, bk, bv)
 
 
 def input_grad(dq: Array, dk: Array, dv: Array, wq: Array, wk: Array, wv: Array) -> Array:
-    """`dq @ w_q.T + dk @ w_k.T + dv @ w_v.T`, `[m, hidden]` in `dq`'s dtype."""
+    """`dq @ w_q.T + dk @ w_k.T + dv @ w_v.T`, `[m, hidden]` in `dq`'s dtype (per device's rows)."""
+    return shards.per_shard(_input_grad_call, (dq, dk, dv, wq, wk, wv), row_args=(0, 1, 2),
+                            multiple=pallas_gemm.ROW_MULTIPLE)
+
+
+def _input_grad_call(dq, dk, dv, wq, wk, wv) -> Array:
     m, n = dq.shape
     k = wq.shape[0]
     shape = _launch(BACKWARD_INPUT)
@@ -164,18 +174,24 @@ def input_grad(dq: Array, dk: Array, dv: Array, wq: Array, wk: Array, wv: Array)
 
 def weight_grads(x: Array, dq: Array, dk: Array, dv: Array) -> tuple[tuple[Array, Array, Array], Array]:
     """`((dw_q, dw_k, dw_v), db)`: each `x.T @ d_t` (`[hidden, n]` in `x`'s dtype) and the bias
-    gradients' `[3, n]` column sums of `dq`, `dk`, `dv` in float32."""
+    gradients' `[3, n]` column sums of `dq`, `dk`, `dv` in float32 (on a mesh, each device's over its
+    own rows, then summed over the devices)."""
+    *dws, db = shards.per_shard(_weight_grads_call, (x, dq, dk, dv), row_args=(0, 1, 2, 3), summed=True,
+                                multiple=pallas_gemm.ROW_MULTIPLE)
+    return tuple(dws), db
+
+
+def _weight_grads_call(x, dq, dk, dv) -> list:
     m, k = x.shape
     n = dq.shape[1]
     shape = _launch(BACKWARD_WEIGHTS)
     bm, bn, bk = pallas_gemm.tiles(k, n, m, shape)
     dw = jax.ShapeDtypeStruct((k, n), x.dtype)
-    *dws, db = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_weight_grad_kernel, bm=bm, bn=bn, bk=bk, steps=m // bk),
         grid=(k // bm, 3, n // bn), name="qkv_gemm_dw_db_bwd",
         out_shape=[dw, dw, dw, jax.ShapeDtypeStruct((3, n), jnp.float32)],
         **pallas_gemm.backend_args(shape, _interpret()))(x, dq, dk, dv)
-    return tuple(dws), db
 
 
 @jax.custom_vjp

@@ -78,7 +78,7 @@ class BertConfig:
     # Dropout + residual add + LayerNorm at the end of each sub-layer as one Pallas kernel each way
     # (`bert_jax.model.fused`; Triton on GPUs). The same parameters, masks and arithmetic; where the
     # kernels do not apply (a hidden size `fused.supported` refuses) the layer is unfused. On a mesh
-    # each device runs them on its own examples (`fused.row_axes`).
+    # each device runs them on its own examples (`bert_jax.model.shards`).
     fused_ops: bool = False
     # The feed-forward block's first GEMM with its bias and GELU in the GEMM's epilogue, and in the
     # backward the GELU's derivative and the bias gradient in the epilogue of the GEMM that produces

@@ -1,8 +1,10 @@
-"""The LayerNorm kernels (`bert_jax.model.fused`) on a mesh of several devices: each device runs them
-on its own rows under `jax.shard_map` (`fused.row_axes`), with the dropout mask drawn from each
-element's index in the whole array, so that every result equals one device's, bit for bit: the
-kernels alone (forward, backward, FP8's casts and amaxes), the program a GPU would compile (the
-Triton calls take one device's rows), and the whole pretraining model's gradients, dropout on."""
+"""The Pallas kernels on a mesh of several devices (`bert_jax.model.shards`): each device runs them on
+its own rows under `jax.shard_map`. The LayerNorm kernels (`bert_jax.model.fused`), with the dropout
+mask drawn from each element's index in the whole array, equal one device's bit for bit (forward,
+backward, FP8's casts and amaxes); the GEMM kernels (`fused_ffn`, `fused_qkv`) equal one device's,
+their weight gradients summed over the devices; the program a GPU would compile has each Triton
+call take one device's rows; and the whole pretraining model's gradients, dropout on, equal one
+device's."""
 
 import re
 
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bert_jax.model import fused, layers, model_config, modeling, pretraining_heads
+from bert_jax.model import fused, fused_ffn, fused_qkv, layers, model_config, modeling, pretraining_heads, shards
 from bert_jax.pretrain import steps
 from bert_jax.training import sharding
 import model_parity  # tests/ is on sys.path
@@ -50,7 +52,7 @@ def test_the_kernels_run_per_shard_and_equal_one_device(monkeypatch, mesh_shape,
     rows = NamedSharding(mesh, P(sharding.BATCH_AXES))
     step = jax.jit(_passes, in_shardings=(rows, rows, rows) + (NamedSharding(mesh, P()),) * 4)
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
-        assert fused.row_axes(h.shape[0]) == sharding.BATCH_AXES
+        assert shards.row_axes(h.shape[0]) == sharding.BATCH_AXES
         assert "shard_map" in str(jax.make_jaxpr(step)(h, x, dy, scale, bias, h_bias, key))
         got = step(h, x, dy, scale, bias, h_bias, key)
     assert got[0].sharding.is_equivalent_to(rows, 2)  # y stays split by rows
@@ -73,19 +75,19 @@ def test_the_kernels_run_per_shard_and_equal_one_device(monkeypatch, mesh_shape,
 
 
 def test_the_kernels_run_as_one_call_where_rows_cannot_split():
-    assert fused.row_axes(96) is None  # no mesh
+    assert shards.row_axes(96) is None  # no mesh
     with jax.set_mesh(sharding.create_mesh({"data": 1}, devices=jax.devices()[:1])):
         with nn.logical_axis_rules(sharding.DEFAULT_RULES):
-            assert fused.row_axes(96) is None  # one device (one GPU's run): its program as it was
+            assert shards.row_axes(96) is None  # one device (one GPU's run): its program as it was
     mesh = sharding.create_mesh({"data": 4, "fsdp": 2})
     rules = dict(sharding.DEFAULT_RULES)
     with jax.set_mesh(mesh):
         with nn.logical_axis_rules(sharding.DEFAULT_RULES):
-            assert fused.row_axes(96) == ("data", "fsdp")
-            assert fused.row_axes(100) is None  # 100 rows over 8 devices
+            assert shards.row_axes(96) == ("data", "fsdp")
+            assert shards.row_axes(100) is None  # 100 rows over 8 devices
         for split in ({"activation_embed": "tensor"}, {"activation_length": "data", "activation_batch": "fsdp"}):
             with nn.logical_axis_rules(tuple({**rules, **split}.items())):
-                assert fused.row_axes(96) is None, split  # a LayerNorm row or a sequence across devices
+                assert shards.row_axes(96) is None, split  # a LayerNorm row or a sequence across devices
         h, x, dy, scale, bias, h_bias = _operands("float32", b=25, length=4)  # 100 rows: one call, still right
         with nn.logical_axis_rules(sharding.DEFAULT_RULES):
             got = jax.jit(_passes)(h, x, dy, scale, bias, h_bias, jax.random.key_data(jax.random.key(7)))
@@ -94,31 +96,80 @@ def test_the_kernels_run_as_one_call_where_rows_cannot_split():
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
 
 
+def _gemm_operands(b=8, length=16, hidden=64, inner=128, heads=4):
+    rng = np.random.default_rng(1)
+    normal = lambda *shape, s=1.0: jnp.asarray(rng.normal(0, s, shape), jnp.float32)
+    return dict(x=normal(b, length, hidden), w1=normal(hidden, inner, s=0.05), b1=normal(inner, s=0.1),
+                w2=normal(inner, hidden, s=0.05), kernels=[normal(hidden, heads, hidden // heads, s=0.05) for _ in "qkv"],
+                biases=[normal(heads, hidden // heads, s=0.1) for _ in "qkv"])
+
+
+def _ffn_and_qkv(x, w1, b1, w2, kernels, biases):
+    """The FFN kernels' and the Q/K/V kernels' outputs and every gradient of a loss on them."""
+    def loss(x, w1, b1, w2, kernels, biases):
+        y = fused_ffn.gemm_bias_gelu_gemm(x, w1, b1, w2, activation="gelu_tanh")
+        q, k, v = fused_qkv.qkv_projection(x, kernels, biases)
+        return jnp.sum(y ** 2) + sum(jnp.sum(t * t * (i + 1)) for i, t in enumerate((q, k, v))), (y, q, k, v)
+    return jax.grad(loss, argnums=range(6), has_aux=True)(x, w1, b1, w2, kernels, biases)
+
+
+def test_the_gemm_kernels_run_per_shard_and_equal_one_device():
+    """The FFN's GEMM + bias + GELU kernels and the Q/K/V kernels, 8 devices (16 rows each) against
+    one: the outputs and the input gradient row for row, the weight and bias gradients (each device's
+    sums over its rows, summed over the devices) to float32 rounding."""
+    ops = _gemm_operands()
+    assert fused_ffn.supported(64, 128, "gelu_tanh") and fused_qkv.supported(64)
+    want_grads, want = jax.jit(_ffn_and_qkv)(**ops)
+    mesh = sharding.create_mesh({"data": 4, "fsdp": 2})
+    placed = jax.device_put(ops, {k: NamedSharding(mesh, P(sharding.BATCH_AXES) if k == "x" else P()) for k in ops})
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        jaxpr = str(jax.make_jaxpr(_ffn_and_qkv)(**placed))
+        assert jaxpr.count("shard_map") == 5  # the two FFN kernels and the three Q/K/V kernels
+        got_grads, got = jax.jit(_ffn_and_qkv)(**placed)
+    for name, a, b in zip(("y", "q", "k", "v"), got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6, err_msg=name)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got_grads)[0], jax.tree.leaves(want_grads)):
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5 * np.abs(b).max(),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("per_shard", [True, False])
-def test_on_a_mesh_the_triton_calls_take_one_device_s_rows(monkeypatch, per_shard):
+@pytest.mark.parametrize("kernels", ["layernorm", "ffn_and_qkv"])
+def test_on_a_mesh_the_triton_calls_take_one_device_s_rows(monkeypatch, per_shard, kernels):
     """What a GPU would compile on 8 devices, batch split over (data, fsdp): each Triton call reads
     its device's 64 of the 512 rows. Without the shard_map (`row_axes` None, as before) XLA cannot
     split the call and each device's reads all 512 (its operands gathered)."""
-    monkeypatch.setattr(fused, "_interpret", lambda: False)
+    for module in (fused, fused_ffn, fused_qkv):
+        monkeypatch.setattr(module, "_interpret", lambda: False)
     if not per_shard:
-        monkeypatch.setattr(fused, "row_axes", lambda rows: None)
+        monkeypatch.setattr(shards, "row_axes", lambda rows, multiple=1: None)
     hidden, mesh = 768, sharding.create_mesh({"data": 4, "fsdp": 2})
-
-    def grads(h, x, key, scale, bias, h_bias):
-        def loss(h, x, scale, bias, h_bias):
-            y = fused.dropout_add_layernorm(h, x, None, scale, bias, keep_prob=0.9, eps=1e-12, h_bias=h_bias, key=key)
-            return jnp.sum(y.astype(jnp.float32) ** 2)
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(h, x, scale, bias, h_bias)
-
     shape, rows, whole = jax.ShapeDtypeStruct, NamedSharding(mesh, P(sharding.BATCH_AXES)), NamedSharding(mesh, P())
-    args = (shape((8, 64, hidden), jnp.bfloat16, sharding=rows), shape((8, 64, hidden), jnp.bfloat16, sharding=rows),
-            shape((2,), jnp.uint32, sharding=whole), *[shape((hidden,), jnp.float32, sharding=whole)] * 3)
+    act = shape((8, 64, hidden), jnp.bfloat16, sharding=rows)
+    if kernels == "layernorm":
+        def grads(h, x, key, scale, bias, h_bias):
+            def loss(h, x, scale, bias, h_bias):
+                y = fused.dropout_add_layernorm(h, x, None, scale, bias, keep_prob=0.9, eps=1e-12, h_bias=h_bias,
+                                                key=key)
+                return jnp.sum(y.astype(jnp.float32) ** 2)
+            return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(h, x, scale, bias, h_bias)
+        args = (act, act, shape((2,), jnp.uint32, sharding=whole), *[shape((hidden,), jnp.float32, sharding=whole)] * 3)
+        names = ("dropout_add_layernorm_fwd", "dropout_add_layernorm_bwd")
+    else:
+        def grads(x, w1, b1, w2, kernels, biases):
+            return _ffn_and_qkv(x, w1, b1, w2, kernels, biases)[0]
+        weight = lambda *dims: shape(dims, jnp.bfloat16, sharding=whole)
+        args = (act, weight(hidden, 3072), shape((3072,), jnp.float32, sharding=whole), weight(3072, hidden),
+                [weight(hidden, 12, 64)] * 3, [shape((12, 64), jnp.bfloat16, sharding=whole)] * 3)
+        names = ("ffn_gemm_bias_gelu_fwd", "ffn_gemm_gelu_bwd", "qkv_gemm_bias_fwd", "qkv_gemm_dx_bwd",
+                 "qkv_gemm_dw_db_bwd")
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
         calls, _ = model_parity.lowered_for_cuda(grads, *args)
-    kernels = [line for line in calls if "dropout_add_layernorm" in line]
-    assert len(kernels) == 2 and all("@__gpu$xla.gpu.triton" in line for line in kernels)
-    read = {re.search(r": \(tensor<(\d+)x768xbf16>", line)[1] for line in kernels}
-    assert read == ({"64"} if per_shard else {"512"}), kernels
+    lines = {name: [line for line in calls if f'name = "{name}"' in line] for name in names}
+    assert all(len(found) == 1 and "@__gpu$xla.gpu.triton" in found[0] for found in lines.values()), calls
+    read = {name: re.search(r": \(tensor<(\d+)x", found[0])[1] for name, found in lines.items()}
+    assert set(read.values()) == ({"64"} if per_shard else {"512"}), read
 
 
 @pytest.mark.parametrize("fp8", [False, True])
