@@ -17,9 +17,10 @@ that LayerNorm is left pending (`PendingNorm`) and run by that layer (`Fp8NormIn
 the forward kernel its input scale: the kernel writes the output in e4m3 beside the compute dtype
 (one byte more per element, two fewer read) with its block's amax, and flax's `quantized_dot`
 reads them. The FFN's LayerNorm feeds the next layer's Q/K/V projections, whose two input scales
-(`query_fp8`, `key_value_fp8`) belong to the next layer, across `nn.scan`'s carry: those keep
-flax's `in_q` (the kernel would need the scaling state kept by the layer that produces the input,
-a new checkpoint layout).
+(`query_fp8`, `key_value_fp8`) belong to the next layer: those keep flax's `in_q` (scanned, across
+`nn.scan`'s carry, the kernel would need the scaling state kept by the layer that produces the
+input, a new checkpoint layout; unrolled, the LayerNorm could be left pending for the next layer's
+attention, with two e4m3 outputs: not built yet).
 
 The arithmetic is flax's, operation for operation: the inputs and the kernel quantized by flax's
 `in_q` (their own amax and scales, as before), the forward GEMM on the e4m3 values dequantized by
