@@ -125,7 +125,7 @@ def _fp8(g, scale, dtype=jnp.float8_e5m2):
     """FP8's cast, as `flax.linen.fp8_ops.quantize(g, dtype, scale, g.dtype)` does it: `g / scale`
     in g's dtype (the float32 quotient rounded once: the correctly rounded one), clipped to the
     FP8 type's largest finite value, rounded to nearest even. e5m2 for gradients, e4m3 for inputs."""
-    most = E5M2_MAX if dtype == jnp.float8_e5m2 else E4M3_MAX
+    most = float(jnp.finfo(dtype).max)
     q = (g.astype(jnp.float32) / scale.astype(g.dtype).astype(jnp.float32)).astype(g.dtype)
     return jnp.clip(q.astype(jnp.float32), -most, most).astype(dtype)
 

@@ -56,17 +56,19 @@ def per_shard(call: Callable, args: tuple, row_args: tuple, *, summed: bool = Fa
     over the rows: a weight's gradient), summed over the devices. With `first_row`, `call` also
     takes `first_row=`: the index of the device's first row in the whole array (a uint32; 0 on one
     device), for kernels that number the elements (dropout's mask)."""
+    def run(local, first):
+        return call(*local, first_row=first) if first_row else call(*local)
+
     axes = row_axes(args[0].shape[0], multiple)
-    extra = (lambda first: {"first_row": first}) if first_row else (lambda first: {})
     if axes is None:
-        return call(*args, **extra(jnp.zeros((), jnp.uint32)))
+        return run(args, jnp.zeros((), jnp.uint32))
     present = [i for i, a in enumerate(args) if a is not None]
 
     def body(*shards):
         local = list(args)
         for i, a in zip(present, shards):
             local[i] = a
-        out = call(*local, **extra(jax.lax.axis_index(axes).astype(jnp.uint32) * np.uint32(local[0].shape[0])))
+        out = run(local, jax.lax.axis_index(axes).astype(jnp.uint32) * np.uint32(local[0].shape[0]))
         return jax.tree.map(lambda o: jax.lax.psum(o, axes), out) if summed else out
 
     spec = jax.sharding.PartitionSpec

@@ -186,9 +186,8 @@ def test_the_fp8_kernels_lower_to_triton_and_the_gemms_read_their_e5m2_and_e4m3(
             dense = fused_fp8.Fp8Dense(x, q_x, x_scale, kernel, q_k, k_scale, grad_scale, grad_history, dims)
             norm = fused_fp8.dense_dropout_add_layernorm(dense, residual, None, scale, bias, h_bias, keep_prob=0.9,
                                                          eps=1e-12, key=key, pending=True)
-            state = {k: v for k, v in zip(("input_scale", "kernel_scale", "output_grad_scale"), [jnp.ones((1,))] * 3)}
-            state.update({k: jnp.ones((16,)) for k in ("input_amax_history", "kernel_amax_history",
-                                                       "output_grad_amax_history")})
+            state = {f"{t}_{v}": jnp.ones(shape) for t in ("input", "kernel", "output_grad")
+                     for v, shape in (("scale", (1,)), ("amax_history", (16,)))}
             y, out = fused_fp8.Fp8NormInput().apply({layers.FP8_COLLECTION: state}, norm, kernel2, dims)
             return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(out.astype(jnp.float32) ** 2)
         return jax.grad(loss, argnums=tuple(range(9)))(x, kernel, kernel2, residual, scale, bias, h_bias, grad_scale,
