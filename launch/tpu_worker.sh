@@ -4,7 +4,7 @@
 #   bash launch/tpu_worker.sh stop            # the run this script started, and whatever else holds the TPU
 #   bash launch/tpu_worker.sh start ARGS...   # python -m bert_jax.main ARGS..., detached
 #   bash launch/tpu_worker.sh status          # is it running, and the end of its log
-#   bash launch/tpu_worker.sh collect DEST    # uploads the newest log to DEST/worker-<N>.log
+#   bash launch/tpu_worker.sh collect DEST [LOG]  # uploads LOG (default: the newest) to DEST/worker-<N>.log
 #
 # The run is started in its own session (setsid nohup), so closing the SSH connection does not
 # stop it. Its output goes to $RUN_DIR/logs/<time>-<pid>.log; logs are never overwritten, and
@@ -12,7 +12,8 @@
 # once the run has ended, its exit code (a small shell waits on it and writes `exit_code`).
 # With LOG_DEST set (a folder, gs:// or local), that shell uploads the log there as worker-<N>.log
 # every LOG_SYNC_SECONDS (default 60) when it has grown, and when the run ends: a slice that
-# disappears keeps its logs.
+# disappears keeps its logs. That shell uploads its own run's log, never latest.log: a sync that
+# wakes after the next run has started must not send that run's log under this run's name.
 # `stop` sends SIGTERM (bert_jax saves a checkpoint at the next step every host reaches, then
 # exits), waits up to STOP_TIMEOUT seconds, then SIGKILLs; it then stops any other process that
 # holds the TPU's device files and removes libtpu's lock file, which a killed process leaves.
@@ -67,8 +68,8 @@ wait_gone() {  # wait_gone SECONDS PID...: 0 when every PID has exited in time
   done
 }
 
-upload_log() {  # upload_log DEST: the newest log to DEST/worker-<N>.log (through bert_jax's storage)
-  local log="$RUN_DIR/logs/latest.log"
+upload_log() {  # upload_log DEST [LOG]: LOG (default: the newest) to DEST/worker-<N>.log (through bert_jax's storage)
+  local log="${2:-$RUN_DIR/logs/latest.log}"
   [ -e "$log" ] || return 0
   "$PYTHON" -c 'import sys; from data_pipeline import storage, storage_paths; storage.copy(sys.argv[1], storage_paths.join(sys.argv[2], sys.argv[3]))' \
     "$(readlink -f "$log")" "$1" "worker-$(worker_id).log" || echo "$(hostname): could not upload the log to $1" >&2
@@ -127,7 +128,7 @@ start() {
   ln -sfn "$(basename "$log")" "$RUN_DIR/logs/latest.log"
   # Its own session: no SIGHUP when SSH closes; stdin from /dev/null: nothing waits on the terminal.
   # The shell in between waits for the run, writes its exit code, and uploads the log.
-  export RUN_DIR PYTHON LOG_SYNC_SECONDS LOG_DEST="${LOG_DEST:-}"
+  export RUN_DIR PYTHON LOG_SYNC_SECONDS LOG_DEST="${LOG_DEST:-}" RUN_LOG="$log"
   # shellcheck disable=SC2016
   setsid nohup bash -c '
     script=$1; shift
@@ -137,13 +138,13 @@ start() {
     if [ -n "$LOG_DEST" ]; then  # uploaded when it has grown (an idle log costs nothing)
       (sent=-1; while kill -0 "$run" 2>/dev/null; do
          sleep "$LOG_SYNC_SECONDS"
-         size=$(stat -Lc %s "$RUN_DIR/logs/latest.log" 2>/dev/null || echo 0)
-         if [ "$size" != "$sent" ]; then bash "$script" collect "$LOG_DEST" && sent=$size; fi
+         size=$(stat -Lc %s "$RUN_LOG" 2>/dev/null || echo 0)
+         if [ "$size" != "$sent" ]; then bash "$script" collect "$LOG_DEST" "$RUN_LOG" && sent=$size; fi
        done) &
     fi
     wait "$run"; rc=$?
     echo "$rc" > "$RUN_DIR/exit_code"
-    if [ -n "$LOG_DEST" ]; then bash "$script" collect "$LOG_DEST"; fi
+    if [ -n "$LOG_DEST" ]; then bash "$script" collect "$LOG_DEST" "$RUN_LOG"; fi
   ' bash "$(pwd)/launch/tpu_worker.sh" "$PYTHON" -m bert_jax.main "$@" > "$log" 2>&1 < /dev/null &
   echo "$!" > "$SHELL_PID_FILE"
   local waited=0
@@ -183,6 +184,6 @@ case "$command" in
   stop) stop ;;
   start) start "$@" ;;
   status) status ;;
-  collect) upload_log "$1" ;;
-  *) echo "usage: $0 stop | start ARGS... | status | collect DEST" >&2; exit 2 ;;
+  collect) upload_log "$1" "${2:-}" ;;
+  *) echo "usage: $0 stop | start ARGS... | status | collect DEST [LOG]" >&2; exit 2 ;;
 esac

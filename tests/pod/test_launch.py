@@ -291,3 +291,30 @@ def test_stop_keeps_libtpu_lock_while_a_process_of_another_user_holds_the_tpu(tm
             holder.wait()
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_run_s_shell_uploads_its_own_log_even_after_the_next_run_has_started(tmp_path):
+    """The shell that watches a run uploads the run's log every LOG_SYNC_SECONDS and when it ends.
+    If the supervisor starts the next attempt while that shell sleeps, latest.log points to the
+    next run's log: the upload must still send this run's (seen once in a pod rehearsal: attempt
+    1's worker-0.log held attempt 2's "resumed from step 4")."""
+    import sys
+    run_dir, dest = tmp_path / "run", tmp_path / "dest"
+    python = tmp_path / "python"
+    _executable(python, f'#!/bin/bash\nif [ "$1" = -m ]; then echo "the first run\'s log"; sleep 2; exit 0; fi\n'
+                        f'exec {sys.executable} "$@"\n')
+    env = dict(os.environ, RUN_DIR=str(run_dir), PYTHON=str(python), LOG_DEST=str(dest), LOG_SYNC_SECONDS="1",
+               TPU_WORKER_ID="0")
+    subprocess.run(["bash", str(ROOT / "launch" / "tpu_worker.sh"), "start", "--config=x"], env=env, check=True,
+                   capture_output=True, timeout=60)
+    # The next run's start, as it links its own log (its shell is not needed here).
+    (run_dir / "logs" / "next.log").write_text("the next run's log\n")
+    os.symlink("next.log", run_dir / "logs" / "latest.tmp")
+    os.replace(run_dir / "logs" / "latest.tmp", run_dir / "logs" / "latest.log")
+    shell = int((run_dir / "shell_pid").read_text())
+    deadline = time.time() + 60
+    while Path(f"/proc/{shell}").exists() and time.time() < deadline:  # the run ends, its shell uploads
+        time.sleep(0.1)
+    time.sleep(1.5)  # a sync that woke after the run ended (it checks the run before it sleeps)
+    assert (run_dir / "exit_code").read_text().strip() == "0"
+    assert (dest / "worker-0.log").read_text() == "the first run's log\n"
