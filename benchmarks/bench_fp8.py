@@ -58,8 +58,8 @@ import gpu_lock  # noqa: E402
 import kernel_timing  # noqa: E402  (--kernel)
 
 # A variant's key that is not a BertConfig field: whether FP8 layers take their gradient's e5m2
-# cast, and the FFN's first layer its input's e4m3 cast, from the LayerNorm kernels
-# (`fused_fp8.ENABLED`, read when the step is traced).
+# cast, and the FFN's first layer (unrolled, the next layer's Q/K/V projections too) its input's
+# e4m3 cast, from the LayerNorm kernels (`fused_fp8.ENABLED`, read when the step is traced).
 CAST_IN_KERNEL = "fp8_cast_in_kernel"
 
 VARIANTS = {
@@ -70,8 +70,8 @@ VARIANTS = {
     "fused": {"fused_ops": True},
     "fused_gelu_tanh": {"fused_ops": True, "hidden_act": "gelu_tanh"},
     "fp8_fused_gelu_tanh": {"fp8": True, "fused_ops": True, "hidden_act": "gelu_tanh"},
-    # ... with the output denses' gradient cast to e5m2 and the FFN input's cast to e4m3, and their
-    # amax, by XLA's passes (flax's op), not by the LayerNorm kernels (bert_jax/model/fused_fp8.py):
+    # ... with the output denses' gradient cast to e5m2 and the FFN's and Q/K/V inputs' casts to e4m3,
+    # and their amax, by XLA's passes (flax's op), not by the LayerNorm kernels (bert_jax/model/fused_fp8.py):
     # what the kernels' casts save
     "fp8_fused_cast_apart_gelu_tanh": {"fp8": True, "fused_ops": True, "hidden_act": "gelu_tanh",
                                        CAST_IN_KERNEL: False},

@@ -13,8 +13,8 @@
 #           against the unfused path, and the LayerNorm kernels' e5m2 and e4m3 casts against flax's);
 #           HF's FlaxBertForPreTraining (transformers<5, carried as wheels in .whl/) on the same
 #           shapes, BERT-Base, in a process of its own; FP8 on BERT-Base with the LayerNorm kernels,
-#           FP8's casts and amaxes in the kernels (the output denses' gradient in e5m2, the FFN's input
-#           in e4m3) against XLA's passes;
+#           FP8's casts and amaxes in the kernels (the output denses' gradient in e5m2, the FFN's and,
+#           unrolled as configs/base.py runs, the next layer's Q/K/V inputs in e4m3) against XLA's passes;
 #   then, alone: HF's BERT-Large (49 GiB at once: not beside our BERT-Large on an 80 GB card).
 # Every phase runs under the time left (a phase that would not fit is skipped and says so).
 #   bash benchmarks/gpu_fused_qkv.sh OUT_DIR [BUDGET_S]      (the device tool: OUT_DIR=$OUT)

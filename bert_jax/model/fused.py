@@ -15,8 +15,8 @@ element's row-major index (`dropout.keep_from_index`: `keep_mask`'s and jax.rand
 mask, bit for bit), and the backward draws it again: no int8 mask is written to memory, kept for
 the backward, or read (what it costs and saves on a GPU is not measured yet). Given FP8's gradient
 scale, the backward writes `dh` cast to float8_e5m2 and each block's largest |dh|; given the input
-scale of the FP8 layer that reads `y`, the forward writes `y` also cast to float8_e4m3fn and each
-block's largest |y| (`_fp8`; used by `bert_jax.model.fused_fp8`, whose custom VJPs span the FP8
+scales of the FP8 layers that read `y` (one, or two: the query's and the key/value's), the forward
+writes `y` also cast to float8_e4m3fn once per scale and each block's largest |y| (`_fp8`; used by `bert_jax.model.fused_fp8`, whose custom VJPs span the FP8
 dense layers and these kernels).
 
 The arithmetic is the unfused path's, in its dtypes: the dense bias add (`h_bias` rounded to the
@@ -162,12 +162,12 @@ def _drawn_keep(key_ref, row0, rows: int, hidden: int, keep_prob: float) -> list
         for offset, width in pieces(hidden)]
 
 
-def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: Optional[str], with_h_bias: bool, fp8: bool,
+def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: Optional[str], with_h_bias: bool, fp8: int,
                     hidden: int):
-    # Inputs h, x, [keep | key], scale, bias, [h_bias], [in_scale]; outputs y, mean, rstd, [q, amax].
+    # Inputs h, x, [keep | key], scale, bias, [h_bias], [in_scale]; outputs y, mean, rstd, [q_1..q_fp8, amax].
     # Every row is read and written in power-of-two column pieces (`pieces`): one piece when the
-    # hidden size is one. With `fp8`, y is also written as float8_e4m3fn (`_fp8`, scaled by
-    # in_scale) and the block's largest |y| (in y's dtype) as `amax`.
+    # hidden size is one. With `fp8` scales (in_scale[fp8]), y is also written as float8_e4m3fn once
+    # per scale (`_fp8`) and the block's largest |y| (in y's dtype) as `amax`.
     refs = list(refs)
     h_ref, x_ref = refs.pop(0), refs.pop(0)
     mask_ref = refs.pop(0) if dropout else None
@@ -175,7 +175,7 @@ def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: Optional[str],
     h_bias_ref = refs.pop(0) if with_h_bias else None
     in_scale_ref = refs.pop(0) if fp8 else None
     y_ref, mean_ref, rstd_ref = refs[:3]
-    q_ref, amax_ref = refs[3:] if fp8 else (None, None)
+    q_refs, amax_ref = refs[3:3 + fp8], (refs[-1] if fp8 else None)
     cols = _columns(hidden)
     rows = h_ref.shape[0]
     if dropout == "key":
@@ -191,8 +191,9 @@ def _forward_kernel(*refs, keep_prob: float, eps: float, dropout: Optional[str],
     for c, p in zip(cols, centered):
         y = (p * rstd[:, None] * scale_ref[c][None, :] + bias_ref[c][None, :]).astype(y_ref.dtype)
         y_ref[:, c] = y
+        for j, q_ref in enumerate(q_refs):
+            q_ref[:, c] = _fp8(y, in_scale_ref[j], jnp.float8_e4m3fn)
         if fp8:
-            q_ref[:, c] = _fp8(y, in_scale_ref[0], jnp.float8_e4m3fn)
             amax = jnp.maximum(amax, jnp.max(jnp.abs(y.astype(jnp.float32))))
     mean_ref[...] = mean
     rstd_ref[...] = rstd
@@ -286,13 +287,14 @@ def _mask_input(keep, key, row, first_row) -> tuple[Optional[str], tuple, list]:
 
 
 def _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps, in_scale=None):
-    """y, mean and 1/std; given `in_scale` (float32 `[1]`: the scale of the FP8 layer that reads y),
-    also y as float8_e4m3fn scaled by it (`_fp8`) and its largest |value| (FP8's input amax)."""
+    """y, mean and 1/std; given `in_scale` (float32 `[n]`: the input scales of the FP8 layers that
+    read y, one or two), also y as float8_e4m3fn divided by each (`_fp8`), then its largest |value|
+    (FP8's input amax, the same for every scale)."""
     out = shards.per_shard(functools.partial(_forward_call, keep_prob=keep_prob, eps=eps),
                            (h, x, keep, key, scale, bias, h_bias, in_scale), row_args=(0, 1, 2), first_row=True)
     if in_scale is not None:
-        y, mean, rstd, q, amax = out
-        return y, mean, rstd, q, jnp.max(amax)
+        *out, amax = out
+        return (*out, jnp.max(amax))
     return tuple(out)
 
 
@@ -301,21 +303,21 @@ def _forward_call(h, x, keep, key, scale, bias, h_bias, in_scale, *, first_row, 
     shape = _launch()[0]
     block = _block_rows(rows, shape["block_rows"])
     row, vec, stat = _specs(block, hidden)
-    with_h_bias, fp8 = h_bias is not None, in_scale is not None
+    with_h_bias, fp8 = h_bias is not None, (0 if in_scale is None else in_scale.shape[0])
     dropout, mask, mask_spec = _mask_input(keep, key, row, first_row)
     inputs = (h, x) + mask + (scale, bias) + ((h_bias,) if with_h_bias else ()) + ((in_scale,) if fp8 else ())
-    one = pl.BlockSpec((1,), lambda i: (0,))
-    in_specs = [row, row] + mask_spec + [vec, vec] + ([vec] if with_h_bias else []) + ([one] if fp8 else [])
+    scales = pl.BlockSpec((fp8,), lambda i: (0,))
+    in_specs = [row, row] + mask_spec + [vec, vec] + ([vec] if with_h_bias else []) + ([scales] if fp8 else [])
     blocks = rows // block
     return pl.pallas_call(
         functools.partial(_forward_kernel, keep_prob=keep_prob, eps=eps, dropout=dropout,
                           with_h_bias=with_h_bias, fp8=fp8, hidden=hidden),
         grid=(blocks,), in_specs=in_specs,
-        out_specs=[row, stat, stat] + ([row, pl.BlockSpec((1,), lambda i: (i,))] if fp8 else []),
+        out_specs=[row, stat, stat] + [row] * fp8 + ([pl.BlockSpec((1,), lambda i: (i,))] if fp8 else []),
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), h.dtype),
                    jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)]
-        + ([jax.ShapeDtypeStruct((rows, hidden), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((blocks,), jnp.float32)]
-           if fp8 else []),
+        + [jax.ShapeDtypeStruct((rows, hidden), jnp.float8_e4m3fn)] * fp8
+        + ([jax.ShapeDtypeStruct((blocks,), jnp.float32)] if fp8 else []),
         name="dropout_add_layernorm_fwd", **_backend_args(shape["num_warps"]))(*inputs)
 
 

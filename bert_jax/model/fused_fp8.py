@@ -17,10 +17,12 @@ that LayerNorm is left pending (`PendingNorm`) and run by that layer (`Fp8NormIn
 the forward kernel its input scale: the kernel writes the output in e4m3 beside the compute dtype
 (one byte more per element, two fewer read) with its block's amax, and flax's `quantized_dot`
 reads them. The FFN's LayerNorm feeds the next layer's Q/K/V projections, whose two input scales
-(`query_fp8`, `key_value_fp8`) belong to the next layer: those keep flax's `in_q` (scanned, across
-`nn.scan`'s carry, the kernel would need the scaling state kept by the layer that produces the
-input, a new checkpoint layout; unrolled, the LayerNorm could be left pending for the next layer's
-attention, with two e4m3 outputs: not built yet).
+(flax's `Fp8Einsum`s `query_fp8` and `key_value_fp8`) belong to the next layer. With the layers
+unrolled (`chains_layers`), each layer leaves that LayerNorm pending and the next layer's attention
+runs it (`norm_qkv`): the kernel writes the input in e4m3 once per scale, with one amax for both
+histories. Scanned, the input crosses `nn.scan`'s carry, where the kernel would need the scaling
+state kept by the layer that produces the input (a new checkpoint layout): those keep flax's `in_q`,
+as do the first layer's (the embeddings') and a last layer run at a few queries.
 
 The arithmetic is flax's, operation for operation: the inputs and the kernel quantized by flax's
 `in_q` (their own amax and scales, as before), the forward GEMM on the e4m3 values dequantized by
@@ -32,15 +34,17 @@ of `quantize`, and the history rolled with the largest |output| in the compute d
 keeps flax's layout and names (the same six variables in the layer's "fp8" scope), so a run
 switches between this path and flax's freely. `tests/model/test_fused_fp8.py` compares the
 kernels' e5m2 gradient, e4m3 input and amaxes with flax's on the same tensors, and the whole FP8
-model, loss, every gradient and the next scaling state, with the kernels' casts against without.
+model, loss, every gradient and the next scaling state, with the kernels' casts against without;
+`tests/model/test_fused_fp8_chain.py` the Q/K/V casts and the unrolled model chained so.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
+from flax import struct
 from flax.linen import fp8_ops
 import jax
 import jax.numpy as jnp
@@ -56,9 +60,12 @@ Array = jax.Array
 ENABLED = True
 
 
-class Fp8Dense(NamedTuple):
+@struct.dataclass
+class Fp8Dense:
     """A dense layer's FP8 GEMM, not yet computed: its inputs, quantized by flax's `in_q`, and the
-    gradient's scaling state. `dropout_add_norm` computes it inside `dense_dropout_add_layernorm`."""
+    gradient's scaling state. `dropout_add_norm` computes it inside `dense_dropout_add_layernorm`.
+    A pytree whose leaves are its arrays (it crosses `nn.remat`'s boundary within a layer, and a
+    `PendingNorm` holding it crosses the layers': `modeling.Encoder`)."""
     x: Array              # the input, in the compute dtype
     q_x: Array            # ... as float8_e4m3fn, and its scale
     x_scale: Array
@@ -67,7 +74,7 @@ class Fp8Dense(NamedTuple):
     kernel_scale: Array
     grad_scale: Array     # the output gradient's scale and amax history (the step before's)
     grad_history: Array
-    dims: tuple           # dot_general's dimension numbers
+    dims: tuple = struct.field(pytree_node=False)  # dot_general's dimension numbers
 
     @property
     def shape(self) -> tuple:
@@ -150,11 +157,12 @@ def _rolled(history: Array, amax: Array) -> Array:
     return jnp.roll(history, shift=-1, axis=0).at[0].set(amax.astype(history.dtype))
 
 
-class PendingNorm(NamedTuple):
+@struct.dataclass
+class PendingNorm:
     """`LayerNorm(dropout(dense + h_bias) + residual)` with `dense` an FP8 GEMM (`Fp8Dense`), not yet
-    computed: the FP8 layer that reads it runs it (`Fp8NormInput`), so that the kernel writing the
-    LayerNorm's output also writes it in e4m3 with that layer's input scale. The operands as
-    `dense_dropout_add_layernorm` takes them (`fused.kernel_operands`)."""
+    computed: the FP8 layer(s) that read it run it (`Fp8NormInput`, `norm_qkv`), so that the kernel
+    writing the LayerNorm's output also writes it in e4m3 with their input scales. The operands as
+    `dense_dropout_add_layernorm` takes them (`fused.kernel_operands`); a pytree of its arrays."""
     dense: Fp8Dense
     residual: Array            # [rows, hidden], the compute dtype
     keep: Optional[Array]      # int8 rows, or None
@@ -162,8 +170,8 @@ class PendingNorm(NamedTuple):
     scale: Array               # the LayerNorm's scale and bias, float32 [hidden]
     bias: Array
     h_bias: Array              # the dense layer's bias, float32 [hidden]
-    keep_prob: float
-    eps: float
+    keep_prob: float = struct.field(pytree_node=False)
+    eps: float = struct.field(pytree_node=False)
 
     @property
     def shape(self) -> tuple:
@@ -174,16 +182,17 @@ class PendingNorm(NamedTuple):
         return len(self.dense.shape)
 
     def __call__(self, in_scale: Optional[Array] = None):
-        """The LayerNorm's output (in the dense layer's output shape); given `in_scale`, also that
-        output as float8_e4m3fn divided by it and its largest |value| (`fused._forward`)."""
+        """The LayerNorm's output (in the dense layer's output shape); given `in_scale` (float32 `[n]`,
+        n = 1 or 2), also that output as float8_e4m3fn divided by each scale, then its largest
+        |value| (`fused._forward`)."""
         d = self.dense
         out = _dense_norm(d.x, d.q_x, d.x_scale, d.kernel, d.q_kernel, d.kernel_scale, d.grad_scale, d.grad_history,
                           self.residual, self.keep, self.key, self.scale, self.bias, self.h_bias, in_scale, d.dims,
                           self.keep_prob, self.eps)
         if in_scale is None:
             return out.reshape(self.shape)
-        y, q, amax = out
-        return y.reshape(self.shape), q.reshape(self.shape), amax
+        y, *qs, amax = out
+        return (y.reshape(self.shape), *(q.reshape(self.shape) for q in qs), amax)
 
 
 def dense_dropout_add_layernorm(dense: Fp8Dense, residual: Array, keep: Optional[Array], scale: Array,
@@ -228,21 +237,52 @@ class Fp8NormInput(fp8_ops.Fp8DotGeneralBase):
     Returns the LayerNorm's output (the sub-layer's residual) and the GEMM's."""
 
     def __call__(self, x: PendingNorm, kernel: Array, dims: tuple) -> tuple[Array, Array]:
-        dtype = kernel.dtype
-        scale, history = self.input_scale.value, self.input_amax_history.value
+        in_scale = self.next_input_scale()
+        y, q_x, amax = x(in_scale)
+        return y, self.gemm(y, q_x, amax, in_scale, kernel, dims)
+
+    def next_input_scale(self) -> Array:
+        """This step's input scale, from the history before it (`in_q`'s `update_fp8_meta`); float32 [1]."""
         e4m3_max = fp8_ops.get_fp8_max(self.e4m3_dtype, jnp.float32)
-        new_scale = jax.lax.stop_gradient(fp8_ops.compute_scale(jnp.max(history, axis=0), scale, e4m3_max))
-        y, q_x, amax = x(new_scale)
-        q_x, x_scale = _recorded_input(q_x, amax, new_scale, scale, history)
+        return jax.lax.stop_gradient(fp8_ops.compute_scale(jnp.max(self.input_amax_history.value, axis=0),
+                                                           self.input_scale.value, e4m3_max))
+
+    def gemm(self, y: Array, q_x: Array, amax: Array, in_scale: Array, kernel: Array, dims: tuple) -> Array:
+        """flax's GEMM of `y`, given as the kernel wrote it in e4m3 (`q_x`, divided by `in_scale`,
+        this layer's `next_input_scale`) with its largest |value| (`amax`, rolled into the history)."""
+        dtype = kernel.dtype
+        q_x, x_scale = _recorded_input(q_x, amax, in_scale, self.input_scale.value, self.input_amax_history.value)
         q_k, k_scale = fp8_ops.in_q(dtype, self.e4m3_dtype, kernel, self.kernel_scale.value,
                                     self.kernel_amax_history.value)
         out = fp8_ops.quantized_dot(y.astype(dtype), q_x, x_scale, kernel, q_k, k_scale, self.output_grad_scale.value,
                                     self.output_grad_amax_history.value, dims, dtype)
-        return y, fp8_ops.out_dq(dtype, x_scale, k_scale, out)
+        return fp8_ops.out_dq(dtype, x_scale, k_scale, out)
+
+
+def norm_qkv(x: PendingNorm, query: Fp8NormInput, key_value: Fp8NormInput, kernel_q: Array, kernel_kv: Array,
+             dims: tuple) -> tuple[Array, Array, Array]:
+    """An attention's Q/K/V GEMMs whose input is the layer before's FFN end left pending (unrolled
+    layers: `chains_layers`): the forward kernel runs once with both input scales (the query's and
+    the key/value's: flax's `Fp8Einsum`s "query_fp8" and "key_value_fp8", `query` and `key_value`
+    here) and writes the input twice in e4m3, with one amax for both histories (flax's two `in_q`
+    passes read the same input). Returns the input (the attention's residual) and the two GEMMs'
+    outputs, as the einsums give them (`dims`: theirs)."""
+    scales = query.next_input_scale(), key_value.next_input_scale()
+    y, q_q, q_kv, amax = x(jnp.concatenate(scales))
+    return (y, query.gemm(y, q_q, amax, scales[0], kernel_q, dims),
+            key_value.gemm(y, q_kv, amax, scales[1], kernel_kv, dims))
 
 
 def applies(cfg) -> bool:
     """Whether `cfg`'s sub-layer output denses take this path: FP8 with the LayerNorm kernels
     (`layers.folds_output_bias`), unless switched off (`ENABLED`)."""
     return bool(ENABLED and cfg.fp8 and cfg.fused_ops and fused.supported(cfg.hidden_size))
+
+
+def chains_layers(cfg) -> bool:
+    """Whether each layer leaves its FFN's LayerNorm pending for the next layer's Q/K/V projections
+    (`norm_qkv`): where this path `applies`, with the layers unrolled (scanned, the input crosses
+    `nn.scan`'s carry) and not rematerialized (a remat'd layer keeps one tensor between layers, what
+    remat is for; a pending one holds the FFN output's operands)."""
+    return applies(cfg) and not cfg.scan_layers and cfg.remat_policy == "none"
 

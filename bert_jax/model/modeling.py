@@ -87,8 +87,16 @@ class SelfAttention(nn.Module):
     def __call__(self, x: Array, mask: Array, sequence_ids: Optional[Array] = None,
                  query_positions: Optional[Array] = None) -> Array:
         """`query_positions` (`[batch, queries]`): queries (and the output) at these positions only;
-        keys and values still at every position. Returns `[batch, queries, hidden]` then."""
+        keys and values still at every position. Returns `[batch, queries, hidden]` then.
+
+        `x` may be the layer before's FFN end left pending (a `fused_fp8.PendingNorm`: `Encoder`);
+        its kernel then runs here, writing the Q/K/V GEMMs' e4m3 input, and the result is
+        `(output, x as computed here)`."""
         cfg = self.config
+        pending_input = isinstance(x, fused_fp8.PendingNorm)
+        computed = None  # a pending input, as computed here
+        if pending_input and query_positions is not None:  # a few queries: flax's casts of the gathered input
+            x = computed = x()
         heads, head_dim = cfg.num_attention_heads, cfg.head_dim
         qkv_names = ("embed", "heads", "kv")
         # Fused QKV: one matmul against the kernels stacked at run time (the parameters and their
@@ -98,7 +106,7 @@ class SelfAttention(nn.Module):
             for n in ("query", "key", "value")))
         kernels = [k.astype(cfg.compute_dtype) for k in kernels]
         biases = [b.astype(cfg.compute_dtype) for b in params_biases]
-        xc = x.astype(cfg.compute_dtype)
+        xc = x if isinstance(x, fused_fp8.PendingNorm) else x.astype(cfg.compute_dtype)
         impl, seq_ids = cfg.attention_impl, sequence_ids
         einsum = mixed_precision.einsum if cfg.mixed_matmuls else jnp.einsum
         # FP8 (see Dense): the query and the key/value projections always as two matmuls, so that
@@ -115,6 +123,16 @@ class SelfAttention(nn.Module):
             qkv = einsum("blh,hsnd->blsnd", xc, kernel) + jnp.stack(biases)
             # Each: [batch, length, heads, head_dim]
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        elif isinstance(x, fused_fp8.PendingNorm):
+            # FP8, the input's LayerNorm kernel run here: it writes the input in e4m3 with both input
+            # scales, for the query's and the key/value's GEMMs (bert_jax.model.fused_fp8.norm_qkv).
+            x, q, kv = fused_fp8.norm_qkv(x, fused_fp8.Fp8NormInput(name="query_fp8"),
+                                          fused_fp8.Fp8NormInput(name="key_value_fp8"), kernels[0],
+                                          jnp.stack(kernels[1:], axis=1), (((2,), (0,)), ((), ())))
+            x = computed = nn.with_logical_constraint(x, ACT_EMBED)
+            q = q + biases[0]  # [batch, length, heads, head_dim]
+            kv = kv + jnp.stack(biases[1:])  # [batch, length, 2, heads, head_dim]
+            k, v = kv[:, :, 0], kv[:, :, 1]
         else:
             einsum_q = fp8_ops.Fp8Einsum(name="query_fp8") if cfg.fp8 else einsum
             einsum_kv = fp8_ops.Fp8Einsum(name="key_value_fp8") if cfg.fp8 else einsum
@@ -148,7 +166,8 @@ class SelfAttention(nn.Module):
         out, out_bias = out if fold else (out, None)
         # Under FP8 with the kernels, not computed yet (a PendingNorm): FeedForward's first dense layer
         # runs it, so that the LayerNorm kernel also writes its output in e4m3 for that GEMM.
-        return dropout_add_norm(cfg, self.deterministic, out, x, out_bias, pending=True)
+        out = dropout_add_norm(cfg, self.deterministic, out, x, out_bias, pending=True)
+        return (out, computed) if pending_input else out
 
 
 class FeedForward(nn.Module):
@@ -156,6 +175,9 @@ class FeedForward(nn.Module):
 
     config: BertConfig
     deterministic: bool = True
+    # Under FP8 with the kernels, return the end not computed (a `fused_fp8.PendingNorm`): the next
+    # layer's Q/K/V projections compute it (`Encoder`).
+    pending: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -178,23 +200,31 @@ class FeedForward(nn.Module):
         fold = folds_output_bias(cfg)
         out = make_dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", return_bias=fold)(h)  # [b, length, hidden]
         out, out_bias = out if fold else (out, None)
-        return dropout_add_norm(cfg, self.deterministic, out, x, out_bias)
+        return dropout_add_norm(cfg, self.deterministic, out, x, out_bias, pending=self.pending)
 
 
 class EncoderLayer(nn.Module):
-    """One post-LayerNorm transformer block. Returns `(x, x)` so it can be the body of `nn.scan`."""
+    """One post-LayerNorm transformer block. Returns `(x, x)` so it can be the body of `nn.scan`.
+
+    Chained (`fused_fp8.chains_layers`, `Encoder`): the input may be the layer before's end left
+    pending, computed here, and with `pending_output` so is the output; returns `(output, input as
+    computed here)` when the input was pending."""
 
     config: BertConfig
     deterministic: bool = True
+    pending_output: bool = False
 
     @nn.compact
     def __call__(self, x: Array, mask: Array, sequence_ids: Optional[Array] = None,
                  query_positions: Optional[Array] = None):
+        pending_input = isinstance(x, fused_fp8.PendingNorm)
         x = SelfAttention(self.config, self.deterministic, name="attention")(
             x, mask, sequence_ids, query_positions)
-        x = FeedForward(self.config, self.deterministic, name="ffn")(x)
-        x = nn.with_logical_constraint(x, ACT_EMBED)
-        return x, x
+        x, computed = x if pending_input else (x, None)
+        x = FeedForward(self.config, self.deterministic, self.pending_output, name="ffn")(x)
+        if not isinstance(x, fused_fp8.PendingNorm):
+            x = nn.with_logical_constraint(x, ACT_EMBED)
+        return x, (computed if pending_input else x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,6 +251,10 @@ class Encoder(nn.Module):
     and the layer outputs are None. Unrolled, the last layer then computes only those queries
     (keys and values at every position, so the result is the same); scanned, every layer runs in
     full and the positions are gathered after.
+
+    Unrolled under FP8 with the kernels (`fused_fp8.chains_layers`), each layer but the last leaves
+    its FFN's LayerNorm pending and the next layer's attention runs it, its kernel writing the
+    Q/K/V GEMMs' e4m3 input: each layer's output is collected where the next layer computes it.
     """
 
     config: BertConfig
@@ -250,10 +284,15 @@ class Encoder(nn.Module):
             return x, states
         states = []
         last = cfg.num_hidden_layers - 1
+        chain = fused_fp8.chains_layers(cfg)
         for i in range(cfg.num_hidden_layers):
-            x, _ = layer_cls(cfg, self.deterministic, name=f"layer_{i}")(
+            out, computed = layer_cls(cfg, self.deterministic, pending_output=chain and i < last, name=f"layer_{i}")(
                 x, mask, sequence_ids, query_positions if i == last else None)
-            states.append(x)
+            if isinstance(x, fused_fp8.PendingNorm):  # the layer before's output, computed by this one
+                states.append(computed)
+            x = out
+            if not isinstance(x, fused_fp8.PendingNorm):
+                states.append(x)
         return x, (None if query_positions is not None else jnp.stack(states))
 
 

@@ -73,9 +73,11 @@ def test_the_kernel_casts_dh_to_e5m2_and_takes_its_amax_as_flax_does(monkeypatch
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("with_dropout", ["key", None])
 @pytest.mark.parametrize("launch", ["whole", "blocks"])
+@pytest.mark.parametrize("scales", [1, 2])
 def test_the_forward_kernel_casts_y_to_e4m3_and_takes_its_amax_as_flax_s_in_q_does(monkeypatch, dtype, with_dropout,
-                                                                                 launch):
+                                                                                 launch, scales):
     # "blocks": 3 blocks of 32 rows (the amax reduced over blocks) at a hidden size of 112 = 64 + 32 + 16.
+    # Two scales (the next layer's query and key/value inputs): y written in e4m3 once per scale.
     if launch == "blocks":
         monkeypatch.setattr(fused, "INTERPRET_FORWARD", {"block_rows": 32, "num_warps": 4})
     hidden = {"whole": 128, "blocks": 112}[launch]
@@ -90,16 +92,20 @@ def test_the_forward_kernel_casts_y_to_e4m3_and_takes_its_amax_as_flax_s_in_q_do
     key = jax.random.key_data(jax.random.key(3)) if with_dropout else None
     keep_prob = 0.9 if with_dropout else 1.0
     plain = fused._forward(h, x, None, key, scale, bias, h_bias, keep_prob, 1e-12)
-    in_scale = jnp.asarray([float(jnp.max(jnp.abs(plain[0].astype(jnp.float32)))) / 2000], jnp.float32)
-    y, mean, rstd, q, amax = fused._forward(h, x, None, key, scale, bias, h_bias, keep_prob, 1e-12, in_scale=in_scale)
+    most = float(jnp.max(jnp.abs(plain[0].astype(jnp.float32))))
+    in_scale = jnp.asarray([most / 2000, most / 700][:scales], jnp.float32)
+    y, mean, rstd, *qs, amax = fused._forward(h, x, None, key, scale, bias, h_bias, keep_prob, 1e-12,
+                                              in_scale=in_scale)
     for name, a, b in zip(("y", "mean", "rstd"), (y, mean, rstd), plain):  # unchanged, bit for bit
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
-    # flax's `in_q` of the same input: `quantize` in the compute dtype, and `compute_amax_history`'s amax.
-    want = fp8_ops.quantize(plain[0], jnp.float8_e4m3fn, in_scale, plain[0].dtype)
-    assert q.dtype == jnp.float8_e4m3fn and q.shape == (rows, hidden)
-    _assert_same_cast(q, want, np.asarray(plain[0], np.float32), in_scale)
-    assert np.sum(np.abs(np.asarray(want, np.float32)) == fused.E4M3_MAX) > 0  # some clipped
-    assert np.sum((np.asarray(want, np.float32) == 0) & (np.asarray(plain[0], np.float32) != 0)) > 0  # flushed
+    assert len(qs) == scales
+    for q, s in zip(qs, in_scale):
+        # flax's `in_q` of the same input: `quantize` in the compute dtype, and `compute_amax_history`'s amax.
+        want = fp8_ops.quantize(plain[0], jnp.float8_e4m3fn, s[None], plain[0].dtype)
+        assert q.dtype == jnp.float8_e4m3fn and q.shape == (rows, hidden)
+        _assert_same_cast(q, want, np.asarray(plain[0], np.float32), s[None])
+        assert np.sum(np.abs(np.asarray(want, np.float32)) == fused.E4M3_MAX) > 0  # some clipped
+        assert np.sum((np.asarray(want, np.float32) == 0) & (np.asarray(plain[0], np.float32) != 0)) > 0  # flushed
     assert float(amax) == float(jnp.max(jnp.abs(plain[0])).astype(jnp.float32))
 
 

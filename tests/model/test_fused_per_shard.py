@@ -31,11 +31,13 @@ def _operands(dtype, b=8, length=12, hidden=112):
 
 
 def _passes(h, x, dy, scale, bias, h_bias, key):
-    """Both kernels with every optional operand: the dropout key, the dense bias, FP8's scales."""
+    """Both kernels with every optional operand: the dropout key, the dense bias, FP8's scales (two
+    e4m3 copies: the next layer's query and key/value inputs)."""
     one = jnp.ones((1,), jnp.float32)
-    y, mean, rstd, q, amax = fused._forward(h, x, None, key, scale, bias, h_bias, 0.9, 1e-12, in_scale=one * 0.01)
+    forward = fused._forward(h, x, None, key, scale, bias, h_bias, 0.9, 1e-12, in_scale=jnp.asarray([0.01, 0.03]))
+    y, mean, rstd = forward[:3]
     back = fused._backward(h, x, None, key, scale, h_bias, mean, rstd, dy, 0.9, grad_scale=one * 1e-3)
-    return (y, mean, rstd, q, amax) + back
+    return forward + back
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=["data4_fsdp2", "data2_fsdp2_tensor2"])
@@ -56,7 +58,7 @@ def test_the_kernels_run_per_shard_and_equal_one_device(monkeypatch, mesh_shape,
         assert "shard_map" in str(jax.make_jaxpr(step)(h, x, dy, scale, bias, h_bias, key))
         got = step(h, x, dy, scale, bias, h_bias, key)
     assert got[0].sharding.is_equivalent_to(rows, 2)  # y stays split by rows
-    names = ("y", "mean", "rstd", "q", "amax", "dh", "dx", "dscale", "dbias", "dh_bias", "grad_amax")
+    names = ("y", "mean", "rstd", "q", "q2", "amax", "dh", "dx", "dscale", "dbias", "dh_bias", "grad_amax")
     for name, a, b in zip(names, got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         if name in ("dscale", "dbias", "dh_bias"):  # sums of per-device partials: float32 reordering
@@ -69,7 +71,7 @@ def test_the_kernels_run_per_shard_and_equal_one_device(monkeypatch, mesh_shape,
             np.testing.assert_array_equal(a, b, err_msg=name)
     # The mask is the whole array's: each device's rows draw different bits (a shard that drew
     # from row 0 would repeat the first device's mask, and fail above).
-    dropped = np.asarray(got[5], np.float32) == 0
+    dropped = np.asarray(got[names.index("dh")], np.float32) == 0
     per_device = dropped.reshape(8, -1)
     assert 0.05 < dropped.mean() < 0.15 and not all((per_device[0] == d).all() for d in per_device[1:])
 
@@ -176,8 +178,9 @@ def test_on_a_mesh_the_triton_calls_take_one_device_s_rows(monkeypatch, per_shar
 def test_the_pretraining_model_with_the_kernels_on_a_mesh_has_one_device_s_gradients(fp8):
     """BERT with `fused_ops`, dropout on (the kernels draw the masks), 2 x 2 x 2 devices against one:
     the loss and every gradient (dropout's masks per device would give other gradients); with FP8
-    too, its casts in the kernels (`fused_fp8`), the next scaling state (amaxes over every device)."""
-    cfg = model_config.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    too, its casts in the kernels (`fused_fp8`; the second layer's Q/K/V inputs written by the first's
+    LayerNorm kernel), the next scaling state (amaxes over every device)."""
+    cfg = model_config.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                   intermediate_size=64, max_position_embeddings=32, fused_ops=True, fp8=fp8)
     model = pretraining_heads.BertForPreTraining(cfg)
     rng = np.random.default_rng(0)
