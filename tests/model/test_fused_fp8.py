@@ -125,6 +125,23 @@ def _train(cfg, steps_: int):
     return losses, state
 
 
+def assert_trained_alike(got_losses, got, want_losses, want) -> dict:
+    """Two `_train` runs' losses, parameters and FP8 state equal, in flax's layout and names; returns
+    `got`'s amax histories by path. Bit for bit on this CPU (2026-11-29): the bounds leave room for
+    one e5m2 or e4m3 tie rounded apart (`_assert_same_cast`), far below what a wrong scale or history
+    does (mutation-checked)."""
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+    assert jax.tree.structure(got.fp8) == jax.tree.structure(want.fp8)
+    for tree, tol in (("params", 1e-6), ("fp8", 1e-5)):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(getattr(got, tree)),
+                                jax.tree.leaves(getattr(want, tree))):
+            b = np.asarray(b)
+            np.testing.assert_allclose(np.asarray(a), b, rtol=tol, atol=tol * np.abs(b).max(),
+                                       err_msg=tree + jax.tree_util.keystr(path))
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(got.fp8)
+            if "amax_history" in jax.tree_util.keystr(p)}
+
+
 @pytest.mark.parametrize("shape", [{}, dict(num_hidden_layers=2, scan_layers=True, remat_policy="full")],
                          ids=["one_layer", "two_layers_scanned_with_full_remat"])
 def test_the_fp8_model_trains_as_with_flax_s_cast_when_the_kernel_casts(monkeypatch, shape):
@@ -158,18 +175,7 @@ def test_the_fp8_model_trains_as_with_flax_s_cast_when_the_kernel_casts(monkeypa
     monkeypatch.setattr(fused_fp8, "ENABLED", False)
     want_losses, want = _train(_tiny(**shape), 3)
     assert not any(casts[traced[0]:] + input_casts[traced[1]:]) and len(input_casts) == 2 * traced[1]
-    # Bit for bit on this CPU (2026-11-29). The bounds leave room for one e5m2 tie rounded apart
-    # (`_assert_same_cast`), far below what a wrong scale or history does (mutation-checked).
-    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
-    assert jax.tree.structure(got.fp8) == jax.tree.structure(want.fp8)  # flax's layout and names
-    for tree, tol in (("params", 1e-6), ("fp8", 1e-5)):
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(getattr(got, tree)),
-                                jax.tree.leaves(getattr(want, tree))):
-            b = np.asarray(b)
-            np.testing.assert_allclose(np.asarray(a), b, rtol=tol, atol=tol * np.abs(b).max(),
-                                       err_msg=tree + jax.tree_util.keystr(path))
-    histories = {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(got.fp8)
-                 if "amax_history" in jax.tree_util.keystr(p)}
+    histories = assert_trained_alike(got_losses, got, want_losses, want)
     assert any("intermediate" in p and "input_amax_history" in p for p in histories)
     assert all(np.all(np.count_nonzero(h, axis=-1) == 3) for h in histories.values())  # an amax per step and layer
 
