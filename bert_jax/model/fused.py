@@ -16,8 +16,8 @@ mask, bit for bit), and the backward draws it again: no int8 mask is written to 
 the backward, or read (what it costs and saves on a GPU is not measured yet). Given FP8's gradient
 scale, the backward writes `dh` cast to float8_e5m2 and each block's largest |dh|; given the input
 scales of the FP8 layers that read `y` (one, or two: the query's and the key/value's), the forward
-writes `y` also cast to float8_e4m3fn once per scale and each block's largest |y| (`_fp8`; used by `bert_jax.model.fused_fp8`, whose custom VJPs span the FP8
-dense layers and these kernels).
+writes `y` also cast to float8_e4m3fn once per scale and each block's largest |y| (`_fp8`; used by
+`bert_jax.model.fused_fp8`, whose custom VJPs span the FP8 dense layers and these kernels).
 
 The arithmetic is the unfused path's, in its dtypes: the dense bias add (`h_bias` rounded to the
 compute dtype first), the dropout scaling and the residual add in the compute dtype, the

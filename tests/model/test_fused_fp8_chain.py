@@ -87,8 +87,8 @@ def test_an_attention_reading_a_pending_ffn_end_trains_as_flax_s_einsums():
     # step's largest |LayerNorm output|, which passes the query's 448 x scale (clipped) only.
     amax = float(jnp.max(jnp.abs(out[0])).astype(jnp.float32))
     assert 2.5 < amax < 6.0
-    for name, most, before in (("query_fp8", 2.5, states["query_fp8"]), ("key_value_fp8", 6.0, states["key_value_fp8"])):
-        new = got[0][name]
+    for name, most in (("query_fp8", 2.5), ("key_value_fp8", 6.0)):
+        new, before = got[0][name], states[name]
         np.testing.assert_allclose(float(new["input_scale"][0]), most / fused.E4M3_MAX, rtol=1e-6)
         assert float(new["input_amax_history"][0]) == amax
         np.testing.assert_array_equal(np.asarray(new["input_amax_history"])[1:],
