@@ -161,7 +161,7 @@ class FeatureExtractor:
             raise ValueError(f"--combine must be one of {COMBINATIONS}, got {combine_how!r}")
         if sentence_pooling not in ("none", "mean", "cls"):
             raise ValueError(f"--sentence_pooling must be none, mean or cls, got {sentence_pooling!r}")
-        model = BertModel(config)
+        model = BertModel(config.replace(fp8=False))  # FP8 is pretraining's: features in the model's dtype
         self.params = jax.device_put(params)
 
         def run(params, ids, mask, seg):

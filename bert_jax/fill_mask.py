@@ -23,7 +23,9 @@ def fill_mask(params: dict, bert_config, tokenizer, texts: Sequence[str], top_k:
     import jax
     from bert_jax.model.pretraining_heads import BertForPreTraining
 
-    model = BertForPreTraining(bert_config)
+    # In the model's dtype: FP8 is pretraining's (its scaling state lives in the train state, not in
+    # `params`), as the pretraining loop's evaluations run (a demo's FP8 config reaches here).
+    model = BertForPreTraining(bert_config.replace(fp8=False))
     import jax.numpy as jnp
     apply = jax.jit(lambda p, ids, pos: model.apply({"params": p}, ids, jnp.ones_like(ids), jnp.zeros_like(ids), pos))
     results = []

@@ -108,6 +108,11 @@ def test_cli_output_equals_the_models_hidden_states(checkpoint, tmp_path):
         np.testing.assert_allclose(np.array([f["combined"] for f in rec["features"]]), concat, atol=2e-6)
         np.testing.assert_allclose(rec["sentence_embedding"], concat.mean(0), atol=2e-6)
     assert len(records[3]["features"]) == 16  # truncated to max_seq_length
+    # A pretraining config with FP8: features in the model's dtype, the same (FP8's scaling state is
+    # the train state's, not in the parameters).
+    fp8 = ef.FeatureExtractor(config.replace(fp8=True), p.params["bert"], [-1], "none", "none")
+    np.testing.assert_allclose(fp8(feat.input_ids[None], feat.input_mask[None], feat.segment_ids[None])["layers"][0],
+                               hidden[None, 3], atol=2e-6)
 
 
 def test_bad_flags_name_the_flag(checkpoint, tmp_path):

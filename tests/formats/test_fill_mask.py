@@ -41,6 +41,9 @@ def test_guesses_match_transformers(hf_dir, capsys):
             order = np.argsort(-probs[pos])[:3]
             assert [g[0] for g in guesses] == [tok.inv_vocab[int(i)] for i in order]
             np.testing.assert_allclose([g[1] for g in guesses], probs[pos][order], atol=1e-5)
+    # A pretraining config with FP8 (as the demo's): guessed in the model's dtype, the same guesses
+    # (FP8's scaling state is the train state's, not in `params`).
+    assert fill_mask.fill_mask(params, config.replace(fp8=True), tok, texts, top_k=3) == results
     assert fill_mask.main(["--init_checkpoint", hf_dir, "--text", "the [MASK] sat", "--top_k", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("the [MASK] sat\n    [MASK] -> ") and out.count("(") == 2
