@@ -94,8 +94,10 @@ class SelfAttention(nn.Module):
         `(output, x as computed here)`."""
         cfg = self.config
         pending_input = isinstance(x, fused_fp8.PendingNorm)
+        # Its kernel writes the Q/K/V input in e4m3; at a few queries, flax's casts of the gathered input.
+        chained = pending_input and query_positions is None
         computed = None  # a pending input, as computed here
-        if pending_input and query_positions is not None:  # a few queries: flax's casts of the gathered input
+        if pending_input and not chained:
             x = computed = x()
         heads, head_dim = cfg.num_attention_heads, cfg.head_dim
         qkv_names = ("embed", "heads", "kv")
@@ -106,7 +108,7 @@ class SelfAttention(nn.Module):
             for n in ("query", "key", "value")))
         kernels = [k.astype(cfg.compute_dtype) for k in kernels]
         biases = [b.astype(cfg.compute_dtype) for b in params_biases]
-        xc = x if isinstance(x, fused_fp8.PendingNorm) else x.astype(cfg.compute_dtype)
+        xc = x if chained else x.astype(cfg.compute_dtype)
         impl, seq_ids = cfg.attention_impl, sequence_ids
         einsum = mixed_precision.einsum if cfg.mixed_matmuls else jnp.einsum
         # FP8 (see Dense): the query and the key/value projections always as two matmuls, so that
@@ -123,25 +125,23 @@ class SelfAttention(nn.Module):
             qkv = einsum("blh,hsnd->blsnd", xc, kernel) + jnp.stack(biases)
             # Each: [batch, length, heads, head_dim]
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        elif isinstance(x, fused_fp8.PendingNorm):
-            # FP8, the input's LayerNorm kernel run here: it writes the input in e4m3 with both input
-            # scales, for the query's and the key/value's GEMMs (bert_jax.model.fused_fp8.norm_qkv).
-            x, q, kv = fused_fp8.norm_qkv(x, fused_fp8.Fp8NormInput(name="query_fp8"),
-                                          fused_fp8.Fp8NormInput(name="key_value_fp8"), kernels[0],
-                                          jnp.stack(kernels[1:], axis=1), (((2,), (0,)), ((), ())))
-            x = computed = nn.with_logical_constraint(x, ACT_EMBED)
-            q = q + biases[0]  # [batch, length, heads, head_dim]
-            kv = kv + jnp.stack(biases[1:])  # [batch, length, 2, heads, head_dim]
-            k, v = kv[:, :, 0], kv[:, :, 1]
         else:
-            einsum_q = fp8_ops.Fp8Einsum(name="query_fp8") if cfg.fp8 else einsum
-            einsum_kv = fp8_ops.Fp8Einsum(name="key_value_fp8") if cfg.fp8 else einsum
-            if query_positions is not None:
-                x = gather_positions(x, query_positions)  # the residual, [batch, queries, hidden]
+            kernel_kv = jnp.stack(kernels[1:], axis=1)  # [hidden, 2, heads, head_dim]
+            if chained:  # FP8: the input's LayerNorm kernel runs here (bert_jax.model.fused_fp8.norm_qkv)
+                x, q, kv = fused_fp8.norm_qkv(x, fused_fp8.Fp8NormInput(name="query_fp8"),
+                                              fused_fp8.Fp8NormInput(name="key_value_fp8"), kernels[0], kernel_kv,
+                                              (((2,), (0,)), ((), ())))  # the einsums' dimension numbers
+                x = computed = nn.with_logical_constraint(x, ACT_EMBED)
+            else:
+                einsum_q = fp8_ops.Fp8Einsum(name="query_fp8") if cfg.fp8 else einsum
+                einsum_kv = fp8_ops.Fp8Einsum(name="key_value_fp8") if cfg.fp8 else einsum
+                if query_positions is not None:
+                    x = gather_positions(x, query_positions)  # the residual, [batch, queries, hidden]
+                q = einsum_q("blh,hnd->blnd", x.astype(cfg.compute_dtype), kernels[0])
+                kv = einsum_kv("blh,hsnd->blsnd", xc, kernel_kv)
             # [batch, queries, heads, head_dim] (queries: every position without query_positions)
-            q = einsum_q("blh,hnd->blnd", x.astype(cfg.compute_dtype), kernels[0]) + biases[0]
-            # [batch, length, 2, heads, head_dim]
-            kv = einsum_kv("blh,hsnd->blsnd", xc, jnp.stack(kernels[1:], axis=1)) + jnp.stack(biases[1:])
+            q = q + biases[0]
+            kv = kv + jnp.stack(biases[1:])  # [batch, length, 2, heads, head_dim]
             k, v = kv[:, :, 0], kv[:, :, 1]  # each [batch, length, heads, head_dim]
         if query_positions is not None:
             if mask.shape[2] != 1:  # per-query rows (packing, causal): those of the queries kept

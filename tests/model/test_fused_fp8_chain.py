@@ -126,8 +126,7 @@ def test_the_unrolled_fp8_model_trains_as_with_flax_s_casts_when_each_layer_s_ke
     traced = _forward_sizes(monkeypatch)
     got_losses, got = test_fused_fp8._train(test_fused_fp8._tiny(**shape), 3)
     # traced twice (the initialization and the step); remat traces its layers again for the backward
-    per_trace = traced[:len(sizes)]
-    assert per_trace == sizes and traced[len(traced) - len(sizes):] == sizes, traced
+    assert traced[:len(sizes)] == sizes and traced[len(traced) - len(sizes):] == sizes, traced
     monkeypatch.setattr(fused_fp8, "ENABLED", False)
     chained = len(traced)
     want_losses, want = test_fused_fp8._train(test_fused_fp8._tiny(**shape), 3)
