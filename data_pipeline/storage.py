@@ -217,6 +217,20 @@ def read_text(path, encoding: str = "utf-8") -> str:
     return read_bytes(path).decode(encoding)
 
 
+def read_range(path, start: int, end: int) -> bytes:
+    """Bytes `[start, end)` of a file in one request (fewer at its end): a bounded read of a log's
+    head or tail, however large the file has grown."""
+    if start < 0 or end < start:
+        raise ValueError(f"{path}: bad byte range [{start}, {end})")
+    if end == start:
+        return b""
+    if is_remote(path):
+        return filesystem(path).cat_file(object_key(os.fspath(path)), start=start, end=end)
+    with builtins.open(local_path(path), "rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
 def write_bytes(path, data: bytes, *, fsync: bool = False) -> None:
     """Writes a whole file atomically: readers see the old content or the new, never a part.
 

@@ -10,6 +10,10 @@ Object stores have no append: `append_text` and `Appender` compose a new object 
 and the appended part, under a generation precondition, and check after a failure whether it
 landed: no byte is appended twice.
 
+Compare-and-swap: `read_versioned` and `write_versioned` replace a small file only if it is still
+the version that was read (a generation precondition remote, a lock and the file's identity
+locally): what a lease needs, so that of two writers racing for one file exactly one wins.
+
 Of the storage modules it imports `storage_paths` and `storage_gcs` (`data_pipeline.storage`
 imports it); neither jax nor TensorFlow.
 """
@@ -19,10 +23,12 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import fcntl
+import json
 import os
 import tempfile
 import time
-from typing import IO, Optional
+from typing import IO, Optional, Union
 
 from data_pipeline.storage_gcs import filesystem
 from data_pipeline.storage_paths import is_remote, local_path, object_key
@@ -272,3 +278,79 @@ def _generation_and_size(fs, key: str) -> tuple[int, int]:
     except FileNotFoundError:
         return 0, 0
     return int(info.get("generation") or 0), int(info["size"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Compare-and-swap
+# ---------------------------------------------------------------------------------------------
+
+# What identifies one version of a file: the object's generation (remote); locally its inode,
+# size and modification time (every write replaces the file, so a new inode).
+Version = Union[int, str]
+
+
+class VersionChanged(FileExistsError):
+    """`write_versioned`'s precondition failed: the file is no longer the version it was given."""
+
+
+def read_versioned(path) -> tuple[Optional[bytes], Optional[Version]]:
+    """(content, version) of a file; (None, None) when there is none."""
+    path = os.fspath(path)
+    if is_remote(path):
+        fs, key = filesystem(path), object_key(path)
+        try:
+            generation = int(fs.info(key).get("generation") or 0)
+            # The bytes of that generation, not of one written since the info.
+            return fs.cat_file(key, generation=generation), generation
+        except FileNotFoundError:
+            return None, None
+    local = local_path(path)
+    with _locked(local):
+        return _read_local(local)
+
+
+def write_versioned(path, data: bytes, expected: Optional[Version]) -> Version:
+    """Writes `path` whole if it is still version `expected` (None: if it does not exist); returns
+    the new version. Raises `VersionChanged` when another writer got there first."""
+    path = os.fspath(path)
+    if not is_remote(path):
+        local = local_path(path)
+        with _locked(local):
+            if _read_local(local)[1] != expected:
+                raise VersionChanged(f"{path} changed since it was read (expected version {expected})")
+            write_local(local, data, fsync=True)
+            return _read_local(local)[1]
+    fs, key = filesystem(path), object_key(path)
+    bucket, name = key.split("/", 1)
+    # One multipart upload with ifGenerationMatch (0: only if absent), made as gcsfs makes its own:
+    # Cloud Storage answers 412, which gcsfs raises as FileExistsError, when the object is no longer
+    # that generation (fake-gcs-server enforces it on multipart uploads, not on media ones).
+    boundary = b"--==0=="
+    body = b"\n".join([boundary, b"Content-Type: application/json; charset=UTF-8", b"",
+                       json.dumps({"name": name}).encode(), boundary, b"Content-Type: application/octet-stream",
+                       b"", bytes(data), boundary + b"--"])
+    try:
+        out = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o",  # pylint: disable=protected-access
+                      uploadType="multipart", ifGenerationMatch=str(expected or 0), data=body, json_out=True,
+                      headers={"Content-Type": 'multipart/related; boundary="==0=="'})
+    except FileExistsError as e:
+        raise VersionChanged(f"{path} changed since it was read (expected generation {expected or 0})") from e
+    return int(out["generation"])
+
+
+@contextlib.contextmanager
+def _locked(local: str):
+    """An exclusive lock beside a local file (`<file>.lock`) for its read-compare-write."""
+    os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
+    with builtins.open(local + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _read_local(local: str) -> tuple[Optional[bytes], Optional[str]]:
+    try:
+        with builtins.open(local, "rb") as f:
+            st = os.fstat(f.fileno())
+            return f.read(), f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+    except FileNotFoundError:
+        return None, None

@@ -232,6 +232,34 @@ def test_a_rewrite_is_whole_or_absent(root):
     assert storage.listdir(root) == ["f.json"]  # no temporary file left beside it
 
 
+def test_a_byte_range_is_read_in_one_bounded_request(root):
+    p = storage_paths.join(root, "log.txt")
+    storage.write_bytes(p, bytes(range(100)))
+    assert storage.read_range(p, 0, 10) == bytes(range(10))
+    assert storage.read_range(p, 90, 200) == bytes(range(90, 100))  # past the end: what there is
+    assert storage.read_range(p, 5, 5) == b""
+    with pytest.raises(ValueError):
+        storage.read_range(p, 10, 5)
+
+
+def test_of_two_writers_racing_for_one_version_exactly_one_wins(root):
+    p = storage_paths.join(root, "lease.json")
+    assert storage_atomic.read_versioned(p) == (None, None)
+    first = storage_atomic.write_versioned(p, b"one", None)  # created: it was absent
+    with pytest.raises(storage_atomic.VersionChanged):
+        storage_atomic.write_versioned(p, b"two", None)  # a second creator loses
+    assert storage_atomic.read_versioned(p) == (b"one", first)
+    second = storage_atomic.write_versioned(p, b"three", first)  # replaced: still the version read
+    assert second != first
+    with pytest.raises(storage_atomic.VersionChanged):
+        storage_atomic.write_versioned(p, b"stale", first)  # a writer holding the old version loses
+    assert storage_atomic.read_versioned(p) == (b"three", second)
+    storage.write_bytes(p, b"someone else")  # an unconditional write is a new version too
+    with pytest.raises(storage_atomic.VersionChanged):
+        storage_atomic.write_versioned(p, b"four", second)
+    assert storage.read_bytes(p) == b"someone else"
+
+
 def test_staging_for_tensorflow_and_c_readers(root, monkeypatch, tmp_path):
     monkeypatch.setenv("BERT_JAX_CACHE_DIR", str(tmp_path / "cache"))
     with storage_staging.writing_dir(storage_paths.join(root, "state")) as local:
