@@ -13,6 +13,8 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from bert_jax import exit_codes
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (Python, get_config()), or a config's name (base, glue, ...; see configs/).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs and results go here.")
@@ -74,20 +76,20 @@ def main(argv):
     try:
         memory = host_memory.configure(config.get("keep_freed_host_memory", "auto"))
     except ValueError as e:
-        raise SystemExit(f"FATAL: {e}") from None
+        refuse(f"FATAL: {e}")
     logging.info("host memory: %s", memory)
     from bert_jax.workdir import check_paths
     from data_pipeline.storage_paths import StorageError
     try:  # a path no installed backend handles: refused before anything runs or is written
         check_paths(config.to_dict(), _WORKDIR.value)
     except StorageError as e:
-        raise SystemExit(f"FATAL: {e}") from None
+        refuse(f"FATAL: {e}")
     # Before anything compiles: programs of earlier runs are loaded instead of compiled again.
     from bert_jax.training import compile_cache
     try:
         logging.info("compilation cache: %s", compile_cache.configure(config.get("compilation_cache", "auto")))
     except ValueError as e:
-        raise SystemExit(f"FATAL: {e}") from None
+        refuse(f"FATAL: {e}")
     stats = compile_cache.CacheStats().start()
     init_distributed(_MULTIHOST.value)
     from bert_jax import demo
@@ -96,8 +98,13 @@ def main(argv):
     modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run, "finetune": finetune.run,
              "predict": predict.run}
     if config.mode not in modes:
-        raise app.UsageError(f"config.mode must be one of {sorted(modes)}, got {config.mode!r}")
-    modes[config.mode](config, _WORKDIR.value)
+        refuse(f"FATAL: config.mode must be one of {sorted(modes)}, got {config.mode!r}")
+    try:
+        modes[config.mode](config, _WORKDIR.value)
+    except (Exception, SystemExit) as e:  # pylint: disable=broad-except
+        if exit_codes.of(e) == exit_codes.CRASH:
+            raise  # Python's own traceback and exit code 1: a supervisor retries it
+        exit_codes.exit_for(e)  # its own exit code (bert_jax/exit_codes.py): a supervisor does not retry it
     logging.info("compilation cache: %s", stats.summary())
 
 
@@ -106,12 +113,20 @@ def parse_flags(argv):
     try:  # `--config=configs/base.py` or `--config=base` from any folder: the installed package's file
         resolved = resolve_config_argv(argv)
     except ValueError as e:
-        raise SystemExit(f"FATAL: {e}") from None
+        refuse(f"FATAL: {e}")
     record_command_line(argv)
     unknown = unknown_overrides(argv)
     if unknown:  # before ml_collections' traceback, naming the nearest valid keys
-        raise SystemExit("FATAL: unknown config key\n" + "\n".join(unknown))
-    return app.parse_flags_with_usage(resolved)
+        refuse("FATAL: unknown config key\n" + "\n".join(unknown))
+    try:
+        return app.parse_flags_with_usage(resolved)
+    except SystemExit as e:  # a flag or config file absl refused (its message is printed): a bad config
+        raise SystemExit(exit_codes.CONFIG if e.code == 1 else e.code) from None
+
+
+def refuse(message: str):
+    """Ends the process before anything ran: `message` on stderr, exit code `exit_codes.CONFIG`."""
+    exit_codes.exit_for(SystemExit(message))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ META_KEY = "versions"
 _OVERRIDE = "--config.allow_version_change=true"
 
 
+class VersionMismatchError(CheckpointRestoreError):
+    """A resume refused: the checkpoint was saved under other versions of a STRICT package."""
+
+
 def installed() -> dict[str, Optional[str]]:
     """{package: installed version, or None when it is not installed} for every package of PACKAGES."""
     versions: dict[str, Optional[str]] = {}
@@ -64,7 +68,7 @@ def check_resume(saved: Optional[dict], *, allow_change: bool, where: str) -> No
         where: the checkpoint, for the messages (e.g. "checkpoint step 12 in W/checkpoints").
 
     Raises:
-        CheckpointRestoreError: a STRICT package's version differs and not `allow_change`; the
+        VersionMismatchError: a STRICT package's version differs and not `allow_change`; the
             message names each package with the checkpoint's version and the installed one, and
             the override.
     """
@@ -79,7 +83,7 @@ def check_resume(saved: Optional[dict], *, allow_change: bool, where: str) -> No
     if strict and not allow_change:
         pins = " ".join(f"{name}=={saved[name]}" for name in strict if saved[name] is not None)
         install = f"install the checkpoint's versions (pip install {pins}) and resume, or " if pins else ""
-        raise CheckpointRestoreError(
+        raise VersionMismatchError(
             f"{where} was saved with other library versions than are installed: {_listed(strict, saved, now)}; "
             f"a resume under them may compute other numbers or misread the state: {install}"
             f"resume anyway with {_OVERRIDE}")
