@@ -8,10 +8,20 @@
       vocab.txt                 VOCAB              the WordPiece vocabulary, one token a line
       tokenizer_config.json     TOKENIZER_CONFIG   the casing (`do_lower_case`), as HF writes it
       task.json                 TASK_FILE          fine-tuning: the task, its head and labels
-      train_log.jsonl           TRAIN_LOG          one line of metrics per logged step
+      train_log.jsonl           TRAIN_LOG          one line of metrics per logged step (and event lines)
+      skipped_batches.json      SKIPPED_BATCHES    pretraining: batches skipped after a step, rollbacks
       eval_results.json         EVAL_RESULTS       the last evaluation (metric -> value)
       eval_history.json         EVAL_HISTORY       fine-tuning: every epoch's evaluation
       events.out.tfevents.*                        TensorBoard's (`bert_jax.workdir.MetricWriter`)
+
+    A supervised pod run's workdir also holds the supervisor's files (`bert_jax.pod`):
+      attempts.jsonl            ATTEMPTS           every attempt's start and end, failures, recreations
+      slice.json                SLICE_SPEC         what recreating the slice needs
+      constraints.txt           CONSTRAINTS        the first install's `pip freeze`: every reinstall's pins
+      code.json, code/<sha>.tar.gz  CODE_POINTER, CODE_DIR  the project snapshot every attempt ships
+      needs_install.json        NEEDS_INSTALL      the next launch must install (a slice was recreated)
+      supervisor.lease          LEASE              which supervisor holds the workdir, and its heartbeat
+      logs/attempt-<n>/worker-<N>.log  LOGS        every worker's log of every attempt
 
     E/                          an export (`bert_jax.convert --to=bert_jax`)
       params/                   EXPORTED_PARAMS    an orbax checkpoint of the parameter tree
@@ -30,6 +40,16 @@ VOCAB = "vocab.txt"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TASK_FILE = "task.json"
 TRAIN_LOG = "train_log.jsonl"
+SKIPPED_BATCHES = "skipped_batches.json"
 EVAL_RESULTS = "eval_results.json"
 EVAL_HISTORY = "eval_history.json"
 EXPORTED_PARAMS = "params"
+# The supervisor's (bert_jax.pod).
+ATTEMPTS = "attempts.jsonl"
+SLICE_SPEC = "slice.json"
+CONSTRAINTS = "constraints.txt"
+CODE_POINTER = "code.json"
+CODE_DIR = "code"
+NEEDS_INSTALL = "needs_install.json"
+LEASE = "supervisor.lease"
+LOGS = "logs"

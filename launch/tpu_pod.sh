@@ -5,10 +5,11 @@
 #   CONFIG=configs/large.py WORKDIR=gs://my-bucket/bert-large \
 #   launch/tpu_pod.sh [--dry_run] --config.train_data='gs://my-bucket/data/train-*.tfrecord'
 #
-#   launch/tpu_pod.sh --watch ARGS # the same run, supervised: restarted when a worker fails, the
-#                                  # slice recreated when preempted (bert_jax/supervisor.py)
+#   launch/tpu_pod.sh --watch ARGS # the same run, supervised: restarted when it fails or hangs,
+#                                  # the slice recreated when lost (bert_jax/pod/supervisor.py)
 #   launch/tpu_pod.sh --status     # each worker: running or not, and the end of its log
 #   launch/tpu_pod.sh --stop       # SIGTERM on every worker: a checkpoint is saved, then the run exits
+#                                  # (a supervisor then ends too: a person stopped it)
 #   launch/tpu_pod.sh --collect=DEST  # each worker's newest log to DEST/worker-<N>.log
 #   launch/tpu_pod.sh --freeze     # worker 0's installed packages, pinned (pip freeze)
 #
@@ -30,8 +31,11 @@
 # folder, default bert_jax), PYTHON (the workers' python, default python3), STOP_TIMEOUT (default
 # 600), GCLOUD (default gcloud), INTERNAL_IP=1 (reach workers without external IPs by their
 # internal ones: --internal-ip), IAP=1 (through Identity-Aware Proxy: --tunnel-through-iap).
-# --watch's own: POLL_SECONDS, MAX_RESTARTS, BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, READY_TIMEOUT
-# (bert_jax/supervisor.py), SUPERVISOR_PYTHON (this machine's python with bert_jax's [gcs] extra).
+# --watch's own (docs/pretraining.md, "Running on a pod", lists them all): POLL_SECONDS,
+# MAX_RESTARTS, BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, READY_TIMEOUT, QUEUE_TIMEOUT, LOST_READINGS,
+# UNREACHABLE_POLLS, MAX_CREATE_FAILURES, HANG_SECONDS, HANG_MIN_SECONDS, HANG_FACTOR,
+# STARTUP_SECONDS, ...; its flags --takeover and --update_code; SUPERVISOR_PYTHON (this machine's
+# python with bert_jax's [gcs] extra).
 set -euo pipefail
 
 action=run
@@ -60,7 +64,7 @@ for var in "${required[@]}"; do
 done
 cd "$(dirname "$0")/.."
 if [ "$action" = watch ]; then
-  exec "${SUPERVISOR_PYTHON:-python3}" -m bert_jax.supervisor "${args[@]}"
+  exec "${SUPERVISOR_PYTHON:-python3}" -m bert_jax.pod.supervisor "${args[@]}"
 fi
 
 REMOTE_DIR="${REMOTE_DIR:-bert_jax}"
@@ -93,7 +97,9 @@ on_workers() { gcloud_ compute tpus tpu-vm ssh "$TPU_NAME" "${where[@]}" --worke
 dir=$(printf '%q' "$REMOTE_DIR")
 log_dest=""
 [ -n "${LOG_DEST:-}" ] && log_dest="LOG_DEST=$(printf '%q' "$LOG_DEST") "
-worker="cd $dir && ${log_dest}PYTHON=$(printf '%q' "$PYTHON") STOP_TIMEOUT=$(printf '%q' "$STOP_TIMEOUT") bash launch/tpu_worker.sh"
+stop_by=""
+[ -n "${STOP_BY:-}" ] && stop_by="STOP_BY=$(printf '%q' "$STOP_BY") "
+worker="cd $dir && ${log_dest}${stop_by}PYTHON=$(printf '%q' "$PYTHON") STOP_TIMEOUT=$(printf '%q' "$STOP_TIMEOUT") bash launch/tpu_worker.sh"
 # A fresh VM (just created, or recreated after a preemption) has no project copy yet.
 if_copied() { echo "if [ -f $dir/launch/tpu_worker.sh ]; then $1; else echo \"\$(hostname): no bert_jax in ~/$dir\"; $2; fi"; }
 case "$action" in

@@ -13,15 +13,22 @@
 # With LOG_DEST set (a folder, gs:// or local), that shell uploads the log there as worker-<N>.log
 # every LOG_SYNC_SECONDS (default 60) when it has grown, and when the run ends: a slice that
 # disappears keeps its logs. That shell uploads its own run's log, never latest.log: a sync that
-# wakes after the next run has started must not send that run's log under this run's name.
+# wakes after the next run has started must not send that run's log under this run's name. The
+# final upload waits for the periodic one to finish, so an older copy never lands over it. The
+# shell and its sync loop ignore SIGTERM and SIGHUP (the run does not: bert_jax saves on SIGTERM):
+# a maintenance event or an OS shutdown signals every process of the VM, and the shell must live
+# on to write the run's exit code and upload its whole log.
 # `stop` sends SIGTERM (bert_jax saves a checkpoint at the next step every host reaches, then
 # exits), waits up to STOP_TIMEOUT seconds, then SIGKILLs; it then stops any other process that
 # holds the TPU's device files and removes libtpu's lock file, which a killed process leaves.
+# Unless STOP_BY=supervisor (the supervisor's own stops), it first leaves `stop_requested` in
+# $RUN_DIR: the run was stopped by a person, and a supervisor must not relaunch it.
 #
 # `status` prints, besides the log's end, one line `bert_jax-worker <N> <state> [rc]` that
-# launch/supervise.py reads; state is running, finished (exit 0 after the last step), stopped
-# (exit 0 after saving on SIGTERM), failed (non-zero exit: rc), gone (no process and no exit code:
-# killed with the shell that watched it, or a rebooted VM) or none (never started here).
+# bert_jax/pod/supervisor.py reads; state is running, finished (exit 0 after the last step), stopped
+# (exit 0 after saving on SIGTERM), halted (ended after a person's `stop`: rc), failed (non-zero
+# exit: rc), gone (no process and no exit code: killed with the shell that watched it, or a
+# rebooted VM) or none (never started here).
 set -euo pipefail
 
 RUN_DIR="${RUN_DIR:-$HOME/bert_jax_run}"
@@ -35,6 +42,7 @@ HOLDER_TIMEOUT="${HOLDER_TIMEOUT:-30}"  # seconds a process holding the TPU gets
 PID_FILE="$RUN_DIR/pid"
 EXIT_FILE="$RUN_DIR/exit_code"
 SHELL_PID_FILE="$RUN_DIR/shell_pid"  # the shell that waits on the run and writes its exit code
+STOP_REQUESTED="$RUN_DIR/stop_requested"  # a person stopped the run (tpu_pod.sh --stop)
 cd "$(dirname "$0")/.."
 
 alive() {  # a process exists, whoever owns it (kill -0 answers EPERM for another user's: not "gone")
@@ -80,6 +88,7 @@ stop() {
     local pid
     pid=$(cat "$PID_FILE")
     if ours "$pid"; then
+      [ "${STOP_BY:-}" = supervisor ] || date -u +%FT%TZ > "$STOP_REQUESTED"
       echo "$(hostname): stopping run $pid (SIGTERM: it saves a checkpoint, then exits)"
       kill -TERM "$pid" 2>/dev/null || true
       if ! wait_gone "$STOP_TIMEOUT" "$pid"; then
@@ -122,7 +131,7 @@ start() {
     exit 1
   fi
   mkdir -p "$RUN_DIR/logs"
-  rm -f "$PID_FILE" "$EXIT_FILE" "$SHELL_PID_FILE"
+  rm -f "$PID_FILE" "$EXIT_FILE" "$SHELL_PID_FILE" "$STOP_REQUESTED"
   local log
   log="$RUN_DIR/logs/$(date +%Y%m%d-%H%M%S)-$$.log"
   ln -sfn "$(basename "$log")" "$RUN_DIR/logs/latest.log"
@@ -134,17 +143,25 @@ start() {
     script=$1; shift
     "$@" &
     run=$!
+    trap "" TERM HUP  # after the run started: it keeps the default (bert_jax saves on SIGTERM)
     echo "$run" > "$RUN_DIR/pid.tmp" && mv "$RUN_DIR/pid.tmp" "$RUN_DIR/pid"
+    sync=""
     if [ -n "$LOG_DEST" ]; then  # uploaded when it has grown (an idle log costs nothing)
-      (sent=-1; while kill -0 "$run" 2>/dev/null; do
-         sleep "$LOG_SYNC_SECONDS"
+      (trap "" TERM HUP; sent=-1; while kill -0 "$run" 2>/dev/null; do
+         waited=0  # a second at a time: this loop ends within one once the run has
+         while [ "$waited" -lt "$LOG_SYNC_SECONDS" ] && kill -0 "$run" 2>/dev/null; do sleep 1; waited=$((waited + 1)); done
+         kill -0 "$run" 2>/dev/null || break
          size=$(stat -Lc %s "$RUN_LOG" 2>/dev/null || echo 0)
          if [ "$size" != "$sent" ]; then bash "$script" collect "$LOG_DEST" "$RUN_LOG" && sent=$size; fi
        done) &
+      sync=$!
     fi
     wait "$run"; rc=$?
     echo "$rc" > "$RUN_DIR/exit_code"
-    if [ -n "$LOG_DEST" ]; then bash "$script" collect "$LOG_DEST" "$RUN_LOG"; fi
+    if [ -n "$LOG_DEST" ]; then
+      [ -n "$sync" ] && wait "$sync"  # an upload of an older copy must not land after the final one
+      bash "$script" collect "$LOG_DEST" "$RUN_LOG"
+    fi
   ' bash "$(pwd)/launch/tpu_worker.sh" "$PYTHON" -m bert_jax.main "$@" > "$log" 2>&1 < /dev/null &
   echo "$!" > "$SHELL_PID_FILE"
   local waited=0
@@ -168,7 +185,8 @@ status() {
     done
     if [ -f "$EXIT_FILE" ]; then
       rc=$(cat "$EXIT_FILE")
-      if [ "$rc" != 0 ]; then state=failed
+      if [ -f "$STOP_REQUESTED" ]; then state=halted
+      elif [ "$rc" != 0 ]; then state=failed
       elif grep -q "preemption/SIGTERM: saved step" "$RUN_DIR/logs/latest.log" 2>/dev/null; then state=stopped
       else state=finished; fi
     elif [ -e "$RUN_DIR/logs/latest.log" ]; then state=gone

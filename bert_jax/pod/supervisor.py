@@ -1,443 +1,668 @@
-"""The pod run's supervisor: starts a run on a Cloud TPU slice, watches it, and brings it back.
+"""The pod run's supervisor: starts a run on a Cloud TPU slice, watches it, brings it back.
 
     TPU_NAME=my-v4-32 ZONE=us-central2-b PROJECT=my-project CONFIG=configs/large.py \\
     WORKDIR=gs://my-bucket/bert-large launch/tpu_pod.sh --watch --config.train_data=...
 
-(`launch/tpu_pod.sh --watch ARGS` runs `python -m bert_jax.supervisor ARGS` with the same
-environment.) It runs on a machine that outlives the slice (a workstation, a small VM, Cloud
-Shell): start it under tmux, screen or `nohup ... &`, since it must outlive its own SSH session.
-Stopping it (Ctrl-C, SIGTERM) leaves the run going; started again with the same command it adopts
-the run it finds, so it is safe to restart. Run one supervisor per workdir.
+(`launch/tpu_pod.sh --watch ARGS` runs `python -m bert_jax.pod.supervisor ARGS`.) It runs on a
+machine that outlives the slice: a small VM, under systemd (`launch/bert_jax-supervisor.service`:
+restarted if it ever exits abnormally, which is safe, since it adopts the run it finds). Stopping
+it leaves the run going. One supervisor per workdir (the lease, `records.py`); `--takeover` takes
+over from one whose heartbeat went stale; `--update_code` ships the checkout's code from now on.
 
-What it does, once a poll (`POLL_SECONDS`, default 60: one `describe` and one status over SSH,
-nothing on the workers' step path):
+Once a poll (`POLL_SECONDS`, 60): one `describe` (and the queued resource's, when the slice came
+from one), one status call over SSH, and a look at the workdir; each poll runs in a guard that
+logs an error and goes on (`MAX_INTERNAL_ERRORS` in a row end it). What it does, in words of
+docs/pretraining.md's table:
 
-- **The slice is READY and every worker's run is going**: nothing.
-- **A worker's run failed** (non-zero exit) **or disappeared** (killed with no exit code, a
-  rebooted VM): it stops the other workers (SIGTERM: they save a checkpoint where they can, then
-  SIGKILL after STOP_TIMEOUT), collects every worker's log into `WORKDIR/logs/attempt-<n>/`, waits
-  a backoff (`BACKOFF_SECONDS` doubling per failure in a row without a new checkpoint, at most
-  `MAX_BACKOFF_SECONDS`) and relaunches the same command on the same VMs (no reinstall). After
-  `MAX_RESTARTS` failures (default 10) it stops and exits 1.
-- **Every worker stopped after saving on SIGTERM** (a maintenance event): relaunched at once; not
-  counted as a failure.
-- **The slice is PREEMPTED, TERMINATED or gone**: it deletes what is left and recreates it from
-  the spec recorded at the first start (`WORKDIR/slice.json`: accelerator type, runtime version,
-  spot/preemptible, network, subnetwork, internal IPs, service account and scopes, labels, tags;
-  through the queued resource when the slice was created as one), waits for READY
-  (`READY_TIMEOUT`, default 3600 s), then relaunches with a fresh install pinned to the versions
-  the run started with. Not counted as a failure.
-- **Every worker finished** (exit 0 after the last step): it records it and exits 0.
+- every worker running and progress in the workdir: nothing. No progress past the budget
+  (progress.py): the run is **hung**, stopped and relaunched.
+- a worker failed or vanished: the others are stopped (SIGTERM, SIGKILL after STOP_TIMEOUT), the
+  logs collected, the attempt ended with its cause. An exit code that running again cannot get
+  past (bert_jax/exit_codes.py: a refused config, a data error, refused versions, a non-finite
+  loss, a divergence) ends supervision at once, with its cause; any other is a **failure**:
+  relaunched after a backoff (`BACKOFF_SECONDS` doubling to `MAX_BACKOFF_SECONDS`), and more than
+  `MAX_RESTARTS` failures in a row without a new checkpoint end supervision.
+- a worker unanswered over SSH for `UNREACHABLE_POLLS` polls: lost; the attempt is ended (what
+  answers is stopped) and relaunched, or the slice recreated when describe reports it unhealthy.
+- every worker stopped after saving on SIGTERM (maintenance): relaunched at once. Stopped by
+  `tpu_pod.sh --stop` (a person): supervision ends, the run stays stopped.
+- the slice PREEMPTED, TERMINATED, or NOT_FOUND (gcloud's structured error), `LOST_READINGS`
+  readings in a row: "needs install" is written to the workdir first, then the slice is deleted and
+  created again from `slice.json` (a failed create is recorded and retried with backoff, up to
+  `MAX_CREATE_FAILURES`), and the run relaunched on it with a pinned install. STOPPED: started
+  again, not deleted. A queued resource still waiting for capacity keeps its place
+  (`QUEUE_TIMEOUT`); a FAILED or SUSPENDED one is queued again. Any other state past
+  `READY_TIMEOUT`: recreated.
+- every worker finished: recorded, exit 0.
 
-Every worker's run uploads its log to `WORKDIR/logs/attempt-<n>/worker-<N>.log` every minute and
-when it ends (`launch/tpu_worker.sh`), so a preempted slice's logs survive up to the last minute.
-
-Versions: after the first install it records worker 0's installed packages (`pip freeze`) in
-`WORKDIR/constraints.txt`; every later install uses it as pip's constraints file, so a recreated
-VM gets the jax, libtpu and orbax that wrote the checkpoints (bert_jax also refuses a resume with
-other versions unless `--config.allow_version_change=true`).
-
-`WORKDIR/attempts.jsonl` gets one line when an attempt starts and one when it ends: the attempt's
-number, the time, its cause of ending, each worker's state and the step it resumed from.
-
-This module imports neither jax nor TensorFlow: it needs Python, gcloud, and `data_pipeline.storage`
-(gcsfs for a gs:// workdir: `pip install -e '.[gcs]'`).
+Every launch ships the project snapshot of the first start (pins.py) and installs, when it must,
+pinned to the recorded versions. Everything it does is a line of `WORKDIR/attempts.jsonl`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 import re
-import subprocess
+import signal
 import sys
 import tempfile
 import time
+import traceback
 from typing import Optional
 
-from bert_jax import layout
-from data_pipeline import storage, storage_atomic, storage_paths
+from bert_jax import exit_codes, layout
+from bert_jax.pod import calls, pins
+from bert_jax.pod.progress import Progress, newest_committed_step
+from bert_jax.pod.records import Attempts, Lease, LeaseHeld, local_state_dir
+from bert_jax.pod.slice import GONE, NOT_FOUND, QUEUED_FAILED, QUEUED_WAITING, Reading, Slice, maintenance_of
+from data_pipeline import storage, storage_paths
 
-POD_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "tpu_pod.sh")
-
-# Slice states (Cloud TPU API v2 `Node.state`) after which the VMs are gone or will not come back
-# by themselves; NOT_FOUND is a deleted slice.
-LOST = ("PREEMPTED", "TERMINATED", "STOPPED", "NOT_FOUND")
-WORKER_LINE = re.compile(r"^bert_jax-worker (\S+) (running|finished|stopped|failed|gone|none) ?(-?\d+)?\s*$")
+WORKER_LINE = re.compile(r"^bert_jax-worker (\S+) (running|finished|stopped|halted|failed|gone|none) ?(-?\d+)?\s*$")
 RESUMED = re.compile(r"resumed from step (\d+)")
+LOG_HEAD_BYTES = 1 << 20  # the part of worker 0's log where a resume says its step
+SUPERVISOR_FLAGS = ("--takeover", "--update_code")
 
 
 def log(message: str) -> None:
     print(f"{datetime.datetime.now().isoformat(timespec='seconds')} supervisor: {message}", flush=True)
 
 
-def setting(name: str, default: float) -> float:
-    value = os.environ.get(name, "")
-    try:
-        return float(value) if value else default
-    except ValueError:
-        raise SystemExit(f"supervisor: {name}={value!r} is not a number") from None
+@dataclasses.dataclass
+class Settings:
+    """The supervisor's settings, each from the environment variable of its name in capitals
+    (POLL_SECONDS, ...; launch/tpu_pod.sh's header and docs/pretraining.md list them)."""
+
+    poll_seconds: float = 60
+    max_restarts: int = 10  # failures in a row without a new checkpoint before giving up
+    backoff_seconds: float = 60  # before a relaunch after a failure, doubling for each in a row
+    max_backoff_seconds: float = 1800
+    ready_timeout: float = 3600  # a slice in any state but READY this long is recreated
+    queue_timeout: float = 7 * 86400  # a queued resource waiting for capacity this long: give up
+    stop_timeout: float = 600  # for workers to save on SIGTERM before SIGKILL
+    lost_readings: int = 2  # readings of PREEMPTED/TERMINATED/NOT_FOUND/STOPPED before acting
+    unreachable_polls: int = 5  # polls a worker may not answer over SSH before it counts as lost
+    max_create_failures: int = 24  # failed creates in a row before giving up (backed off)
+    max_internal_errors: int = 10  # polls in a row failing with an error of the supervisor's own
+    storage_timeout: float = 120  # one storage call's limit (each tried 3 times)
+    launch_timeout: float = 3600  # tpu_pod.sh's copy + install + start
+    create_timeout: float = 3600  # gcloud's create
+    hang_seconds: float = 0  # > 0: the fixed budget between progress signals (progress.py)
+    hang_min_seconds: float = 1800
+    hang_factor: float = 5
+    startup_seconds: float = 3600
+    lease_stale_seconds: float = 0  # 0: max(10 polls, 600 s)
+
+    @classmethod
+    def from_env(cls, env: dict) -> "Settings":
+        values = {}
+        for field in dataclasses.fields(cls):
+            name, raw = field.name.upper(), env.get(field.name.upper(), "").strip()
+            if raw:
+                try:
+                    values[field.name] = int(raw) if field.type == "int" else float(raw)
+                except ValueError:
+                    raise SystemExit(f"supervisor: {name}={raw!r} is not a{'n integer' if field.type == 'int' else ' number'}"
+                                     ) from None
+        out = cls(**values)
+        out.lease_stale_seconds = out.lease_stale_seconds or max(10 * out.poll_seconds, 600)
+        return out
 
 
-# ---------------------------------------------------------------------------------------------
-# The slice: gcloud describe / delete / create
-# ---------------------------------------------------------------------------------------------
+class Stop(Exception):
+    """Supervision ends: `code` is the supervisor's exit code, `cause` why."""
 
-
-class Slice:
-    """One Cloud TPU VM slice, reached through gcloud."""
-
-    def __init__(self, name: str, zone: str, project: str, gcloud: str = "gcloud"):
-        self.name, self.zone, self.project, self.gcloud = name, zone, project, gcloud
-
-    def _gcloud(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        return subprocess.run([self.gcloud, *args, f"--zone={self.zone}", f"--project={self.project}"],
-                              capture_output=True, text=True, timeout=timeout, check=False)
-
-    def describe(self) -> Optional[dict]:
-        """The node's description; None when the slice does not exist. Raises RuntimeError when
-        gcloud fails otherwise (no network, no credentials: the caller retries next poll)."""
-        r = self._gcloud("compute", "tpus", "tpu-vm", "describe", self.name, "--format=json", timeout=120)
-        if r.returncode != 0:
-            if "NOT_FOUND" in r.stderr or "not found" in r.stderr.lower():
-                return None
-            raise RuntimeError(f"gcloud describe {self.name} failed: {r.stderr.strip()[-500:]}")
-        return json.loads(r.stdout)
-
-    @staticmethod
-    def spec_of(node: dict) -> dict:
-        """What recreating the slice needs, from its description."""
-        scheduling = node.get("schedulingConfig") or {}
-        network = node.get("networkConfig") or {}
-        account = node.get("serviceAccount") or {}
-        return {
-            "accelerator_type": node.get("acceleratorType") or (node.get("acceleratorConfig") or {}).get("type"),
-            "runtime_version": node.get("runtimeVersion"),
-            "spot": bool(scheduling.get("spot")),
-            "preemptible": bool(scheduling.get("preemptible")),
-            "network": network.get("network"),
-            "subnetwork": network.get("subnetwork"),
-            "internal_ips": network.get("enableExternalIps") is False,
-            "service_account": account.get("email"),
-            "scopes": account.get("scope") or [],
-            "labels": node.get("labels") or {},
-            "tags": node.get("tags") or [],
-            # projects/P/locations/Z/queuedResources/NAME when created through a queued resource.
-            "queued_resource": (node.get("queuedResource") or "").rsplit("/", 1)[-1] or None,
-        }
-
-    def create_args(self, spec: dict) -> list[list[str]]:
-        """The gcloud commands that delete what is left of the slice and create it again."""
-        flags = [f"--accelerator-type={spec['accelerator_type']}"]
-        if spec.get("spot"):
-            flags.append("--spot")
-        elif spec.get("preemptible"):
-            flags.append("--preemptible" if not spec.get("queued_resource") else "--spot")
-        for key, flag in (("network", "--network"), ("subnetwork", "--subnetwork"),
-                          ("service_account", "--service-account")):
-            if spec.get(key):
-                flags.append(f"{flag}={spec[key]}")
-        if spec.get("internal_ips"):
-            flags.append("--internal-ips")
-        if spec.get("scopes"):
-            flags.append("--scopes=" + ",".join(spec["scopes"]))
-        if spec.get("labels"):
-            flags.append("--labels=" + ",".join(f"{k}={v}" for k, v in sorted(spec["labels"].items())))
-        if spec.get("tags"):
-            flags.append("--tags=" + ",".join(spec["tags"]))
-        if spec.get("queued_resource"):
-            qr = spec["queued_resource"]
-            return [["compute", "tpus", "queued-resources", "delete", qr, "--quiet", "--force"],
-                    ["compute", "tpus", "queued-resources", "create", qr, f"--node-id={self.name}",
-                     f"--runtime-version={spec['runtime_version']}", *flags]]
-        return [["compute", "tpus", "tpu-vm", "delete", self.name, "--quiet"],
-                ["compute", "tpus", "tpu-vm", "create", self.name, f"--version={spec['runtime_version']}", *flags]]
-
-    def recreate(self, spec: dict, ready_timeout: float, poll: float) -> None:
-        """Deletes what is left, creates the slice again from `spec`, waits until it is READY."""
-        delete, create = self.create_args(spec)
-        r = self._gcloud(*delete, timeout=1800)
-        if r.returncode != 0 and "NOT_FOUND" not in r.stderr and "not found" not in r.stderr.lower():
-            raise RuntimeError(f"gcloud {' '.join(delete[:4])} failed: {r.stderr.strip()[-500:]}")
-        r = self._gcloud(*create, timeout=3600)
-        if r.returncode != 0:
-            raise RuntimeError(f"gcloud {' '.join(create[:4])} failed: {r.stderr.strip()[-500:]}")
-        deadline = time.time() + ready_timeout
-        while True:
-            node = self.describe()
-            state = node.get("state") if node else "NOT_FOUND"
-            if state == "READY":
-                return
-            if time.time() > deadline:
-                raise RuntimeError(f"{self.name} is {state}, not READY, {ready_timeout:.0f} s after its creation")
-            time.sleep(poll)
-
-
-# ---------------------------------------------------------------------------------------------
-# The run: launch/tpu_pod.sh
-# ---------------------------------------------------------------------------------------------
+    def __init__(self, code: int, cause: str):
+        super().__init__(cause)
+        self.code, self.cause = code, cause
 
 
 class Supervisor:
-    """Starts the run, polls it, relaunches it; one `run()` call lasts until the run finishes."""
+    """Starts the run, polls it, relaunches it; one `run()` call lasts until supervision ends."""
 
     def __init__(self, args: list[str], env: Optional[dict] = None):
         self.env = dict(os.environ if env is None else env)
         missing = [v for v in ("TPU_NAME", "ZONE", "PROJECT", "CONFIG", "WORKDIR") if not self.env.get(v)]
         if missing:
             raise SystemExit(f"supervisor: environment variable {missing[0]} is required (see launch/tpu_pod.sh)")
-        self.args = list(args)
+        self.takeover, self.update_code = "--takeover" in args, "--update_code" in args
+        self.args = [a for a in args if a not in SUPERVISOR_FLAGS]
+        self.s = Settings.from_env(self.env)
         self.workdir = storage_paths.check(self.env["WORKDIR"], "WORKDIR")
-        self.slice = Slice(self.env["TPU_NAME"], self.env["ZONE"], self.env["PROJECT"],
-                           self.env.get("GCLOUD", "gcloud"))
-        self.poll = setting("POLL_SECONDS", 60)
-        self.max_restarts = int(setting("MAX_RESTARTS", 10))
-        self.backoff = setting("BACKOFF_SECONDS", 60)
-        self.max_backoff = setting("MAX_BACKOFF_SECONDS", 1800)
-        self.ready_timeout = setting("READY_TIMEOUT", 3600)
-        self.attempts_file = storage_paths.join(self.workdir, "attempts.jsonl")
-        self.constraints_file = storage_paths.join(self.workdir, "constraints.txt")
-        self.spec_file = storage_paths.join(self.workdir, "slice.json")
+        self.slice = Slice(self.env["TPU_NAME"], self.env["ZONE"], self.env["PROJECT"], self.env.get("GCLOUD", "gcloud"))
+        self.io = calls.Storage(timeout=self.s.storage_timeout)
+        path = lambda name: storage_paths.join(self.workdir, name)  # noqa: E731
+        self.attempts = Attempts(path(layout.ATTEMPTS), self.io, log)
+        self.lease = Lease(path(layout.LEASE), interval=max(self.s.poll_seconds, 1), stale_after=self.s.lease_stale_seconds,
+                           log=log)
+        self.code = pins.Code(self.workdir, self.io, local_state_dir())
+        self.progress = Progress(self.workdir, self.io, hang_seconds=self.s.hang_seconds,
+                                 hang_min=self.s.hang_min_seconds, factor=self.s.hang_factor,
+                                 startup=self.s.startup_seconds)
+        self.constraints_file, self.spec_file = path(layout.CONSTRAINTS), path(layout.SLICE_SPEC)
+        self.needs_install_file = path(layout.NEEDS_INSTALL)
+        # The loop's state.
+        self.attempt, self.open, self.pending = 0, False, None  # pending: why the next launch is due
+        self.not_before = 0.0  # no launch before (a failure's backoff)
+        self.failures, self.in_a_row, self.progress_mark = 0, 0, None
+        self.needs_install, self.versions_due, self.first_install, self.adopting = False, False, False, False
+        self.code_sha, self.code_dir, self.spec = "", "", {}
+        self.slice_state, self.state_since, self.readings = None, time.monotonic(), 0
+        self.create_failures, self.create_not_before = 0, 0.0
+        self.known_workers: set = set()
+        self.unanswered: dict = {}
+        self.stop_grace_until: Optional[float] = None
+        self.maintenance: Optional[dict] = None
 
-    # --- the workdir's records ----------------------------------------------------------------
+    # --- small helpers ------------------------------------------------------------------------
 
-    def _record(self, **row) -> None:
-        row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **row}
-        storage_atomic.append_text(self.attempts_file, json.dumps(row) + "\n")
+    def record(self, **row) -> None:
+        """One line of attempts.jsonl (the current attempt's number unless `row` gives one)."""
+        self.attempts.record(**{"attempt": self.attempt, **row})
 
-    def _attempts(self) -> list[dict]:
+    def quietly(self, default, what: str, fn, *args):
+        """`fn(*args)` through the bounded storage thread; `default` (logged) when storage cannot answer."""
         try:
-            return [json.loads(line) for line in storage.read_text(self.attempts_file).splitlines() if line.strip()]
+            return self.io.call(what, fn, *args)
         except FileNotFoundError:
-            return []
+            return default
+        except calls.Unavailable as e:
+            log(f"{e}")
+            return default
 
-    def _saved_step(self) -> Optional[int]:
-        """The newest step folder in WORKDIR/checkpoints (the run checks its integrity on resume)."""
-        steps = [int(n) for n in storage.listdir(storage_paths.join(self.workdir, layout.CHECKPOINTS)) if n.isdigit()]
-        return max(steps) if steps else None
+    def saved_step(self, default=None) -> Optional[int]:
+        return self.quietly(default, "listing committed checkpoints", newest_committed_step,
+                            storage_paths.join(self.workdir, layout.CHECKPOINTS))
 
     def log_dest(self, attempt: int) -> str:
-        return storage_paths.join(self.workdir, "logs", f"attempt-{attempt}")
+        return storage_paths.join(self.workdir, layout.LOGS, f"attempt-{attempt}")
 
-    def _resumed_step(self, attempt: int) -> Optional[int]:
-        """The step worker 0's run resumed from (0: it started fresh), from its collected log."""
+    def pod(self, *flags: str, timeout: float, **env) -> "calls.subprocess.CompletedProcess":
+        """The snapshot's `launch/tpu_pod.sh FLAGS`, bounded (its process group killed past `timeout`)."""
+        return calls.run(["bash", os.path.join(self.code_dir, "launch", "tpu_pod.sh"), *flags], timeout,
+                         env={**self.env, **env}, cwd=self.code_dir)
+
+    # --- start --------------------------------------------------------------------------------
+
+    def until_available(self, what: str, fn, *args):
+        """`fn(*args)`, tried again every poll while storage or gcloud cannot answer."""
+        while True:
+            try:
+                return fn(*args)
+            except (Stop, LeaseHeld):
+                raise
+            except Exception as e:  # pylint: disable=broad-except  # an outage looks like anything
+                log(f"{what}: {type(e).__name__}: {str(e)[:300]}; trying again in {self.s.poll_seconds:.0f} s")
+                time.sleep(self.s.poll_seconds)
+
+    def start(self) -> None:
+        rows = self.until_available("reading the attempts", self.attempts.load)
         try:
-            text = storage.read_text(storage_paths.join(self.log_dest(attempt), "worker-0.log"))
-        except (FileNotFoundError, UnicodeDecodeError):
-            return None
-        found = RESUMED.search(text)
-        return int(found.group(1)) if found else 0
+            self.until_available("taking the lease", self.lease.acquire, self.takeover)
+        except LeaseHeld as e:
+            raise Stop(2, str(e)) from None
+        sha, self.code_dir, taken = self.until_available("the project snapshot", self.code.pinned, self.update_code)
+        self.code_sha = sha[:16]
+        log(f"{'took a snapshot of the project' if taken else 'ships the project snapshot'} {self.code_sha} "
+            f"({self.code_dir})")
+        self.spec = self.until_available("the slice's spec", self.slice_spec)
+        ends = [i for i, r in enumerate(rows) if r.get("event") in ("start", "done", "gave_up", "halted")]
+        if ends and rows[ends[-1]]["event"] == "done":
+            raise Stop(0, f"{self.attempts.path} says the run finished: nothing to do")
+        # A restart after supervision gave up or was stopped starts a new count of failures.
+        since = next((i + 1 for i in reversed(ends) if rows[i]["event"] != "start"), 0)
+        self.attempt = max((r.get("attempt") or 0 for r in rows), default=0)
+        starts = [r for r in rows if r.get("event") == "start"]
+        ended = {r.get("attempt") for r in rows if r.get("event") == "end"}
+        self.open = bool(starts) and starts[-1].get("attempt") not in ended
+        failures = [r for r in rows[since:] if r.get("event") == "failure"]
+        self.failures = len([r for r in rows if r.get("event") == "failure"])
+        self.progress_mark = self.saved_step()
+        if failures and failures[-1].get("saved_step") == self.progress_mark:
+            self.in_a_row = int(failures[-1].get("in_a_row") or 0)
+        self.needs_install = bool(self.quietly(False, "reading needs_install.json", storage.exists,
+                                               self.needs_install_file))
+        self.versions_due = not self.quietly(True, "looking for constraints.txt", storage.exists, self.constraints_file)
+        for row in rows:
+            if row.get("event") == "rollback" and isinstance(row.get("line"), dict):
+                self.progress._seen_events.add(json.dumps(row["line"], sort_keys=True))  # pylint: disable=protected-access
+        if self.open:
+            log(f"attempt {self.attempt} is open: watching it (adopted when every worker answers running)")
+            self.adopting = True
+        else:
+            self.pending = "supervisor restarted" if rows else "first start"
+            self.adopting = False
+        if not rows and self.env.get("SKIP_INSTALL") != "1":
+            self.needs_install = True  # the first start installs (it is not a reinstall: unpinned is fine)
+            self.first_install = True
+        else:
+            self.first_install = False
 
     def slice_spec(self) -> dict:
         """The recorded spec; recorded from the live slice on the first start."""
         try:
-            return json.loads(storage.read_text(self.spec_file))
+            return json.loads(self.io.call("reading slice.json", storage.read_text, self.spec_file))
         except FileNotFoundError:
             pass
-        node = self.slice.describe()
-        if node is None:
-            raise SystemExit(f"supervisor: the slice {self.slice.name} does not exist and {self.spec_file} has no "
-                             "spec to create it from: create it (gcloud compute tpus tpu-vm create) and start again")
-        spec = Slice.spec_of(node)
-        storage.write_text(self.spec_file, json.dumps(spec, indent=1, sort_keys=True) + "\n")
+        reading = self.slice.describe()
+        if reading.state == NOT_FOUND:
+            raise Stop(1, f"the slice {self.slice.name} does not exist and {self.spec_file} has no spec to create it "
+                          "from: create it (gcloud compute tpus tpu-vm create) and start again")
+        if reading.node is None:
+            raise RuntimeError(reading.error)
+        spec = Slice.spec_of(reading.node)
+        self.io.call("writing slice.json", storage.write_text, self.spec_file,
+                     json.dumps(spec, indent=1, sort_keys=True) + "\n")
         log(f"recorded the slice's spec in {self.spec_file}: {spec['accelerator_type']}, {spec['runtime_version']}"
             f"{', spot' if spec['spot'] else ', preemptible' if spec['preemptible'] else ''}")
         return spec
 
-    # --- launch/tpu_pod.sh ----------------------------------------------------------------------
+    # --- the slice ----------------------------------------------------------------------------
 
-    def _pod(self, *flags: str, timeout: float = 3600, **env) -> subprocess.CompletedProcess:
-        """`launch/tpu_pod.sh FLAGS`; one that takes longer than `timeout` (a hung SSH session) is
-        killed and answers exit code 124, as a failed call."""
+    def describe(self) -> Reading:
+        """The slice's state, gcloud tried up to 3 times in this poll; with a queued resource, a
+        missing node is read through the request (QUEUED while it waits for capacity)."""
+        for attempt in range(3):
+            reading = self.slice.describe()
+            if reading.state is not None:
+                break
+            if attempt < 2:
+                time.sleep(min(self.s.poll_seconds, 2 ** attempt))
+        qr = self.spec.get("queued_resource")
+        if reading.state != NOT_FOUND or not qr:
+            return reading
+        queued = self.slice.describe_queued(qr)
+        if queued.state is None or queued.state == NOT_FOUND:
+            return queued
+        if queued.state in QUEUED_WAITING:
+            return Reading("QUEUED", node=queued.node)
+        if queued.state in QUEUED_FAILED:
+            return Reading(f"QUEUED_{queued.state}", node=queued.node)
+        return reading if queued.state == "ACTIVE" else Reading(f"QUEUED_{queued.state}", node=queued.node)
+
+    def poll(self) -> None:
+        self.attempts.flush()
+        if self.lease.lost:
+            raise Stop(1, self.lease.lost)
+        reading = self.describe()
+        state = reading.state
+        if state is None:
+            log(f"describe failed: {reading.error}")
+            if self.open:
+                self.watch_run()  # the workers may still answer: never blind to them
+            return
+        now = time.monotonic()
+        if state != self.slice_state:
+            self.slice_state, self.state_since, self.readings = state, now, 0
+        self.readings += 1
+        self.note_maintenance(reading)
+        if state == "READY":
+            self.create_failures = 0
+            if self.versions_due and not self.needs_install and self.attempt > 0:
+                self.record_versions()  # what an install of ours put there (never a bare VM's image)
+            if self.pending is not None:
+                if now >= self.not_before:
+                    self.launch(self.pending)
+            elif self.open:
+                self.watch_run()
+            return
+        if self.open and self.readings == 1:
+            log(f"{self.slice.name} is {state}")
+        if state == "QUEUED":  # the node is gone; the request waits for capacity: keep its place
+            self.lose_attempt("slice QUEUED")
+            self.mark_needs_install("slice QUEUED")
+            if now - self.state_since > self.s.queue_timeout:
+                raise self.give_up(f"the queued resource {self.spec['queued_resource']} waited more than "
+                                   f"QUEUE_TIMEOUT={self.s.queue_timeout:.0f} s; it keeps its place in the queue: "
+                                   "start the supervisor again to wait on")
+            return
+        if state in GONE or state == NOT_FOUND or state in (f"QUEUED_{s}" for s in QUEUED_FAILED):
+            if self.readings < self.s.lost_readings:
+                log(f"{self.slice.name} is {state} (reading {self.readings} of {self.s.lost_readings} before "
+                    "recreating it)")
+                return
+            self.recreate(state)
+            return
+        if state == "STOPPED":
+            if self.readings >= self.s.lost_readings:
+                self.restart_stopped()
+            return
+        if now - self.state_since > self.s.ready_timeout:  # CREATING, REPAIRING, UNKNOWN, ... for too long
+            log(f"{self.slice.name} has been {state} for more than READY_TIMEOUT={self.s.ready_timeout:.0f} s")
+            self.recreate(f"{state} past READY_TIMEOUT")
+
+    def lose_attempt(self, cause: str) -> None:
+        """The slice took the attempt's VMs (or will be made again): the attempt ends, not a failure."""
+        if self.open:
+            self.end(cause, None, collect=False)
+        if self.pending is None:
+            self.pending = cause
+
+    def mark_needs_install(self, why: str) -> bool:
+        """Writes "needs install" to the workdir before the slice is touched; False if it could not."""
+        if self.needs_install and not self.first_install:
+            return True
         try:
-            return subprocess.run(["bash", POD_SCRIPT, *flags], env={**self.env, **env}, capture_output=True,
-                                  text=True, timeout=timeout, check=False)
-        except subprocess.TimeoutExpired as e:
-            return subprocess.CompletedProcess(e.cmd, 124, stdout=str(e.stdout or ""),
-                                               stderr=f"tpu_pod.sh {' '.join(flags[:1])} took over {timeout:.0f} s")
+            self.io.call("writing needs_install.json", storage.write_text, self.needs_install_file,
+                         json.dumps({"why": why, "time": datetime.datetime.now().isoformat(timespec="seconds")}) + "\n")
+        except calls.Unavailable as e:
+            log(f"not touching the slice before 'needs install' is recorded: {e}")
+            return False
+        self.needs_install, self.first_install = True, False
+        return True
 
-    def worker_states(self) -> Optional[dict[str, tuple[str, Optional[int]]]]:
-        """{worker: (state, exit code)} from `tpu_pod.sh --status`; None when a worker did not answer."""
-        r = self._pod("--status", timeout=300)
+    def recreate(self, state: str) -> None:
+        """Deletes what is left and creates the slice again from its spec (one try a poll, backed off)."""
+        self.lose_attempt(f"slice {state}")
+        if not self.mark_needs_install(f"slice {state}") or time.monotonic() < self.create_not_before:
+            return
+        log(f"{self.slice.name} is {state}: recreating it from {self.spec_file}")
+        error = self.slice.delete(self.spec)
+        if error is None:
+            self.record(event="recreate", cause=f"slice {state}", tries=self.create_failures + 1)
+            error = self.slice.create(self.spec, timeout=self.s.create_timeout)
+        if error is None:
+            self.pending = f"slice recreated after {state}"
+            self.slice_state = None  # its next state's clock starts now
+            return
+        self.create_failures += 1
+        wait = min(self.s.backoff_seconds * 2 ** (self.create_failures - 1), self.s.max_backoff_seconds)
+        self.record(event="create_failed", cause=f"slice {state}", error=error[-500:], failures=self.create_failures,
+                    retry_in=wait)
+        if self.create_failures >= self.s.max_create_failures:
+            raise self.give_up(f"creating {self.slice.name} failed {self.create_failures} times "
+                               f"(MAX_CREATE_FAILURES); the last: {error[-300:]}")
+        log(f"recreating failed ({error[-300:]}); trying again in {wait:g} s")
+        self.create_not_before = time.monotonic() + wait
+
+    def restart_stopped(self) -> None:
+        """A STOPPED slice is started again, not deleted (its disks are kept)."""
+        self.lose_attempt("slice STOPPED")
+        if not self.mark_needs_install("slice STOPPED") or time.monotonic() < self.create_not_before:
+            return
+        error = self.slice.start()
+        self.record(event="start_slice", error=error and error[-500:])
+        if error is not None:
+            self.create_failures += 1
+            self.create_not_before = time.monotonic() + min(self.s.backoff_seconds * 2 ** (self.create_failures - 1),
+                                                            self.s.max_backoff_seconds)
+        else:
+            self.slice_state = None
+
+    def note_maintenance(self, reading: Reading) -> None:
+        """Records describe's health and announced maintenance when they change."""
+        found = maintenance_of(reading.node)
+        if found != self.maintenance:
+            self.maintenance = found
+            if found:
+                log(f"{self.slice.name}: {json.dumps(found)}")
+            self.record(event="maintenance", attempt=self.attempt, **(found or {"health": "HEALTHY"}))
+
+    # --- the run ------------------------------------------------------------------------------
+
+    def resolve_pins(self) -> tuple[Optional[str], Optional[str]]:
+        """(pip constraints text, where it came from) for an install; raises Stop for an unpinned
+        reinstall while a checkpoint exists."""
+        try:
+            return self.io.call("reading constraints.txt", storage.read_text, self.constraints_file), "constraints.txt"
+        except FileNotFoundError:
+            pass
+        step, versions = self.io.call("reading the newest checkpoint's versions", pins.checkpoint_versions,
+                                      self.workdir)
+        if versions:
+            return "\n".join(pins.pins_of(versions)) + "\n", f"checkpoint step {step}"
+        if step is None or self.first_install:
+            return None, None  # nothing saved yet: no versions to keep
+        raise self.give_up(f"refusing an unpinned reinstall: {self.constraints_file} is missing and checkpoint step "
+                           f"{step} records no versions; write the versions that saved it to {self.constraints_file} "
+                           "(pip's name==version lines) and start again")
+
+    def launch(self, why: str) -> None:
+        """The next attempt (tpu_pod.sh: stop, copy, install when due, start)."""
+        install = self.needs_install
+        constraints, pinned = self.resolve_pins() if install else (None, None)
+        resume_from = self.saved_step()
+        self.attempt += 1
+        self.record(attempt=self.attempt, event="start", why=why, install=install, pinned=pinned,
+                    resume_from=resume_from, code=self.code_sha)
+        log(f"attempt {self.attempt} ({why}): launching{' with a fresh install' if install else ''}"
+            f"{' pinned to ' + pinned if pinned else ''}; newest saved step {resume_from}")
+        env = {"LOG_DEST": self.log_dest(self.attempt), "SKIP_INSTALL": "0" if install else "1"}
+        with tempfile.TemporaryDirectory() as tmp:
+            if constraints:
+                env["CONSTRAINTS"] = os.path.join(tmp, "constraints.txt")
+                storage.write_text(env["CONSTRAINTS"], constraints)
+            r = self.pod(*self.args, timeout=self.s.launch_timeout, **env)
+        if r.returncode == 0:
+            self.open, self.pending, self.adopting = True, None, False
+            self.unanswered, self.stop_grace_until = {}, None
+            self.progress.start()
+            if install:
+                self.first_install = False
+                self.needs_install = not self.quietly(False, "clearing needs_install.json", self._clear_needs_install)
+            self.versions_due = self.versions_due or install
+            return
+        cause = f"launch failed: {(r.stderr or r.stdout).strip()[-1500:]}"
+        log(f"attempt {self.attempt}: {cause}")
+        self.record(attempt=self.attempt, event="end", cause=cause[:2000], saved_step=self.saved_step())
+        self.open = False
+        if self.describe().state != "READY":  # the slice went away under the launch: not the run's failure
+            log("the slice is no longer READY: the launch's failure is not counted")
+            return
+        self.failure("launch failed")
+
+    def _clear_needs_install(self) -> bool:
+        storage.remove(self.needs_install_file, missing_ok=True)
+        return True
+
+    def record_versions(self) -> None:
+        """Worker 0's installed packages into constraints.txt (tried each poll until recorded)."""
+        if self.quietly(False, "looking for constraints.txt", storage.exists, self.constraints_file):
+            self.versions_due = False
+            return
+        r = self.pod("--freeze", timeout=300)
+        found = pins.freeze_pins(r.stdout)
+        if r.returncode != 0 or not found:
+            log(f"could not record the installed versions yet: {(r.stderr or r.stdout).strip()[-300:]}")
+            return
+        try:
+            self.io.call("writing constraints.txt", storage.write_text, self.constraints_file, "\n".join(found) + "\n")
+        except calls.Unavailable as e:
+            log(f"could not record the installed versions yet: {e}")
+            return
+        self.versions_due = False
+        versions = {p.split("==")[0].lower(): p.split("==")[1] for p in found}
+        log(f"recorded {len(found)} installed versions in {self.constraints_file} (jax {versions.get('jax')}, "
+            f"libtpu {versions.get('libtpu')}, orbax {versions.get('orbax-checkpoint')})")
+
+    def worker_states(self) -> tuple[dict, bool]:
+        """({worker: (state, exit code)} of the workers that answered, whether every one did)."""
+        r = self.pod("--status", timeout=300)
         states = {}
         for line in r.stdout.splitlines():
             m = WORKER_LINE.match(line.strip())
             if m:
                 states[m.group(1)] = (m.group(2), int(m.group(3)) if m.group(3) else None)
-        return states if r.returncode == 0 and states else None
+        complete = r.returncode == 0 and bool(states) and set(states) >= self.known_workers
+        if complete:
+            self.known_workers |= set(states)
+        missing = (self.known_workers - set(states)) or ({"?"} if not complete else set())
+        self.unanswered = {w: self.unanswered.get(w, 0) + 1 for w in missing}
+        if missing:
+            log(f"no status from worker(s) {', '.join(sorted(missing))} "
+                f"({max(self.unanswered.values())} poll(s) in a row): {(r.stderr or '').strip()[-200:]}")
+        return states, complete
 
-    def launch(self, attempt: int, *, install: bool, why: str) -> bool:
-        """Starts attempt `attempt` (tpu_pod.sh: stop, copy, install, start); False when it failed."""
-        env = {"LOG_DEST": self.log_dest(attempt), "SKIP_INSTALL": "0" if install else "1"}
-        with tempfile.TemporaryDirectory() as tmp:
-            pinned = install and storage.exists(self.constraints_file)
-            if pinned:
-                env["CONSTRAINTS"] = os.path.join(tmp, "constraints.txt")
-                storage.copy(self.constraints_file, env["CONSTRAINTS"])
-            resume_from = self._saved_step()
-            self._record(attempt=attempt, event="start", why=why, install=install, pinned=pinned,
-                         resume_from=resume_from)
-            log(f"attempt {attempt} ({why}): launching{' with a fresh install' if install else ''}"
-                f"{' pinned to ' + self.constraints_file if pinned else ''}; newest saved step {resume_from}")
-            r = self._pod(*self.args, **env)
-        if r.returncode != 0:
-            log(f"attempt {attempt}: launch failed: {(r.stderr or r.stdout).strip()[-2000:]}")
-            return False
-        if install and not storage.exists(self.constraints_file):
-            self.record_versions()
-        return True
-
-    def record_versions(self) -> None:
-        """Worker 0's installed packages into WORKDIR/constraints.txt (every later install uses them)."""
-        r = self._pod("--freeze", timeout=300)
-        pins = [line for line in r.stdout.splitlines() if re.match(r"^[A-Za-z0-9_.\-\[\]]+==\S+$", line.strip())]
-        if r.returncode != 0 or not pins:
-            log(f"could not record the installed versions: {(r.stderr or r.stdout).strip()[-500:]}")
-            return
-        storage.write_text(self.constraints_file, "\n".join(pins) + "\n")
-        versions = {p.split("==")[0].lower(): p.split("==")[1] for p in pins}
-        log(f"recorded {len(pins)} installed versions in {self.constraints_file} "
-            f"(jax {versions.get('jax')}, libtpu {versions.get('libtpu')}, orbax {versions.get('orbax-checkpoint')})")
-
-    def end(self, attempt: int, cause: str, workers: Optional[dict], *, collect: bool) -> None:
-        """Stops what is left of the attempt, collects the logs, records the end."""
-        if collect:
-            self._pod("--stop", timeout=3600)  # SIGTERM first: a run that still can saves a checkpoint
-            # Each run's shell uploads its log when the run ends; this covers a shell killed with it.
-            self._pod(f"--collect={self.log_dest(attempt)}", timeout=600)
-        self._record(attempt=attempt, event="end", cause=cause,
-                     workers={k: f"{s}{'' if rc is None else f' {rc}'}" for k, (s, rc) in (workers or {}).items()},
-                     resumed_step=self._resumed_step(attempt), saved_step=self._saved_step(),
-                     logs=self.log_dest(attempt))
-        log(f"attempt {attempt} ended: {cause}; logs in {self.log_dest(attempt)}")
-
-    # --- the loop ---------------------------------------------------------------------------------
-
-    def _failure(self, cause: str) -> bool:
-        """Counts a failure, waits the backoff; False once there were more than MAX_RESTARTS."""
-        self.failures += 1
-        saved = self._saved_step()
-        self.in_a_row = 1 if saved != self.progress_mark else self.in_a_row + 1
-        self.progress_mark = saved
-        self._record(attempt=self.attempt, event="failure", cause=cause, failures=self.failures,
-                     in_a_row=self.in_a_row)
-        if self.failures > self.max_restarts:
-            log(f"{self.failures} failures, more than MAX_RESTARTS={self.max_restarts}: giving up")
-            return False
-        wait = min(self.backoff * 2 ** (self.in_a_row - 1), self.max_backoff)
-        log(f"failure {self.failures} of at most {self.max_restarts} ({self.in_a_row} in a row without a new "
-            f"checkpoint): relaunching in {wait:.0f} s")
-        time.sleep(wait)
-        return True
-
-    def _launch_next(self, install: bool, why: str) -> bool:
-        """The next attempt, launched; when the launch fails that attempt is ended as such."""
-        self.attempt += 1
-        if self.launch(self.attempt, install=install, why=why):
-            return True
-        self.end(self.attempt, "launch failed", None, collect=False)
-        return False
-
-    def run(self) -> int:
-        """Supervises until the run finishes (0) or fails more than MAX_RESTARTS times (1)."""
-        spec = self.slice_spec()
-        attempts = self._attempts()
-        self.attempt = max((a["attempt"] for a in attempts), default=0)
-        self.failures = sum(1 for a in attempts if a.get("event") == "failure")
-        self.in_a_row, self.progress_mark = 0, self._saved_step()
-        if attempts and attempts[-1].get("event") == "done":
-            log(f"{self.attempts_file} says the run finished: nothing to do")
-            return 0
-        pending = None  # (install, why) of the launch to make once the slice is READY
-        open_attempt = bool(attempts) and attempts[-1].get("event") == "start"
-        workers = self.worker_states() if open_attempt else None
-        if workers and set(s for s, _ in workers.values()) == {"running"}:
+    def watch_run(self) -> None:
+        workers, complete = self.worker_states()
+        states = {s for s, _ in workers.values()}
+        if self.adopting and complete and states == {"running"}:
             log(f"adopting attempt {self.attempt}: every worker's run is going")
-        else:
-            if open_attempt:
-                self.end(self.attempt, "not running when the supervisor started", workers, collect=True)
-            pending = (bool(attempts) or self.env.get("SKIP_INSTALL") != "1",
-                       "supervisor restarted" if attempts else "first start")
-        stop_grace_until, first = None, True
-        while True:
-            if not first:
-                time.sleep(self.poll)
-            first = False
-            try:
-                node = self.slice.describe()
-            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
-                log(f"describe failed ({e}); trying again next poll")
-                continue
-            state = node.get("state", "UNKNOWN") if node else "NOT_FOUND"
-            if state in LOST:
-                if self._attempts()[-1].get("event") == "start":
-                    self.end(self.attempt, f"slice {state}", None, collect=False)
-                log(f"{self.slice.name} is {state}: recreating it")
-                try:
-                    self.slice.recreate(spec, self.ready_timeout, max(self.poll, 1))
-                except (RuntimeError, subprocess.TimeoutExpired) as e:
-                    log(f"recreating failed ({e}); trying again next poll")
-                    continue
-                pending, first = (True, f"slice recreated after {state}"), True
-                continue
-            if state != "READY":  # CREATING, RESTARTING, REPAIRING, ...: wait for it
-                log(f"{self.slice.name} is {state}")
-                continue
-            if pending is not None:
-                if self._launch_next(*pending):
-                    pending = None
-                elif not self._failure("launch failed"):
-                    return 1
-                continue
-            workers = self.worker_states()
-            if workers is None:
-                log("a worker did not answer the status call; trying again next poll")
-                continue
-            states = {s for s, _ in workers.values()}
-            if states == {"running"}:
-                continue
-            if states == {"finished"}:
-                self.end(self.attempt, "finished", workers, collect=True)
-                self._record(attempt=self.attempt, event="done", saved_step=self._saved_step())
-                log("the run finished")
-                return 0
-            if states <= {"running", "stopped", "finished"} and "running" in states:
-                # A SIGTERM'd worker saves at the step every host agrees on, and the others stop
-                # there too: STOP_TIMEOUT for them to get there before they are stopped.
-                stop_grace_until = stop_grace_until or time.time() + setting("STOP_TIMEOUT", 600)
-                if time.time() < stop_grace_until:
-                    continue
-            stop_grace_until = None
-            failed = {k: v for k, v in workers.items() if v[0] in ("failed", "gone", "none")}
-            if failed and "failed" not in {s for s, _ in failed.values()}:
-                # Processes that vanish without an exit code may be a preemption that describe
-                # does not show yet: ask again before calling it a failure.
-                try:
-                    node = self.slice.describe()
-                except (RuntimeError, subprocess.TimeoutExpired, ValueError):
-                    node = {"state": "UNKNOWN"}
-                if (node.get("state", "UNKNOWN") if node else "NOT_FOUND") != "READY":
-                    first = True
-                    continue
+            self.adopting = False
+        failed = {k: v for k, v in workers.items() if v[0] in ("failed", "gone", "none")}
+        if "halted" in states and "running" not in states:
+            self.end("stopped by tpu_pod.sh --stop", workers)
+            self.record(attempt=self.attempt, event="halted", cause="stopped by tpu_pod.sh --stop")
+            raise Stop(0, "the run was stopped by tpu_pod.sh --stop: supervision ends (start it again to go on)")
+        if failed:
+            if "failed" not in {s for s, _ in failed.values()} and self.describe().state != "READY":
+                return  # vanished without an exit code: a preemption describe did not show yet
             cause = "; ".join(f"worker {k} {s}{'' if rc is None else f' (exit {rc})'}"
                               for k, (s, rc) in sorted(failed.items()))
-            cause = cause or "stopped after saving on SIGTERM (a maintenance event or preemption notice)"
-            self.end(self.attempt, cause, workers, collect=True)
-            if failed and not self._failure(cause):
-                return 1
-            pending, first = (False, cause), True
+            refused = {k: rc for k, (s, rc) in failed.items() if s == "failed" and rc is not None
+                       and not exit_codes.retried(rc)}
+            self.end(cause, workers)
+            if refused:
+                rc = next(iter(refused.values()))
+                raise self.give_up(f"not retried: {cause}: exit code {rc} is {exit_codes.describe(rc)}, which the "
+                                   "same command would meet again (see the collected logs); fix it and start again")
+            self.failure(cause)
+            return
+        if complete and states == {"finished"}:
+            self.end("finished", workers)
+            self.record(attempt=self.attempt, event="done", saved_step=self.saved_step())
+            raise Stop(0, "the run finished")
+        if "stopped" in states:
+            if complete and states <= {"stopped", "finished"}:
+                self.stop_grace_until = None
+                self.end("stopped after saving on SIGTERM (a maintenance event or preemption notice)", workers)
+                self.pending = "maintenance stop"
+                return
+            # A SIGTERM'd worker saves at the step every host agrees on, and the others stop
+            # there too: STOP_TIMEOUT for them to get there before they are stopped.
+            self.stop_grace_until = self.stop_grace_until or time.monotonic() + self.s.stop_timeout
+            if time.monotonic() >= self.stop_grace_until:
+                self.stop_grace_until = None
+                self.end("stopped after saving on SIGTERM (a maintenance event or preemption notice)", workers)
+                self.pending = "maintenance stop"
+            return
+        if self.unanswered and max(self.unanswered.values()) >= self.s.unreachable_polls:
+            self.workers_lost(workers)
+            return
+        self.check_progress(workers)
+
+    def check_progress(self, workers: dict) -> None:
+        try:
+            events = self.progress.observe(self.s.poll_seconds)
+        except calls.Unavailable as e:
+            log(f"cannot see the run's progress: {e}")
+            return
+        for event in events:
+            log(f"the run recorded: {json.dumps(event)}")
+            self.record(attempt=self.attempt, event=event.get("event", "run_event"), line=event)
+        cause = self.progress.hung()
+        if cause:
+            self.end(cause, workers)
+            self.failure(cause)
+
+    def workers_lost(self, workers: dict) -> None:
+        """Workers unanswered for UNREACHABLE_POLLS polls: restart, or recreate an unhealthy slice."""
+        lost = sorted(w for w, n in self.unanswered.items() if n >= self.s.unreachable_polls)
+        cause = f"worker(s) {', '.join(lost)} unreachable for {self.s.unreachable_polls} polls"
+        reading = self.describe()
+        health = (reading.node or {}).get("health")
+        self.unanswered = {}
+        if reading.state == "READY" and health not in (None, "HEALTHY", "HEALTH_UNSPECIFIED"):
+            self.lose_attempt(cause)
+            self.recreate(f"READY but {health} with {cause}")
+            return
+        self.end(cause, workers)
+        self.failure(cause)
+
+    def end(self, cause: str, workers: Optional[dict], *, collect: bool = True) -> None:
+        """Stops what is left of the attempt, collects the logs, records its end."""
+        if collect:  # SIGTERM first: a run that still can saves a checkpoint
+            self.pod("--stop", timeout=self.s.stop_timeout + 300, STOP_BY="supervisor")
+            # Each run's shell uploads its log when the run ends; this covers a shell killed with it.
+            self.pod(f"--collect={self.log_dest(self.attempt)}", timeout=600)
+        self.record(attempt=self.attempt, event="end", cause=cause,
+                    workers={k: f"{s}{'' if rc is None else f' {rc}'}" for k, (s, rc) in (workers or {}).items()},
+                    resumed_step=self.quietly(None, "reading worker 0's log", self.resumed_step, self.attempt),
+                    saved_step=self.saved_step(), logs=self.log_dest(self.attempt))
+        self.open, self.adopting, self.stop_grace_until = False, False, None
+        log(f"attempt {self.attempt} ended: {cause}; logs in {self.log_dest(self.attempt)}")
+
+    def resumed_step(self, attempt: int) -> Optional[int]:
+        """The step worker 0's run resumed from (0: it started fresh), from its log's head."""
+        text = storage.read_range(storage_paths.join(self.log_dest(attempt), "worker-0.log"), 0, LOG_HEAD_BYTES)
+        found = RESUMED.search(text.decode("utf-8", errors="replace"))
+        return int(found.group(1)) if found else 0
+
+    def failure(self, cause: str) -> None:
+        """A failure: counted only without a new checkpoint since the last one; backed off."""
+        saved = self.saved_step(self.progress_mark)
+        self.failures += 1
+        self.in_a_row = 1 if saved != self.progress_mark else self.in_a_row + 1
+        self.progress_mark = saved
+        wait = min(self.s.backoff_seconds * 2 ** (self.in_a_row - 1), self.s.max_backoff_seconds)
+        self.record(attempt=self.attempt, event="failure", cause=cause, failures=self.failures, in_a_row=self.in_a_row,
+                    saved_step=saved, retry_in=wait)
+        if self.in_a_row > self.s.max_restarts:
+            raise self.give_up(f"{self.in_a_row} failures in a row without a new checkpoint, more than "
+                               f"MAX_RESTARTS={self.s.max_restarts}: giving up; the last: {cause}")
+        log(f"failure {self.in_a_row} in a row without a new checkpoint (at most {self.s.max_restarts}): "
+            f"relaunching in {wait:g} s")
+        self.pending, self.not_before = cause, time.monotonic() + wait
+
+    def give_up(self, cause: str) -> Stop:
+        self.record(attempt=self.attempt, event="gave_up", cause=cause)
+        return Stop(1, cause)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Supervises until the run finishes (0), or supervision cannot go on (1, 2: the cause logged)."""
+        try:
+            try:
+                self.start()
+                self.loop()
+            except Stop as stop:
+                log(stop.cause)
+                return stop.code
+        finally:
+            self.close()
+
+    def loop(self) -> None:
+        errors, first = 0, True
+        while True:
+            if not first:
+                time.sleep(self.s.poll_seconds)
+            first = False
+            try:
+                self.poll()
+                errors = 0
+            except Stop:
+                raise
+            except calls.Unavailable as e:
+                log(f"storage cannot be reached this poll: {e}")
+            except Exception as e:  # pylint: disable=broad-except  # the supervisor must not die of one poll
+                errors += 1
+                log(f"internal error ({errors} in a row, at most {self.s.max_internal_errors}):\n"
+                    f"{traceback.format_exc()}")
+                self.record(attempt=self.attempt, event="internal_error", error=f"{type(e).__name__}: {e}"[:1000],
+                            in_a_row=errors)
+                if errors >= self.s.max_internal_errors:
+                    raise self.give_up(f"{errors} internal errors in a row; the last: {type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        """Sends what is queued (a while, at most), releases the lease, stops the storage thread."""
+        deadline = time.monotonic() + min(300, 5 * self.s.storage_timeout)
+        while not self.attempts.flush() and time.monotonic() < deadline:
+            time.sleep(min(self.s.poll_seconds, 5))
+        self.lease.release()
+        self.io.close()
 
 
 def main(argv: list[str]) -> int:
-    import signal
-
-    def stop(signum, frame):
+    def interrupted(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)  # as Ctrl-C: the run goes on
+    signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the run goes on
+    supervisor = Supervisor(argv)
     try:
-        return Supervisor(argv).run()
+        return supervisor.run()
     except KeyboardInterrupt:
         log("interrupted: the run goes on without supervision; the same command adopts it again")
         return 130

@@ -17,12 +17,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The layers of docs/architecture.md's drawing, bottom up: a part imports only parts of its own
 # layer or below.
 LAYERS = (
-    ("bert_jax", "layout"),  # the package's root (its moved-module messages) and the workdir's names
+    ("bert_jax", "layout", "exit_codes"),  # the package's root (its moved-module messages), the workdir's names, exit codes
     ("model/",),
     ("checkpoints/", "formats/", "convert"),
     ("training/", "workdir", "versions", "config_overrides"),
     ("pretrain/", "finetune/"),
-    ("main", "plan", "planning/", "fill_mask", "extract_features", "demo", "supervisor", "plot",
+    ("main", "plan", "planning/", "fill_mask", "extract_features", "demo", "pod/", "plot",
      "modeling", "checkpointing"),  # the entry points, and the two documented old paths
 )
 LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
