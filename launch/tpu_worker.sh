@@ -192,7 +192,8 @@ status() {
     elif [ -e "$RUN_DIR/logs/latest.log" ]; then state=gone
     else state=none; fi
   fi
-  if [ -e "$RUN_DIR/logs/latest.log" ]; then tail -n "${LINES:-5}" "$RUN_DIR/logs/latest.log"; fi
+  # The log's end (its last line may lack a newline: a progress bar's), then the status on a line of its own.
+  if [ -e "$RUN_DIR/logs/latest.log" ]; then tail -n "${LINES:-5}" "$RUN_DIR/logs/latest.log"; echo; fi
   echo "bert_jax-worker $(worker_id) $state $rc"
 }
 

@@ -97,7 +97,8 @@ count_down() {  # count_down FILE: true (and one less) while FILE holds a number
   [ "$n" -gt 0 ] 2>/dev/null || return 1
   echo $((n - 1)) > "$FAKE_ROOT/$1"
 }
-new_vms() {
+new_vms() {  # CREATING while gcloud's create runs, then READY (or CREATING `create_delay` s more)
+  echo CREATING > "$FAKE_ROOT/state"
   for ((i = 0; i < FAKE_WORKERS; i++)); do rm -rf "$FAKE_ROOT/worker$i"; mkdir -p "$FAKE_ROOT/worker$i"; done
   [ -f "$FAKE_ROOT/create_sleep" ] && sleep "$(cat "$FAKE_ROOT/create_sleep")"
   if [ -f "$FAKE_ROOT/create_delay" ]; then

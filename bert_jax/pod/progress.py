@@ -100,23 +100,25 @@ class Progress:
 
     def start(self) -> None:
         """A new attempt starts now: its signals count from what the workdir holds now."""
-        self.started = self.last = self._clock()
+        self.started = self.last = self.last_read = self._clock()
         self.blind = 0.0  # seconds since `last` in which the workdir could not be read
         self.any_signal = False
         self.last_what = "the attempt's start"
         self.signals = None  # the first reading is the baseline: its later changes are signals
 
-    def observe(self, poll_seconds: float) -> list:
+    def observe(self) -> list:
         """Reads the workdir once; returns the event lines not seen before. A failed read (raises
-        `calls.Unavailable`) counts as `poll_seconds` of blindness."""
+        `calls.Unavailable`) makes the time since the last read, its own included, blind time."""
         try:
             old = self.signals
             new = self._io.call("reading the run's progress", read_signals, self.workdir,
                                 old.log_identity if old else None, old.log_step if old else None)
         except calls.Unavailable:
-            self.blind += poll_seconds
+            now = self._clock()
+            self.blind += now - max(self.last_read, self.last)
+            self.last_read = now
             raise
-        now = self._clock()
+        now = self.last_read = self._clock()
         what = []
         if old is not None and new.log_identity != old.log_identity and new.log_identity is not None:
             what.append(f"train_log.jsonl at step {new.log_step}")

@@ -55,6 +55,7 @@ class Attempts:
         self.rows: list[dict] = []
         self._appender = storage_atomic.Appender(path)
         self._pending: list[dict] = []  # queued, not known to have landed
+        self._failing = False  # the last flush could not reach storage
         key = hashlib.sha256(path.encode()).hexdigest()[:16]
         self._spool = os.path.join(local_state_dir(), f"{key}.pending")
 
@@ -79,11 +80,14 @@ class Attempts:
         return self.rows
 
     def record(self, **fields) -> dict:
-        """Queues one line (with `id` and `time`), spools it, and tries to send what is queued."""
+        """Queues one line (with `id` and `time`), spools it, and sends what is queued, unless the
+        last try failed (the next `flush`, once a poll, tries again: an outage does not slow each
+        line by the storage calls' time limit)."""
         row = {"id": uuid.uuid4().hex[:12], "time": now_iso(), **fields}
         self.rows.append(row)
         self._queue(row)
-        self.flush()
+        if not self._failing:
+            self.flush()
         return row
 
     def flush(self) -> bool:
@@ -93,8 +97,10 @@ class Attempts:
         try:
             self._io.call(f"appending to {self.path}", self._appender.flush)
         except calls.Unavailable as e:
+            self._failing = True
             self._log(f"{len(self._pending)} line(s) of {self.path} wait for storage: {e}")
             return False
+        self._failing = False
         self._pending.clear()
         self._write_spool()
         return True

@@ -60,10 +60,17 @@ from bert_jax.pod.records import Attempts, Lease, LeaseHeld, local_state_dir
 from bert_jax.pod.slice import GONE, NOT_FOUND, QUEUED_FAILED, QUEUED_WAITING, Reading, Slice, maintenance_of
 from data_pipeline import storage, storage_paths
 
-WORKER_LINE = re.compile(r"^bert_jax-worker (\S+) (running|finished|stopped|halted|failed|gone|none) ?(-?\d+)?\s*$")
+# A worker's status line (launch/tpu_worker.sh), wherever on its line it starts (a log's last line
+# without a newline before it).
+WORKER_LINE = re.compile(r"bert_jax-worker (\S+) (running|finished|stopped|halted|failed|gone|none) ?(-?\d+)?\s*$")
 RESUMED = re.compile(r"resumed from step (\d+)")
 LOG_HEAD_BYTES = 1 << 20  # the part of worker 0's log where a resume says its step
 SUPERVISOR_FLAGS = ("--takeover", "--update_code")
+# The supervisor's own exit codes (launch/bert_jax-supervisor.service does not restart after them):
+# 0 the run finished or a person stopped it; EXIT_HELD another supervisor holds the workdir;
+# EXIT_GAVE_UP supervision gave up (the cause: attempts.jsonl's last line); 130 interrupted.
+EXIT_HELD = 2
+EXIT_GAVE_UP = 3
 
 
 def log(message: str) -> None:
@@ -202,7 +209,7 @@ class Supervisor:
         try:
             self.until_available("taking the lease", self.lease.acquire, self.takeover)
         except LeaseHeld as e:
-            raise Stop(2, str(e)) from None
+            raise Stop(EXIT_HELD, str(e)) from None
         sha, self.code_dir, taken = self.until_available("the project snapshot", self.code.pinned, self.update_code)
         self.code_sha = sha[:16]
         log(f"{'took a snapshot of the project' if taken else 'ships the project snapshot'} {self.code_sha} "
@@ -248,7 +255,7 @@ class Supervisor:
             pass
         reading = self.slice.describe()
         if reading.state == NOT_FOUND:
-            raise Stop(1, f"the slice {self.slice.name} does not exist and {self.spec_file} has no spec to create it "
+            raise Stop(EXIT_GAVE_UP, f"the slice {self.slice.name} does not exist and {self.spec_file} has no spec to create it "
                           "from: create it (gcloud compute tpus tpu-vm create) and start again")
         if reading.node is None:
             raise RuntimeError(reading.error)
@@ -285,7 +292,7 @@ class Supervisor:
     def poll(self) -> None:
         self.attempts.flush()
         if self.lease.lost:
-            raise Stop(1, self.lease.lost)
+            raise Stop(EXIT_HELD, self.lease.lost)
         reading = self.describe()
         state = reading.state
         if state is None:
@@ -482,7 +489,7 @@ class Supervisor:
         r = self.pod("--status", timeout=300)
         states = {}
         for line in r.stdout.splitlines():
-            m = WORKER_LINE.match(line.strip())
+            m = WORKER_LINE.search(line.strip())
             if m:
                 states[m.group(1)] = (m.group(2), int(m.group(3)) if m.group(3) else None)
         complete = r.returncode == 0 and bool(states) and set(states) >= self.known_workers
@@ -545,7 +552,7 @@ class Supervisor:
 
     def check_progress(self, workers: dict) -> None:
         try:
-            events = self.progress.observe(self.s.poll_seconds)
+            events = self.progress.observe()
         except calls.Unavailable as e:
             log(f"cannot see the run's progress: {e}")
             return
@@ -602,18 +609,18 @@ class Supervisor:
         if self.in_a_row > self.s.max_restarts:
             raise self.give_up(f"{self.in_a_row} failures in a row without a new checkpoint, more than "
                                f"MAX_RESTARTS={self.s.max_restarts}: giving up; the last: {cause}")
-        log(f"failure {self.in_a_row} in a row without a new checkpoint (at most {self.s.max_restarts}): "
+        log(f"failure {self.in_a_row} in a row since the last new checkpoint (at most {self.s.max_restarts}): "
             f"relaunching in {wait:g} s")
         self.pending, self.not_before = cause, time.monotonic() + wait
 
     def give_up(self, cause: str) -> Stop:
         self.record(attempt=self.attempt, event="gave_up", cause=cause)
-        return Stop(1, cause)
+        return Stop(EXIT_GAVE_UP, cause)
 
     # --- the loop -----------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Supervises until the run finishes (0), or supervision cannot go on (1, 2: the cause logged)."""
+        """Supervises until the run finishes (0), or supervision cannot go on (EXIT_HELD, EXIT_GAVE_UP)."""
         try:
             try:
                 self.start()

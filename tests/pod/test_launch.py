@@ -365,3 +365,15 @@ def test_the_final_log_upload_is_never_overwritten_by_an_older_periodic_one(tmp_
     _wait_for(lambda: not Path(f"/proc/{shell}").exists(), "the shell's end")
     time.sleep(2.5)  # anything still in flight lands
     assert (dest / "worker-0.log").read_text() == "line 1\nline 2, the last\n"
+
+
+def test_status_is_on_a_line_of_its_own_after_a_log_that_ends_mid_line(tmp_path):
+    """A run's log ends with a progress bar's line and no newline: the status line the supervisor
+    reads must not be glued to it (worker 0 looked unanswered, and its run was restarted)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "latest.log").write_text("step 3\nphase 1/1: 15%|#5   | 3/20 [00:02<00:12]")
+    r = subprocess.run(["bash", str(ROOT / "launch" / "tpu_worker.sh"), "status"], capture_output=True, text=True,
+                       env=dict(os.environ, RUN_DIR=str(run_dir), TPU_WORKER_ID="0"), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "bert_jax-worker 0 gone" in [line.strip() for line in r.stdout.splitlines()], r.stdout

@@ -34,7 +34,7 @@ def test_a_failing_run_is_relaunched_after_a_doubling_capped_backoff_until_max_r
     proc = watch(dict(env, MAX_RESTARTS="2", BACKOFF_SECONDS="0.6", MAX_BACKOFF_SECONDS="1"),
                  "--config.learning_rate=1e-4")
     out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 1, out[-3000:]
+    assert proc.returncode == 3, out[-3000:]  # supervision gave up
     assert "more than MAX_RESTARTS=2: giving up" in out
     rows = attempts(workdir)
     assert [r["event"] for r in rows] == ["start", "end", "failure"] * 3 + ["gave_up"]
@@ -68,7 +68,7 @@ def test_failures_that_made_progress_do_not_use_up_the_budget(pod):
     wait_for(lambda: len([r for r in attempts(workdir) if r["event"] == "failure"]) >= 4, "four failures", proc)
     (root / "mode").write_text("fail")  # now without progress: two in a row exceed MAX_RESTARTS=1
     out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 1, out[-3000:]
+    assert proc.returncode == 3, out[-3000:]  # supervision gave up
     failures = [r for r in attempts(workdir) if r["event"] == "failure"]
     assert [r["in_a_row"] for r in failures[:4]] == [1, 1, 1, 1], failures
     assert [r["in_a_row"] for r in failures[-2:]] == [1, 2]
@@ -81,7 +81,7 @@ def test_an_exit_code_that_a_rerun_cannot_get_past_stops_supervision_at_once(pod
     (root / "mode").write_text(f"exit={code}")
     proc = watch(dict(env, BACKOFF_SECONDS="60"))  # a retry would wait a minute: there is none
     out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 1, out[-3000:]
+    assert proc.returncode == 3, out[-3000:]  # supervision gave up
     assert events(workdir) == [(1, "start"), (1, "end"), (1, "gave_up")]
     gave_up = attempts(workdir)[-1]
     assert f"exit code {code} is {meaning}" in gave_up["cause"] and "not retried" in gave_up["cause"]

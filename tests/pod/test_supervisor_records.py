@@ -203,7 +203,7 @@ def test_one_supervisor_per_workdir_and_a_takeover_only_once_its_heartbeat_is_st
     finally:
         os.kill(first.pid, signal.SIGCONT)
     out = first.communicate(timeout=60)[0]  # the first sees the lease gone at its next heartbeat
-    assert first.returncode == 1 and "was taken over by host" in out, out[-2000:]
+    assert first.returncode == 2 and "was taken over by host" in out, out[-2000:]
     (root / "finish").touch()
     assert third.wait(timeout=60) == 0
     assert len(starts(root)) == 1  # the third adopted the run
@@ -284,6 +284,20 @@ def test_a_reinstall_without_recorded_versions_takes_the_checkpoint_s_or_is_refu
     wait_for(lambda: all((root / f"worker{i}/bert_jax_run/pid").exists() for i in (0, 1)), "the runs", proc)
     lose(root, "PREEMPTED")
     out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 1, out[-3000:]
+    assert proc.returncode == 3, out[-3000:]  # supervision gave up
     assert "refusing an unpinned reinstall" in attempts(workdir)[-1]["cause"]
     assert len(starts(root)) == 2
+
+
+def test_the_systemd_unit_restarts_a_dead_supervisor_but_not_one_that_ended_on_purpose():
+    """launch/bert_jax-supervisor.service: Restart=always (adoption makes a restart safe), except
+    after the supervisor's deliberate ends, which must match its exit codes."""
+    import configparser
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read_string((ROOT / "launch" / "bert_jax-supervisor.service").read_text())
+    service = unit["Service"]
+    assert service["Restart"] == "always"
+    assert set(service["RestartPreventExitStatus"].split()) == {
+        "0", str(supervisor.EXIT_HELD), str(supervisor.EXIT_GAVE_UP)}
+    assert service["ExecStart"].split()[1:3] == ["launch/tpu_pod.sh", "--watch"]
+    assert (ROOT / service["ExecStart"].split()[1]).exists()

@@ -117,7 +117,7 @@ def test_creates_that_keep_failing_end_supervision_after_max_create_failures(pod
     (root / "create_failures").write_text("100")
     lose(root, "TERMINATED")
     out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 1, out[-3000:]
+    assert proc.returncode == 3, out[-3000:]  # supervision gave up
     assert [r["event"] for r in attempts(workdir)].count("create_failed") == 3
     assert attempts(workdir)[-1]["event"] == "gave_up" and "MAX_CREATE_FAILURES" in attempts(workdir)[-1]["cause"]
 
