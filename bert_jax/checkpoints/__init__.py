@@ -10,5 +10,5 @@ docs/reliability.md). Nothing here imports the training loops.
   host_agreement        the hosts' exchanges: one verdict on a step, one outcome of a restore
   intact_steps          which steps every host takes for intact, and the newest one to resume
   preemption            when a loop should save and stop (SIGTERM, the cloud's notice)
-  save_deadline         a deadline on every save: a stalled store ends the run loudly
+  save_deadline         a deadline on every save and restore: a stalled store ends the run loudly
 """

@@ -12,6 +12,7 @@ temporary folder, so a `kill -9` at any moment leaves the previous committed ste
       input_state/<step>/process_<i>/   per-host input-pipeline state (e.g. a tf.train.Checkpoint
                                         of the tf.data iterator), written by `input_state_writer`
       damaged/<step>-<time>/{<step>,input_state}/   steps that failed verification, moved aside
+      diverged/<step>-<time>/{<step>,input_state}/  steps past a loss spike a run rolled back from
 
 Integrity (docs/reliability.md): orbax's post-finalization hook, which runs on the primary
 process once every host's data is written and before the rename that commits the step, records
@@ -49,6 +50,7 @@ META = "meta"
 INFO = "checkpointer_info"
 INPUT_STATE = "input_state"
 DAMAGED = "damaged"
+DIVERGED = "diverged"
 # 2: every step carries an integrity manifest (checkpoint_integrity.py); 1: older bert_jax, none.
 FORMAT_VERSION = 2
 ON_DAMAGED = ("fallback", "stop")
@@ -154,9 +156,13 @@ def corrupt_error(directory: str, step: int, damage: integrity.Damage,
     return error
 
 
-def move_aside(directory: str, step: int) -> str:
-    """Renames a damaged step (and its input state) to `<directory>/damaged/<step>-<time>/`; never deletes."""
-    dest = storage_paths.join(directory, DAMAGED, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+def move_aside(directory: str, step: int, folder: str = DAMAGED) -> str:
+    """Renames a step (and its input state) to `<directory>/<folder>/<step>-<time>/`; never deletes.
+
+    `folder`: `DAMAGED` (a step that failed verification) or `DIVERGED` (a step past a loss spike
+    that the run rolled back from, `Checkpointer.move_steps_aside`).
+    """
+    dest = storage_paths.join(directory, folder, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
     base, n = dest, 1
     while storage.exists(dest):
         dest, n = f"{base}-{n}", n + 1

@@ -7,7 +7,8 @@ It wraps one orbax `CheckpointManager`; there is no hand-written checkpoint form
 saves, keeps K, restores and resumes, and composes the other modules of bert_jax/checkpoints/ (the
 package docstring lists them): `input_state` (each host's input-pipeline state beside a step),
 `HostAgreement` and `IntactSteps` (the hosts' agreement on every verdict, and the step a resume
-uses), `StepReader` (one host's read of a step), `Preemption` and `SaveDeadline`.
+uses), `StepReader` (one host's read of a step), `Preemption` and `Deadline` (one on saves, one on
+restores).
 
 Integrity: every step carries a manifest written before orbax commits it, and is checked against
 it before anything of it is read, with one verdict for all hosts (intact_steps.py); a damaged
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import Any, Callable, Optional
 
@@ -57,20 +59,36 @@ import orbax.checkpoint as ocp
 from bert_jax.checkpoints import checkpoint_integrity as integrity
 from bert_jax.checkpoints import input_state
 from bert_jax.checkpoints.checkpoint_reading import StepReader, flat, is_typed_key, listed, to_abstract
-from bert_jax.checkpoints.checkpoint_steps import (FORMAT_VERSION, INFO, META, ON_DAMAGED, STATE, CheckpointCorruptError,
-                                                   CheckpointRestoreError, CheckpointSaveError, committing_dir,
-                                                   corrupt_error, input_dir, is_read_failure, read_error,
-                                                   remove_uncommitted)
+from bert_jax.checkpoints.checkpoint_steps import (DIVERGED, FORMAT_VERSION, INFO, META, ON_DAMAGED, STATE,
+                                                   CheckpointCorruptError, CheckpointRestoreError, CheckpointSaveError,
+                                                   committing_dir, corrupt_error, input_dir, is_read_failure,
+                                                   move_aside, read_error, remove_uncommitted)
 from bert_jax.checkpoints.host_agreement import HostAgreement
 from bert_jax.checkpoints.intact_steps import IntactSteps
 from bert_jax.checkpoints.preemption import Preemption
-from bert_jax.checkpoints.save_deadline import SaveDeadline
+from bert_jax.checkpoints.save_deadline import Deadline
 from data_pipeline import storage_paths
 
 PyTree = Any
 
 # The names it imports are for its own use: import each from the module that defines it.
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "orbax_timeout_s"]
+
+# orbax gives each async save its own time (`AsyncOptions.timeout_secs`, 1200 s in orbax 0.12.8), after which
+# its background thread fails the save with a TimeoutError. Ours (`Deadline`) must fire first, with its
+# clearer message and exit code: orbax gets the save deadline plus this margin (its clock starts a little
+# later, in its thread), or a week when the save has no deadline.
+ORBAX_TIMEOUT_MARGIN_S = 300
+ORBAX_TIMEOUT_WITHOUT_DEADLINE_S = 7 * 24 * 3600  # as milliseconds (orbax's barriers), well within an int32
+
+
+def orbax_timeout_s(save_timeout_s: Optional[float]) -> int:
+    """orbax's `AsyncOptions.timeout_secs` for a save deadline of `save_timeout_s` (None or <= 0: none):
+    never shorter than the deadline plus `ORBAX_TIMEOUT_MARGIN_S`, nor than orbax's own default."""
+    default = ocp.AsyncOptions().timeout_secs
+    if not save_timeout_s or save_timeout_s <= 0:
+        return max(default, ORBAX_TIMEOUT_WITHOUT_DEADLINE_S)
+    return max(default, math.ceil(save_timeout_s) + ORBAX_TIMEOUT_MARGIN_S)
 
 
 class Checkpointer:
@@ -95,6 +113,9 @@ class Checkpointer:
             step to fall back to, both raise and move nothing.
         save_timeout_s: each save's limit from its start to its commit; past it the process
             ends with a message naming the step (`bert_jax.checkpoints.save_deadline`). None: no limit.
+            orbax's own timeout is set past it (`orbax_timeout_s`).
+        restore_timeout_s: each `restore` (and so each step `restore_latest` tries)'s limit for
+            verifying and reading the step; past it the process ends the same way. None: no limit.
     """
 
     def __init__(
@@ -107,6 +128,7 @@ class Checkpointer:
         handle_sigterm: bool = True,
         on_damaged: str = "fallback",
         save_timeout_s: Optional[float] = None,
+        restore_timeout_s: Optional[float] = None,
     ):
         if on_damaged not in ON_DAMAGED:
             raise ValueError(f"on_damaged must be one of {ON_DAMAGED}, got {on_damaged!r}")
@@ -136,7 +158,8 @@ class Checkpointer:
             # items are finalized, before the rename that commits the step: the manifest is part
             # of the commit, and covers the files of all hosts.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
-                                           post_finalization_callback=self._write_manifest),
+                                           post_finalization_callback=self._write_manifest,
+                                           timeout_secs=orbax_timeout_s(save_timeout_s)),
             # A kill -9 mid-save leaves `<step>.orbax-checkpoint-tmp`; it is never a step, and
             # this removes it at startup. On Cloud Storage orbax would take every folder without
             # a commit marker for such a leftover, `input_state/` and `damaged/` included:
@@ -153,7 +176,8 @@ class Checkpointer:
                 INFO: ocp.JsonCheckpointHandler(),
             },
         )
-        self._deadline = SaveDeadline(save_timeout_s, self._directory, self._mngr.is_saving_in_progress)
+        self._deadline = Deadline(save_timeout_s, self._directory, self._mngr.is_saving_in_progress)
+        self._restore_deadline = Deadline(restore_timeout_s, self._directory, kind="restore")
         # Restores read through this, not the manager (whose handlers are for saving).
         self._reader = StepReader(self._directory)
         self._pending_step: Optional[int] = None  # a save started by us, not yet known finished
@@ -339,6 +363,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._deadline.close()
+            self._restore_deadline.close()
             self._preemption.close()
             self._reader.close()
             try:
@@ -416,20 +441,27 @@ class Checkpointer:
                 f"step {step} is not a committed checkpoint in {self._directory} (have {steps})"
             )
         target = to_abstract(abstract_state)
-        # Verify before use: nothing of a damaged step is read.
-        damage = self._steps.damage(step)
-        if damage is not None:
-            intact = next((s for s in reversed(steps) if s < step and self._steps.damage(s) is None), None)
-            raise corrupt_error(self._directory, step, damage, intact)
-        failure: Optional[CheckpointRestoreError] = None
+        # Verifying (with the hosts' verdict on it) and reading: a store that stops answering ends
+        # the run within the deadline (tensorstore's reads wait as long as the store does). The
+        # hosts' agreement on the outcome has its own bound (host_agreement.AGREEMENT_TIMEOUT_S).
+        self._restore_deadline.arm(step)
         try:
-            state, meta = self._reader.read(step, target, check_input_state)
-        except CheckpointRestoreError as e:  # a wrong target, missing input state, or unreadable
-            failure = e
-        except Exception as e:  # pylint: disable=broad-except
-            if not is_read_failure(e):
-                raise
-            failure = read_error(step, self._directory, e)
+            # Verify before use: nothing of a damaged step is read.
+            damage = self._steps.damage(step)
+            if damage is not None:
+                intact = next((s for s in reversed(steps) if s < step and self._steps.damage(s) is None), None)
+                raise corrupt_error(self._directory, step, damage, intact)
+            failure: Optional[CheckpointRestoreError] = None
+            try:
+                state, meta = self._reader.read(step, target, check_input_state)
+            except CheckpointRestoreError as e:  # a wrong target, missing input state, or unreadable
+                failure = e
+            except Exception as e:  # pylint: disable=broad-except
+                if not is_read_failure(e):
+                    raise
+                failure = read_error(step, self._directory, e)
+        finally:
+            self._restore_deadline.disarm()
         failure = self._hosts.failure(step, failure)
         if failure is not None:
             raise failure
@@ -459,6 +491,31 @@ class Checkpointer:
                 # Every host raised it (`HostAgreement.failure`): all fall back together. Remembered as
                 # damaged: latest_step moves it aside, or raises, as configured.
                 self._steps.mark_damaged(step, e.damage)
+
+    def move_steps_aside(self, first_step: int) -> list[int]:
+        """Moves every committed step >= `first_step` to `<directory>/diverged/<step>-<time>/`.
+
+        For a run that rolls back past a loss spike (`bert_jax.pretrain.rollback`): the steps saved
+        after the spike began are kept for a human to look at, never deleted, and never resumed
+        from. Waits for the save in flight first. Process 0 moves them (each with its input state,
+        as `checkpoint_steps.move_aside` moves a damaged step), then every host waits until they
+        are gone and orbax forgets them: `latest_step` and `restore_latest` then see the steps
+        before, and a later save may reuse a moved step's number.
+
+        Returns:
+            The steps moved, ascending (the same list on every host).
+        """
+        self.wait_until_finished()
+        steps = [s for s in self.all_steps() if s >= first_step]
+        for step in steps:
+            moved = move_aside(self._directory, step, DIVERGED) if self._process_index == 0 else f"{DIVERGED}/"
+            logging.warning("checkpointing: moved step %d of %s, saved after the loss spike of step %d, to %s",
+                            step, self._directory, first_step, moved)
+        self._hosts.barrier("moved_diverged")
+        for step in steps:
+            self._steps.forget(step)
+        self._mngr.reload()  # orbax lists the steps it has seen; the moved ones are gone
+        return steps
 
     def input_state_process_count(self, step: int) -> Optional[int]:
         """How many processes saved `step`'s input state (None: saved without any)."""

@@ -61,6 +61,11 @@ class IntactSteps:
         """Remembers a step that every host failed to restore (`HostAgreement.failure`) as damaged."""
         self._checked[step] = damage
 
+    def forget(self, step: int) -> None:
+        """Drops the verdict on a step moved out of the directory: a step saved later under the same
+        number is another one, and is verified afresh."""
+        self._checked.pop(step, None)
+
     def newest(self, steps: list[int]) -> tuple[Optional[int], bool]:
         """(the newest intact step of `steps` or None, whether damaged steps were moved aside).
 
