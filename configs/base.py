@@ -109,6 +109,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.keep_checkpoints = 3  # most recent checkpoints kept
     config.async_checkpointing = True  # write checkpoints in the background
     config.checkpoint_save_timeout_seconds = 1800  # a save not committed by then ends the run (a stalled store); 0: no limit
+    config.checkpoint_restore_timeout_seconds = 1800  # a restore not done by then ends the run (exit 124); 0: no limit
     config.on_damaged_checkpoint = "fallback"  # newest step damaged: "fallback" to the newest intact one, or "stop"
     config.allow_version_change = False  # True: resume a checkpoint saved under other jax/flax/orbax/libtpu versions
     # CPU-only machines: glibc keeps freed large blocks for the next step instead of unmapping them
@@ -119,6 +120,19 @@ def get_config() -> ml_collections.ConfigDict:
     config.compilation_cache = "auto"
     config.nonfinite = "stop"  # stop | skip: on a non-finite loss or gradient
     config.max_consecutive_nonfinite = 10  # in skip mode, abort after this many bad steps in a row
+    # Loss spikes (bert_jax/pretrain/divergence.py, docs/reliability.md): a step is a spike step when its loss >
+    # mean * (1 + divergence_margin), `mean` a moving average of the earlier finite non-spike losses; a divergence
+    # is divergence_steps spike steps (or non-finite ones, under nonfinite="skip") in a row. "off": not watched
+    # (as before); "stop": the run ends with DivergenceError (exit 81); "rollback": back to the newest checkpoint
+    # before the first spike step, the batches around the spike skipped (skipped_batches.json), and on.
+    config.on_divergence = "off"
+    config.divergence_ema_decay = 0.99  # decay of `mean`, the exponential moving average the loss is judged against
+    config.divergence_margin = 0.5  # a spike step's loss is above mean * (1 + margin)
+    config.divergence_warmup_steps = 100  # finite non-spike steps fed to `mean` before any step is judged a spike
+    config.divergence_steps = 3  # K: spike (or non-finite) steps in a row that make a divergence
+    config.rollback_skip_batches = 0  # batches skipped after the step rolled back to; 0: those the rolled-back steps read
+    config.max_rollbacks = 5  # rollbacks per run (counted in skipped_batches.json); past them the run stops (exit 81)
+    config.skip_batches = ""  # "C:S,C2:S2": after step C, read and discard S batches (a rollback's skip, by hand)
     # pretrain: initial weights when the workdir has no checkpoint yet; evaluate: what to score.
     # Any format: a bert_jax workdir or export, a Google TF1 checkpoint, a HuggingFace directory.
     config.init_checkpoint = ""

@@ -106,6 +106,7 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.log_every_steps = 50  # console/TensorBoard metrics interval
     config.async_checkpointing = True  # write the last-state checkpoint in the background
     config.checkpoint_save_timeout_seconds = 1800  # a save not committed by then ends the run (a stalled store); 0: no limit
+    config.checkpoint_restore_timeout_seconds = 1800  # a restore not done by then ends the run (exit 124); 0: no limit
     # Also save the last state every N steps inside an epoch (0: after each epoch and on SIGTERM
     # only); a run killed without warning (kill -9, a lost machine) then resumes from there.
     config.checkpoint_every_steps = 0

@@ -1,4 +1,4 @@
-"""Fault hooks the storage tests install as a run's `sitecustomize` (source text, run at start-up)."""
+"""Fault hooks the storage and pretraining tests install as a run's `sitecustomize` (source text, run at start-up)."""
 
 # The bucket stops answering (the emulator, $BERT_JAX_TEST_EMULATOR_PID, SIGSTOPped) as this process
 # starts saving step $FAULT_FREEZE_AT_SAVE.
@@ -43,4 +43,60 @@ if _pause_steps:
                     time.sleep(0.05)
 
     _absl_logging.info = _info_then_pause
+"""
+
+# The loss the divergence statistic is fed (`bert_jax.pretrain.divergence.DivergenceMonitor.observe`)
+# is 100 times larger at the steps of $FAULT_SPIKE_STEPS (comma-separated): a planted loss spike.
+# Once per process tree: after the last of those steps was fed, it creates `spiked-<worker>` in
+# $FAULT_SPIKE_DIR (<worker>: $TPU_WORKER_ID, or 0), and does nothing while that file exists, so the
+# same steps train normally after the rollback (and in a resumed run). The parameters and
+# train_log.jsonl's losses stay the real ones: only the judgement sees the spike.
+SPIKE_AT_STEPS = r"""
+import os
+_spike_steps = {int(s) for s in os.environ.get("FAULT_SPIKE_STEPS", "").split(",") if s}
+if _spike_steps:
+    from bert_jax.pretrain import divergence as _divergence
+    _observe_unspiked = _divergence.DivergenceMonitor.observe
+    _spiked = os.path.join(os.environ["FAULT_SPIKE_DIR"], "spiked-" + os.environ.get("TPU_WORKER_ID", "0"))
+
+    def _observe_spiked(self, step, loss, finite):
+        if step not in _spike_steps or os.path.exists(_spiked):
+            return _observe_unspiked(self, step, loss, finite)
+        found = _observe_unspiked(self, step, loss * 100.0, finite)
+        if step == max(_spike_steps):
+            open(_spiked, "w").close()
+        return found
+
+    _divergence.DivergenceMonitor.observe = _observe_spiked
+"""
+
+# The run kills itself (SIGKILL) once it has logged $FAULT_KILL_AFTER_ROLLBACK windows of steps after
+# writing a rollback event line to train_log.jsonl, its log lines flushed first (so a test can read the
+# steps trained after the rollback). A resumed run that makes no rollback is left alone.
+KILL_AFTER_ROLLBACK = r"""
+import os
+_kill_after = int(os.environ.get("FAULT_KILL_AFTER_ROLLBACK", "0"))
+if _kill_after:
+    import signal
+    from bert_jax import workdir as _workdir
+    _append_unwatched = _workdir.MetricWriter.append_jsonl
+    _scalars_unwatched = _workdir.MetricWriter.write_scalars
+    _since_rollback = []
+
+    def _append_watched(self, path, rows):
+        rows = list(rows)
+        if any(row.get("event") == "rollback" for row in rows):
+            _since_rollback.append(0)
+        return _append_unwatched(self, path, rows)
+
+    def _scalars_watched(self, step, scalars):
+        _scalars_unwatched(self, step, scalars)
+        if _since_rollback:
+            _since_rollback[-1] += 1
+            if _since_rollback[-1] >= _kill_after:
+                self.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    _workdir.MetricWriter.append_jsonl = _append_watched
+    _workdir.MetricWriter.write_scalars = _scalars_watched
 """

@@ -41,11 +41,13 @@ def write_records(path: Path, n: int, seed: int, nan_weight: bool = False, SEQ: 
 
 
 def logged_losses(text: str) -> dict:
-    """step -> loss of a train_log.jsonl's text (a resumed run logs some steps again: last one wins)."""
+    """step -> loss of a train_log.jsonl's text (a resumed or rolled-back run logs some steps again:
+    last one wins); event lines (`{"event": "rollback", ...}`) are not steps."""
     out = {}
     for line in text.splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
+        if "event" not in rec:
+            out[rec["step"]] = rec["loss"]
     return out
 
 

@@ -52,7 +52,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from bert_jax import layout, versions, workdir as workdir_files
+from bert_jax import exit_codes, layout, versions, workdir as workdir_files
 from bert_jax.checkpoints import checkpoint_steps, checkpointing
 from bert_jax.finetune import batches as finetune_batches, heads, packing, steps
 from bert_jax.layout import TASK_FILE
@@ -108,8 +108,19 @@ def make_task(config: ml_collections.ConfigDict):
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Fine-tunes `config.init_checkpoint` on `config.task`; returns the final eval results."""
+    """Fine-tunes `config.init_checkpoint` on `config.task`; returns the final eval results.
 
+    What is read and checked before training (the task, the checkpoint, the vocabulary; in
+    `train_and_evaluate` the settings and the resumed checkpoint) runs inside
+    `exit_codes.refusals()`: a bad config ends the process with exit code 78, not retried.
+    """
+    with exit_codes.refusals():
+        task, bert_config, init_params, vocab_file, do_lower_case = _prepare(config)
+    return train_and_evaluate(config, workdir, task, bert_config, init_params, vocab_file, do_lower_case)
+
+
+def _prepare(config: ml_collections.ConfigDict) -> tuple:
+    """(task, bert_config, encoder params or None, vocab file, do_lower_case) of `config` (`run`)."""
     if config.model.get("fp8"):
         raise ValueError("config.model.fp8=True: FP8 training is a pretraining option (bert_jax.pretrain.loop); "
                          "fine-tuning runs in config.model.dtype (e.g. bfloat16): set config.model.fp8=False")
@@ -139,7 +150,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         "set config.do_lower_case=False for a cased model")
     do_lower_case = True if do_lower_case is None else bool(do_lower_case)
     logging.info("vocabulary %s, do_lower_case=%s", vocab_file, do_lower_case)
-    return train_and_evaluate(config, workdir, task, bert_config, init_params, vocab_file, do_lower_case)
+    return task, bert_config, init_params, vocab_file, do_lower_case
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, bert_config: BertConfig,
@@ -154,44 +165,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
 
     jax.config.update("jax_threefry_partitionable", True)
     max_len = config.max_seq_length
-    if max_len > bert_config.max_position_embeddings:
-        raise ValueError(f"config.max_seq_length={max_len} exceeds the model's max_position_embeddings="
-                         f"{bert_config.max_position_embeddings}")
-    mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
-    eval_batch = config.eval_batch_size or config.global_batch_size
-    for field, size in (("config.global_batch_size", config.global_batch_size),
-                        ("config.eval_batch_size", eval_batch)):
-        if size < 1:
-            raise ValueError(f"{field}={size} must be at least 1")
-        sharding.check_divisibility(mesh, global_batch_size=size, batch_field=field,
-                                    num_attention_heads=bert_config.num_attention_heads,
-                                    intermediate_size=bert_config.intermediate_size,
-                                    hidden_size=bert_config.hidden_size)
+    # The settings against the model and the mesh, the data, the schedule: a bad config is not retried.
+    with exit_codes.refusals():
+        if max_len > bert_config.max_position_embeddings:
+            raise ValueError(f"config.max_seq_length={max_len} exceeds the model's max_position_embeddings="
+                             f"{bert_config.max_position_embeddings}")
+        mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
+        eval_batch = config.eval_batch_size or config.global_batch_size
+        for field, size in (("config.global_batch_size", config.global_batch_size),
+                            ("config.eval_batch_size", eval_batch)):
+            if size < 1:
+                raise ValueError(f"{field}={size} must be at least 1")
+            sharding.check_divisibility(mesh, global_batch_size=size, batch_field=field,
+                                        num_attention_heads=bert_config.num_attention_heads,
+                                        intermediate_size=bert_config.intermediate_size,
+                                        hidden_size=bert_config.hidden_size)
 
-    # --- data ---
-    tokenizer = task.make_tokenizer(vocab_file, do_lower_case)
-    num_ids = max(tokenizer.vocab.values(), default=-1) + 1  # ids, not distinct tokens (repeats)
-    if num_ids > bert_config.vocab_size:
-        raise ValueError(f"{vocab_file} has {num_ids} entries but the model's vocab_size is "
-                         f"{bert_config.vocab_size}: wrong vocabulary for this checkpoint")
-    started = time.time()
-    eval_splits = tuple(config.eval_splits) or task.eval_splits
-    _prepare_tfds_on_host_zero(task, (task.train_split, *eval_splits),
-                               task.test_splits if config.predict_test else ())
-    task.show_progress = jax.process_index() == 0
-    train = tasks_lib.load_split(task, task.train_split, tokenizer, max_len, training=True)
-    evals = [tasks_lib.load_split(task, s, tokenizer, max_len, training=False) for s in eval_splits]
-    logging.info("task %s: %d training rows (%d examples), eval %s, featurized in %.1fs; skipped bad rows: %s",
-                 task.name, len(train.features["weight"]), len(train.examples),
-                 {s.name: len(s.examples) for s in evals}, time.time() - started, task.skipped or "none")
+        # --- data ---
+        tokenizer = task.make_tokenizer(vocab_file, do_lower_case)
+        num_ids = max(tokenizer.vocab.values(), default=-1) + 1  # ids, not distinct tokens (repeats)
+        if num_ids > bert_config.vocab_size:
+            raise ValueError(f"{vocab_file} has {num_ids} entries but the model's vocab_size is "
+                             f"{bert_config.vocab_size}: wrong vocabulary for this checkpoint")
+        started = time.time()
+        eval_splits = tuple(config.eval_splits) or task.eval_splits
+        _prepare_tfds_on_host_zero(task, (task.train_split, *eval_splits),
+                                   task.test_splits if config.predict_test else ())
+        task.show_progress = jax.process_index() == 0
+        train = tasks_lib.load_split(task, task.train_split, tokenizer, max_len, training=True)
+        evals = [tasks_lib.load_split(task, s, tokenizer, max_len, training=False) for s in eval_splits]
+        logging.info("task %s: %d training rows (%d examples), eval %s, featurized in %.1fs; skipped bad rows: %s",
+                     task.name, len(train.features["weight"]), len(train.examples),
+                     {s.name: len(s.examples) for s in evals}, time.time() - started, task.skipped or "none")
 
-    # --- model, optimizer, state ---
-    model = heads.BertForTask(bert_config, task.head, task.num_outputs)
-    num_train = len(train.features["weight"])
-    total_steps, warmup, epoch_ends = finetune_batches.train_plan(config, count_examples(train), num_train)
-    stream = config.get("num_train_steps_from", "epochs") == "examples"
-    logging.info("%d training steps (%d warmup), evaluations after steps %s", total_steps, warmup, epoch_ends)
-    schedule, tx = make_optimizer(config, total_steps, warmup)
+        # --- model, optimizer, state ---
+        model = heads.BertForTask(bert_config, task.head, task.num_outputs)
+        num_train = len(train.features["weight"])
+        total_steps, warmup, epoch_ends = finetune_batches.train_plan(config, count_examples(train), num_train)
+        stream = config.get("num_train_steps_from", "epochs") == "examples"
+        logging.info("%d training steps (%d warmup), evaluations after steps %s", total_steps, warmup, epoch_ends)
+        schedule, tx = make_optimizer(config, total_steps, warmup)
     dummy = heads.dummy_batch(task.head, max_len, task.num_outputs)
 
     def init_state(rng):
@@ -211,22 +224,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     storage.makedirs(workdir)
     every = int(config.get("checkpoint_every_steps", 0) or 0)
     if every < 0:
-        raise ValueError(f"config.checkpoint_every_steps={every}: 0 (each epoch) or a positive step count")
-    save_timeout_s = config.get("checkpoint_save_timeout_seconds", 1800)  # both checkpointers' deadline
+        raise exit_codes.mark(ValueError(f"config.checkpoint_every_steps={every}: 0 (each epoch) or a positive "
+                                         "step count"), exit_codes.CONFIG)
+    # Both checkpointers' deadlines.
+    timeouts = dict(save_timeout_s=config.get("checkpoint_save_timeout_seconds", 1800),
+                    restore_timeout_s=config.get("checkpoint_restore_timeout_seconds", 1800))
     ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, layout.CHECKPOINTS),
                                       save_interval_steps=every or total_steps + 1,
                                       max_to_keep=1, async_save=config.async_checkpointing,
-                                      on_damaged=config.get("on_damaged_checkpoint", "fallback"),
-                                      save_timeout_s=save_timeout_s)
+                                      on_damaged=config.get("on_damaged_checkpoint", "fallback"), **timeouts)
     best_ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, layout.BEST), save_interval_steps=1,
-                                           max_to_keep=1, async_save=False, handle_sigterm=False,
-                                           save_timeout_s=save_timeout_s)
+                                           max_to_keep=1, async_save=False, handle_sigterm=False, **timeouts)
     start_step, meta = ckpt.latest_step(), {}
     if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
-        start_step, state, meta = ckpt.restore_latest(abstract_state, check_input_state=False)
-        try:  # before anything compiles
-            versions.check_resume(meta.get(versions.META_KEY), allow_change=config.get("allow_version_change", False),
-                                  where=f"checkpoint step {start_step} in {ckpt.directory}")
+        try:  # before anything compiles; refused: not retried (a version mismatch keeps its own exit code)
+            with exit_codes.refusals():
+                start_step, state, meta = ckpt.restore_latest(abstract_state, check_input_state=False)
+                versions.check_resume(meta.get(versions.META_KEY),
+                                      allow_change=config.get("allow_version_change", False),
+                                      where=f"checkpoint step {start_step} in {ckpt.directory}")
         except checkpoint_steps.CheckpointRestoreError:
             ckpt.close()  # puts the previous SIGTERM handler back
             best_ckpt.close()

@@ -27,6 +27,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from bert_jax import exit_codes
 from bert_jax.model.model_config import BertConfig
 from bert_jax.pretrain.phases import Phase
 from bert_jax.training import sharding
@@ -142,13 +143,15 @@ def special_token_ids(vocab_file: str) -> Optional[dict]:
 
 def check_token_ids(batch: dict, vocab_size: int, data: str) -> None:
     """Raises naming the data and config.model.vocab_size when a batch holds an id past the
-    embedding table (on an accelerator it would be clamped or turn the loss into NaN)."""
+    embedding table (on an accelerator it would be clamped or turn the loss into NaN). The error is
+    classed as bad data (`exit_codes.DATA`): raised while training, it is no bug worth a retry."""
     for key in ("input_ids", "masked_lm_ids"):
         if key in batch and batch[key].size:
             largest = int(batch[key].max())
             if largest >= vocab_size:
-                raise ValueError(f"{data}: {key} holds token id {largest} but config.model.vocab_size={vocab_size}: "
-                                 "the data was made with a larger vocabulary than the model's")
+                raise exit_codes.mark(ValueError(
+                    f"{data}: {key} holds token id {largest} but config.model.vocab_size={vocab_size}: "
+                    "the data was made with a larger vocabulary than the model's"), exit_codes.DATA)
 
 
 def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:

@@ -56,7 +56,7 @@ def test_an_existing_file_is_used_as_is(elsewhere):
     assert resolve_config("base") == str(CONFIGS / "base.py")
 
 
-def test_an_unknown_config_names_the_flag_the_value_and_the_known_names(elsewhere):
+def test_an_unknown_config_names_the_flag_the_value_and_the_known_names(elsewhere, capsys):
     for value in ("configs/nope.py", "nope", "nope.py:tagging", "other/base.py", ""):
         with pytest.raises(ValueError) as e:
             resolve_config(value, "--config")
@@ -67,8 +67,10 @@ def test_an_unknown_config_names_the_flag_the_value_and_the_known_names(elsewher
     from bert_jax import main
     with pytest.raises(SystemExit) as e:
         main.parse_flags(["bert_jax.main", "--config=configs/nope.py", "--workdir=w"])
-    assert str(e.value).startswith("FATAL: --config=configs/nope.py: no such file"), str(e.value)
-    assert "known configs: base, demo" in str(e.value)
+    assert e.value.code == 78  # bert_jax/exit_codes.py: a refused config, which no supervisor retries
+    err = capsys.readouterr().err
+    assert err.startswith("FATAL: --config=configs/nope.py: no such file"), err
+    assert "known configs: base, demo" in err
     assert list(elsewhere.iterdir()) == []
 
 

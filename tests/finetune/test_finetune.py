@@ -465,9 +465,11 @@ def test_resume_after_sigterm_mid_epoch(tmp_path, sst2_run, checkpoint, monkeypa
 def test_bad_schedule_settings_name_the_fine_tuning_field(tmp_path, checkpoint, field, value, message):
     config = sst2_config(sst2_files(tmp_path), checkpoint)
     config[field] = value
-    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")) as refused:
         finetune.run(config, str(tmp_path / "work"))
     assert not (tmp_path / "work" / "checkpoints").exists()
+    from bert_jax import exit_codes
+    assert exit_codes.of(refused.value) == exit_codes.CONFIG  # raised before training: exit 78, not retried
 
 
 TEST_IDS = ("2", "0", "1")  # GLUE test rows' ids, out of row order: a submission numbered by row shows

@@ -151,7 +151,7 @@ def test_a_resume_under_other_library_versions_is_refused_unless_allowed(data, u
     jax and orbax-checkpoint seem to have been upgraded: refused naming both versions of each, then
     resumed with config.allow_version_change, warning about them."""
     sys.path.insert(0, str(ROOT))
-    from bert_jax import versions
+    from bert_jax import exit_codes, versions
     from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError
     from bert_jax.pretrain import loop as pretrain
     from configs import test as test_config
@@ -171,6 +171,17 @@ def test_a_resume_under_other_library_versions_is_refused_unless_allowed(data, u
     assert f"jax {saved['jax']} (installed: 99.0)" in message, message
     assert f"orbax-checkpoint {saved['orbax-checkpoint']} (installed: 98.0)" in message, message
     assert "optax" not in message and "--config.allow_version_change=true" in message, message
+    # Through the entry point, jax "upgraded" in its sitecustomize: exit code 79, which a supervisor
+    # does not retry (a refusal before training that is not a bad config's 78).
+    (tmp_path / "upgraded").mkdir()
+    (tmp_path / "upgraded" / "sitecustomize.py").write_text(
+        "from bert_jax import versions\n_installed = versions.installed\n"
+        "versions.installed = lambda: {**_installed(), 'jax': '99.0'}\n")
+    hooked = dict(env(), PYTHONPATH=f"{tmp_path / 'upgraded'}:{ROOT}")
+    refused_run = subprocess.run(cmd(tmp_path / "w", data), env=hooked, cwd=ROOT, timeout=300, capture_output=True,
+                                 text=True)
+    assert refused_run.returncode == exit_codes.VERSION == 79, refused_run.stderr[-3000:]
+    assert f"jax {saved['jax']} (installed: 99.0)" in refused_run.stderr
 
     cfg.allow_version_change = True
     with caplog.at_level(logging.WARNING):
@@ -257,7 +268,7 @@ def test_two_processes_match_one_process_with_the_same_devices(data, tmp_path, d
     # before compiling, with the setting that resumes it.
     shutil.rmtree(tmp_path / "fewer" / "checkpoints" / "6")
     refused = run(cmd(tmp_path / "fewer", data, "--config.num_train_steps=6"), devices=2 * devices_per_process)
-    assert refused.returncode != 0
+    assert refused.returncode == 78  # a config that does not fit the checkpoint (bert_jax/exit_codes.py): not retried
     assert ("saved by 2 processes reading 2 file shards; this run has 1 processes and 1 shards" in refused.stderr
             and "set config.data_shards=2 to resume it" in refused.stderr), refused.stderr[-3000:]
 
@@ -279,8 +290,8 @@ def test_a_host_with_a_different_config_stops_every_host_before_compiling(data, 
             for q in procs:
                 q.kill()
             pytest.fail("hosts with different configs did not exit")
-    assert all(c != 0 for c in codes)
     errors = [p.stderr.read() for p in procs]
+    assert codes == [78, 78], [e[-2000:] for e in errors]  # a refused config on every host: not retried
     for text in errors:  # each host names the key and both values, not hash bytes
         assert "config mismatch across hosts" in text
         assert "process 1 vs process 0: config.learning_rate: 0.0002 != 0.0001" in text, text[-2000:]
@@ -289,7 +300,7 @@ def test_a_host_with_a_different_config_stops_every_host_before_compiling(data, 
 
 def test_an_unknown_config_key_is_named_with_the_nearest_valid_ones(data, tmp_path):
     r = run(cmd(tmp_path / "w", data, "--config.learning_rat=1e-3", "--config.model.hiden_size=64"), timeout=120)
-    assert r.returncode != 0
+    assert r.returncode == 78  # refused config (bert_jax/exit_codes.py)
     assert "--config.learning_rat: " in r.stderr and "has no key 'config.learning_rat'; nearest: " \
         "config.learning_rate" in r.stderr, r.stderr[-2000:]
     assert "nearest: config.model.hidden_size" in r.stderr
@@ -298,7 +309,7 @@ def test_an_unknown_config_key_is_named_with_the_nearest_valid_ones(data, tmp_pa
 
 def test_nonfinite_loss_stops_with_a_diagnostic(data, tmp_path):
     r = run(cmd(tmp_path / "w", data, f"--config.train_data={data}/nan.tfrecord", "--config.num_train_steps=3"))
-    assert r.returncode != 0
+    assert r.returncode == 80, r.stderr[-3000:]  # NONFINITE (bert_jax/exit_codes.py): not retried
     assert "non-finite loss or gradient" in r.stderr
 
 
@@ -553,8 +564,10 @@ def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB)]) + "\n")
     cfg = test_config.get_config()
     cfg.train_data, cfg.vocab_file, cfg.verify_data = f"{data}/train-*.tfrecord", str(vocab), False
-    with pytest.raises(ValueError, match=rf"vocab.txt has {VOCAB + 5} tokens but config.model.vocab_size={VOCAB}"):
+    with pytest.raises(ValueError, match=rf"vocab.txt has {VOCAB + 5} tokens but config.model.vocab_size={VOCAB}") as e:
         pretrain.run(cfg, str(tmp_path / "w"))
+    from bert_jax import exit_codes
+    assert exit_codes.of(e.value) == exit_codes.CONFIG  # raised before training: a refusal, not a crash
 
 
 def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path):
@@ -595,10 +608,15 @@ def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path)
               r"but config.phases\[1\].max_seq_length=48"),
              (dict(train_data=f"{mixed}/*.tfrecord"),
               r"different do_lower_case: True per \S*/mixed/a\.dataset_info\.json, False per \S*/b\.dataset_info")]
+    from bert_jax import exit_codes
     for i, (overrides, message) in enumerate(cases):
-        with pytest.raises(Exception, match=message):
+        with pytest.raises(Exception, match=message) as e:
             pretrain.run(config(**overrides), str(tmp_path / f"w{i}"))
         assert not (tmp_path / f"w{i}" / "train_log.jsonl").exists()
+        # Each a refusal (bert_jax/exit_codes.py), a path that matches nothing included; but records made
+        # otherwise are bad data.
+        want = {"ManifestMismatchError": exit_codes.DATA}.get(type(e.value).__name__, exit_codes.CONFIG)
+        assert exit_codes.of(e.value) == want, (overrides, e.value)
 
 
 def test_token_ids_past_the_model_and_a_different_vocab_are_named(tmp_path):
@@ -608,8 +626,10 @@ def test_token_ids_past_the_model_and_a_different_vocab_are_named(tmp_path):
     batch = {"input_ids": np.array([[2, 7, 511, 3]]), "masked_lm_ids": np.array([[600, 0]])}
     pretrain_checks.check_token_ids(batch, 601, "data/*.tfrecord")
     with pytest.raises(ValueError, match=r"data/\*.tfrecord: masked_lm_ids holds token id 600 but "
-                                         r"config.model.vocab_size=600"):
+                                         r"config.model.vocab_size=600") as e:
         pretrain_checks.check_token_ids(batch, 600, "data/*.tfrecord")
+    from bert_jax import exit_codes
+    assert exit_codes.of(e.value) == exit_codes.DATA  # raised while training: bad data, not retried
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nword\n")
     made = tmp_path / "made"
