@@ -86,6 +86,8 @@ class Storage:
     def call(self, what: str, fn: Callable[..., T], *args, **kwargs) -> T:
         """`fn(*args, **kwargs)` in the storage thread; raises `Unavailable` naming `what` when it
         cannot be done in `tries` tries of at most `timeout` seconds each."""
+        if threading.current_thread().name.startswith("supervisor-storage"):
+            raise RuntimeError(f"{what}: a storage call made from the storage thread would wait for itself")
         last = None
         for attempt in range(self.tries):
             if attempt:

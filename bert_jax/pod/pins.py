@@ -26,8 +26,9 @@ import io
 import json
 import os
 import re
+import subprocess
 import tarfile
-from typing import Optional
+from typing import Callable, Optional
 
 from bert_jax import layout
 from bert_jax.pod import calls
@@ -140,3 +141,55 @@ def freeze_pins(stdout: str) -> list[str]:
     """The `name==version` lines of `pip freeze`'s output."""
     return [line.strip() for line in stdout.splitlines() if re.match(r"^[A-Za-z0-9_.\-\[\]]+==\S+$", line.strip())]
 
+
+
+class Unpinned(Exception):
+    """A reinstall with no versions to pin it to, while a checkpoint exists."""
+
+
+class Versions:
+    """The versions an install is pinned to (`constraints.txt`, else the newest checkpoint's), and
+    their record after the first install (worker 0's `pip freeze`)."""
+
+    def __init__(self, workdir: str, io_: calls.Storage, log: Callable[[str], None]):
+        self.workdir, self._io, self._log = workdir, io_, log
+        self.constraints_file = storage_paths.join(workdir, layout.CONSTRAINTS)
+
+    def recorded(self) -> bool:
+        return self._io.call("looking for constraints.txt", storage.exists, self.constraints_file)
+
+    def for_install(self, first_install: bool) -> tuple[Optional[str], Optional[str]]:
+        """(pip constraints text, where it came from) for an install (None, None: unpinned, which only
+        a first install or one before any checkpoint may be).
+
+        Raises:
+            Unpinned: a reinstall while a checkpoint exists, with no versions to pin it to.
+            calls.Unavailable: storage cannot be reached (the launch waits for the next poll).
+        """
+        try:
+            return self._io.call("reading constraints.txt", storage.read_text, self.constraints_file), "constraints.txt"
+        except FileNotFoundError:
+            pass
+        step, versions = self._io.call("reading the newest checkpoint's versions", checkpoint_versions, self.workdir)
+        if versions:
+            return "\n".join(pins_of(versions)) + "\n", f"checkpoint step {step}"
+        if step is None or first_install:
+            return None, None  # nothing saved yet: no versions to keep
+        raise Unpinned(f"refusing an unpinned reinstall: {self.constraints_file} is missing and checkpoint step {step} "
+                       f"records no versions; write the versions that saved it to {self.constraints_file} (pip's "
+                       "name==version lines) and start again")
+
+    def record(self, freeze: Optional[subprocess.CompletedProcess]) -> bool:
+        """Writes `tpu_pod.sh --freeze`'s pins to constraints.txt; whether they are recorded (None:
+        they were already)."""
+        if freeze is None:
+            return True
+        found = freeze_pins(freeze.stdout)
+        if freeze.returncode != 0 or not found:
+            self._log(f"could not record the installed versions yet: {(freeze.stderr or freeze.stdout).strip()[-300:]}")
+            return False
+        self._io.call("writing constraints.txt", storage.write_text, self.constraints_file, "\n".join(found) + "\n")
+        versions = {p.split("==")[0].lower(): p.split("==")[1] for p in found}
+        self._log(f"recorded {len(found)} installed versions in {self.constraints_file} (jax {versions.get('jax')}, "
+                  f"libtpu {versions.get('libtpu')}, orbax {versions.get('orbax-checkpoint')})")
+        return True

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import re
 import subprocess
+import time
 from typing import Optional
 
 from bert_jax.pod import calls
@@ -88,6 +89,27 @@ class Slice:
     def describe_queued(self, queued_resource: str) -> Reading:
         """A queued resource's state (`ACCEPTED`, `WAITING_FOR_RESOURCES`, `ACTIVE`, `FAILED`, ...)."""
         return self._describe("queued-resources", "queuedResources", queued_resource)
+
+    def read(self, queued_resource: Optional[str], tries: int = 3, sleep=time.sleep) -> Reading:
+        """The slice's state for the supervisor: `describe`, tried up to `tries` times (1 s, 2 s
+        apart) while gcloud's answer says nothing; for a slice made through a queued resource, a
+        missing node is read through the request: QUEUED while it waits for capacity (ACCEPTED,
+        WAITING_FOR_RESOURCES, PROVISIONING), QUEUED_FAILED or QUEUED_SUSPENDED when it will not
+        give its node, QUEUED_<state> while it changes (DELETING, SUSPENDING)."""
+        for attempt in range(tries):
+            reading = self.describe()
+            if reading.state is not None:
+                break
+            if attempt < tries - 1:
+                sleep(2 ** attempt)
+        if reading.state != NOT_FOUND or not queued_resource:
+            return reading
+        queued = self.describe_queued(queued_resource)
+        if queued.state is None or queued.state == NOT_FOUND:
+            return queued
+        if queued.state in QUEUED_WAITING:
+            return Reading("QUEUED", node=queued.node)
+        return reading if queued.state == "ACTIVE" else Reading(f"QUEUED_{queued.state}", node=queued.node)
 
     @staticmethod
     def spec_of(node: dict) -> dict:

@@ -41,7 +41,6 @@ pinned to the recorded versions. Everything it does is a line of `WORKDIR/attemp
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -57,7 +56,8 @@ from bert_jax import exit_codes, layout
 from bert_jax.pod import calls, pins
 from bert_jax.pod.progress import Progress, newest_committed_step
 from bert_jax.pod.records import Attempts, Lease, LeaseHeld, local_state_dir
-from bert_jax.pod.slice import GONE, NOT_FOUND, QUEUED_FAILED, QUEUED_WAITING, Reading, Slice, maintenance_of
+from bert_jax.pod.settings import Settings
+from bert_jax.pod.slice import GONE, NOT_FOUND, QUEUED_FAILED, Reading, Slice, maintenance_of
 from data_pipeline import storage, storage_paths
 
 # A worker's status line (launch/tpu_worker.sh), wherever on its line it starts (a log's last line
@@ -75,47 +75,6 @@ EXIT_GAVE_UP = 3
 
 def log(message: str) -> None:
     print(f"{datetime.datetime.now().isoformat(timespec='seconds')} supervisor: {message}", flush=True)
-
-
-@dataclasses.dataclass
-class Settings:
-    """The supervisor's settings, each from the environment variable of its name in capitals
-    (POLL_SECONDS, ...; launch/tpu_pod.sh's header and docs/pretraining.md list them)."""
-
-    poll_seconds: float = 60
-    max_restarts: int = 10  # failures in a row without a new checkpoint before giving up
-    backoff_seconds: float = 60  # before a relaunch after a failure, doubling for each in a row
-    max_backoff_seconds: float = 1800
-    ready_timeout: float = 3600  # a slice in any state but READY this long is recreated
-    queue_timeout: float = 7 * 86400  # a queued resource waiting for capacity this long: give up
-    stop_timeout: float = 600  # for workers to save on SIGTERM before SIGKILL
-    lost_readings: int = 2  # readings of PREEMPTED/TERMINATED/NOT_FOUND/STOPPED before acting
-    unreachable_polls: int = 5  # polls a worker may not answer over SSH before it counts as lost
-    max_create_failures: int = 24  # failed creates in a row before giving up (backed off)
-    max_internal_errors: int = 10  # polls in a row failing with an error of the supervisor's own
-    storage_timeout: float = 120  # one storage call's limit (each tried 3 times)
-    launch_timeout: float = 3600  # tpu_pod.sh's copy + install + start
-    create_timeout: float = 3600  # gcloud's create
-    hang_seconds: float = 0  # > 0: the fixed budget between progress signals (progress.py)
-    hang_min_seconds: float = 1800
-    hang_factor: float = 5
-    startup_seconds: float = 3600
-    lease_stale_seconds: float = 0  # 0: max(10 polls, 600 s)
-
-    @classmethod
-    def from_env(cls, env: dict) -> "Settings":
-        values = {}
-        for field in dataclasses.fields(cls):
-            name, raw = field.name.upper(), env.get(field.name.upper(), "").strip()
-            if raw:
-                try:
-                    values[field.name] = int(raw) if field.type == "int" else float(raw)
-                except ValueError:
-                    raise SystemExit(f"supervisor: {name}={raw!r} is not a{'n integer' if field.type == 'int' else ' number'}"
-                                     ) from None
-        out = cls(**values)
-        out.lease_stale_seconds = out.lease_stale_seconds or max(10 * out.poll_seconds, 600)
-        return out
 
 
 class Stop(Exception):
@@ -148,7 +107,8 @@ class Supervisor:
         self.progress = Progress(self.workdir, self.io, hang_seconds=self.s.hang_seconds,
                                  hang_min=self.s.hang_min_seconds, factor=self.s.hang_factor,
                                  startup=self.s.startup_seconds)
-        self.constraints_file, self.spec_file = path(layout.CONSTRAINTS), path(layout.SLICE_SPEC)
+        self.versions = pins.Versions(self.workdir, self.io, log)
+        self.spec_file = path(layout.SLICE_SPEC)
         self.needs_install_file = path(layout.NEEDS_INSTALL)
         # The loop's state.
         self.attempt, self.open, self.pending = 0, False, None  # pending: why the next launch is due
@@ -231,7 +191,8 @@ class Supervisor:
             self.in_a_row = int(failures[-1].get("in_a_row") or 0)
         self.needs_install = bool(self.quietly(False, "reading needs_install.json", storage.exists,
                                                self.needs_install_file))
-        self.versions_due = not self.quietly(True, "looking for constraints.txt", storage.exists, self.constraints_file)
+        self.versions_due = not self.quietly(True, "looking for constraints.txt", storage.exists,
+                                             self.versions.constraints_file)
         for row in rows:
             if row.get("event") == "rollback" and isinstance(row.get("line"), dict):
                 self.progress._seen_events.add(json.dumps(row["line"], sort_keys=True))  # pylint: disable=protected-access
@@ -269,25 +230,7 @@ class Supervisor:
     # --- the slice ----------------------------------------------------------------------------
 
     def describe(self) -> Reading:
-        """The slice's state, gcloud tried up to 3 times in this poll; with a queued resource, a
-        missing node is read through the request (QUEUED while it waits for capacity)."""
-        for attempt in range(3):
-            reading = self.slice.describe()
-            if reading.state is not None:
-                break
-            if attempt < 2:
-                time.sleep(min(self.s.poll_seconds, 2 ** attempt))
-        qr = self.spec.get("queued_resource")
-        if reading.state != NOT_FOUND or not qr:
-            return reading
-        queued = self.slice.describe_queued(qr)
-        if queued.state is None or queued.state == NOT_FOUND:
-            return queued
-        if queued.state in QUEUED_WAITING:
-            return Reading("QUEUED", node=queued.node)
-        if queued.state in QUEUED_FAILED:
-            return Reading(f"QUEUED_{queued.state}", node=queued.node)
-        return reading if queued.state == "ACTIVE" else Reading(f"QUEUED_{queued.state}", node=queued.node)
+        return self.slice.read(self.spec.get("queued_resource"), sleep=lambda s: time.sleep(min(self.s.poll_seconds, s)))
 
     def poll(self) -> None:
         self.attempts.flush()
@@ -409,27 +352,13 @@ class Supervisor:
 
     # --- the run ------------------------------------------------------------------------------
 
-    def resolve_pins(self) -> tuple[Optional[str], Optional[str]]:
-        """(pip constraints text, where it came from) for an install; raises Stop for an unpinned
-        reinstall while a checkpoint exists."""
-        try:
-            return self.io.call("reading constraints.txt", storage.read_text, self.constraints_file), "constraints.txt"
-        except FileNotFoundError:
-            pass
-        step, versions = self.io.call("reading the newest checkpoint's versions", pins.checkpoint_versions,
-                                      self.workdir)
-        if versions:
-            return "\n".join(pins.pins_of(versions)) + "\n", f"checkpoint step {step}"
-        if step is None or self.first_install:
-            return None, None  # nothing saved yet: no versions to keep
-        raise self.give_up(f"refusing an unpinned reinstall: {self.constraints_file} is missing and checkpoint step "
-                           f"{step} records no versions; write the versions that saved it to {self.constraints_file} "
-                           "(pip's name==version lines) and start again")
-
     def launch(self, why: str) -> None:
         """The next attempt (tpu_pod.sh: stop, copy, install when due, start)."""
         install = self.needs_install
-        constraints, pinned = self.resolve_pins() if install else (None, None)
+        try:
+            constraints, pinned = self.versions.for_install(self.first_install) if install else (None, None)
+        except pins.Unpinned as e:
+            raise self.give_up(str(e)) from None
         resume_from = self.saved_step()
         self.attempt += 1
         self.record(attempt=self.attempt, event="start", why=why, install=install, pinned=pinned,
@@ -466,23 +395,11 @@ class Supervisor:
 
     def record_versions(self) -> None:
         """Worker 0's installed packages into constraints.txt (tried each poll until recorded)."""
-        if self.quietly(False, "looking for constraints.txt", storage.exists, self.constraints_file):
-            self.versions_due = False
-            return
-        r = self.pod("--freeze", timeout=300)
-        found = pins.freeze_pins(r.stdout)
-        if r.returncode != 0 or not found:
-            log(f"could not record the installed versions yet: {(r.stderr or r.stdout).strip()[-300:]}")
-            return
         try:
-            self.io.call("writing constraints.txt", storage.write_text, self.constraints_file, "\n".join(found) + "\n")
+            r = None if self.versions.recorded() else self.pod("--freeze", timeout=300)
+            self.versions_due = not self.versions.record(r)
         except calls.Unavailable as e:
             log(f"could not record the installed versions yet: {e}")
-            return
-        self.versions_due = False
-        versions = {p.split("==")[0].lower(): p.split("==")[1] for p in found}
-        log(f"recorded {len(found)} installed versions in {self.constraints_file} (jax {versions.get('jax')}, "
-            f"libtpu {versions.get('libtpu')}, orbax {versions.get('orbax-checkpoint')})")
 
     def worker_states(self) -> tuple[dict, bool]:
         """({worker: (state, exit code)} of the workers that answered, whether every one did)."""

@@ -116,3 +116,16 @@ def test_event_lines_are_handed_over_once_and_the_tail_read_is_bounded(run, monk
     signals = read_signals(str(workdir))
     assert signals.log_step == 37 and signals.saved_step is None
     assert signals.log_identity[0] > 256 * 4  # the whole log is long; only its tail was parsed
+
+
+def test_only_committed_steps_count_on_cloud_storage(bucket):
+    """On Cloud Storage a step folder exists from its first object on; orbax's commit_success.txt
+    marks it committed. A save killed midway leaves a newer folder without one: not progress."""
+    from data_pipeline import storage
+    from bert_jax.pod.progress import newest_committed_step
+    storage.write_text(f"{bucket}/w/checkpoints/8/commit_success.txt", "")
+    storage.write_text(f"{bucket}/w/checkpoints/8/state/x", "data")
+    storage.write_text(f"{bucket}/w/checkpoints/12/state/x", "half a save")
+    storage.write_text(f"{bucket}/w/checkpoints/damaged/4-20261207/x", "")
+    assert newest_committed_step(f"{bucket}/w/checkpoints") == 8
+    assert newest_committed_step(f"{bucket}/w/nothing") is None

@@ -63,6 +63,8 @@ def test_storage_calls_are_retried_with_backoff_and_given_up_in_time():
         return "done"
 
     assert io.call("a flaky read", flaky) == "done" and waits == [0.5, 1.0]
+    with pytest.raises(calls.Unavailable, match="would wait for itself"):  # never a deadlock
+        io.call("an outer call", lambda: io.call("an inner call", lambda: "never"))
     with pytest.raises(FileNotFoundError):  # an answer, not a failure: no retry
         io.call("a missing file", lambda: (_ for _ in ()).throw(FileNotFoundError("x")))
     with pytest.raises(calls.Unavailable, match="a broken write: OSError: 503"):
@@ -191,6 +193,9 @@ def test_one_supervisor_per_workdir_and_a_takeover_only_once_its_heartbeat_is_st
                             timeout=60)
     assert second.returncode == 2
     assert f"host {lease['host']}, pid {lease['pid']}, since {lease['since']}" in second.stdout
+    fresh = subprocess.run(["bash", str(fake_pod.SCRIPT), "--watch", "--takeover"], env=env, capture_output=True,
+                           text=True, timeout=60)  # a heartbeat younger than LEASE_STALE_SECONDS: refused
+    assert fresh.returncode == 2 and "once its heartbeat is older than 2 s" in fresh.stdout, fresh.stdout
     os.kill(first.pid, signal.SIGSTOP)  # hung: its heartbeat goes stale
     try:
         refused = subprocess.run(["bash", str(fake_pod.SCRIPT), "--watch"], env=env, capture_output=True,

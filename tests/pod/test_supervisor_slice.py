@@ -212,3 +212,19 @@ def test_a_launch_that_fails_because_the_slice_went_away_is_not_a_failure(pod):
     assert rows[1]["event"] == "end" and rows[1]["cause"].startswith("launch failed")
     assert not any(r["event"] == "failure" for r in rows)
     assert any(r["event"] == "recreate" for r in rows)
+
+
+def test_a_first_start_on_a_slice_already_lost_recreates_it_from_the_recorded_spec(pod):
+    """Supervision (re)started with no attempt recorded and the slice gone (the old supervisor
+    indexed the attempts of an empty file here and died)."""
+    root, env, workdir = pod
+    workdir.mkdir()
+    (workdir / "slice.json").write_text(json.dumps(pod_slice.Slice.spec_of(fake_pod.NODE)))
+    lose(root, "NOT_FOUND")
+    proc = watch(env)
+    wait_for(lambda: len(starts(root)) == 1, "the start on the recreated slice", proc)
+    (root / "finish").touch()
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert events(workdir) == [(0, "recreate"), (1, "start"), (1, "end"), (1, "done")]
+    assert attempts(workdir)[1]["install"]
