@@ -11,21 +11,22 @@ every worker's save fails within its deadline instead of hanging the pod; the sa
 again. The final losses equal an uninterrupted two-worker run's, bit for bit: the same programs on
 the same devices see the same batches from the same step on.
 
-Then the same run under the supervisor (`launch/tpu_pod.sh --watch`, bert_jax/supervisor.py), in
-the same test to share the reference run's compile: one worker's run SIGKILLed → the supervisor
-stops the other, collects both logs into the bucket and relaunches; then the whole slice
-"preempted" (every worker's processes killed, its folders - run dir, caches, project copy - wiped,
-describe answering PREEMPTED) → recreated from the recorded spec, reinstalled pinned to the
-recorded versions, resumed without hashing the data again; the losses equal the uninterrupted
-run's. (The XLA compilation cache stays shared between the stand-in VMs: it stands for a cache
-in the bucket, and keeps the test's compiles cheap.)
+Then the chaos rehearsal (`chaos`, in the same test to share the reference run's compile): one run
+under the supervisor (`launch/tpu_pod.sh --watch`, bert_jax/pod/supervisor.py) through a planted
+loss spike (rolled back), a worker SIGKILLed, a worker unreachable over SSH, a frozen bucket and
+failing describes, a hang (a worker's python SIGSTOPped), and the slice lost from the API with its
+VMs wiped, two stockouts, a slow creation and the supervisor itself SIGKILLed mid-recreation and
+started again: it ends with every logged loss equal to the reference's (which skips the batches the
+rollback skips), every attempt and cause recorded once, every worker's logs in the bucket, the new
+VMs reinstalled pinned and nothing hashed again. Then a refused config, which stops supervision at
+once (`refused_at_once`). (The XLA compilation cache stays shared between the stand-in VMs: it
+stands for a cache in the bucket, and keeps the test's compiles cheap.)
 """
 
 import importlib.metadata
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -86,7 +87,8 @@ def pod(gcs_server, tmp_path):
     python.chmod(0o755)
     faults = tmp_path / "faults"
     faults.mkdir()
-    (faults / "sitecustomize.py").write_text(FAULT + fault_hooks.FREEZE_AT_SAVE + fault_hooks.PAUSE_AT_STEP)
+    (faults / "sitecustomize.py").write_text(FAULT + fault_hooks.FREEZE_AT_SAVE + fault_hooks.PAUSE_AT_STEP
+                                             + fault_hooks.SPIKE_AT_STEPS)
     workers = [tmp_path / f"worker{i}" for i in range(2)]
     env = dict(os.environ, **fake, PATH=f"{fake['BIN']}:{os.environ['PATH']}", PYTHON=str(python),
                JAX_NUM_CPU_DEVICES="2", XLA_FLAGS=FAST_COMPILE,
@@ -106,12 +108,19 @@ def pod(gcs_server, tmp_path):
                 pass
 
 
-ARGS = ["--config.log_every_steps=1", "--config.checkpoint_every_steps=4", "--config.num_train_steps=12",
-        "--config.shuffle_buffer_size=64"]
+STEPS = 20
+# Every run of the test: the same steps and schedule, rollback on a divergence (the chaos run's
+# planted spike: steps 5 and 6, K=2, so back to step 4 and 6 - 4 = 2 batches skipped), and the
+# skip that rollback makes, given by hand: every run but the chaos one then reads the batches the
+# chaos run reads, and all of them must log the reference's losses.
+ARGS = ["--config.log_every_steps=1", "--config.checkpoint_every_steps=4", f"--config.num_train_steps={STEPS}",
+        "--config.shuffle_buffer_size=64", "--config.on_divergence=rollback", "--config.divergence_warmup_steps=2",
+        "--config.divergence_steps=2"]
+SKIP = "--config.skip_batches=4:2"
 
 
 def launch(pod, workdir, *extra_args, **extra_env):
-    args = [f"--config.train_data={pod['bucket']}/data/train-*.tfrecord", "--config.verify_data=false", *ARGS,
+    args = [f"--config.train_data={pod['bucket']}/data/train-*.tfrecord", "--config.verify_data=false", *ARGS, SKIP,
             *extra_args]
     r = subprocess.run(["bash", str(SCRIPT), *args], env=dict(pod["env"], WORKDIR=workdir, **extra_env),
                        capture_output=True, text=True, timeout=120)
@@ -164,11 +173,11 @@ def pausing(pod, steps: str) -> str:
     return f"PYTHONPATH={pod['faults']} FAULT_PAUSE_AT_STEPS={steps} FAULT_PAUSE_DIR={pod['faults']}"
 
 
-def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_losses(pod):
+def test_pod_runs_through_preemptions_crashes_and_a_chaos_of_faults_log_the_reference_losses(pod):
     bucket = pod["bucket"]
     out = wait_exit(pod, launch(pod, f"{bucket}/ref"))
     want = losses(f"{bucket}/ref")
-    assert sorted(want) == list(range(1, 13)), out[-4000:]
+    assert sorted(want) == list(range(1, STEPS + 1)), out[-4000:]
 
     # A maintenance event: SIGTERM to worker 1 alone, once step 6 is logged (worker 0 held there
     # until the signal is sent).
@@ -186,8 +195,8 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
     stop_step = max(saved)
     assert out.count(f"preemption/SIGTERM: saved step {stop_step}, exiting") == 2, out[-4000:]  # both workers
     # Stopped early, saved by the preemption path on both hosts (the agreed step may fall on the
-    # checkpoint interval, 8 of 12 here on an idle machine: the save is still the preemption's).
-    assert 6 <= stop_step < 12, (stop_step, saved)
+    # checkpoint interval, 8 here on an idle machine: the save is still the preemption's).
+    assert 6 <= stop_step < STEPS, (stop_step, saved)
     assert out.count(f"saving step {stop_step} because of preemption") == 2, out[-4000:]
 
     # The same command again: worker 1 cannot read the newest step; both fall back to the same one.
@@ -195,7 +204,6 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
     # fails on every host within its deadline (5 s here) instead of hanging the pod.
     fallback = max(s for s in saved if s < stop_step)
     frozen = fallback + 4
-    started = time.time()
     try:
         pids = launch(pod, work, "--config.checkpoint_save_timeout_seconds=5",
                       FAKE_ENV_0=f"PYTHONPATH={pod['faults']} FAULT_FREEZE_AT_SAVE={frozen}",
@@ -219,7 +227,6 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
     for i, text in enumerate(out.split("--- worker ")[1:]):
         assert (f"saving step {frozen} to {work}/checkpoints did not finish within 5 s" in text
                 or f"checkpoint save of step {frozen} in {work}/checkpoints failed" in text), (i, text[-3000:])
-    assert time.time() - started < 240
     # The same command resumes from the same step again and finishes with the uninterrupted losses.
     out = wait_exit(pod, launch(pod, work))
     assert out.count(f"resumed from step {fallback}") == 2, out[-4000:]
@@ -228,72 +235,205 @@ def test_preempted_crashed_and_recreated_pod_runs_resume_with_the_uninterrupted_
     for w in pod["workers"]:
         assert len([p for p in (w / "bert_jax_run" / "logs").iterdir() if p.name != "latest.log"]) == 4
 
-    # --- Supervised (launch/tpu_pod.sh --watch): a crash, then the whole slice preempted. ---
-    work = f"{bucket}/supervised"
-    root = pod["root"]
-    env = dict(pod["env"], WORKDIR=work, SKIP_INSTALL="0", POLL_SECONDS="1", BACKOFF_SECONDS="1",
-               LOG_SYNC_SECONDS="10", STOP_TIMEOUT="5", SUPERVISOR_PYTHON=sys.executable,
-               BERT_JAX_CACHE_DIR="",  # each VM's cache in its own home (~/.cache/bert_jax): wiped with it
-               FAKE_ENV_0=pausing(pod, "5,9"))  # held at step 5 (attempt 1) and step 9 (attempt 2)
-    out_file = root / "supervisor.out"
+
+    chaos(pod, want)
+    refused_at_once(pod)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chaos rehearsal: one supervised run (launch/tpu_pod.sh --watch) through every fault a weekend
+# meets, which must end with the reference's losses
+# ---------------------------------------------------------------------------------------------
+
+# The supervisor's settings for the rehearsal: polls every second; a run that makes no progress for
+# 25 s is hung (a run's end, its last save to its exit, took 16 s here; a worker blocked in a
+# collective on a stopped peer waited 75 s without an error, and jax's heartbeat allows 100 s);
+# 4 polls without an answer make a worker lost; storage calls of the supervisor's own give up after
+# 2 s a try (the workers keep the default limit).
+CHAOS = dict(POLL_SECONDS="1", BACKOFF_SECONDS="2", MAX_BACKOFF_SECONDS="4", STOP_TIMEOUT="5",
+             LOG_SYNC_SECONDS="2", UNREACHABLE_POLLS="4", HANG_SECONDS="25", STARTUP_SECONDS="300",
+             STORAGE_TIMEOUT="3", BERT_JAX_GCS_TIMEOUT="2", READY_TIMEOUT="120", SKIP_INSTALL="0")
+
+
+def chaos(pod, want: dict) -> None:
+    """The faults, in the order they come (worker 0 held at each step named, until the test lets it go):
+
+    1. steps 5 and 6: a planted loss spike (on both workers) -> the run rolls back to step 4 and
+       skips 2 batches (`SKIP`, what every other run of the test reads);
+    2. step 7: worker 1's run SIGKILLed -> stopped, logs collected, relaunched from step 4: the
+       recorded skip applies again;
+    3. step 9: worker 1 unreachable over SSH for 2 polls -> watched through worker 0, not stopped
+       (a worker lost for good is tests/pod/test_supervisor.py's);
+    4. step 10: the bucket frozen past the supervisor's own storage calls (9 s), and describe
+       failing meanwhile, three times once with a message that merely says "not found";
+    5. step 11: worker 1's python SIGSTOPped: the run hangs -> stopped and relaunched from step 8;
+    6. step 13: the slice preempted and gone from the API (describe NOT_FOUND: recreated from
+       slice.json alone), its VMs wiped; two creates fail (a stockout), the third takes 3 s and the
+       slice 3 s more to come up; the supervisor SIGKILLed during that create and started again;
+    7. the run reinstalled pinned on the new VMs, resumed from step 12 without hashing the data
+       again, to step 20.
+    """
+    bucket, root, faults = pod["bucket"], pod["root"], pod["faults"]
+    work = f"{bucket}/chaos"
+    attempts_file = f"{work}/attempts.jsonl"
+    hold = ",".join(str(s) for s in (7, 9, 10, 11, 13))
+    # Both workers: the spike; each VM's cache in its own home (~/.cache/bert_jax: wiped with it);
+    # the default storage time limit (CHAOS's 2 s is the supervisor's).
+    spike = f"FAULT_SPIKE_STEPS=5,6 FAULT_SPIKE_DIR={faults} BERT_JAX_CACHE_DIR= BERT_JAX_GCS_TIMEOUT=60"
+    env = dict(pod["env"], WORKDIR=work, SUPERVISOR_PYTHON=sys.executable,
+               BERT_JAX_CACHE_DIR=str(root / "supervisor_cache"),  # the supervisor's own: its spool, the code
+               FAKE_ENV_0=f"PYTHONPATH={faults} FAULT_PAUSE_AT_STEPS={hold} FAULT_PAUSE_DIR={faults} {spike}",
+               FAKE_ENV_1=f"PYTHONPATH={faults} {spike}", **CHAOS)
     args = [f"--config.train_data={bucket}/data/train-*.tfrecord", "--config.verify_data=true", *ARGS]
-    with open(out_file, "w") as out:
-        supervisor = subprocess.Popen(["bash", str(SCRIPT), "--watch", *args], env=env, stdout=out,
-                                      stderr=subprocess.STDOUT)
+    out_file = root / "supervisor.out"
+    emulator = int(os.environ["BERT_JAX_TEST_EMULATOR_PID"])
+
+    def start_supervisor():
+        with open(out_file, "a") as out:
+            return subprocess.Popen(["bash", str(SCRIPT), "--watch", *args], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT)
+
+    supervisor = start_supervisor()
+
+    def wait_for(predicate, what, timeout=300):
+        deadline = time.time() + timeout
+        while not predicate():
+            if time.time() > deadline or supervisor.poll() is not None:
+                pytest.fail(f"{what}: not seen\n{out_file.read_text()[-3000:]}\n{logs(pod)[-3000:]}")
+            time.sleep(0.1)
+
+    def rows():
+        try:
+            return [json.loads(line) for line in storage.read_text(attempts_file).splitlines()]
+        except FileNotFoundError:
+            return []
+
+    def count(event, cause=""):
+        return sum(1 for r in rows() if r["event"] == event and r.get("cause", "").startswith(cause))
+
+    def held(step):
+        wait_for(lambda: (faults / f"paused-{step}").exists(), f"step {step}")
+
+    def go_on(step):
+        (faults / f"resume-{step}").touch()
+
+    def pid(i):
+        return int((pod["workers"][i] / "bert_jax_run" / "pid").read_text())
+
     try:
-        def wait_for(predicate, what, timeout=300):
-            deadline = time.time() + timeout
-            while not predicate():
-                if time.time() > deadline or supervisor.poll() is not None:
-                    pytest.fail(f"{what}: not seen\n{out_file.read_text()[-3000:]}\n{logs(pod)[-3000:]}")
-                time.sleep(0.1)
-
-        def pid(i):
-            return int((pod["workers"][i] / "bert_jax_run" / "pid").read_text())
-
-        # One worker's run killed (an OOM kill, a segfault) once step 5 is logged.
-        wait_for(lambda: (pod["faults"] / "paused-5").exists(), "step 5")
+        # 1-2. The spike rolls the run back (the run's own doing); then a worker's run is killed.
+        held(7)
+        assert (faults / "spiked-0").exists() and (faults / "spiked-1").exists()
         os.kill(pid(1), signal.SIGKILL)
-        (pod["faults"] / "resume-5").touch()
-        attempts = f"{work}/attempts.jsonl"
-        wait_for(lambda: storage.read_text(attempts).count('"event": "start"') == 2, "the relaunch")
-        # The relaunched run saves step 8; then the slice is preempted: every process on every VM
-        # dies and the VMs come back empty.
-        # (Its logs are uploaded while it runs, every LOG_SYNC_SECONDS: the VMs will take theirs with them.)
-        wait_for(lambda: len(storage.listdir(f"{work}/logs/attempt-2")) == 2, "attempt 2's logs")
-        wait_for(lambda: storage.exists(f"{work}/checkpoints/8/commit_success.txt"), "step 8 saved again")
-        wait_for(lambda: (pod["faults"] / "paused-9").exists(), "step 9")
-        with fake_pod.taken_away(root, "PREEMPTED"):  # (the supervisor cannot recreate it meanwhile)
-            for i in range(2):
-                os.killpg(os.getpgid(pid(i)), signal.SIGKILL)
-            for w in pod["workers"]:
-                shutil.rmtree(w)
-                w.mkdir()
-            (pod["faults"] / "resume-9").touch()  # the recreated run goes on past step 9
+        go_on(7)
+        wait_for(lambda: count("start") == 2, "the relaunch after the crash")
+        # 3. A worker unreachable over SSH for 2 polls (fewer than UNREACHABLE_POLLS): watched
+        # through the other meanwhile, and neither stopped nor counted lost.
+        held(9)
+        (root / "unreachable.1").touch()
+        polls = fake_pod.status_calls(root)
+        wait_for(lambda: fake_pod.status_calls(root) >= polls + 3, "two polls without worker 1")
+        (root / "unreachable.1").unlink()
+        go_on(9)
+        assert count("end") == 1
+        held(10)
+        # 4. The bucket frozen past the supervisor's storage calls; describe failing meanwhile.
+        (root / "describe_noise").touch()
+        (root / "describe_errors").write_text("3")
+        os.kill(emulator, signal.SIGSTOP)
+        try:
+            time.sleep(9)
+            assert supervisor.poll() is None
+        finally:
+            os.kill(emulator, signal.SIGCONT)
+        go_on(10)
+        # 5. A hang: worker 1's python stopped; worker 0 waits for it in the next collective.
+        assert count("end") == 1  # nothing ended through the freeze: it was not taken for a hang
+        held(11)
+        os.kill(pid(1), signal.SIGSTOP)
+        go_on(11)
+        wait_for(lambda: count("end", "hung") == 1, "the hang detected")
+        # 6. The slice lost (gone from the API) once step 12 is saved and attempt 4's logs are up.
+        held(13)
+        n = max(r["attempt"] for r in rows())
+        wait_for(lambda: storage.exists(f"{work}/checkpoints/12/commit_success.txt")
+                 and len(storage.listdir(f"{work}/logs/attempt-{n}")) == 2, "step 12 saved, the logs uploaded")
+        (root / "create_failures").write_text("2")
+        (root / "create_sleep").write_text("3")
+        (root / "create_delay").write_text("3")
+        fake_pod.lose(root, "NOT_FOUND")
+        go_on(13)
+        creates = lambda: sum(1 for c in fake_pod.calls(root) if c[2:4] == ["tpu-vm", "create"])  # noqa: E731
+        wait_for(lambda: creates() == 3, "the third create")
+        supervisor.kill()  # mid-recreation: its create goes on in its own process group
+        supervisor.wait(timeout=10)
+        supervisor = start_supervisor()  # as systemd would
         assert supervisor.wait(timeout=420) == 0, out_file.read_text()[-4000:]
     finally:
         if supervisor.poll() is None:
             supervisor.kill()
-    rows = [json.loads(line) for line in storage.read_text(attempts).splitlines()]
-    ends = [r for r in rows if r["event"] == "end"]
-    assert [r["attempt"] for r in ends] == [1, 2, 3], rows
-    assert ends[0]["cause"].startswith("worker 1 failed (exit 137)"), rows
-    assert ends[1]["cause"] == "slice PREEMPTED" and ends[2]["cause"] == "finished", rows
-    assert [r["event"] for r in rows].count("failure") == 1  # the crash; a preemption is not a failure
-    # Both workers' logs of every attempt are in the bucket (attempt 2's uploaded while it ran).
-    collected = {n: storage.listdir(f"{work}/logs/{n}") for n in ("attempt-1", "attempt-2", "attempt-3")}
-    assert all(names == ["worker-0.log", "worker-1.log"] for names in collected.values()), collected
-    crashed = storage.read_text(f"{work}/logs/attempt-1/worker-0.log")
-    assert "resumed from step" not in crashed  # attempt 1 started fresh
-    last = storage.read_text(f"{work}/logs/attempt-3/worker-0.log")
-    assert "resumed from step 8" in last
-    assert re.search(r"data verification: hashed 0 files \(0 bytes\)", last), last[-3000:]  # nothing re-read
-    # The new VMs were installed with the versions the first install recorded.
+        os.kill(emulator, signal.SIGCONT)
+    supervised = out_file.read_text()
+
+    # --- What the supervisor recorded: every attempt and cause, each line once. ---
+    got = rows()
+    assert len({r["id"] for r in got}) == len(got), got
+    ends = [r for r in got if r["event"] == "end"]
+    causes = [r["cause"] for r in ends]
+    expected = ["worker 1 failed (exit 137)", "hung: no progress for", "slice NOT_FOUND", "finished"]
+    found = iter(causes)
+    assert all(any(c.startswith(e) for c in found) for e in expected), causes  # in this order
+    assert [r["attempt"] for r in ends] == sorted({r["attempt"] for r in got if r["event"] == "start"})
+    assert all(c.startswith(("launch failed", *expected)) for c in causes), causes  # nothing else ended one
+    hung = next(r for r in ends if r["cause"].startswith("hung"))
+    assert "(budget 25 s)" in hung["cause"] and "train_log.jsonl at step 11" in hung["cause"], hung
+    failed_creates = [r for r in got if r["event"] == "create_failed"]
+    assert len(failed_creates) == 2 and all("RESOURCE_EXHAUSTED" in r["error"] for r in failed_creates)
+    assert got[-1]["event"] == "done"
+    rollbacks = [r for r in got if r["event"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["line"]["restored_step"] == 4, rollbacks
+    assert rollbacks[0]["line"]["skipped_batches"] == 2 and rollbacks[0]["line"]["first_spike_step"] == 5
+    assert "taking over the lease" in supervised  # of its killed self
+    assert "no status from worker(s) 1 (2 poll(s) in a row)" in supervised
+    assert "could not renew the lease" in supervised  # the bucket was frozen, and the supervisor lived on
+    # No slice deleted on a bad reading: every recreation (a delete, then a create) is the lost slice's.
+    assert [(r["cause"], r["tries"]) for r in got if r["event"] == "recreate"] == [
+        ("slice NOT_FOUND", 1), ("slice NOT_FOUND", 2), ("slice NOT_FOUND", 3)]
+    # No reinstall skipped: the recreated VMs were installed, pinned to the recorded versions.
+    last_start = [r for r in got if r["event"] == "start"][-1]
+    assert last_start["install"] and last_start["pinned"] == "constraints.txt", last_start
     pins = storage.read_text(f"{work}/constraints.txt")
     assert f"jax=={importlib.metadata.version('jax')}" in pins.splitlines()
     for i in range(2):
         assert (root / f"used-constraints.{i}").read_text() == pins
-    # Every logged loss, the repeats of resumed steps included, equals the uninterrupted run's.
-    logged = [json.loads(line) for line in storage.read_text(f"{work}/train_log.jsonl").splitlines()]
-    assert {r["step"] for r in logged} == set(want)
-    assert all(r["loss"] == want[r["step"]] for r in logged)
+    # Every worker's log of every attempt that ran is in the bucket.
+    for n in {r["attempt"] for r in ends if not r["cause"].startswith("launch failed")}:
+        assert storage.listdir(f"{work}/logs/attempt-{n}") == ["worker-0.log", "worker-1.log"], n
+    last = storage.read_text(f"{work}/logs/attempt-{last_start['attempt']}/worker-0.log")
+    assert "resumed from step 12" in last
+    assert re.search(r"data verification: hashed 0 files \(0 bytes\)", last), last[-3000:]  # nothing re-read
+
+    # --- The losses: every line logged equals the reference's, but those the rollback superseded. ---
+    lines = [json.loads(line) for line in storage.read_text(f"{work}/train_log.jsonl").splitlines()]
+    event = next(i for i, r in enumerate(lines) if r.get("event") == "rollback")
+    kept = [r for i, r in enumerate(lines) if "event" not in r and not (i < event and r["step"] > 4)]
+    assert {r["step"] for r in kept} == set(want)
+    assert all(r["loss"] == want[r["step"]] for r in kept), [(r["step"], r["loss"], want[r["step"]]) for r in kept
+                                                           if r["loss"] != want[r["step"]]]
+    assert any(r["loss"] != want[r["step"]] for r in lines[:event] if r["step"] in (5, 6))  # the skip mattered
+
+
+def refused_at_once(pod) -> None:
+    """A run the same command cannot get past (a refused config: exit 78 on every worker) stops
+    supervision within one poll, with the cause, and is never relaunched."""
+    work = f"{pod['bucket']}/refused"
+    env = dict(pod["env"], WORKDIR=work, SUPERVISOR_PYTHON=sys.executable, FAKE_ENV_0="", FAKE_ENV_1="",
+               **dict(CHAOS, BACKOFF_SECONDS="60"), BERT_JAX_CACHE_DIR=str(pod["root"] / "supervisor_cache"))
+    r = subprocess.run(["bash", str(SCRIPT), "--watch", f"--config.train_data={pod['bucket']}/data/train-*.tfrecord",
+                        *ARGS, "--config.objective=bogus"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stdout[-3000:]
+    got = [json.loads(line) for line in storage.read_text(f"{work}/attempts.jsonl").splitlines()]
+    assert [g["event"] for g in got if g["event"] != "maintenance"] == ["start", "end", "gave_up"], got
+    assert "failed 78" in got[-2]["workers"].values(), got[-2]  # (the other may not have got there yet)
+    assert "exit code 78 is refused config" in got[-1]["cause"]
+    assert "config.objective must be 'mlm' or 'ltr'" in storage.read_text(f"{work}/logs/attempt-1/worker-0.log")
