@@ -342,6 +342,14 @@ def starts(root):
     return [c for c in calls(root) if c[3] == "ssh" and "tpu_worker.sh start" in c[-1]]
 
 
+def wait_launched(root, n, proc, timeout=60):
+    """Waits until the supervisor's launch of attempt `n` is over (its next status poll came), so
+    that a test's fault does not land in the middle of the launch."""
+    wait_for(lambda: len(starts(root)) == n, f"launch {n}", proc, timeout)
+    polls = status_calls(root)
+    wait_for(lambda: status_calls(root) > polls, f"the poll after launch {n}", proc, timeout)
+
+
 def run_pids(root):
     return [int((root / f"worker{i}/bert_jax_run/pid").read_text()) for i in (0, 1)]
 

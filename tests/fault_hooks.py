@@ -46,25 +46,30 @@ if _pause_steps:
 """
 
 # The loss the divergence statistic is fed (`bert_jax.pretrain.divergence.DivergenceMonitor.observe`)
-# is 100 times larger at the steps of $FAULT_SPIKE_STEPS (comma-separated): a planted loss spike.
-# Once per process tree: after the last of those steps was fed, it creates `spiked-<worker>` in
-# $FAULT_SPIKE_DIR (<worker>: $TPU_WORKER_ID, or 0), and does nothing while that file exists, so the
-# same steps train normally after the rollback (and in a resumed run). The parameters and
+# is 100 times larger at the steps of $FAULT_SPIKE_STEPS (comma-separated; several spikes separated by
+# ";", e.g. "5,6;25,26"): planted loss spikes. Each once per process tree: after the last step of a
+# spike was fed, it creates `spiked-<worker>[-<i>]` in $FAULT_SPIKE_DIR (<worker>: $TPU_WORKER_ID, or
+# 0; -<i> for the i-th spike past the first), and that spike does nothing while the file exists, so
+# the same steps train normally after the rollback (and in a resumed run). The parameters and
 # train_log.jsonl's losses stay the real ones: only the judgement sees the spike.
 SPIKE_AT_STEPS = r"""
 import os
-_spike_steps = {int(s) for s in os.environ.get("FAULT_SPIKE_STEPS", "").split(",") if s}
-if _spike_steps:
+_spikes = [{int(s) for s in w.split(",") if s} for w in os.environ.get("FAULT_SPIKE_STEPS", "").split(";")]
+_spikes = [w for w in _spikes if w]
+if _spikes:
     from bert_jax.pretrain import divergence as _divergence
     _observe_unspiked = _divergence.DivergenceMonitor.observe
-    _spiked = os.path.join(os.environ["FAULT_SPIKE_DIR"], "spiked-" + os.environ.get("TPU_WORKER_ID", "0"))
+    _worker = os.environ.get("TPU_WORKER_ID", "0")
+    _spiked = [os.path.join(os.environ["FAULT_SPIKE_DIR"], f"spiked-{_worker}" + (f"-{i}" if i else ""))
+               for i in range(len(_spikes))]
 
     def _observe_spiked(self, step, loss, finite):
-        if step not in _spike_steps or os.path.exists(_spiked):
+        spike = next((i for i, w in enumerate(_spikes) if step in w and not os.path.exists(_spiked[i])), None)
+        if spike is None:
             return _observe_unspiked(self, step, loss, finite)
         found = _observe_unspiked(self, step, loss * 100.0, finite)
-        if step == max(_spike_steps):
-            open(_spiked, "w").close()
+        if step == max(_spikes[spike]):
+            open(_spiked[spike], "w").close()
         return found
 
     _divergence.DivergenceMonitor.observe = _observe_spiked

@@ -108,15 +108,18 @@ def pod(gcs_server, tmp_path):
                 pass
 
 
-STEPS = 20
-# Every run of the test: the same steps and schedule, rollback on a divergence (the chaos run's
-# planted spike: steps 5 and 6, K=2, so back to step 4 and 6 - 4 = 2 batches skipped), and the
-# skip that rollback makes, given by hand: every run but the chaos one then reads the batches the
-# chaos run reads, and all of them must log the reference's losses.
+# The chaos rehearsal's rounds of faults (`chaos`), 20 steps each: one in CI; the long mode, for a
+# developer's machine, repeats them (`BERT_JAX_CHAOS_ROUNDS=3 python -m pytest tests/pod/test_pod_rehearsal.py`).
+ROUNDS = int(os.environ.get("BERT_JAX_CHAOS_ROUNDS", "1"))
+STEPS = 20 * ROUNDS
+# Every run of the test: the same steps and schedule, rollback on a divergence (each round's planted
+# spike: steps 5 and 6 of the round, K=2, so back to its step 4 and 6 - 4 = 2 batches skipped), and
+# the skips those rollbacks make, given by hand: every run but the chaos one then reads the batches
+# the chaos run reads, and all of them must log the reference's losses.
 ARGS = ["--config.log_every_steps=1", "--config.checkpoint_every_steps=4", f"--config.num_train_steps={STEPS}",
         "--config.shuffle_buffer_size=64", "--config.on_divergence=rollback", "--config.divergence_warmup_steps=2",
         "--config.divergence_steps=2"]
-SKIP = "--config.skip_batches=4:2"
+SKIP = "--config.skip_batches=" + ",".join(f"{20 * k + 4}:2" for k in range(ROUNDS))
 
 
 def launch(pod, workdir, *extra_args, **extra_env):
@@ -256,7 +259,8 @@ CHAOS = dict(POLL_SECONDS="1", BACKOFF_SECONDS="2", MAX_BACKOFF_SECONDS="4", STO
 
 
 def chaos(pod, want: dict) -> None:
-    """The faults, in the order they come (worker 0 held at each step named, until the test lets it go):
+    """The faults of each round, in the order they come (step numbers within the round; worker 0 held
+    at each step named, until the test lets it go):
 
     1. steps 5 and 6: a planted loss spike (on both workers) -> the run rolls back to step 4 and
        skips 2 batches (`SKIP`, what every other run of the test reads);
@@ -271,15 +275,16 @@ def chaos(pod, want: dict) -> None:
        slice.json alone), its VMs wiped; two creates fail (a stockout), the third takes 3 s and the
        slice 3 s more to come up; the supervisor SIGKILLed during that create and started again;
     7. the run reinstalled pinned on the new VMs, resumed from step 12 without hashing the data
-       again, to step 20.
+       again, to the next round or the end.
     """
     bucket, root, faults = pod["bucket"], pod["root"], pod["faults"]
     work = f"{bucket}/chaos"
     attempts_file = f"{work}/attempts.jsonl"
-    hold = ",".join(str(s) for s in (7, 9, 10, 11, 13))
-    # Both workers: the spike; each VM's cache in its own home (~/.cache/bert_jax: wiped with it);
+    hold = ",".join(str(20 * k + s) for k in range(ROUNDS) for s in (7, 9, 10, 11, 13))
+    spikes = ";".join(f"{20 * k + 5},{20 * k + 6}" for k in range(ROUNDS))
+    # Both workers: the spikes; each VM's cache in its own home (~/.cache/bert_jax: wiped with it);
     # the default storage time limit (CHAOS's 2 s is the supervisor's).
-    spike = f"FAULT_SPIKE_STEPS=5,6 FAULT_SPIKE_DIR={faults} BERT_JAX_CACHE_DIR= BERT_JAX_GCS_TIMEOUT=60"
+    spike = f"FAULT_SPIKE_STEPS={spikes} FAULT_SPIKE_DIR={faults} BERT_JAX_CACHE_DIR= BERT_JAX_GCS_TIMEOUT=60"
     env = dict(pod["env"], WORKDIR=work, SUPERVISOR_PYTHON=sys.executable,
                BERT_JAX_CACHE_DIR=str(root / "supervisor_cache"),  # the supervisor's own: its spool, the code
                FAKE_ENV_0=f"PYTHONPATH={faults} FAULT_PAUSE_AT_STEPS={hold} FAULT_PAUSE_DIR={faults} {spike}",
@@ -321,53 +326,58 @@ def chaos(pod, want: dict) -> None:
         return int((pod["workers"][i] / "bert_jax_run" / "pid").read_text())
 
     try:
-        # 1-2. The spike rolls the run back (the run's own doing); then a worker's run is killed.
-        held(7)
-        assert (faults / "spiked-0").exists() and (faults / "spiked-1").exists()
-        os.kill(pid(1), signal.SIGKILL)
-        go_on(7)
-        wait_for(lambda: count("start") == 2, "the relaunch after the crash")
-        # 3. A worker unreachable over SSH for 2 polls (fewer than UNREACHABLE_POLLS): watched
-        # through the other meanwhile, and neither stopped nor counted lost.
-        held(9)
-        (root / "unreachable.1").touch()
-        polls = fake_pod.status_calls(root)
-        wait_for(lambda: fake_pod.status_calls(root) >= polls + 3, "two polls without worker 1")
-        (root / "unreachable.1").unlink()
-        go_on(9)
-        assert count("end") == 1
-        held(10)
-        # 4. The bucket frozen past the supervisor's storage calls; describe failing meanwhile.
-        (root / "describe_noise").touch()
-        (root / "describe_errors").write_text("3")
-        os.kill(emulator, signal.SIGSTOP)
-        try:
-            time.sleep(9)
-            assert supervisor.poll() is None
-        finally:
-            os.kill(emulator, signal.SIGCONT)
-        go_on(10)
-        # 5. A hang: worker 1's python stopped; worker 0 waits for it in the next collective.
-        assert count("end") == 1  # nothing ended through the freeze: it was not taken for a hang
-        held(11)
-        os.kill(pid(1), signal.SIGSTOP)
-        go_on(11)
-        wait_for(lambda: count("end", "hung") == 1, "the hang detected")
-        # 6. The slice lost (gone from the API) once step 12 is saved and attempt 4's logs are up.
-        held(13)
-        n = max(r["attempt"] for r in rows())
-        wait_for(lambda: storage.exists(f"{work}/checkpoints/12/commit_success.txt")
-                 and len(storage.listdir(f"{work}/logs/attempt-{n}")) == 2, "step 12 saved, the logs uploaded")
-        (root / "create_failures").write_text("2")
-        (root / "create_sleep").write_text("3")
-        (root / "create_delay").write_text("3")
-        fake_pod.lose(root, "NOT_FOUND")
-        go_on(13)
-        creates = lambda: sum(1 for c in fake_pod.calls(root) if c[2:4] == ["tpu-vm", "create"])  # noqa: E731
-        wait_for(lambda: creates() == 3, "the third create")
-        supervisor.kill()  # mid-recreation: its create goes on in its own process group
-        supervisor.wait(timeout=10)
-        supervisor = start_supervisor()  # as systemd would
+        for k in range(ROUNDS):
+            o, ends = 20 * k, count("end")
+            # 1-2. The spike rolls the run back (the run's own doing); then a worker's run is killed.
+            held(o + 7)
+            marker = f"-{k}" if k else ""
+            assert (faults / f"spiked-0{marker}").exists() and (faults / f"spiked-1{marker}").exists()
+            starts = count("start")
+            os.kill(pid(1), signal.SIGKILL)
+            go_on(o + 7)
+            wait_for(lambda: count("start") == starts + 1, "the relaunch after the crash")
+            # 3. A worker unreachable over SSH for 2 polls (fewer than UNREACHABLE_POLLS): watched
+            # through the other meanwhile, and neither stopped nor counted lost.
+            held(o + 9)
+            (root / "unreachable.1").touch()
+            polls = fake_pod.status_calls(root)
+            wait_for(lambda: fake_pod.status_calls(root) >= polls + 3, "two polls without worker 1")
+            (root / "unreachable.1").unlink()
+            go_on(o + 9)
+            assert count("end") == ends + 1
+            held(o + 10)
+            # 4. The bucket frozen past the supervisor's storage calls; describe failing meanwhile.
+            (root / "describe_noise").touch()
+            (root / "describe_errors").write_text("3")
+            os.kill(emulator, signal.SIGSTOP)
+            try:
+                time.sleep(9)
+                assert supervisor.poll() is None
+            finally:
+                os.kill(emulator, signal.SIGCONT)
+            go_on(o + 10)
+            # 5. A hang: worker 1's python stopped; worker 0 waits for it in the next collective.
+            held(o + 11)
+            assert count("end") == ends + 1  # nothing ended through the freeze: it was not taken for a hang
+            os.kill(pid(1), signal.SIGSTOP)
+            go_on(o + 11)
+            wait_for(lambda: count("end", "hung") == k + 1, "the hang detected")
+            # 6. The slice lost (gone from the API) once the round's step 12 is saved and the
+            # attempt's logs are up.
+            held(o + 13)
+            n = max(r["attempt"] for r in rows())
+            wait_for(lambda: storage.exists(f"{work}/checkpoints/{o + 12}/commit_success.txt")
+                     and len(storage.listdir(f"{work}/logs/attempt-{n}")) == 2, "step 12 saved, the logs uploaded")
+            (root / "create_failures").write_text("2")
+            (root / "create_sleep").write_text("3")
+            (root / "create_delay").write_text("3")
+            fake_pod.lose(root, "NOT_FOUND")
+            go_on(o + 13)
+            creates = len(gcloud_creates(root))
+            wait_for(lambda: len(gcloud_creates(root)) == creates + 3, "the third create")
+            supervisor.kill()  # mid-recreation: its create goes on in its own process group
+            supervisor.wait(timeout=10)
+            supervisor = start_supervisor()  # as systemd would
         assert supervisor.wait(timeout=420) == 0, out_file.read_text()[-4000:]
     finally:
         if supervisor.poll() is None:
@@ -380,28 +390,29 @@ def chaos(pod, want: dict) -> None:
     assert len({r["id"] for r in got}) == len(got), got
     ends = [r for r in got if r["event"] == "end"]
     causes = [r["cause"] for r in ends]
-    expected = ["worker 1 failed (exit 137)", "hung: no progress for", "slice NOT_FOUND", "finished"]
+    expected = ["worker 1 failed (exit 137)", "hung: no progress for", "slice NOT_FOUND"] * ROUNDS + ["finished"]
     found = iter(causes)
     assert all(any(c.startswith(e) for c in found) for e in expected), causes  # in this order
     assert [r["attempt"] for r in ends] == sorted({r["attempt"] for r in got if r["event"] == "start"})
     assert all(c.startswith(("launch failed", *expected)) for c in causes), causes  # nothing else ended one
-    hung = next(r for r in ends if r["cause"].startswith("hung"))
-    assert "(budget 25 s)" in hung["cause"] and "train_log.jsonl at step 11" in hung["cause"], hung
+    for k, hung in enumerate(r for r in ends if r["cause"].startswith("hung")):
+        assert "(budget 25 s)" in hung["cause"] and f"train_log.jsonl at step {20 * k + 11}" in hung["cause"], hung
     failed_creates = [r for r in got if r["event"] == "create_failed"]
-    assert len(failed_creates) == 2 and all("RESOURCE_EXHAUSTED" in r["error"] for r in failed_creates)
+    assert len(failed_creates) == 2 * ROUNDS and all("RESOURCE_EXHAUSTED" in r["error"] for r in failed_creates)
     assert got[-1]["event"] == "done"
-    rollbacks = [r for r in got if r["event"] == "rollback"]
-    assert len(rollbacks) == 1 and rollbacks[0]["line"]["restored_step"] == 4, rollbacks
-    assert rollbacks[0]["line"]["skipped_batches"] == 2 and rollbacks[0]["line"]["first_spike_step"] == 5
+    rollbacks = [r["line"] for r in got if r["event"] == "rollback"]
+    assert [(r["first_spike_step"], r["restored_step"], r["skipped_batches"]) for r in rollbacks] == [
+        (20 * k + 5, 20 * k + 4, 2) for k in range(ROUNDS)], rollbacks
     assert "taking over the lease" in supervised  # of its killed self
     assert "no status from worker(s) 1 (2 poll(s) in a row)" in supervised
     assert "could not renew the lease" in supervised  # the bucket was frozen, and the supervisor lived on
-    # No slice deleted on a bad reading: every recreation (a delete, then a create) is the lost slice's.
+    # No slice deleted on a bad reading: every recreation (a delete, then a create) is a lost slice's.
     assert [(r["cause"], r["tries"]) for r in got if r["event"] == "recreate"] == [
-        ("slice NOT_FOUND", 1), ("slice NOT_FOUND", 2), ("slice NOT_FOUND", 3)]
+        ("slice NOT_FOUND", 1), ("slice NOT_FOUND", 2), ("slice NOT_FOUND", 3)] * ROUNDS
     # No reinstall skipped: the recreated VMs were installed, pinned to the recorded versions.
-    last_start = [r for r in got if r["event"] == "start"][-1]
-    assert last_start["install"] and last_start["pinned"] == "constraints.txt", last_start
+    installed = [r for r in got if r["event"] == "start" and r["install"]]
+    assert [r["why"] for r in installed] == ["first start"] + ["supervisor restarted"] * ROUNDS, installed
+    assert all(r["pinned"] == "constraints.txt" for r in installed[1:]), installed
     pins = storage.read_text(f"{work}/constraints.txt")
     assert f"jax=={importlib.metadata.version('jax')}" in pins.splitlines()
     for i in range(2):
@@ -409,18 +420,25 @@ def chaos(pod, want: dict) -> None:
     # Every worker's log of every attempt that ran is in the bucket.
     for n in {r["attempt"] for r in ends if not r["cause"].startswith("launch failed")}:
         assert storage.listdir(f"{work}/logs/attempt-{n}") == ["worker-0.log", "worker-1.log"], n
-    last = storage.read_text(f"{work}/logs/attempt-{last_start['attempt']}/worker-0.log")
-    assert "resumed from step 12" in last
+    last = storage.read_text(f"{work}/logs/attempt-{installed[-1]['attempt']}/worker-0.log")
+    assert f"resumed from step {20 * (ROUNDS - 1) + 12}" in last
     assert re.search(r"data verification: hashed 0 files \(0 bytes\)", last), last[-3000:]  # nothing re-read
 
-    # --- The losses: every line logged equals the reference's, but those the rollback superseded. ---
+    # --- The losses: every line logged equals the reference's, but those a rollback superseded
+    # (logged before its event line, for steps after the step it went back to). ---
     lines = [json.loads(line) for line in storage.read_text(f"{work}/train_log.jsonl").splitlines()]
-    event = next(i for i, r in enumerate(lines) if r.get("event") == "rollback")
-    kept = [r for i, r in enumerate(lines) if "event" not in r and not (i < event and r["step"] > 4)]
+    events = [(i, r["restored_step"]) for i, r in enumerate(lines) if r.get("event") == "rollback"]
+    superseded = {i for e, restored in events for i in range(e)
+                  if "event" not in lines[i] and lines[i]["step"] > restored}
+    kept = [r for i, r in enumerate(lines) if "event" not in r and i not in superseded]
     assert {r["step"] for r in kept} == set(want)
     assert all(r["loss"] == want[r["step"]] for r in kept), [(r["step"], r["loss"], want[r["step"]]) for r in kept
                                                            if r["loss"] != want[r["step"]]]
-    assert any(r["loss"] != want[r["step"]] for r in lines[:event] if r["step"] in (5, 6))  # the skip mattered
+    assert any(lines[i]["loss"] != want[lines[i]["step"]] for i in superseded)  # the skips mattered
+
+
+def gcloud_creates(root):
+    return [c for c in fake_pod.calls(root) if c[2:4] == ["tpu-vm", "create"]]
 
 
 def refused_at_once(pod) -> None:

@@ -131,6 +131,25 @@ def test_a_worker_unreachable_over_ssh_is_watched_through_the_others_then_counte
     assert proc.wait(timeout=30) == 0
 
 
+def test_a_run_killed_with_its_shell_is_stopped_everywhere_and_its_log_collected(pod):
+    """Worker 0's run and the shell that watches it killed together (no exit code, no last upload):
+    the supervisor stops worker 1's run and collects both logs itself."""
+    root, env, workdir = pod
+    proc = watch(dict(env, LOG_SYNC_SECONDS="3600"))  # no periodic upload: only the supervisor's collect
+    wait_for(lambda: status_calls(root) >= 2, "the running attempt", proc)
+    shell = int((root / "worker0/bert_jax_run/shell_pid").read_text())
+    os.killpg(shell, signal.SIGKILL)
+    wait_for(lambda: any(r["event"] == "end" for r in attempts(workdir)), "the end of attempt 1", proc)
+    end = next(r for r in attempts(workdir) if r["event"] == "end")
+    assert end["cause"] == "worker 0 gone" and end["workers"] == {"0": "gone", "1": "running"}
+    assert "worker 0: run started" in (workdir / "logs" / "attempt-1" / "worker-0.log").read_text()
+    # Worker 1's run was stopped (SIGTERM: it saved) before the relaunch, which never found it running.
+    assert "preemption/SIGTERM: saved step 4" in (workdir / "logs" / "attempt-1" / "worker-1.log").read_text()
+    wait_for(lambda: len(starts(root)) == 2, "the relaunch", proc)
+    (root / "finish").touch()
+    assert proc.wait(timeout=30) == 0
+
+
 def test_a_persons_stop_ends_supervision_and_the_run_stays_stopped(pod):
     root, env, workdir = pod
     proc = watch(env)

@@ -116,7 +116,7 @@ def test_a_poll_that_fails_is_logged_and_retried_and_too_many_in_a_row_end_super
 
 def test_a_frozen_bucket_neither_stops_the_supervisor_nor_loses_or_repeats_a_line(gcs_server, bucket, tmp_path):
     env, _ = fake_pod.supervised(tmp_path, sys.executable, str(ROOT), WORKDIR=f"{bucket}/run",
-                                 BERT_JAX_GCS_TIMEOUT="1", STORAGE_TIMEOUT="3", BACKOFF_SECONDS="1",
+                                 BERT_JAX_GCS_TIMEOUT="1", STORAGE_TIMEOUT="2", BACKOFF_SECONDS="1",
                                  STARTUP_SECONDS="3600")
     work, emulator = f"{bucket}/run", int(os.environ["BERT_JAX_TEST_EMULATOR_PID"])
 
@@ -275,10 +275,9 @@ def test_a_reinstall_without_recorded_versions_takes_the_checkpoint_s_or_is_refu
     _checkpoint(workdir, 8, versions)
     (root / "freeze_failures").write_text("1000")  # constraints.txt never recorded
     proc = watch(env)
-    wait_for(lambda: len(starts(root)) == 1, "the first start", proc)
-    wait_for(lambda: all((root / f"worker{i}/bert_jax_run/pid").exists() for i in (0, 1)), "the runs", proc)
+    fake_pod.wait_launched(root, 1, proc)
     lose(root, "PREEMPTED")
-    wait_for(lambda: len(starts(root)) == 2, "the reinstall", proc)
+    fake_pod.wait_launched(root, 2, proc)
     start = [r for r in attempts(workdir) if r["event"] == "start"][1]
     assert start["install"] and start["pinned"] == "checkpoint step 8"
     for i in (0, 1):
@@ -286,7 +285,6 @@ def test_a_reinstall_without_recorded_versions_takes_the_checkpoint_s_or_is_refu
             "flax==0.12.0", "jax==0.10.2", "jaxlib==0.10.2", "optax==0.2.8", "orbax-checkpoint==0.12.8"]
     # A newer checkpoint that records no versions: the next reinstall would be unpinned: refused.
     _checkpoint(workdir, 16, None)
-    wait_for(lambda: all((root / f"worker{i}/bert_jax_run/pid").exists() for i in (0, 1)), "the runs", proc)
     lose(root, "PREEMPTED")
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 3, out[-3000:]  # supervision gave up
