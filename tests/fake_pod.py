@@ -361,10 +361,14 @@ def lose(root: Path, state: str, wipe: bool = True) -> None:
     import shutil
     import signal
     with taken_away(root, state):
-        for i in (0, 1):
-            pid_file = root / f"worker{i}/bert_jax_run/pid"
-            if pid_file.exists():
+        # Every worker's processes first, then the folders: a worker whose peer died first may be
+        # gone already (a run aborts on a lost peer within moments), as on a real slice.
+        for pid_file in root.glob("worker*/bert_jax_run/pid"):
+            try:
                 os.killpg(os.getpgid(int(pid_file.read_text())), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for i in (0, 1):
             if wipe:
                 shutil.rmtree(root / f"worker{i}")
                 (root / f"worker{i}").mkdir()

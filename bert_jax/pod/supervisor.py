@@ -416,7 +416,8 @@ class Supervisor:
         self.unanswered = {w: self.unanswered.get(w, 0) + 1 for w in missing}
         if missing:
             log(f"no status from worker(s) {', '.join(sorted(missing))} "
-                f"({max(self.unanswered.values())} poll(s) in a row): {(r.stderr or '').strip()[-200:]}")
+                f"({max(self.unanswered.values())} poll(s) in a row): "
+                f"{(r.stderr or '').strip()[-200:] or f'the status call exited {r.returncode}'}")
         return states, complete
 
     def watch_run(self) -> None:

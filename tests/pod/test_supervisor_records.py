@@ -116,7 +116,7 @@ def test_a_poll_that_fails_is_logged_and_retried_and_too_many_in_a_row_end_super
 
 def test_a_frozen_bucket_neither_stops_the_supervisor_nor_loses_or_repeats_a_line(gcs_server, bucket, tmp_path):
     env, _ = fake_pod.supervised(tmp_path, sys.executable, str(ROOT), WORKDIR=f"{bucket}/run",
-                                 BERT_JAX_GCS_TIMEOUT="1", STORAGE_TIMEOUT="2", BACKOFF_SECONDS="1",
+                                 BERT_JAX_GCS_TIMEOUT="1", STORAGE_TIMEOUT="1", BACKOFF_SECONDS="1",
                                  STARTUP_SECONDS="3600")
     work, emulator = f"{bucket}/run", int(os.environ["BERT_JAX_TEST_EMULATOR_PID"])
 
