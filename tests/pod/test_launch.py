@@ -75,6 +75,21 @@ def _calls(tmp):
     return [line.split("\0")[:-1] for line in (tmp / "gcloud.log").read_text().splitlines()]
 
 
+def _start_worker(tmp_path: Path, run: str, extra: str = "") -> tuple[Path, Path]:
+    """`tpu_worker.sh start` with a stand-in python: `python -m ...` (the run) is the bash `run`;
+    `extra` (bash) sees the other calls first; anything else is the real python. Returns the run
+    folder and where its log is uploaded."""
+    import sys
+    run_dir, dest = tmp_path / "run", tmp_path / "dest"
+    _executable(tmp_path / "python", f'#!/bin/bash\nif [ "$1" = -m ]; then {run}\nfi\n{extra}'
+                                     f'exec {sys.executable} "$@"\n')
+    env = dict(os.environ, RUN_DIR=str(run_dir), PYTHON=str(tmp_path / "python"), LOG_DEST=str(dest),
+               LOG_SYNC_SECONDS="1", TPU_WORKER_ID="0")
+    subprocess.run(["bash", str(ROOT / "launch" / "tpu_worker.sh"), "start", "--config=x"], env=env, check=True,
+                   capture_output=True, timeout=60)
+    return run_dir, dest
+
+
 def _wait_for(predicate, what, timeout=20):
     deadline = time.time() + timeout
     while not predicate():
@@ -298,15 +313,7 @@ def test_a_run_s_shell_uploads_its_own_log_even_after_the_next_run_has_started(t
     If the supervisor starts the next attempt while that shell sleeps, latest.log points to the
     next run's log: the upload must still send this run's (seen once in a pod rehearsal: attempt
     1's worker-0.log held attempt 2's "resumed from step 4")."""
-    import sys
-    run_dir, dest = tmp_path / "run", tmp_path / "dest"
-    python = tmp_path / "python"
-    _executable(python, f'#!/bin/bash\nif [ "$1" = -m ]; then echo "the first run\'s log"; sleep 2; exit 0; fi\n'
-                        f'exec {sys.executable} "$@"\n')
-    env = dict(os.environ, RUN_DIR=str(run_dir), PYTHON=str(python), LOG_DEST=str(dest), LOG_SYNC_SECONDS="1",
-               TPU_WORKER_ID="0")
-    subprocess.run(["bash", str(ROOT / "launch" / "tpu_worker.sh"), "start", "--config=x"], env=env, check=True,
-                   capture_output=True, timeout=60)
+    run_dir, dest = _start_worker(tmp_path, 'echo "the first run\'s log"; sleep 2; exit 0')
     # The next run's start, as it links its own log (its shell is not needed here).
     (run_dir / "logs" / "next.log").write_text("the next run's log\n")
     os.symlink("next.log", run_dir / "logs" / "latest.tmp")
@@ -324,16 +331,8 @@ def test_the_run_s_shell_outlives_a_shutdown_s_sigterm_to_write_the_exit_code_an
     """An OS shutdown (a maintenance event) SIGTERMs every process of the VM: the run saves and exits
     0, and the shell that watches it must live on to write that exit code and upload the whole log
     (without them the supervisor sees a run "gone", not one stopped after saving)."""
-    import sys
-    run_dir, dest = tmp_path / "run", tmp_path / "dest"
-    python = tmp_path / "python"
-    _executable(python, '#!/bin/bash\nif [ "$1" = -m ]; then trap \'echo "saved step 4, exiting"; exit 0\' TERM\n'
-                        '  echo "training"; while :; do sleep 0.1; done; fi\n'
-                        f'exec {sys.executable} "$@"\n')
-    env = dict(os.environ, RUN_DIR=str(run_dir), PYTHON=str(python), LOG_DEST=str(dest), LOG_SYNC_SECONDS="1",
-               TPU_WORKER_ID="0")
-    subprocess.run(["bash", str(ROOT / "launch" / "tpu_worker.sh"), "start", "--config=x"], env=env, check=True,
-                   capture_output=True, timeout=60)
+    run_dir, dest = _start_worker(tmp_path, 'trap \'echo "saved step 4, exiting"; exit 0\' TERM\n'
+                                            '  echo "training"; while :; do sleep 0.1; done')
     shell = int((run_dir / "shell_pid").read_text())
     _wait_for(lambda: "training" in (run_dir / "logs" / "latest.log").read_text(), "the run")
     os.killpg(shell, signal.SIGTERM)  # every process of the run's session at once, the shell included
@@ -346,21 +345,12 @@ def test_the_run_s_shell_outlives_a_shutdown_s_sigterm_to_write_the_exit_code_an
 def test_the_final_log_upload_is_never_overwritten_by_an_older_periodic_one(tmp_path):
     """A periodic upload that started while the run was alive and lands after it ended (a slow
     link) must not replace the final, whole log with its older copy."""
-    import sys
-    run_dir, dest = tmp_path / "run", tmp_path / "dest"
-    python = tmp_path / "python"
     # The run logs a line, lives 1.5 s, logs its last line. An upload reads its source at once and
     # lands 2 s later while the run is alive (a slow link), at once after.
-    _executable(python, '#!/bin/bash\n'
-                        'if [ "$1" = -m ]; then echo "line 1"; sleep 1.5; echo "line 2, the last"; '
-                        f'touch {tmp_path}/ended; exit 0; fi\n'
-                        f'if [ "$1" = -c ]; then copy=$(cat "$3"); [ -e {tmp_path}/ended ] || sleep 2; '
-                        'mkdir -p "$4"; printf "%s\\n" "$copy" > "$4/$5"; exit 0; fi\n'
-                        f'exec {sys.executable} "$@"\n')
-    env = dict(os.environ, RUN_DIR=str(run_dir), PYTHON=str(python), LOG_DEST=str(dest), LOG_SYNC_SECONDS="1",
-               TPU_WORKER_ID="0")
-    subprocess.run(["bash", str(ROOT / "launch" / "tpu_worker.sh"), "start", "--config=x"], env=env, check=True,
-                   capture_output=True, timeout=60)
+    run_dir, dest = _start_worker(
+        tmp_path, f'echo "line 1"; sleep 1.5; echo "line 2, the last"; touch {tmp_path}/ended; exit 0',
+        extra=f'if [ "$1" = -c ]; then copy=$(cat "$3"); [ -e {tmp_path}/ended ] || sleep 2; '
+              'mkdir -p "$4"; printf "%s\\n" "$copy" > "$4/$5"; exit 0; fi\n')
     shell = int((run_dir / "shell_pid").read_text())
     _wait_for(lambda: not Path(f"/proc/{shell}").exists(), "the shell's end")
     time.sleep(2.5)  # anything still in flight lands

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,15 +16,6 @@ import pytest
 
 import fake_pod  # tests/ is on sys.path
 from fake_pod import SCRIPT, attempts, events, run_pids, starts, status_calls, wait_for, watch, when
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def pod(tmp_path):
-    env, workdir = fake_pod.supervised(tmp_path, sys.executable, str(ROOT))
-    yield tmp_path, env, workdir
-    fake_pod.stop_runs(tmp_path)
 
 
 def test_a_failing_run_is_relaunched_after_a_doubling_capped_backoff_until_max_restarts(pod):

@@ -26,13 +26,6 @@ from fake_pod import attempts, lose, starts, wait_for, watch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def pod(tmp_path):
-    env, workdir = fake_pod.supervised(tmp_path, sys.executable, str(ROOT))
-    yield tmp_path, env, workdir
-    fake_pod.stop_runs(tmp_path)
-
-
 # ---------------------------------------------------------------------------------------------
 # Bounded calls
 # ---------------------------------------------------------------------------------------------

@@ -6,24 +6,13 @@ slice not counted. Against tests/fake_pod.py's stand-in gcloud (whose create bui
 its flags alone, so a recreation that forgot one shows in describe)."""
 
 import json
-import sys
 import time
 from pathlib import Path
 
-import pytest
 
 import fake_pod  # tests/ is on sys.path
 from bert_jax.pod import slice as pod_slice
 from fake_pod import attempts, events, lose, run_pids, starts, status_calls, wait_for, watch, when
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def pod(tmp_path):
-    env, workdir = fake_pod.supervised(tmp_path, sys.executable, str(ROOT))
-    yield tmp_path, env, workdir
-    fake_pod.stop_runs(tmp_path)
 
 
 def gcloud(root, *words):
