@@ -30,7 +30,7 @@ from bert_jax.checkpoints.checkpoint_steps import (FORMAT_VERSION, INFO, INPUT_S
                                                    is_read_failure, move_aside, read_error)
 from bert_jax.checkpoints.checkpointing import Checkpointer  # noqa: F401
 from bert_jax.checkpoints.preemption import Preemption  # noqa: F401
-from bert_jax.checkpoints.save_deadline import SaveDeadline  # noqa: F401
+from bert_jax.checkpoints.save_deadline import Deadline as SaveDeadline  # noqa: F401  (its old name)
 from data_pipeline import storage  # noqa: F401
 
 warnings.warn("bert_jax.checkpointing moved to bert_jax.checkpoints.checkpointing; the old path will be removed",

@@ -124,6 +124,3 @@ class Deadline:
         finally:
             self._exit(EXIT_CODE)
 
-
-# Its name before restores had a deadline too (bert_jax.checkpointing, the old path, offers it).
-SaveDeadline = Deadline

@@ -12,12 +12,12 @@ import numpy as np
 
 from bert_jax.checkpoints import checkpointing
 from bert_jax.checkpoints.checkpointing import Checkpointer
-from bert_jax.checkpoints.save_deadline import EXIT_CODE, SaveDeadline
+from bert_jax.checkpoints.save_deadline import EXIT_CODE, Deadline
 
 
 def _deadline(seconds, saving):
     exits = []
-    return SaveDeadline(seconds, "gs://b/run/checkpoints", saving, exit=exits.append), exits
+    return Deadline(seconds, "gs://b/run/checkpoints", saving, exit=exits.append), exits
 
 
 def _wait(predicate, timeout):
@@ -99,7 +99,7 @@ def test_a_restore_that_stalls_ends_the_process_after_its_limit(tmp_path, caplog
     # A restore in time, then time past the limit: nothing fires (the deadline lifted at its end).
     ckpt._reader.read = read  # pylint: disable=protected-access
     exits_in_time = []
-    ckpt._restore_deadline = SaveDeadline(1.0, ckpt.directory, exit=exits_in_time.append, kind="restore")
+    ckpt._restore_deadline = Deadline(1.0, ckpt.directory, exit=exits_in_time.append, kind="restore")
     step, state, meta = ckpt.restore_latest(target)
     time.sleep(2.0)
     ckpt.close()
