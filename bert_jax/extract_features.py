@@ -261,6 +261,9 @@ def _define_flags():
     flags.DEFINE_enum("sentence_pooling", "none", ["none", "mean", "cls"],
                       "Add a per-line 'sentence_embedding' (mean over tokens, or [CLS]).")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+    flags.DEFINE_enum("cpu_bf16", "auto", ["auto", "on", "off"], "On a CPU with --dtype=float32: matmuls with "
+                      "bf16 inputs and float32 outputs, the rest float32 (auto: where the CPU has bf16 units "
+                      "and a timed matmul is faster; bert_jax/training/cpu_bf16.py).")
     flags.mark_flags_as_required(["input_file", "output_file", "init_checkpoint"])
 
 
@@ -269,6 +272,7 @@ def main(argv):
     from absl import flags, logging
     from bert_jax import convert
     from bert_jax.model.model_config import BertConfig
+    from bert_jax.training import cpu_bf16
     from data_pipeline import tokenization
 
     FLAGS = flags.FLAGS
@@ -288,7 +292,7 @@ def main(argv):
     config = pretrained.config
     if FLAGS.bert_config_file:
         config = BertConfig.from_json_file(FLAGS.bert_config_file)
-    config = config.replace(dtype=FLAGS.dtype)
+    config = cpu_bf16.for_checkpoint(config.replace(dtype=FLAGS.dtype, mixed_matmuls=False), FLAGS.cpu_bf16)
     if FLAGS.max_seq_length > config.max_position_embeddings:
         raise ValueError(f"--max_seq_length={FLAGS.max_seq_length} exceeds the model's "
                          f"max_position_embeddings={config.max_position_embeddings}")

@@ -83,6 +83,9 @@ def main(argv=None) -> int:
     parser.add_argument("--do_lower_case", choices=("true", "false"), default=None)
     parser.add_argument("--google_gelu", choices=("erf", "tanh"), default=None,
                         help="a Google checkpoint's \"gelu\": erf (default: the 2018 releases) or tanh")
+    parser.add_argument("--cpu_bf16", choices=("auto", "on", "off"), default="auto",
+                        help="on a CPU: matmuls with bf16 inputs and float32 outputs, the rest float32 (auto: "
+                             "where the CPU has bf16 units and a timed matmul is faster)")
     args = parser.parse_args(argv)
     if args.top_k < 1:
         parser.error(f"--top_k={args.top_k} must be at least 1")
@@ -93,6 +96,8 @@ def main(argv=None) -> int:
         if args.vocab_file:
             storage_paths.check(args.vocab_file, "--vocab_file")
         params, config, tokenizer = load(args.init_checkpoint, args.vocab_file, lower, args.google_gelu)
+        from bert_jax.training import cpu_bf16
+        config = cpu_bf16.for_checkpoint(config, args.cpu_bf16)
         results = fill_mask(params, config, tokenizer, args.text, args.top_k)
     except (ValueError, FileNotFoundError) as e:  # bad input: one line, not a traceback
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

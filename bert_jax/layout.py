@@ -12,6 +12,7 @@
       skipped_batches.json      SKIPPED_BATCHES    pretraining: batches skipped after a step, rollbacks
       eval_results.json         EVAL_RESULTS       the last evaluation (metric -> value)
       eval_history.json         EVAL_HISTORY       fine-tuning: every epoch's evaluation
+      cpu_bf16.json             CPU_BF16           on a CPU: "auto"'s decision, kept for resumption
       events.out.tfevents.*                        TensorBoard's (`bert_jax.workdir.MetricWriter`)
 
     A supervised pod run's workdir also holds the supervisor's files (`bert_jax.pod`):
@@ -43,6 +44,7 @@ TRAIN_LOG = "train_log.jsonl"
 SKIPPED_BATCHES = "skipped_batches.json"
 EVAL_RESULTS = "eval_results.json"
 EVAL_HISTORY = "eval_history.json"
+CPU_BF16 = "cpu_bf16.json"
 EXPORTED_PARAMS = "params"
 # The supervisor's (bert_jax.pod).
 ATTEMPTS = "attempts.jsonl"

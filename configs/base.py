@@ -48,10 +48,11 @@ def get_config() -> ml_collections.ConfigDict:
     # "unsafe_rbg" (the hardware generator: faster on GPU and TPU; the speed tables' --prng=rbg).
     # A run resumes with the impl it started with (the checkpoint's key has its shape).
     config.prng_impl = "threefry2x32"
-    # On a CPU: "on" runs every matmul with bfloat16 inputs and float32 outputs (model.mixed_matmuls),
-    # "auto" does where the CPU reports bf16 matmul units (avx512_bf16, amx_bf16) and a matmul timed
-    # both ways at start-up is faster in bf16 (docs/performance.md), "off" leaves it.
-    config.cpu_bf16 = "off"
+    # On a CPU: "on" runs every matmul with bfloat16 inputs and float32 accumulation and outputs, the
+    # rest in float32 (model.mixed_matmuls: a TPU's default numerics); "auto" does where the CPU reports
+    # bf16 matmul units (avx512_bf16, amx_bf16) and a matmul timed both ways at start-up is faster in
+    # bf16, else float32 (bert_jax/training/cpu_bf16.py); "off" leaves model.mixed_matmuls as set.
+    config.cpu_bf16 = "auto"
 
     # --- data (TFRecords in Google's schema, from data_pipeline.create_pretraining_data) ---
     config.train_data = ""  # glob(s), comma-separated, of training TFRecords

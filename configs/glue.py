@@ -32,7 +32,7 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     # the draw moves the scores (benchmarks/RESULTS.md, CoNLL-2003).
     config.head_init = "truncated_normal"
     config.prng_impl = "threefry2x32"  # dropout's random bits: threefry2x32 | rbg | unsafe_rbg (configs/base.py)
-    config.cpu_bf16 = "off"  # on | auto: matmuls in bf16 with float32 outputs on a CPU (configs/base.py)
+    config.cpu_bf16 = "auto"  # auto | on | off: matmuls in bf16 with float32 outputs on a CPU (configs/base.py)
 
     # --- data ---
     config.data_source = "files"  # files (as distributed) | tfds (config.tfds_data_dir)

@@ -23,6 +23,10 @@ if os.environ.setdefault("JAX_PLATFORMS", "cpu") == "cpu":
 if "BERT_JAX_CACHE_DIR" not in os.environ:
     os.environ["BERT_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="bert_jax_test_cache_")
     atexit.register(shutil.rmtree, os.environ["BERT_JAX_CACHE_DIR"], ignore_errors=True)
+# config.cpu_bf16="auto" (the default) takes bf16 matmuls on CPUs where they are faster: the suite gives
+# the same results on every CPU it runs on with "auto" as float32 ("off"), here and in the programs
+# tests start. The decision itself is tested with planted CPUs (tests/training/test_cpu_bf16.py).
+os.environ["BERT_JAX_CPU_BF16"] = "off"
 # Under BERT_JAX_CI=1 a failed `pytest.importorskip` fails (tests/ci_required.py).
 pytest_plugins = ["ci_required"]
 # TensorFlow must not grab both cores' worth of threads or print its banner in tests.

@@ -103,8 +103,9 @@ def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
         differ from the other paths (see `make_sequence_ids`).
       causal: whether `mask` includes the left-to-right mask (the TPU kernel applies it itself).
       dropout_rate, dropout_rng: dropout on the attention probabilities (einsum only).
-      mixed_matmuls: "einsum"'s two matmuls with bfloat16 inputs and float32 outputs
-        (`bert_jax.model.mixed_precision`, `BertConfig.mixed_matmuls`).
+      mixed_matmuls: the two matmuls with bfloat16 inputs and float32 outputs
+        (`bert_jax.model.mixed_precision`, `BertConfig.mixed_matmuls`); "dot_product" then runs
+        "einsum"'s computation (XLA's attention on a CPU) unless the splash kernel applies.
 
     Masked logits get a large negative finite value (not -inf), so a fully padded row yields
     uniform weights instead of NaN.
@@ -118,7 +119,10 @@ def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
                 "attention_probs_dropout_prob=0 or attention_impl='einsum' for training")
         if sequence_ids is not None and _splash_applies(query):
             return _splash_attention(query, key, value, sequence_ids, causal=causal)
-        return _dot_product_attention(query, key, value, mask, scale)
+        if not mixed_matmuls:
+            return _dot_product_attention(query, key, value, mask, scale)
+        # Mixed matmuls (a CPU): XLA's attention there is this einsum, softmax, einsum (below, without
+        # dropout), its two matmuls in the mixed form.
     # [batch, heads, query, key], accumulated and kept in float32.
     if mixed_matmuls:
         logits = mixed_precision.einsum("bqhd,bkhd->bhqk", query, key)

@@ -135,7 +135,7 @@ class _Pretraining:
         self.config, self.workdir = config, workdir
         run_setup.use_prng_impl(config)
         pretrain_checks.check_same_config_on_all_hosts(config)
-        self.bert_config = bert_config = run_setup.bert_config_from(config)
+        self.bert_config = bert_config = run_setup.bert_config_from(config, workdir=workdir)
         self.phases = resolve_phases(config)
         pretrain_checks.check_sequence_lengths(config, bert_config, self.phases)
         self.mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())

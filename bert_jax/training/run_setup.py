@@ -23,10 +23,10 @@ import ml_collections
 
 from bert_jax import layout
 from bert_jax.checkpoints import checkpoint_reading
-from bert_jax.model import mixed_precision, modeling
+from bert_jax.model import modeling
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
-from bert_jax.training import sharding
+from bert_jax.training import cpu_bf16, sharding
 from data_pipeline import storage, storage_paths
 
 # Peak dense bf16 FLOP/s per device, for MFU (by jax's device_kind prefix).
@@ -59,14 +59,17 @@ ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_atte
                      "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps")
 
 
-def bert_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable[str]] = None) -> BertConfig:
+def bert_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable[str]] = None,
+                     workdir: Optional[str] = None) -> BertConfig:
     """The model config: `config.model`, or with an init checkpoint (any format: a bert_jax
     directory, Google TF1, HuggingFace) the checkpoint's config with `config.model`'s RUN_KEYS and
     the SETTING_KEYS `given` (dotted, `config.model.hidden_dropout_prob`; default: those on this
     process's command line). An ARCHITECTURE_KEYS value given that differs from the checkpoint's
-    raises ValueError naming the key."""
+    raises ValueError naming the key. `model.mixed_matmuls` as `config.cpu_bf16` decides on this
+    backend (`bert_jax.training.cpu_bf16`; a training run passes its `workdir`, where "auto"'s
+    decision is recorded for its resumption)."""
     init = config.get("init_checkpoint", "")
-    model = _resolve_mixed_matmuls(config.model.to_dict(), config.get("cpu_bf16", "off"))
+    model = cpu_bf16.resolve(config.model.to_dict(), config.get("cpu_bf16", "auto"), workdir)
     if not init:
         return BertConfig.from_dict(model)
     from bert_jax import convert
@@ -84,43 +87,6 @@ def bert_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable
     changes = {k: model[k] for k in RUN_KEYS if k in model}
     changes.update({k: model[k] for k in SETTING_KEYS if k in given})
     return checkpoint.replace(**changes)
-
-
-CPU_BF16 = ("off", "on", "auto")
-# "auto" turns the bf16 path on where its measured matmul is at least this much faster than float32's.
-AUTO_MIN_SPEEDUP = 1.1
-
-
-def _resolve_mixed_matmuls(model: dict, cpu_bf16: str) -> dict:
-    """`config.cpu_bf16` into `model.mixed_matmuls` on a CPU: "on" sets it, "auto" sets it where
-    the CPU reports bf16 matmul units (`mixed_precision.bf16_units`) and a dense layer's matmul
-    measured in that form runs at least `AUTO_MIN_SPEEDUP` times float32's
-    (`mixed_precision.bf16_matmul_speedup`: the units alone do not make it faster; not in a run of
-    several processes, where hosts timing their own matmuls could choose different programs), "off"
-    leaves the model's setting. A bfloat16 setting on a CPU without the units gets a warning (slower than
-    float32)."""
-    if cpu_bf16 not in CPU_BF16:
-        raise ValueError(f"config.cpu_bf16 must be one of {CPU_BF16}, got {cpu_bf16!r}")
-    setting = bool(model.get("mixed_matmuls", False))
-    on_cpu = jax.default_backend() == "cpu"
-    units = mixed_precision.bf16_units() if on_cpu else []
-    if on_cpu and cpu_bf16 != "off":
-        why = f"this CPU reports {', '.join(units)}" if units else "this CPU reports no bf16 matmul units"
-        setting = cpu_bf16 == "on"
-        if cpu_bf16 == "auto" and units and model.get("dtype") == "float32" and not model.get("fp8"):
-            if jax.process_count() > 1:  # each host would time its own matmul, and might decide apart
-                why += "; not measured in a run of several processes: cpu_bf16=on turns it on for all"
-            else:
-                speedup = mixed_precision.bf16_matmul_speedup()
-                setting = speedup >= AUTO_MIN_SPEEDUP
-                why += f"; a dense layer's matmul ran {speedup:.2f}x float32's in bf16 (needs {AUTO_MIN_SPEEDUP}x)"
-        logging.info("config.cpu_bf16=%s: model.mixed_matmuls=%s (%s)", cpu_bf16, setting, why)
-    if on_cpu and not units and (setting or model.get("dtype") == "bfloat16"):
-        what = "model.mixed_matmuls" if setting else "model.dtype=bfloat16"
-        logging.warning("%s on a CPU that reports no bf16 matmul units (no avx512_bf16, amx_bf16 or bf16 in "
-                        "/proc/cpuinfo): its bfloat16 matmuls are converted in software, slower than float32 here "
-                        "(0.66x for a BERT-base dense layer on an AMD EPYC Zen 3, docs/performance.md)", what)
-    return dict(model, mixed_matmuls=setting)
 
 
 PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")

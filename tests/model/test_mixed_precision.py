@@ -4,19 +4,17 @@ einsums of the same values rounded to bfloat16 (an independent reference), by th
 dot in the training step's program, and as a whole model against the float32 one."""
 
 import functools
-import logging
 
 import flax.linen as nn
 import jax
 import jax.extend
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
-from bert_jax.model import mixed_precision, model_config, modeling
+from bert_jax.finetune import heads
+from bert_jax.model import attention, mixed_precision, model_config, modeling
 from bert_jax.model.pretraining_heads import BertForPreTraining
-from bert_jax.training import run_setup
 
 
 def _round(x):
@@ -53,17 +51,8 @@ def test_einsums_whose_gradient_needs_a_broadcast_are_refused():
     assert mixed_precision.dense_spec(3, 2, 1) == "abc,bcd->ad"
 
 
-def _step_dots(cfg):
-    """Every dot_general of the pretraining model's loss and gradients: (input dtypes, output dtype)."""
-    batch = modeling.dummy_inputs(cfg, batch=2, length=16, predictions=3)
-    params = nn.meta.unbox(BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
-
-    def loss(p):
-        out = BertForPreTraining(cfg).apply({"params": p}, **{k: batch[k] for k in (
-            "input_ids", "input_mask", "segment_ids", "masked_lm_positions")})
-        return jnp.sum(out.mlm_logits ** 2) + jnp.sum(out.nsp_logits)
-
-    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params)
+def _dots(jaxpr) -> list:
+    """Every dot_general of a jaxpr, its sub-jaxprs too: (input dtypes, output dtype)."""
     dots = []
 
     def walk(jaxpr):
@@ -74,7 +63,20 @@ def _step_dots(cfg):
                 walk(sub)
 
     walk(jaxpr.jaxpr)
-    return dots, loss, params
+    return dots
+
+
+def _step_dots(cfg):
+    """Every dot_general of the pretraining model's loss and gradients: (input dtypes, output dtype)."""
+    batch = modeling.dummy_inputs(cfg, batch=2, length=16, predictions=3)
+    params = nn.meta.unbox(BertForPreTraining(cfg).init(jax.random.key(0), **batch)["params"])
+
+    def loss(p):
+        out = BertForPreTraining(cfg).apply({"params": p}, **{k: batch[k] for k in (
+            "input_ids", "input_mask", "segment_ids", "masked_lm_positions")})
+        return jnp.sum(out.mlm_logits ** 2) + jnp.sum(out.nsp_logits)
+
+    return _dots(jax.make_jaxpr(jax.value_and_grad(loss))(params)), loss, params
 
 
 CFG = model_config.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -120,28 +122,6 @@ def test_the_bf16_units_are_read_from_cpuinfo():
     assert mixed_precision.bf16_units(zen3) == []
 
 
-@pytest.mark.parametrize("cpu_bf16,units,speedup,want", [
-    ("auto", [], 2.0, False), ("auto", ["avx512_bf16"], 1.98, True), ("auto", ["avx512_bf16"], 0.57, False),
-    ("on", [], 0.5, True), ("off", ["amx_bf16"], 2.0, False)])
-def test_cpu_bf16_sets_the_model_where_it_pays_and_warns_where_it_does_not(monkeypatch, caplog, cpu_bf16, units,
-                                                                           speedup, want):
-    """"auto" takes the path where the CPU reports the units and the measured matmul is faster
-    (1.98x: issue 57's AMD EPYC with avx512_bf16; 0.57x: an Intel Xeon with avx512_bf16, no AMX)."""
-    monkeypatch.setattr(mixed_precision, "bf16_units", lambda: units)
-    probed = []
-    monkeypatch.setattr(mixed_precision, "bf16_matmul_speedup", lambda: probed.append(1) or speedup)
-    config = ml_collections.ConfigDict({"model": model_config.BertConfig(vocab_size=50).to_dict(), "cpu_bf16": cpu_bf16,
-                                        "init_checkpoint": ""})
-    with caplog.at_level(logging.WARNING):
-        assert run_setup.bert_config_from(config).mixed_matmuls is want
-    warned = "no bf16 matmul units" in caplog.text
-    assert warned == (want and not units), caplog.text
-    assert len(probed) == (cpu_bf16 == "auto" and bool(units))  # measured only where it can decide
-    if probed:  # several processes: no host measures (each could decide apart), all stay in float32
-        monkeypatch.setattr(jax, "process_count", lambda: 2)
-        assert run_setup.bert_config_from(config).mixed_matmuls is False and len(probed) == 1
-
-
 def test_the_speedup_probe_times_the_path_the_model_takes(monkeypatch):
     """`bf16_matmul_speedup` is float32's best time over the best time of `mixed_precision.einsum`
     (the function the model calls), at the shapes asked. Checked without a clock: the timer is
@@ -169,9 +149,44 @@ def test_the_speedup_probe_times_the_path_the_model_takes(monkeypatch):
 
 
 def test_bad_settings_are_refused_naming_them():
-    config = ml_collections.ConfigDict({"model": model_config.BertConfig(vocab_size=50).to_dict(), "cpu_bf16": "yes",
-                                        "init_checkpoint": ""})
-    with pytest.raises(ValueError, match="config.cpu_bf16"):
-        run_setup.bert_config_from(config)
     with pytest.raises(ValueError, match="mixed_matmuls"):
         model_config.BertConfig(mixed_matmuls=True, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("head,outputs", [("classification", 3), ("regression", 1), ("token", 5),
+                                          ("span", 2), ("multiple_choice", 1)])
+def test_every_matmul_of_each_fine_tuning_head_takes_bf16_and_returns_float32(head, outputs):
+    """The task heads (bert_jax/finetune/heads.py) too: the encoder's and the head's matmuls, forward and
+    both gradients, in the mixed form; the float32 model's all in float32."""
+    batch = heads.dummy_batch(head, 16, num_choices=2)
+    inputs = tuple(batch[k] for k in heads.MODEL_INPUTS)
+
+    def dots(cfg):
+        model = heads.BertForTask(cfg, head, outputs)
+        params = nn.meta.unbox(model.init(jax.random.key(0), *inputs)["params"])
+        loss = lambda p: sum(jnp.sum(v ** 2) for v in model.apply({"params": p}, *inputs).values())  # noqa: E731
+        return _dots(jax.make_jaxpr(jax.grad(loss))(params))
+
+    mixed, plain = dots(CFG.replace(mixed_matmuls=True)), dots(CFG)
+    assert len(mixed) == len(plain) >= 3 * 2 * 6, mixed  # the head's own: forward and both gradients
+    assert all(ins == ("bfloat16", "bfloat16") and out == "float32" for ins, out in mixed), mixed
+    assert all(ins == ("float32", "float32") for ins, _ in plain)
+
+
+def test_dot_product_attention_takes_the_mixed_matmuls():
+    """`attention_impl="dot_product"` with `mixed_matmuls` on a CPU: the einsum, float32 softmax, einsum
+    of bf16-rounded values, equal to numpy's float32 computation of those rounded values (an
+    independent reference), and not XLA's float32 attention."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 2, 4), jnp.float32) for i in range(3))
+    mask = jnp.arange(8)[None, None, None, :] < jnp.array([8, 5])[:, None, None, None]  # padding in row 2
+    got = attention.attention(q, k, v, mask, impl="dot_product", mixed_matmuls=True)
+    r = lambda x: np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    logits = np.einsum("bqhd,bkhd->bhqk", r(q), r(k)) / np.sqrt(4.0)
+    logits = np.where(np.asarray(mask), logits, np.finfo(np.float32).min)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("bhqk,bkhd->bqhd", r(jnp.asarray(probs, jnp.float32)), r(v))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=2e-6)
+    plain = attention.attention(q, k, v, mask, impl="dot_product")
+    assert np.abs(np.asarray(plain) - want).max() > 1e-4  # the reference tells the two apart
