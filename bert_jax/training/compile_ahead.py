@@ -1,0 +1,125 @@
+"""Compiling a run's later programs ahead, on a background thread, while the run goes on.
+
+A first fine-tuning run on a CPU spends much of its wall on XLA's compiler: the training step, then
+the evaluation programs (one per batch length), each compiled when first called, with everything
+else waiting. `CompileAhead` compiles programs the run will call later (`jit(f).lower(*abstract
+args).compile()`) on one thread of its own while the main thread loads, trains or evaluates; the
+compiled executable lands in jax's own caches, so the later call with arguments of the same shapes,
+dtypes and shardings runs it without compiling again. The programs are the same, compiled earlier:
+the results do not change, to the bit (tests/training/test_compile_ahead.py).
+
+Before a call whose program may still be compiling, `wait(key)` waits for it (two threads compiling
+the same program would do the work twice). A program that fails to compile ahead is logged and
+left to the call, which compiles it again and raises the error where it always did.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable, Hashable, Iterable, Optional
+
+import jax
+import numpy as np
+
+
+def signature(batch: dict) -> tuple:
+    """A batch's program key: each array's name, shape and dtype."""
+    return tuple(sorted((k, tuple(np.shape(v)), str(np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype))
+                        for k, v in batch.items()))
+
+
+def global_abstract(batch: dict, process_count: int) -> dict:
+    """The global batch's `ShapeDtypeStruct`s of one host's numpy batch (hosts hold equal slices of
+    the leading axis; the jitted function's `in_shardings` place it)."""
+    return {k: jax.ShapeDtypeStruct((v.shape[0] * process_count, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+
+
+class CompileAhead:
+    """One background thread compiling programs by key (module docstring).
+
+    `context`: entered around each compile on that thread (the mesh, flax's logical axis rules:
+    thread-local settings the lowering reads). `enabled=False` does nothing: every program then
+    compiles at its first call, as without this class."""
+
+    def __init__(self, enabled: bool = True, context: Callable[[], Any] = contextlib.nullcontext):
+        self.enabled = enabled
+        self._context = context
+        self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile_ahead")
+                      if enabled else None)
+        self._futures: dict = {}
+        self._lock = threading.Lock()
+        self.compiled: list = []  # (key, seconds) of each program compiled ahead, in order
+        self.waited_s = 0.0  # how long the run waited for a program still compiling
+
+    def submit(self, key: Hashable, jitted, *abstract_args) -> None:
+        """Compiles `jitted` for `abstract_args` (`jax.ShapeDtypeStruct`s or arrays) unless `key`
+        was submitted before."""
+        with self._lock:
+            if not self.enabled or key in self._futures:
+                return
+            self._futures[key] = self._pool.submit(self._compile, key, jitted, abstract_args)
+
+    def submit_each(self, name: str, jitted, fixed_args: tuple, batches: Iterable, process_count: int = 1,
+                    limit: Optional[int] = None) -> None:
+        """On the background thread: walks `batches` (one host's numpy batches, as the run will make
+        them) and compiles `jitted(*fixed_args, batch)` for each batch signature not seen before
+        (keys `(name, signature)`), up to `limit` programs."""
+        if not self.enabled:
+            return
+
+        def walk():
+            seen = 0
+            for batch in batches:
+                key = (name, signature(batch))
+                with self._lock:
+                    if key in self._futures:
+                        continue
+                    done: concurrent.futures.Future = concurrent.futures.Future()
+                    self._futures[key] = done
+                try:
+                    done.set_result(self._compile(key, jitted, (*fixed_args, global_abstract(batch, process_count))))
+                except BaseException as e:  # noqa: BLE001 (reported by wait; the call compiles again)
+                    done.set_exception(e)
+                seen += 1
+                if limit is not None and seen >= limit:
+                    return
+
+        self._pool.submit(self._guarded, walk)
+
+    def wait(self, key: Hashable) -> None:
+        """Returns once `key`'s program is compiled (or failed: logged, the call compiles it); at
+        once for a key never submitted."""
+        with self._lock:
+            future = self._futures.get(key)
+        if future is None:
+            return
+        if not future.done():
+            started = time.perf_counter()
+            concurrent.futures.wait([future])
+            self.waited_s += time.perf_counter() - started
+        if future.exception() is not None:
+            logging.warning("compiling %s ahead failed (%s): the call compiles it", key, future.exception())
+
+    def close(self) -> None:
+        """Stops: programs not started are dropped, one compiling finishes in the background."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, key, jitted, abstract_args):
+        started = time.perf_counter()
+        with self._context():
+            jitted.lower(*abstract_args).compile()
+        seconds = time.perf_counter() - started
+        self.compiled.append((key, seconds))
+        logging.info("compiled ahead: %s in %.1fs", key[0] if isinstance(key, tuple) else key, seconds)
+
+    @staticmethod
+    def _guarded(fn):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 (a batch walk that fails only loses the head start)
+            logging.exception("compiling ahead stopped")
