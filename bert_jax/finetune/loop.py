@@ -39,12 +39,13 @@ featurization, post-processing and the metric; there is no per-task branch here)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -159,8 +160,38 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
 
     Returns the last epoch's eval results (as written to `W/eval_results.json`).
     """
-    from tqdm import tqdm
+    prepared = prepare(config, task, bert_config, init_params is not None, vocab_file, do_lower_case)
+    return train_seed(prepared, config, workdir, init_params)[0]
 
+
+@dataclasses.dataclass
+class Prepared:
+    """What every seed of a run shares (`prepare`): the data, the model, the schedule, and the
+    jitted programs, created once so that a second seed compiles nothing the first compiled."""
+    task: Any
+    bert_config: BertConfig
+    vocab_file: str
+    do_lower_case: bool
+    tokenizer: Any
+    mesh: Any
+    eval_batch: int
+    train: Any  # data_pipeline.tasks.Split
+    evals: list
+    total_steps: int
+    epoch_ends: list
+    stream: bool
+    abstract_state: Any
+    state_shardings: Any
+    init: Any  # jit: key (, encoder) -> TrainState
+    train_step: Any  # jit: (state, batch) -> (state, metrics)
+    eval_step: Any  # jit: (params, batch) -> (outputs, sums)
+    test_splits: dict = dataclasses.field(default_factory=dict)  # featurized on first use
+
+
+def prepare(config: ml_collections.ConfigDict, task, bert_config: BertConfig, with_encoder: bool,
+            vocab_file: str, do_lower_case: bool) -> Prepared:
+    """The settings checked, the data featurized, the model, optimizer and programs of a run;
+    nothing here depends on `config.seed` (`train_seed` takes it)."""
     from data_pipeline import tasks as tasks_lib
 
     jax.config.update("jax_threefry_partitionable", True)
@@ -214,13 +245,51 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                                  jax.random.fold_in(params_rng, 1), bert_config.initializer_range)
         return train_state.create_train_state(params, tx, dropout_rng)
 
-    rules = sharding.DEFAULT_RULES
     level = config.get("xla_backend_optimization_level", -1)
     compiler_options = {"xla_backend_optimization_level": level} if level >= 0 else None
-    abstract = jax.eval_shape(init_state, jax.random.key(config.seed))
-    state_shardings = sharding.logical_to_sharding(abstract, mesh, rules)
+    abstract = jax.eval_shape(init_state, jax.random.key(config.seed))  # shapes only: any seed
+    state_shardings = sharding.logical_to_sharding(abstract, mesh, sharding.DEFAULT_RULES)
     abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), state_shardings)
 
+    # --- the programs, jitted once for every seed ---
+    if with_encoder:
+        # The encoder's random initialization is dead code in this program (the checkpoint
+        # replaces it), so XLA drops it: only the head's is compiled and run (a MiniLM's
+        # whole initialization took 8 s to compile on 2 CPU cores). The head's values are
+        # the same: flax draws each module's key from its own path.
+        def init_with_encoder(rng, encoder):
+            state = nn.meta.unbox(init_state(rng))
+            return state.replace(params={**state.params, "bert": encoder})
+
+        init = jax.jit(init_with_encoder, out_shardings=state_shardings, donate_argnums=1,
+                       compiler_options=compiler_options)
+    else:
+        init = jax.jit(lambda r: nn.meta.unbox(init_state(r)), out_shardings=state_shardings,
+                       compiler_options=compiler_options)
+    batch_sharding = sharding.batch_sharding(mesh)
+    p_train = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule),
+                      in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
+                      donate_argnums=0, compiler_options=compiler_options)
+    p_eval = jax.jit(functools.partial(steps.eval_step, model=model),
+                     in_shardings=(state_shardings.params, batch_sharding), compiler_options=compiler_options)
+    return Prepared(task=task, bert_config=bert_config, vocab_file=vocab_file, do_lower_case=do_lower_case,
+                    tokenizer=tokenizer, mesh=mesh, eval_batch=eval_batch, train=train, evals=evals,
+                    total_steps=total_steps, epoch_ends=epoch_ends, stream=stream, abstract_state=abstract_state,
+                    state_shardings=state_shardings, init=init, train_step=p_train, eval_step=p_eval)
+
+
+def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: str,
+               init_params: Optional[dict]) -> tuple[dict, bool]:
+    """One run of `prepared` with `config.seed` (the head's draw, dropout, the data order) in
+    `workdir`: resumed from `W/checkpoints/`, evaluated after each epoch, its files written.
+    Returns the last epoch's eval results, and whether the run finished (False: stopped by
+    SIGTERM or preemption, saved to resume)."""
+    from tqdm import tqdm
+
+    p = prepared
+    task, bert_config, mesh, train, evals, epoch_ends = p.task, p.bert_config, p.mesh, p.train, p.evals, p.epoch_ends
+    total_steps, stream, eval_batch, max_len = p.total_steps, p.stream, p.eval_batch, config.max_seq_length
+    rules = sharding.DEFAULT_RULES
     storage.makedirs(workdir)
     every = int(config.get("checkpoint_every_steps", 0) or 0)
     if every < 0:
@@ -239,7 +308,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
     if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
         try:  # before anything compiles; refused: not retried (a version mismatch keeps its own exit code)
             with exit_codes.refusals():
-                start_step, state, meta = ckpt.restore_latest(abstract_state, check_input_state=False)
+                start_step, state, meta = ckpt.restore_latest(p.abstract_state, check_input_state=False)
                 versions.check_resume(meta.get(versions.META_KEY),
                                       allow_change=config.get("allow_version_change", False),
                                       where=f"checkpoint step {start_step} in {ckpt.directory}")
@@ -252,38 +321,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
         start_step = 0
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # straight into shards (sharding.sharded_init)
             if init_params is None:
-                state = jax.jit(lambda r: nn.meta.unbox(init_state(r)), out_shardings=state_shardings,
-                                compiler_options=compiler_options)(jax.random.key(config.seed))
+                state = p.init(jax.random.key(config.seed))
             else:
-                # The encoder's random initialization is dead code in this program (the checkpoint
-                # replaces it), so XLA drops it: only the head's is compiled and run (a MiniLM's
-                # whole initialization took 8 s to compile on 2 CPU cores). The head's values are
-                # the same: flax draws each module's key from its own path.
-                def init_with_encoder(rng, encoder):
-                    state = nn.meta.unbox(init_state(rng))
-                    return state.replace(params={**state.params, "bert": encoder})
-
-                encoder = _place_encoder(init_params["bert"], state_shardings.params["bert"])
-                state = jax.jit(init_with_encoder, out_shardings=state_shardings, donate_argnums=1,
-                                compiler_options=compiler_options)(jax.random.key(config.seed), encoder)
+                encoder = _place_encoder(init_params["bert"], p.state_shardings.params["bert"])
+                state = p.init(jax.random.key(config.seed), encoder)
     if jax.process_index() == 0:
-        workdir_files.write_model_files(workdir, bert_config, vocab_file, do_lower_case)
+        workdir_files.write_model_files(workdir, bert_config, p.vocab_file, p.do_lower_case)
         workdir_files.write_json(workdir, TASK_FILE, task_description(task, config), indent=2)
 
     writer = workdir_files.metric_writer(workdir, just_logging=jax.process_index() > 0)
     if start_step == 0:
         writer.write_hparams(run_setup.hparams(config, bert_config))
-    batch_sharding = sharding.batch_sharding(mesh)
-    p_train = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule),
-                      in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
-                      donate_argnums=0, compiler_options=compiler_options)
-    p_eval = jax.jit(functools.partial(steps.eval_step, model=model),
-                     in_shardings=(state_shardings.params, batch_sharding), compiler_options=compiler_options)
+    p_train = p.train_step
     keys = heads.batch_keys(task.head)
     trimming, eval_trimming, step_rows, slots = finetune_batches.plan_batches(
         config, task, train, evals, mesh, total_steps, len(epoch_ends), stream, eval_batch)
-    predict = functools.partial(steps.predict_split, p_eval, mesh=mesh, keys=keys, batch_size=eval_batch,
+    predict = functools.partial(steps.predict_split, p.eval_step, mesh=mesh, keys=keys, batch_size=eval_batch,
                                 **eval_trimming)
+
 
     history = list(meta.get("history", []))
     best = meta.get("best")
@@ -378,10 +433,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                     break
             if not stop:
                 for split_name in task.test_splits if config.predict_test else ():
-                    try:
-                        split = tasks_lib.load_split(task, split_name, tokenizer, max_len, training=False)
-                    except FileNotFoundError as e:
-                        logging.info("no %s split to predict: %s", split_name, e)
+                    split = _test_split(p, split_name, max_len)
+                    if split is None:
                         continue
                     outputs, _ = predict(state.params, split)
                     if jax.process_index() == 0:
@@ -397,7 +450,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
         workdir_files.write_json(workdir, layout.EVAL_RESULTS, results, indent=2, sort_keys=True)
         workdir_files.write_json(workdir, layout.EVAL_HISTORY, history, indent=2)
         print(json.dumps(results, sort_keys=True))
-    return results
+    return results, not stop
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,3 +510,17 @@ def _log(pending, step, window_start, writer, bar, config, train_sums) -> None:
         out["accuracy"] = sum(float(m["correct"]) for m in fetched) / max(weight, 1e-9)
     writer.write_scalars(step, {f"train/{k}": v for k, v in out.items()})
     bar.set_postfix(loss=f"{out['loss']:.4f}", refresh=False)
+
+
+def _test_split(prepared: Prepared, name: str, max_len: int):
+    """Test split `name`, featurized once for every seed of a run; None (logged) when it has no file."""
+    from data_pipeline import tasks as tasks_lib
+
+    if name not in prepared.test_splits:
+        try:
+            prepared.test_splits[name] = tasks_lib.load_split(prepared.task, name, prepared.tokenizer, max_len,
+                                                              training=False)
+        except FileNotFoundError as e:
+            logging.info("no %s split to predict: %s", name, e)
+            prepared.test_splits[name] = None
+    return prepared.test_splits[name]
