@@ -149,6 +149,12 @@ def _parse_value(key: str, text: str, current):
             raise ValueError(f"--{key}={text}: expected a number") from None
     if isinstance(current, str):
         return text
+    if isinstance(current, tuple):  # as ml_collections' flags: `1,2,3` or `(1, 2, 3)`; `3` -> (3,)
+        from ml_collections.config_flags import tuple_parser
+        try:
+            return tuple_parser.TupleParser().parse(text)
+        except ValueError as e:
+            raise ValueError(f"--{key}={text}: {e}") from None
     try:  # None or a container: a Python literal, else the text itself
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
