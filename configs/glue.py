@@ -27,6 +27,9 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.mode = "finetune"  # finetune | predict (bert_jax/finetune/predict.py)
     config.task = "sst2"  # data_pipeline.tasks.TASK_NAMES
     config.seed = 42  # seeds the head's init, dropout and the data order
+    # Random restarts, as the paper's for BERT-Large: a run per seed in W/seeds/<seed>/, the best on dev
+    # kept in W/best/ (--config.seeds=1,2,3; docs/finetuning.md). () = one run of config.seed.
+    config.seeds = ()
     # The head's kernel at the start: truncated_normal (google-research/bert: stddev 0.02 before the
     # cut at 2 stddev) | normal (transformers' BERT: a plain normal of stddev 0.02). Over a short run
     # the draw moves the scores (benchmarks/RESULTS.md, CoNLL-2003).

@@ -34,7 +34,10 @@ featurization, post-processing and the metric; there is no per-task branch here)
 - after training: predictions for the task's test splits (GLUE-server files, with the final
   parameters) and `W/eval_results.json` (metric name -> value, last epoch; keys of eval splits
   after the first are prefixed with the split's name) plus `W/eval_history.json` (every epoch);
-- metrics to TensorBoard and the console (`workdir.metric_writer`), progress bars (tqdm).
+- metrics to TensorBoard and the console (`workdir.metric_writer`), progress bars (tqdm);
+- with `config.seeds`, the paper's random restarts (`bert_jax.finetune.restarts`): all of the
+  above once per seed in `W/seeds/<seed>/`, with the programs `prepare` jitted once for every
+  seed, and the best seed's best epoch copied to `W/best/`.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from jax.experimental import multihost_utils
 
 from bert_jax import exit_codes, layout, versions, workdir as workdir_files
 from bert_jax.checkpoints import checkpoint_steps, checkpointing
-from bert_jax.finetune import batches as finetune_batches, heads, packing, steps
+from bert_jax.finetune import batches as finetune_batches, heads, packing, restarts, steps
 from bert_jax.layout import TASK_FILE
 from bert_jax.model.model_config import BertConfig
 from bert_jax.training import optim, run_setup, sharding, train_state
@@ -158,10 +161,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, be
                        init_params: Optional[dict], vocab_file: str, do_lower_case: bool) -> dict:
     """The loop (module docstring). `init_params` is `{"bert": numpy tree}` (or None: random).
 
-    Returns the last epoch's eval results (as written to `W/eval_results.json`).
+    Returns the last epoch's eval results (as written to `W/eval_results.json`); with
+    `config.seeds`, one run per seed (`bert_jax.finetune.restarts`) and their summary.
     """
+    seeds = config.get("seeds", ()) or ()
+    with exit_codes.refusals():
+        restarts.check_workdir(workdir, seeds)
     prepared = prepare(config, task, bert_config, init_params is not None, vocab_file, do_lower_case)
-    return train_seed(prepared, config, workdir, init_params)[0]
+    if not seeds:
+        return train_seed(prepared, config, workdir, init_params)[0]
+    return restarts.run_seeds(config, workdir, seeds, task.primary_metric,
+                              functools.partial(train_seed, prepared, init_params=init_params))
 
 
 @dataclasses.dataclass

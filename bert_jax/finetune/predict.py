@@ -6,7 +6,9 @@
 The workdir is a fine-tuning run's (`bert_jax.finetune.loop`): its `task.json` names the task, the head
 and the labels, `bert_config.json`, `vocab.txt` and `tokenizer_config.json` the encoder and its
 tokenizer; the parameters are the best epoch's (`W/best/`, `config.predict_params="best"`) or the
-last state (`"last"`). The task is the one fine-tuned (a different `--config.task` is refused).
+last state (`"last"`). The task is the one fine-tuned (a different `--config.task` is refused). A run
+of several seeds (`config.seeds`) keeps its best seed's best epoch in `W/best/`; each seed's last
+state is in its own workdir, `W/seeds/<seed>/`.
 
 `config.predict_input` is read
 - as plain text (`config.predict_format="text"`): one example a line, unlabelled — a sentence, or
@@ -34,7 +36,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from bert_jax.finetune import batches as finetune_batches, heads, steps
+from bert_jax.finetune import batches as finetune_batches, heads, restarts, steps
 from bert_jax.formats.common import read_task
 from bert_jax.layout import TASK_FILE
 from bert_jax.training import run_setup, sharding
@@ -135,7 +137,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     form = input_format(task, path, config.get("predict_format", "auto"))
     examples = read_input(task, path, form)
 
-    pretrained = convert.load_finetuned(workdir, which=which)
+    try:
+        pretrained = convert.load_finetuned(workdir, which=which)
+    except FileNotFoundError:
+        best_seed = restarts.best_seed_of(workdir) if which == "last" else None
+        if best_seed is None:
+            raise
+        raise FileNotFoundError(  # W/best/ is the best seed's; each seed's last state is in its own folder
+            f"{workdir} is a run of several seeds (config.seeds): no last state of its own; "
+            f"--workdir={restarts.seed_dir(workdir, best_seed)} predicts with the best seed's") from None
     with_checkpoint = ml_collections.ConfigDict(config.to_dict())
     with_checkpoint.init_checkpoint = workdir
     bert_config = run_setup.bert_config_from(with_checkpoint)
