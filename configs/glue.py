@@ -36,6 +36,9 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.head_init = "truncated_normal"
     config.prng_impl = "threefry2x32"  # dropout's random bits: threefry2x32 | rbg | unsafe_rbg (configs/base.py)
     config.cpu_bf16 = "auto"  # auto | on | off: matmuls in bf16 with float32 outputs on a CPU (configs/base.py)
+    # Compile the programs the run calls later (each training and evaluation batch shape) on a background
+    # thread while it initializes, trains and evaluates: the same programs, earlier (training/compile_ahead.py).
+    config.compile_ahead = True
 
     # --- data ---
     config.data_source = "files"  # files (as distributed) | tfds (config.tfds_data_dir)

@@ -61,7 +61,7 @@ from bert_jax.checkpoints import checkpoint_steps, checkpointing
 from bert_jax.finetune import batches as finetune_batches, heads, packing, restarts, steps
 from bert_jax.layout import TASK_FILE
 from bert_jax.model.model_config import BertConfig
-from bert_jax.training import optim, run_setup, sharding, train_state
+from bert_jax.training import compile_ahead, optim, run_setup, sharding, train_state
 from data_pipeline import storage, storage_paths
 
 
@@ -119,11 +119,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     `exit_codes.refusals()`: a bad config ends the process with exit code 78, not retried.
     """
     with exit_codes.refusals():
-        task, bert_config, init_params, vocab_file, do_lower_case = _prepare(config)
+        task, bert_config, init_params, vocab_file, do_lower_case = _prepare(config, workdir)
     return train_and_evaluate(config, workdir, task, bert_config, init_params, vocab_file, do_lower_case)
 
 
-def _prepare(config: ml_collections.ConfigDict) -> tuple:
+def _prepare(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -> tuple:
     """(task, bert_config, encoder params or None, vocab file, do_lower_case) of `config` (`run`)."""
     if config.model.get("fp8"):
         raise ValueError("config.model.fp8=True: FP8 training is a pretraining option (bert_jax.pretrain.loop); "
@@ -131,7 +131,7 @@ def _prepare(config: ml_collections.ConfigDict) -> tuple:
     heads.check_head_init(config.get("head_init", "truncated_normal"))
     task = make_task(config)
     run_setup.use_prng_impl(config)
-    bert_config = run_setup.bert_config_from(config)
+    bert_config = run_setup.bert_config_from(config, workdir=workdir)  # cpu_bf16's decision kept in W
     init_params, vocab_file, do_lower_case = None, config.vocab_file, config.do_lower_case
     if config.init_checkpoint:
         from bert_jax import convert
@@ -315,6 +315,41 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
     best_ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, layout.BEST), save_interval_steps=1,
                                            max_to_keep=1, async_save=False, handle_sigterm=False, **timeouts)
     start_step, meta = ckpt.latest_step(), {}
+    keys = heads.batch_keys(task.head)
+    trimming, eval_trimming, step_rows, slots = finetune_batches.plan_batches(
+        config, task, train, evals, mesh, total_steps, len(epoch_ends), stream, eval_batch)
+    hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+
+    def epoch_batches(epoch: int, step: int):
+        """This host's batches of `epoch` from `step` on (packed: bert_jax/finetune/packing.py)."""
+        begin, end = ([0] + epoch_ends)[epoch], epoch_ends[epoch]
+        if stream:
+            batches = finetune_batches.stream_batches(
+                train.features, keys, config.global_batch_size, range(step, end), seed=config.seed,
+                **hosts, **trimming)
+        else:
+            batches = itertools.islice(finetune_batches.batches(
+                train.features, keys, config.global_batch_size, shuffle_seed=config.seed + epoch,
+                **hosts, **trimming), step - begin, None)
+        if step_rows is not None:  # this host's rows of each step, packed
+            batches = (packing.pack(b, int(step_rows[k]) // jax.process_count(), slots)
+                       for k, b in zip(itertools.count(step), batches))
+        return batches
+
+    # The programs this run will call, compiled on a background thread while it restores or
+    # initializes, trains and evaluates (bert_jax/training/compile_ahead.py): every training batch
+    # shape in order, then every evaluation batch shape. The same programs, compiled earlier.
+    ahead = compile_ahead.CompileAhead(
+        enabled=bool(config.get("compile_ahead", True)) and (start_step or 0) < total_steps,
+        context=lambda: _MeshContext(mesh, rules))
+    first_epoch = sum(end <= (start_step or 0) for end in epoch_ends)
+    ahead.submit_each("train", p.train_step, (p.abstract_state,), itertools.chain.from_iterable(
+        epoch_batches(e, max(start_step or 0, ([0] + epoch_ends)[e])) for e in range(first_epoch, len(epoch_ends))),
+        process_count=jax.process_count(), limit=_distinct_train_shapes(step_rows, trimming, start_step or 0),
+        sharding=sharding.batch_sharding(mesh))
+    ahead.submit_each("eval", p.eval_step, (p.abstract_state.params,), itertools.chain.from_iterable(
+        steps.predict_batches(split, keys=keys, batch_size=eval_batch, **eval_trimming)[0] for split in evals),
+        process_count=jax.process_count(), sharding=sharding.batch_sharding(mesh))
     if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
         try:  # before anything compiles; refused: not retried (a version mismatch keeps its own exit code)
             with exit_codes.refusals():
@@ -323,6 +358,7 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
                                       allow_change=config.get("allow_version_change", False),
                                       where=f"checkpoint step {start_step} in {ckpt.directory}")
         except checkpoint_steps.CheckpointRestoreError:
+            ahead.close()
             ckpt.close()  # puts the previous SIGTERM handler back
             best_ckpt.close()
             raise
@@ -343,10 +379,8 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
     if start_step == 0:
         writer.write_hparams(run_setup.hparams(config, bert_config))
     p_train = p.train_step
-    keys = heads.batch_keys(task.head)
-    trimming, eval_trimming, step_rows, slots = finetune_batches.plan_batches(
-        config, task, train, evals, mesh, total_steps, len(epoch_ends), stream, eval_batch)
     predict = functools.partial(steps.predict_split, p.eval_step, mesh=mesh, keys=keys, batch_size=eval_batch,
+                                before_call=lambda b: ahead.wait(("eval", compile_ahead.signature(b))),
                                 **eval_trimming)
 
 
@@ -369,19 +403,8 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
                            disable=jax.process_index() > 0, dynamic_ncols=True)
                 pending, window = [], time.time()
                 train_sums = {"loss_sum": 0.0, "weight": 0.0}
-                hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
-                if stream:
-                    batches = finetune_batches.stream_batches(
-                        train.features, keys, config.global_batch_size, range(step, end), seed=config.seed,
-                        **hosts, **trimming)
-                else:
-                    batches = itertools.islice(finetune_batches.batches(
-                        train.features, keys, config.global_batch_size, shuffle_seed=config.seed + epoch,
-                        **hosts, **trimming), skip, None)
-                if step_rows is not None:  # this host's rows of each step, packed (bert_jax/finetune/packing.py)
-                    batches = (packing.pack(b, int(step_rows[k]) // jax.process_count(), slots)
-                               for k, b in zip(itertools.count(step), batches))
-                for batch in batches:
+                for batch in epoch_batches(epoch, step):
+                    ahead.wait(("train", compile_ahead.signature(batch)))  # its program, if compiling ahead
                     global_batch = sharding.to_global(batch, mesh)
                     with jax.transfer_guard_host_to_device("disallow"):
                         state, metrics = p_train(state, global_batch)
@@ -454,8 +477,12 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
         try:
             writer.close()  # a gs:// workdir's events are uploaded here at the latest
         finally:
+            ahead.close()
             ckpt.close()
             best_ckpt.close()
+    if ahead.compiled:
+        logging.info("compile ahead: %d programs compiled on a background thread in %.1fs; the run waited "
+                     "%.1fs for them", len(ahead.compiled), sum(s for _, s in ahead.compiled), ahead.waited_s)
     if jax.process_index() == 0 and not stop:
         workdir_files.write_json(workdir, layout.EVAL_RESULTS, results, indent=2, sort_keys=True)
         workdir_files.write_json(workdir, layout.EVAL_HISTORY, history, indent=2)
@@ -488,6 +515,29 @@ def _prepare_tfds_on_host_zero(task, splits, optional_splits=()) -> None:
                 except (FileNotFoundError, KeyError, ValueError) as e:  # as the prediction loop
                     logging.info("no %s split to prepare: %s", split, e)
     multihost_utils.sync_global_devices("bert_jax.finetune.loop: TFDS datasets prepared")
+
+
+class _MeshContext:
+    """The mesh and flax's logical axis rules, entered on the thread that compiles ahead."""
+
+    def __init__(self, mesh, rules):
+        self._contexts = (jax.set_mesh(mesh), nn.logical_axis_rules(rules))
+
+    def __enter__(self):
+        for c in self._contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self._contexts):
+            c.__exit__(*exc)
+
+
+def _distinct_train_shapes(step_rows, trimming: dict, start_step: int) -> int:
+    """How many training batch shapes the steps from `start_step` on can have: packed, one per row
+    count; else one per trimming length (one without trimming)."""
+    if step_rows is not None:
+        return len(np.unique(np.asarray(step_rows)[start_step:]))
+    return len(trimming.get("lengths") or ()) or 1
 
 
 def _place_encoder(encoder: dict, shardings: dict) -> dict:

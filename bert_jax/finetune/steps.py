@@ -43,29 +43,38 @@ def eval_step(params: Any, batch: dict, *, model: heads.BertForTask) -> tuple[di
     return out, heads.loss_sums(model.head, out, batch)
 
 
-def predict_split(p_eval, params, split, *, mesh, keys, batch_size, lengths=None, sequence_keys=()
-             ) -> tuple[dict, dict]:
+def predict_batches(split, *, keys, batch_size, lengths=None, sequence_keys=()):
+    """This host's batches of `split` as `predict_split` runs them (and `(order, full length)`)."""
+    order = None
+    if lengths:
+        order = np.argsort(bucketing.row_lengths(split.features["input_mask"]), kind="stable")
+    rows = batches(split.features, keys, batch_size, process_index=jax.process_index(),
+                   process_count=jax.process_count(), order=order, lengths=lengths, sequence_keys=sequence_keys)
+    return rows, order
+
+
+def predict_split(p_eval, params, split, *, mesh, keys, batch_size, lengths=None, sequence_keys=(),
+                  before_call=None) -> tuple[dict, dict]:
     """Outputs of every feature row of `split` (numpy, in row order) and the summed losses.
 
     With `lengths` (`trim_arguments`), the rows go by length (a stable sort of their real
     positions), so each batch is cut to the shortest length holding its longest row; outputs
     with a sequence axis are padded back to the features' length with zeros, and everything is
-    returned in row order again."""
+    returned in row order again. `before_call(batch)` runs before each batch's call (a wait for
+    its program, compiled ahead: `bert_jax.training.compile_ahead`)."""
     from tqdm import tqdm
 
     chunks: list = []
     sums = {"loss_sum": 0.0, "weight": 0.0}
     n = len(split.features["weight"])
     full = split.features["input_mask"].shape[-1]
-    order = None
-    if lengths:
-        order = np.argsort(bucketing.row_lengths(split.features["input_mask"]), kind="stable")
-    rows = batches(split.features, keys, batch_size, process_index=jax.process_index(),
-                                process_count=jax.process_count(), order=order, lengths=lengths,
-                                sequence_keys=sequence_keys)
+    rows, order = predict_batches(split, keys=keys, batch_size=batch_size, lengths=lengths,
+                                  sequence_keys=sequence_keys)
     for batch in tqdm(rows, total=bucketing.num_batches(n, batch_size), desc=f"predict {split.name}",
                       unit=" batches", leave=False, disable=jax.process_index() > 0, dynamic_ncols=True):
         length = batch["input_mask"].shape[-1]
+        if before_call is not None:
+            before_call(batch)
         outputs, batch_sums = p_eval(params, sharding.to_global(batch, mesh))
         outputs = multihost_utils.process_allgather(outputs, tiled=True)
         if length < full and "label_ids" in sequence_keys:  # token logits [rows, length, classes]

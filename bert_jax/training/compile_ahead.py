@@ -32,10 +32,12 @@ def signature(batch: dict) -> tuple:
                         for k, v in batch.items()))
 
 
-def global_abstract(batch: dict, process_count: int) -> dict:
+def global_abstract(batch: dict, process_count: int, sharding=None) -> dict:
     """The global batch's `ShapeDtypeStruct`s of one host's numpy batch (hosts hold equal slices of
-    the leading axis; the jitted function's `in_shardings` place it)."""
-    return {k: jax.ShapeDtypeStruct((v.shape[0] * process_count, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+    the leading axis), with the `sharding` the call's arrays will have: a program's cache key
+    includes its inputs' shardings."""
+    return {k: jax.ShapeDtypeStruct((v.shape[0] * process_count, *v.shape[1:]), v.dtype, sharding=sharding)
+            for k, v in batch.items()}
 
 
 class CompileAhead:
@@ -64,10 +66,10 @@ class CompileAhead:
             self._futures[key] = self._pool.submit(self._compile, key, jitted, abstract_args)
 
     def submit_each(self, name: str, jitted, fixed_args: tuple, batches: Iterable, process_count: int = 1,
-                    limit: Optional[int] = None) -> None:
+                    limit: Optional[int] = None, sharding=None) -> None:
         """On the background thread: walks `batches` (one host's numpy batches, as the run will make
         them) and compiles `jitted(*fixed_args, batch)` for each batch signature not seen before
-        (keys `(name, signature)`), up to `limit` programs."""
+        (keys `(name, signature)`), up to `limit` programs; `sharding`: the global batches'."""
         if not self.enabled:
             return
 
@@ -81,7 +83,7 @@ class CompileAhead:
                     done: concurrent.futures.Future = concurrent.futures.Future()
                     self._futures[key] = done
                 try:
-                    done.set_result(self._compile(key, jitted, (*fixed_args, global_abstract(batch, process_count))))
+                    done.set_result(self._compile(key, jitted, (*fixed_args, global_abstract(batch, process_count, sharding))))
                 except BaseException as e:  # noqa: BLE001 (reported by wait; the call compiles again)
                     done.set_exception(e)
                 seen += 1

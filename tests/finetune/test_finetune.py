@@ -553,6 +553,42 @@ def glue_files(folder, task, rng, n_train=8, n_dev=8):
     return written
 
 
+def test_programs_compiled_ahead_change_nothing_but_when_they_compile(tmp_path, checkpoint):
+    """`config.compile_ahead` (bert_jax/training/compile_ahead.py): the training step and every
+    evaluation length compile on the background thread, the main thread compiles neither again,
+    and the run's results and predictions are those of a run that compiles each at its first call,
+    to the bit. Trimming gives evaluation several lengths; jax's compile log names the thread."""
+    glue_files(tmp_path / "data" / "RTE", "rte", np.random.RandomState(7), n_train=16, n_dev=128)
+    runs = {}
+    for ahead in (True, False):
+        work = tmp_path / f"work_{ahead}"
+        cmd = [sys.executable, "-m", "bert_jax.main", "--config=configs/glue.py", "--config.task=rte",
+               f"--config.data_dir={tmp_path / 'data'}", f"--config.init_checkpoint={checkpoint['bert_jax']}",
+               f"--workdir={work}", "--config.max_seq_length=32", "--config.global_batch_size=8",
+               "--config.num_train_epochs=2", "--config.learning_rate=1e-3", "--config.eval_batch_size=8",
+               "--config.trim_padding_buckets=8", "--config.trim_padding_compile_cost=0",
+               "--config.async_checkpointing=false", f"--config.compile_ahead={ahead}", "--config.compilation_cache="]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300,
+                              env=dict(os.environ, JAX_LOG_COMPILES="1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        main_thread = re.search(r"^I\d+ [\d:.]+ (\d+) main\.py", proc.stderr, re.M)[1]
+        compiled = re.findall(r"^\w\d+ [\d:.]+ (\d+) \S+\] Finished XLA compilation of jit\((train_step|eval_step)\)",
+                              proc.stderr, re.M)
+        runs[ahead] = dict(results=read_json(work / "eval_results.json"), history=read_json(work / "eval_history.json"),
+                           predictions=(work / "RTE.tsv").read_text(), compiled=compiled, main=main_thread,
+                           log=re.findall(r"compile ahead: (\d+) programs", proc.stderr))
+        runs["plan"] = re.findall(r"batches cut to.*", proc.stderr)
+    on, off = runs[True], runs[False]
+    assert on["results"] == off["results"] and on["history"] == off["history"]
+    assert on["predictions"] == off["predictions"]
+    assert sorted(name for _, name in on["compiled"]) == sorted(name for _, name in off["compiled"])
+    evaluation_lengths = [name for _, name in on["compiled"]].count("eval_step")
+    assert evaluation_lengths >= 2, (on["compiled"], runs["plan"])
+    assert all(thread != on["main"] for thread, _ in on["compiled"]), on["compiled"]  # none on the main thread
+    assert all(thread == off["main"] for thread, _ in off["compiled"])
+    assert on["log"] == [str(1 + evaluation_lengths)] and off["log"] == []
+
+
 def test_main_second_run_loads_its_programs(tmp_path, checkpoint):
     """`python -m bert_jax.main` twice, the same run: the first compiles its programs into
     config.compilation_cache's "auto" folder ($BERT_JAX_CACHE_DIR/xla), the second loads every one
