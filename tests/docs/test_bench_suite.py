@@ -1,14 +1,21 @@
-"""benchmarks/bench_suite.py: one process per run, killed at its limit, records kept as runs end."""
+"""benchmarks/bench_suite.py: one process per run, killed at its limit, records kept as runs end.
+
+No test times this machine: a run's limit counts from the moment it is ready to be killed
+(`_counting_from_ready`), the budget is kept on a planted clock, and every other wait is a hang
+guard (`HANG_S`)."""
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HANG_S = 60  # waits for what takes well under a second here: only a hang runs out
 
 
 @pytest.fixture
@@ -31,27 +38,49 @@ def _alive(pid):
         return False
 
 
+def _counting_from_ready(monkeypatch, suite):
+    """`suite.run_one`'s limit for a run counts from when the run is ready: when its script has
+    created `<its path>.ready`, or has ended (waiting at most `HANG_S` for either). However slowly
+    a loaded machine starts a run, it is killed where the test means it to be, and a run meant to
+    end is never killed."""
+
+    class Popen(subprocess.Popen):
+        def communicate(self, input=None, timeout=None):  # pylint: disable=redefined-builtin
+            if timeout is not None:
+                ready, deadline = f"{self.args[1]}.ready", time.time() + HANG_S
+                while not os.path.exists(ready) and self.poll() is None and time.time() < deadline:
+                    time.sleep(0.02)
+            return super().communicate(input, timeout)
+
+    monkeypatch.setattr(suite, "subprocess", types.SimpleNamespace(
+        Popen=Popen, PIPE=subprocess.PIPE, TimeoutExpired=subprocess.TimeoutExpired))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_hung_run_is_killed_with_what_it_started_and_says_where_it_was(suite, tmp_path):
-    pid_file = tmp_path / "grandchild.pid"
+def test_a_hung_run_is_killed_with_what_it_started_and_says_where_it_was(suite, tmp_path, monkeypatch):
+    """Killed at its limit with the child it started (which, left alone, would sleep its 120 s
+    out and say so): no test of how long the kill took."""
+    pid_file, ready, slept_out = tmp_path / "grandchild.pid", tmp_path / "hang.py.ready", tmp_path / "slept_out"
     hang = _script(tmp_path, "hang.py", f"""
         import subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        child = subprocess.Popen([sys.executable, "-c",
+                                  "import time; time.sleep(120); open({str(slept_out)!r}, 'w').close()"])
         open({str(pid_file)!r}, "w").write(str(child.pid))
         print("[bench_step 1.0 s] compiled in 0.5 s", file=sys.stderr, flush=True)
         print("[bench_step 1.1 s] timing round 1 of 1", file=sys.stderr, flush=True)
+        open({str(ready)!r}, "w").close()
         time.sleep(120)
     """)
-    t0 = time.perf_counter()
+    _counting_from_ready(monkeypatch, suite)
     record = suite.run_one([sys.executable, hang], timeout_s=3)
-    assert time.perf_counter() - t0 < 30
     assert record["status"] == "timeout" and "result" not in record
     assert record["stderr_tail"].splitlines()[-1].endswith("timing round 1 of 1")
     grandchild = int(pid_file.read_text())
-    deadline = time.time() + 10
+    deadline = time.time() + HANG_S
     while _alive(grandchild) and time.time() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild), "the run's own child survived the kill"
+    assert not slept_out.exists(), "the run's own child was waited for, not killed"
 
 
 def test_failures_and_missing_output_are_errors_with_their_tails(suite, tmp_path):
@@ -71,17 +100,30 @@ def test_failures_and_missing_output_are_errors_with_their_tails(suite, tmp_path
     assert missing["status"] == "error" and "no_such_program" in missing["stderr_tail"]
 
 
-def test_the_budget_skips_runs_it_cannot_fit_and_every_record_is_written_as_it_ends(suite, tmp_path):
+def test_the_budget_skips_runs_it_cannot_fit_and_every_record_is_written_as_it_ends(suite, tmp_path, monkeypatch):
     ok = _script(tmp_path, "ok.py", """
         import json, sys
         print("some text first")
         print(json.dumps({"flags": sys.argv[1:], "step_s": 0.5}))
     """)
-    slow = _script(tmp_path, "slow.py", "import time; time.sleep(60)\n")
+    slow = _script(tmp_path, "slow.py", f"open({str(tmp_path / 'slow.py.ready')!r}, 'w').close()\n"
+                                        "import time; time.sleep(60)\n")
     out = tmp_path / "sub" / "results.jsonl"
     out.parent.mkdir()
     out.write_text(json.dumps({"name": "earlier", "status": "ok", "wall_s": 1.0}) + "\n")  # appended to
     runs = [("first", ok, ["--a=1"]), ("slow", slow, []), ("never", ok, [])]
+    _counting_from_ready(monkeypatch, suite)  # 'first' ends before its limit counts: never killed
+    # The budget's clock, planted: a run that ends takes 1 s of it, one killed its limit (the
+    # processes and the kill are real; how long a loaded machine took over them does not count).
+    clock, run_one = types.SimpleNamespace(now=100.0), suite.run_one
+
+    def timed_run_one(cmd, timeout_s, env=None):
+        record = run_one(cmd, timeout_s, env)
+        clock.now += timeout_s if record["status"] == "timeout" else 1.0
+        return record
+
+    monkeypatch.setattr(suite, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(suite, "run_one", timed_run_one)
     # 'slow' gets the 4 s limit; afterwards < MIN_RUN_S of the budget is left, so 'never' is skipped.
     records = suite.run_suite(runs, str(out), timeout_s=4, budget_s=suite.MIN_RUN_S + 3)
     assert [r["status"] for r in records] == ["ok", "timeout", "skipped"]
@@ -94,7 +136,8 @@ def test_the_budget_skips_runs_it_cannot_fit_and_every_record_is_written_as_it_e
 def test_a_real_bench_step_run_and_its_table_row(suite, tmp_path):
     (name, script, flags), = [run for run in suite.SUITES["smoke"] if run[0] == "tiny_unrolled"]
     out = tmp_path / "smoke.jsonl"
-    suite.main(["--suite=smoke", "--only=tiny_unrolled", f"--out={out}"])
+    # Limits as hang guards (the run takes ~20 s on an idle 2-core machine): it is not timed here.
+    suite.main(["--suite=smoke", "--only=tiny_unrolled", f"--out={out}", "--timeout_s=1200", "--budget_s=1200"])
     (record,) = suite.read_records(str(out))
     assert record["status"] == "ok", record["stderr_tail"]
     result = record["result"]
