@@ -108,6 +108,11 @@ SUITES: dict = {
         # --warm: ours once more on the first run's compilation cache (a rerun, another seed).
         ("finetune_sst2_vs_transformers", "bench_finetune.py", ["--tasks=sst2", "--sst2_train=2000", "--warm",
                                                                 "--model={minilm}", "--hf_python={hf_python}"]),
+        # Where the first run's wall goes, compiling ahead (the default) and each program at its first
+        # call, one after the other (issue 70's profile).
+        *[(f"finetune_sst2_first_run_profile{suffix}", "profile_first_run.py", [
+            "--model={minilm}", "--sst2_train=2000", *flags]) for suffix, flags in (
+                ("", []), ("_no_compile_ahead", ["--set", "compile_ahead=false"]))],
         # ... both sides in bf16: ours with every matmul in bf16, PyTorch under its CPU autocast.
         ("finetune_sst2_bf16_vs_transformers_autocast", "bench_finetune.py", [
             "--tasks=sst2", "--sst2_train=2000", "--set", "cpu_bf16=on", "--hf_autocast_bf16",
@@ -127,6 +132,29 @@ MIN_RUN_S = 30.0  # a run offered less than this is skipped, not started
 
 def tail(text: str, lines: int = 15, chars: int = 3000) -> str:
     return "\n".join(text.splitlines()[-lines:])[-chars:]
+
+
+# The CPU flags each record names: the vector and matrix units that decide float32 and bf16 speed.
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "bf16")
+
+
+def cpu_description(cpuinfo: str | None = None) -> dict:
+    """This machine's CPU for a record: its model name, core count and `CPU_FLAGS` it reports."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    model, flags = "", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key in ("flags", "features"):
+            flags.update(value.split())
+    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
 def run_one(cmd: list, timeout_s: float, env: dict | None = None) -> dict:
@@ -181,6 +209,7 @@ def run_suite(runs: list, out_path: str | None, timeout_s: float, budget_s: floa
     `values` fills the flags' `{name}` fields; a run missing one is recorded as skipped."""
     start = time.perf_counter()
     records = []
+    cpu = cpu_description()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if out_path:
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
@@ -199,7 +228,7 @@ def run_suite(runs: list, out_path: str | None, timeout_s: float, budget_s: floa
                   file=sys.stderr, flush=True)
             record = run_one(cmd, limit, env)
             record["limit_s"] = round(limit, 1)
-        record = {"name": name, "script": script, "flags": flags, **record}
+        record = {"name": name, "script": script, "flags": flags, "cpu": cpu, **record}
         print(f"[{time.perf_counter() - start:6.0f} s] {name}: {record['status']} in {record['wall_s']:.0f} s",
               file=sys.stderr, flush=True)
         if record["status"] != "ok":
@@ -253,6 +282,11 @@ def table(records: list) -> str:
                     if theirs:
                         text += f" ({wall / warm['wall_s']:.2f}x)"
                 lines.append(f"| {rec['name']} | {text} |" + " |" * 12 + f" {status} |")
+            continue
+        if r.get("benchmark") == "profile_first_run":  # a first fine-tuning run's wall, where it goes
+            text = "; ".join(f"first run {x['wall_s']:.0f} s wall, compile wall {x['compile_wall_s']:.1f} s "
+                             f"({x['background_compile_s']:.1f} s compiled ahead)" for x in r["runs"])
+            lines.append(f"| {rec['name']} | {text} |" + " |" * 12 + f" {status} |")
             continue
         if r.get("benchmark") == "bench_cpu_bf16":  # each matmul: bf16 in, float32 out, against float32
             parts = [f"{op['op']} {op['float32_ms']:.3g} / {op['bf16_in_f32_out_ms']:.3g} ms "

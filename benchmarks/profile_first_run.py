@@ -107,14 +107,20 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="an HF BERT folder (../shared/tools/fetch_minilm.sh DIR)")
     p.add_argument("--sst2_train", type=int, default=2000)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--set", action="append", default=[], help="key=value, a --config.key=value of every run")
     p.add_argument("--out", default="", help="append each run's record (JSON lines) here")
-    args = p.parse_args()
+    p.add_argument("--json", action="store_true", help="end with one JSON line of every run (bench_suite.py)")
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    runs = []
     import time
     with tempfile.TemporaryDirectory() as tmp:
         data = prepare_sst2(tmp, args.sst2_train)
@@ -136,9 +142,14 @@ def main() -> None:
                 result["accuracy"] = json.load(f)["accuracy"]
             result.update(wall_s=wall, settings=args.set, run=run)
             print(table(result), flush=True)
+            runs.append({k: v for k, v in result.items() if k != "programs"})
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(result) + "\n")
+
+    if args.json:
+        print(json.dumps({"benchmark": "profile_first_run", "sst2_train": args.sst2_train, "settings": args.set,
+                          "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -129,6 +129,7 @@ def test_the_budget_skips_runs_it_cannot_fit_and_every_record_is_written_as_it_e
     assert [r["status"] for r in records] == ["ok", "timeout", "skipped"]
     assert records[0]["result"] == {"flags": ["--a=1", "--json"], "step_s": 0.5}
     assert records[1]["limit_s"] == 4
+    assert all(r["cpu"] == suite.cpu_description() for r in records)  # the machine's CPU and units in each
     assert [r["name"] for r in suite.read_records(str(out))] == ["earlier", "first", "slow", "never"]
     assert suite.read_records(str(out))[1:] == records
 
@@ -174,6 +175,10 @@ def test_every_suite_run_parses_with_its_scripts_flags(suite, load_benchmark):
                 continue
             if script == "bench_cpu_bf16.py":  # its own parser alone
                 assert bench_cpu_bf16.parse(flags + ["--json"]).json, name
+                continue
+            if script == "profile_first_run.py":  # its own parser alone
+                args = load_benchmark("profile_first_run").parse(flags + ["--json"])
+                assert args.model == "/m" and args.json, name
                 continue
             if script in ("bench_optimizer.py", "bench_dropout.py"):  # own flags; the rest are bench_step's
                 own = {"--step", "--rounds", "--steps"}
@@ -261,3 +266,13 @@ def test_the_cpu_bf16_matmul_run_times_each_form_and_tables_its_ratios(suite, lo
     first = result["ops"][0]
     assert f"dense x @ w {first['float32_ms']:.3g} / {first['bf16_in_f32_out_ms']:.3g} ms" in row
     assert row.count("x);") == len(result["ops"]) - 1
+
+
+def test_each_record_names_the_cpu_and_its_units(suite):
+    """The CPU decides float32's and bf16's speed: every record carries its model and units."""
+    xeon = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8488C\n"
+            "flags\t\t: fpu avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile\nprocessor\t: 1\n")
+    zen3 = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 fma\n"
+    assert suite.cpu_description(xeon)["flags"] == ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert suite.cpu_description(xeon)["model"] == "Intel(R) Xeon(R) Platinum 8488C"
+    assert suite.cpu_description(zen3) == {"model": "AMD EPYC 7B13", "cores": os.cpu_count(), "flags": ["avx2", "fma"]}
