@@ -338,7 +338,8 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
 
     # The programs this run will call, compiled on a background thread while it restores or
     # initializes, trains and evaluates (bert_jax/training/compile_ahead.py): every training batch
-    # shape in order, then every evaluation batch shape. The same programs, compiled earlier.
+    # shape in order; every evaluation batch shape queued, taken by the main thread while it waits
+    # for the training step's program, or after. The same programs, compiled earlier.
     ahead = compile_ahead.CompileAhead(
         enabled=bool(config.get("compile_ahead", True)) and (start_step or 0) < total_steps,
         context=lambda: _MeshContext(mesh, rules))
@@ -347,7 +348,7 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
         epoch_batches(e, max(start_step or 0, ([0] + epoch_ends)[e])) for e in range(first_epoch, len(epoch_ends))),
         process_count=jax.process_count(), limit=_distinct_train_shapes(step_rows, trimming, start_step or 0),
         sharding=sharding.batch_sharding(mesh))
-    ahead.submit_each("eval", p.eval_step, (p.abstract_state.params,), itertools.chain.from_iterable(
+    ahead.queue_each("eval", p.eval_step, (p.abstract_state.params,), itertools.chain.from_iterable(
         steps.predict_batches(split, keys=keys, batch_size=eval_batch, **eval_trimming)[0] for split in evals),
         process_count=jax.process_count(), sharding=sharding.batch_sharding(mesh))
     if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)

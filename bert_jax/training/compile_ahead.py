@@ -9,12 +9,14 @@ dtypes and shardings runs it without compiling again. The programs are the same,
 the results do not change, to the bit (tests/training/test_compile_ahead.py).
 
 Before a call whose program may still be compiling, `wait(key)` waits for it (two threads compiling
-the same program would do the work twice). A program that fails to compile ahead is logged and
-left to the call, which compiles it again and raises the error where it always did.
+the same program would do the work twice), compiling queued programs meanwhile. A program that
+fails to compile ahead is logged and left to the call, which compiles it again and raises the error
+where it always did.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -43,9 +45,16 @@ def global_abstract(batch: dict, process_count: int, sharding=None) -> dict:
 class CompileAhead:
     """One background thread compiling programs by key (module docstring).
 
-    `context`: entered around each compile on that thread (the mesh, flax's logical axis rules:
-    thread-local settings the lowering reads). `enabled=False` does nothing: every program then
-    compiles at its first call, as without this class."""
+    `context`: entered around each compile on any thread that compiles ahead (the mesh, flax's
+    logical axis rules: thread-local settings the lowering reads). `enabled=False` does nothing:
+    every program then compiles at its first call, as without this class.
+
+    Two kinds of work: `submit`/`submit_each` run on the background thread in the order given (the
+    training step's shapes, needed first); `queue_each` queues programs any idle thread may take:
+    the background thread once its own work is done, or a thread in `wait` for a program still
+    compiling (on a 2-core CPU the main thread, idle while the training step compiles on the other
+    core, compiles the evaluation programs meanwhile instead of leaving them to contend with the
+    training steps later)."""
 
     def __init__(self, enabled: bool = True, context: Callable[[], Any] = contextlib.nullcontext):
         self.enabled = enabled
@@ -53,13 +62,14 @@ class CompileAhead:
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile_ahead")
                       if enabled else None)
         self._futures: dict = {}
+        self._pending: collections.deque = collections.deque()  # (key, jitted, args, future) any thread may take
         self._lock = threading.Lock()
         self.compiled: list = []  # (key, seconds) of each program compiled ahead, in order
-        self.waited_s = 0.0  # how long the run waited for a program still compiling
+        self.waited_s = 0.0  # how long the run waited, idle, for a program still compiling
 
     def submit(self, key: Hashable, jitted, *abstract_args) -> None:
-        """Compiles `jitted` for `abstract_args` (`jax.ShapeDtypeStruct`s or arrays) unless `key`
-        was submitted before."""
+        """Compiles `jitted` for `abstract_args` (`jax.ShapeDtypeStruct`s or arrays) on the background
+        thread unless `key` was submitted before."""
         with self._lock:
             if not self.enabled or key in self._futures:
                 return
@@ -81,35 +91,76 @@ class CompileAhead:
                     if key in self._futures:
                         continue
                     done: concurrent.futures.Future = concurrent.futures.Future()
+                    done.set_running_or_notify_cancel()
                     self._futures[key] = done
-                try:
-                    done.set_result(self._compile(key, jitted, (*fixed_args, global_abstract(batch, process_count, sharding))))
-                except BaseException as e:  # noqa: BLE001 (reported by wait; the call compiles again)
-                    done.set_exception(e)
+                self._run(key, jitted, (*fixed_args, global_abstract(batch, process_count, sharding)), done)
                 seen += 1
                 if limit is not None and seen >= limit:
                     return
 
         self._pool.submit(self._guarded, walk)
 
+    def queue_each(self, name: str, jitted, fixed_args: tuple, batches: Iterable, process_count: int = 1,
+                   sharding=None) -> None:
+        """Queues `jitted(*fixed_args, batch)` for each batch signature of `batches` not seen before
+        (walked here, now): compiled by the background thread after its own work, or by a thread
+        waiting in `wait`."""
+        if not self.enabled:
+            return
+        for batch in batches:
+            key = (name, signature(batch))
+            with self._lock:
+                if key in self._futures:
+                    continue
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                self._futures[key] = future
+                self._pending.append((key, jitted, (*fixed_args, global_abstract(batch, process_count, sharding)),
+                                      future))
+        self._pool.submit(self._guarded, self._drain)
+
     def wait(self, key: Hashable) -> None:
         """Returns once `key`'s program is compiled (or failed: logged, the call compiles it); at
-        once for a key never submitted."""
+        once for a key never submitted. While it compiles, this thread compiles queued programs."""
         with self._lock:
             future = self._futures.get(key)
         if future is None:
             return
-        if not future.done():
-            started = time.perf_counter()
-            concurrent.futures.wait([future])
-            self.waited_s += time.perf_counter() - started
-        if future.exception() is not None:
+        while not future.done():
+            job = self._take()
+            if job is None:
+                started = time.perf_counter()
+                concurrent.futures.wait([future])
+                self.waited_s += time.perf_counter() - started
+                break
+            self._run(*job)
+        if not future.cancelled() and future.exception() is not None:
             logging.warning("compiling %s ahead failed (%s): the call compiles it", key, future.exception())
 
     def close(self) -> None:
         """Stops: programs not started are dropped, one compiling finishes in the background."""
         if self._pool is not None:
+            with self._lock:
+                while self._pending:
+                    self._pending.popleft()[-1].cancel()
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _take(self):
+        with self._lock:
+            while self._pending:
+                job = self._pending.popleft()
+                if job[-1].set_running_or_notify_cancel():
+                    return job
+        return None
+
+    def _drain(self) -> None:
+        while (job := self._take()) is not None:
+            self._run(*job)
+
+    def _run(self, key, jitted, abstract_args, future) -> None:
+        try:
+            future.set_result(self._compile(key, jitted, abstract_args))
+        except BaseException as e:  # noqa: BLE001 (reported by wait; the call compiles again)
+            future.set_exception(e)
 
     def _compile(self, key, jitted, abstract_args):
         started = time.perf_counter()
@@ -117,7 +168,8 @@ class CompileAhead:
             jitted.lower(*abstract_args).compile()
         seconds = time.perf_counter() - started
         self.compiled.append((key, seconds))
-        logging.info("compiled ahead: %s in %.1fs", key[0] if isinstance(key, tuple) else key, seconds)
+        logging.info("compiled ahead: %s in %.1fs on %s", key[0] if isinstance(key, tuple) else key, seconds,
+                     threading.current_thread().name)
 
     @staticmethod
     def _guarded(fn):

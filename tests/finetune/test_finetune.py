@@ -554,10 +554,11 @@ def glue_files(folder, task, rng, n_train=8, n_dev=8):
 
 
 def test_programs_compiled_ahead_change_nothing_but_when_they_compile(tmp_path, checkpoint):
-    """`config.compile_ahead` (bert_jax/training/compile_ahead.py): the training step and every
-    evaluation length compile on the background thread, the main thread compiles neither again,
-    and the run's results and predictions are those of a run that compiles each at its first call,
-    to the bit. Trimming gives evaluation several lengths; jax's compile log names the thread."""
+    """`config.compile_ahead` (bert_jax/training/compile_ahead.py): the training step compiles on the
+    background thread and every evaluation length ahead (there, or on the main thread while it waits
+    for the training step), none again at its call; the run's results and predictions are those of
+    a run that compiles each at its first call, to the bit. Trimming gives evaluation several
+    lengths; jax's compile log names the thread, bert_jax's what it compiled ahead."""
     glue_files(tmp_path / "data" / "RTE", "rte", np.random.RandomState(7), n_train=16, n_dev=128)
     runs = {}
     for ahead in (True, False):
@@ -576,7 +577,8 @@ def test_programs_compiled_ahead_change_nothing_but_when_they_compile(tmp_path, 
                               proc.stderr, re.M)
         runs[ahead] = dict(results=read_json(work / "eval_results.json"), history=read_json(work / "eval_history.json"),
                            predictions=(work / "RTE.tsv").read_text(), compiled=compiled, main=main_thread,
-                           log=re.findall(r"compile ahead: (\d+) programs", proc.stderr))
+                           log=re.findall(r"compile ahead: (\d+) programs", proc.stderr),
+                           ahead=re.findall(r"compiled ahead: (train|eval) in", proc.stderr))
         runs["plan"] = re.findall(r"batches cut to.*", proc.stderr)
     on, off = runs[True], runs[False]
     assert on["results"] == off["results"] and on["history"] == off["history"]
@@ -584,8 +586,9 @@ def test_programs_compiled_ahead_change_nothing_but_when_they_compile(tmp_path, 
     assert sorted(name for _, name in on["compiled"]) == sorted(name for _, name in off["compiled"])
     evaluation_lengths = [name for _, name in on["compiled"]].count("eval_step")
     assert evaluation_lengths >= 2, (on["compiled"], runs["plan"])
-    assert all(thread != on["main"] for thread, _ in on["compiled"]), on["compiled"]  # none on the main thread
-    assert all(thread == off["main"] for thread, _ in off["compiled"])
+    assert [t for t, name in on["compiled"] if name == "train_step"] != [on["main"]], on["compiled"]
+    assert sorted(on["ahead"]) == ["eval"] * evaluation_lengths + ["train"]  # each compile was one ahead
+    assert all(thread == off["main"] for thread, _ in off["compiled"]) and off["ahead"] == []
     assert on["log"] == [str(1 + evaluation_lengths)] and off["log"] == []
 
 

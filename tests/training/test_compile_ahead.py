@@ -3,6 +3,7 @@ calls run (no second compile), with the same results to the bit; failures are le
 
 import logging
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -113,3 +114,42 @@ def test_disabled_compiles_nothing(compiles):
     ahead.submit_each("eval", jax.jit(lambda b: b["x"].sum()), (), iter(_batches([8])))
     ahead.wait("step")
     assert compiles == [] and ahead.compiled == []
+
+
+class _Fake:
+    """A jitted function whose lowering's compile runs `fn` (what each compile does, and on which thread)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def lower(self, *args):
+        return types.SimpleNamespace(compile=self.fn)
+
+
+def test_a_thread_waiting_for_a_program_compiles_the_queued_ones_meanwhile():
+    """The training step compiles on the background thread; the main thread, waiting for it, compiles
+    the queued evaluation programs instead of idling (here the queued one lets the first finish: were
+    it left to the background thread, the wait would never end)."""
+    gate, ran = threading.Event(), []
+    slow = _Fake(lambda: (gate.wait(60), ran.append(("train", threading.current_thread().name))))
+    quick = _Fake(lambda: (ran.append(("eval", threading.current_thread().name)), gate.set()))
+    ahead = compile_ahead.CompileAhead()
+    ahead.submit("train", slow)
+    ahead.queue_each("eval", quick, (), iter(_batches([8])))
+    ahead.wait("train")
+    assert gate.is_set()
+    assert ran == [("eval", threading.current_thread().name), ("train", "compile_ahead_0")]
+    ahead.wait(("eval", compile_ahead.signature(_batches([8])[0])))  # done: returns at once
+    ahead.close()
+
+
+def test_queued_programs_left_at_close_are_dropped_and_never_waited_for():
+    ahead = compile_ahead.CompileAhead()
+    gate = threading.Event()
+    ahead.submit("busy", _Fake(lambda: gate.wait(60)))  # keeps the background thread from the queue
+    ahead.queue_each("eval", _Fake(lambda: None), (), iter(_batches([8, 16])))
+    ahead.close()
+    gate.set()
+    for n in (8, 16):
+        ahead.wait(("eval", compile_ahead.signature(_batches([n])[0])))  # cancelled: returns
+    assert [k for k, _ in ahead.compiled] in ([], ["busy"])
