@@ -211,10 +211,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data, tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     try:
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=300)  # a hang guard (a save and an exit: seconds), not a time it must meet
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail("SIGTERM did not stop the run within 60 s")
+        pytest.fail("SIGTERM did not stop the run within 300 s")
     assert code == 0, proc.stderr.read()[-3000:]
     steps = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[-1] >= 3
