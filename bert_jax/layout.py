@@ -13,6 +13,7 @@
       eval_results.json         EVAL_RESULTS       the last evaluation (metric -> value)
       eval_history.json         EVAL_HISTORY       fine-tuning: every epoch's evaluation
       cpu_bf16.json             CPU_BF16           on a CPU: "auto"'s decision, kept for resumption
+      seeds/<seed>/             SEEDS              fine-tuning with config.seeds: each seed's own workdir
       events.out.tfevents.*                        TensorBoard's (`bert_jax.workdir.MetricWriter`)
 
     A supervised pod run's workdir also holds the supervisor's files (`bert_jax.pod`):
@@ -45,6 +46,7 @@ SKIPPED_BATCHES = "skipped_batches.json"
 EVAL_RESULTS = "eval_results.json"
 EVAL_HISTORY = "eval_history.json"
 CPU_BF16 = "cpu_bf16.json"
+SEEDS = "seeds"
 EXPORTED_PARAMS = "params"
 # The supervisor's (bert_jax.pod).
 ATTEMPTS = "attempts.jsonl"

@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 from bert_jax import layout, workdir as workdir_files
 from data_pipeline import storage, storage_paths
 
-SEEDS = "seeds"  # W/seeds/<seed>/: one seed's run
+SEEDS = layout.SEEDS  # W/seeds/<seed>/: one seed's run
 # Integers of a run's results that count, not measure: no mean or std.
 NOT_METRICS = ("epoch", "step", "best_epoch")
 # A seed's files that stay in its folder (its logs); the rest of its top level is copied up.
