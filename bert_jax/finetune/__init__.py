@@ -15,11 +15,3 @@ never `bert_jax.pretrain`; `data_pipeline.tasks` reads and featurizes the data.
            multiple-choice head, and their losses
   predict  the fine-tuned model on new text (`config.mode=predict`)
 """
-
-import bert_jax
-
-
-def __getattr__(name):
-    """A name of the old `bert_jax.finetune` module (`bert_jax.finetune.run`): the error names its new home."""
-    raise bert_jax.moved_attribute(__name__, name, ("bert_jax.finetune.loop", "bert_jax.finetune.steps",
-                                                    "bert_jax.finetune.batches"))

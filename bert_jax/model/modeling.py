@@ -457,10 +457,3 @@ def unstack_layers(params: dict) -> dict:
     holder["encoder"] = {
         f"layer_{i}": jax.tree_util.tree_map(lambda x, i=i: x[i], stacked) for i in range(num_layers)}
     return params
-
-
-def __getattr__(name):
-    """A name this module re-exported until 2026-11-29 (`modeling.BertConfig`): the error names its home."""
-    import bert_jax
-    raise bert_jax.moved_attribute(__name__, name, ("bert_jax.model.model_config", "bert_jax.model.layers",
-                                                    "bert_jax.model.attention", "bert_jax.model.dropout"))

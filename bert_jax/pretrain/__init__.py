@@ -12,12 +12,3 @@
   steps            the masked-LM / next-sentence / left-to-right losses, the train and eval steps,
                    FLOPs per sequence
 """
-
-import bert_jax
-
-
-def __getattr__(name):
-    """A name of the old `bert_jax.pretrain` module (`bert_jax.pretrain.run`): the error names its new home."""
-    raise bert_jax.moved_attribute(__name__, name, (
-        "bert_jax.pretrain.loop", "bert_jax.training.run_setup", "bert_jax.pretrain.pretrain_checks",
-        "bert_jax.pretrain.pretrain_input", "bert_jax.pretrain.phases", "bert_jax.workdir"))

@@ -17,13 +17,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The layers of docs/architecture.md's drawing, bottom up: a part imports only parts of its own
 # layer or below.
 LAYERS = (
-    ("bert_jax", "layout", "exit_codes"),  # the package's root (its moved-module messages), the workdir's names, exit codes
+    ("bert_jax", "layout", "exit_codes"),  # the package's root, the workdir's names, exit codes
     ("model/",),
     ("checkpoints/", "formats/", "convert"),
     ("training/", "workdir", "versions", "config_overrides"),
     ("pretrain/", "finetune/"),
-    ("main", "plan", "planning/", "fill_mask", "extract_features", "demo", "pod/", "plot",
-     "modeling", "checkpointing"),  # the entry points, and the two documented old paths
+    ("main", "plan", "planning/", "fill_mask", "extract_features", "demo", "pod/", "plot"),  # the entry points
 )
 LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
@@ -39,10 +38,14 @@ def part_of(module: str):
 
 
 def imports(path: str) -> set:
-    """Every module `path` imports (`from bert_jax import x` counts as `bert_jax.x`)."""
+    """Every module `path` imports (`from bert_jax import x` counts as `bert_jax.x`; an
+    `importlib.import_module("bert_jax.x")` of a literal name counts too)."""
     found = set()
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-        if isinstance(node, ast.Import):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.add(node.args[0].value)
+        elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             top = node.module.split(".")[0] in ("bert_jax", "data_pipeline") and "." not in node.module
