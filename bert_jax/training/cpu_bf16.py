@@ -20,7 +20,8 @@ One decision per run:
   one instead of timing again: a probe near the threshold cannot flip a resumed run's numerics;
 - the environment variable `BERT_JAX_CPU_BF16` (off | on) replaces "auto" for every program
   started with it: one answer on a cluster of mixed CPUs, or in a test suite that must give the same
-  results on every CPU it runs on (tests/conftest.py sets "off").
+  results on every CPU it runs on (tests/conftest.py sets "off"). In a run of several processes
+  set it on every host or none: the hosts that decide by timing gather each other's ratios.
 """
 
 from __future__ import annotations
