@@ -340,13 +340,13 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
     # initializes, trains and evaluates (bert_jax/training/compile_ahead.py): every training batch
     # shape in order; every evaluation batch shape queued, taken by the main thread while it waits
     # for the training step's program, or after. The same programs, compiled earlier.
-    ahead = compile_ahead.CompileAhead(
-        enabled=bool(config.get("compile_ahead", True)) and (start_step or 0) < total_steps,
-        context=lambda: _MeshContext(mesh, rules))
-    first_epoch = sum(end <= (start_step or 0) for end in epoch_ends)
+    resumed = start_step or 0  # the newest step saved (its restore comes below)
+    ahead = compile_ahead.CompileAhead(enabled=bool(config.get("compile_ahead", True)) and resumed < total_steps,
+                                       context=lambda: _MeshContext(mesh, rules))
+    first_epoch = sum(end <= resumed for end in epoch_ends)
     ahead.submit_each("train", p.train_step, (p.abstract_state,), itertools.chain.from_iterable(
-        epoch_batches(e, max(start_step or 0, ([0] + epoch_ends)[e])) for e in range(first_epoch, len(epoch_ends))),
-        process_count=jax.process_count(), limit=_distinct_train_shapes(step_rows, trimming, start_step or 0),
+        epoch_batches(e, max(resumed, ([0] + epoch_ends)[e])) for e in range(first_epoch, len(epoch_ends))),
+        process_count=jax.process_count(), limit=_distinct_train_shapes(step_rows, trimming, resumed),
         sharding=sharding.batch_sharding(mesh))
     ahead.queue_each("eval", p.eval_step, (p.abstract_state.params,), itertools.chain.from_iterable(
         steps.predict_batches(split, keys=keys, batch_size=eval_batch, **eval_trimming)[0] for split in evals),

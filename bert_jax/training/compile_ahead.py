@@ -30,8 +30,7 @@ import numpy as np
 
 def signature(batch: dict) -> tuple:
     """A batch's program key: each array's name, shape and dtype."""
-    return tuple(sorted((k, tuple(np.shape(v)), str(np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype))
-                        for k, v in batch.items()))
+    return tuple(sorted((k, np.shape(v), str(np.asarray(v).dtype)) for k, v in batch.items()))
 
 
 def global_abstract(batch: dict, process_count: int, sharding=None) -> dict:
@@ -49,7 +48,7 @@ class CompileAhead:
     logical axis rules: thread-local settings the lowering reads). `enabled=False` does nothing:
     every program then compiles at its first call, as without this class.
 
-    Two kinds of work: `submit`/`submit_each` run on the background thread in the order given (the
+    Two kinds of work: `submit_each` runs on the background thread in the order given (the
     training step's shapes, needed first); `queue_each` queues programs any idle thread may take:
     the background thread once its own work is done, or a thread in `wait` for a program still
     compiling (on a 2-core CPU the main thread, idle while the training step compiles on the other
@@ -67,14 +66,6 @@ class CompileAhead:
         self.compiled: list = []  # (key, seconds) of each program compiled ahead, in order
         self.waited_s = 0.0  # how long the run waited, idle, for a program still compiling
 
-    def submit(self, key: Hashable, jitted, *abstract_args) -> None:
-        """Compiles `jitted` for `abstract_args` (`jax.ShapeDtypeStruct`s or arrays) on the background
-        thread unless `key` was submitted before."""
-        with self._lock:
-            if not self.enabled or key in self._futures:
-                return
-            self._futures[key] = self._pool.submit(self._compile, key, jitted, abstract_args)
-
     def submit_each(self, name: str, jitted, fixed_args: tuple, batches: Iterable, process_count: int = 1,
                     limit: Optional[int] = None, sharding=None) -> None:
         """On the background thread: walks `batches` (one host's numpy batches, as the run will make
@@ -86,14 +77,11 @@ class CompileAhead:
         def walk():
             seen = 0
             for batch in batches:
-                key = (name, signature(batch))
-                with self._lock:
-                    if key in self._futures:
-                        continue
-                    done: concurrent.futures.Future = concurrent.futures.Future()
-                    done.set_running_or_notify_cancel()
-                    self._futures[key] = done
-                self._run(key, jitted, (*fixed_args, global_abstract(batch, process_count, sharding)), done)
+                key, future = self._claim(name, batch)
+                if future is None:
+                    continue
+                future.set_running_or_notify_cancel()
+                self._run(key, jitted, (*fixed_args, global_abstract(batch, process_count, sharding)), future)
                 seen += 1
                 if limit is not None and seen >= limit:
                     return
@@ -108,14 +96,11 @@ class CompileAhead:
         if not self.enabled:
             return
         for batch in batches:
-            key = (name, signature(batch))
-            with self._lock:
-                if key in self._futures:
-                    continue
-                future: concurrent.futures.Future = concurrent.futures.Future()
-                self._futures[key] = future
-                self._pending.append((key, jitted, (*fixed_args, global_abstract(batch, process_count, sharding)),
-                                      future))
+            key, future = self._claim(name, batch)
+            if future is not None:
+                args = (*fixed_args, global_abstract(batch, process_count, sharding))
+                with self._lock:
+                    self._pending.append((key, jitted, args, future))
         self._pool.submit(self._guarded, self._drain)
 
     def wait(self, key: Hashable) -> None:
@@ -143,6 +128,16 @@ class CompileAhead:
                 while self._pending:
                     self._pending.popleft()[-1].cancel()
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _claim(self, name: str, batch: dict) -> tuple:
+        """`(key, a new future)` for `batch`'s program, now this thread's to compile or queue;
+        `(key, None)` if another batch of its signature was claimed before."""
+        key = (name, signature(batch))
+        with self._lock:
+            if key in self._futures:
+                return key, None
+            future = self._futures[key] = concurrent.futures.Future()
+        return key, future
 
     def _take(self):
         with self._lock:

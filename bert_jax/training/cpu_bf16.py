@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from typing import Optional
 
 import jax
@@ -67,7 +68,7 @@ def resolve(model: dict, setting: str, workdir: Optional[str] = None, flag: str 
         elif env is not None:
             chosen, why = env == "on", f"{ENV}={env} replaces auto"
         elif model.get("dtype", "float32") != "float32" or model.get("fp8"):
-            chosen, why = chosen, f"model.dtype={model.get('dtype')}, fp8={bool(model.get('fp8'))}: not float32"
+            why = f"model.dtype={model.get('dtype')}, fp8={bool(model.get('fp8'))}: not float32"
         else:
             chosen, why = _decided(workdir)
         logging.info("%s=%s: model.mixed_matmuls=%s (%s)", flag, setting, chosen, why)
@@ -80,8 +81,6 @@ def resolve(model: dict, setting: str, workdir: Optional[str] = None, flag: str 
 
 
 def _env_setting() -> Optional[str]:
-    import os
-
     value = os.environ.get(ENV)
     if value is None or value == "auto":
         return None

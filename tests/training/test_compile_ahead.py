@@ -48,9 +48,8 @@ def test_programs_compiled_ahead_are_not_compiled_again_and_compute_the_same(com
     w = jnp.ones((8, 8), jnp.float32) * 0.01
     step = jax.jit(_step)
     ahead = compile_ahead.CompileAhead()
-    ahead.submit("step", step, jax.ShapeDtypeStruct(w.shape, w.dtype),
-                 compile_ahead.global_abstract(batches[0], 1))
-    ahead.wait("step")
+    ahead.submit_each("step", step, (jax.ShapeDtypeStruct(w.shape, w.dtype),), iter(batches))
+    ahead.wait(("step", compile_ahead.signature(batches[0])))
     assert [name for name, thread in compiles if "_step" in name] == ["jit(_step)"]
     assert all(thread.startswith("compile_ahead") for name, thread in compiles if "_step" in name)
     got, losses = w, []
@@ -97,22 +96,23 @@ def test_a_limit_stops_the_walk():
 
 
 def test_a_failed_compile_ahead_is_left_to_the_call(caplog):
-    bad = jax.jit(lambda x: x @ x)  # [3, 4] @ [3, 4]: a shape error at tracing
+    bad = jax.jit(lambda b: b["x"] @ b["x"])  # [4, 8] @ [4, 8]: a shape error at tracing
     ahead = compile_ahead.CompileAhead()
-    ahead.submit("bad", bad, jax.ShapeDtypeStruct((3, 4), jnp.float32))
+    batch = _batches([8])[0]
+    ahead.submit_each("bad", bad, (), iter([batch]))
     with caplog.at_level(logging.WARNING):
-        ahead.wait("bad")
-    assert "compiling bad ahead failed" in caplog.text
+        ahead.wait(("bad", compile_ahead.signature(batch)))
+    assert "ahead failed" in caplog.text
     with pytest.raises(TypeError):
-        bad(jnp.ones((3, 4)))
+        bad(batch)
     ahead.close()
 
 
 def test_disabled_compiles_nothing(compiles):
     ahead = compile_ahead.CompileAhead(enabled=False)
-    ahead.submit("step", jax.jit(lambda x: x + 1), jax.ShapeDtypeStruct((2,), jnp.float32))
     ahead.submit_each("eval", jax.jit(lambda b: b["x"].sum()), (), iter(_batches([8])))
-    ahead.wait("step")
+    ahead.queue_each("eval", jax.jit(lambda b: b["x"].sum()), (), iter(_batches([16])))
+    ahead.wait(("eval", compile_ahead.signature(_batches([16])[0])))
     assert compiles == [] and ahead.compiled == []
 
 
@@ -134,9 +134,9 @@ def test_a_thread_waiting_for_a_program_compiles_the_queued_ones_meanwhile():
     slow = _Fake(lambda: (gate.wait(60), ran.append(("train", threading.current_thread().name))))
     quick = _Fake(lambda: (ran.append(("eval", threading.current_thread().name)), gate.set()))
     ahead = compile_ahead.CompileAhead()
-    ahead.submit("train", slow)
+    ahead.submit_each("train", slow, (), iter(_batches([24])))
     ahead.queue_each("eval", quick, (), iter(_batches([8])))
-    ahead.wait("train")
+    ahead.wait(("train", compile_ahead.signature(_batches([24])[0])))
     assert gate.is_set()
     assert ran == [("eval", threading.current_thread().name), ("train", "compile_ahead_0")]
     ahead.wait(("eval", compile_ahead.signature(_batches([8])[0])))  # done: returns at once
@@ -146,10 +146,13 @@ def test_a_thread_waiting_for_a_program_compiles_the_queued_ones_meanwhile():
 def test_queued_programs_left_at_close_are_dropped_and_never_waited_for():
     ahead = compile_ahead.CompileAhead()
     gate = threading.Event()
-    ahead.submit("busy", _Fake(lambda: gate.wait(60)))  # keeps the background thread from the queue
+    ahead.submit_each("busy", _Fake(lambda: gate.wait(60)), (), iter(_batches([24])))  # the background thread busy
     ahead.queue_each("eval", _Fake(lambda: None), (), iter(_batches([8, 16])))
     ahead.close()
     gate.set()
-    for n in (8, 16):
-        ahead.wait(("eval", compile_ahead.signature(_batches([n])[0])))  # cancelled: returns
-    assert [k for k, _ in ahead.compiled] in ([], ["busy"])
+    waiter = threading.Thread(target=lambda: [ahead.wait(("eval", compile_ahead.signature(_batches([n])[0])))
+                                              for n in (8, 16)], daemon=True)
+    waiter.start()
+    waiter.join(60)  # a hang guard: cancelled, the waits return at once
+    assert not waiter.is_alive(), "a wait for a program dropped at close never returned"
+    assert [k[0] for k, _ in ahead.compiled] in ([], ["busy"])
