@@ -1,0 +1,144 @@
+"""The ModernBERT encoder (bert_jax/model/modernbert.py) against transformers' `ModernBertForMaskedLM`.
+
+The reference is transformers itself: `tests/fixtures/modernbert_tiny/` holds a random model that
+transformers saved and its outputs on two rows crossing the local window, one padded
+(`tests/fixtures/make_modernbert_reference.py`, run with torch). Where torch is importable the
+export is also loaded by transformers and run live.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from bert_jax.formats import modernbert_hf
+from bert_jax.model import modernbert
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "modernbert_tiny")
+
+
+def _forward(config, params, ids, mask, **kw):
+    model = modernbert.ModernBertForMaskedLM(config)
+    return model.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask), **kw)
+
+
+def _reference():
+    ref = np.load(os.path.join(FIXTURE, "reference.npz"))
+    return {k: ref[k] for k in ref.files}
+
+
+def test_forward_equals_transformers_on_its_own_random_weights():
+    config, params = modernbert_hf.load(FIXTURE)
+    assert config.layer_types() == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    ref = _reference()
+    hidden, logits = _forward(config, params, ref["input_ids"], ref["attention_mask"])
+    # Every position, padding rows included (transformers masks keys only, as we do).
+    np.testing.assert_allclose(np.asarray(hidden), ref["last_hidden_state"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=1e-5, rtol=0)
+    # The reference is not trivially matched: the local window and the rotary embeddings both matter.
+    for change in ({"local_attention": 64}, {"local_rope_theta": 160_000.0}, {"global_rope_theta": 10_000.0}):
+        other, _ = _forward(dataclasses.replace(config, **change), params, ref["input_ids"], ref["attention_mask"])
+        assert np.abs(np.asarray(other) - ref["last_hidden_state"]).max() > 1e-3, change
+
+
+def test_an_export_writes_the_tensors_and_config_transformers_wrote(tmp_path):
+    config, params = modernbert_hf.load(FIXTURE)
+    modernbert_hf.save(str(tmp_path), config, params)
+    theirs = safetensors.numpy.load_file(os.path.join(FIXTURE, "model.safetensors"))
+    ours = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    with open(os.path.join(FIXTURE, "config.json")) as f:
+        their_config = json.load(f)
+    with open(tmp_path / "config.json") as f:
+        our_config = json.load(f)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                "local_attention", "global_attn_every_n_layers", "layer_types", "rope_parameters", "norm_eps",
+                "norm_bias", "attention_bias", "mlp_bias", "decoder_bias", "pad_token_id", "model_type"):
+        assert our_config[key] == their_config[key], key
+    assert modernbert.ModernBertConfig.from_hf_dict(our_config) == config
+
+
+def test_the_4x_config_keys_read_as_the_5x_ones():
+    with open(os.path.join(FIXTURE, "config.json")) as f:
+        d = json.load(f)
+    old = {k: v for k, v in d.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(global_rope_theta=160_000.0, local_rope_theta=10_000.0)
+    assert modernbert.ModernBertConfig.from_hf_dict(old) == modernbert.ModernBertConfig.from_hf_dict(d)
+    with pytest.raises(ValueError, match="layer_types"):
+        modernbert.ModernBertConfig.from_hf_dict({**d, "layer_types": ["full_attention"] * 4})
+
+
+def test_a_packed_row_computes_what_each_sequence_alone_computes():
+    config, params = modernbert_hf.load(FIXTURE)
+    rng = np.random.RandomState(3)
+    a, b = rng.randint(3, 48, size=17), rng.randint(3, 48, size=21)
+    packed = np.concatenate([a, b, [0, 0]])[None]
+    pack_ids = np.array([[1] * 17 + [2] * 21 + [0, 0]])
+    hidden, _ = _forward(config, params, packed, (pack_ids > 0).astype(np.int32), pack_ids=jnp.asarray(pack_ids))
+    for seq, start in ((a, 0), (b, 17)):
+        alone, _ = _forward(config, params, seq[None], np.ones((1, len(seq)), np.int32))
+        np.testing.assert_allclose(np.asarray(hidden)[0, start:start + len(seq)], np.asarray(alone)[0], atol=2e-6)
+
+
+def test_masked_positions_gather_the_rows_the_full_logits_have():
+    config, params = modernbert_hf.load(FIXTURE)
+    ref = _reference()
+    positions = np.array([[1, 5, 30], [2, 9, 20]])
+    _, logits = _forward(config, params, ref["input_ids"], ref["attention_mask"], masked_positions=jnp.asarray(positions))
+    np.testing.assert_allclose(np.asarray(logits), np.take_along_axis(ref["logits"], positions[..., None], 1), atol=1e-5)
+
+
+def test_a_bad_shape_or_a_foreign_checkpoint_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="does not divide"):
+        modernbert.ModernBertConfig(hidden_size=30, num_attention_heads=4)
+    with pytest.raises(ValueError, match="odd"):
+        modernbert.ModernBertConfig(hidden_size=36, num_attention_heads=4)
+    config, params = modernbert_hf.load(FIXTURE)
+    tensors = modernbert_hf.to_hf(params, config)
+    del tensors["model.layers.2.mlp.Wo.weight"]
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.Wo\.weight"):
+        modernbert_hf.from_hf(tensors, config)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        modernbert_hf.load(str(tmp_path))
+
+
+def test_initialization_draws_transformers_distributions():
+    config = modernbert.ModernBertConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                                         num_attention_heads=4, max_position_embeddings=64)
+    ids = np.ones((1, 8), np.int32)
+    params = modernbert.ModernBertForMaskedLM(config).init(jax.random.PRNGKey(0), ids, ids)["params"]
+    wqkv = np.asarray(params["model"]["layers_1"]["attn"]["Wqkv"]["kernel"])
+    wo = np.asarray(params["model"]["layers_1"]["mlp"]["Wo"]["kernel"])
+    # A normal of std 0.02 cut at 2 std (transformers' `trunc_normal_`), "out" layers 0.02 / sqrt(2 L).
+    assert np.abs(wqkv).max() <= 0.04 and 0.016 < wqkv.std() < 0.019
+    out_std = 0.02 / np.sqrt(12)
+    assert np.abs(wo).max() <= 2 * out_std + 1e-7 and 0.8 * out_std < wo.std() < 0.95 * out_std
+    assert "attn_norm" not in params["model"]["layers_0"] and "attn_norm" in params["model"]["layers_1"]
+
+
+def test_transformers_loads_our_export_and_predicts_the_same(tmp_path):
+    """Live, where torch is installed: a fresh random model of ours, exported, run by transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = modernbert.ModernBertConfig(vocab_size=80, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=6, local_attention=10, max_position_embeddings=64,
+                                         pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1,
+                                         eos_token_id=2, initializer_range=0.2)
+    ids = np.random.RandomState(5).randint(3, 80, size=(3, 33))
+    mask = np.ones_like(ids)
+    mask[2, 20:] = 0
+    params = modernbert.ModernBertForMaskedLM(config).init(jax.random.PRNGKey(1), ids, mask)["params"]
+    modernbert_hf.save(str(tmp_path), config, params)
+    model = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    assert type(model).__name__ == "ModernBertForMaskedLM"
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    _, ours = _forward(config, params, ids, mask)
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
