@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bert_jax.model import attention as attention_lib
+from bert_jax.model import dropout as dropout_lib
 
 Array = jax.Array
 
@@ -83,6 +84,9 @@ class ModernBertConfig:
     # --- ours ---
     dtype: str = "float32"  # compute dtype of the matmuls ("bfloat16" on accelerators)
     attention_impl: str = "einsum"
+    # Local layers by blocks (`banded_attention`: ~3 x local_attention / 2 keys a query) where the row is
+    # longer than three blocks; False: the full attention with the band mask (every query scores every key).
+    local_blocks: bool = True
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -144,7 +148,7 @@ class ModernBertConfig:
 
     def to_hf_dict(self) -> dict:
         """transformers' `config.json` for `ModernBertForMaskedLM`, read by transformers 4.48+ and 5."""
-        ours = {"dtype", "attention_impl"}
+        ours = {"dtype", "attention_impl", "local_blocks"}
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ours}
         d.update(model_type="modernbert", architectures=["ModernBertForMaskedLM"], tie_word_embeddings=True,
                  layer_types=self.layer_types(), torch_dtype="float32",
@@ -227,12 +231,55 @@ def band(length: int, half_window: int) -> Array:
     return jnp.asarray(np.abs(i[:, None] - i[None, :]) <= half_window)[None, None]
 
 
+def banded_attention(query: Array, key: Array, value: Array, keys_ok: Array, pack_ids: Optional[Array],
+                     half_window: int, dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
+    """Local attention computed by blocks: what the band mask computes for every real query, at ~3/`L` of its cost.
+
+    The row is cut into blocks of `half_window` tokens; a query's keys within `half_window` lie in its
+    own block and the two beside it, so each block of queries scores only those `3 * half_window` keys
+    (masked to the band, to real keys and to its own packed sequence) instead of all `L`. A real query's
+    result equals the masked full attention's (the same keys, the same float32 softmax); a padding
+    query with no real key in reach averages its window instead of the row (no real token reads it).
+
+    query, key, value: `[batch, length, heads, head_dim]`; keys_ok: `[batch, length]` real keys;
+    pack_ids: `[batch, length]` or None. Returns `[batch, length, heads, head_dim]`.
+    """
+    batch, length, heads, head_dim = query.shape
+    w = max(half_window, 1)
+    n = -(-length // w)
+    padded = n * w
+    pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
+                                     constant_values=value)
+    ids = jnp.ones((batch, length), jnp.int32) if pack_ids is None else pack_ids.astype(jnp.int32)
+    q = pad(query).reshape(batch, n, w, heads, head_dim)
+
+    def context(x, value=0):  # [batch, n, 3w, ...]: blocks k-1, k, k+1 for every block k
+        x = jnp.pad(pad(x, value), [(0, 0), (w, w)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+        x = x.reshape(batch, n + 2, w, *x.shape[2:])
+        return jnp.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)
+
+    k, v = context(key), context(value)
+    k_ok, k_ids = context(keys_ok.astype(bool), False), context(ids, -1)
+    q_ids = pad(ids, -2).reshape(batch, n, w)
+    offsets = np.arange(w)[:, None] - (np.arange(3 * w)[None, :] - w)  # query - key, [w, 3w]
+    mask = jnp.asarray(np.abs(offsets) <= half_window)[None, None]
+    mask = mask & k_ok[:, :, None, :] & (q_ids[..., None] == k_ids[:, :, None, :])  # [batch, n, w, 3w]
+    logits = jnp.einsum("bnqhd,bnkhd->bnhqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(head_dim)
+    logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        probs = dropout_lib.dropout(probs, dropout_rate, dropout_rng)
+    out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs.astype(value.dtype), v)
+    return out.reshape(batch, padded, heads, head_dim)[:, :length]
+
+
 class Attention(nn.Module):
     config: ModernBertConfig
     is_global: bool
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, cos: Array, sin: Array, deterministic: bool) -> Array:
+    def __call__(self, x: Array, mask: Array, keys_ok: Array, pack_ids: Optional[Array], cos: Array, sin: Array,
+                 deterministic: bool) -> Array:
         cfg = self.config
         batch, length, _ = x.shape
         heads, head_dim = cfg.num_attention_heads, cfg.head_dim
@@ -241,12 +288,16 @@ class Attention(nn.Module):
         qkv = qkv.reshape(batch, length, 3, heads, head_dim)
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-        if not self.is_global:
-            mask = jnp.logical_and(mask, band(length, cfg.local_attention // 2))
         rate = 0.0 if deterministic else cfg.attention_dropout
         rng = self.make_rng("dropout") if rate > 0.0 else None
-        context = attention_lib.attention(query, key, value, mask, impl=cfg.attention_impl,
-                                          dropout_rate=rate, dropout_rng=rng)
+        half = cfg.local_attention // 2
+        if not self.is_global and cfg.local_blocks and length > 3 * max(half, 1):
+            context = banded_attention(query, key, value, keys_ok, pack_ids, half, rate, rng)
+        else:
+            if not self.is_global:
+                mask = jnp.logical_and(mask, band(length, half))
+            context = attention_lib.attention(query, key, value, mask, impl=cfg.attention_impl,
+                                              dropout_rate=rate, dropout_rng=rng)
         out = _dense(cfg, cfg.hidden_size, cfg.attention_bias, out_std, "Wo")(
             context.reshape(batch, length, cfg.hidden_size))
         return nn.Dropout(cfg.attention_dropout)(out, deterministic=deterministic)
@@ -273,11 +324,13 @@ class Layer(nn.Module):
     index: int
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, rope: dict, deterministic: bool) -> Array:
+    def __call__(self, x: Array, mask: Array, keys_ok: Array, pack_ids: Optional[Array], rope: dict,
+                 deterministic: bool) -> Array:
         cfg = self.config
         is_global = cfg.is_global(self.index)
         normed = x if self.index == 0 else LayerNorm(cfg, name="attn_norm")(x)
-        x = x + Attention(cfg, is_global, name="attn")(normed, mask, *rope[is_global], deterministic)
+        x = x + Attention(cfg, is_global, name="attn")(normed, mask, keys_ok, pack_ids, *rope[is_global],
+                                                   deterministic)
         return x + MLP(cfg, name="mlp")(LayerNorm(cfg, name="mlp_norm")(x), deterministic)
 
 
@@ -305,7 +358,7 @@ class ModernBertModel(nn.Module):
         mask = attention_lib.make_attention_mask(input_mask, pack_ids)
         rope = {kind: rotary(cfg, positions, kind) for kind in {cfg.is_global(i) for i in range(cfg.num_hidden_layers)}}
         for layer in self.layers:
-            x = layer(x, mask, rope, deterministic)
+            x = layer(x, mask, input_mask, pack_ids, rope, deterministic)
         return self.final_norm(x)
 
     def attend(self, hidden: Array) -> Array:

@@ -17,7 +17,7 @@ import pytest
 import safetensors.numpy
 
 from bert_jax.formats import modernbert_hf
-from bert_jax.model import modernbert
+from bert_jax.model import attention, modernbert
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "modernbert_tiny")
 
@@ -32,18 +32,40 @@ def _reference():
     return {k: ref[k] for k in ref.files}
 
 
-def test_forward_equals_transformers_on_its_own_random_weights():
-    config, params = modernbert_hf.load(FIXTURE)
+@pytest.mark.parametrize("local_blocks", [False, True])
+def test_forward_equals_transformers_on_its_own_random_weights(local_blocks):
+    config, params = modernbert_hf.load(FIXTURE, local_blocks=local_blocks)
     assert config.layer_types() == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
     ref = _reference()
     hidden, logits = _forward(config, params, ref["input_ids"], ref["attention_mask"])
-    # Every position, padding rows included (transformers masks keys only, as we do).
-    np.testing.assert_allclose(np.asarray(hidden), ref["last_hidden_state"], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=1e-5, rtol=0)
+    # The band mask: every position, padding rows included (transformers masks keys only, as we do). By
+    # blocks: every real token (a padding query out of reach of real keys averages its window instead).
+    real = np.ones_like(ref["attention_mask"], bool) if not local_blocks else ref["attention_mask"].astype(bool)
+    np.testing.assert_allclose(np.asarray(hidden)[real], ref["last_hidden_state"][real], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits)[real], ref["logits"][real], atol=1e-5, rtol=0)
     # The reference is not trivially matched: the local window and the rotary embeddings both matter.
     for change in ({"local_attention": 64}, {"local_rope_theta": 160_000.0}, {"global_rope_theta": 10_000.0}):
         other, _ = _forward(dataclasses.replace(config, **change), params, ref["input_ids"], ref["attention_mask"])
-        assert np.abs(np.asarray(other) - ref["last_hidden_state"]).max() > 1e-3, change
+        assert np.abs(np.asarray(other)[real] - ref["last_hidden_state"][real]).max() > 1e-3, change
+
+
+@pytest.mark.parametrize("length,half_window,packed", [(50, 6, False), (50, 6, True), (64, 8, True), (7, 2, False)])
+def test_attention_by_blocks_equals_the_band_masked_attention_for_every_real_query(length, half_window, packed):
+    rng = np.random.RandomState(length + half_window)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, length, 3, 8)), jnp.float32) for _ in range(3))
+    keys_ok = np.ones((2, length), np.int32)
+    keys_ok[1, length - length // 3:] = 0
+    pack_ids = None
+    if packed:
+        cut = length // 2 - 3
+        pack_ids = np.where(np.arange(length)[None] < cut, 1, 2) * keys_ok
+    mask = attention.make_attention_mask(jnp.asarray(keys_ok), None if pack_ids is None else jnp.asarray(pack_ids))
+    mask = mask & modernbert.band(length, half_window)
+    want = attention.attention(q, k, v, mask, impl="einsum")
+    got = modernbert.banded_attention(q, k, v, jnp.asarray(keys_ok), None if pack_ids is None else jnp.asarray(pack_ids),
+                                      half_window)
+    real = keys_ok.astype(bool)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-6, rtol=0)
 
 
 def test_an_export_writes_the_tensors_and_config_transformers_wrote(tmp_path):
@@ -141,4 +163,6 @@ def test_transformers_loads_our_export_and_predicts_the_same(tmp_path):
     with torch.no_grad():
         theirs = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
     _, ours = _forward(config, params, ids, mask)
-    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(ours)[real], theirs[real], atol=1e-5, rtol=0)
+    assert (np.asarray(ours).argmax(-1)[real] == theirs.argmax(-1)[real]).all()
