@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from typing import Optional
 
 import numpy as np
 import safetensors.numpy
 
-from bert_jax.model.modernbert import ModernBertConfig
+from bert_jax.model.modernbert import TASK_CLASSES, ModernBertConfig
 from data_pipeline import storage
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
 
-def names(config: ModernBertConfig) -> list[tuple[str, tuple, bool]]:
-    """Every parameter: (transformers' name, our path in the params tree, transposed)."""
+def names(config: ModernBertConfig, kind: Optional[str] = None) -> list[tuple[str, tuple, bool]]:
+    """Every parameter: (transformers' name, our path in the params tree, transposed), of the MLM model
+    (`kind` None) or of a task model (`ModernBertForTask`'s kinds: a `classifier` with a bias instead of
+    the decoder's bias)."""
     table = [("model.embeddings.tok_embeddings.weight", ("model", "tok_embeddings", "embedding"), False)]
     norms = lambda hf, ours: [(f"{hf}.weight", (*ours, "scale"), False)] + (  # noqa: E731
         [(f"{hf}.bias", (*ours, "bias"), False)] if config.norm_bias else [])
@@ -41,17 +45,19 @@ def names(config: ModernBertConfig) -> list[tuple[str, tuple, bool]]:
     table += norms("model.final_norm", ("model", "final_norm"))
     table += dense("head.dense", ("head", "dense"), config.classifier_bias)
     table += norms("head.norm", ("head", "norm"))
-    if config.decoder_bias:
+    if kind is not None:
+        table += dense("classifier", ("classifier",), True)
+    elif config.decoder_bias:
         table.append(("decoder.bias", ("decoder_bias",), False))
     return table
 
 
-def from_hf(tensors: dict, config: ModernBertConfig, where: str = "checkpoint") -> dict:
+def from_hf(tensors: dict, config: ModernBertConfig, where: str = "checkpoint", kind: Optional[str] = None) -> dict:
     """transformers' tensors -> our params tree (float32). Missing or unexpected names are errors that name them."""
     params: dict = {}
-    table = names(config)
+    table = names(config, kind)
     expected = {hf for hf, _, _ in table}
-    tied = {"decoder.weight"}  # the token embedding again, when a writer kept it
+    tied = {"decoder.weight"} if kind is None else set()  # the token embedding again, when a writer kept it
     missing = sorted(expected - set(tensors))
     unexpected = sorted(set(tensors) - expected - tied)
     if missing or unexpected:
@@ -70,9 +76,9 @@ def from_hf(tensors: dict, config: ModernBertConfig, where: str = "checkpoint") 
     return params
 
 
-def to_hf(params: dict, config: ModernBertConfig) -> dict:
+def to_hf(params: dict, config: ModernBertConfig, kind: Optional[str] = None) -> dict:
     out = {}
-    for hf, path, transposed in names(config):
+    for hf, path, transposed in names(config, kind):
         value = params
         for key in path:
             value = value[key]
@@ -81,22 +87,55 @@ def to_hf(params: dict, config: ModernBertConfig) -> dict:
     return out
 
 
-def load(directory: str, **ours) -> tuple[ModernBertConfig, dict]:
-    """(config, params) from a transformers ModernBERT folder (local or gs://)."""
+def task_of(d: dict, where: str) -> Optional[dict]:
+    """A task model's `config.json` -> `{"kind", "num_outputs", "labels"}`; None for the MLM model."""
+    by_class = {cls: kind for kind, cls in TASK_CLASSES.items()}
+    arch = (d.get("architectures") or ["ModernBertForMaskedLM"])[0]
+    if arch in ("ModernBertForMaskedLM", "ModernBertModel"):
+        return None
+    if arch not in by_class:
+        raise ValueError(f"{where}: architectures={d.get('architectures')}: not a ModernBERT model transformers defines")
+    kind = by_class[arch]
+    id2label = d.get("id2label") or {}
+    labels = [id2label[k] for k in sorted(id2label, key=int)] if id2label else []
+    num = int(d.get("num_labels", len(labels) or 2))
+    if kind == "span":
+        num = 2
+    return {"kind": kind, "num_outputs": 1 if kind == "multiple_choice" else num,
+            "labels": [] if all(re.fullmatch(r"LABEL_\d+", x) for x in labels) else labels}
+
+
+def load(directory: str, **ours) -> tuple[ModernBertConfig, dict, Optional[dict]]:
+    """(config, params, task) from a transformers ModernBERT folder (local or gs://); task None: the MLM model."""
     config_path = os.path.join(directory, CONFIG)
     if not storage.exists(config_path):
         raise FileNotFoundError(f"{config_path}: no config.json (a transformers ModernBERT folder has one)")
-    config = ModernBertConfig.from_hf_dict(json.loads(storage.read_text(config_path)), **ours)
+    d = json.loads(storage.read_text(config_path))
+    config = ModernBertConfig.from_hf_dict(d, **ours)
+    task = task_of(d, config_path)
     weights = os.path.join(directory, WEIGHTS)
     if not storage.exists(weights):
         raise FileNotFoundError(f"{weights}: no model.safetensors")
-    return config, from_hf(safetensors.numpy.load(storage.read_bytes(weights)), config, where=weights)
+    params = from_hf(safetensors.numpy.load(storage.read_bytes(weights)), config, where=weights,
+                     kind=task and task["kind"])
+    return config, params, task
 
 
-def save(directory: str, config: ModernBertConfig, params: dict) -> None:
-    """Writes `config.json` + `model.safetensors` that transformers loads as `ModernBertForMaskedLM`."""
+def save(directory: str, config: ModernBertConfig, params: dict, task: Optional[dict] = None) -> None:
+    """Writes `config.json` + `model.safetensors` that transformers loads as `ModernBertForMaskedLM`, or, with
+    `task` (`{"kind", "num_outputs", "labels"}`), as the matching `ModernBertFor...` class."""
+    d = config.to_hf_dict()
+    kind = task and task["kind"]
+    if task is not None:
+        if kind not in TASK_CLASSES:
+            raise ValueError(f"task kind {kind!r}: one of {sorted(TASK_CLASSES)}")
+        num = {"span": 2, "multiple_choice": 1}.get(kind, task["num_outputs"])
+        labels = list(task.get("labels") or []) or [f"LABEL_{i}" for i in range(num)]
+        d.update(architectures=[TASK_CLASSES[kind]], num_labels=num, id2label={str(i): x for i, x in enumerate(labels)},
+                 label2id={x: i for i, x in enumerate(labels)})
+        if kind == "sequence" and num == 1:
+            d["problem_type"] = "regression"
     storage.makedirs(directory)
     storage.write_bytes(os.path.join(directory, WEIGHTS),
-                        safetensors.numpy.save(to_hf(params, config), metadata={"format": "pt"}))
-    storage.write_text(os.path.join(directory, CONFIG), json.dumps(config.to_hf_dict(), indent=2, sort_keys=True))
-
+                        safetensors.numpy.save(to_hf(params, config, kind), metadata={"format": "pt"}))
+    storage.write_text(os.path.join(directory, CONFIG), json.dumps(d, indent=2, sort_keys=True))

@@ -401,3 +401,57 @@ class ModernBertForMaskedLM(nn.Module):
         if cfg.decoder_bias:
             logits = logits + self.param("decoder_bias", nn.initializers.zeros, (cfg.vocab_size,), jnp.float32)
         return hidden, logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Task heads, as transformers defines them
+# ---------------------------------------------------------------------------------------------
+
+# kind -> transformers' class: what `ModernBertForTask` computes and what an export says it is.
+TASK_CLASSES = {"sequence": "ModernBertForSequenceClassification", "token": "ModernBertForTokenClassification",
+                "span": "ModernBertForQuestionAnswering", "multiple_choice": "ModernBertForMultipleChoice"}
+
+
+class ModernBertForTask(nn.Module):
+    """The encoder, `PredictionHead` and a `classifier` (with a bias), transformers' four task models:
+
+    * "sequence": the `[CLS]` row (or the mean over real tokens, `classifier_pooling="mean"`),
+      `num_outputs` logits (1: regression);
+    * "token": every row, `num_outputs` logits per token;
+    * "span": every row, start and end logits (`num_outputs` 2), returned `[batch, length, 2]`;
+    * "multiple_choice": inputs `[batch, choices, length]`, one logit per choice from the pooled row
+      (the first real token under "cls", as transformers takes it), returned `[batch, choices]`.
+
+    Logits in float32; the classifier drawn as transformers does (std `hidden_size ** -0.5`, cut at 2 std).
+    """
+
+    config: ModernBertConfig
+    kind: str
+    num_outputs: int
+
+    @nn.compact
+    def __call__(self, input_ids: Array, input_mask: Array, pack_ids: Optional[Array] = None,
+                 deterministic: bool = True) -> Array:
+        cfg = self.config
+        if self.kind not in TASK_CLASSES:
+            raise ValueError(f"kind={self.kind!r}: one of {sorted(TASK_CLASSES)}")
+        choices = input_ids.shape[1] if self.kind == "multiple_choice" else None
+        if choices is not None:
+            input_ids, input_mask = input_ids.reshape(-1, input_ids.shape[-1]), input_mask.reshape(-1, input_mask.shape[-1])
+        hidden = ModernBertModel(cfg, name="model")(input_ids, input_mask, pack_ids, None, deterministic)
+        if self.kind in ("sequence", "multiple_choice"):
+            if cfg.classifier_pooling == "mean":
+                m = input_mask.astype(jnp.float32)[..., None]
+                hidden = (hidden.astype(jnp.float32) * m).sum(1) / m.sum(1)
+            else:
+                first = jnp.argmax(input_mask, axis=-1) if self.kind == "multiple_choice" else jnp.zeros(
+                    input_mask.shape[:1], jnp.int32)
+                hidden = jnp.take_along_axis(hidden, first[:, None, None], axis=1)[:, 0]
+        x = PredictionHead(cfg, name="head")(hidden)
+        x = nn.Dropout(cfg.classifier_dropout)(x, deterministic=deterministic)
+        width = 1 if self.kind == "multiple_choice" else self.num_outputs
+        logits = nn.Dense(width, dtype=jnp.float32, param_dtype=jnp.float32, name="classifier",
+                          kernel_init=_init(cfg, cfg.hidden_size ** -0.5))(x.astype(jnp.float32))
+        if choices is not None:
+            return logits.reshape(-1, choices)
+        return logits

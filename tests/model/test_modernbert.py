@@ -34,7 +34,8 @@ def _reference():
 
 @pytest.mark.parametrize("local_blocks", [False, True])
 def test_forward_equals_transformers_on_its_own_random_weights(local_blocks):
-    config, params = modernbert_hf.load(FIXTURE, local_blocks=local_blocks)
+    config, params, task = modernbert_hf.load(FIXTURE, local_blocks=local_blocks)
+    assert task is None
     assert config.layer_types() == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
     ref = _reference()
     hidden, logits = _forward(config, params, ref["input_ids"], ref["attention_mask"])
@@ -69,7 +70,7 @@ def test_attention_by_blocks_equals_the_band_masked_attention_for_every_real_que
 
 
 def test_an_export_writes_the_tensors_and_config_transformers_wrote(tmp_path):
-    config, params = modernbert_hf.load(FIXTURE)
+    config, params, _ = modernbert_hf.load(FIXTURE)
     modernbert_hf.save(str(tmp_path), config, params)
     theirs = safetensors.numpy.load_file(os.path.join(FIXTURE, "model.safetensors"))
     ours = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
@@ -98,7 +99,7 @@ def test_the_4x_config_keys_read_as_the_5x_ones():
 
 
 def test_a_packed_row_computes_what_each_sequence_alone_computes():
-    config, params = modernbert_hf.load(FIXTURE)
+    config, params, _ = modernbert_hf.load(FIXTURE)
     rng = np.random.RandomState(3)
     a, b = rng.randint(3, 48, size=17), rng.randint(3, 48, size=21)
     packed = np.concatenate([a, b, [0, 0]])[None]
@@ -110,7 +111,7 @@ def test_a_packed_row_computes_what_each_sequence_alone_computes():
 
 
 def test_masked_positions_gather_the_rows_the_full_logits_have():
-    config, params = modernbert_hf.load(FIXTURE)
+    config, params, _ = modernbert_hf.load(FIXTURE)
     ref = _reference()
     positions = np.array([[1, 5, 30], [2, 9, 20]])
     _, logits = _forward(config, params, ref["input_ids"], ref["attention_mask"], masked_positions=jnp.asarray(positions))
@@ -122,7 +123,7 @@ def test_a_bad_shape_or_a_foreign_checkpoint_is_refused_by_name(tmp_path):
         modernbert.ModernBertConfig(hidden_size=30, num_attention_heads=4)
     with pytest.raises(ValueError, match="odd"):
         modernbert.ModernBertConfig(hidden_size=36, num_attention_heads=4)
-    config, params = modernbert_hf.load(FIXTURE)
+    config, params, _ = modernbert_hf.load(FIXTURE)
     tensors = modernbert_hf.to_hf(params, config)
     del tensors["model.layers.2.mlp.Wo.weight"]
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.Wo\.weight"):
@@ -166,3 +167,62 @@ def test_transformers_loads_our_export_and_predicts_the_same(tmp_path):
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(ours)[real], theirs[real], atol=1e-5, rtol=0)
     assert (np.asarray(ours).argmax(-1)[real] == theirs.argmax(-1)[real]).all()
+
+
+HEAD_KINDS = [("sequence", 3, "cls"), ("sequence_mean", 3, "mean"), ("token", 5, "cls"), ("span", 2, "cls"),
+              ("multiple_choice", 1, "cls")]
+
+
+@pytest.mark.parametrize("name,num_outputs,pooling", HEAD_KINDS)
+def test_each_task_head_equals_transformers(name, num_outputs, pooling):
+    """transformers' four task models on the fixture's encoder, their heads drawn by transformers."""
+    config, params, _ = modernbert_hf.load(FIXTURE)
+    config = dataclasses.replace(config, classifier_pooling=pooling)
+    kind = name.removesuffix("_mean")
+    heads = np.load(os.path.join(FIXTURE, "heads.npz"))
+    tensors = {**modernbert_hf.to_hf(params, config),
+               **{k.split("/", 1)[1]: heads[k] for k in heads.files if k.startswith(name + "/") and "logits" not in k}}
+    del tensors["decoder.bias"]
+    task_params = modernbert_hf.from_hf(tensors, config, kind=kind)
+    ref = _reference()
+    ids, mask = ref["input_ids"], ref["attention_mask"]
+    if kind == "multiple_choice":
+        ids, mask = ids[None], mask[None]
+    logits = modernbert.ModernBertForTask(config, kind, num_outputs).apply(
+        {"params": task_params}, jnp.asarray(ids), jnp.asarray(mask))
+    want = heads[f"{name}/logits"]
+    real = ref["attention_mask"].astype(bool) if kind in ("token", "span") else np.ones(want.shape[:-1], bool)
+    assert logits.shape == want.shape
+    np.testing.assert_allclose(np.asarray(logits)[real], want[real], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind,num_outputs", [("sequence", 3), ("sequence", 1), ("token", 4), ("span", 2),
+                                              ("multiple_choice", 1)])
+def test_transformers_loads_each_exported_task_model_as_its_class(tmp_path, kind, num_outputs):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config, params, _ = modernbert_hf.load(FIXTURE)
+    ref = _reference()
+    ids, mask = ref["input_ids"], ref["attention_mask"]
+    if kind == "multiple_choice":
+        ids, mask = ids[None], mask[None]
+    model = modernbert.ModernBertForTask(config, kind, num_outputs)
+    task_params = model.init(jax.random.PRNGKey(2), jnp.asarray(ids), jnp.asarray(mask))["params"]
+    task_params = {**task_params, "model": params["model"]}
+    labels = [f"l{i}" for i in range(num_outputs)] if kind in ("sequence", "token") and num_outputs > 1 else []
+    modernbert_hf.save(str(tmp_path), config, task_params, {"kind": kind, "num_outputs": num_outputs, "labels": labels})
+    loaded_config, loaded, task = modernbert_hf.load(str(tmp_path))
+    assert task == {"kind": kind, "num_outputs": num_outputs, "labels": labels}
+    auto = {"sequence": transformers.AutoModelForSequenceClassification,
+            "token": transformers.AutoModelForTokenClassification,
+            "span": transformers.AutoModelForQuestionAnswering,
+            "multiple_choice": transformers.AutoModelForMultipleChoice}[kind]
+    theirs_model = auto.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    assert type(theirs_model).__name__ == modernbert.TASK_CLASSES[kind]
+    with torch.no_grad():
+        out = theirs_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    theirs = (torch.stack([out.start_logits, out.end_logits], -1) if kind == "span" else out.logits).numpy()
+    ours = np.asarray(model.apply({"params": loaded}, jnp.asarray(ids), jnp.asarray(mask)))
+    real = ref["attention_mask"].astype(bool) if kind in ("token", "span") else np.ones(theirs.shape[:-1], bool)
+    np.testing.assert_allclose(ours[real], theirs[real], atol=1e-5, rtol=0)
+    assert (ours.argmax(-1)[real] == theirs.argmax(-1)[real]).all()
