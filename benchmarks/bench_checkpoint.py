@@ -46,7 +46,8 @@ from bert_jax.checkpoints import checkpoint_integrity as integrity  # noqa: E402
 from bert_jax.checkpoints import checkpoint_steps, checkpointing, intact_steps  # noqa: E402
 from bert_jax.pretrain import loop as pretrain  # noqa: E402
 from bert_jax.training import run_setup  # noqa: E402
-from data_pipeline import storage, storage_paths  # noqa: E402
+from data_pipeline import storage  # noqa: E402
+from data_pipeline.storage import paths as storage_paths  # noqa: E402
 
 
 def _load_config(path):

@@ -48,7 +48,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from data_pipeline import corpora  # noqa: E402
+from data_pipeline.pretraining_data import corpora  # noqa: E402
 
 
 def wikitext_documents(path):

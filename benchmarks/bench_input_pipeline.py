@@ -31,8 +31,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from data_pipeline import input_pipeline as ip  # noqa: E402
-from data_pipeline import schema  # noqa: E402
+from data_pipeline.input import pretraining as ip  # noqa: E402
+from data_pipeline.records import schema  # noqa: E402
 
 PAD, CLS, SEP, MASK, VOCAB = 0, 101, 102, 103, 30522
 SPECIAL = dict(pad_id=PAD, cls_id=CLS, sep_id=SEP, mask_id=MASK, vocab_size=VOCAB)

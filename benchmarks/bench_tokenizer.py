@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_pipeline import fast_tokenization  # noqa: E402
 from data_pipeline import tokenization as tok  # noqa: E402
 from data_pipeline import train_vocab as tv  # noqa: E402
+from data_pipeline.tokenization import fast as fast_tokenization  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 VOCABS = (("bert-base-uncased", True), ("bert-base-cased", False))
@@ -90,8 +90,8 @@ def bench_speed(data_dir: Path, repeats: int) -> bool:
 
         fast_tokenization._unicode_tables.cache_clear()  # the cold pass pays for building them
         t_cold, cold = timed(
-            lambda: tok.FastTokenizer(vocab_file, do_lower_case=lower).encode_batch(lines))
-        fast = tok.FastTokenizer(vocab_file, do_lower_case=lower)
+            lambda: fast_tokenization.FastTokenizer(vocab_file, do_lower_case=lower).encode_batch(lines))
+        fast = fast_tokenization.FastTokenizer(vocab_file, do_lower_case=lower)
         fast.encode_batch(lines)
         t_warm = float("inf")
         for _ in range(repeats):

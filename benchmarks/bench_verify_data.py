@@ -26,7 +26,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from data_pipeline import records, schema, storage, storage_paths  # noqa: E402
+from data_pipeline import storage  # noqa: E402
+from data_pipeline.records import reader as records, schema  # noqa: E402
+from data_pipeline.storage import paths as storage_paths  # noqa: E402
 
 
 def main(argv=None):

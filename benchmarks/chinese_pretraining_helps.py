@@ -161,7 +161,7 @@ def review_documents(reviews: list[tuple[str, str]], per_doc: int = 10, seed: in
 
 
 def stage_corpus(out: str, splits_dir: str, max_reviews: int) -> dict:
-    from data_pipeline import corpora
+    from data_pipeline.pretraining_data import corpora
 
     done = os.path.join(out, "corpus_info.json")
     if os.path.exists(done):

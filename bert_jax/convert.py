@@ -43,7 +43,8 @@ from bert_jax.formats.google import (  # noqa: F401
 from bert_jax.formats.hf import (  # noqa: F401
     _HF_WEIGHTS, _read_hf_config, flax_to_hf_names, from_hf, hf_config_dict, hf_name, load_hf, save_hf, to_hf)
 from bert_jax.model.model_config import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
-from data_pipeline import storage, storage_paths, storage_staging
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths, staging as storage_staging
 
 
 # ---------------------------------------------------------------------------------------------

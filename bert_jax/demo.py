@@ -22,7 +22,8 @@ import ml_collections
 from bert_jax import layout
 from bert_jax.pretrain import loop as pretrain
 from bert_jax.training import run_setup, sharding
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 PROMPTS = (
     "The function returns a [MASK] of the elements.",
@@ -34,7 +35,9 @@ PROMPTS = (
 
 def prepare_data(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Stages 1-3; returns the paths the pretraining config needs."""
-    from data_pipeline import corpora, create_pretraining_data, manifests, train_vocab
+    from data_pipeline import create_pretraining_data, train_vocab
+    from data_pipeline.pretraining_data import corpora
+    from data_pipeline.records import manifests
 
     d = config.demo
     corpus_dir = storage_paths.join(workdir, "corpus")

@@ -93,8 +93,8 @@ def of(error: BaseException) -> int:
         (_loaded("bert_jax.versions", "VersionMismatchError"), VERSION),
         (_loaded("bert_jax.pretrain.divergence", "DivergenceError"), DIVERGED),
         (_loaded("bert_jax.pretrain.loop", "NonFiniteLossError"), NONFINITE),
-        (_loaded("data_pipeline.records", "CorruptDataError")
-         + _loaded("data_pipeline.manifests", "ManifestMismatchError", "UnreadableManifest")
+        (_loaded("data_pipeline.records.reader", "CorruptDataError")
+         + _loaded("data_pipeline.records.manifests", "ManifestMismatchError", "UnreadableManifest")
          + _loaded("data_pipeline.tasks", "DataError"), DATA),
     )
     for types, code in classes:

@@ -40,7 +40,8 @@ from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 COMBINATIONS = ("none", "embeddings", "second_to_last", "last", "sum_last_four", "concat_last_four", "sum_all")
 
@@ -274,6 +275,7 @@ def main(argv):
     from bert_jax.model.model_config import BertConfig
     from bert_jax.training import cpu_bf16
     from data_pipeline import tokenization
+    from data_pipeline.tokenization.fast import FastTokenizer
 
     FLAGS = flags.FLAGS
     # Before anything runs: an unusable path is named (and no local folder "gs:" is made).
@@ -305,7 +307,7 @@ def main(argv):
     elif pretrained.do_lower_case is not None and pretrained.do_lower_case != do_lower_case:
         logging.warning("--do_lower_case=%s but the checkpoint is %s: features will be poor",
                         do_lower_case, "uncased" if pretrained.do_lower_case else "cased")
-    tokenizer = tokenization.FastTokenizer(vocab_file, do_lower_case=do_lower_case)
+    tokenizer = FastTokenizer(vocab_file, do_lower_case=do_lower_case)
     tokenization.require_tokens(tokenizer.vocab, vocab_file, ("[CLS]", "[SEP]"))
     extractor = FeatureExtractor(config, convert.model_params(pretrained, config, heads=False)["bert"],
                                  layers, FLAGS.combine, FLAGS.sentence_pooling)

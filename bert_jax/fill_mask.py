@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     if args.top_k < 1:
         parser.error(f"--top_k={args.top_k} must be at least 1")
     lower = None if args.do_lower_case is None else args.do_lower_case == "true"
-    from data_pipeline import storage_paths
+    from data_pipeline.storage import paths as storage_paths
     try:  # before anything is read: a path no backend handles, named by its flag
         storage_paths.check(args.init_checkpoint, "--init_checkpoint", urls=True)
         if args.vocab_file:

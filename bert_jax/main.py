@@ -79,7 +79,7 @@ def main(argv):
         refuse(f"FATAL: {e}")
     logging.info("host memory: %s", memory)
     from bert_jax.workdir import check_paths
-    from data_pipeline.storage_paths import StorageError
+    from data_pipeline.storage.paths import StorageError
     try:  # a path no installed backend handles: refused before anything runs or is written
         check_paths(config.to_dict(), _WORKDIR.value)
     except StorageError as e:

@@ -39,7 +39,8 @@ import os
 import sys
 import time
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 RECIPES = {
     "paper": [{"seq_len": 128, "steps": 900_000, "batch": 256}, {"seq_len": 512, "steps": 100_000, "batch": 256}],

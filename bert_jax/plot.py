@@ -17,7 +17,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 _SKIP = ("per_second", "mfu", "finite", "steps_per", "input_ms", "input_fraction")
 

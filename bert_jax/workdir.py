@@ -6,7 +6,7 @@ step), `eval_results.json` / `eval_history.json`, and TensorBoard event files. E
 through `data_pipeline.storage`: a workdir may be a local folder or `gs://bucket/run`.
 
 Logs are written off the training step: `MetricWriter.append_jsonl` and the TensorBoard uploads
-only queue work for one background thread (`data_pipeline.log_writer`), so a stalled or failing
+only queue work for one background thread (`data_pipeline.storage.log_writer`), so a stalled or failing
 bucket delays or drops log lines (counted, logged) but never stalls or stops training.
 TensorBoard's writer only writes local files: for a gs:// workdir the events are written into a
 staging folder of the cache and uploaded whole (as TensorFlow's own GCS writer re-uploads a file
@@ -19,7 +19,7 @@ there), at most once a second, each line once (`storage_atomic.Appender`); the l
 most 10 s) before each checkpoint save, so a committed step's lines are in the log.
 
 `check_paths` refuses, before anything runs, a workdir or config path that no installed backend
-handles, naming the flag or key (data_pipeline.storage_paths.check).
+handles, naming the flag or key (data_pipeline.storage.paths.check).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from typing import Any, Iterable, Mapping, Optional
 
 from bert_jax import layout
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage, storage_paths, storage_staging
-from data_pipeline.log_writer import CLOSE_TIMEOUT_S, MIRROR_INTERVAL_S, LogWriter
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths, staging as storage_staging
+from data_pipeline.storage.log_writer import CLOSE_TIMEOUT_S, MIRROR_INTERVAL_S, LogWriter
 
 # A new event file once the current one passes this: a gs:// workdir uploads its newest file
 # whole every few seconds, and 4 MiB took 0.1 s against the emulator (a week at 600 bytes per log
@@ -134,7 +135,7 @@ def write_json(workdir: str, name: str, value: Any, **kwargs) -> str:
 class _EventFile:
     """TensorBoard's event file, written without TensorFlow (whose import, through clu's writer,
     took 3.7 s of a fine-tuning run's start and was its only use of TensorFlow), as the fast
-    record writer does (`data_pipeline.tfrecord`): TensorBoard's `Event` protos in TFRecord
+    record writer does (`data_pipeline.records.tfrecord`): TensorBoard's `Event` protos in TFRecord
     framing, scalars as float32 tensors of the "scalars" plugin and the hyper-parameters as the
     "hparams" plugin's summary (`tensorboard.plugins.hparams.summary_v2.hparams_pb`), as
     `tf.summary` writes them."""
@@ -156,7 +157,7 @@ class _EventFile:
         self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def _write(self, event) -> None:
-        from data_pipeline import tfrecord  # the project's TFRecord framing without TensorFlow
+        from data_pipeline.records import tfrecord  # the project's TFRecord framing without TensorFlow
 
         self._file.write(tfrecord.frame_records([event.SerializeToString()]))
         self._file.flush()  # a few events per log step: TensorBoard follows a local run as it goes
@@ -192,7 +193,7 @@ class MetricWriter:
     `events_dir` unless `just_logging`, and the run's text logs (`append_jsonl`).
 
     Nothing here waits on storage: the text logs, and the uploads of a staging folder's events
-    (`metric_writer`), go through `self.logs`, a `data_pipeline.log_writer.LogWriter` (one
+    (`metric_writer`), go through `self.logs`, a `data_pipeline.storage.log_writer.LogWriter` (one
     background thread: coalesced, rate-limited, retried within a budget, then dropped and
     counted). `flush` and `close` wait for it at most `timeout` seconds. A new event file is
     started once the current one passes `EVENT_FILE_BYTES`, so that each upload stays small.

@@ -57,12 +57,13 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 
 from absl import app, flags
 
-from data_pipeline import (chinese_words, corpora, instances as inst, schema, shards, storage, storage_paths, tfrecord,
-                           tokenization)
-# The per-shard work and its options live in shards.py (the Beam runner shares them); importable from here too.
-from data_pipeline.shards import (  # noqa: F401
-    BATCH_INSTANCES, Options, ShardTotals, check_output_dir_free, dataset_info, init_worker, output_dir, output_index,
-    shard_records, shard_rng, worker_options)
+from data_pipeline import storage, tokenization
+from data_pipeline.pretraining_data import chinese_words, corpora, instances as inst, shards
+from data_pipeline.records import schema, tfrecord
+from data_pipeline.storage import paths as storage_paths
+# The per-shard work and its options live in shards.py (the Beam runner shares them).
+from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_output_dir_free, dataset_info,
+                                                   init_worker, output_dir, output_index, shard_records)
 
 FLAGS = flags.FLAGS
 
@@ -378,7 +379,7 @@ def main(argv):
                            FLAGS.compression)
     used = {name: FLAGS[name].value for name in FLAG_NAMES}
     if FLAGS.runner == "beam":
-        from data_pipeline import beam_pipeline  # Beam is an optional extra; only this path needs it
+        from data_pipeline.pretraining_data import beam_pipeline  # Beam is an optional extra; only this path needs it
 
         info = beam_pipeline.run(opts, sources=sources, outputs=outputs, compression=FLAGS.compression,
                                  num_workers=FLAGS.num_workers, beam_runner=FLAGS.beam_runner,

@@ -39,7 +39,10 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from absl import app, flags, logging
 
-from data_pipeline import storage, storage_paths, storage_staging, tokenization
+from data_pipeline import storage, tokenization
+from data_pipeline.storage import paths as storage_paths, staging as storage_staging
+from data_pipeline.tokenization.fast import FastBasicTokenizer, FastTokenizer
+from data_pipeline.tokenization.sentencepiece_tokenizer import SPM_SIDECAR_SUFFIX
 
 GOOGLE_VOCAB_SIZE = 30522
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -115,7 +118,7 @@ def _batched(items: Iterable[str], size: int) -> Iterator[List[str]]:
 
 def count_words(texts: Iterable[str], do_lower_case: bool) -> "collections.Counter[str]":
     """Counts the basic tokens (`BasicTokenizer` output) of `texts`."""
-    basic = tokenization.FastBasicTokenizer(do_lower_case)
+    basic = FastBasicTokenizer(do_lower_case)
     counts: "collections.Counter[str]" = collections.Counter()
     for batch in _batched(texts, _READ_BATCH_LINES):
         for words in basic.tokenize_batch(batch):
@@ -300,9 +303,9 @@ def train_vocab_from_texts(texts: Iterable[str], vocab_size: int, output_file: s
     vocab = build_vocab(word_counts, vocab_size, stats=stats, **kwargs)
     write_vocab(vocab, output_file)
     if kwargs.get("spm_model_prefix"):
-        # The model learned from BasicTokenizer output: tokenization.create_tokenizer reads this
+        # The model learned from BasicTokenizer output: sentencepiece_tokenizer.create_tokenizer reads this
         # to run the same basic tokenization (and casing) before the model.
-        storage.write_text(kwargs["spm_model_prefix"] + tokenization.SPM_SIDECAR_SUFFIX,
+        storage.write_text(kwargs["spm_model_prefix"] + SPM_SIDECAR_SUFFIX,
                            json.dumps({"basic_tokenize": True, "do_lower_case": bool(do_lower_case)}))
     return stats
 
@@ -345,7 +348,7 @@ def train_vocab(input_files: Union[str, Sequence[str]], vocab_size: int, output_
 
 def unk_rate(vocab_file: str, texts: Iterable[str], do_lower_case: bool = True) -> Tuple[int, int]:
     """(number of `[UNK]` tokens, number of tokens) of `texts` under `FastTokenizer`."""
-    tokenizer = tokenization.FastTokenizer(vocab_file, do_lower_case)
+    tokenizer = FastTokenizer(vocab_file, do_lower_case)
     unk_id = tokenizer.vocab[tokenization.UNK_TOKEN]
     unknown = total = 0
     for batch in _batched(texts, _READ_BATCH_LINES):
@@ -364,7 +367,7 @@ flags.DEFINE_enum("model_type", "bpe", ["bpe", "unigram"], "SentencePiece model 
 flags.DEFINE_integer("min_char_count", 2, "Characters seen fewer times become [UNK].")
 flags.DEFINE_string("spm_model_prefix", None,
                     "If set, also keep the SentencePiece model as PREFIX.model/.vocab "
-                    "(load with tokenization.create_tokenizer(PREFIX.model), which reads "
+                    "(load with sentencepiece_tokenizer.create_tokenizer(PREFIX.model), which reads "
                     "PREFIX.tokenizer.json for the basic tokenization and casing it was trained with).")
 flags.DEFINE_integer("heldout_every", 0, "Hold out every N-th line; report its [UNK] rate.")
 flags.DEFINE_integer("num_threads", 2, "SentencePiece trainer threads.")

@@ -79,7 +79,7 @@ wait_gone() {  # wait_gone SECONDS PID...: 0 when every PID has exited in time
 upload_log() {  # upload_log DEST [LOG]: LOG (default: the newest) to DEST/worker-<N>.log (through bert_jax's storage)
   local log="${2:-$RUN_DIR/logs/latest.log}"
   [ -e "$log" ] || return 0
-  "$PYTHON" -c 'import sys; from data_pipeline import storage, storage_paths; storage.copy(sys.argv[1], storage_paths.join(sys.argv[2], sys.argv[3]))' \
+  "$PYTHON" -c 'import sys; from data_pipeline import storage; from data_pipeline.storage import paths; storage.copy(sys.argv[1], paths.join(sys.argv[2], sys.argv[3]))' \
     "$(readlink -f "$log")" "$1" "worker-$(worker_id).log" || echo "$(hostname): could not upload the log to $1" >&2
 }
 

@@ -54,7 +54,7 @@ def load_benchmark():
 # What points every client at the emulator: gcsfs (our storage layer, and orbax's metadata through
 # etils.epath with EPATH_USE_TF=false) reads STORAGE_EMULATOR_HOST, tensorstore (orbax's array
 # data) TENSORSTORE_GCS_HTTP_URL. TensorFlow's own GCS client has no such setting: with the
-# override set, data_pipeline.storage_staging.tf_path gives tf.data local copies of gs:// records.
+# override set, data_pipeline.storage.staging.tf_path gives tf.data local copies of gs:// records.
 # GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: gcsfs's bucket-type probe needs real credentials.
 GCS_ENV = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
            "EPATH_USE_TF", "BERT_JAX_TEST_EMULATOR_PID")
@@ -105,7 +105,7 @@ def bucket(gcs_server, request):
     import re
     import uuid
 
-    from data_pipeline import storage_gcs
+    from data_pipeline.storage import gcs as storage_gcs
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
     storage_gcs.filesystem("gs://x").mkdir(name)
     return f"gs://{name}"

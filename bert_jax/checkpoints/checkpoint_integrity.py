@@ -47,7 +47,8 @@ from typing import Optional
 
 import google_crc32c
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 MANIFEST = "bert_jax_integrity.json"
 INPUT_STATE = "input_state"

@@ -25,7 +25,8 @@ import orbax.checkpoint as ocp
 from bert_jax.checkpoints import input_state
 from bert_jax.checkpoints.checkpoint_steps import (INFO, META, ON_DAMAGED, STATE, CheckpointRestoreError, check_step,
                                        corrupt_error, is_read_failure, read_error)
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 PyTree = Any
 

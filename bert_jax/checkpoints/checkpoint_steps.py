@@ -42,7 +42,8 @@ import time
 from typing import Optional
 
 from bert_jax.checkpoints import checkpoint_integrity as integrity
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 # Items and folders of the layout above.
 STATE = "state"

@@ -67,7 +67,7 @@ from bert_jax.checkpoints.host_agreement import HostAgreement
 from bert_jax.checkpoints.intact_steps import IntactSteps
 from bert_jax.checkpoints.preemption import Preemption
 from bert_jax.checkpoints.save_deadline import Deadline
-from data_pipeline import storage_paths
+from data_pipeline.storage import paths as storage_paths
 
 PyTree = Any
 

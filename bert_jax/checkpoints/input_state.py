@@ -20,7 +20,8 @@ from typing import Callable, Optional
 
 from bert_jax.checkpoints import checkpoint_integrity as integrity
 from bert_jax.checkpoints.checkpoint_steps import INPUT_STATE, CheckpointCorruptError, input_dir
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 
 def process_dir(directory: str, step: int, process_index: int) -> str:

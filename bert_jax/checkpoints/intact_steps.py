@@ -18,7 +18,8 @@ from typing import Optional
 from bert_jax.checkpoints import checkpoint_integrity as integrity
 from bert_jax.checkpoints.checkpoint_steps import STATE, CheckpointRestoreError, check_step, corrupt_error, move_aside
 from bert_jax.checkpoints.host_agreement import HostAgreement
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 
 class IntactSteps:

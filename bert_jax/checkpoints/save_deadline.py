@@ -2,7 +2,7 @@
 
 A save writes the state's arrays through tensorstore and its metadata through gcsfs (on Cloud
 Storage), partly in the caller's thread and partly in orbax's background thread; a restore reads
-them back in the caller's thread. gcsfs's requests are bounded (`data_pipeline.storage_gcs.gcs_timeout`),
+them back in the caller's thread. gcsfs's requests are bounded (`data_pipeline.storage.gcs.gcs_timeout`),
 tensorstore's are not by default: a read or write of a bucket that stops answering waits for as
 long as the bucket does, and on a pod the other hosts wait for it in the next collective,
 heartbeating: the run hangs without an error. `Deadline` gives each save `seconds`

@@ -62,7 +62,8 @@ from bert_jax.finetune import batches as finetune_batches, heads, packing, resta
 from bert_jax.layout import TASK_FILE
 from bert_jax.model.model_config import BertConfig
 from bert_jax.training import compile_ahead, optim, run_setup, sharding, train_state
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 
 # ---------------------------------------------------------------------------------------------

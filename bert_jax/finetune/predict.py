@@ -40,7 +40,8 @@ from bert_jax.finetune import batches as finetune_batches, heads, restarts, step
 from bert_jax.formats.common import read_task
 from bert_jax.layout import TASK_FILE
 from bert_jax.training import run_setup, sharding
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 PREDICT_FORMATS = ("auto", "text", "task")
 PREDICT_PARAMS = ("best", "last")

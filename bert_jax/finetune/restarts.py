@@ -39,7 +39,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bert_jax import layout, workdir as workdir_files
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 SEEDS = layout.SEEDS  # W/seeds/<seed>/: one seed's run
 # Integers of a run's results that count, not measure: no mean or std.

@@ -22,7 +22,8 @@ from bert_jax.formats.common import (FINETUNED, HEADS, TASK_HEAD, Pretrained, _m
                                      task_of, unrolled, write_task)
 from bert_jax.formats.google import from_google, to_google
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 
 def _step_dirs(directory: str) -> list[int]:

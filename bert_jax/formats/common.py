@@ -21,7 +21,8 @@ from absl import logging
 from bert_jax import layout
 from bert_jax.layout import TASK_FILE
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 FORMATS = ("bert_jax", "google", "hf")
 HEADS = ("mlm", "nsp")

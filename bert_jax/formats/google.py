@@ -32,7 +32,8 @@ from bert_jax.formats.common import (HEADS, TASK_HEAD, Pretrained, _get, _load_j
                                      _read_casing, _require, _set, _write_tokenizer_files, casing_from_vocab,
                                      check_head, head_output, read_task, task_of, unrolled, write_task)
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage, storage_paths, storage_staging
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths, staging as storage_staging
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from bert_jax.formats.common import (HEADS, TASK_HEAD, Pretrained, _load_json, _
                                      check_task, head_output, task_of)
 from bert_jax.formats.google import _GOOGLE_FIELDS, _table, from_google, to_google
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage, storage_paths, storage_staging
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths, staging as storage_staging
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from typing import Callable, Optional
 from bert_jax import layout
 from bert_jax.pod import calls
 from bert_jax.pod.progress import newest_committed_step
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 SHIPPED = ("setup.py", "README.md", "bert_jax", "data_pipeline", "configs", "launch")
 

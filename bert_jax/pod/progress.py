@@ -33,7 +33,8 @@ from typing import Callable, Optional
 
 from bert_jax import layout
 from bert_jax.pod import calls
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 TAIL_BYTES = 64 * 1024
 

@@ -34,7 +34,8 @@ import uuid
 from typing import Callable, Optional
 
 from bert_jax.pod import calls
-from data_pipeline import storage, storage_atomic
+from data_pipeline import storage
+from data_pipeline.storage import atomic as storage_atomic
 
 
 def now_iso() -> str:

@@ -58,7 +58,8 @@ from bert_jax.pod.progress import Progress, newest_committed_step
 from bert_jax.pod.records import Attempts, Lease, LeaseHeld, local_state_dir
 from bert_jax.pod.settings import Settings
 from bert_jax.pod.slice import GONE, NOT_FOUND, QUEUED_FAILED, Reading, Slice, maintenance_of
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 # A worker's status line (launch/tpu_worker.sh), wherever on its line it starts (a log's last line
 # without a newline before it).

@@ -52,7 +52,7 @@ from bert_jax.pretrain.phases import resolve_phases
 from bert_jax.pretrain.pretrain_input import make_eval_input, make_train_input, run_eval
 from bert_jax.training import optim, run_setup, sharding, train_state
 from bert_jax.workdir import metric_writer, write_json, write_model_files
-from data_pipeline import storage_paths
+from data_pipeline.storage import paths as storage_paths
 
 
 def blocks_every_step(backend: str, process_count: int) -> bool:

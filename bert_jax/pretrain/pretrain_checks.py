@@ -106,7 +106,7 @@ def check_mesh(config, bert_config: BertConfig, mesh) -> None:
 def check_sequence_lengths(config: ml_collections.ConfigDict, bert_config: BertConfig, phases: list) -> None:
     """Each phase's length against the position table and against its records, before compiling
     (else: a trace error without the field, or a tf parse error, at phase 2 hours into a run)."""
-    from data_pipeline import input_pipeline
+    from data_pipeline.records import reader
     for i, phase in enumerate(phases):
         where = f"config.phases[{i}]." if config.phases else "config."
         if phase.max_seq_length > bert_config.max_position_embeddings:
@@ -114,7 +114,7 @@ def check_sequence_lengths(config: ml_collections.ConfigDict, bert_config: BertC
                 f"{where}max_seq_length={phase.max_seq_length} exceeds config.model.max_position_embeddings="
                 f"{bert_config.max_position_embeddings}: the model has no position embedding past "
                 f"{bert_config.max_position_embeddings} (lower the length or enlarge the model's table)")
-        length, predictions = input_pipeline.record_shape(phase.train_data)
+        length, predictions = reader.record_shape(phase.train_data)
         if (length, predictions) != (phase.max_seq_length, phase.max_predictions_per_seq):
             raise ValueError(
                 f"the records {phase.train_data} were written with max_seq_length={length}, "
@@ -162,11 +162,13 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
     gone and the bytes differ, the tokens cannot be compared: a warning."""
     if not vocab_file:
         return
-    from data_pipeline import input_pipeline, schema, storage, tokenization
+    from data_pipeline import storage, tokenization
+    from data_pipeline.records import reader
+    from data_pipeline.records import schema
 
     digest = None
     for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
-        info = input_pipeline.dataset_info(pattern)
+        info = reader.dataset_info(pattern)
         want = info.get("vocab_sha256")
         if not want:
             continue
@@ -189,9 +191,9 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
 def data_casing(phases: Sequence[Phase]) -> Optional[bool]:
     """`do_lower_case` the training data was made with (its dataset_info.json flags), if recorded
     and the same for every phase; None otherwise."""
-    from data_pipeline import input_pipeline
+    from data_pipeline.records import reader
 
-    found = {input_pipeline.dataset_info(p.train_data).get("flags", {}).get("do_lower_case") for p in phases}
+    found = {reader.dataset_info(p.train_data).get("flags", {}).get("do_lower_case") for p in phases}
     if len(found) > 1:
         logging.warning("the phases' data disagree on do_lower_case (%s): no casing recorded in the workdir",
                         sorted(found, key=str))

@@ -2,7 +2,7 @@
 
 `make_train_input` builds this host's share of a phase's data (`ShardedInput`: a fixed number of
 file shards, so the global batch does not depend on the host count) from
-`data_pipeline.input_pipeline`; it yields host-local numpy batches and saves/restores its position
+`data_pipeline.input.pretraining`; it yields host-local numpy batches and saves/restores its position
 with each checkpoint. `make_eval_input` is one padded pass over held-out records and `run_eval`
 sums `eval_step` over it. The batches become global arrays in `run_eval` here and in the loop
 (`sharding.to_global`).
@@ -25,7 +25,7 @@ import numpy as np
 from bert_jax.pretrain import steps
 from bert_jax.pretrain.phases import Phase
 from bert_jax.training import sharding
-from data_pipeline import storage_paths
+from data_pipeline.storage import paths as storage_paths
 
 
 class ShardedInput:
@@ -89,10 +89,10 @@ def make_train_input(config, phase: Phase, special_ids: Optional[dict],
     """This host's training batches of `phase`: its rows of `config.global_batch_size`, from
     `config.data_shards` file shards (default one per process). With `config.verify_data`, logs
     what checking the files took; with `workdir`, keeps their hashes there too (module docstring)."""
-    from data_pipeline import input_pipeline
+    from data_pipeline.input import masking, pretraining as input_pipeline
 
     # Which ids are `##` pieces: whole-word dynamic masking (asked, or as the records were made).
-    subword = (input_pipeline.subword_table(config.vocab_file)
+    subword = (masking.subword_table(config.vocab_file)
                if config.dynamic_masking and config.vocab_file else None)
 
     def make(shard: int, num_shards: int, shards_per_host: int):
@@ -133,8 +133,9 @@ def make_eval_input(config, data: str, workdir: Optional[str] = None):
     """One padded pass over `data`, at the records' own length and prediction count (whatever the
     training phase's are: a 128 -> 512 run evaluates on the same held-out records throughout).
     With `workdir`, the hashes of its verified files are kept there too (module docstring)."""
-    from data_pipeline import input_pipeline
-    max_seq_length, max_predictions_per_seq = input_pipeline.record_shape(data)
+    from data_pipeline.input import pretraining as input_pipeline
+    from data_pipeline.records import reader
+    max_seq_length, max_predictions_per_seq = reader.record_shape(data)
     global_batch = config.eval_batch_size or config.global_batch_size
     return input_pipeline.make_eval_iterator(
         data,

@@ -36,7 +36,8 @@ import jax
 
 from bert_jax import layout
 from bert_jax.pretrain.divergence import Divergence, DivergenceError, Settings
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 # Grepped by the pod supervisor (bert_jax/pod/progress.py): keep the key names and the event's name.
 ROLLBACK_EVENT = "rollback"

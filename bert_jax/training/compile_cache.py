@@ -28,7 +28,8 @@ import importlib.util
 import os
 import threading
 
-from data_pipeline import storage, storage_paths, storage_staging
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths, staging as storage_staging
 
 AUTO_MAX_BYTES = 4 << 30  # "auto": at most 4 GiB on disk, least recently used programs dropped first
 OFF = ("off", "false", "none", "no")

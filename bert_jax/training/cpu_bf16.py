@@ -37,7 +37,8 @@ import numpy as np
 
 from bert_jax import layout
 from bert_jax.model import mixed_precision
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 SETTINGS = ("off", "on", "auto")
 # "auto" takes the bf16 path where its measured matmul is at least this much faster than float32's.

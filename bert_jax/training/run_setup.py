@@ -27,7 +27,8 @@ from bert_jax.model import modeling
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
 from bert_jax.training import cpu_bf16, sharding
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 # Peak dense bf16 FLOP/s per device, for MFU (by jax's device_kind prefix).
 PEAK_FLOPS = {

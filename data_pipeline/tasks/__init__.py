@@ -44,7 +44,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 HEAD_KINDS = ("classification", "regression", "span", "token", "multiple_choice")
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids")

@@ -28,7 +28,8 @@ from typing import Optional
 
 import numpy as np
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 from data_pipeline.tasks import DataError, Task
 from data_pipeline.tasks.files import (OwnFiles, labels_in_order, parse_labels, read_table, require_columns,
                                        table_format)
@@ -178,8 +179,8 @@ class Classification(OwnFiles, Task):
                                pair=bool(self.columns["text_b_column"]))
 
     def make_tokenizer(self, vocab_file: str, do_lower_case: bool):
-        from data_pipeline import tokenization  # memoized: the same tokens as FullTokenizer, faster
-        return tokenization.FastTokenizer(vocab_file, do_lower_case)
+        from data_pipeline.tokenization.fast import FastTokenizer  # memoized: the same tokens as FullTokenizer, faster
+        return FastTokenizer(vocab_file, do_lower_case)
 
     def postprocess(self, examples, features, outputs):
         logits = np.asarray(outputs["logits"])

@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 from data_pipeline.tasks import BadRows, DataError, read_text
 
 TABLE_FORMATS = ("csv", "tsv", "jsonl")

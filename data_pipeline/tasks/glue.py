@@ -34,7 +34,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 from data_pipeline.tasks import DataError, Task, encode_pair, read_tsv, stack, tfds_examples, tokenize_all, check_vocab
 
 
@@ -240,8 +241,8 @@ class GlueTask(Task):
         self.test_splits = tuple(s for s in self.spec.splits if s.startswith("test"))
 
     def make_tokenizer(self, vocab_file: str, do_lower_case: bool):
-        from data_pipeline import tokenization  # memoized: same tokens as FullTokenizer, much faster
-        return tokenization.FastTokenizer(vocab_file, do_lower_case)
+        from data_pipeline.tokenization.fast import FastTokenizer  # memoized: same tokens as FullTokenizer, much faster
+        return FastTokenizer(vocab_file, do_lower_case)
 
     def _folder(self) -> str:
         nested = storage_paths.join(self.data_dir, self.spec.folder)

@@ -15,7 +15,8 @@ import io
 
 import numpy as np
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 from data_pipeline.tasks import Task, check_vocab, encode_pair, read_text, stack, tokenize_all
 from data_pipeline.tasks.glue import accuracy
@@ -45,8 +46,8 @@ class Swag(Task):
     files = {"train": ("train.csv",), "dev": ("val.csv", "dev.csv"), "test": ("test.csv",)}
 
     def make_tokenizer(self, vocab_file, do_lower_case):
-        from data_pipeline import tokenization
-        return tokenization.FastTokenizer(vocab_file, do_lower_case)
+        from data_pipeline.tokenization.fast import FastTokenizer
+        return FastTokenizer(vocab_file, do_lower_case)
 
     def read(self, split: str) -> list[Example]:
         if split not in self.files:

@@ -26,7 +26,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 from data_pipeline.tasks import Task, check_vocab, pad_row, read_text, stack, tfds_examples
 

@@ -37,7 +37,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 from data_pipeline.tasks import Task, check_vocab, pad_row, read_json, stack, tfds_examples
 # The official scorer lives in squad_eval; its names stay importable from here (and `main` runs below).

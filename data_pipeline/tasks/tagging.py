@@ -32,7 +32,8 @@ from __future__ import annotations
 import io
 import json
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 from data_pipeline.tasks import DataError, read_text
 from data_pipeline.tasks.files import OwnFiles, parse_labels, read_jsonl
 from data_pipeline.tasks.ner import Conll2003, Example, conlleval

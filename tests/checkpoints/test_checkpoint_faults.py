@@ -31,7 +31,7 @@ from bert_jax.checkpoints import checkpoint_integrity as integrity
 from bert_jax.checkpoints.checkpoint_reading import restore_part, saved_keys
 from bert_jax.checkpoints.checkpoint_steps import CheckpointCorruptError, CheckpointSaveError, check_step
 from bert_jax.checkpoints.checkpointing import Checkpointer
-from data_pipeline import storage_atomic
+from data_pipeline.storage import atomic as storage_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The Beam runner (`data_pipeline.beam_pipeline`) on the DirectRunner: byte for byte the local
+"""The Beam runner (`data_pipeline.pretraining_data.beam_pipeline`) on the DirectRunner: byte for byte the local
 path's files, the same dataset_info.json (timing, RSS and the runner's own fields aside), counters
 equal to the local statistics, and errors that name the file or flag.
 
@@ -22,7 +22,9 @@ import pytest
 
 pytest.importorskip("apache_beam")
 
-from data_pipeline import beam_pipeline, corpora, create_pretraining_data as cpd  # noqa: E402
+from data_pipeline import create_pretraining_data as cpd  # noqa: E402
+from data_pipeline.pretraining_data import beam_pipeline, corpora  # noqa: E402
+from data_pipeline.pretraining_data import shards  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEMS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta",
@@ -82,13 +84,13 @@ def test_bucket_size_and_file_assignment_invert_the_local_rule():
             got = [beam_pipeline.bucket_size(num_records, b, num_outputs) for b in range(num_outputs)]
             assert got == want.tolist()
             for before in (0, 4, 11):
-                files = [cpd.output_index(before, b, num_outputs) for b in range(num_outputs)]
+                files = [shards.output_index(before, b, num_outputs) for b in range(num_outputs)]
                 assert sorted(files) == list(range(num_outputs))  # each bucket its own file
 
 
 def test_direct_runner_in_process_writes_the_local_paths_files(tmp_path):
     files, vocab = write_corpus(tmp_path)
-    opts = cpd.Options(vocab_file=str(vocab), max_seq_length=32, max_predictions_per_seq=5, dupe_factor=3,
+    opts = shards.Options(vocab_file=str(vocab), max_seq_length=32, max_predictions_per_seq=5, dupe_factor=3,
                        random_seed=17)
     sources = [("text", f) for f in files]
     names = [f"part-{i}" for i in range(3)]
@@ -118,10 +120,10 @@ def test_a_beam_run_joins_a_folder_other_runs_wrote_with_its_own_manifest(tmp_pa
     """Google's "call the script multiple times", one of the calls a Beam job: each run's manifest
     beside its records, all of them one dataset (`manifests`: every file listed once, the same
     settings); a Beam run overwriting another run's files is refused before the job starts."""
-    from data_pipeline import manifests
+    from data_pipeline.records import manifests
 
     files, vocab = write_corpus(tmp_path)
-    opts = cpd.Options(vocab_file=str(vocab), max_seq_length=32, max_predictions_per_seq=5, dupe_factor=2)
+    opts = shards.Options(vocab_file=str(vocab), max_seq_length=32, max_predictions_per_seq=5, dupe_factor=2)
     out = tmp_path / "data"
     cpd.run(opts, sources=[("text", files[0])], outputs=[str(out / "local.tfrecord")], reference_compatible=False)
     beam = [str(out / f"beam-{i:05d}-of-00003.tfrecord") for i in range(3)]
@@ -144,12 +146,12 @@ def test_the_shard_step_carries_the_vocab_to_workers_that_cannot_read_the_driver
     """On Dataflow the workers have no --vocab_file of the driver's machine: the pickled step
     carries the vocabulary. Here the file is moved away between pickling and processing."""
     files, vocab = write_corpus(tmp_path)
-    opts = cpd.Options(vocab_file=str(vocab), max_seq_length=32, max_predictions_per_seq=5, dupe_factor=2)
-    cpd.init_worker(opts, 2)
-    chunks, counts, _, _, _ = cpd.shard_records((3, ("text", files[3])))  # what the local path makes
+    opts = shards.Options(vocab_file=str(vocab), max_seq_length=32, max_predictions_per_seq=5, dupe_factor=2)
+    shards.init_worker(opts, 2)
+    chunks, counts, _, _, _ = shards.shard_records((3, ("text", files[3])))  # what the local path makes
     step = pickle.dumps(beam_pipeline._ProcessShard(opts, 2, str(tmp_path / "job")))
     vocab.rename(tmp_path / "elsewhere.txt")
-    cpd.init_worker(dataclasses.replace(opts, vocab_file=str(tmp_path / "elsewhere.txt")), 1)  # other state
+    shards.init_worker(dataclasses.replace(opts, vocab_file=str(tmp_path / "elsewhere.txt")), 1)  # other state
     (done,) = pickle.loads(step).process((3, ("text", files[3])))
     assert done.num_records == int(sum(counts)) > 20
     for bucket, chunk in enumerate(chunks):
@@ -192,7 +194,7 @@ def test_cli_beam_worker_processes_equal_the_local_worker_pool_gzip_whole_word(t
 
 def test_missing_input_and_flag_misuse_are_errors_naming_them(tmp_path):
     files, vocab = write_corpus(tmp_path)
-    opts = cpd.Options(vocab_file=str(vocab), max_seq_length=32, max_predictions_per_seq=5, dupe_factor=1)
+    opts = shards.Options(vocab_file=str(vocab), max_seq_length=32, max_predictions_per_seq=5, dupe_factor=1)
     missing = str(tmp_path / "no-such-shard.txt")
     with pytest.raises(FileNotFoundError, match="no-such-shard.txt"):
         beam_pipeline.run(opts, sources=[("text", files[0]), ("text", missing)],
@@ -212,7 +214,7 @@ def test_beam_stays_optional():
             "from data_pipeline import create_pretraining_data\n"
             "assert 'apache_beam' not in sys.modules\n"
             "sys.modules['apache_beam'] = None  # as if not installed\n"
-            "from data_pipeline import beam_pipeline\n")
+            "from data_pipeline.pretraining_data import beam_pipeline\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "AssertionError" not in r.stderr, r.stderr[-2000:]
     assert "pip install -e '.[beam]'" in r.stderr.splitlines()[-1]
@@ -225,7 +227,7 @@ def test_tfds_shards_as_sources_give_the_local_paths_file(tmp_path):
     letters = list("abcdefghij")
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + letters
                                + ["##" + c for c in letters]) + "\n")
-    opts = cpd.Options(vocab_file=str(vocab), max_seq_length=24, max_predictions_per_seq=4, dupe_factor=2)
+    opts = shards.Options(vocab_file=str(vocab), max_seq_length=24, max_predictions_per_seq=4, dupe_factor=2)
     with tfds.testing.mock_data(num_examples=30):
         sources = cpd.tfds_sources("wikipedia/20230601.en", "train", "text", None, 3)
         local = cpd.run(opts, sources=sources, outputs=[str(tmp_path / "local" / "train.tfrecord")],

@@ -1,6 +1,6 @@
 """Bounded storage: what only feeds logs (train_log.jsonl, TensorBoard uploads) never blocks or stops
 training when the bucket stalls, is written at most once a second per object, never twice, and
-reaches the bucket without waiting for its interval (data_pipeline.log_writer, storage_atomic.Appender,
+reaches the bucket without waiting for its interval (data_pipeline.storage.log_writer, storage_atomic.Appender,
 storage_gcs.gcs_timeout). Against fake-gcs-server; the stalled bucket is an emulator of the test's
 own, frozen with SIGSTOP.
 
@@ -23,8 +23,9 @@ import pytest
 
 from bert_jax import workdir
 from conftest import drain_stderr
-from data_pipeline import log_writer, storage, storage_gcs, storage_paths, storage_staging
-from data_pipeline.log_writer import LogWriter
+from data_pipeline import storage
+from data_pipeline.storage import log_writer, gcs as storage_gcs, paths as storage_paths, staging as storage_staging
+from data_pipeline.storage.log_writer import LogWriter
 
 HANG_S = 60  # every wait: what it waits for takes well under a second here; only a hang runs out
 

@@ -1,4 +1,4 @@
-"""Chinese whole-word masking (`--chinese_whole_word_mask`, `data_pipeline/chinese_words.py`).
+"""Chinese whole-word masking (`--chinese_whole_word_mask`, `data_pipeline/pretraining_data/chinese_words.py`).
 
 Checked against an implementation written here from the paper's description (Cui et al. 2019:
 segment the text into words, mask all characters of a chosen word, the same 15% budget and
@@ -32,9 +32,13 @@ import pytest
 jieba = pytest.importorskip("jieba")
 tf = pytest.importorskip("tensorflow")
 
-from data_pipeline import (chinese_words, corpora, create_pretraining_data as cpd, instances, masking,  # noqa: E402
-                           schema, tokenization)
-from data_pipeline.char_classes import is_cjk_char  # noqa: E402
+from data_pipeline import create_pretraining_data as cpd, tokenization
+from data_pipeline.input import masking
+from data_pipeline.pretraining_data import chinese_words, corpora, instances
+from data_pipeline.pretraining_data import shards
+from data_pipeline.records import schema
+from data_pipeline.tokenization.char_classes import is_cjk_char  # noqa: E402
+from data_pipeline.tokenization.fast import FastTokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOGLE_CHINESE_VOCAB = ROOT.parent / "shared" / "data" / "vocab" / "bert-base-chinese" / "vocab.txt"
@@ -182,7 +186,7 @@ def make(tmp, files, vocab, name, **kw):
 
 def test_word_bits_equal_an_offsets_alignment_of_jiebas_words(corpus, segmenter, paper_jieba):
     files, vocab, tok = corpus
-    fast = tokenization.FastTokenizer(vocab)
+    fast = FastTokenizer(vocab)
     grouped = 0
     for text in [s for d in DOCUMENTS for s in d] + AWKWARD:
         tokens, want = paper_bits(text, tok, paper_jieba)
@@ -392,8 +396,8 @@ def test_same_seed_same_bytes_any_worker_count_and_the_beam_runner(tmp_path, cor
     assert info["chinese_segmenter"] == {"name": "jieba", "version": jieba.__version__, "hmm": True,
                                          "user_dict_sha256": None}
     pytest.importorskip("apache_beam")
-    from data_pipeline import beam_pipeline
-    opts = cpd.Options(vocab_file=vocab, do_whole_word_mask=True, chinese_whole_word_mask=True, max_seq_length=SEQ,
+    from data_pipeline.pretraining_data import beam_pipeline
+    opts = shards.Options(vocab_file=vocab, do_whole_word_mask=True, chinese_whole_word_mask=True, max_seq_length=SEQ,
                        max_predictions_per_seq=PREDS, dupe_factor=4, random_seed=11)
     beam_pipeline.run(opts, sources=[("text", f) for f in files], outputs=[str(tmp_path / "beam" / out.name)])
     assert (tmp_path / "beam" / out.name).read_bytes() == one.read_bytes()
@@ -402,10 +406,10 @@ def test_same_seed_same_bytes_any_worker_count_and_the_beam_runner(tmp_path, cor
     words = tmp_path / "words.txt"
     words.write_text(MADE_UP + "\n", encoding="utf-8")
     with_dict = dataclasses.replace(opts, chinese_user_dict=str(words))
-    cpd.init_worker(opts, 1)
-    (without_chunk,), *_ = cpd.shard_records((1, ("text", files[1])))
-    cpd.init_worker(with_dict, 1)
-    (chunk,), *_ = cpd.shard_records((1, ("text", files[1])))
+    shards.init_worker(opts, 1)
+    (without_chunk,), *_ = shards.shard_records((1, ("text", files[1])))
+    shards.init_worker(with_dict, 1)
+    (chunk,), *_ = shards.shard_records((1, ("text", files[1])))
     assert chunk != without_chunk  # the made-up word (in the second file) is one group now
     step = pickle.dumps(beam_pipeline._ProcessShard(with_dict, 1, str(tmp_path / "job")))
     words.rename(tmp_path / "moved.txt")

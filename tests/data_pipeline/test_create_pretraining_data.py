@@ -13,7 +13,12 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from data_pipeline import corpora, create_pretraining_data as cpd, input_pipeline, instances, schema  # noqa: E402
+from data_pipeline import create_pretraining_data as cpd  # noqa: E402
+from data_pipeline.input import pretraining as input_pipeline  # noqa: E402
+from data_pipeline.pretraining_data import corpora, instances  # noqa: E402
+from data_pipeline.pretraining_data import shards  # noqa: E402
+from data_pipeline.records import schema  # noqa: E402
+from data_pipeline.records import reader as records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "reference_records.json"
@@ -189,7 +194,7 @@ def test_fast_mode_is_independent_of_the_worker_count_and_has_the_reference_stat
     # ... and refuses a truncated one, naming it.
     bad = tmp_path / "w1" / "part-00001-of-00002.tfrecord"
     bad.write_bytes(bad.read_bytes()[:-100])
-    with pytest.raises(input_pipeline.CorruptDataError, match="part-00001-of-00002"):
+    with pytest.raises(records.CorruptDataError, match="part-00001-of-00002"):
         input_pipeline.EvalInput(str(tmp_path / "w1" / "*.tfrecord"), per_host_batch_size=16,
                                  max_seq_length=48, max_predictions_per_seq=8)
 
@@ -278,7 +283,7 @@ def test_tfds_dataset_is_prepared_once_by_the_parent(monkeypatch, tmp_path):
 
 def test_tfds_text_counts_bad_utf8_and_empty_examples(monkeypatch):
     tfds = pytest.importorskip("tensorflow_datasets")
-    from data_pipeline import corpora
+    from data_pipeline.pretraining_data import corpora
     texts = [b"Good text. Two sentences.", b"Bad \xff byte here.", b"   ", "Fine \ufffd kept.".encode()]
     monkeypatch.setattr(tfds, "load", lambda name, split, data_dir=None, shuffle_files=False, download=True:
                         tf.data.Dataset.from_tensor_slices({"text": texts}))
@@ -333,7 +338,9 @@ def test_reference_mode_continues_a_document_across_files_like_the_reference(tmp
 # The fast mode: numpy protobuf encoder, TFRecord framing, vectorized instances
 # ---------------------------------------------------------------------------------------------
 
-from data_pipeline import fast_instances, tfrecord, tokenization  # noqa: E402
+from data_pipeline.pretraining_data import fast_instances  # noqa: E402
+from data_pipeline.records import tfrecord  # noqa: E402
+from data_pipeline.tokenization.fast import FastTokenizer  # noqa: E402
 
 
 def test_encode_examples_writes_the_tf_serializers_bytes():
@@ -425,7 +432,7 @@ def test_fast_pairs_have_the_reference_algorithms_distribution(tmp_path):
     """Segment lengths (short_seq_prob, split points, random-next B, truncation) and the NSP
     share of the vectorized algorithm against the reference's, on the same documents."""
     _, vocab = synthetic_corpus(tmp_path)
-    tok = tokenization.FastTokenizer(str(vocab))
+    tok = FastTokenizer(str(vocab))
     docs = _synthetic_documents(3, 40)
     shard = fast_instances.tokenize_shard(docs, tok.encode_batch)
     token_docs = [d for d in ([t for t in tok.tokenize_batch(doc) if t] for doc in docs) if d]
@@ -467,7 +474,7 @@ def test_fast_pairs_have_the_reference_algorithms_distribution(tmp_path):
 @pytest.mark.parametrize("wwm", [False, True])
 def test_fast_masking_rules_and_statistics(tmp_path, wwm):
     _, vocab_file = synthetic_corpus(tmp_path)
-    tok = tokenization.FastTokenizer(str(vocab_file))
+    tok = FastTokenizer(str(vocab_file))
     vocab = fast_instances.Vocab.from_dict(tok.vocab)
     shard = fast_instances.tokenize_shard(_synthetic_documents(5, 60), tok.encode_batch)
     seq, preds = 48, 6
@@ -553,7 +560,7 @@ def test_tfds_shards_read_only_their_even_part_of_the_split(monkeypatch):
     """Each of N workers asks TFDS for its own contiguous part (`tfds.even_splits`), so no worker
     reads the whole split; the parts cover every example once, in order."""
     tfds = pytest.importorskip("tensorflow_datasets")
-    from data_pipeline import corpora
+    from data_pipeline.pretraining_data import corpora
     examples = [f"Doc {i} first. Doc {i} second." for i in range(10)]
     asked = []
 
@@ -579,7 +586,7 @@ def test_tfds_input_end_to_end(tmp_path):
     vocab = tmp_path / "vocab.txt"
     letters = list("abcdefghij")
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + letters + ["##" + c for c in letters]) + "\n")
-    opts = cpd.Options(vocab_file=str(vocab), max_seq_length=24, max_predictions_per_seq=4, dupe_factor=2)
+    opts = shards.Options(vocab_file=str(vocab), max_seq_length=24, max_predictions_per_seq=4, dupe_factor=2)
     with tfds.testing.mock_data(num_examples=30):
         info = cpd.run(opts, sources=cpd.tfds_sources("wikipedia/20230601.en", "train", "text", None, 3),
                        outputs=[str(tmp_path / "out" / "train.tfrecord")], reference_compatible=False)
@@ -622,7 +629,7 @@ def test_a_run_that_would_leave_a_manifest_wrong_is_refused_before_any_work(tmp_
                                          r"that are still there \(2 files: part-00000-of-00002\.tfrecord, "
                                          r"part-00001-of-00002") as refused:
         cpd.create_pretraining_data([str(text)], str(out), str(vocab), num_output_shards=1, **kw)
-    opts = cpd.Options(vocab_file=str(vocab), **kw)
+    opts = shards.Options(vocab_file=str(vocab), **kw)
     with pytest.raises(ValueError, match=r"part\.dataset_info\.json lists 1 of this run's output files "
                                          r"\(part-00001-of-00002\.tfrecord\)") as clash:
         cpd.run(opts, sources=[("text", str(text))], reference_compatible=False,
@@ -636,7 +643,7 @@ def test_a_run_that_would_leave_a_manifest_wrong_is_refused_before_any_work(tmp_
     cpd.run(opts, sources=[("text", str(text))], outputs=[str(out / "eval.tfrecord")], reference_compatible=False)
     assert sorted(set(p.name for p in out.iterdir()) - set(before)) == ["eval.dataset_info.json", "eval.tfrecord"]
     # A pattern that matches nothing says what the folder holds (records, not their manifests).
-    with pytest.raises(input_pipeline.CorruptDataError, match=r"matches this pattern \(.*data holds eval\.tfrecord, "
+    with pytest.raises(records.CorruptDataError, match=r"matches this pattern \(.*data holds eval\.tfrecord, "
                                                               r"part-00000-of-00002\.tfrecord, part-00001.*\)$"):
         input_pipeline.EvalInput(str(out / "train-*.tfrecord"), per_host_batch_size=4, max_seq_length=32,
                                  max_predictions_per_seq=4)

@@ -1,4 +1,4 @@
-"""Dynamic masking in the input pipeline (data_pipeline.masking): Google's 80/10/10 rules and rates,
+"""Dynamic masking in the input pipeline (data_pipeline.input.masking): Google's 80/10/10 rules and rates,
 hand cases, a new mask each epoch over the same tokens, packed rows masked sequence by sequence,
 and whole-word masking (the records' setting unless told otherwise, Google's distribution, the
 subword table from a vocab file).
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from data_pipeline import input_pipeline as ip
-from data_pipeline import schema
+from data_pipeline.input import masking, packing
+from data_pipeline.records import schema
 from test_input_pipeline import (CLS, L, MASK, P, PAD, SEP, SPECIAL, VOCAB, dataset, make_input,  # noqa: F401
                                  make_record, originals, record_ids, stack_records, write_dataset)  # (dataset: a fixture)
 
@@ -23,7 +23,7 @@ def test_restore_original_ids_by_hand():
                 "masked_lm_positions": tf.constant([[1, 3, 0]]),
                 "masked_lm_ids": tf.constant([[5, 9, 0]]),
                 "masked_lm_weights": tf.constant([[1.0, 1.0, 0.0]])}
-    assert ip.restore_original_ids(features).numpy().tolist() == [[CLS, 5, 7, 9, SEP]]
+    assert masking.restore_original_ids(features).numpy().tolist() == [[CLS, 5, 7, 9, SEP]]
 
 
 def test_dynamic_mask_rules_and_rates():
@@ -40,7 +40,7 @@ def test_dynamic_mask_rules_and_rates():
                 "masked_lm_positions": tf.zeros([n_rows, preds], tf.int32),
                 "masked_lm_ids": tf.zeros([n_rows, preds], tf.int32),
                 "masked_lm_weights": tf.zeros([n_rows, preds], tf.float32)}
-    out = {k: v.numpy() for k, v in ip.dynamic_mask(
+    out = {k: v.numpy() for k, v in masking.dynamic_mask(
         features, tf.constant([1, 2]), special_ids=SPECIAL, max_predictions_per_seq=preds).items()}
     pos, lab, w, new = (out["masked_lm_positions"], out["masked_lm_ids"],
                         out["masked_lm_weights"], out["input_ids"])
@@ -67,9 +67,9 @@ def test_dynamic_mask_rules_and_rates():
         sd = np.sqrt(chosen_total * prob * (1 - prob))
         assert abs(kinds[kind] - prob * chosen_total) < 5 * sd, kinds
     # Same seed, same masks; another seed, other masks.
-    again = ip.dynamic_mask(features, tf.constant([1, 2]), special_ids=SPECIAL,
+    again = masking.dynamic_mask(features, tf.constant([1, 2]), special_ids=SPECIAL,
                             max_predictions_per_seq=preds)
-    other = ip.dynamic_mask(features, tf.constant([1, 3]), special_ids=SPECIAL,
+    other = masking.dynamic_mask(features, tf.constant([1, 3]), special_ids=SPECIAL,
                             max_predictions_per_seq=preds)
     np.testing.assert_array_equal(again["input_ids"].numpy(), new)
     assert not np.array_equal(other["masked_lm_positions"].numpy(), pos)
@@ -83,7 +83,7 @@ def test_dynamic_mask_hand_cases():
                 "masked_lm_positions": tf.zeros([2, 4], tf.int32),
                 "masked_lm_ids": tf.zeros([2, 4], tf.int32),
                 "masked_lm_weights": tf.zeros([2, 4], tf.float32)}
-    out = ip.dynamic_mask(features, tf.constant([0, 0]), special_ids=SPECIAL, max_predictions_per_seq=4)
+    out = masking.dynamic_mask(features, tf.constant([0, 0]), special_ids=SPECIAL, max_predictions_per_seq=4)
     assert out["masked_lm_weights"].numpy().sum(1).tolist() == [2.0, 0.0]
     assert out["input_ids"].numpy()[1].tolist() == rows[1]
 
@@ -114,11 +114,11 @@ def test_dynamic_masking_remasks_each_epoch_and_keeps_the_tokens(dataset):
 def test_dynamic_mask_on_packed_rows_masks_each_sequence_on_its_own(width):
     records = [make_record(rid) for rid in range(40)]
     features = stack_records(records)
-    budget = ip.dynamic_predictions_per_sequence(features, special_ids=SPECIAL,
+    budget = masking.dynamic_predictions_per_sequence(features, special_ids=SPECIAL,
                                                  max_predictions_per_seq=P)
-    packed = ip.pack_window(features, max_seq_length=L, max_seqs_per_pack=3,
+    packed = packing.pack_window(features, max_seq_length=L, max_seqs_per_pack=3,
                             max_predictions_per_pack=width, prediction_budget=budget)
-    out = {k: v.numpy() for k, v in ip.dynamic_mask(
+    out = {k: v.numpy() for k, v in masking.dynamic_mask(
         packed, tf.constant([5, 6]), special_ids=SPECIAL, max_predictions_per_seq=P).items()}
     restored = originals(out)
     for r in range(len(restored)):
@@ -187,11 +187,11 @@ def _blank_features(ids: np.ndarray, mask: np.ndarray, preds: int) -> dict:
 def test_whole_word_dynamic_mask_rules_rates_and_google_distribution():
     import random
 
-    from data_pipeline import instances
+    from data_pipeline.pretraining_data import instances
 
     n_rows, length, preds = 3000, 64, 10
     ids, mask = _word_rows(n_rows, length, np.random.default_rng(0))
-    out = {k: v.numpy() for k, v in ip.dynamic_mask(
+    out = {k: v.numpy() for k, v in masking.dynamic_mask(
         _blank_features(ids, mask, preds), tf.constant([3, 4]), special_ids=SPECIAL,
         max_predictions_per_seq=preds, subword=SUBWORD).items()}
     pos, lab, w, new = (out["masked_lm_positions"], out["masked_lm_ids"],
@@ -229,7 +229,7 @@ def test_whole_word_dynamic_mask_rules_rates_and_google_distribution():
     assert 0.13 < rate <= 0.155, rate  # 15% of the tokens, a little less when words do not fit
 
     # The same rows through the static whole-word masking of create_pretraining_data
-    # (data_pipeline.instances, Google's code path): the same share of words masked, by length.
+    # (data_pipeline.pretraining_data.instances, Google's code path): the same share of words masked, by length.
     vocab_words = [f"w{i}" for i in range(VOCAB)]
     name = lambda t: "[CLS]" if t == CLS else "[SEP]" if t == SEP else (
         f"##{t}" if t >= SUBWORD_FROM else f"w{t}")
@@ -252,7 +252,7 @@ def test_whole_word_dynamic_mask_rules_rates_and_google_distribution():
         assert abs(a - b) < 5 * sd + 1e-3, (pieces, a, b)
     assert abs(masked_tokens - static_masked) < 0.01 * static_masked, (masked_tokens, static_masked)
     # Token-by-token masking of the same rows splits words: the option does something.
-    token_level = ip.dynamic_mask(_blank_features(ids, mask, preds), tf.constant([3, 4]),
+    token_level = masking.dynamic_mask(_blank_features(ids, mask, preds), tf.constant([3, 4]),
                                   special_ids=SPECIAL, max_predictions_per_seq=preds)
     tpos, tw = token_level["masked_lm_positions"].numpy(), token_level["masked_lm_weights"].numpy()
     split = sum(0 < len(set(word) & set(tpos[r][tw[r] > 0].tolist())) < len(word)
@@ -267,7 +267,7 @@ def test_whole_word_dynamic_mask_by_hand():
            + [PAD] * 4)
     ids = np.array([row] * 64, np.int32)
     mask = (ids != PAD).astype(np.int32)
-    out = ip.dynamic_mask(_blank_features(ids, mask, 6), tf.constant([7, 7]), special_ids=SPECIAL,
+    out = masking.dynamic_mask(_blank_features(ids, mask, 6), tf.constant([7, 7]), special_ids=SPECIAL,
                           max_predictions_per_seq=6, subword=SUBWORD)
     pos, w = out["masked_lm_positions"].numpy(), out["masked_lm_weights"].numpy()
     assert np.all(w.sum(1) == 2)
@@ -284,10 +284,10 @@ def test_whole_word_dynamic_mask_on_packed_rows_keeps_sequences_apart():
                         "masked_lm_weights": np.zeros(P, np.float32),
                         "next_sentence_labels": np.zeros(1, np.int32)})
     features = stack_records(records)
-    budget = ip.dynamic_predictions_per_sequence(features, special_ids=SPECIAL, max_predictions_per_seq=P)
-    packed = ip.pack_window(features, max_seq_length=L, max_seqs_per_pack=3,
+    budget = masking.dynamic_predictions_per_sequence(features, special_ids=SPECIAL, max_predictions_per_seq=P)
+    packed = packing.pack_window(features, max_seq_length=L, max_seqs_per_pack=3,
                             max_predictions_per_pack=3 * P, prediction_budget=budget)
-    out = {k: v.numpy() for k, v in ip.dynamic_mask(
+    out = {k: v.numpy() for k, v in masking.dynamic_mask(
         packed, tf.constant([5, 6]), special_ids=SPECIAL, max_predictions_per_seq=P,
         subword=SUBWORD).items()}
     restored = originals(out)
@@ -362,4 +362,4 @@ def test_whole_word_masking_option_errors(tmp_path):
 def test_subword_table_from_a_vocab_file(tmp_path):
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("[PAD]\n[CLS]\nplay\n##ing\n##s\n#\n")
-    assert ip.subword_table(str(vocab)).tolist() == [False, False, False, True, True, False]
+    assert masking.subword_table(str(vocab)).tolist() == [False, False, False, True, True, False]

@@ -28,7 +28,8 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from data_pipeline import corpora, create_pretraining_data as cpd, instances, tokenization, train_vocab  # noqa: E402
+from data_pipeline import create_pretraining_data as cpd, tokenization, train_vocab  # noqa: E402
+from data_pipeline.pretraining_data import corpora, instances  # noqa: E402
 
 SEQ, PREDS, PROB = 64, 10, 0.15
 MAX_NUM_TOKENS = SEQ - 3  # the length budget of A + B

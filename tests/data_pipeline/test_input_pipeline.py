@@ -1,4 +1,4 @@
-"""Tests of data_pipeline.input_pipeline and the modules under it (record_scan, records): sharding,
+"""Tests of data_pipeline.input.pretraining and the modules under it (record_scan, records): sharding,
 exactly-once epochs, exact resume, corrupt-file detection and lenient skipping, padded eval;
 dynamic masking is tests/data_pipeline/test_dynamic_masking.py's, packed rows
 tests/data_pipeline/test_packed_pretraining.py's (both use the records written here).
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from data_pipeline import input_pipeline as ip
-from data_pipeline import records as records_module, schema
+from data_pipeline.input import pretraining as ip
+from data_pipeline.records import reader as records_module, schema
 
 L, P = 32, 5  # max_seq_length, max_predictions_per_seq of the test records
 PAD, CLS, SEP, MASK, VOCAB = 0, 101, 102, 103, 30000
@@ -131,7 +131,7 @@ def dataset(tmp_path_factory) -> tuple[str, int]:
 @pytest.mark.parametrize("hosts", [1, 2, 3, 4, 8])
 def test_host_file_sets_are_disjoint_and_complete(dataset, hosts):
     pattern, _ = dataset
-    every = ip.expand_file_patterns(pattern)
+    every = records_module.expand_file_patterns(pattern)
     assert len(every) == 8 and every == sorted(every)
     shares = [make_input(pattern, process_index=h, process_count=hosts).host_files
               for h in range(hosts)]
@@ -140,7 +140,7 @@ def test_host_file_sets_are_disjoint_and_complete(dataset, hosts):
     assert sorted(flat) == every  # complete
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
     # The list order given does not matter (hosts that glob differently still agree).
-    assert ip.shard_files(every[::-1], 1 % hosts, hosts) == shares[1 % hosts]
+    assert records_module.shard_files(every[::-1], 1 % hosts, hosts) == shares[1 % hosts]
 
 
 def test_more_hosts_than_files_is_an_error(dataset):
@@ -149,13 +149,14 @@ def test_more_hosts_than_files_is_an_error(dataset):
 
 
 def test_a_pattern_matching_nothing_names_the_pattern(tmp_path):
-    with pytest.raises(ip.CorruptDataError, match="nothing-here"):
+    with pytest.raises(records_module.CorruptDataError, match="nothing-here"):
         make_input(str(tmp_path / "nothing-here-*.tfrecord"), verify=False)
     # Verified: the pattern is what is wrong, not a missing manifest.
-    with pytest.raises(ip.CorruptDataError, match=r"nothing-here-\*.tfrecord: no input file matches this pattern"):
+    with pytest.raises(records_module.CorruptDataError,
+                       match=r"nothing-here-\*.tfrecord: no input file matches this pattern"):
         make_input(str(tmp_path / "nothing-here-*.tfrecord"))
     (tmp_path / "part-0.tfrecord").write_bytes(b"")
-    with pytest.raises(ip.CorruptDataError, match=r"no data manifest .* config.verify_data=False"):
+    with pytest.raises(records_module.CorruptDataError, match=r"no data manifest .* config.verify_data=False"):
         make_input(str(tmp_path / "part-*.tfrecord"))
 
 
@@ -271,7 +272,7 @@ def test_gzip_files_read_exactly_like_plain_ones_and_resume(tmp_path):
         str(tmp_path / d / "part-*"), per_host_batch_size=4, max_seq_length=L,
         max_predictions_per_seq=P)] for d in ("plain", "gz")]
     assert evals[0] == evals[1] and len(evals[0]) == 5
-    assert ip.record_shape(str(tmp_path / "gz" / "part-*")) == ip.record_shape(
+    assert records_module.record_shape(str(tmp_path / "gz" / "part-*")) == records_module.record_shape(
         str(tmp_path / "plain" / "part-*")) == (L, P)
 
 
@@ -283,10 +284,10 @@ def test_truncated_gzip_file_is_named_or_its_good_records_kept(tmp_path, verify)
     pattern = str(tmp_path / "part-*")
     # Both errors name the file and the config field that goes on past it.
     if verify:
-        with pytest.raises(ip.CorruptDataError, match="part-00001.*config.skip_corrupt_records=True"):
+        with pytest.raises(records_module.CorruptDataError, match="part-00001.*config.skip_corrupt_records=True"):
             make_input(pattern)
     else:
-        with pytest.raises(ip.CorruptDataError, match="part-00001.*config.skip_corrupt_records=True"):
+        with pytest.raises(records_module.CorruptDataError, match="part-00001.*config.skip_corrupt_records=True"):
             ds = make_input(pattern, verify=False, shuffle_buffer_size=1)
             for _ in range(10):
                 next(ds)
@@ -360,7 +361,7 @@ DAMAGE = {"bit_flip": 5, "truncated_header": 5, "truncated_payload": 5, "garbage
 def test_damaged_file_is_caught_before_training_naming_it(tmp_path, kind):
     paths = write_dataset(tmp_path, [4, 6, 5])
     _damage(paths[1], kind)
-    with pytest.raises(ip.CorruptDataError) as info:
+    with pytest.raises(records_module.CorruptDataError) as info:
         make_input(str(tmp_path / "part-*.tfrecord"))
     assert info.value.path == paths[1] and paths[1] in str(info.value)
     assert "skip_corrupt" in str(info.value)
@@ -413,7 +414,7 @@ def test_unverified_corruption_raises_while_reading_naming_the_file(tmp_path):
     paths = write_dataset(tmp_path, [4, 6])
     _damage(paths[1], "bit_flip")
     ds = make_input(str(tmp_path / "part-*.tfrecord"), verify=False, shuffle_buffer_size=1)
-    with pytest.raises(ip.CorruptDataError, match="part-00001"):
+    with pytest.raises(records_module.CorruptDataError, match="part-00001"):
         for _ in range(10):
             next(ds)
 
@@ -421,10 +422,10 @@ def test_unverified_corruption_raises_while_reading_naming_the_file(tmp_path):
 def test_a_missing_manifest_or_an_unlisted_file_is_an_error(tmp_path):
     paths = write_dataset(tmp_path, [3, 3])
     Path(tmp_path / "part-00009.tfrecord").write_bytes(Path(paths[0]).read_bytes())
-    with pytest.raises(ip.CorruptDataError, match="part-00009.*not listed"):
+    with pytest.raises(records_module.CorruptDataError, match="part-00009.*not listed"):
         make_input(str(tmp_path / "part-*.tfrecord"))
     os.remove(tmp_path / schema.run_manifest_name(paths))
-    with pytest.raises(ip.CorruptDataError, match="verify=False"):
+    with pytest.raises(records_module.CorruptDataError, match="verify=False"):
         make_input(str(tmp_path / "part-*.tfrecord"))
     assert make_input(str(tmp_path / "part-*.tfrecord"), verify=False).stats["records_in_files"] == 9
 

@@ -14,7 +14,9 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from data_pipeline import create_pretraining_data as cpd, input_pipeline as ip, manifests, records, schema  # noqa: E402
+from data_pipeline import create_pretraining_data as cpd  # noqa: E402
+from data_pipeline.pretraining_data import shards  # noqa: E402
+from data_pipeline.records import manifests, reader as records, schema  # noqa: E402
 from test_create_pretraining_data import ROOT, read_records, synthetic_corpus  # noqa: E402  (tests/ is on sys.path)
 
 FLAGS = dict(max_seq_length=32, max_predictions_per_seq=4, dupe_factor=2)
@@ -28,7 +30,7 @@ def check(pattern: str, verify=True) -> records.HostFiles:
 
 def make(tmp_path, text, vocab, name: str, **flags) -> dict:
     """One run, in this process, writing `tmp_path/data/<name>.tfrecord`; its info."""
-    opts = cpd.Options(vocab_file=str(vocab), **{**FLAGS, **flags})
+    opts = shards.Options(vocab_file=str(vocab), **{**FLAGS, **flags})
     return cpd.run(opts, sources=[("text", str(text))], outputs=[str(tmp_path / "data" / f"{name}.tfrecord")],
                    reference_compatible=False)
 
@@ -67,7 +69,7 @@ def test_runs_started_at_once_into_one_folder_are_read_through_one_glob(tmp_path
     files = check(str(out / "*"))
     assert len(files.all_files) == 4
     assert files.read_records == sum(len(read_records(p)) for p in files.all_files) == made > 0
-    assert ip.dataset_info(str(out / "shard-*"))["max_seq_length"] == 32
+    assert records.dataset_info(str(out / "shard-*"))["max_seq_length"] == 32
 
 
 @pytest.mark.parametrize("field", ["max_seq_length", "vocab"])
@@ -87,10 +89,10 @@ def test_a_run_made_otherwise_is_refused_naming_both_manifests_the_field_and_the
                    rf"\S*/data/b\.dataset_info\.json \(vocab_file \S*/vocab\.txt vs \S*/other_vocab\.txt\)")
     pattern = str(tmp_path / "data" / "*.tfrecord")
     for verify in (True, False):  # the settings are checked whether or not the files are
-        with pytest.raises(ip.ManifestMismatchError, match=message):
+        with pytest.raises(manifests.ManifestMismatchError, match=message):
             check(pattern, verify)
-    with pytest.raises(ip.ManifestMismatchError, match=message):
-        ip.dataset_info(pattern)  # where the trainer reads the casing and the vocabulary's sha256
+    with pytest.raises(manifests.ManifestMismatchError, match=message):
+        records.dataset_info(pattern)  # where the trainer reads the casing and the vocabulary's sha256
     # Each run alone is one dataset.
     assert check(str(tmp_path / "data" / "b*.tfrecord")).read_records > 0
 
@@ -100,8 +102,8 @@ def test_a_file_two_manifests_list_is_refused_naming_both(tmp_path):
     make(tmp_path, text, vocab, "a")
     data = tmp_path / "data"
     (data / "copy.dataset_info.json").write_bytes((data / "a.dataset_info.json").read_bytes())
-    with pytest.raises(ip.CorruptDataError, match=r"a\.tfrecord: is listed by two data manifests, \S*/a\.dataset_info"
-                                                  r"\.json and \S*/copy\.dataset_info\.json"):
+    with pytest.raises(records.CorruptDataError, match=r"a\.tfrecord: is listed by two data manifests, "
+                                                  r"\S*/a\.dataset_info\.json and \S*/copy\.dataset_info\.json"):
         check(str(data / "*.tfrecord"))
 
 
@@ -111,12 +113,13 @@ def test_a_folder_of_an_earlier_version_is_still_read_and_new_runs_join_it(tmp_p
     old = make(tmp_path, text, vocab, "old")["num_instances"]
     (data / "old.dataset_info.json").rename(data / "dataset_info.json")  # as earlier versions named it
     assert check(str(data / "*.tfrecord")).read_records == old
-    assert ip.dataset_info(str(data / "old.tfrecord"))["num_instances"] == old
+    assert records.dataset_info(str(data / "old.tfrecord"))["num_instances"] == old
     new = make(tmp_path, text, vocab, "new", random_seed=5)["num_instances"]
     assert check(str(data / "*.tfrecord")).read_records == old + new
     make(tmp_path, text, vocab, "odd", do_lower_case=False)
-    with pytest.raises(ip.ManifestMismatchError, match=r"different do_lower_case: True per \S*/data/dataset_info\.json, "
-                                                       r"False per \S*/data/odd\.dataset_info\.json"):
+    with pytest.raises(manifests.ManifestMismatchError,
+                       match=r"different do_lower_case: True per \S*/data/dataset_info\.json, "
+                             r"False per \S*/data/odd\.dataset_info\.json"):
         check(str(data / "*.tfrecord"))
     # A rerun there of the very files the old manifest lists replaces it with the run's own.
     again = make(tmp_path, text, vocab, "old")["num_instances"]

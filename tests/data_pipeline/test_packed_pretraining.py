@@ -1,4 +1,4 @@
-"""Packed pretraining rows (data_pipeline.packing, the pipeline's `packing=True`): several
+"""Packed pretraining rows (data_pipeline.input.packing, the pipeline's `packing=True`): several
 sequences laid end to end in a row hold the original sequences, the XLA packer equals the plain
 loop, and a packed batch runs and trains the model like the same sequences unpacked (losses and
 gradients, scanned or not, with `sparse_last_layer`), next-sentence labels included.
@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from data_pipeline import input_pipeline as ip
-from data_pipeline import packing as packing_module
+from data_pipeline.input import packing as packing_module
 from test_input_pipeline import CLS, ID_BASE, L, P, SEP, VOCAB, make_record, originals, stack_records
 
 
@@ -30,7 +29,7 @@ def test_pack_window_by_hand():
              "next_sentence_labels": [label]}
         return {k: np.array(v) for k, v in f.items()}
     a, b = rec([CLS, 5, SEP], 0, 1), rec([CLS, 6, 7, SEP], 1, 2)
-    out = {k: v.numpy() for k, v in ip.pack_window(
+    out = {k: v.numpy() for k, v in packing_module.pack_window(
         stack_records([a, b]), max_seq_length=8, max_seqs_per_pack=3, max_predictions_per_pack=4).items()}
     assert out["input_ids"].tolist() == [[CLS, 6, 7, SEP, CLS, 5, SEP, 0]]
     assert out["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
@@ -47,7 +46,7 @@ def test_pack_window_by_hand():
 @pytest.mark.parametrize("max_seqs,max_preds", [(3, 15), (4, 7), (1, 5)])
 def test_packed_rows_hold_the_original_sequences(max_seqs, max_preds):
     records = [make_record(rid) for rid in range(60)]
-    out = {k: v.numpy() for k, v in ip.pack_window(
+    out = {k: v.numpy() for k, v in packing_module.pack_window(
         stack_records(records), max_seq_length=L, max_seqs_per_pack=max_seqs,
         max_predictions_per_pack=max_preds).items()}
     rows = len(out["input_ids"])
@@ -108,7 +107,7 @@ def test_packed_batch_runs_the_model_like_separate_sequences():
                               max_position_embeddings=L)
     model = pretraining_heads.BertForPreTraining(cfg)
     records = [make_record(rid, length=n) for rid, n in enumerate([9, 12, 7])]
-    packed = {k: jnp.asarray(v.numpy()) for k, v in ip.pack_window(
+    packed = {k: jnp.asarray(v.numpy()) for k, v in packing_module.pack_window(
         stack_records(records), max_seq_length=L, max_seqs_per_pack=3, max_predictions_per_pack=15).items()}
     assert packed["input_ids"].shape[0] == 1
     inputs = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "position_ids",
@@ -222,7 +221,7 @@ def test_packed_batch_trains_like_separate_sequences(unrolled_loss_params, scan_
     records = [_loss_record(rid, n) for rid, n in enumerate([7, 10, 5, 9, 6, 8])]
     unpacked = {k: v.numpy() for k, v in stack_records(records).items()}  # [6, L]: the pipeline's rows
     unpacked["next_sentence_weights"] = np.ones(len(records), np.float32)
-    packed = {k: v.numpy() for k, v in ip.pack_window(
+    packed = {k: v.numpy() for k, v in packing_module.pack_window(
         stack_records(records), max_seq_length=_LOSS_L, max_seqs_per_pack=_LOSS_S,
         max_predictions_per_pack=_LOSS_PP).items()}
     assert packed["input_ids"].shape == (2, _LOSS_L)
@@ -287,7 +286,7 @@ def test_nsp_labels_and_weights_of_packed_and_unpacked_batches():
                 "segment_ids": np.zeros(8, int), "masked_lm_positions": np.array([1, 0]),
                 "masked_lm_ids": np.array([77, 0]), "masked_lm_weights": np.array([1.0, 0.0]),
                 "next_sentence_labels": np.array([label])}
-    packed = {k: v.numpy() for k, v in ip.pack_window(
+    packed = {k: v.numpy() for k, v in packing_module.pack_window(
         stack_records([rec([CLS, 5, SEP], 0), rec([CLS, 6, 7, SEP], 1)]), max_seq_length=8,
         max_seqs_per_pack=3, max_predictions_per_pack=4).items()}
     check(packed, [[1, 0, 0]], [[1.0, 1.0, 0.0]])

@@ -12,12 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 tf = pytest.importorskip("tensorflow")
 
-from data_pipeline import create_pretraining_data as cpd, input_pipeline as ip, tokenization  # noqa: E402
+from data_pipeline import create_pretraining_data as cpd  # noqa: E402
 from data_pipeline import tasks  # noqa: E402
+from data_pipeline.input import pretraining as ip  # noqa: E402
+from data_pipeline.records import reader  # noqa: E402
+from data_pipeline.tokenization.sentencepiece_tokenizer import create_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEMS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta",
@@ -81,8 +85,8 @@ def test_train_vocab_and_create_pretraining_data_write_the_same_files_in_a_bucke
         "spm.model", "spm.tokenizer.json", "spm.vocab", "vocab.txt"]
     # The SentencePiece model (whose bytes record the paths it was trained from) loads from the
     # bucket and tokenizes as the local one does.
-    sp_local = tokenization.create_tokenizer(storage_paths.join(local, "vocab", "spm.model"))
-    sp_remote = tokenization.create_tokenizer(storage_paths.join(remote, "vocab", "spm.model"))
+    sp_local = create_tokenizer(storage_paths.join(local, "vocab", "spm.model"))
+    sp_remote = create_tokenizer(storage_paths.join(remote, "vocab", "spm.model"))
     sentence = "The silver rivers glinting at morning"
     assert sp_remote.vocab == sp_local.vocab and sp_remote.tokenize(sentence) == sp_local.tokenize(sentence)
     assert len(sp_local.tokenize(sentence)) > 3
@@ -198,8 +202,8 @@ def test_pretraining_input_from_a_bucket_saves_and_resumes_there(records, tmp_pa
                                               max_seq_length=L, max_predictions_per_seq=P)) for root in (local, remote)}
     assert len(evals[remote]) > 3
     assert_same_batches(evals[remote], evals[local])
-    assert ip.record_shape(storage_paths.join(remote, "part-*.tfrecord")) == (L, P)
-    assert ip.dataset_info(storage_paths.join(remote, "part-*.tfrecord")) == ip.dataset_info(
+    assert reader.record_shape(storage_paths.join(remote, "part-*.tfrecord")) == (L, P)
+    assert reader.dataset_info(storage_paths.join(remote, "part-*.tfrecord")) == reader.dataset_info(
         storage_paths.join(local, "part-*.tfrecord"))
 
 
@@ -217,7 +221,7 @@ def test_a_corrupt_file_in_a_bucket_is_named_or_its_good_records_read(records, t
     storage.write_bytes(storage_paths.join(remote, name), bad)
     storage.write_bytes(storage_paths.join(local, name), bad)
 
-    with pytest.raises(ip.CorruptDataError, match="sha256 differs from the manifest") as e:
+    with pytest.raises(reader.CorruptDataError, match="sha256 differs from the manifest") as e:
         make_input(remote)
     assert e.value.path == storage_paths.join(remote, name) and str(e.value).startswith(f"{remote}/{name}: ")
 
@@ -230,7 +234,7 @@ def test_a_corrupt_file_in_a_bucket_is_named_or_its_good_records_read(records, t
     assert_same_batches(list(ours), list(want))
 
     # Unverified, the damage is found while reading and named (a gs:// path, scanned through storage).
-    with pytest.raises(ip.CorruptDataError, match="record data CRC mismatch") as e:
+    with pytest.raises(reader.CorruptDataError, match="record data CRC mismatch") as e:
         list(make_input(remote, verify=False, repeat=False, shuffle_buffer_size=1, cycle_length=1))
     assert e.value.path == storage_paths.join(remote, name)
 

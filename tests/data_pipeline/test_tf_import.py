@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys
-from data_pipeline import records
 from data_pipeline import tf_import
+from data_pipeline.records import reader as records
 from data_pipeline.tf_import import tf
 assert tf is sys.modules["tensorflow"]
 from bert_jax import workdir

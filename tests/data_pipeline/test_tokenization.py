@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from data_pipeline import tokenization as tok
+from data_pipeline.tokenization.fast import FastBasicTokenizer, FastTokenizer
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
@@ -35,8 +36,8 @@ def vocab_file(tmp_path_factory):
     return str(path)
 
 
-BASIC_IMPLS = [tok.BasicTokenizer, tok.FastBasicTokenizer]
-FULL_IMPLS = [tok.FullTokenizer, tok.FastTokenizer]
+BASIC_IMPLS = [tok.BasicTokenizer, FastBasicTokenizer]
+FULL_IMPLS = [tok.FullTokenizer, FastTokenizer]
 
 
 def basic(impl, text, lower=True, keep=False):
@@ -270,7 +271,7 @@ def test_full_special_tokens(impl, vocab_file):
 
 
 def test_fast_batch_api(vocab_file):
-    fast = tok.FastTokenizer(vocab_file)
+    fast = FastTokenizer(vocab_file)
     texts = ["Unaffable!", "", b"wanted", "pqrs a"]
     assert fast.tokenize_batch(texts) == [["un", "##aff", "##able", "!"], [], ["want", "##ed"],
                                           ["[UNK]", "a"]]
@@ -325,7 +326,7 @@ def test_fast_basic_equals_plain_on_every_bmp_character(lower):
     code_points += list(range(0x10000, 0x110000, 97))  # a sample of the other planes
     lines = _char_probe_lines(code_points)
     plain = tok.BasicTokenizer(do_lower_case=lower)
-    fast = tok.FastBasicTokenizer(do_lower_case=lower)
+    fast = FastBasicTokenizer(do_lower_case=lower)
     expected = [plain.tokenize(line) for line in lines]
     assert fast.tokenize_batch(lines) == expected
     # The offsets path re-implements the rules on (char, span) triples; same tokens.
@@ -352,7 +353,7 @@ def test_fast_equals_full_on_real_corpora(name, lower):
     step = 1 if os.environ.get("BERT_JAX_FULL_CORPUS_TEST") == "1" else 25
     lines = _corpus_lines()[::step]
     full = tok.FullTokenizer(vocab_file, do_lower_case=lower)
-    fast = tok.FastTokenizer(vocab_file, do_lower_case=lower)
+    fast = FastTokenizer(vocab_file, do_lower_case=lower)
     expected = [full.convert_tokens_to_ids(full.tokenize(line)) for line in lines]
     assert fast.encode_batch(lines) == expected
     # Offsets: same tokens, and each span's text re-tokenizes to the piece it produced.

@@ -23,9 +23,11 @@ import unicodedata
 
 import pytest
 
-from data_pipeline import corpora
 from data_pipeline import tokenization as tok
+from data_pipeline.tokenization.fast import FastTokenizer
+from data_pipeline.tokenization.sentencepiece_tokenizer import SentencePieceTokenizer, create_tokenizer
 from data_pipeline import train_vocab as tv
+from data_pipeline.pretraining_data import corpora
 
 # --- inputs ---------------------------------------------------------------------------------
 
@@ -132,7 +134,7 @@ def _assert_fast_equals_full(vocab_file, lower, keep, texts):
     full = tok.FullTokenizer(vocab_file, do_lower_case=lower, keep_special_tokens=keep)
     tokens = [full.tokenize(t) for t in texts]
     ids = [full.convert_tokens_to_ids(t) for t in tokens]
-    fast = tok.FastTokenizer(vocab_file, do_lower_case=lower, keep_special_tokens=keep)
+    fast = FastTokenizer(vocab_file, do_lower_case=lower, keep_special_tokens=keep)
     # Cold memo, batch APIs first; then the single-text APIs on the warm memo.
     got = fast.tokenize_batch(texts)
     assert got == tokens, _mismatch(texts, got, tokens)
@@ -142,7 +144,7 @@ def _assert_fast_equals_full(vocab_file, lower, keep, texts):
         assert fast.tokenize(text) == want_tokens, repr(text)
         assert fast.encode(text) == want_ids, repr(text)
     # No memo at all (every chunk computed), and UTF-8 bytes in.
-    unmemoized = tok.FastTokenizer(vocab_file, do_lower_case=lower, keep_special_tokens=keep,
+    unmemoized = FastTokenizer(vocab_file, do_lower_case=lower, keep_special_tokens=keep,
                                    cache_size=0)
     got = unmemoized.encode_batch([t.encode("utf-8") for t in texts])
     assert got == ids, _mismatch(texts, got, ids)
@@ -240,7 +242,7 @@ def test_hf_wordpiece_agrees_where_normalizers_match(vocabs, corpus_lines, name,
     assert len(compared) > 0.8 * len(texts)  # the exclusions stay the exception
     hf = _hf_tokenizer(vocab_file, lower, keep)
     encodings = hf.encode_batch(compared, add_special_tokens=False)
-    fast = tok.FastTokenizer(vocab_file, do_lower_case=lower, keep_special_tokens=keep)
+    fast = FastTokenizer(vocab_file, do_lower_case=lower, keep_special_tokens=keep)
     got_tokens = fast.tokenize_batch(compared)
     want_tokens = [e.tokens for e in encodings]
     assert got_tokens == want_tokens, _mismatch(compared, got_tokens, want_tokens)
@@ -288,8 +290,8 @@ def test_sentencepiece_raw_model_equals_library(raw_spm_model, corpus_lines, low
     import sentencepiece
 
     library = sentencepiece.SentencePieceProcessor(model_file=raw_spm_model)
-    sp = tok.SentencePieceTokenizer(raw_spm_model, do_lower_case=lower)
-    assert isinstance(tok.create_tokenizer(raw_spm_model), tok.SentencePieceTokenizer)
+    sp = SentencePieceTokenizer(raw_spm_model, do_lower_case=lower)
+    assert isinstance(create_tokenizer(raw_spm_model), SentencePieceTokenizer)
     for text in HARD_TEXTS + UNSEEN_TEXTS + corpus_lines[1::20]:
         source = _lower_outside_specials(text) if lower else text
         pieces = sp.tokenize(text)
@@ -313,8 +315,8 @@ def test_sentencepiece_model_of_train_vocab_equals_library(vocabs, corpus_lines,
 
     _, model_file, lower = vocabs[name]
     library = sentencepiece.SentencePieceProcessor(model_file=model_file)
-    sp = tok.create_tokenizer(model_file, do_lower_case=lower)
-    assert isinstance(sp, tok.SentencePieceTokenizer)
+    sp = create_tokenizer(model_file, do_lower_case=lower)
+    assert isinstance(sp, SentencePieceTokenizer)
     basic = tok.BasicTokenizer(do_lower_case=lower, keep_special_tokens=True)
     for text in HARD_TEXTS + UNSEEN_TEXTS + corpus_lines[1::20]:
         words = basic.tokenize(text)

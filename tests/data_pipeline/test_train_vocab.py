@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from data_pipeline import tokenization as tok
+from data_pipeline.tokenization.sentencepiece_tokenizer import SentencePieceTokenizer, create_tokenizer
 from data_pipeline import train_vocab as tv
 
 WORDS = ["the", "playing", "singing", "walking", "talking", "played", "walked", "talked",
@@ -132,11 +133,11 @@ def test_sentencepiece_model_as_tokenizer(corpus, tmp_path):
     tv.train_vocab(str(corpus / "*.txt"), 120, str(tmp_path / "v.txt"),
                    spm_model_prefix=str(prefix))
     model = str(prefix) + ".model"
-    sp = tok.create_tokenizer(model, do_lower_case=True)
-    assert isinstance(sp, tok.SentencePieceTokenizer)
-    assert isinstance(tok.create_tokenizer(str(tmp_path / "v.txt")), tok.FullTokenizer)
+    sp = create_tokenizer(model, do_lower_case=True)
+    assert isinstance(sp, SentencePieceTokenizer)
+    assert isinstance(create_tokenizer(str(tmp_path / "v.txt")), tok.FullTokenizer)
     assert [sp.inv_vocab[i] for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    pieces = tok.SentencePieceTokenizer(model, do_lower_case=True,
+    pieces = SentencePieceTokenizer(model, do_lower_case=True,
                                         basic_tokenize=True).tokenize("The WALKING [MASK]")
     assert "[MASK]" in pieces
     assert "".join(pieces).replace("\u2581", "") == "thewalking[MASK]"
@@ -147,13 +148,13 @@ def test_sentencepiece_model_as_tokenizer(corpus, tmp_path):
     # lower-cased, accent-stripped words, so the same runs before it (no unknown pieces for
     # accented text); without the file the model sees raw text, and a cased request is overridden.
     text = "Café, naïve WALKING!"
-    basic = tok.SentencePieceTokenizer(model, do_lower_case=True, basic_tokenize=True)
+    basic = SentencePieceTokenizer(model, do_lower_case=True, basic_tokenize=True)
     assert sp.tokenize(text) == basic.tokenize(text)
     assert sp.convert_tokens_to_ids(sp.tokenize(text)).count(1) == 0
     with pytest.warns(UserWarning, match="do_lower_case=True"):
-        assert tok.create_tokenizer(model, do_lower_case=False).tokenize(text) == basic.tokenize(text)
+        assert create_tokenizer(model, do_lower_case=False).tokenize(text) == basic.tokenize(text)
     os.remove(str(prefix) + ".tokenizer.json")
-    raw = tok.create_tokenizer(model, do_lower_case=True)
+    raw = create_tokenizer(model, do_lower_case=True)
     assert raw.tokenize(text) != basic.tokenize(text)
 
 

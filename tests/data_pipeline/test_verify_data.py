@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from data_pipeline import records, schema  # noqa: E402
-from data_pipeline.input_pipeline import CorruptDataError  # noqa: E402
+from data_pipeline.records import reader as records, schema  # noqa: E402
+from data_pipeline.records.reader import CorruptDataError  # noqa: E402
 from test_input_pipeline import write_dataset  # noqa: E402  (tests/ is on sys.path)
 
 

@@ -1,7 +1,9 @@
 """The house by role (docs/architecture.md): each part of `bert_jax` imports only the layers drawn
 below it, `pretrain/` and `finetune/` never import each other, the parts import each other in no
-cycle, `data_pipeline` never imports `bert_jax` or jax, and no source file passes 600 lines (no
-test file 800).
+cycle; `data_pipeline` never imports `bert_jax` or jax, its stages (storage -> tokenization ->
+records -> pretraining_data -> input, tasks) import only the stages below them, in no cycle; no
+module of either package has a `__getattr__` hook; and no source file passes 600 lines (no test
+file 800).
 
 Imports are read from the source (every `import` statement, function-level ones included), so a
 lazy import up the layers fails here as a module-level one does."""
@@ -26,15 +28,29 @@ LAYERS = (
 )
 LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
+# data_pipeline's stages, bottom up (docs/architecture.md): the package's root and `tf_import` (TensorFlow
+# without Keras), then one folder per stage, then the two command-line programs.
+DP_LAYERS = (
+    ("data_pipeline", "tf_import"),
+    ("storage/",),
+    ("tokenization/",),
+    ("records/",),
+    ("pretraining_data/",),
+    ("input/", "tasks/"),  # neither imports the other
+    ("create_pretraining_data", "train_vocab"),  # python -m data_pipeline.<name>
+)
+DP_LAYER = {part: i for i, parts in enumerate(DP_LAYERS) for part in parts}
 
-def part_of(module: str):
-    """`bert_jax.pretrain.loop` -> "pretrain/", `bert_jax.workdir` -> "workdir" (None outside bert_jax)."""
+
+def part_of(module: str, package: str = "bert_jax"):
+    """`bert_jax.pretrain.loop` -> "pretrain/", `bert_jax.workdir` -> "workdir",
+    `data_pipeline.records.reader` -> "records/" (None outside `package`)."""
     names = module.split(".")
-    if names[0] != "bert_jax":
+    if names[0] != package:
         return None
     if len(names) == 1:
-        return "bert_jax"
-    return names[1] + "/" if os.path.isdir(os.path.join(ROOT, "bert_jax", names[1])) else names[1]
+        return package
+    return names[1] + "/" if os.path.isdir(os.path.join(ROOT, package, names[1])) else names[1]
 
 
 def imports(path: str) -> set:
@@ -63,16 +79,36 @@ def modules(package: str):
 
 
 @functools.lru_cache(maxsize=None)
-def part_graph() -> dict:
-    """part -> the parts it imports (read once per test process; the tests only read it)."""
+def part_graph(package: str = "bert_jax") -> dict:
+    """part -> the parts of `package` it imports (read once per test process; the tests only read it)."""
     graph: dict = {}
-    for module, path in modules("bert_jax"):
-        mine = part_of(module)
+    for module, path in modules(package):
+        mine = part_of(module, package)
         for target in imports(path):
-            other = part_of(target)
+            other = part_of(target, package)
             if other and other != mine:
                 graph.setdefault(mine, set()).add(other)
     return graph
+
+
+def find_cycle(graph: dict):
+    """One import cycle of `graph` as a list of parts, or None."""
+    state: dict = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path + [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return None
 
 
 def test_every_part_is_drawn_in_a_layer():
@@ -92,28 +128,50 @@ def test_pretraining_and_fine_tuning_do_not_import_each_other():
     assert "pretrain/" not in graph.get("finetune/", set())
 
 
-def test_the_parts_import_each_other_in_no_cycle():
-    graph = part_graph()
-    state: dict = {}
-
-    def visit(node, path):
-        state[node] = "open"
-        for nxt in graph.get(node, ()):
-            if state.get(nxt) == "open":
-                pytest.fail("import cycle: " + " -> ".join(path + [node, nxt]))
-            if nxt not in state:
-                visit(nxt, path + [node])
-        state[node] = "done"
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [])
+@pytest.mark.parametrize("package", ["bert_jax", "data_pipeline"])
+def test_the_parts_import_each_other_in_no_cycle(package):
+    cycle = find_cycle(part_graph(package))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
 def test_data_pipeline_imports_neither_bert_jax_nor_jax():
     wrong = [(module, target) for module, path in modules("data_pipeline") for target in imports(path)
              if target.split(".")[0] in ("bert_jax", "jax", "flax")]
     assert not wrong, wrong
+
+
+def test_every_data_pipeline_stage_is_drawn_in_a_layer():
+    parts = {part_of(module, "data_pipeline") for module, _ in modules("data_pipeline")}
+    assert parts - set(DP_LAYER) == set(), "a new part of data_pipeline: draw it in docs/architecture.md and DP_LAYERS"
+
+
+def test_each_data_pipeline_stage_imports_only_its_layer_and_below():
+    wrong = [f"{mine} (layer {DP_LAYER[mine]}) imports {other} (layer {DP_LAYER[other]})"
+             for mine, others in part_graph("data_pipeline").items() for other in others
+             if DP_LAYER[other] > DP_LAYER[mine]]
+    assert not wrong, wrong
+
+
+def test_input_and_tasks_do_not_import_each_other():
+    graph = part_graph("data_pipeline")
+    assert "tasks/" not in graph.get("input/", set())
+    assert "input/" not in graph.get("tasks/", set())
+
+
+def test_each_data_pipeline_stage_folder_says_what_it_is():
+    for part in DP_LAYER:
+        if part.endswith("/"):
+            init = os.path.join(ROOT, "data_pipeline", part, "__init__.py")
+            assert ast.get_docstring(ast.parse(open(init, encoding="utf-8").read())), f"{init}: no docstring"
+
+
+@pytest.mark.parametrize("package", ["bert_jax", "data_pipeline"])
+def test_no_module_has_a_getattr_hook(package):
+    """A module-level `__getattr__` (PEP 562) serves names from elsewhere, unseen by these scans."""
+    hooks = [module for module, path in modules(package)
+             for node in ast.parse(open(path, encoding="utf-8").read()).body
+             if isinstance(node, ast.FunctionDef) and node.name in ("__getattr__", "__dir__")]
+    assert not hooks, hooks
 
 
 @pytest.mark.parametrize("package", ["bert_jax", "data_pipeline"])

@@ -99,7 +99,7 @@ def test_the_data_page_runs_in_order_as_written(tmp_path):
     made = sum(json.loads((tmp_path / "data" / "many" / f"part-{i}.dataset_info.json").read_text())["num_instances"]
                for i in range(2))
     check = subprocess.run(
-        [sys.executable, "-c", "from data_pipeline import records; print(records.check_files("
+        [sys.executable, "-c", "from data_pipeline.records import reader; print(reader.check_files("
          "'data/many/part-*.tfrecord', process_index=0, process_count=1, verify=True, skip_corrupt=False, "
          "require_files_per_host=True).read_records)"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,

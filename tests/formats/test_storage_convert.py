@@ -17,7 +17,8 @@ import pytest
 
 from bert_jax import convert
 from bert_jax.model.model_config import BertConfig
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 from xla_flags import xla_flags  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]

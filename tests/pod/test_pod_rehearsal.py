@@ -36,7 +36,9 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline import schema, storage, storage_gcs
+from data_pipeline import storage
+from data_pipeline.records import schema
+from data_pipeline.storage import gcs as storage_gcs
 import fake_pod  # tests/ is on sys.path
 import fault_hooks
 from pretraining_records import logged_losses, write_records

@@ -8,7 +8,7 @@ caches named here (BERT_JAX_CACHE_DIR, the XLA compilation cache).
 What reaches the emulator how: gcsfs (our storage layer, and orbax's metadata through
 etils.epath) via STORAGE_EMULATOR_HOST; tensorstore (orbax's arrays) via TENSORSTORE_GCS_HTTP_URL.
 TensorFlow's own GCS client has no endpoint override: tf.data reads local copies of the bucket's
-records (data_pipeline.storage_staging.tf_path), the one place where a real pod takes another path
+records (data_pipeline.storage.staging.tf_path), the one place where a real pod takes another path
 (TensorFlow reads gs:// itself there). TensorBoard events and the tf.data iterator state are
 written locally and uploaded through the storage layer on a pod as here.
 """
@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline import storage, storage_gcs, storage_staging
+from data_pipeline import storage
+from data_pipeline.storage import gcs as storage_gcs, staging as storage_staging
 import fault_hooks  # tests/ is on sys.path
 from pretraining_records import kill9_once_logged, logged_losses
 from xla_flags import xla_flags
@@ -85,7 +86,7 @@ if _log_step:
     import threading
     import time
     import orbax.checkpoint as ocp
-    from data_pipeline import log_writer
+    from data_pipeline.storage import log_writer
 
     _pid = int(os.environ["BERT_JAX_TEST_EMULATOR_PID"])
     _record = open(os.environ["FAULT_RECORD"], "a", encoding="utf-8")

@@ -584,7 +584,7 @@ def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path)
         return cfg
 
     # One glob over the records of two runs made otherwise (casing): refused, naming both manifests.
-    from data_pipeline import schema
+    from data_pipeline.records import schema
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     for name, lower in (("a", True), ("b", False)):

@@ -74,9 +74,12 @@ except ImportError as e:  # the core install does not have Beam
     raise ImportError("--runner=beam needs Apache Beam: pip install -e '.[beam]' "
                       f"(or pip install apache-beam) ({e})") from e
 
-from data_pipeline import corpora, instances as inst, schema, storage, storage_paths, tfrecord
-from data_pipeline.shards import (Options, ShardTotals, check_output_dir_free, dataset_info, init_worker, output_dir,
-                                  output_index, shard_records, worker_options)
+from data_pipeline import storage
+from data_pipeline.pretraining_data import corpora, instances as inst
+from data_pipeline.records import schema, tfrecord
+from data_pipeline.storage import paths as storage_paths
+from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_output_dir_free, dataset_info,
+                                                   init_worker, output_dir, output_index, shard_records, worker_options)
 
 NAMESPACE = "create_pretraining_data"
 COUNTERS = ("shards", "documents", "empty_documents", "lines_with_bad_utf8", "instances", "records_written")

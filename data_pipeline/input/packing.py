@@ -1,7 +1,7 @@
 """Sequence packing: several records per row of `max_seq_length` tokens, first-fit-decreasing.
 
-The third stage of the training input (`records` -> `masking` -> **packing** ->
-`input_pipeline`): `pack_window` packs a window of parsed records into rows, MLPerf-style, in
+The third step of the training input (`records.reader` -> `masking` -> **packing** ->
+`pretraining`): `pack_window` packs a window of parsed records into rows, MLPerf-style, in
 the graph (no `py_function`, so the iterator stays checkpointable; the per-record loop is
 XLA-compiled when XLA is available). Records of different groups (the pipeline passes the epoch)
 never share a row.

@@ -1,10 +1,10 @@
 """tf.data input for pretraining: TFRecords in Google's schema -> host-local numpy batches.
 
-The last stage of the training input (`records` -> `masking` -> `packing` -> **input_pipeline**
+The last stage of the training input (`records.reader` -> `masking` -> `packing` -> **pretraining**
 -> `bert_jax.training.sharding.to_global`): `PretrainingInput`, the endless (or one-epoch) training
 stream of one host, with its saved and restored position, and `EvalInput`
 (`make_eval_iterator`), one padded pass for evaluation, built from the three modules before it.
-The public names of those modules are importable from here too.
+Their names are imported from their own modules, not from here.
 
 - **Training stream** (`PretrainingInput`): seeded file-order shuffle -> interleave -> seeded
   record shuffle (of the serialized records: small buffers, small checkpoints) -> `repeat` ->
@@ -46,28 +46,16 @@ import os
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
+
+from data_pipeline import storage
+from data_pipeline.input.masking import (SpecialIds, dynamic_mask, dynamic_predictions_per_sequence,
+                                         resolve_whole_word_mask)
+from data_pipeline.input.packing import pack_window
+from data_pipeline.records import schema
+from data_pipeline.records.reader import (CorruptDataError, FilePatterns, HostFiles, check_files, file_datasets,
+                                          read_error, split_patterns)
+from data_pipeline.storage import paths as storage_paths, staging as storage_staging
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
-
-from data_pipeline import schema, storage, storage_paths, storage_staging
-from data_pipeline.masking import (SpecialIds, dynamic_mask, dynamic_predictions_per_sequence,
-                                   recorded_whole_word_mask, resolve_whole_word_mask,
-                                   restore_original_ids, subword_table)
-from data_pipeline.packing import pack_window
-from data_pipeline.record_scan import RecordScan, is_gzip, scan_tfrecord_file
-from data_pipeline.records import (MANIFEST_NAME, CorruptDataError, FileInfo, FilePatterns,
-                                   HostFiles, ManifestMismatchError, check_files, dataset_info,
-                                   expand_file_patterns, file_datasets, load_manifest, read_error,
-                                   record_shape, shard_files, split_patterns)
-
-__all__ = [  # this module's own names, then those it re-exports (callers import them from here)
-    "PretrainingInput", "EvalInput", "make_eval_iterator", "parse_batch",
-    "MANIFEST_NAME", "CorruptDataError", "FileInfo", "FilePatterns", "ManifestMismatchError", "dataset_info",
-    "expand_file_patterns", "load_manifest", "record_shape", "shard_files",
-    "RecordScan", "is_gzip", "scan_tfrecord_file",
-    "SpecialIds", "dynamic_mask", "dynamic_predictions_per_sequence", "recorded_whole_word_mask",
-    "restore_original_ids", "subword_table",
-    "pack_window",
-]
 
 _STATE_JSON = "input_state.json"
 _ITERATOR_PREFIX = "iterator"
@@ -219,7 +207,7 @@ class PretrainingInput:
         if whole_word_mask:
             if subword is None:
                 raise ValueError("whole-word dynamic masking needs subword (which ids are ## "
-                                 "pieces: input_pipeline.subword_table(vocab.txt))")
+                                 "pieces: masking.subword_table(vocab.txt))")
             subword = np.asarray(subword, bool)
             if subword.ndim != 1 or len(subword) < SpecialIds.from_any(special_ids).vocab_size:
                 raise ValueError(f"subword has shape {subword.shape}: one bool per vocabulary id "

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Optional
 
-from data_pipeline import storage_atomic, storage_paths, storage_staging
+from data_pipeline.storage import atomic as storage_atomic, paths as storage_paths, staging as storage_staging
 
 MIN_INTERVAL_S = 1.0  # between two writes of one object (Cloud Storage: ~1 write/s per object name)
 MIRROR_INTERVAL_S = 5.0  # between two TensorBoard uploads

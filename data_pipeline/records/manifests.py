@@ -32,7 +32,9 @@ import logging
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from data_pipeline import schema, storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.records import schema
+from data_pipeline.storage import paths as storage_paths
 
 log = logging.getLogger(__name__)
 

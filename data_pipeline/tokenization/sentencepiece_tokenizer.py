@@ -2,8 +2,8 @@
 
 `SentencePieceTokenizer` serves users who want an ALBERT/multilingual style tokenizer instead of a
 WordPiece `vocab.txt` (`train_vocab --spm_model_prefix` trains one); `create_tokenizer` returns it
-for a `.model` file and `tokenization.FullTokenizer` for a vocab.txt. Both are importable from
-`data_pipeline.tokenization` too. Nothing here imports jax or bert_jax.
+for a `.model` file and `tokenization.FullTokenizer` for a vocab.txt. Nothing here imports jax or
+bert_jax.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import warnings
 from typing import Iterable, List, Optional, Union
 
 from data_pipeline import storage
-from data_pipeline.fast_tokenization import FastBasicTokenizer
 from data_pipeline.tokenization import FullTokenizer, _split_special, convert_by_vocab, convert_to_unicode
+from data_pipeline.tokenization.fast import FastBasicTokenizer
 
 
 class SentencePieceTokenizer:

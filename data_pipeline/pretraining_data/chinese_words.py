@@ -44,8 +44,9 @@ import tempfile
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from data_pipeline import storage, storage_paths
-from data_pipeline.char_classes import CJK_RANGES
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
+from data_pipeline.tokenization.char_classes import CJK_RANGES
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,7 @@ def marking_tokenizer(tokenizer, segmenter: ChineseWordSegmenter) -> Callable[[s
 
     Example: "我喜欢BERT模型" -> ["我", "喜", WordContinuation("欢"), "bert", "模", WordContinuation("型")]
     """
-    from data_pipeline.instances import WordContinuation
+    from data_pipeline.pretraining_data.instances import WordContinuation
 
     def count_tokens(texts: List[str]) -> List[int]:
         return [len(tokenizer.tokenize(t)) for t in texts]

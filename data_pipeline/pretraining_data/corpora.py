@@ -29,7 +29,8 @@ import re
 import sysconfig
 from typing import Iterable, Iterator, List, Optional
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 Document = List[str]
 

@@ -6,7 +6,7 @@
   numbers). Per-character rules become whole-string tables and regexes built from the same
   predicates (`char_classes.py`), so the per-character work runs in C.
 
-Both are importable from `data_pipeline.tokenization` too. Nothing here imports jax or bert_jax.
+Nothing here imports jax or bert_jax.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import unicodedata
 from typing import Dict, Iterable, List, NamedTuple, Sequence, Tuple, Union
 
-from data_pipeline.char_classes import CJK_RANGES, is_dropped, is_punctuation
+from data_pipeline.tokenization.char_classes import CJK_RANGES, is_dropped, is_punctuation
 from data_pipeline.tokenization import (UNK_TOKEN, WordpieceTokenizer, _split_special, convert_by_vocab,
                                         convert_to_unicode, load_vocab)
 

@@ -21,8 +21,11 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import (chinese_words, corpora, fast_instances, fast_tokenization, instances as inst, manifests,
-                           schema, storage, storage_paths, tfrecord, tokenization)
+from data_pipeline import storage, tokenization
+from data_pipeline.pretraining_data import chinese_words, corpora, fast_instances, instances as inst
+from data_pipeline.records import manifests, schema, tfrecord
+from data_pipeline.storage import paths as storage_paths
+from data_pipeline.tokenization import fast as fast_tokenization
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,23 +6,25 @@ events, evaluation results, exports, predictions, plots) goes through the functi
 their sibling modules, and no other module calls `open`, `os.path.exists`, `os.makedirs`, `glob` or
 `shutil` on a user's path (`tests/data_pipeline/test_storage.py` scans for them). The file API most callers use is
 here: queries, reading, writing, copying, moving and deleting, each dispatching on the path's scheme.
-Its siblings, each imported from where it is defined:
+The rest of the stage sits beside it in `data_pipeline/storage/`, each name imported from where
+it is defined:
 
-- `storage_paths`: naming and checking paths (`join`, `dirname`, `check`, `StorageError`, ...); no I/O.
-- `storage_gcs`: the gs:// client (gcsfs, shared with orbax) and its request time limit.
-- `storage_atomic`: the whole-or-nothing writes behind `open` and `write_bytes`, and appends that
+- `paths.py`: naming and checking paths (`join`, `dirname`, `check`, `StorageError`, ...); no I/O.
+- `gcs.py`: the gs:// client (gcsfs, shared with orbax) and its request time limit.
+- `atomic.py`: the whole-or-nothing writes behind `open` and `write_bytes`, and appends that
   land once (`append_text`, `Appender`).
-- `storage_staging`: local copies and staging folders for what only TensorFlow or C code reads and
+- `staging.py`: local copies and staging folders for what only TensorFlow or C code reads and
   writes (`tf_path`, `local_copy`, `writing_dir`, `reading_dir`, `Mirror`).
+- `log_writer.py`: a run's logs and events written in the background (`LogWriter`).
 
-Imports go one way: `storage_paths` <- `storage_gcs` <- `storage_atomic` <- this module <-
-`storage_staging`.
+Imports go one way: `paths` <- `gcs` <- `atomic` <- this module <- `staging` <- `log_writer`.
+The bottom stage of data_pipeline: it imports nothing of data_pipeline but itself.
 
 Backends: local paths go through Python's own file functions, with atomic writes (a temporary file
-in the same folder, fsync, `os.replace`); gs:// through gcsfs (why: `storage_gcs`).
+in the same folder, fsync, `os.replace`); gs:// through gcsfs (why: `gcs.py`).
 
 Object-store semantics this module hides: no folders (`makedirs` is a no-op, a "folder" exists
-while an object has its prefix), no append (`storage_atomic`), no rename (`rename` copies then
+while an object has its prefix), no append (`atomic.py`), no rename (`rename` copies then
 deletes, per object, server-side), and a single-object upload is atomic (a write is whole or
 absent, as `write_bytes` is locally).
 
@@ -41,9 +43,9 @@ import os
 import shutil
 from typing import IO, Iterator, Optional
 
-from data_pipeline.storage_atomic import LocalWrite, Upload, write_local
-from data_pipeline.storage_gcs import filesystem
-from data_pipeline.storage_paths import (StorageError, check, is_remote, join, local_path, object_key, object_url,
+from data_pipeline.storage.atomic import LocalWrite, Upload, write_local
+from data_pipeline.storage.gcs import filesystem
+from data_pipeline.storage.paths import (StorageError, check, is_remote, join, local_path, object_key, object_url,
                                          scheme)
 
 

@@ -48,7 +48,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import numpy as np
 
 from data_pipeline import tokenization
-from data_pipeline.instances import MaskStats
+from data_pipeline.pretraining_data.instances import MaskStats
 
 
 @dataclasses.dataclass

@@ -1,6 +1,15 @@
-"""Google-exact BERT tokenization and character offsets; the package's tokenizer entry point.
+"""Tokenization: text -> WordPiece tokens and ids, Google-exact; the stage above `storage`.
 
-This module owns the reference rules that turn raw text into WordPiece tokens and ids:
+The package's face (`from data_pipeline import tokenization`) is the reference tokenizer, here;
+the rest of the stage lives beside it, each name imported from its own module:
+
+* `char_classes.py`: the character classes (whitespace, control, punctuation, CJK) every path shares.
+* `fast.py`: `FastBasicTokenizer`, `FastTokenizer`, the same tokens and ids 20-30 times faster
+  once warm (the batch path of data preparation and fine-tuning).
+* `sentencepiece_tokenizer.py`: `SentencePieceTokenizer` and `create_tokenizer`, which picks
+  between a SentencePiece `.model` and a WordPiece `vocab.txt` by file name.
+
+What is here, the reference rules that turn raw text into WordPiece tokens and ids:
 
 * `BasicTokenizer`, `WordpieceTokenizer`, `FullTokenizer`: a plain, per-character Python
   implementation of the rules of google-research/bert `tokenization.py` (text cleaning, CJK
@@ -12,27 +21,19 @@ This module owns the reference rules that turn raw text into WordPiece tokens an
   character span it came from in the original text (SQuAD answer mapping, NER label alignment).
 * `load_vocab`, `require_tokens`: reading a WordPiece `vocab.txt` as Google's loader does.
 
-Built on it, and importable from here too (`tokenization.FastTokenizer`, ...):
-
-* `fast_tokenization.py`: `FastBasicTokenizer`, `FastTokenizer`, the same tokens and ids 20-30
-  times faster once warm (the batch path of data preparation and fine-tuning).
-* `sentencepiece_tokenization.py`: `SentencePieceTokenizer` and `create_tokenizer`, which picks
-  between a SentencePiece `.model` and a WordPiece `vocab.txt` by file name.
-
-Nothing here imports jax or bert_jax.
+This package imports only `data_pipeline.storage` below it; never jax or bert_jax.
 """
 
 from __future__ import annotations
 
 import collections
-import importlib
 import logging
 import re
 import unicodedata
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from data_pipeline import storage
-from data_pipeline.char_classes import is_cjk_char, is_dropped, is_punctuation, is_whitespace
+from data_pipeline.tokenization.char_classes import is_cjk_char, is_dropped, is_punctuation, is_whitespace
 
 # Special tokens that `keep_special_tokens=True` preserves when a user types them in raw text
 # (fill-in-the-blank prompts such as "Paris is the [MASK] of France."). Google's tokenizer
@@ -434,28 +435,3 @@ class FullTokenizer:
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> List[str]:
         return convert_by_vocab(self.inv_vocab, ids)
-
-
-# --- the fast path and SentencePiece, importable from here ------------------------------
-
-# Those modules build on this one, so importing them here would be an import cycle: their names
-# are looked up on first use instead (PEP 562), and `tokenization.FastTokenizer` keeps working.
-_ELSEWHERE = {
-    "FastBasicTokenizer": "fast_tokenization",
-    "FastTokenizer": "fast_tokenization",
-    "SentencePieceTokenizer": "sentencepiece_tokenization",
-    "SPM_SIDECAR_SUFFIX": "sentencepiece_tokenization",
-    "create_tokenizer": "sentencepiece_tokenization",
-}
-
-
-def __getattr__(name: str):
-    if name not in _ELSEWHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"data_pipeline.{_ELSEWHERE[name]}"), name)
-    globals()[name] = value  # later lookups are plain module attributes
-    return value
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(_ELSEWHERE))

@@ -14,7 +14,7 @@ Time: every Cloud Storage request through gcsfs (ours, and orbax's metadata thro
 ends within `gcs_timeout()` (`$BERT_JAX_GCS_TIMEOUT`, 60 s; gcsfs's own default is none) or
 raises `TimeoutError`, which gcsfs does not retry; the errors it retries get six tries, so a call
 ends within 6 x the timeout + 36 s. Writes that only feed logs do not wait even that long on the
-training step: `data_pipeline.log_writer` does them in the background.
+training step: `data_pipeline.storage.log_writer` does them in the background.
 
 Importing this module (`data_pipeline.storage` does) is what points orbax at gcsfs: import it
 before orbax resolves its first gs:// path. gcsfs itself is imported only when a gs:// path is used.
@@ -26,7 +26,7 @@ import os
 import threading
 from typing import Optional
 
-from data_pipeline.storage_paths import StorageError, check, scheme
+from data_pipeline.storage.paths import StorageError, check, scheme
 
 GCS_TIMEOUT_ENV = "BERT_JAX_GCS_TIMEOUT"
 GCS_TIMEOUT_S = 60.0  # gcsfs moves at most 50 MiB per request (bigger uploads go in chunks): >= 0.8 MiB/s

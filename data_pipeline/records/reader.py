@@ -1,11 +1,11 @@
 """Record files: which TFRecords a host reads, whether they are intact, and how to read them.
 
-The first stage of the training input (`create_pretraining_data` -> TFRecords + a manifest per
-run -> **records** -> `masking`, `packing` -> `input_pipeline`): comma-separated globs expanded and
-sorted, the manifests (`<run>.dataset_info.json`, or one `dataset_info.json` in folders of earlier
+The first step of the training input (`create_pretraining_data` -> TFRecords + a manifest per
+run -> **records.reader** -> `input.masking`, `input.packing` -> `input.pretraining`):
+comma-separated globs expanded and sorted, the manifests (`<run>.dataset_info.json`, or one `dataset_info.json` in folders of earlier
 versions: flags, record shape, per-file size/sha256/count; `manifests.py`), the per-host share of
 the files, their check against the manifests before training, and the tf.data reading of a host's
-files, the good records of damaged ones included (found by `record_scan.scan_tfrecord_file`, which
+files, the good records of damaged ones included (found by `scan.scan_tfrecord_file`, which
 walks a file's framing and checks every CRC).
 
 - **Files.** Comma-separated globs (or a list of them) are expanded, de-duplicated and *sorted*
@@ -39,9 +39,10 @@ from typing import Optional, Sequence, Union
 
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
-from data_pipeline import manifests, schema, storage, storage_paths, storage_staging
-from data_pipeline.manifests import ManifestMismatchError  # noqa: F401  (importable from here and input_pipeline)
-from data_pipeline.record_scan import count_records_by_framing, is_gzip, scan_tfrecord_file
+from data_pipeline import storage
+from data_pipeline.records import manifests, schema
+from data_pipeline.records.scan import count_records_by_framing, is_gzip, scan_tfrecord_file
+from data_pipeline.storage import paths as storage_paths, staging as storage_staging
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """THE pretraining TFRecord schema (Google's), and the data manifest: the contract of the project.
 
-Writer (`create_pretraining_data`) and reader (`input_pipeline`) both use this module; it is the
+Writer (`create_pretraining_data`) and reader (`records.reader`, `input.pretraining`) both use this module; it is the
 only place the feature names, dtypes and shapes are defined.
 
 Features of one record (google-research/bert `create_pretraining_data.py`), zero-padded:
@@ -34,7 +34,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage, storage_paths
+from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 MANIFEST_NAME = "dataset_info.json"  # a folder's one manifest in earlier versions; every run's name ends with it
 INT_FEATURES_SEQ = ("input_ids", "input_mask", "segment_ids")
@@ -133,7 +134,7 @@ def sha256_file(path: str) -> str:
 
 
 def manifest_entry(num_records: int, num_bytes: int, sha256: str) -> dict:
-    """One file's manifest entry (what `input_pipeline` verifies before training)."""
+    """One file's manifest entry (what `records.reader` verifies before training)."""
     return {"num_records": int(num_records), "num_bytes": int(num_bytes), "sha256": sha256}
 
 

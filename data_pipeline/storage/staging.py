@@ -28,7 +28,7 @@ import threading
 from typing import Iterator
 
 from data_pipeline.storage import copy, copy_tree, files_info, identity, write_bytes
-from data_pipeline.storage_paths import basename, is_remote, join, local_path, scheme
+from data_pipeline.storage.paths import basename, is_remote, join, local_path, scheme
 
 
 def cache_dir() -> str:

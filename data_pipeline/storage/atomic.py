@@ -14,7 +14,7 @@ Compare-and-swap: `read_versioned` and `write_versioned` replace a small file on
 the version that was read (a generation precondition remote, a lock and the file's identity
 locally): what a lease needs, so that of two writers racing for one file exactly one wins.
 
-Of the storage modules it imports `storage_paths` and `storage_gcs` (`data_pipeline.storage`
+Of the storage modules it imports `paths` and `gcs` (`data_pipeline.storage`
 imports it); neither jax nor TensorFlow.
 """
 
@@ -30,8 +30,8 @@ import tempfile
 import time
 from typing import IO, Optional, Union
 
-from data_pipeline.storage_gcs import filesystem
-from data_pipeline.storage_paths import is_remote, local_path, object_key
+from data_pipeline.storage.gcs import filesystem
+from data_pipeline.storage.paths import is_remote, local_path, object_key
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Google's character classes: what BERT's tokenizer counts as whitespace, control, punctuation, CJK.
 
 The definitions of google-research/bert `tokenization.py`, one predicate each, shared by the plain
-tokenizers (`tokenization.py`, which apply them character by character) and the fast path
-(`fast_tokenization.py`, which compiles them into whole-string tables), so that both agree on every
+tokenizers (`tokenization/__init__.py`, which apply them character by character) and the fast path
+(`fast.py`, which compiles them into whole-string tables), so that both agree on every
 character. Nothing here imports jax or bert_jax.
 """
 

@@ -1,7 +1,7 @@
 """Scan and repair of TFRecord files: walk a file's record framing, checking every CRC.
 
-The lowest stage of the training input, under `records` (`record_scan` -> `records` ->
-`masking`, `packing` -> `input_pipeline`): `scan_tfrecord_file` finds where every intact record
+The lowest step of the training input, under `reader` (**scan** -> `reader` ->
+`input.masking`, `input.packing` -> `input.pretraining`): `scan_tfrecord_file` finds where every intact record
 of a damaged file lies (and what is wrong with the rest), so that `records` can read exactly the
 good records in place; a gzip file is first decompressed as far as its stream allows. The CRC-32C
 is `tfrecord`'s (google-crc32c), the one implementation: header CRCs of a run of records are checked in
@@ -28,7 +28,9 @@ from typing import Optional
 import numpy as np
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
-from data_pipeline import storage, storage_staging, tfrecord
+from data_pipeline import storage
+from data_pipeline.records import tfrecord
+from data_pipeline.storage import staging as storage_staging
 
 
 def is_gzip(path: str) -> bool:

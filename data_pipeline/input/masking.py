@@ -1,7 +1,7 @@
 """Dynamic masking: re-drawing the masked-LM positions of a batch, token by token or whole words.
 
-The second stage of the training input (`records` -> **masking** -> `packing` ->
-`input_pipeline`): `dynamic_mask` restores the original tokens of parsed records (or packed rows)
+The second step of the training input (`records.reader` -> **masking** -> `packing` ->
+`pretraining`): `dynamic_mask` restores the original tokens of parsed records (or packed rows)
 from `masked_lm_positions`/`masked_lm_ids` and masks them again with the reference's rules, in
 tf graph code with stateless random ops (the caller passes the seed); `subword_table` gives the
 `##`-piece table whole-word masking needs, `recorded_whole_word_mask` what the records were made
@@ -37,7 +37,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
-from data_pipeline.records import FilePatterns, dataset_info, split_patterns
+from data_pipeline.records.reader import FilePatterns, dataset_info, split_patterns
 
 log = logging.getLogger(__name__)
 
