@@ -11,12 +11,12 @@ model of `planning.cost` (stated there): compute at the chip's peak, HBM traffic
 (XLA's FLOPs; the HBM traffic of the program's instructions, by memory space), and every
 collective of the compiled program (`planning.hlo`: bytes, replica groups, executions) on the
 slice's interconnect: the groups' devices' physical
-coordinates say which torus axes each collective crosses. Chip figures: `planning.chips` (public
+coordinates say which torus axes each collective crosses. Chip figures: `training.chips` (public
 specifications, cited). Reported per slice and mesh: the per-chip batch that fits (halved from
 --batch_per_chip until the TPU compiler accepts it), HBM per chip, the step time with and without
 overlapping the collectives with compute, sequences/s, MFU, and the collectives' share, and the
 calibrated sequences/s (compute and memory at the fraction of the peak-rate projection a measured
-step achieved, `planning.chips.ACHIEVED`: what to budget for); per mesh, weak-scaling efficiency
+step achieved, `training.chips.ACHIEVED`: what to budget for); per mesh, weak-scaling efficiency
 from the smallest slice; per slice, the recommended mesh; per recipe, the projected wall time and
 chip-hours on every slice that can run it, at the peaks and calibrated. `--config.key=value` overrides
 the config file as `bert_jax.main` takes them (the dtype, the length and the batch come from the
@@ -102,7 +102,8 @@ def comm_seconds(collectives, mesh, net) -> tuple[float, float, dict]:
 
 def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int, batch_per_chip: int) -> dict:
     """Compile, read the program, project the step (module docstring)."""
-    from bert_jax.planning import aot, chips, cost, hlo
+    from bert_jax.planning import aot, cost, hlo
+    from bert_jax.training import chips
     from bert_jax.pretrain import steps
 
     spec = chips.parse_slice(slice_name)
@@ -153,7 +154,7 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
         "layers": bert_config.num_hidden_layers, "wraparound": list(spec.wraparound),
         "unknown_trip_counts": sum(c.unknown_trip_count for c in found),
     }
-    tc = cost.calibrated(t, chips.ACHIEVED)  # at the measured fraction of the peaks (planning.chips)
+    tc = cost.calibrated(t, chips.ACHIEVED)  # at the measured fraction of the peaks (training.chips)
     out.update(achieved=chips.ACHIEVED, step_s_calibrated=tc.overlap_s)
     out["sequences_per_s"] = rows / out["step_s"]
     out["sequences_per_s_calibrated"] = rows / out["step_s_calibrated"]
@@ -169,7 +170,7 @@ def scaled_step_s(row: dict, batch_per_chip: float, overlap: bool = True, achiev
     """The step time of `row`'s program at another per-chip batch (module docstring): compute,
     the batch-sized traffic and the activation collectives in proportion to the rows, the
     optimizer's traffic and the gradient/weight collectives fixed; compute and traffic at
-    `achieved` of the peak rates (1 = the peak-rate projection; planning.chips.ACHIEVED)."""
+    `achieved` of the peak rates (1 = the peak-rate projection; training.chips.ACHIEVED)."""
     from bert_jax.planning import cost
 
     k = batch_per_chip / row["batch_per_chip"]
@@ -184,7 +185,8 @@ def scaled_step_s(row: dict, batch_per_chip: float, overlap: bool = True, achiev
 def recipe_plan(name: str, phases: list, rows_by_len: dict) -> list:
     """Per slice (the recommended mesh at each length): wall time and chip-hours, at the peak
     rates and calibrated (`entry["calibrated"]`), or why not."""
-    from bert_jax.planning import chips, cost
+    from bert_jax.planning import cost
+    from bert_jax.training import chips
 
     out = []
     slices = sorted({r["slice"] for rs in rows_by_len.values() for r in rs}, key=lambda s: _chips(rows_by_len, s))
@@ -269,7 +271,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         key = a[len("--"):].split("=", 1)[0]
         if key in PLANNER_KEYS:
             p.error(f"--{key}: the planner sets it ({PLANNER_KEYS[key]})")
-    from bert_jax.planning import aot, chips
+    from bert_jax.planning import aot
+    from bert_jax.training import chips
 
     try:
         args.slices = [chips.parse_slice(s).name for s in args.topology.split(",") if s]

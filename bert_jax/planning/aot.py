@@ -21,7 +21,8 @@ import os
 import re
 import time
 
-from bert_jax.planning import chips as chips_lib, hlo as hlo_lib
+from bert_jax.planning import hlo as hlo_lib
+from bert_jax.training import chips as chips_lib
 
 MESHES = ("data", "fsdp", "tensor")
 COLLECTIVES = hlo_lib.KINDS

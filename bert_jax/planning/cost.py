@@ -39,7 +39,7 @@ The step
                    the layer that needs them) except the last layer's share, which has nothing
                    left to hide behind.
     calibrated:    the same with compute_s and memory_s divided by the fraction of the peak-rate
-                   projection that a measured step achieved (`calibrated`, planning.chips.ACHIEVED).
+                   projection that a measured step achieved (`calibrated`, training.chips.ACHIEVED).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class StepTime:
 
 def calibrated(t: StepTime, achieved: float) -> StepTime:
     """`t` with its compute and memory terms at `achieved` of the peak rates (a measured step's
-    fraction of its projection, `planning.chips.ACHIEVED`); the collectives unchanged."""
+    fraction of its projection, `training.chips.ACHIEVED`); the collectives unchanged."""
     if not 0 < achieved <= 1:
         raise ValueError(f"achieved fraction of peak must be in (0, 1], got {achieved}")
     return StepTime(t.compute_s / achieved, t.memory_s / achieved, t.comm_s, t.layers)

@@ -121,8 +121,8 @@ def test_scaled_step_and_recipes_by_hand():
     assert (p2["batch_per_chip"], p2["accumulation"]) == (8, 1)
     assert entry["wall_s"] == pytest.approx(1000 * p1["step_s"] + 100 * p2["step_s"])
     assert entry["chip_hours"] == pytest.approx(entry["wall_s"] * 8 / 3600)
-    # calibrated: compute and traffic at planning.chips.ACHIEVED of the peaks, the collectives not
-    from bert_jax.planning import chips
+    # calibrated: compute and traffic at training.chips.ACHIEVED of the peaks, the collectives not
+    from bert_jax.training import chips
     a = chips.ACHIEVED
     assert plan.scaled_step_s(r, 16, achieved=a) == pytest.approx(max(0.065 / a, 0.03) + 0.03 / 24)
     # both phases' programs at their own batch: core 0.08 + 0.04 = 0.12 s, at a of the peaks; 2 passes at 128
@@ -134,7 +134,7 @@ def test_scaled_step_and_recipes_by_hand():
 
 
 def test_a_data_parallel_plan_counts_flops_on_the_chips_4_chip_slice():
-    from bert_jax.planning import chips
+    from bert_jax.training import chips
 
     for name, want in (("v4-2048", "v4:2x2x1"), ("v5p-16", "v5p:2x2x1"), ("v5e-256", "v5e:2x2"), ("v6e-8", "v6e:2x2")):
         small = chips.smallest_slice(chips.parse_slice(name))
