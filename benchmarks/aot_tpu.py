@@ -47,9 +47,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bert_jax.planning import aot  # noqa: E402  (after sys.path)
+from bert_jax.pod import aot  # noqa: E402  (after sys.path)
 from bert_jax.training import chips  # noqa: E402
-from bert_jax.planning.aot import analyze, compile_step, counted_flops, mesh_axes, slice_devices  # noqa: E402,F401
+from bert_jax.pod.aot import analyze, compile_step, counted_flops, mesh_axes, slice_devices  # noqa: E402,F401
 
 aot.quiet_libtpu_env()
 

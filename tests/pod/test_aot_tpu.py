@@ -100,7 +100,7 @@ compiled, _, rows, _ = aot_tpu.compile_step(config, bert_config, aot_tpu.slice_d
                                          batch_per_chip=4, seq_len=128, predictions=20)
 hlo = compiled.as_text()
 calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
-from bert_jax.planning import hlo as hlo_lib
+from bert_jax.pod import hlo as hlo_lib
 op = r"%([\\w.\\-]+) = [^\\n]*?\\b(?:all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\\("
 parsed = "\\n".join(line for lines in hlo_lib._computations(hlo)[0].values() for line in lines)
 print(json.dumps(dict(aot_tpu.analyze(compiled, 16), rows=rows, attention=bert_config.attention_impl,
