@@ -109,6 +109,31 @@ def analyze(compiled, hbm_gib: float) -> dict:
             "pallas_kernels": text.count('custom_call_target="tpu_custom_call"')}
 
 
+def fitting_step(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,
+                 predictions: int, hbm_gib: float, what: str):
+    """`(compiled, analysis, batch per chip, mesh)` of the step at `batch_per_chip` rows per chip,
+    halved until the program fits the chip's `hbm_gib` (the TPU compiler refuses one that does not,
+    RESOURCE_EXHAUSTED, which counts as not fitting). `analysis` is `analyze`'s, with the compile's
+    seconds (`compile_s`) and the global batch (`global_batch`). RuntimeError (naming `what`) when
+    not even one row per chip fits."""
+    b = batch_per_chip
+    while True:
+        try:
+            compiled, seconds, rows, mesh = compile_step(config, bert_config, devices, mesh_kind, b, seq_len,
+                                                         predictions)
+            analysis = dict(analyze(compiled, hbm_gib), compile_s=seconds, global_batch=rows)
+            if analysis["fits"]:
+                return compiled, analysis, b, mesh
+            why = f"{analysis['hbm_gib']:.2f} GiB of HBM per chip"
+        except Exception as e:  # noqa: BLE001 - the TPU compiler refuses what does not fit
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            why = str(e).splitlines()[0][:300]
+        if b == 1:
+            raise RuntimeError(f"{what}: a per-chip batch of 1 does not fit at length {seq_len} ({why})")
+        b //= 2
+
+
 def xla_costs(compiled) -> dict:
     """`{"flops", "bytes"}` of XLA's cost analysis (per chip; a loop body counted once)."""
     cost = compiled.cost_analysis()

@@ -112,19 +112,9 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
     devices = aot.slice_devices(slice_name)
     predictions = max(1, round(seq_len * 20 / 128))
     started = time.perf_counter()
-    b = batch_per_chip
-    while True:
-        try:
-            compiled, _, rows, mesh = aot.compile_step(config, bert_config, devices, mesh_kind, b, seq_len, predictions)
-            analysis = aot.analyze(compiled, spec.chip.hbm_gib)
-            if analysis["fits"]:
-                break
-        except Exception as e:  # noqa: BLE001 - the TPU compiler refuses what does not fit
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-        if b == 1:
-            raise RuntimeError(f"{slice_name} {mesh_kind}: a per-chip batch of 1 does not fit at length {seq_len}")
-        b //= 2
+    compiled, analysis, b, mesh = aot.fitting_step(config, bert_config, devices, mesh_kind, batch_per_chip, seq_len,
+                                                   predictions, spec.chip.hbm_gib, f"{slice_name} {mesh_kind}")
+    rows = analysis["global_batch"]
     found = hlo.collectives(compiled.as_text())
     net = cost.Interconnect(spec.chip.link_bw, spec.wraparound)
     comm_s, batch_comm_s, by_kind = comm_seconds(found, mesh, net)

@@ -176,3 +176,28 @@ def test_config_overrides_reach_the_planned_model():
     assert (bc.dtype, bc.scan_layers, config.max_seq_length) == ("bfloat16", True, 64)
     plain, plain_bc = planner.load_config(args.config, 64, "bfloat16")
     assert (plain_bc.attention_impl, plain_bc.num_hidden_layers, plain_bc.fused_ops) != ("dot_product", 3, True)
+
+
+def test_fitting_step_halves_the_batch_until_the_program_fits():
+    """`pod.aot.fitting_step`, the planner's and aot_check's: a refused compile (RESOURCE_EXHAUSTED)
+    and a program over the chip's HBM both halve the batch; any other error is raised."""
+    from unittest import mock
+
+    from bert_jax.pod import aot
+
+    def compile_step(config, bert_config, devices, mesh_kind, b, seq_len, predictions):
+        if b == 32:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of HBM")
+        return f"program at {b}", 1.5, 4 * b, "mesh"
+
+    def analyze(compiled, hbm_gib):
+        return {"fits": compiled == "program at 8", "hbm_gib": 1.0}
+
+    with mock.patch.object(aot, "compile_step", compile_step), mock.patch.object(aot, "analyze", analyze):
+        compiled, analysis, b, mesh = aot.fitting_step(None, None, [], "data", 32, 128, 20, 16, "v5e-4 data")
+        assert (compiled, b, mesh, analysis["global_batch"], analysis["compile_s"]) == ("program at 8", 8, "mesh", 32, 1.5)
+        with pytest.raises(RuntimeError, match="v5e-4 data: a per-chip batch of 1 does not fit at length 128"):
+            aot.fitting_step(None, None, [], "data", 4, 128, 20, 16, "v5e-4 data")
+    with mock.patch.object(aot, "compile_step", side_effect=ValueError("not a memory error")):
+        with pytest.raises(ValueError):
+            aot.fitting_step(None, None, [], "data", 4, 128, 20, 16, "v5e-4 data")
