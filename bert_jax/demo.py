@@ -40,7 +40,7 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str) -> dict:
     from data_pipeline.records import manifests
 
     d = config.demo
-    corpus_dir = storage_paths.join(workdir, "corpus")
+    corpus_dir = storage_paths.join(workdir, layout.DEMO_CORPUS)
     files = storage.glob(storage_paths.join(corpus_dir, "*.txt"))
     if not files:
         files = corpora.write_embedded_corpus(corpus_dir, num_shards=d.num_shards)
@@ -52,7 +52,7 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     out = {}
     for name, inputs, dupe in (("train", train_files, d.dupe_factor), ("eval", eval_files, 1)):
-        out_dir = storage_paths.join(workdir, "data", name)
+        out_dir = storage_paths.join(workdir, layout.DEMO_DATA, name)
         if not manifests.in_directory(out_dir, lenient=True):  # a manifest is written last: the records are whole
             create_pretraining_data.create_pretraining_data(
                 input_files=inputs, output_dir=out_dir, vocab_file=vocab_file, do_lower_case=True,
@@ -104,9 +104,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
             for guesses in r["guesses"]:
                 shown = ", ".join(f"{t} ({p:.2f})" for t, p in guesses)
                 print(f"{r['prompt']}\n    [MASK] -> {shown}")
-        storage.write_text(storage_paths.join(workdir, "fill_mask.json"), json.dumps(results, indent=2))
+        storage.write_text(storage_paths.join(workdir, layout.FILL_MASK), json.dumps(results, indent=2))
         from bert_jax import plot
-        curves = storage_paths.join(workdir, "curves.png")
+        curves = storage_paths.join(workdir, layout.CURVES)
         plot.plot(workdir, curves)
         print(f"\ntraining curves: {curves}  (python -m bert_jax.plot --workdir={workdir})")
     return results

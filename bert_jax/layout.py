@@ -14,16 +14,28 @@
       eval_history.json         EVAL_HISTORY       fine-tuning: every epoch's evaluation
       cpu_bf16.json             CPU_BF16           on a CPU: "auto"'s decision, kept for resumption
       seeds/<seed>/             SEEDS              fine-tuning with config.seeds: each seed's own workdir
-      events.out.tfevents.*                        TensorBoard's (`bert_jax.workdir.MetricWriter`)
+      events.out.tfevents.*     EVENTS_PREFIX      TensorBoard's (`bert_jax.workdir.MetricWriter`)
+      verified_data/process_<i>.json  VERIFIED_DATA, verified_data_file(i)  pretraining: the hashes of
+                                                   the files process i checked (`pretrain.pretrain_input`)
+      predictions/<split>_scores.json  PREDICTIONS, scores_file(split)  mode=predict's default output
+                                                   folder (the predictions' own files: the task's)
+      curves.png                CURVES             the training curves (`bert_jax.plot`)
+
+    The demo's workdir (`bert_jax.demo`) also holds:
+      corpus/*.txt              DEMO_CORPUS        the embedded corpus's shards
+      data/train/, data/eval/   DEMO_DATA          the pretraining records made from them
+      fill_mask.json            FILL_MASK          the trained model's guesses for the demo's prompts
 
     A supervised pod run's workdir also holds the supervisor's files (`bert_jax.pod`):
       attempts.jsonl            ATTEMPTS           every attempt's start and end, failures, recreations
       slice.json                SLICE_SPEC         what recreating the slice needs
       constraints.txt           CONSTRAINTS        the first install's `pip freeze`: every reinstall's pins
-      code.json, code/<sha>.tar.gz  CODE_POINTER, CODE_DIR  the project snapshot every attempt ships
+      code.json, code/<sha>.tar.gz  CODE_POINTER, CODE_DIR, code_archive(sha)  the project snapshot
+                                                   every attempt ships
       needs_install.json        NEEDS_INSTALL      the next launch must install (a slice was recreated)
       supervisor.lease          LEASE              which supervisor holds the workdir, and its heartbeat
-      logs/attempt-<n>/worker-<N>.log  LOGS        every worker's log of every attempt
+      logs/attempt-<n>/worker-<N>.log  LOGS, attempt_logs(n), worker_log(N)  every worker's log of
+                                                   every attempt
 
     E/                          an export (`bert_jax.convert --to=bert_jax`)
       params/                   EXPORTED_PARAMS    an orbax checkpoint of the parameter tree
@@ -47,7 +59,15 @@ EVAL_RESULTS = "eval_results.json"
 EVAL_HISTORY = "eval_history.json"
 CPU_BF16 = "cpu_bf16.json"
 SEEDS = "seeds"
+EVENTS_PREFIX = "events.out.tfevents"
+VERIFIED_DATA = "verified_data"
+PREDICTIONS = "predictions"
+CURVES = "curves.png"
 EXPORTED_PARAMS = "params"
+# The demo's (bert_jax.demo).
+DEMO_CORPUS = "corpus"
+DEMO_DATA = "data"
+FILL_MASK = "fill_mask.json"
 # The supervisor's (bert_jax.pod).
 ATTEMPTS = "attempts.jsonl"
 SLICE_SPEC = "slice.json"
@@ -57,3 +77,28 @@ CODE_DIR = "code"
 NEEDS_INSTALL = "needs_install.json"
 LEASE = "supervisor.lease"
 LOGS = "logs"
+
+
+def verified_data_file(process: int) -> str:
+    """`VERIFIED_DATA`'s file of process `process`: "process_3.json"."""
+    return f"process_{process}.json"
+
+
+def scores_file(split: str) -> str:
+    """The scores of a labelled split's predictions, in `PREDICTIONS` (or --predict_output_dir): "dev_scores.json"."""
+    return f"{split}_scores.json"
+
+
+def code_archive(digest: str) -> str:
+    """`CODE_DIR`'s snapshot of the project at `digest`: "<digest>.tar.gz"."""
+    return f"{digest}.tar.gz"
+
+
+def attempt_logs(attempt: int) -> str:
+    """`LOGS`'s folder of a supervised attempt: "attempt-2"."""
+    return f"attempt-{attempt}"
+
+
+def worker_log(worker: int) -> str:
+    """A worker's log in an attempt's folder: "worker-0.log" (launch/tpu_worker.sh uploads it so)."""
+    return f"worker-{worker}.log"

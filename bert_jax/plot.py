@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from bert_jax import layout
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
 
@@ -29,7 +30,7 @@ def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     from a temporary local copy (TensorBoard's reader opens local files)."""
     from tensorboard.backend.event_processing import event_accumulator
 
-    files = storage.glob(storage_paths.join(workdir, "**", "events.out.tfevents.*"))
+    files = storage.glob(storage_paths.join(workdir, "**", layout.EVENTS_PREFIX + ".*"))
     if not files:
         raise FileNotFoundError(f"--workdir={workdir}: no TensorBoard event files (events.out.tfevents.*) "
                                 f"found; is it a bert_jax training workdir?")
@@ -83,7 +84,7 @@ def plot(workdir: str, output: Optional[str] = None, tags: Optional[Sequence[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    output = output or storage_paths.join(workdir, "curves.png")
+    output = output or storage_paths.join(workdir, layout.CURVES)
     series = read_scalars(workdir)
     if tags:
         series = {t: v for t, v in series.items() if t in tags}
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     storage_paths.check(args.workdir, "--workdir")
     if args.output:
         storage_paths.check(args.output, "--output")
-    output = args.output or storage_paths.join(args.workdir, "curves.png")
+    output = args.output or storage_paths.join(args.workdir, layout.CURVES)
     plotted = plot(args.workdir, output)
     print(f"wrote {output}: {', '.join(sorted(plotted))}")
     return 0

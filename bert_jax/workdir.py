@@ -150,7 +150,7 @@ class _EventFile:
 
         storage.makedirs(directory)  # a local folder (the workdir's, or gs://'s staging folder)
         _EventFile._counter += 1
-        name = (f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}."
+        name = (f"{layout.EVENTS_PREFIX}.{int(time.time())}.{socket.gethostname()}.{os.getpid()}."
                 f"{_EventFile._counter}.v2")
         self._file = storage.open(storage_paths.join(directory, name), "ab")  # pylint: disable=consider-using-with
         self._event = event_pb2.Event

@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 
+from bert_jax import layout
 from bert_jax.finetune import batches as finetune_batches, heads, restarts, steps
 from bert_jax.formats.common import read_task
 from bert_jax.layout import TASK_FILE
@@ -189,14 +190,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                        batch_size=batch_size, **finetune_batches.trim_arguments(
                                            config.get("trim_padding_buckets", 0), max_len, task.head))
     predictions = task.postprocess(split.examples, split.features, outputs)
-    out_dir = config.get("predict_output_dir", "") or storage_paths.join(workdir, "predictions")
+    out_dir = config.get("predict_output_dir", "") or storage_paths.join(workdir, layout.PREDICTIONS)
     summary = {"input": path, "format": form, "task": task.name, "params": which, "examples": len(examples),
                "skipped_bad_rows": task.skipped}
     if jax.process_index() == 0:
         summary["files"] = task.write_predictions(split.examples, predictions, out_dir, split.name)
         if task.is_labelled(examples):
             summary["scores"] = {k: float(v) for k, v in task.score(examples, predictions).items()}
-            summary["files"].append(storage_paths.join(out_dir, f"{split.name}_scores.json"))
+            summary["files"].append(storage_paths.join(out_dir, layout.scores_file(split.name)))
             storage.write_json(summary["files"][-1], summary["scores"], indent=2, sort_keys=True)
         print(json.dumps(summary, indent=2))
     logging.info("predicted %d examples of %s into %s", len(examples), path, out_dir)

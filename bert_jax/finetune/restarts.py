@@ -132,7 +132,7 @@ def publish(workdir: str, summary: dict) -> None:
             if storage.isdir(storage_paths.join(source, folder)):
                 storage.copy_tree(storage_paths.join(source, folder), storage_paths.join(workdir, folder))
         for rel, info in storage.files_info(source).items():
-            if "/" not in rel and rel not in _OWN_FILES and not rel.startswith("events.out.tfevents"):
+            if "/" not in rel and rel not in _OWN_FILES and not rel.startswith(layout.EVENTS_PREFIX):
                 storage.copy(info["path"], storage_paths.join(workdir, rel))
     workdir_files.write_json(workdir, layout.EVAL_RESULTS, summary, indent=2, sort_keys=True)
 

@@ -1,4 +1,12 @@
-"""Running on a pod, unattended: the supervisor of `launch/tpu_pod.sh --watch` and its parts.
+"""A pod's operations: planning a run before renting the slice (`python -m bert_jax.plan`), and
+running it unattended (the supervisor of `launch/tpu_pod.sh --watch`).
+
+    planner     the plan: per slice and mesh, the batch that fits, the step time, scaling, recipes
+    aot         the pretraining step compiled ahead of time for a slice's real devices (libtpu)
+    aot_check   does the step fit a slice: the batch that fits, the largest, the MFU ceiling
+                (`python -m bert_jax.pod.aot_check`; `benchmarks/aot_tpu.py` runs it)
+    hlo         what a compiled program moves: its collectives, its HBM traffic
+    cost        the stated model of a step's time on a slice, and time-to-train
 
     supervisor  the loop: watches the slice and the run, ends, relaunches, recreates, gives up
     slice       the Cloud TPU slice through gcloud: describe, recreate, start; structured errors
@@ -7,6 +15,8 @@
     pins        the project snapshot every attempt ships, and the versions a reinstall is pinned to
     calls       every gcloud and storage call bounded in time and retried
 
-It imports neither jax nor TensorFlow: Python, gcloud, and `data_pipeline.storage` (gcsfs for a
-gs:// workdir) are all it needs. docs/pretraining.md ("Running on a pod") says what it does.
+The supervisor's modules import neither jax nor TensorFlow: Python, gcloud, and
+`data_pipeline.storage` (gcsfs for a gs:// workdir) are all it needs; docs/pretraining.md ("Running
+on a pod") says what it does. The planner's compile with jax and libtpu (the chips' figures are
+`bert_jax.training.chips`); docs/pod_planning.md states its model.
 """

@@ -100,7 +100,7 @@ class Code:
         return record["sha256"], self.unpacked(record["sha256"]), taken
 
     def _archive(self, digest: str) -> str:
-        return storage_paths.join(self.workdir, layout.CODE_DIR, f"{digest}.tar.gz")
+        return storage_paths.join(self.workdir, layout.CODE_DIR, layout.code_archive(digest))
 
     def unpacked(self, digest: str) -> str:
         """The snapshot unpacked locally (fetched and verified the first time)."""
@@ -168,7 +168,7 @@ class Versions:
             calls.Unavailable: storage cannot be reached (the launch waits for the next poll).
         """
         try:
-            return self._io.call("reading constraints.txt", storage.read_text, self.constraints_file), "constraints.txt"
+            return self._io.call(f"reading {layout.CONSTRAINTS}", storage.read_text, self.constraints_file), layout.CONSTRAINTS
         except FileNotFoundError:
             pass
         step, versions = self._io.call("reading the newest checkpoint's versions", checkpoint_versions, self.workdir)

@@ -145,7 +145,7 @@ class Supervisor:
                             storage_paths.join(self.workdir, layout.CHECKPOINTS))
 
     def log_dest(self, attempt: int) -> str:
-        return storage_paths.join(self.workdir, layout.LOGS, f"attempt-{attempt}")
+        return storage_paths.join(self.workdir, layout.LOGS, layout.attempt_logs(attempt))
 
     def pod(self, *flags: str, timeout: float, **env) -> "calls.subprocess.CompletedProcess":
         """The snapshot's `launch/tpu_pod.sh FLAGS`, bounded (its process group killed past `timeout`)."""
@@ -369,7 +369,7 @@ class Supervisor:
         env = {"LOG_DEST": self.log_dest(self.attempt), "SKIP_INSTALL": "0" if install else "1"}
         with tempfile.TemporaryDirectory() as tmp:
             if constraints:
-                env["CONSTRAINTS"] = os.path.join(tmp, "constraints.txt")
+                env["CONSTRAINTS"] = os.path.join(tmp, layout.CONSTRAINTS)
                 storage.write_text(env["CONSTRAINTS"], constraints)
             r = self.pod(*self.args, timeout=self.s.launch_timeout, **env)
         if r.returncode == 0:
@@ -512,7 +512,7 @@ class Supervisor:
 
     def resumed_step(self, attempt: int) -> Optional[int]:
         """The step worker 0's run resumed from (0: it started fresh), from its log's head."""
-        text = storage.read_range(storage_paths.join(self.log_dest(attempt), "worker-0.log"), 0, LOG_HEAD_BYTES)
+        text = storage.read_range(storage_paths.join(self.log_dest(attempt), layout.worker_log(0)), 0, LOG_HEAD_BYTES)
         found = RESUMED.search(text.decode("utf-8", errors="replace"))
         return int(found.group(1)) if found else 0
 

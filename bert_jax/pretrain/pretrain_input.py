@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bert_jax import layout
 from bert_jax.pretrain import steps
 from bert_jax.pretrain.phases import Phase
 from bert_jax.training import sharding
@@ -70,13 +71,12 @@ class ShardedInput:
         return {k: sum(c[k] for c in counts) for k in counts[0]}
 
 
-# Where the hashes of verified data files are kept in the workdir (`records.KnownHashes`).
-VERIFIED_DATA = "verified_data"
-
-
 def known_hashes_file(workdir: Optional[str]) -> Optional[str]:
-    """This process's `WORKDIR/verified_data/process_<i>.json` (None without a workdir)."""
-    return storage_paths.join(workdir, VERIFIED_DATA, f"process_{jax.process_index()}.json") if workdir else None
+    """This process's `WORKDIR/verified_data/process_<i>.json`, where the hashes of its verified data
+    files are kept (`records.KnownHashes`; None without a workdir)."""
+    if not workdir:
+        return None
+    return storage_paths.join(workdir, layout.VERIFIED_DATA, layout.verified_data_file(jax.process_index()))
 
 
 def _verify(config):

@@ -26,22 +26,9 @@ from bert_jax.checkpoints import checkpoint_reading
 from bert_jax.model import modeling
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
-from bert_jax.training import cpu_bf16, sharding
+from bert_jax.training import chips, cpu_bf16, sharding
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
-
-# Peak dense bf16 FLOP/s per device, for MFU (by jax's device_kind prefix).
-PEAK_FLOPS = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA A100": 312e12,
-}
-
 
 # With an init checkpoint, which `config.model` keys apply (`bert_config_from`). Every field of
 # BertConfig is in exactly one group (tests/pretrain/test_pretrain_config.py).
@@ -102,11 +89,8 @@ def use_prng_impl(config: ml_collections.ConfigDict) -> None:
 
 
 def peak_flops_per_device() -> Optional[float]:
-    kind = jax.devices()[0].device_kind
-    for prefix, flops in PEAK_FLOPS.items():
-        if kind.startswith(prefix):
-            return flops
-    return None
+    """Peak dense bf16 FLOP/s of this process's devices, for MFU (the chip table: `training.chips`)."""
+    return chips.peak_flops(jax.devices()[0].device_kind)
 
 
 def hparams(config: ml_collections.ConfigDict, bert_config: BertConfig) -> dict:

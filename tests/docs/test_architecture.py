@@ -24,7 +24,7 @@ LAYERS = (
     ("checkpoints/", "formats/", "convert"),
     ("training/", "workdir", "versions", "config_overrides"),
     ("pretrain/", "finetune/"),
-    ("main", "plan", "planning/", "fill_mask", "extract_features", "demo", "pod/", "plot"),  # the entry points
+    ("main", "plan", "fill_mask", "extract_features", "demo", "pod/", "plot"),  # the entry points
 )
 LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 

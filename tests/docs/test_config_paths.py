@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bert_jax import plan
 from bert_jax.config_overrides import known_configs, load_config, resolve_config, resolve_config_argv
+from bert_jax.pod import planner
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -75,11 +75,11 @@ def test_an_unknown_config_names_the_flag_the_value_and_the_known_names(elsewher
 
 
 def test_the_planner_and_the_benchmarks_resolve_the_same_way(elsewhere, capsys, load_benchmark):
-    args = plan.parse_args(["--config=large", "--topology=v4-8", "--config.model.num_hidden_layers=2"])
-    config, bert_config = plan.load_config(args.config, 128, "bfloat16", args.overrides)
+    args = planner.parse_args(["--config=large", "--topology=v4-8", "--config.model.num_hidden_layers=2"])
+    config, bert_config = planner.load_config(args.config, 128, "bfloat16", args.overrides)
     assert (bert_config.hidden_size, bert_config.num_hidden_layers) == (1024, 2)
     with pytest.raises(SystemExit):
-        plan.parse_args(["--config=nope"])
+        planner.parse_args(["--config=nope"])
     err = capsys.readouterr().err
     assert "--config=nope: no such file" in err and "large" in err
     assert load_benchmark("bench_step").load_config("configs/tiny.py").model.hidden_size == 128

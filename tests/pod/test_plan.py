@@ -1,4 +1,5 @@
-"""bert_jax.plan: the pod planner on a compiled program (libtpu, no TPU), and its recipe arithmetic.
+"""bert_jax.pod.planner (`python -m bert_jax.plan`): the pod planner on a compiled program (libtpu, no TPU),
+and its recipe arithmetic.
 
 The compile test plans the test-sized model on a v5e 2x2 slice and checks what the planner read
 from the program against what the model says it must be (the gradient all-reduce carries every
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_jax import plan
+from bert_jax.pod import planner
 
 ROOT = Path(__file__).resolve().parents[2]
 _MISSING = None if importlib.util.find_spec("libtpu") else "libtpu not installed (pip install 'libtpu==0.0.42.*')"
@@ -30,9 +31,9 @@ def _need_libtpu():
 
 PARAMS_SCRIPT = """
 import json, jax, numpy as np, flax.linen as nn
-from bert_jax import plan
+from bert_jax.pod import planner
 from bert_jax.model import modeling, pretraining_heads
-config, bc = plan.load_config("configs/test.py", 64, "bfloat16")
+config, bc = planner.load_config("configs/test.py", 64, "bfloat16")
 params = jax.eval_shape(lambda: pretraining_heads.BertForPreTraining(bc).init(jax.random.key(0), **modeling.dummy_inputs(bc)))
 print(json.dumps({"params": int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(nn.meta.unbox(params)))),
                   "hidden": bc.hidden_size, "vocab": bc.vocab_size}))
@@ -105,36 +106,36 @@ def test_scaled_step_and_recipes_by_hand():
     r = row()
     # half the rows: compute 0.04, traffic 1e10 + 3e10/2 = 2.5e10 -> 0.025 s, comm fixed 0.03
     # overlap: max(0.065, 0.03) + 0.03/24
-    assert plan.scaled_step_s(r, 16) == pytest.approx(0.065 + 0.03 / 24)
-    assert plan.scaled_step_s(r, 16, overlap=False) == pytest.approx(0.065 + 0.03)
+    assert planner.scaled_step_s(r, 16) == pytest.approx(0.065 + 0.03 / 24)
+    assert planner.scaled_step_s(r, 16, overlap=False) == pytest.approx(0.065 + 0.03)
     tp = row(mesh_kind="tensor", batch_comm_s=0.02)  # activation collectives scale with the rows
-    assert plan.scaled_step_s(tp, 64, overlap=False) == pytest.approx(0.16 + 0.07 + 0.05)
+    assert planner.scaled_step_s(tp, 64, overlap=False) == pytest.approx(0.16 + 0.07 + 0.05)
 
     phases = [{"seq_len": 128, "steps": 1000, "batch": 512}, {"seq_len": 512, "steps": 100, "batch": 64}]
     rows = {128: [row(), row(mesh_kind="fsdp", sequences_per_s=900.0)],
             512: [row(seq_len=512, batch_per_chip=8, global_batch=64, sequences_per_s=300.0)]}
-    (entry,) = plan.recipe_plan("toy", phases, rows)
+    (entry,) = planner.recipe_plan("toy", phases, rows)
     p1, p2 = entry["phases"]
     # phase 1: 512 rows over 8 chips = 64 per chip, 32 fit: 2 passes of 32 (accumulation)
     assert (p1["mesh"], p1["batch_per_chip"], p1["accumulation"]) == ("data", 64, 2)
-    assert p1["step_s"] == pytest.approx(2 * plan.scaled_step_s(rows[128][0], 32))
+    assert p1["step_s"] == pytest.approx(2 * planner.scaled_step_s(rows[128][0], 32))
     assert (p2["batch_per_chip"], p2["accumulation"]) == (8, 1)
     assert entry["wall_s"] == pytest.approx(1000 * p1["step_s"] + 100 * p2["step_s"])
     assert entry["chip_hours"] == pytest.approx(entry["wall_s"] * 8 / 3600)
-    # calibrated: compute and traffic at planning.chips.ACHIEVED of the peaks, the collectives not
-    from bert_jax.planning import chips
+    # calibrated: compute and traffic at training.chips.ACHIEVED of the peaks, the collectives not
+    from bert_jax.training import chips
     a = chips.ACHIEVED
-    assert plan.scaled_step_s(r, 16, achieved=a) == pytest.approx(max(0.065 / a, 0.03) + 0.03 / 24)
+    assert planner.scaled_step_s(r, 16, achieved=a) == pytest.approx(max(0.065 / a, 0.03) + 0.03 / 24)
     # both phases' programs at their own batch: core 0.08 + 0.04 = 0.12 s, at a of the peaks; 2 passes at 128
     assert entry["calibrated"]["wall_s"] == pytest.approx((1000 * 2 + 100) * (max(0.12 / a, 0.03) + 0.03 / 24))
 
     small = [{"seq_len": 128, "steps": 10, "batch": 4}]  # 4 rows over 8 chips: impossible
-    (entry,) = plan.recipe_plan("tiny", small, {128: [row()]})
+    (entry,) = planner.recipe_plan("tiny", small, {128: [row()]})
     assert "under one row per chip" in entry["error"]
 
 
 def test_a_data_parallel_plan_counts_flops_on_the_chips_4_chip_slice():
-    from bert_jax.planning import chips
+    from bert_jax.training import chips
 
     for name, want in (("v4-2048", "v4:2x2x1"), ("v5p-16", "v5p:2x2x1"), ("v5e-256", "v5e:2x2"), ("v6e-8", "v6e:2x2")):
         small = chips.smallest_slice(chips.parse_slice(name))
@@ -149,14 +150,14 @@ def test_bad_flags_name_the_flag(capsys):
                           (["--mesh=pipeline"], "unknown mesh"), (["--recipes=paper"], "needs --seq_len"),
                           (["--config=nope.py"], "no such file")):
         with pytest.raises(SystemExit):
-            plan.parse_args(argv)
+            planner.parse_args(argv)
         assert message in capsys.readouterr().err
     for argv, message in ((["--config.model.attention_imp=dot_product"], "nearest: config.model.attention_impl"),
                           (["--config.model.num_hidden_layers=two"], "expected an integer"),
                           (["--config.model.scan_layers=false"], "the planner sets it"),
                           (["--config.max_seq_length=512"], "--seq_len"), (["--bogus=1"], "unrecognized")):
         with pytest.raises(SystemExit):
-            plan.parse_args(argv)
+            planner.parse_args(argv)
         assert message in capsys.readouterr().err
     r = subprocess.run([sys.executable, "-m", "bert_jax.plan", "--topology=v4-7"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
@@ -166,12 +167,37 @@ def test_bad_flags_name_the_flag(capsys):
 def test_config_overrides_reach_the_planned_model():
     """`--config.key=value` as bert_jax.main takes it: parsed as the field's type, applied before
     the planner's own settings (dtype, length, scanned layers)."""
-    args = plan.parse_args(["--config=configs/test.py", "--config.model.attention_impl=dot_product",
+    args = planner.parse_args(["--config=configs/test.py", "--config.model.attention_impl=dot_product",
                             "--config.model.num_hidden_layers=3", "--config.model.fused_ops=true",
                             "--config.learning_rate=2e-4", "--seq_len=64"])
-    config, bc = plan.load_config(args.config, 64, "bfloat16", args.overrides)
+    config, bc = planner.load_config(args.config, 64, "bfloat16", args.overrides)
     assert (bc.attention_impl, bc.num_hidden_layers, bc.fused_ops) == ("dot_product", 3, True)
     assert config.learning_rate == 2e-4 and isinstance(config.learning_rate, float)
     assert (bc.dtype, bc.scan_layers, config.max_seq_length) == ("bfloat16", True, 64)
-    plain, plain_bc = plan.load_config(args.config, 64, "bfloat16")
+    plain, plain_bc = planner.load_config(args.config, 64, "bfloat16")
     assert (plain_bc.attention_impl, plain_bc.num_hidden_layers, plain_bc.fused_ops) != ("dot_product", 3, True)
+
+
+def test_fitting_step_halves_the_batch_until_the_program_fits():
+    """`pod.aot.fitting_step`, the planner's and aot_check's: a refused compile (RESOURCE_EXHAUSTED)
+    and a program over the chip's HBM both halve the batch; any other error is raised."""
+    from unittest import mock
+
+    from bert_jax.pod import aot
+
+    def compile_step(config, bert_config, devices, mesh_kind, b, seq_len, predictions):
+        if b == 32:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of HBM")
+        return f"program at {b}", 1.5, 4 * b, "mesh"
+
+    def analyze(compiled, hbm_gib):
+        return {"fits": compiled == "program at 8", "hbm_gib": 1.0}
+
+    with mock.patch.object(aot, "compile_step", compile_step), mock.patch.object(aot, "analyze", analyze):
+        compiled, analysis, b, mesh = aot.fitting_step(None, None, [], "data", 32, 128, 20, 16, "v5e-4 data")
+        assert (compiled, b, mesh, analysis["global_batch"], analysis["compile_s"]) == ("program at 8", 8, "mesh", 32, 1.5)
+        with pytest.raises(RuntimeError, match="v5e-4 data: a per-chip batch of 1 does not fit at length 128"):
+            aot.fitting_step(None, None, [], "data", 4, 128, 20, 16, "v5e-4 data")
+    with mock.patch.object(aot, "compile_step", side_effect=ValueError("not a memory error")):
+        with pytest.raises(ValueError):
+            aot.fitting_step(None, None, [], "data", 4, 128, 20, 16, "v5e-4 data")

@@ -1,8 +1,8 @@
-"""bert_jax.planning.cost: the stated model's arithmetic against cases computed by hand."""
+"""bert_jax.pod.cost: the stated model's arithmetic against cases computed by hand."""
 
 import pytest
 
-from bert_jax.planning import cost
+from bert_jax.pod import cost
 
 RING4 = cost.Interconnect(link_bw=100.0, wraparound=(True,), hop_latency=0.0)
 TORUS = cost.Interconnect(link_bw=100.0, wraparound=(True, False), hop_latency=0.0)
@@ -57,8 +57,8 @@ def test_step_time_overlap_and_rates():
     assert half.overlap_s == pytest.approx(3.0 + 0.3)
     with pytest.raises(ValueError, match="achieved fraction"):
         cost.calibrated(t, 0.0)
-    # The H100 measurement behind planning.chips.ACHIEVED: 120.6 ms projected, 178.7 ms measured.
-    from bert_jax.planning import chips
+    # The H100 measurement behind training.chips.ACHIEVED: 120.6 ms projected, 178.7 ms measured.
+    from bert_jax.training import chips
     assert chips.ACHIEVED == pytest.approx(0.675, abs=5e-4)
     h100 = cost.step_time(59.84e12, 201.2e9, 0.0, peak_flops=chips.H100["peak_flops"],
                           hbm_bw=chips.H100["hbm_bw"], layers=24)
@@ -73,7 +73,7 @@ def test_step_time_overlap_and_rates():
 
 
 def test_slices_shapes_and_wraparound():
-    from bert_jax.planning import chips
+    from bert_jax.training import chips
 
     def s(name):
         sl = chips.parse_slice(name)
@@ -93,7 +93,7 @@ def test_slices_shapes_and_wraparound():
 
 def test_chip_figures_agree_across_sources():
     """Per-link bandwidth x links (the scaling book) = the Cloud pages' per-chip bidirectional ICI."""
-    from bert_jax.planning import chips
+    from bert_jax.training import chips
 
     links = {"v5p": 6, "v5e": 4, "v6e": 4}
     cloud_bidirectional = {"v5p": 1200e9, "v5e": 400e9, "v6e": 800e9}

@@ -1,4 +1,6 @@
-"""Public specifications of the chips a plan is made for, and the shapes of their slices.
+"""Public specifications of the chips: the figures a pod plan is made with (`bert_jax.pod`), the
+shapes of their slices, and the peak FLOP/s the loops' MFU divides by (`peak_flops`, by jax's
+`device_kind`: `training.run_setup.peak_flops_per_device`). Each chip's peak is written once, here.
 
 Sources (docs/pod_planning.md lists them with the quotes):
 [cloud-v4]  https://cloud.google.com/tpu/docs/v4   ("System architecture": 275 TFLOP/s bf16,
@@ -18,6 +20,8 @@ Sources (docs/pod_planning.md lists them with the quotes):
             per-link source (the v4 page gives no per-chip ICI figure).
 [h100]      NVIDIA H100 SXM datasheet: 1,979 TFLOP/s bf16 with sparsity, half without (989);
             80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s per GPU (18 links x 25 GB/s each way).
+            The H200 has the H100's compute (989 TFLOP/s dense bf16) with more and faster HBM.
+[a100]      NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense.
 
 HBM capacities are read as GiB: the pages mix "GB" and "GiB" for the same chip (v5p's newer page
 says 95 GiB), and HBM stacks come in binary sizes; the TPU compiler's own limit is what refuses a
@@ -69,6 +73,28 @@ CHIPS = {
 # GPU figures for the calibration against measured GPU steps (no slices: one device).
 H100 = {"name": "NVIDIA H100 SXM", "peak_flops": 989e12, "hbm_gib": 80e9 / 2**30, "hbm_bw": 3.35e12,
         "source": "[h100]"}
+
+# Peak dense bf16 FLOP/s by jax's `device_kind` prefix, for the loops' MFU (the TPU chips' from
+# CHIPS; a GPU's from its datasheet).
+DEVICE_KIND_PEAK_FLOPS = {
+    "TPU v4": CHIPS["v4"].peak_flops,
+    "TPU v5 lite": CHIPS["v5e"].peak_flops,
+    "TPU v5e": CHIPS["v5e"].peak_flops,
+    "TPU v5p": CHIPS["v5p"].peak_flops,
+    "TPU v6 lite": CHIPS["v6e"].peak_flops,
+    "NVIDIA H100": H100["peak_flops"],
+    "NVIDIA H200": H100["peak_flops"],  # the H100's compute [h100]
+    "NVIDIA A100": 312e12,  # [a100]
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of a device whose jax `device_kind` is `device_kind` (None: unknown)."""
+    for prefix, flops in DEVICE_KIND_PEAK_FLOPS.items():
+        if device_kind.startswith(prefix):
+            return flops
+    return None
+
 
 # The calibration (docs/pod_planning.md, "Calibration"): the fraction of the peak-rate projection
 # a measured step achieves. One H100, BERT-Large 24 layers, length 128, batch 256, bf16

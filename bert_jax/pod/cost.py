@@ -5,7 +5,7 @@ tests/pod/test_planning_cost.py checks it against hand-computed cases.
 
 Compute and memory (per chip, per step)
     compute_s = XLA FLOPs / peak FLOP/s;  memory_s = HBM traffic / HBM bandwidth, the traffic
-    read off the program's instructions (`planning.hlo.memory_traffic`: operands and results
+    read off the program's instructions (`pod.hlo.memory_traffic`: operands and results
     in HBM, and the copies to and from on-chip memory).
     Both are totals, not per-op pairs: a step takes between
     max(compute_s, memory_s) (every op overlaps its traffic with other ops' math) and
@@ -39,7 +39,7 @@ The step
                    the layer that needs them) except the last layer's share, which has nothing
                    left to hide behind.
     calibrated:    the same with compute_s and memory_s divided by the fraction of the peak-rate
-                   projection that a measured step achieved (`calibrated`, planning.chips.ACHIEVED).
+                   projection that a measured step achieved (`calibrated`, training.chips.ACHIEVED).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class StepTime:
 
 def calibrated(t: StepTime, achieved: float) -> StepTime:
     """`t` with its compute and memory terms at `achieved` of the peak rates (a measured step's
-    fraction of its projection, `planning.chips.ACHIEVED`); the collectives unchanged."""
+    fraction of its projection, `training.chips.ACHIEVED`); the collectives unchanged."""
     if not 0 < achieved <= 1:
         raise ValueError(f"achieved fraction of peak must be in (0, 1], got {achieved}")
     return StepTime(t.compute_s / achieved, t.memory_s / achieved, t.comm_s, t.layers)

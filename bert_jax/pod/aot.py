@@ -11,7 +11,7 @@ reads from the compiled program:
   makes of FSDP's gathered-weight matmuls (the bytes are kept for comparison only: on TPU they
   also count on-chip accesses);
 * the collectives of the real (scanned) program with their bytes, groups and executions, and its
-  HBM traffic by memory space (`planning.hlo`), and the Pallas kernels in it.
+  HBM traffic by memory space (`pod.hlo`), and the Pallas kernels in it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import os
 import re
 import time
 
-from bert_jax.planning import chips as chips_lib, hlo as hlo_lib
+from bert_jax.pod import hlo as hlo_lib
+from bert_jax.training import chips as chips_lib
 
 MESHES = ("data", "fsdp", "tensor")
 COLLECTIVES = hlo_lib.KINDS
@@ -106,6 +107,31 @@ def analyze(compiled, hbm_gib: float) -> dict:
             "collectives": {k: v for k, v in counts.items() if v}, "collective_matmul_loops": windowed,
             # Pallas kernels lower to Mosaic custom calls (the scanned layer's body appears once).
             "pallas_kernels": text.count('custom_call_target="tpu_custom_call"')}
+
+
+def fitting_step(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,
+                 predictions: int, hbm_gib: float, what: str):
+    """`(compiled, analysis, batch per chip, mesh)` of the step at `batch_per_chip` rows per chip,
+    halved until the program fits the chip's `hbm_gib` (the TPU compiler refuses one that does not,
+    RESOURCE_EXHAUSTED, which counts as not fitting). `analysis` is `analyze`'s, with the compile's
+    seconds (`compile_s`) and the global batch (`global_batch`). RuntimeError (naming `what`) when
+    not even one row per chip fits."""
+    b = batch_per_chip
+    while True:
+        try:
+            compiled, seconds, rows, mesh = compile_step(config, bert_config, devices, mesh_kind, b, seq_len,
+                                                         predictions)
+            analysis = dict(analyze(compiled, hbm_gib), compile_s=seconds, global_batch=rows)
+            if analysis["fits"]:
+                return compiled, analysis, b, mesh
+            why = f"{analysis['hbm_gib']:.2f} GiB of HBM per chip"
+        except Exception as e:  # noqa: BLE001 - the TPU compiler refuses what does not fit
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            why = str(e).splitlines()[0][:300]
+        if b == 1:
+            raise RuntimeError(f"{what}: a per-chip batch of 1 does not fit at length {seq_len} ({why})")
+        b //= 2
 
 
 def xla_costs(compiled) -> dict:
