@@ -1,7 +1,7 @@
 """AOT compilation of the sharded train step for a real TPU topology, on CPU (skips without libtpu,
 except in CI: `.ci/run` installs it and sets `BERT_JAX_CI=1`, where its absence fails).
 
-`benchmarks/aot_tpu.py` compiles against `jax.experimental.topologies` devices; libtpu (the TPU
+`benchmarks/step/aot_tpu.py` compiles against `jax.experimental.topologies` devices; libtpu (the TPU
 compiler, from PyPI) needs no TPU. This compiles the test-sized config for a v5e 2x2 slice, and
 BERT-Tiny with `attention_impl="dot_product"`, which on TPU is the Pallas splash attention kernel.
 """
@@ -31,7 +31,7 @@ def _env() -> dict:
 
 def test_tiny_config_compiles_for_a_v5e_2x2_slice():
     env = _env()
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_tpu.py"), "--config=configs/test.py",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.step.aot_tpu", "--config=configs/test.py",
                         "--topology=v5e-4", "--mesh=data", "--seq_len=32", "--batch_per_chip=4",
                         "--max_batch_per_chip=8", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -70,7 +70,7 @@ def test_fsdp_flops_count_the_collective_matmul_loops(tmp_path):
     The counting compiles must also compute the last layer everywhere, as the scanned program does
     (with `sparse_last_layer` they would skip ~70% of one of the two layers, well below 1.0)."""
     (tmp_path / "wide.py").write_text(WIDE_CONFIG)
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_tpu.py"), f"--config={tmp_path / 'wide.py'}",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.step.aot_tpu", f"--config={tmp_path / 'wide.py'}",
                         "--topology=v5e-16", "--mesh=fsdp", "--seq_len=128", "--batch_per_chip=4",
                         "--max_batch_per_chip=0", "--json"], env=_env(), cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
@@ -88,12 +88,11 @@ def test_fsdp_flops_count_the_collective_matmul_loops(tmp_path):
     assert 0.75 < row["mfu_upper_bound"] <= 1.0, row
 
 
-# One compile (not aot_tpu.py's three per mesh, which add the FLOPs extrapolation), on the FSDP mesh:
+# One compile (not benchmarks.step.aot_tpu's three per mesh, which add the FLOPs extrapolation), on the FSDP mesh:
 # the kernel must run per chip, inside shard_map, on its own 4 of the 16 examples.
 SPLASH_SCRIPT = """
 import json, re, sys
-sys.path.insert(0, sys.argv[1])
-import aot_tpu
+from benchmarks.step import aot_tpu
 args = aot_tpu.parse_args(["--config=configs/tiny.py", "--seq_len=128", "--attention=dot_product"])
 config, bert_config = aot_tpu.load_configs(args)
 compiled, _, rows, _ = aot_tpu.compile_step(config, bert_config, aot_tpu.slice_devices("v5e-4"), "fsdp",
@@ -112,7 +111,7 @@ print(json.dumps(dict(aot_tpu.analyze(compiled, 16), rows=rows, attention=bert_c
 
 def test_dot_product_attention_compiles_to_the_pallas_splash_kernel():
     """BERT-Tiny (2 heads of 64) at length 128 with attention_impl="dot_product" on a v5e 2x2 slice."""
-    r = subprocess.run([sys.executable, "-c", SPLASH_SCRIPT, str(ROOT / "benchmarks")], env=_env(),
+    r = subprocess.run([sys.executable, "-c", SPLASH_SCRIPT], env=_env(),
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     row = json.loads(r.stdout.splitlines()[-1])
