@@ -26,7 +26,7 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     # transformers<5 still ships FlaxBertForPreTraining: the independent reference of the parity tests.
-    # tokenizers: compared with ours in benchmarks/bench_tokenizer.py and the MiniLM integration test.
+    # tokenizers: compared with ours in benchmarks/data/tokenizer.py and the MiniLM integration test.
     # scikit-learn: independent GLUE metrics (tests/data_pipeline/test_tasks.py).
     # papermill + ipykernel: tests/docs/test_notebooks.py executes the notebooks.
     # apache-beam: tests/data_pipeline/test_beam_pipeline.py runs the Beam path on the DirectRunner.
@@ -56,6 +56,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
+    # benchmarks/ and experiments/ run from a checkout (python -m benchmarks.<area>.<name>); never installed.
     packages=find_packages(include=["bert_jax", "bert_jax.*", "data_pipeline", "data_pipeline.*",
                                     "configs"]),
     install_requires=INSTALL_REQUIRES,

@@ -32,7 +32,7 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.seeds = ()
     # The head's kernel at the start: truncated_normal (google-research/bert: stddev 0.02 before the
     # cut at 2 stddev) | normal (transformers' BERT: a plain normal of stddev 0.02). Over a short run
-    # the draw moves the scores (benchmarks/RESULTS.md, CoNLL-2003).
+    # the draw moves the scores (benchmarks/finetune/RESULTS.md, CoNLL-2003).
     config.head_init = "truncated_normal"
     config.prng_impl = "threefry2x32"  # dropout's random bits: threefry2x32 | rbg | unsafe_rbg (configs/base.py)
     config.cpu_bf16 = "auto"  # auto | on | off: matmuls in bf16 with float32 outputs on a CPU (configs/base.py)

@@ -1,6 +1,6 @@
-"""BERT-Tiny (L=2, H=128, A=2) pretrained from scratch on CPU: the recipe of benchmarks/pretraining_helps.py.
+"""BERT-Tiny (L=2, H=128, A=2) pretrained from scratch on CPU: the recipe of experiments/pretraining_helps.py.
 
-    python benchmarks/pretraining_helps.py --workdir=W          # prepares the data, then runs:
+    python -m experiments.pretraining_helps --workdir=W          # prepares the data, then runs:
     python -m bert_jax.main --config=configs/pretrain_small.py --workdir=W/pretrain \\
         --config.train_data='W/records/train/*.tfrecord*' \\
         --config.eval_data='W/records/heldout/*.tfrecord*' \\
@@ -20,8 +20,8 @@ paper's model shape exactly, and the random-init arm of the comparison gets the 
 (3) it needs no vocabulary stage inside the 60-minute CPU budget. The cost: many of its 30522
 rows are rarely or never seen in this corpus, so much of the embedding matrix (3.9M of the 4.4M
 parameters) learns nothing about its words: those rows only drift together, pushed by the tied
-masked-LM softmax (benchmarks/RESULTS.md). Measured against an 8,192-piece vocab trained on the corpus
-(`benchmarks/pretraining_helps.py --train_vocab_size=8192`): 2.6x faster per step, five-task
+masked-LM softmax (experiments/RESULTS.md). Measured against an 8,192-piece vocab trained on the corpus
+(`experiments/pretraining_helps.py --train_vocab_size=8192`): 2.6x faster per step, five-task
 gain +3.5 against this recipe's +5.2, SST-2 no better; so this one is kept.
 
 Records: `python -m data_pipeline.create_pretraining_data` (fast mode) with Google's defaults

@@ -33,20 +33,6 @@ pytest_plugins = ["ci_required"]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-@pytest.fixture
-def load_benchmark():
-    """`load_benchmark("bench_step")`: a script of benchmarks/ (not a package) as a module."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def load(name):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return load
-
-
 # ---------------------------------------------------------------------------------------------
 # Cloud Storage, emulated: fake-gcs-server on 127.0.0.1 (one per test process)
 # ---------------------------------------------------------------------------------------------

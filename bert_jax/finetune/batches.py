@@ -264,7 +264,7 @@ def compile_cost(config: ml_collections.ConfigDict) -> float:
     (`config.trim_padding_compile_cost`; -1 = measured defaults for the backend: 8 on CPU, where
     all-MiniLM-L6-v2's step at batch 32, length 64 compiles in 12.7 s and runs in 1.6 s on two
     cores; 1000 on GPUs and TPUs, where BERT-Base's step at batch 128 compiled in ~41 s and ran in
-    ~49 ms on an H100, benchmarks/RESULTS.md: ~840 steps, and more at fine-tuning's batch 32)."""
+    ~49 ms on an H100, benchmarks/step/RESULTS.md: ~840 steps, and more at fine-tuning's batch 32)."""
     cost = float(config.get("trim_padding_compile_cost", -1))
     if cost == -1:
         return COMPILE_COST_AUTO.get(jax.default_backend(), ACCELERATOR_COMPILE_COST)

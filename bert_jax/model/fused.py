@@ -3,7 +3,7 @@ residual add + LayerNorm in one pass forward and one pass backward.
 
 Every encoder sub-layer ends `LayerNorm(dropout(h) + x)`. XLA runs that as several passes and, in
 the backward pass, writes `dy * x_hat` in float32 for the scale gradient before reducing it
-(~18 ms of BERT-Large's 178 ms H100 step, benchmarks/RESULTS.md). Here one kernel reads `h`, `x`
+(~18 ms of BERT-Large's 178 ms H100 step, benchmarks/step/RESULTS.md). Here one kernel reads `h`, `x`
 and the dropout mask once per row block and writes `y` and the row statistics (mean, 1/std); the
 backward kernel reads them again, recomputes `x_hat`, and writes `dh`, `dx` and per-block partial
 sums of the scale and bias gradients (a `[blocks, hidden]` array, summed after). Given `h_bias`,
@@ -25,7 +25,7 @@ normalization in float32, the output cast back (`tests/model/test_fused.py` comp
 `layers.LayerNorm` after `dropout.dropout`, with the same mask).
 On GPUs the kernels lower through Triton (named: a bare `pallas_call` would go to Mosaic GPU);
 elsewhere they run in Pallas' interpreter (correct, slow: for tests). On an H200 they run at
-~3.3 TB/s inside BERT-Large's step and make it 1.064x faster (benchmarks/RESULTS.md, 2026-11-26);
+~3.3 TB/s inside BERT-Large's step and make it 1.064x faster (benchmarks/step/RESULTS.md, 2026-11-26);
 with the attention and FFN output biases folded in, 1.070x (1.086x pipelined, 2026-11-28); BERT-Base's
 step (rows read as 512 + 256 columns) 1.078-1.089x (1.074-1.086x pipelined, 2026-11-28).
 Triton loads and stores power-of-two blocks only, so the kernels read and write each row in
@@ -58,7 +58,7 @@ Array = jax.Array
 # Launch shapes, per pass: rows per program (halved until it divides the row count) and Triton warps;
 # the backward pass walks its block `chunk_rows` rows at a time and keeps the scale and bias
 # gradients' partial sums in registers, one [hidden] partial per block. Set from a sweep on an
-# H200 at BERT-Large's shapes (`benchmarks/bench_fp8.py --kernel_sweep`, benchmarks/RESULTS.md).
+# H200 at BERT-Large's shapes (`benchmarks/step/fp8.py --kernel_sweep`, benchmarks/step/RESULTS.md).
 FORWARD = {"block_rows": 8, "num_warps": 8}
 BACKWARD = {"block_rows": 8, "chunk_rows": 1, "num_warps": 4}
 # Pallas' interpreter (CPUs, tests) pays for every program and loop step: few, large blocks there.

@@ -2,7 +2,7 @@
 
 Every encoder layer computes `gelu(x @ w1 + b1) @ w2`. XLA runs the first GEMM through cuBLAS and
 the bias + GELU as a pass of its own that reads the GEMM's output and writes the activation (no
-cuBLASLt GELU epilogue is used, benchmarks/RESULTS.md, 2026-11-27); in the backward pass it writes
+cuBLASLt GELU epilogue is used, benchmarks/step/RESULTS.md, 2026-11-27); in the backward pass it writes
 the gradient of the activation, then reads it again with the pre-activation to apply the GELU's
 derivative and to sum the bias gradient. Here two Pallas kernels do that work where the GEMMs
 produce it:
@@ -22,7 +22,7 @@ sizes must divide by the blocks (hidden and intermediate by 64; BERT-Base's 768/
 1024/4096 do); `supported` says. On a mesh of several devices each runs the kernels on its own rows
 (`bert_jax.model.shards`), the weights whole (a tensor-parallel split of them gathered first).
 
-Measured on an H200 (benchmarks/RESULTS.md, 2026-11-28): the kernels are more exact than XLA's bf16
+Measured on an H200 (benchmarks/kernels/RESULTS.md, 2026-11-28): the kernels are more exact than XLA's bf16
 path (the bias gradient 26x), but their GEMMs, as Pallas emits them through Triton, run at
 0.65-0.75x cuBLAS's (274-363 against ~730 TFLOP/s inside the step), far more than the epilogue
 saves: the block runs at 0.81x XLA's speed, BERT-Large's step at 0.90x. So `fused_ffn` is off
@@ -44,7 +44,7 @@ Array = jax.Array
 
 # Launch shapes per kernel: an output tile of block_m x block_n, the contraction walked block_k at
 # a time, Triton's warps and software-pipelining stages: the fastest of ten each in
-# `benchmarks/bench_fused_ffn.py --sweep` on an H200 at BERT-Large's shapes (benchmarks/RESULTS.md).
+# `benchmarks/kernels/fused_ffn.py --sweep` on an H200 at BERT-Large's shapes (benchmarks/kernels/RESULTS.md).
 FORWARD = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
 BACKWARD = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4}
 INTERPRET = pallas_gemm.INTERPRET

@@ -3,7 +3,7 @@
 With FP8 (flax's `Fp8DirectDotGeneralOp`, delayed scaling) every dense layer's backward pass first
 reads its output gradient `g` twice more: once for its largest |value| (the amax that joins the
 layer's history) and once to cast it to float8_e5m2 for the two gradient GEMMs. Those memory-bound
-passes cost about what the FP8 GEMMs save (benchmarks/RESULTS.md: 0.998x at 4 layers on an H100).
+passes cost about what the FP8 GEMMs save (benchmarks/step/RESULTS.md: 0.998x at 4 layers on an H100).
 For the two dense layers whose output goes straight into `LayerNorm(dropout(h + b) + x)` (the
 attention output and the FFN output), `g` is `dh`, which the LayerNorm backward kernel
 (`bert_jax.model.fused`) computes anyway: here that kernel writes `dh` already cast to e5m2 (one
@@ -56,7 +56,7 @@ Array = jax.Array
 
 # Whether FP8 layers feeding the LayerNorm kernel take their gradient's cast from it, and the FFN's
 # first layer its input's cast (benchmarks switch it off to time flax's own passes in the same
-# call: `bench_fp8.py`'s `fp8_fused_cast_apart_*`).
+# call: `benchmarks.step.fp8`'s `fp8_fused_cast_apart_*`).
 ENABLED = True
 
 

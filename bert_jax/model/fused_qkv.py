@@ -5,7 +5,7 @@ seen as `[batch, length, heads, head_dim]`. XLA runs it as one GEMM against the 
 stacked at run time, then three strided slices of its `[rows, 3, hidden]` output (bias added in a
 pass of its own); in the backward it stacks the three gradients again for the input's and the
 kernels' GEMMs and sums the bias gradients in passes over them (on an H200 at BERT-Large, 3.4 ms
-of bias gradients and stacking and 2.2 ms of slices a step: benchmarks/RESULTS.md, 2026-11-28).
+of bias gradients and stacking and 2.2 ms of slices a step: benchmarks/kernels/RESULTS.md, 2026-11-28).
 Here three Pallas kernels (`bert_jax.model.pallas_gemm`) do that work inside the GEMMs:
 
 - forward: one launch over `[row blocks, 3, column blocks]`: each program multiplies `x` by one
@@ -28,8 +28,8 @@ unfused path and a float32 reference). The hidden size must divide by 64 (BERT-B
 1024 do): `supported`. On a mesh of several devices each runs the kernels on its own rows
 (`bert_jax.model.shards`), the weights whole, their gradients summed over the devices.
 
-Speed: not yet timed on a GPU (`benchmarks/bench_fused_qkv.py`, `benchmarks/gpu_fused_qkv.sh`).
-Pallas' Triton GEMMs ran at 0.65-0.75x cuBLAS's in the FFN kernels (benchmarks/RESULTS.md,
+Speed: not yet timed on a GPU (`benchmarks/kernels/fused_qkv.py`, `benchmarks/gpu/fused_qkv.sh`).
+Pallas' Triton GEMMs ran at 0.65-0.75x cuBLAS's in the FFN kernels (benchmarks/kernels/RESULTS.md,
 2026-11-28); these are GEMMs of the same kind, so `fused_qkv` stays off by default until measured.
 """
 
@@ -47,7 +47,7 @@ Array = jax.Array
 
 # Launch shapes per kernel (see `bert_jax.model.pallas_gemm`): the FFN kernels' fastest at
 # BERT-Large's shapes on an H200 (its forward for the forward, its backward for both backward
-# kernels) until `benchmarks/bench_fused_qkv.py --sweep` measures these.
+# kernels) until `benchmarks/kernels/fused_qkv.py --sweep` measures these.
 FORWARD = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
 BACKWARD_INPUT = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4}
 BACKWARD_WEIGHTS = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4}

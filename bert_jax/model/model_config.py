@@ -84,7 +84,7 @@ class BertConfig:
     # backward the GELU's derivative and the bias gradient in the epilogue of the GEMM that produces
     # the activation's gradient (`bert_jax.model.fused_ffn`; Triton on GPUs). The same parameters; sizes
     # that do not divide by its blocks and FP8 run the layer unfused. Slower than XLA + cuBLAS on an
-    # H200 (0.90x BERT-Large's step, benchmarks/RESULTS.md 2026-11-28): off unless measured to pay.
+    # H200 (0.90x BERT-Large's step, benchmarks/kernels/RESULTS.md 2026-11-28): off unless measured to pay.
     fused_ffn: bool = False
     # Every matmul with bfloat16 inputs and float32 accumulation and output, forward and backward,
     # the rest of the model in float32 (`bert_jax.model.mixed_precision`): the form XLA's CPU backend runs
@@ -93,7 +93,7 @@ class BertConfig:
     # Q, K and V as three matmuls, each into its own [batch, length, heads, head_dim] array with its
     # bias, instead of one matmul against the three kernels stacked and three strided slices of
     # its output (and, backward, their gradients stacked again). The same parameters and values.
-    # 0.99x the step on an H200 (benchmarks/RESULTS.md, 2026-11-28): XLA's dot merger joins the
+    # 0.99x the step on an H200 (benchmarks/kernels/RESULTS.md, 2026-11-28): XLA's dot merger joins the
     # three matmuls again; off unless measured to pay.
     separate_qkv: bool = False
     # Q, K and V as one Pallas GEMM kernel each way (`bert_jax.model.fused_qkv`; Triton on GPUs):

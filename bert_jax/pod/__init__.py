@@ -4,7 +4,7 @@ running it unattended (the supervisor of `launch/tpu_pod.sh --watch`).
     planner     the plan: per slice and mesh, the batch that fits, the step time, scaling, recipes
     aot         the pretraining step compiled ahead of time for a slice's real devices (libtpu)
     aot_check   does the step fit a slice: the batch that fits, the largest, the MFU ceiling
-                (`python -m bert_jax.pod.aot_check`; `benchmarks/aot_tpu.py` runs it)
+                (`python -m bert_jax.pod.aot_check`; `python -m benchmarks.step.aot_tpu` runs it)
     hlo         what a compiled program moves: its collectives, its HBM traffic
     cost        the stated model of a step's time on a slice, and time-to-train
 

@@ -5,7 +5,7 @@
         [--topology=v4-32,v5p-64,v5e-16] [--mesh=data,fsdp,tensor] [--seq_len=128] \\
         [--batch_per_chip=32] [--max_batch_per_chip=1024] [--attention=einsum] [--json]
 
-(`benchmarks/aot_tpu.py` runs the same, with the same flags.) What it adds over the planner
+(`python -m benchmarks.step.aot_tpu` runs the same, with the same flags.) What it adds over the planner
 (`python -m bert_jax.plan`, which projects the step's time from the same compile): the model's own
 options (--remat, --attention, --no_scan, --predictions), the largest batch estimated from the
 program, and the compute-only MFU ceiling. For each slice and mesh it lowers and compiles

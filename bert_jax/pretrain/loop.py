@@ -61,7 +61,7 @@ def blocks_every_step(backend: str, process_count: int) -> bool:
     Only for several processes on CPU: there, gloo's collectives of consecutive steps interleave
     differently on each process and deadlocked within ~50 steps (RELIABILITY.md). On TPU and GPU
     the host dispatches ahead, so that input and logging overlap the device's step: waiting costs
-    4-6% of BERT-Large's step on an H100 and an H200 (benchmarks/RESULTS.md, waited-for against
+    4-6% of BERT-Large's step on an H100 and an H200 (benchmarks/step/RESULTS.md, waited-for against
     pipelined steps, 2026-11-27 and 2026-11-28).
     """
     return backend == "cpu" and process_count > 1

@@ -6,7 +6,7 @@ its ~135 s compiling, and a run on a TPU or GPU spends a minute or more compilin
 before its first step. A second run with the same shapes and hyper-parameters (another seed, a
 resumed or restarted run, a rerun with more epochs of evaluation) compiles the same programs
 again. JAX's persistent compilation cache keeps them: a program found there is loaded in a
-fraction of a second instead of compiled (`benchmarks/RESULTS.md`, "Compilation cache").
+fraction of a second instead of compiled (`benchmarks/finetune/RESULTS.md`, "Compilation cache").
 
 `configure(value)` sets it up before anything compiles (`python -m bert_jax.main` calls it):
 - "auto" (the default): JAX's own setting when the environment or the caller gave one

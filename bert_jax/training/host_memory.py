@@ -5,7 +5,7 @@ execution ends: 1.45 GB for BERT-Base's training step (batch 8, length 128). gli
 block above 32 MB (and every large block of a worker thread's own arena, whatever the settings)
 with a fresh `mmap`, and unmaps it on `free`, so each step starts on untouched memory that the
 kernel faults in page by page: ~357,000 page faults and ~1 s of kernel time per BERT-Base step on
-two cores, ~12% of the CPU time a run spends (`benchmarks/RESULTS.md`, "Page faults").
+two cores, ~12% of the CPU time a run spends (`benchmarks/finetune/RESULTS.md`, "Page faults").
 
 `keep_freed_memory()` tells glibc, through `mallopt`, to serve large blocks from the one main
 heap (one arena: worker threads included) and to keep what is freed there: from the second step

@@ -163,7 +163,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     the three fusions that read the clipped gradient (Adam's two moments and the parameter update),
     so optax's form writes `g / norm` out as a full-size array and reads both it and `g` again; a
     scalar factor fuses into those consumers. For BERT-base's AdamW update on CPU this halves the
-    optimizer's time (239 -> 126 ms, benchmarks/RESULTS.md). Below the threshold the factor is
+    optimizer's time (239 -> 126 ms, benchmarks/step/RESULTS.md). Below the threshold the factor is
     exactly 1 (x / x), so the gradients pass unchanged, as with optax; above it the result equals
     optax's to rounding. optax's source keeps this form, marked as the faster one, commented out
     until its effect on differentiating through the update (meta-gradients) is analyzed; a

@@ -64,7 +64,7 @@ def apply_guarded_update(state: TrainState, grads: Any, loss: jax.Array,
     # A conditional, not `jnp.where(finite, new, old)` over the state: selecting keeps the old
     # parameters and moments alive next to the new ones, so XLA copies them before updating in
     # place and reads both again (BERT-base's update on CPU: 358 against 239 ms with optax's
-    # clipping, `benchmarks/bench_optimizer.py`).
+    # clipping, `benchmarks/step/optimizer.py`).
     new_params, new_opt_state = jax.lax.cond(finite, update, lambda operand: operand,
                                              (state.params, state.opt_state))
     new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state)

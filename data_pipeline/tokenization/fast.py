@@ -2,7 +2,7 @@
 
 * `FastBasicTokenizer`, `FastTokenizer`: the same output as `BasicTokenizer` / `FullTokenizer`
   (tests/data_pipeline/test_tokenization.py pins it, on real corpora too), by memoizing whitespace-delimited
-  chunks (see `_ChunkMemoTokenizer` for why that is exact, and benchmarks/RESULTS.md for the
+  chunks (see `_ChunkMemoTokenizer` for why that is exact, and benchmarks/data/RESULTS.md for the
   numbers). Per-character rules become whole-string tables and regexes built from the same
   predicates (`char_classes.py`), so the per-character work runs in C.
 
@@ -234,7 +234,7 @@ class FastTokenizer(_ChunkMemoTokenizer):
     Chunks of text (see `_ChunkMemoTokenizer`) are memoized to their word pieces and ids; a
     missed chunk goes through `FastBasicTokenizer.split_chunk`, and each of its words through
     `WordpieceTokenizer`, itself memoized per word. The first pass over a corpus therefore runs
-    at a few times the plain speed, and later text at 20-30 times (benchmarks/RESULTS.md).
+    at a few times the plain speed, and later text at 20-30 times (benchmarks/data/RESULTS.md).
 
     HuggingFace `tokenizers` was measured and not used: on this 2-core machine it is about 4x
     slower than the memoized path, and its BERT normalizer departs from Google's outside ASCII

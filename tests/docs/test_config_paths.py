@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.checkpoints import integrity_cost
+from benchmarks.step import pretrain_step
 from bert_jax.config_overrides import known_configs, load_config, resolve_config, resolve_config_argv
 from bert_jax.pod import planner
 
@@ -74,7 +76,7 @@ def test_an_unknown_config_names_the_flag_the_value_and_the_known_names(elsewher
     assert list(elsewhere.iterdir()) == []
 
 
-def test_the_planner_and_the_benchmarks_resolve_the_same_way(elsewhere, capsys, load_benchmark):
+def test_the_planner_and_the_benchmarks_resolve_the_same_way(elsewhere, capsys):
     args = planner.parse_args(["--config=large", "--topology=v4-8", "--config.model.num_hidden_layers=2"])
     config, bert_config = planner.load_config(args.config, 128, "bfloat16", args.overrides)
     assert (bert_config.hidden_size, bert_config.num_hidden_layers) == (1024, 2)
@@ -82,8 +84,8 @@ def test_the_planner_and_the_benchmarks_resolve_the_same_way(elsewhere, capsys, 
         planner.parse_args(["--config=nope"])
     err = capsys.readouterr().err
     assert "--config=nope: no such file" in err and "large" in err
-    assert load_benchmark("bench_step").load_config("configs/tiny.py").model.hidden_size == 128
-    assert load_benchmark("bench_checkpoint")._load_config("tiny").model.hidden_size == 128
+    assert pretrain_step.load_config("configs/tiny.py").model.hidden_size == 128
+    assert integrity_cost._load_config("tiny").model.hidden_size == 128
 
 
 # The README's quick start run from a folder outside the checkout, `--config=configs/demo.py` as

@@ -83,7 +83,7 @@ def test_links_between_pages_resolve():
 
 
 # ---------------------------------------------------------------------------------------------
-# Commands: every `python -m MODULE --flag` / `python benchmarks/X.py --flag` in a code block
+# Commands: every `python -m MODULE --flag` / `python path/X.py --flag` in a code block
 # ---------------------------------------------------------------------------------------------
 
 
@@ -136,7 +136,7 @@ def _defined_flags(path: Path, seen=None) -> set:
             modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                        [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""])
             for m in modules:
-                if m.split(".")[0] in ("bert_jax", "data_pipeline"):
+                if m.split(".")[0] in ("bert_jax", "data_pipeline", "benchmarks", "experiments"):
                     for candidate in (ROOT / (m.replace(".", "/") + ".py"), ROOT / m.replace(".", "/") / "__init__.py"):
                         names |= _defined_flags(candidate, seen)
     return names

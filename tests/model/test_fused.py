@@ -157,11 +157,11 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch, dtype, with_dr
         assert ("tensor<3xui32>" in types[1]) == (with_dropout == "key"), (name, types[0])
 
 
-def test_the_kernel_benchmark_times_the_mask_read_and_the_mask_drawn_against_xla(load_benchmark):
-    """`bench_fp8.py --kernel` (what a GPU session times): XLA's passes, the kernel reading the
+def test_the_kernel_benchmark_times_the_mask_read_and_the_mask_drawn_against_xla():
+    """`benchmarks.step.fp8 --kernel` (what a GPU session times): XLA's passes, the kernel reading the
     mask and the kernel drawing it from its key, all three within float32 rounding of the float32
     reference: the same mask on every side."""
-    bench = load_benchmark("bench_fp8")
+    from benchmarks.step import fp8 as bench  # pylint: disable=import-outside-toplevel  (here: the GPU session runs this file)
     out = bench.main(["--config=configs/test.py", "--kernel", "--batch=2", "--seq_len=16", "--kernel_iters=1",
                       "--dtype=float32"])
     assert set(out["impl"]) == {"xla", "fused", "fused_key"}

@@ -152,13 +152,13 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus(monkeypatch):
     assert "mosaic_gpu" not in text
 
 
-def test_the_benchmark_times_both_sides_and_writes_the_launch_shapes_it_swept(load_benchmark, monkeypatch, tmp_path):
-    """benchmarks/bench_fused_qkv.py (what a GPU session runs), at small shapes in the interpreter:
+def test_the_benchmark_times_both_sides_and_writes_the_launch_shapes_it_swept(monkeypatch, tmp_path):
+    """benchmarks/kernels/fused_qkv.py (what a GPU session runs), at small shapes in the interpreter:
     every kernel swept and its fastest shape written, the three timings of both sides, and both
     sides' errors against float32 (the kernels' bias gradients, summed in float32, the smaller)."""
     for name in ("FORWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHTS"):
         monkeypatch.setattr(fused_qkv, name, getattr(fused_qkv, name))  # the sweep sets them: put back after
-    bench = load_benchmark("bench_fused_qkv")
+    from benchmarks.kernels import fused_qkv as bench  # pylint: disable=import-outside-toplevel  (here: the GPU session runs this file)
     blocks = tmp_path / "blocks.json"
     result = bench.main(["--batch=2", "--length=32", "--hidden=128", "--heads=2", "--reps=1", "--calls=1",
                          f"--sweep={blocks}", "--sweep_shapes=1"])

@@ -1,7 +1,7 @@
 """AOT compilation of the sharded train step for a real TPU topology, on CPU (skips without libtpu,
 except in CI: `.ci/run` installs it and sets `BERT_JAX_CI=1`, where its absence fails).
 
-`bert_jax.pod.aot_check` (once through `benchmarks/aot_tpu.py`, the thin benchmark over it) compiles
+`bert_jax.pod.aot_check` (once through `python -m benchmarks.step.aot_tpu`, the thin benchmark over it) compiles
 against `jax.experimental.topologies` devices; libtpu (the TPU compiler, from PyPI) needs no TPU.
 This compiles the test-sized config for a v5e 2x2 slice, and
 BERT-Tiny with `attention_impl="dot_product"`, which on TPU is the Pallas splash attention kernel.
@@ -32,7 +32,7 @@ def _env() -> dict:
 
 def test_tiny_config_compiles_for_a_v5e_2x2_slice():
     env = _env()
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_tpu.py"), "--config=configs/test.py",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.step.aot_tpu", "--config=configs/test.py",
                         "--topology=v5e-4", "--mesh=data", "--seq_len=32", "--batch_per_chip=4",
                         "--max_batch_per_chip=8", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,0 +1,1 @@
+"""Fine-tuning a real pretrained encoder end to end, against transformers; a first run's profile."""
