@@ -22,9 +22,9 @@ import types
 import pytest
 
 from bert_jax import workdir
-from conftest import drain_stderr
 from data_pipeline import log_writer, storage, storage_gcs, storage_paths, storage_staging
 from data_pipeline.log_writer import LogWriter
+from tests.helpers.gcs_emulator import drain_stderr
 
 HANG_S = 60  # every wait: what it waits for takes well under a second here; only a hang runs out
 
