@@ -9,13 +9,17 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 
 from data_pipeline import create_pretraining_data as cpd, input_pipeline as ip, manifests, records, schema  # noqa: E402
-from test_create_pretraining_data import ROOT, read_records, synthetic_corpus  # noqa: E402  (tests/ is on sys.path)
+from tests.helpers.pretraining_records import read_records  # noqa: E402
+from tests.helpers.synthetic_corpus import synthetic_corpus  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FLAGS = dict(max_seq_length=32, max_predictions_per_seq=4, dupe_factor=2)
 
