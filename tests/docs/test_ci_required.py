@@ -35,8 +35,8 @@ def test_a_missing_test_dependency_fails_in_ci_and_skips_elsewhere(tmp_path, ci)
     env.update(PYTHONPATH=str(ROOT), **({"BERT_JAX_CI": "1"} if ci else {}))
     for name, want in (("test_module_skip.py", "1 error" if ci else "1 skipped"),
                        ("test_skips.py", "1 failed, 2 skipped" if ci else "3 skipped")):
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "tests.helpers.ci_required",
-                            name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                            "-p", "tests.helpers.ci_required", name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert want in r.stdout.splitlines()[-1], r.stdout[-2000:]
         if ci:  # the failure names the module and the reason
             assert "BERT_JAX_CI=1 and could not import 'no_such_module_for_bert_jax" in r.stdout, r.stdout[-2000:]

@@ -44,7 +44,8 @@ def test_the_data_page_runs_in_order_as_written(tmp_path):
     tokenization = markdown_pages.section(page, "## Tokenization and vocabularies")
     preparation = markdown_pages.section(page, "## Data preparation").split("### Apache Beam runner")[0]
     vocab = [w for _, w in markdown_pages.commands(tokenization) if w[:2] == ["-m", "data_pipeline.train_vocab"]]
-    records = [w for _, w in markdown_pages.commands(preparation) if w[:2] == ["-m", "data_pipeline.create_pretraining_data"]]
+    records = [w for _, w in markdown_pages.commands(preparation)
+               if w[:2] == ["-m", "data_pipeline.create_pretraining_data"]]
     assert len(vocab) == 1 and len(records) == 2, (vocab, records)
 
     def run(words):
