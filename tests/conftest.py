@@ -5,13 +5,13 @@ import importlib.util
 import os
 import shutil
 import tempfile
-import threading
 
 import pytest
 
-from xla_flags import FAST_COMPILE  # noqa: E402  (tests/xla_flags.py: why the level-0 backend)
+from tests.helpers.gcs_emulator import drain_stderr
+from tests.helpers.xla_flags import FAST_COMPILE  # tests/helpers/xla_flags.py: why the level-0 backend
 
-# A run on a GPU (JAX_PLATFORMS=cuda, e.g. tests/test_fused*.py on the device machine) keeps XLA's
+# A run on a GPU (JAX_PLATFORMS=cuda, e.g. tests/model/test_fused*.py on the device machine) keeps XLA's
 # flags as they are: with the CPU backend's flags pytest exited 1 there without a line of output
 # (an H200, jax 0.11.2, 2026-11-28), where the same tests run as plain functions passed.
 if os.environ.setdefault("JAX_PLATFORMS", "cpu") == "cpu":
@@ -27,8 +27,8 @@ if "BERT_JAX_CACHE_DIR" not in os.environ:
 # the same results on every CPU it runs on with "auto" as float32 ("off"), here and in the programs
 # tests start. The decision itself is tested with planted CPUs (tests/training/test_cpu_bf16.py).
 os.environ["BERT_JAX_CPU_BF16"] = "off"
-# Under BERT_JAX_CI=1 a failed `pytest.importorskip` fails (tests/ci_required.py).
-pytest_plugins = ["ci_required"]
+# Under BERT_JAX_CI=1 a failed `pytest.importorskip` fails (tests/helpers/ci_required.py).
+pytest_plugins = ["tests.helpers.ci_required"]
 # TensorFlow must not grab both cores' worth of threads or print its banner in tests.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -44,13 +44,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: gcsfs's bucket-type probe needs real credentials.
 GCS_ENV = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
            "EPATH_USE_TF", "BERT_JAX_TEST_EMULATOR_PID")
-
-
-def drain_stderr(server) -> None:
-    """The wrapper pipes the server's stderr, where it logs every request, and never reads it:
-    once the pipe's 64 KiB fill, the server blocks mid-request. A thread reads it away."""
-    pipe = server._process.stderr  # pylint: disable=protected-access
-    threading.Thread(target=lambda: all(iter(lambda: pipe.read(1 << 16), b"")), daemon=True).start()
 
 
 @pytest.fixture(scope="session")

@@ -138,7 +138,7 @@ class BertForPreTraining(nn.Module):
         # on the tensor axis, so the logits come out vocab-sharded. Pinning this layout matters for
         # correctness too: without the constraint, XLA's SPMD partitioner (jax 0.10, CPU) gave
         # wrong gradients for the tied matrix on a data x fsdp x tensor = 2x2x2 mesh
-        # (tests/pretrain/test_training.py compares every mesh against one device).
+        # (tests/training/test_training.py compares every mesh against one device).
         word_embeddings = nn.with_logical_constraint(nn.meta.unbox(word_embeddings), ("vocab", None))
         masked = nn.with_logical_constraint(out.sequence_output, ACT_EMBED)  # [batch, preds, hidden]
         mlm_logits = MlmHead(cfg, name="mlm")(masked, word_embeddings)

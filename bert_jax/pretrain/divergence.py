@@ -25,7 +25,7 @@ the monitor's state (`state()`, a small JSON dict) is saved with every checkpoin
 `config.skip_batches` ("C:S,C2:S2": after step C, read and discard S batches) is parsed here too:
 the manual form of a rollback's skip (`rollback.SkippedBatches`).
 
-Tests plant a spike through `DivergenceMonitor.observe(self, step, loss, finite)`: tests/fault_hooks.py's
+Tests plant a spike through `DivergenceMonitor.observe(self, step, loss, finite)`: tests/helpers/fault_hooks.py's
 `SPIKE_AT_STEPS` wraps that method and multiplies `loss`, so keep its name and arguments.
 Nothing here imports jax (that hook loads this module at interpreter start).
 """
@@ -163,7 +163,7 @@ class DivergenceMonitor:
     def observe(self, step: int, loss: float, finite: bool) -> Optional[Divergence]:
         """Feeds one step's loss; returns the `Divergence` when this step completes K spike steps in a row.
 
-        The stable patch point of tests/fault_hooks.py's `SPIKE_AT_STEPS` (module docstring).
+        The stable patch point of tests/helpers/fault_hooks.py's `SPIKE_AT_STEPS` (module docstring).
 
         Args:
             step: the step the loss is of: the one after the last fed.

@@ -22,7 +22,7 @@ with `--config.skip_batches=C:S` sees the batches of a run that rolled back to C
 
 A run killed between steps 2 and 4 resumes from C without the new skip: it trains the same batches
 from the same state again (the loop is deterministic), so it meets the same spike (one the data and
-the state made; tests/fault_hooks.py's planted one is spent by then) and rolls back the same way,
+the state made; tests/helpers/fault_hooks.py's planted one is spent by then) and rolls back the same way,
 counted once.
 """
 

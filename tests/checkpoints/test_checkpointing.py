@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError, CheckpointSaveError
 from bert_jax.checkpoints.checkpointing import Checkpointer
-from xla_flags import xla_flags  # tests/ is on sys.path
+from tests.helpers.xla_flags import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -494,7 +494,7 @@ def test_hosts_meet_at_barriers_of_one_name_and_one_process_at_none(tmp_path, mo
 def _worker_env(**extra):
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8),
-               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")]),
+               PYTHONPATH=os.pathsep.join([REPO, env.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1")
     env.update(extra)
     return env

@@ -22,10 +22,10 @@ import types
 import pytest
 
 from bert_jax import workdir
-from conftest import drain_stderr
 from data_pipeline import storage
 from data_pipeline.storage import log_writer, gcs as storage_gcs, paths as storage_paths, staging as storage_staging
 from data_pipeline.storage.log_writer import LogWriter
+from tests.helpers.gcs_emulator import drain_stderr
 
 HANG_S = 60  # every wait: what it waits for takes well under a second here; only a hang runs out
 

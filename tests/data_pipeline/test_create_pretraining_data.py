@@ -19,36 +19,11 @@ from data_pipeline.pretraining_data import corpora, instances  # noqa: E402
 from data_pipeline.pretraining_data import shards  # noqa: E402
 from data_pipeline.records import schema  # noqa: E402
 from data_pipeline.records import reader as records  # noqa: E402
+from tests.helpers.pretraining_records import read_records  # noqa: E402
+from tests.helpers.synthetic_corpus import STEMS, SUFFIXES, synthetic_corpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "reference_records.json"
-STEMS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta",
-         "river", "stone", "cloud", "light", "night", "paper", "garden", "window", "silver", "morning"]
-SUFFIXES = ["", "", "", "s", "ing", "ed", "ly"]
-
-
-def synthetic_corpus(out: Path) -> tuple[Path, Path]:
-    """The fixture's inputs (see tests/fixtures/README.md): 9 documents of made-up words."""
-    rng = random.Random(7)
-    docs = []
-    for _ in range(9):
-        doc = []
-        for _ in range(rng.randint(1, 7)):
-            words = [rng.choice(STEMS) + rng.choice(SUFFIXES) for _ in range(rng.randint(2, 14))]
-            doc.append(" ".join(words).capitalize() + rng.choice([".", "!", "?", ","]))
-        docs.append(doc)
-    text = out / "input.txt"
-    text.write_text("".join("\n".join(doc) + "\n\n" for doc in docs))
-    vocab = out / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "!", "?", ","] + STEMS
-                               + ["##" + s for s in SUFFIXES if s]) + "\n")
-    return text, vocab
-
-
-def read_records(path) -> list[bytes]:
-    return [r.numpy() for r in tf.data.TFRecordDataset(str(path), compression_type="GZIP" if str(path).endswith(".gz") else "")]
-
-
 @pytest.mark.parametrize("wwm", [False, True])
 def test_reference_compatible_mode_writes_the_references_records(tmp_path, wwm):
     text, vocab = synthetic_corpus(tmp_path)

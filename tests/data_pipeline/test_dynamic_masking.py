@@ -3,7 +3,7 @@ hand cases, a new mask each epoch over the same tokens, packed rows masked seque
 and whole-word masking (the records' setting unless told otherwise, Google's distribution, the
 subword table from a vocab file).
 
-The test records and their helpers are tests/data_pipeline/test_input_pipeline.py's.
+The test records and their helpers are tests/helpers/numbered_records.py's.
 """
 
 from pathlib import Path
@@ -14,8 +14,8 @@ import tensorflow as tf
 
 from data_pipeline.input import masking, packing
 from data_pipeline.records import schema
-from test_input_pipeline import (CLS, L, MASK, P, PAD, SEP, SPECIAL, VOCAB, dataset, make_input,  # noqa: F401
-                                 make_record, originals, record_ids, stack_records, write_dataset)  # (dataset: a fixture)
+from tests.helpers.numbered_records import (CLS, L, MASK, P, PAD, SEP, SPECIAL, VOCAB, make_input, make_record,
+                                            originals, record_ids, stack_records, write_dataset)
 
 
 def test_restore_original_ids_by_hand():

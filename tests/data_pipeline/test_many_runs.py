@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,10 @@ tf = pytest.importorskip("tensorflow")
 from data_pipeline import create_pretraining_data as cpd  # noqa: E402
 from data_pipeline.pretraining_data import shards  # noqa: E402
 from data_pipeline.records import manifests, reader as records, schema  # noqa: E402
-from test_create_pretraining_data import ROOT, read_records, synthetic_corpus  # noqa: E402  (tests/ is on sys.path)
+from tests.helpers.pretraining_records import read_records  # noqa: E402
+from tests.helpers.synthetic_corpus import synthetic_corpus  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FLAGS = dict(max_seq_length=32, max_predictions_per_seq=4, dupe_factor=2)
 

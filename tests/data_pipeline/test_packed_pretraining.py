@@ -3,7 +3,7 @@ sequences laid end to end in a row hold the original sequences, the XLA packer e
 loop, and a packed batch runs and trains the model like the same sequences unpacked (losses and
 gradients, scanned or not, with `sparse_last_layer`), next-sentence labels included.
 
-The test records and their helpers are tests/data_pipeline/test_input_pipeline.py's.
+The test records and their helpers are tests/helpers/numbered_records.py's.
 """
 
 import numpy as np
@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from data_pipeline.input import packing as packing_module
-from test_input_pipeline import CLS, ID_BASE, L, P, SEP, VOCAB, make_record, originals, stack_records
+from tests.helpers.numbered_records import CLS, ID_BASE, L, P, SEP, VOCAB, make_record, originals, stack_records
 
 
 # A small world of its own: a 100-token vocabulary, rows of L = 24 tokens, P = 3 predictions per

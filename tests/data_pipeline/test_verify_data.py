@@ -11,7 +11,7 @@ pytest.importorskip("tensorflow")
 
 from data_pipeline.records import reader as records, schema  # noqa: E402
 from data_pipeline.records.reader import CorruptDataError  # noqa: E402
-from test_input_pipeline import write_dataset  # noqa: E402  (tests/ is on sys.path)
+from tests.helpers.numbered_records import write_dataset  # noqa: E402
 
 
 @pytest.fixture

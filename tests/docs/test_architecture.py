@@ -3,7 +3,9 @@ below it, `pretrain/` and `finetune/` never import each other, the parts import 
 cycle; `data_pipeline` never imports `bert_jax` or jax, its stages (storage -> tokenization ->
 records -> pretraining_data -> input, tasks) import only the stages below them, in no cycle; no
 module of either package has a `__getattr__` hook; and no source file passes 600 lines (no test
-file 800).
+file 800). The tests' own layout (docs/architecture.md): code they share lives in tests/helpers/,
+fixtures a folder's tests share in its conftest.py; no test module imports another test module,
+and no test edits sys.path.
 
 Imports are read from the source (every `import` statement, function-level ones included), so a
 lazy import up the layers fails here as a module-level one does."""
@@ -11,6 +13,7 @@ lazy import up the layers fails here as a module-level one does."""
 import ast
 import functools
 import os
+import re
 
 import pytest
 
@@ -185,3 +188,96 @@ def test_no_test_file_passes_800_lines():
     long = {module: n for module, path in modules("tests")
             if (n := sum(1 for _ in open(path, encoding="utf-8"))) > 800}
     assert not long, long
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests' layout: shared code in tests/helpers/, shared fixtures in each folder's conftest.py
+# ---------------------------------------------------------------------------------------------
+
+HELPERS = os.path.join("tests", "helpers")
+# A path into tests/, looked for on the lines that set a child process's import path.
+INTO_TESTS = re.compile(r"""["']tests["']|/tests\b""")
+
+# sys.path edits that stay, each with its reason: benchmarks/ is a folder of scripts, not a package,
+# until it becomes one (issue 71); these tests import its scripts from that folder.
+SYS_PATH_ALLOWED = {
+    os.path.join("tests", "pretrain", "test_pretraining_helps.py"): "benchmarks/ scripts",
+    os.path.join("tests", "pretrain", "test_chinese_pretraining_helps.py"): "benchmarks/ scripts",
+}
+
+
+def files_under_tests():
+    """(path relative to the root, absolute path) of every Python file under tests/."""
+    for _, path in modules("tests"):
+        yield os.path.relpath(path, ROOT), path
+
+
+def full_imports(path: str) -> set:
+    """Every module and every `from` name `path` imports, in full (`from tests.helpers import x`
+    gives `tests.helpers` and `tests.helpers.x`); a relative import as `.name`."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            found.add(module)
+            found.update(f"{module}.{alias.name}" if node.module else module + alias.name for alias in node.names)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.add(node.args[0].value)
+    return found
+
+
+def test_no_test_module_imports_another_test_module_or_a_conftest():
+    """What two test modules share goes to tests/helpers/ (code) or their folder's conftest.py
+    (fixtures, which pytest hands out by name: importing one copies it into the module)."""
+    wrong = [(rel, target) for rel, path in files_under_tests() for target in full_imports(path)
+             if target.startswith(".") or any(part.startswith("test_") or part == "conftest"
+                                              for part in target.split("."))]
+    assert not wrong, wrong
+
+
+def test_no_test_edits_sys_path():
+    """Tests import the project and tests.helpers from the repository root, which pytest puts on
+    sys.path (tests/__init__.py); children get it through PYTHONPATH, never a tests/ folder."""
+    wrong = []
+    for rel, path in files_under_tests():
+        source = open(path, encoding="utf-8").read()
+        for node in ast.walk(ast.parse(source)):
+            target = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                target = node.func.value  # sys.path.insert(...), ....append, ...
+                if node.func.attr == "syspath_prepend":  # monkeypatch.syspath_prepend(...)
+                    wrong.append((rel, node.lineno))
+                    continue
+            elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                for t in getattr(node, "targets", [getattr(node, "target", None)]):
+                    target = t.value if isinstance(t, ast.Subscript) else t
+                    if ast.unparse(target) == "sys.path":
+                        break
+            if target is not None and ast.unparse(target) == "sys.path" and rel not in SYS_PATH_ALLOWED:
+                wrong.append((rel, node.lineno))
+        wrong += [(rel, n) for n, line in enumerate(source.splitlines(), 1)
+                  if "PYTHONPATH" in line and INTO_TESTS.search(line)]
+    assert not wrong, wrong
+
+
+def test_helpers_live_in_tests_helpers_and_the_test_folders_are_not_packages():
+    """Outside tests/helpers/ a tests/ file is a test module (test_*.py) or a conftest.py; inside it,
+    neither. Package markers: tests/__init__.py and tests/helpers/__init__.py only, so that every
+    test module is imported the same way (by its file name, pytest's default import mode)."""
+    wrong = []
+    for rel, _ in files_under_tests():
+        folder, name = os.path.split(rel)
+        if folder == HELPERS:
+            if name.startswith("test_") or name == "conftest.py":
+                wrong.append(rel)
+        elif name == "__init__.py":
+            if folder != "tests":
+                wrong.append(rel)
+        elif not (name.startswith("test_") or name == "conftest.py"):
+            wrong.append(rel)
+    assert not wrong, f"{wrong}: shared code goes to {HELPERS}/, fixtures to a folder's conftest.py"
+    assert os.path.isfile(os.path.join(ROOT, "tests", "__init__.py"))
+    assert os.path.isfile(os.path.join(ROOT, HELPERS, "__init__.py"))

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_readme import _commands, _section  # tests/ is on sys.path
+from tests.helpers import markdown_pages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,10 +41,11 @@ def test_the_data_page_runs_in_order_as_written(tmp_path):
                           for _ in range(rng.randint(3, 8))) for _ in range(30))
         (tmp_path / folder / f"part-{f}.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
 
-    tokenization = _section(page, "## Tokenization and vocabularies")
-    preparation = _section(page, "## Data preparation").split("### Apache Beam runner")[0]
-    vocab = [w for _, w in _commands(tokenization) if w[:2] == ["-m", "data_pipeline.train_vocab"]]
-    records = [w for _, w in _commands(preparation) if w[:2] == ["-m", "data_pipeline.create_pretraining_data"]]
+    tokenization = markdown_pages.section(page, "## Tokenization and vocabularies")
+    preparation = markdown_pages.section(page, "## Data preparation").split("### Apache Beam runner")[0]
+    vocab = [w for _, w in markdown_pages.commands(tokenization) if w[:2] == ["-m", "data_pipeline.train_vocab"]]
+    records = [w for _, w in markdown_pages.commands(preparation)
+               if w[:2] == ["-m", "data_pipeline.create_pretraining_data"]]
     assert len(vocab) == 1 and len(records) == 2, (vocab, records)
 
     def run(words):
@@ -107,7 +108,7 @@ def test_the_data_page_runs_in_order_as_written(tmp_path):
     assert check.returncode == 0 and int(check.stdout.split()[-1]) == made > 0, check.stderr[-3000:]
 
     # docs/pretraining.md's next step reads these files under these names.
-    pretrain = [w for _, w in _commands((ROOT / "docs" / "pretraining.md").read_text())
+    pretrain = [w for _, w in markdown_pages.commands((ROOT / "docs" / "pretraining.md").read_text())
                 if w[:2] == ["-m", "bert_jax.main"]][0]
     flags = dict(w[2:].split("=", 1) for w in pretrain if w.startswith("--config."))
     assert sorted(tmp_path.glob(flags["config.train_data"])) == sorted((tmp_path / "data" / "train").glob("*.tfrecord"))
@@ -116,7 +117,7 @@ def test_the_data_page_runs_in_order_as_written(tmp_path):
 
 
 def _page_commands(path) -> list:
-    return [" ".join(words) for _, words in _commands((ROOT / path).read_text()) if words[:1] == ["-m"]]
+    return [" ".join(words) for _, words in markdown_pages.commands((ROOT / path).read_text()) if words[:1] == ["-m"]]
 
 
 def test_the_pretraining_finetuning_and_checkpoint_pages_walk_the_readme_path():

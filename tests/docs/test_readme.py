@@ -4,14 +4,14 @@ command CI runs is the one the README shows."""
 
 import ast
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 
 from bert_jax.config_overrides import unknown_overrides
 from configs import base
-from xla_flags import xla_flags  # tests/ is on sys.path
+from tests.helpers import markdown_pages
+from tests.helpers.xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -87,21 +87,6 @@ def test_links_between_pages_resolve():
 # ---------------------------------------------------------------------------------------------
 
 
-def _commands(text: str):
-    """Shell commands of the fenced code blocks (indented ones under list items too), continuation
-    lines joined, comments dropped."""
-    for indent, block in re.findall(r"^( *)```[a-z]*\n(.*?)^\1```", text, re.M | re.S):
-        block = re.sub(rf"^{indent}", "", block, flags=re.M)
-        joined = re.sub(r"\\\n\s*", " ", block)
-        for line in joined.splitlines():
-            try:
-                words = shlex.split(line, comments=True)
-            except ValueError:  # an unbalanced quote in a non-shell block (e.g. python output)
-                continue
-            if "python" in words:
-                yield line, words[words.index("python") + 1:]
-
-
 def _module_file(words):
     if words[:1] == ["-m"] and len(words) > 1:
         path = ROOT / (words[1].replace(".", "/") + ".py")
@@ -145,7 +130,7 @@ def _defined_flags(path: Path, seen=None) -> set:
 def _all_commands():
     out = []
     for page in PAGES:
-        for line, words in _commands(page.read_text()):
+        for line, words in markdown_pages.commands(page.read_text()):
             path, args = _module_file(words)
             if path is not None:
                 out.append((f"{page.relative_to(ROOT)}: {line.strip()}", path, args))
@@ -255,13 +240,6 @@ _TINY = {"data_pipeline.create_pretraining_data": {"dupe_factor": "2"},
                            "config.shuffle_buffer_size": "64"}}
 
 
-def _section(text: str, title: str) -> str:
-    """From the heading `title` to the next `## ` heading (or the end)."""
-    start = text.index(title)
-    end = text.find("\n## ", start + len(title))
-    return text[start:end if end >= 0 else len(text)]
-
-
 def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
     """Common tasks, in order: vocabulary -> train and eval records -> pretraining -> evaluation
     -> the pretrained model exported in Google's TF1 format (docs/checkpoints.md's command), which
@@ -293,10 +271,10 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
             text = "\n\n".join("\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 12))) + " ."
                                          for _ in range(rng.randint(3, 8))) for _ in range(docs))
             (tmp_path / folder / f"part-{f}.txt").write_text(text + "\n")
-    section = _section(README, "## Common tasks")
+    section = markdown_pages.section(README, "## Common tasks")
     wanted = ["data_pipeline.train_vocab", "data_pipeline.create_pretraining_data",
               "data_pipeline.create_pretraining_data", "bert_jax.main", "bert_jax.main"]
-    commands = [(words_[1], words_[2:]) for _, words_ in _commands(section) if words_[:1] == ["-m"]]
+    commands = [(words_[1], words_[2:]) for _, words_ in markdown_pages.commands(section) if words_[:1] == ["-m"]]
     runs = [c for c in commands if c[0] in wanted][:5]
     assert [m for m, _ in runs] == wanted, commands
     convert = next(a for m, a in commands if m == "bert_jax.convert" and "--output_format=hf" in a
@@ -304,7 +282,7 @@ def test_the_readme_pretraining_path_runs_in_order_as_written(tmp_path):
     release = "uncased_L-12_H-768_A-12"
     imported = next(a for m, a in commands if m == "bert_jax.convert" and f"--input={release}" in a)
     fill = next(a for m, a in commands if m == "bert_jax.fill_mask")
-    checkpoints = [w[2:] for _, w in _commands((ROOT / "docs" / "checkpoints.md").read_text())
+    checkpoints = [w[2:] for _, w in markdown_pages.commands((ROOT / "docs" / "checkpoints.md").read_text())
                    if w[:2] == ["-m", "bert_jax.convert"]]
     to_google = next(a for a in checkpoints if "--input=/tmp/bert_base" in a and "--output_format=google" in a)
     export_last = next(a for a in checkpoints if "--input=/tmp/sst2" in a and "--finetuned=last" in a)

@@ -4,12 +4,11 @@ tests/finetune/test_finetune_tasks.py's, the plan of a run tests/finetune/test_f
 
 One tiny "pretrained" encoder (L=1, H=32) is saved with `bert_jax.convert` and every run loads it
 through `config.init_checkpoint`, as a user would. Runs of the same head kind share shapes and
-hyper-parameters, so XLA's persistent compilation cache (a temporary folder the three modules share) compiles
+hyper-parameters, so XLA's persistent compilation cache (a temporary folder the fine-tuning modules share, tests/finetune/conftest.py) compiles
 each kind once: the module takes about two minutes on two CPU cores.
 """
 
 import csv
-import json
 import os
 import re
 import subprocess
@@ -23,174 +22,19 @@ import pytest
 
 from bert_jax import convert
 from bert_jax.finetune import heads, loop as finetune
-from bert_jax.model import model_config, modeling, pretraining_heads
 from configs import glue as glue_config
+from tests.helpers.finetune_inputs import (SST2_TEST_IDS, glue_files, predict_config, read_json, sst2_files, tiny,
+                                           tsv_rows)
+from tests.helpers.finetune_reference import Reference, assert_argmax
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WORDS = ("good bad movie film the a was is plot actor great awful very really man woman dog cat sat ran "
-         "on mat park in paris john smith acme corp went to city he she it what where who did yes no "
-         "then walks away sits down opens door eats food").split()
-ENTITIES = {"paris": "LOC", "john": "PER", "smith": "PER", "acme": "ORG", "corp": "ORG"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """Each head kind compiles once (same shapes and hyper-parameters -> same HLO), in one folder for
-    this module and the two that import the fixture (test_finetune_tasks.py, test_finetune_plan.py):
-    a test process's modules find each other's programs there."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    before = {n: getattr(jax.config, n) for n in names}
-    cache = str(tmp_path_factory.getbasetemp() / "finetune_xla_cache")
-    os.makedirs(cache, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    yield cache
-    for n, v in before.items():
-        jax.config.update(n, v)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny encoder in bert_jax's export format and in HuggingFace's, with its vocab."""
-    root = tmp_path_factory.mktemp("pretrained")
-    vocab = root / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list(".,?!'-")) + "\n")
-    cfg = model_config.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                              intermediate_size=64, max_position_embeddings=64)
-    params = pretraining_heads.BertForPreTraining(cfg).init(jax.random.key(0), **modeling.dummy_inputs(cfg))["params"]
-    params = nn.meta.unbox(params)
-    pretrained = convert.Pretrained(cfg, jax.tree_util.tree_map(np.asarray, params), str(vocab), True)
-    paths = {fmt: convert.save_pretrained(pretrained, str(root / fmt), fmt) for fmt in ("bert_jax", "hf")}
-    return {"vocab": str(vocab), "config": cfg, "params": pretrained.params, **paths}
-
-
-def tiny(config, task, data_dir, init, **overrides):
-    config.task = task
-    config.data_dir = str(data_dir)
-    config.init_checkpoint = init
-    config.max_seq_length = 16
-    config.global_batch_size = 8
-    config.num_train_epochs = 1
-    config.learning_rate = 1e-3
-    config.log_every_steps = 1
-    config.async_checkpointing = False
-    config.xla_backend_optimization_level = 0  # ~3x faster compiles; these models are tiny
-    for k, v in overrides.items():
-        setattr(config, k, v)
-    return config
-
-
-def read_json(path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-# ---------------------------------------------------------------------------------------------
-# The reference: the saved model applied here, outside the loop
-# ---------------------------------------------------------------------------------------------
-
-
-class Reference:
-    """A run's saved parameters (`which`: "best" or "last", through `convert.load_finetuned`)
-    applied to texts featurized here, not by the task: Google's FullTokenizer (the loop uses
-    FastTokenizer), `[CLS] a [SEP] b [SEP]` truncated as run_classifier.py's _truncate_seq_pair,
-    a word's tag read at its first piece (data_pipeline/tasks/ner.py's documented convention),
-    one unsharded `BertForTask.apply` (the loop's is jitted over the 8-device mesh)."""
-
-    ROWS = 16  # inputs are padded to a multiple of this: one compile per head kind and width
-
-    def __init__(self, work, which, vocab, max_seq_length=16):
-        from data_pipeline import tokenization
-        p = convert.load_finetuned(str(work), which)
-        assert p.task["max_seq_length"] == max_seq_length
-        self.task, self.max_len = p.task, max_seq_length
-        self.model = heads.BertForTask(p.config, p.task["head"], p.task["num_outputs"])
-        self.params = convert.model_params(p)
-        self.tokenizer = tokenization.FullTokenizer(vocab, do_lower_case=True)
-
-    def _logits(self, tokens):
-        """Logits of each token list `[CLS] ... [SEP] (... [SEP])` (segment 1 after the first [SEP])."""
-        n = len(tokens)
-        ids, mask, segments = (np.zeros((-(-n // self.ROWS) * self.ROWS, self.max_len), np.int32) for _ in range(3))
-        for i, row in enumerate(tokens):
-            assert len(row) <= self.max_len, row
-            ids[i, :len(row)] = [self.tokenizer.vocab[t] for t in row]
-            mask[i, :len(row)] = 1
-            first_sep = row.index("[SEP]")
-            segments[i, first_sep + 1:len(row)] = 1
-        out = jax.jit(self.model.apply)({"params": self.params}, ids, mask, segments)
-        return np.asarray(out["logits"])[:n]
-
-    def sentence_logits(self, pairs):
-        """[examples(, classes)] for (text_a, text_b or None) pairs."""
-        rows = []
-        for a, b in pairs:
-            a = self.tokenizer.tokenize(a)
-            b = self.tokenizer.tokenize(b) if b is not None else None
-            if b is None:
-                a = a[:self.max_len - 2]
-            else:
-                while len(a) + len(b) > self.max_len - 3:  # _truncate_seq_pair: the longer one loses its last
-                    (a if len(a) > len(b) else b).pop()
-            rows.append(["[CLS]"] + a + ["[SEP]"] + (b + ["[SEP]"] if b is not None else []))
-        return self._logits(rows)
-
-    def word_logits(self, sentences):
-        """[words, tags] per sentence (a list of words): the logits at each word's first piece."""
-        rows, firsts = [], []
-        for words in sentences:
-            pieces = [self.tokenizer.tokenize(w) for w in words]
-            assert all(pieces) and sum(map(len, pieces)) <= self.max_len - 2, words  # one row each
-            firsts.append(1 + np.cumsum([0] + [len(p) for p in pieces[:-1]]))
-            rows.append(["[CLS]"] + [t for p in pieces for t in p] + ["[SEP]"])
-        logits = self._logits(rows)
-        return [logits[i, first] for i, first in enumerate(firsts)]
-
-
-def assert_argmax(predicted, logits, labels, what, tie=1e-4):
-    """Each predicted label is `labels[argmax]` of its row of logits; where the top two are within
-    `tie` (two compilations may round them apart) either of those two is accepted."""
-    logits = np.asarray(logits).reshape(-1, len(labels))
-    predicted = np.asarray(predicted).reshape(-1)
-    assert len(predicted) == len(logits), (what, len(predicted), len(logits))
-    top2 = np.argsort(-logits, axis=-1)[:, :2]
-    for i, (p, row, (first, second)) in enumerate(zip(predicted, logits, top2)):
-        allowed = {labels[first]} | ({labels[second]} if row[first] - row[second] < tie else set())
-        assert p in allowed, (what, i, p, labels[first], row.tolist())
+pytestmark = pytest.mark.usefixtures("compilation_cache")  # tests/finetune/conftest.py
 
 
 # ---------------------------------------------------------------------------------------------
 # GLUE
 # ---------------------------------------------------------------------------------------------
-
-
-def sentiment(rng, n):
-    """'good' -> 1, 'bad' -> 0, among filler words: learnable from one token."""
-    rows = []
-    for i in range(n):
-        words = list(rng.choice(WORDS[2:10], 5))
-        words.insert(rng.randint(6), "good" if i % 2 else "bad")
-        rows.append((" ".join(words), i % 2))
-    return rows
-
-
-def sst2_files(root):
-    rng = np.random.RandomState(0)
-    folder = root / "glue" / "SST-2"
-    folder.mkdir(parents=True)
-    for split, n in (("train", 64), ("dev", 16)):
-        (folder / f"{split}.tsv").write_text(
-            "sentence\tlabel\n" + "".join(f"{s} \t{l}\n" for s, l in sentiment(rng, n)))
-    # Test ids out of row order: a submission numbered by row, or off by one, maps rows to other examples.
-    (folder / "test.tsv").write_text("index\tsentence\n" + "".join(
-        f"{i}\t{s}\n" for i, (s, _) in zip(SST2_TEST_IDS, sentiment(rng, 5))))
-    return root / "glue"
-
-
-SST2_TEST_IDS = ("3", "0", "4", "1", "2")
 
 
 def sst2_config(data, checkpoint):
@@ -255,21 +99,6 @@ def test_sst2_learns_and_writes_everything(sst2_run, checkpoint):
     assert_argmax([r["prediction"] for r in server],
                   last.sentence_logits([(by_id[r["index"]], None) for r in server]), ["0", "1"], "SST-2.tsv")
     assert len({r["prediction"] for r in server}) == 2  # both labels: a row mix-up shows
-
-
-def predict_config(work, path, **overrides):
-    config = glue_config.get_config()
-    config.mode = "predict"
-    config.predict_input = str(path)
-    config.predict_output_dir = str(work / "predict_out")
-    config.global_batch_size = 8
-    for k, v in overrides.items():
-        setattr(config, k, v)
-    return config
-
-
-def tsv_rows(path):
-    return list(csv.DictReader(open(path, encoding="utf-8"), delimiter="\t"))
 
 
 def test_the_loop_starts_from_the_checkpoint_and_a_fresh_head(tmp_path, checkpoint):
@@ -470,87 +299,6 @@ def test_bad_schedule_settings_name_the_fine_tuning_field(tmp_path, checkpoint, 
     assert not (tmp_path / "work" / "checkpoints").exists()
     from bert_jax import exit_codes
     assert exit_codes.of(refused.value) == exit_codes.CONFIG  # raised before training: exit 78, not retried
-
-
-TEST_IDS = ("2", "0", "1")  # GLUE test rows' ids, out of row order: a submission numbered by row shows
-
-def glue_files(folder, task, rng, n_train=8, n_dev=8):
-    """Tiny GLUE folders in the distributed formats (random words; labels valid).
-
-    Returns what it wrote, the tests' gold: split -> [(id, text_a, text_b, label)], the id being
-    the row's index/id column or else its row number, the label None in test splits. STS-B's
-    first sentence ends in "good" (score 4-5) or "bad" (0-1): learnable, so that a few epochs
-    spread its predictions far beyond float32 rounding.
-    """
-
-    def text():
-        return " ".join(rng.choice(WORDS, rng.randint(2, 7)))
-
-    os.makedirs(folder, exist_ok=True)
-    written = {}
-
-    def w(name, header, split, records, line):
-        written[split] = records
-        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
-            f.write(header + "".join(line(*r) for r in records))
-
-    labelled = (("train", n_train), ("dev", n_dev))
-    if task == "cola":  # no header in train/dev
-        for split, n in labelled:
-            w(f"{split}.tsv", "", split, [(str(i), text(), None, str(i % 2)) for i in range(n)],
-              lambda i, a, b, l: f"gj04\t{l}\t{'' if l == '1' else '*'}\t{a}\n")
-        w("test.tsv", "index\tsentence\n", "test", [(i, text(), None, None) for i in TEST_IDS],
-          lambda i, a, b, l: f"{i}\t{a}\n")
-    elif task == "mrpc":
-        for split, n in labelled:
-            w(f"{split}.tsv", "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n", split,
-              [(str(i), text(), text(), str(i % 2)) for i in range(n)],
-              lambda i, a, b, l: f"{l}\t{i}\t{int(i) + 100}\t{a}\t{b}\n")
-        w("test.tsv", "index\t#1 ID\t#2 ID\t#1 String\t#2 String\n", "test",
-          [(i, text(), text(), None) for i in TEST_IDS], lambda i, a, b, l: f"{i}\t1\t2\t{a}\t{b}\n")
-    elif task == "stsb":
-        head = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"
-        row = lambda i, a, b: f"{i}\tg\tf\t2012\t{i}\tnone\tnone\t{a}\t{b}"
-        for split, n in labelled:
-            w(f"{split}.tsv", head + "\tscore\n", split,
-              [(str(i), f"{text()} {'good' if i % 2 else 'bad'}", text(), float(f"{4 * (i % 2) + rng.rand():.3f}"))
-               for i in range(n)], lambda i, a, b, l: f"{row(i, a, b)}\t{l:.3f}\n")
-        w("test.tsv", head + "\n", "test",
-          [(i, f"{text()} {'good' if int(i) % 2 else 'bad'}", text(), None) for i in TEST_IDS],
-          lambda i, a, b, l: row(i, a, b) + "\n")
-    elif task == "qqp":
-        for split, n in labelled:
-            w(f"{split}.tsv", "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n", split,
-              [(str(i), f"{text()}?", f"{text()}?", str(i % 2)) for i in range(n)],
-              lambda i, a, b, l: f"{i}\t1\t2\t{a}\t{b}\t{l}\n")
-        w("test.tsv", "id\tquestion1\tquestion2\n", "test", [(i, text(), text(), None) for i in TEST_IDS],
-          lambda i, a, b, l: f"{i}\t{a}\t{b}\n")
-    elif task == "mnli":
-        labels = ("contradiction", "entailment", "neutral")
-        head = "index\tpromptID\tpairID\tgenre\ts1bp\ts2bp\ts1p\ts2p\tsentence1\tsentence2"
-        line = lambda i, a, b, extra: f"{i}\t1\t1a\tfiction\t()\t()\t()\t()\t{a}\t{b}{extra}\n"
-        w("train.tsv", head + "\tlabel1\tgold_label\n", "train",
-          [(str(i), text(), text(), labels[i % 3]) for i in range(n_train)],
-          lambda i, a, b, l: line(i, a, b, f"\t{l}\t{l}"))
-        for split in ("dev_matched", "dev_mismatched"):
-            w(f"{split}.tsv", head + "\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label\n", split,
-              [(str(i), text(), text(), labels[i % 3]) for i in range(n_dev)],
-              lambda i, a, b, l: line(i, a, b, "\tneutral" * 5 + f"\t{l}"))
-        for split in ("test_matched", "test_mismatched"):
-            w(f"{split}.tsv", head + "\n", split, [(i, text(), text(), None) for i in TEST_IDS],
-              lambda i, a, b, l: line(i, a, b, ""))
-        os.makedirs(os.path.join(folder, "..", "diagnostic"), exist_ok=True)
-        w(os.path.join("..", "diagnostic", "diagnostic.tsv"), "index\tsentence1\tsentence2\n", "test_ax",
-          [(i, text(), text(), None) for i in TEST_IDS], lambda i, a, b, l: f"{i}\t{a}\t{b}\n")
-    else:  # qnli, rte, wnli
-        cols = {"qnli": ("question", "sentence"), "rte": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2")}[task]
-        labels = {"qnli": ("entailment", "not_entailment"), "rte": ("entailment", "not_entailment"), "wnli": ("0", "1")}[task]
-        for split, n in labelled:
-            w(f"{split}.tsv", f"index\t{cols[0]}\t{cols[1]}\tlabel\n", split,
-              [(str(i), text(), text(), labels[i % 2]) for i in range(n)], lambda i, a, b, l: f"{i}\t{a}\t{b}\t{l}\n")
-        w("test.tsv", f"index\t{cols[0]}\t{cols[1]}\n", "test", [(i, text(), text(), None) for i in TEST_IDS],
-          lambda i, a, b, l: f"{i}\t{a}\t{b}\n")
-    return written
 
 
 def test_programs_compiled_ahead_change_nothing_but_when_they_compile(tmp_path, checkpoint):

@@ -2,8 +2,8 @@
 counted as Google's scripts count them, the stream of full batches, Google's AdamW and learning
 rates, and batches cut short of their padding that train and predict as the full padding does.
 
-The tiny "pretrained" encoder and the helpers are tests/finetune/test_finetune.py's; this module
-shares its compilation cache folder (the `compilation_cache` fixture).
+The tiny "pretrained" encoder and the compilation cache folder are tests/finetune/conftest.py's (shared
+with test_finetune.py), the helpers tests/helpers/finetune_inputs.py's.
 """
 
 import jax
@@ -14,8 +14,9 @@ from bert_jax import convert
 from bert_jax.finetune import batches as finetune_batches, bucketing, loop as finetune, steps as finetune_steps
 from configs import glue as glue_config
 from configs import ner as ner_config
-from test_finetune import (ENTITIES, WORDS, checkpoint, compilation_cache, read_json,  # noqa: F401  (fixtures)
-                           sentiment, tiny)
+from tests.helpers.finetune_inputs import ENTITIES, WORDS, read_json, sentiment, tiny
+
+pytestmark = pytest.mark.usefixtures("compilation_cache")  # tests/finetune/conftest.py
 
 
 def google_lr(step, peak, total, warmup):

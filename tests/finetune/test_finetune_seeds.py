@@ -4,7 +4,8 @@ programs compile once for every seed, and a run killed in seed 2 resumes seed 2 
 
 The toy SST-2 of tests/finetune/test_finetune.py at batch 8 for 3 epochs is unstable, as the paper
 found BERT-Large on small sets: seed 4 ends at 0.8125 dev accuracy, seed 2 at 1.0 (seeds 0, 1 and 3
-stay at 0.5). The tiny encoder and helpers are test_finetune.py's, with its compilation cache.
+stay at 0.5). The tiny encoder and the compilation cache are tests/finetune/conftest.py's, the helpers
+tests/helpers/finetune_inputs.py's.
 """
 
 import json
@@ -20,8 +21,11 @@ from flax import traverse_util
 from bert_jax import convert, exit_codes
 from bert_jax.finetune import batches as finetune_batches, loop as finetune, predict, restarts
 from configs import glue as glue_config
-from test_finetune import (REPO, checkpoint, compilation_cache, predict_config, read_json,  # noqa: F401  (fixtures)
-                           sst2_files, tiny, tsv_rows)
+from tests.helpers.finetune_inputs import predict_config, read_json, sst2_files, tiny, tsv_rows
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.usefixtures("compilation_cache")  # tests/finetune/conftest.py
 
 SEEDS = (4, 2)  # the second scores higher: a run that kept the first seed shows
 LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # once per program jax traces and lowers

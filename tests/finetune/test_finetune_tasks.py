@@ -2,8 +2,8 @@
 TFDS (their submission files), SQuAD v1.1 and v2.0, CoNLL-2003 NER, SWAG; each scored against an
 independent reference (the official scorers' numbers, conlleval's counts, argmax by hand).
 
-The tiny "pretrained" encoder and the helpers are tests/finetune/test_finetune.py's; this module
-shares its compilation cache folder (the `compilation_cache` fixture).
+The tiny "pretrained" encoder and the compilation cache folder are tests/finetune/conftest.py's (shared
+with test_finetune.py), the helpers tests/helpers/finetune_inputs.py's and finetune_reference.py's.
 """
 
 import csv
@@ -20,8 +20,12 @@ from configs import glue as glue_config
 from configs import ner as ner_config
 from configs import squad as squad_config
 from configs import swag as swag_config
-from test_finetune import (ENTITIES, REPO, WORDS, Reference, assert_argmax, checkpoint,  # noqa: F401
-                           compilation_cache, glue_files, read_json, tiny, tsv_rows)  # (checkpoint, compilation_cache: fixtures)
+from tests.helpers.finetune_inputs import ENTITIES, WORDS, glue_files, read_json, tiny, tsv_rows
+from tests.helpers.finetune_reference import Reference, assert_argmax
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.usefixtures("compilation_cache")  # tests/finetune/conftest.py
 
 
 GLUE_EXPECTED = {  # task -> (metric keys, submission file -> test split)

@@ -27,7 +27,7 @@ from bert_jax.model.pretraining_heads import BertForPreTraining
 tf = pytest.importorskip("tensorflow")
 transformers = pytest.importorskip("transformers")
 
-import tiny_bert_inputs  # noqa: E402  (tests/ is on sys.path)
+from tests.helpers import tiny_bert_inputs  # noqa: E402
 
 V, H, NH, I, L, P = 40, 16, 4, 32, 2, 24
 GOOGLE_CONFIG = dict(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,

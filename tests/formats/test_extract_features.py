@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bert_jax import convert, extract_features as ef
-from xla_flags import xla_flags  # tests/ is on sys.path
+from tests.helpers.xla_flags import xla_flags
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.modeling import BertModel
 from data_pipeline import tokenization

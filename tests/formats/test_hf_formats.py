@@ -28,7 +28,7 @@ from bert_jax.model.pretraining_heads import BertForPreTraining
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-import tiny_bert_inputs  # noqa: E402  (tests/ is on sys.path)
+from tests.helpers import tiny_bert_inputs  # noqa: E402
 
 V, H, NH, I, L, P = 40, 16, 4, 32, 2, 24
 SHARD_BYTES = 6000  # the weights are ~24 KB in float32: 5 shards

@@ -19,7 +19,7 @@ from bert_jax import convert
 from bert_jax.model.model_config import BertConfig
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
-from xla_flags import xla_flags  # tests/ is on sys.path
+from tests.helpers.xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "dog", "ran", "a",

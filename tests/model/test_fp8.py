@@ -2,22 +2,19 @@
 float8 and bfloat16 in numpy), the scaling state the train step carries (one amax per step, the
 kernel's own largest value), and that state saved and restored exactly by a resumed pretraining run."""
 
-import functools
 import json
 import shutil
-import sys
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from bert_jax.model import layers, model_config, modeling, pretraining_heads
-from bert_jax.pretrain import steps
-from bert_jax.training import optim, train_state
+from bert_jax.model import layers, model_config, pretraining_heads
+from bert_jax.training import train_state
+from tests.helpers import fp8_training, pretraining_records, pretraining_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -75,28 +72,6 @@ def _tiny(fp8: bool, **kw) -> model_config.BertConfig:
                                intermediate_size=128, dtype="bfloat16", fp8=fp8, **kw)
 
 
-def _batch(seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    return dict(input_ids=rng.integers(5, 200, (4, 16)).astype(np.int32),
-                input_mask=np.ones((4, 16), np.int32), segment_ids=np.zeros((4, 16), np.int32),
-                masked_lm_positions=np.tile(np.array([1, 5, 9], np.int32), (4, 1)),
-                masked_lm_ids=rng.integers(5, 200, (4, 3)).astype(np.int32),
-                masked_lm_weights=np.ones((4, 3), np.float32),
-                next_sentence_labels=rng.integers(0, 2, (4, 1)).astype(np.int32))
-
-
-def _state_and_step(cfg, accum_steps: int = 1):
-    model = pretraining_heads.BertForPreTraining(cfg)
-    variables = nn.meta.unbox(
-        model.init(jax.random.key(0), **modeling.dummy_inputs(cfg, batch=4, length=16, predictions=3)))
-    tx = optim.make_optimizer("adamw", lambda s: 1e-3, clip_norm=1.0)
-    state = train_state.create_train_state(variables["params"], tx, jax.random.key(1),
-                                     fp8=variables.get(layers.FP8_COLLECTION))
-    step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=lambda s: 1e-3,
-                                     accum_steps=accum_steps))
-    return state, step
-
-
 def _fp8_leaves(tree: dict, name: str) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)
             if jax.tree_util.keystr(p).endswith(f"['{name}']")}
@@ -118,10 +93,10 @@ def _kernel_of(params: dict, fp8_path: str) -> np.ndarray:
 
 
 def test_the_train_step_carries_the_scaling_state_one_amax_per_step():
-    state, step = _state_and_step(_tiny(True))
+    state, step = fp8_training.state_and_step(_tiny(True))
     init_params = jax.tree.map(np.asarray, state.params)
     init_fp8 = jax.tree.map(np.asarray, state.fp8)
-    batch = _batch()
+    batch = fp8_training.batch()
     state, metrics = step(state, batch)
     histories = _fp8_leaves(state.fp8, "kernel_amax_history")
     # Every dense layer of the encoder and the heads: 2 layers x (query, key/value, attention
@@ -156,10 +131,10 @@ def _loss(cfg, params, fp8, batch):
 
 
 def test_fp8_training_tracks_bf16_and_accumulation_advances_the_state_per_micro_batch():
-    batch = _batch(1)
+    batch = fp8_training.batch(1)
     losses = {}
     for fp8 in (False, True):
-        state, step = _state_and_step(_tiny(fp8))
+        state, step = fp8_training.state_and_step(_tiny(fp8))
         losses[fp8] = []
         for _ in range(6):
             state, metrics = step(state, batch)
@@ -169,15 +144,15 @@ def test_fp8_training_tracks_bf16_and_accumulation_advances_the_state_per_micro_
     # (6.04 falling to 5.06) differ by at most 5.9e-3, rel 1.1e-3; the bound is 3.5x that.
     np.testing.assert_allclose(losses[True], losses[False], rtol=4e-3)
     assert losses[True][-1] < losses[True][0] - 0.1  # and it learns
-    state, step = _state_and_step(_tiny(True), accum_steps=2)
+    state, step = fp8_training.state_and_step(_tiny(True), accum_steps=2)
     state, _ = step(state, batch)
     for path, history in _fp8_leaves(state.fp8, "input_amax_history").items():
         assert np.count_nonzero(history) == 2, path  # two micro-batches, two amax entries
 
 
 def test_scanned_layers_stack_the_state_and_the_config_file_leaves_fp8_out(tmp_path):
-    state, step = _state_and_step(_tiny(True, scan_layers=True))
-    state, _ = step(state, _batch())
+    state, step = fp8_training.state_and_step(_tiny(True, scan_layers=True))
+    state, _ = step(state, fp8_training.batch())
     layers = state.fp8["bert"]["encoder"]["layers"]
     assert layers["ffn"]["intermediate"]["fp8"]["kernel_amax_history"].shape == (2, 1024)
     cfg = _tiny(True)
@@ -190,28 +165,26 @@ def test_scanned_layers_stack_the_state_and_the_config_file_leaves_fp8_out(tmp_p
 
 def test_a_resumed_fp8_run_repeats_the_uninterrupted_one_bit_for_bit(tmp_path, monkeypatch):
     pytest.importorskip("tensorflow")  # the records and the input pipeline
-    sys.path.insert(0, str(Path(__file__).parents[1] / "pretrain"))
-    import test_pretrain as tp
 
     data = tmp_path / "data"
     data.mkdir()
     for i in range(2):
-        tp.write_records(data / f"train-{i}.tfrecord", 64, seed=i)
+        pretraining_records.write_records(data / f"train-{i}.tfrecord", 64, seed=i)
     fp8 = ("--config.model.fp8=true", "--config.model.dtype=bfloat16")
     # The two runs share a compilation cache (as test_pretrain's runs do): the resume loads the step.
-    monkeypatch.setitem(tp._CACHE, "dir", str(tmp_path / "xla_cache"))  # pylint: disable=protected-access
-    ref = tp.run(tp.cmd(tmp_path / "ref", data, *fp8))
+    monkeypatch.setitem(pretraining_runs.CACHE, "dir", str(tmp_path / "xla_cache"))
+    ref = pretraining_runs.run(pretraining_runs.cmd(tmp_path / "ref", data, *fp8))
     assert ref.returncode == 0, ref.stderr[-3000:]
-    want = tp.losses(tmp_path / "ref")
+    want = pretraining_runs.losses(tmp_path / "ref")
     assert sorted(want) == list(range(1, 13))
     # The same run interrupted after its step-4 checkpoint: the later checkpoints gone.
     shutil.copytree(tmp_path / "ref", tmp_path / "resumed")
     for later in ("8", "12"):
         shutil.rmtree(tmp_path / "resumed" / "checkpoints" / later)
-    resumed = tp.run(tp.cmd(tmp_path / "resumed", data, *fp8))
+    resumed = pretraining_runs.run(pretraining_runs.cmd(tmp_path / "resumed", data, *fp8))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 4" in resumed.stderr
-    assert tp.losses(tmp_path / "resumed") == want  # steps 5-12 again, the same floats
+    assert pretraining_runs.losses(tmp_path / "resumed") == want  # steps 5-12 again, the same floats
     assert "fp8" not in json.loads((tmp_path / "ref" / "bert_config.json").read_text())
     # Fine-tuning is not an FP8 path: said before anything runs.
     from bert_jax.finetune import loop as finetune

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bert_jax.model import dropout, fused, layers, model_config, modeling, pretraining_heads
-import model_parity  # tests/ is on sys.path
+from tests.helpers import model_parity
 
 
 @pytest.fixture(autouse=True)

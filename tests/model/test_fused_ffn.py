@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bert_jax.model import fused_ffn, layers, model_config, modeling, pretraining_heads
-import model_parity  # tests/ is on sys.path
+from tests.helpers import model_parity
 
 # Launch shapes that make the interpreter walk a grid of 2 x 2 output tiles and the contraction in
 # two steps, as a GPU launch does (the GPU's own shapes apply on a GPU).

@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import dropout, fused, fused_fp8, layers, model_config
-import model_parity  # tests/ is on sys.path
-import test_fp8  # tests/model/ too (pytest puts a test file's folder there)
+from bert_jax.model import dropout, fused, fused_fp8, layers
+from tests.helpers import fp8_training, model_parity
 
 
 def _assert_same_cast(got, want, g, scale):
@@ -109,39 +108,6 @@ def test_the_forward_kernel_casts_y_to_e4m3_and_takes_its_amax_as_flax_s_in_q_do
     assert float(amax) == float(jnp.max(jnp.abs(plain[0])).astype(jnp.float32))
 
 
-def _tiny(**kw) -> model_config.BertConfig:
-    return model_config.BertConfig(**{**dict(vocab_size=200, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                             intermediate_size=128, dtype="bfloat16", fp8=True, fused_ops=True), **kw})
-
-
-def _train(cfg, steps_: int):
-    """`steps_` train steps from one initialization (tests/model/test_fp8.py's state, step and
-    batch): the losses and the state."""
-    state, step = test_fp8._state_and_step(cfg)
-    losses = []
-    for _ in range(steps_):
-        state, metrics = step(state, test_fp8._batch(1))
-        losses.append(float(metrics["loss"]))
-    return losses, state
-
-
-def assert_trained_alike(got_losses, got, want_losses, want) -> dict:
-    """Two `_train` runs' losses, parameters and FP8 state equal, in flax's layout and names; returns
-    `got`'s amax histories by path. Bit for bit on this CPU (2026-11-29): the bounds leave room for
-    one e5m2 or e4m3 tie rounded apart (`_assert_same_cast`), far below what a wrong scale or history
-    does (mutation-checked)."""
-    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
-    assert jax.tree.structure(got.fp8) == jax.tree.structure(want.fp8)
-    for tree, tol in (("params", 1e-6), ("fp8", 1e-5)):
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(getattr(got, tree)),
-                                jax.tree.leaves(getattr(want, tree))):
-            b = np.asarray(b)
-            np.testing.assert_allclose(np.asarray(a), b, rtol=tol, atol=tol * np.abs(b).max(),
-                                       err_msg=tree + jax.tree_util.keystr(path))
-    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(got.fp8)
-            if "amax_history" in jax.tree_util.keystr(p)}
-
-
 @pytest.mark.parametrize("shape", [{}, dict(num_hidden_layers=2, scan_layers=True, remat_policy="full")],
                          ids=["one_layer", "two_layers_scanned_with_full_remat"])
 def test_the_fp8_model_trains_as_with_flax_s_cast_when_the_kernel_casts(monkeypatch, shape):
@@ -149,8 +115,8 @@ def test_the_fp8_model_trains_as_with_flax_s_cast_when_the_kernel_casts(monkeypa
     losses, every parameter and every scaling-state leaf equal those of flax's own passes. Only FP8
     with the LayerNorm kernels takes the path (without them, or at a hidden size they cannot read,
     the output denses keep flax's op)."""
-    assert fused_fp8.applies(_tiny())
-    assert not any(fused_fp8.applies(_tiny(**kw)) for kw in ({"fused_ops": False}, {"fp8": False},
+    assert fused_fp8.applies(fp8_training.fused_config())
+    assert not any(fused_fp8.applies(fp8_training.fused_config(**kw)) for kw in ({"fused_ops": False}, {"fp8": False},
                                                              {"hidden_size": 120, "num_attention_heads": 4}))
     casts, input_casts = [], []  # the kernels traced that cast dh to e5m2, and y to e4m3
 
@@ -164,7 +130,7 @@ def test_the_fp8_model_trains_as_with_flax_s_cast_when_the_kernel_casts(monkeypa
     original, original_forward = fused._backward, fused._forward
     monkeypatch.setattr(fused, "_backward", backward)
     monkeypatch.setattr(fused, "_forward", forward)
-    got_losses, got = _train(_tiny(**shape), 3)
+    got_losses, got = fp8_training.train(fp8_training.fused_config(**shape), 3)
     # The attention output and the FFN output, each traced once (or per layer, or again by remat).
     # The attention's LayerNorm writes the FFN's e4m3 input; the FFN's (the next layer's Q/K/V
     # input, two scales, across nn.scan) does not.
@@ -173,9 +139,9 @@ def test_the_fp8_model_trains_as_with_flax_s_cast_when_the_kernel_casts(monkeypa
         assert len(casts) == 2 and len(input_casts) == 4
     traced = len(casts), len(input_casts)
     monkeypatch.setattr(fused_fp8, "ENABLED", False)
-    want_losses, want = _train(_tiny(**shape), 3)
+    want_losses, want = fp8_training.train(fp8_training.fused_config(**shape), 3)
     assert not any(casts[traced[0]:] + input_casts[traced[1]:]) and len(input_casts) == 2 * traced[1]
-    histories = assert_trained_alike(got_losses, got, want_losses, want)
+    histories = fp8_training.assert_trained_alike(got_losses, got, want_losses, want)
     assert any("intermediate" in p and "input_amax_history" in p for p in histories)
     assert all(np.all(np.count_nonzero(h, axis=-1) == 3) for h in histories.values())  # an amax per step and layer
 

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from bert_jax.model import fused, fused_fp8, layers, modeling
-import model_parity  # tests/ is on sys.path
-import test_fused_fp8  # tests/model/ too (pytest puts a test file's folder there)
+from tests.helpers import fp8_training, model_parity
 
 DIMS = (((2,), (0,)), ((), ()))  # what jnp.einsum hands the FP8 op for "blh,hnd->blnd" and "blh,hsnd->blsnd"
 
@@ -121,17 +120,17 @@ def test_the_unrolled_fp8_model_trains_as_with_flax_s_casts_when_each_layer_s_ke
         monkeypatch, shape, sizes):
     """Three steps (the scales then come from histories the kernels filled): the losses, every
     parameter and every scaling-state leaf equal those of flax's own passes (`ENABLED` off)."""
-    assert fused_fp8.chains_layers(test_fused_fp8._tiny(**shape)) == (sizes != _REMAT)
-    assert not fused_fp8.chains_layers(test_fused_fp8._tiny(num_hidden_layers=2, scan_layers=True))
+    assert fused_fp8.chains_layers(fp8_training.fused_config(**shape)) == (sizes != _REMAT)
+    assert not fused_fp8.chains_layers(fp8_training.fused_config(num_hidden_layers=2, scan_layers=True))
     traced = _forward_sizes(monkeypatch)
-    got_losses, got = test_fused_fp8._train(test_fused_fp8._tiny(**shape), 3)
+    got_losses, got = fp8_training.train(fp8_training.fused_config(**shape), 3)
     # traced twice (the initialization and the step); remat traces its layers again for the backward
     assert traced[:len(sizes)] == sizes and traced[len(traced) - len(sizes):] == sizes, traced
     monkeypatch.setattr(fused_fp8, "ENABLED", False)
     chained = len(traced)
-    want_losses, want = test_fused_fp8._train(test_fused_fp8._tiny(**shape), 3)
+    want_losses, want = fp8_training.train(fp8_training.fused_config(**shape), 3)
     assert len(traced) > chained and not any(traced[chained:])  # flax's casts: the kernels write no e4m3
-    histories = test_fused_fp8.assert_trained_alike(got_losses, got, want_losses, want)
+    histories = fp8_training.assert_trained_alike(got_losses, got, want_losses, want)
     assert any("layer_1" in p and "query_fp8']['input_amax_history" in p for p in histories)
     assert all(np.all(np.count_nonzero(h, axis=-1) == 3) for h in histories.values())  # an amax per step
 
@@ -139,7 +138,7 @@ def test_the_unrolled_fp8_model_trains_as_with_flax_s_casts_when_each_layer_s_ke
 def test_the_chained_model_s_hidden_states_are_each_layer_s_output(monkeypatch):
     """With dropout on, every layer's output (`output_hidden_states`, collected where the next
     layer computes it) and the pooled output equal the model's without the chain, bit for bit."""
-    cfg = test_fused_fp8._tiny(num_hidden_layers=3)
+    cfg = fp8_training.fused_config(num_hidden_layers=3)
     ids = jnp.asarray(np.random.default_rng(7).integers(5, 200, (2, 16)), jnp.int32)
     model = modeling.BertModel(cfg)
     variables = model.init(jax.random.key(0), ids)
@@ -175,7 +174,7 @@ def test_the_q_k_v_gemms_read_the_kernel_s_e4m3_copies_in_what_a_gpu_compiles(mo
     Without the kernels' casts, every layer's three are."""
     monkeypatch.setattr(fused, "_interpret", lambda: False)
     hidden = 256
-    cfg = test_fused_fp8._tiny(num_hidden_layers=2, hidden_size=hidden, intermediate_size=512,
+    cfg = fp8_training.fused_config(num_hidden_layers=2, hidden_size=hidden, intermediate_size=512,
                                sparse_last_layer=False)
     model = modeling.BertModel(cfg)
     ids = jnp.zeros((2, 64), jnp.int32)

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from bert_jax.model import fused, fused_ffn, fused_qkv, layers, model_config, modeling, pretraining_heads, shards
 from bert_jax.pretrain import steps
 from bert_jax.training import sharding
-import model_parity  # tests/ is on sys.path
+from tests.helpers import model_parity
 
 MESHES = [{"data": 4, "fsdp": 2}, {"data": 2, "fsdp": 2, "tensor": 2}]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bert_jax.model import fused_qkv, model_config, modeling, pretraining_heads
-import model_parity  # tests/ is on sys.path
+from tests.helpers import model_parity
 
 # Launch shapes that make the interpreter walk several output tiles of each projection and every
 # contraction in two or more steps (the kernels' gradient: two row blocks of the kernel, so that

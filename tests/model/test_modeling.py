@@ -155,7 +155,6 @@ def test_every_config_parameter_count_matches_the_readme_and_a_hand_count(name):
     import importlib
     import pathlib
     import re
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
     config = BertConfig.from_dict(importlib.import_module(f"configs.{name}").get_config().model.to_dict())
     shapes = jax.eval_shape(lambda r: BertForPreTraining(config).init(r, **modeling.dummy_inputs(config)),
                             jax.random.key(0))["params"]
@@ -562,7 +561,7 @@ def test_sparse_last_layer_gives_the_same_logits_and_gradients(options, packed):
         out = BertForPreTraining(cfg).apply({"params": p}, **inputs, deterministic=True)
         return jnp.sum(out.mlm_logits ** 2) + jnp.sum(out.nsp_logits ** 2), out
 
-    # At XLA's own optimization level (not the suite's 0, tests/xla_flags.py): some of the compared
+    # At XLA's own optimization level (not the suite's 0, tests/helpers/xla_flags.py): some of the compared
     # gradients are zero but for float32 noise (the attention key bias: softmax ignores it), and
     # the noise of unoptimized code reaches 1.6e-5, past the 1e-5 the two programs agree to here.
     grad = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg), has_aux=True)).lower(params).compile(
@@ -636,7 +635,7 @@ def test_separate_qkv_matmuls_train_like_the_stacked_kernel():
     """`separate_qkv`: Q, K and V from three matmuls equal the slices of one matmul against the
     stacked kernels (float32: to rounding), logits, loss and every gradient, with dropout on; and
     the program has no stacked Q/K/V kernel left, nor the slices of its output."""
-    import model_parity  # tests/ is on sys.path
+    from tests.helpers import model_parity
     cfg = model_config.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                               intermediate_size=128, sparse_last_layer=False)
     other = cfg.replace(separate_qkv=True)

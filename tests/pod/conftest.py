@@ -1,4 +1,4 @@
-"""The supervisor's tests' fake pod (tests/fake_pod.py): a fresh one for each test that asks for
+"""The supervisor's tests' fake pod (tests/helpers/fake_pod.py): a fresh one for each test that asks for
 `pod`. (tests/pod/test_pod_rehearsal.py has a `pod` of its own: real runs in a bucket.)"""
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import fake_pod  # tests/ is on sys.path
+from tests.helpers import fake_pod
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -39,10 +39,9 @@ import pytest
 from data_pipeline import storage
 from data_pipeline.records import schema
 from data_pipeline.storage import gcs as storage_gcs
-import fake_pod  # tests/ is on sys.path
-import fault_hooks
-from pretraining_records import logged_losses, write_records
-from xla_flags import FAST_COMPILE
+from tests.helpers import fake_pod, fault_hooks
+from tests.helpers.pretraining_records import logged_losses, write_records
+from tests.helpers.xla_flags import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "tpu_pod.sh"

@@ -1,6 +1,6 @@
 """bert_jax/pod/supervisor.py (launch/tpu_pod.sh --watch) watching a run: failures and their budget,
 exit codes it does not retry, hangs, unreachable workers, a person's stop, adoption after a restart,
-maintenance. Against the stand-in gcloud and run of tests/fake_pod.py (two workers, fast polls).
+maintenance. Against the stand-in gcloud and run of tests/helpers/fake_pod.py (two workers, fast polls).
 tests/pod/test_supervisor_slice.py covers the slice (preemption, recreation, queued resources),
 tests/pod/test_supervisor_records.py what it keeps (attempts, the lease, the code, the pins), and
 tests/pod/test_pod_rehearsal.py all of it over real training, in a chaos rehearsal."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import fake_pod  # tests/ is on sys.path
-from fake_pod import SCRIPT, attempts, events, run_pids, starts, status_calls, wait_for, watch, when
+from tests.helpers import fake_pod
+from tests.helpers.fake_pod import SCRIPT, attempts, events, run_pids, starts, status_calls, wait_for, watch, when
 
 
 def test_a_failing_run_is_relaunched_after_a_doubling_capped_backoff_until_max_restarts(pod):

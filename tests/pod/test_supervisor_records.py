@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-import fake_pod  # tests/ is on sys.path
+from tests.helpers import fake_pod
 from bert_jax.pod import calls, pins, supervisor
 from data_pipeline import storage
-from fake_pod import attempts, lose, starts, wait_for, watch
+from tests.helpers.fake_pod import attempts, lose, starts, wait_for, watch
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@
 and reinstalled pinned, never on one bad reading, a stockout backed off and budgeted, a slow slice
 awaited, a supervisor killed mid-recreation that still reinstalls, queued resources that keep their
 place, a STOPPED slice started again, a slice stuck in a state recreated, a launch lost with its
-slice not counted. Against tests/fake_pod.py's stand-in gcloud (whose create builds the node from
+slice not counted. Against tests/helpers/fake_pod.py's stand-in gcloud (whose create builds the node from
 its flags alone, so a recreation that forgot one shows in describe)."""
 
 import json
@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 
-import fake_pod  # tests/ is on sys.path
+from tests.helpers import fake_pod
 from bert_jax.pod import slice as pod_slice
-from fake_pod import attempts, events, lose, run_pids, starts, status_calls, wait_for, watch, when
+from tests.helpers.fake_pod import attempts, events, lose, run_pids, starts, status_calls, wait_for, watch, when
 
 
 def gcloud(root, *words):

@@ -164,13 +164,13 @@ def test_no_rollback_without_a_checkpoint_before_the_spike_in_this_phase_or_past
 
 
 # ---------------------------------------------------------------------------------------------
-# End to end: bert_jax.main with a planted spike (tests/fault_hooks.py)
+# End to end: bert_jax.main with a planted spike (tests/helpers/fault_hooks.py)
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from pretraining_records import write_records  # tests/ is on sys.path
+    from tests.helpers.pretraining_records import write_records
     d = tmp_path_factory.mktemp("data")
     for i in range(4):
         write_records(d / f"train-{i}.tfrecord", 64, seed=i)
@@ -180,7 +180,7 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hooks(tmp_path_factory):
     """A folder with a sitecustomize.py of the spike and kill hooks, and the env that loads it."""
-    import fault_hooks  # tests/ is on sys.path
+    from tests.helpers import fault_hooks
     folder = tmp_path_factory.mktemp("hooks")
     (folder / "sitecustomize.py").write_text(fault_hooks.SPIKE_AT_STEPS + fault_hooks.KILL_AFTER_ROLLBACK)
     cache = tmp_path_factory.mktemp("xla_cache")  # the runs of this module compile one step: once
@@ -191,7 +191,7 @@ def hooks(tmp_path_factory):
 def _main(hooks, data, workdir, *overrides, **env):
     """`python -m bert_jax.main` on configs/test.py for 12 steps (logged every 3, saved every 4), with
     the hooks loaded and `env` set: the finished process."""
-    from xla_flags import xla_flags  # tests/ is on sys.path
+    from tests.helpers.xla_flags import xla_flags
     folder, cache = hooks
     args = [sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/test.py'}", f"--workdir={workdir}",
             f"--config.train_data={data}/train-*.tfrecord", "--config.log_every_steps=3",
@@ -218,7 +218,7 @@ def _consumed(workdir) -> dict:
 
 
 def test_a_rollback_skips_what_a_skip_by_hand_skips_also_when_killed_before_the_next_save(hooks, data, tmp_path):
-    from pretraining_records import logged_losses  # tests/ is on sys.path
+    from tests.helpers.pretraining_records import logged_losses
     # The reference: uninterrupted, told to skip 5 batches after step 4.
     ref = _main(hooks, data, tmp_path / "ref", "--config.skip_batches=4:5")
     assert ref.returncode == 0, ref.stderr[-3000:]

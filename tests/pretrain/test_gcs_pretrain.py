@@ -26,9 +26,9 @@ import pytest
 
 from data_pipeline import storage
 from data_pipeline.storage import gcs as storage_gcs, staging as storage_staging
-import fault_hooks  # tests/ is on sys.path
-from pretraining_records import kill9_once_logged, logged_losses
-from xla_flags import xla_flags
+from tests.helpers import fault_hooks
+from tests.helpers.pretraining_records import kill9_once_logged, logged_losses
+from tests.helpers.xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = [f"w{i:03d}" for i in range(300)]
@@ -70,7 +70,7 @@ def places(gcs_server, tmp_path_factory):
     return places
 
 
-# The save freeze (tests/fault_hooks.py), and:
+# The save freeze (tests/helpers/fault_hooks.py), and:
 FREEZE = fault_hooks.FREEZE_AT_SAVE + r"""
 import os
 # The bucket stops answering as the train log's line of step $FAULT_FREEZE_AT_LOG is queued, until

@@ -3,7 +3,6 @@ config mismatch, non-finite loss, evaluation mode) on small TFRecords the tests 
 
 import json
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -17,10 +16,9 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from pretraining_records import VOCAB, kill9_once_logged, logged_losses, write_records  # tests/ is on sys.path
-from xla_flags import xla_flags  # tests/ is on sys.path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.pretraining_records import VOCAB, kill9_once_logged, write_records
+from tests.helpers.pretraining_runs import CACHE, ROOT, cmd, env, losses, run
+from tests.helpers.xla_flags import xla_flags
 
 
 @pytest.fixture(scope="session")  # session: the longest tests run first (conftest), the rest later
@@ -35,46 +33,15 @@ def data(tmp_path_factory):
     return d
 
 
-_CACHE = {}  # the compilation cache the runs of this module share (set by `compilation_cache`)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
     """One persistent XLA cache for the module's subprocesses: most runs compile the same step of
     configs/test.py, which a cached executable serves in half the run's time. (A cached executable
     is the same program: the kill -9 and multi-process tests still compare bit for bit against a
     run that compiled.)"""
-    _CACHE["dir"] = str(tmp_path_factory.mktemp("xla_cache"))
-    yield _CACHE["dir"]
-    _CACHE.clear()
-
-
-def env(devices: int = 2) -> dict:
-    e = dict(os.environ)
-    e.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices),
-             TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
-    if "dir" in _CACHE:
-        e.update(JAX_COMPILATION_CACHE_DIR=_CACHE["dir"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return e
-
-
-def cmd(workdir, data, *overrides):
-    return [sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/test.py'}",
-            f"--workdir={workdir}", f"--config.train_data={data}/train-*.tfrecord",
-            "--config.log_every_steps=1", "--config.checkpoint_every_steps=4",
-            "--config.num_train_steps=12", "--config.shuffle_buffer_size=64",
-            "--config.verify_data=false", *overrides]
-
-
-def losses(workdir) -> dict:
-    """step -> loss from train_log.jsonl (a resumed run logs some steps again: last one wins)."""
-    return logged_losses((Path(workdir) / "train_log.jsonl").read_text())
-
-
-def run(args, timeout=300, devices=2, **kw):
-    return subprocess.run(args, env=env(devices), cwd=ROOT, timeout=timeout, capture_output=True,
-                          text=True, **kw)
+    CACHE["dir"] = str(tmp_path_factory.mktemp("xla_cache"))
+    yield CACHE["dir"]
+    CACHE.clear()
 
 
 @pytest.fixture(scope="session")  # session, as `data`: the longest tests run first, the rest later
@@ -150,7 +117,6 @@ def test_a_resume_under_other_library_versions_is_refused_unless_allowed(data, u
     """Its finished checkpoint (step 12 of 12: a resume compiles nothing) resumed in-process where
     jax and orbax-checkpoint seem to have been upgraded: refused naming both versions of each, then
     resumed with config.allow_version_change, warning about them."""
-    sys.path.insert(0, str(ROOT))
     from bert_jax import exit_codes, versions
     from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError
     from bert_jax.pretrain import loop as pretrain
@@ -330,7 +296,6 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
     results = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
     assert set(results) == {"masked_lm_loss", "masked_lm_accuracy", "next_sentence_loss", "next_sentence_accuracy"}
     # Independent check: the same weights scored record by record in numpy.
-    sys.path.insert(0, str(ROOT))
     import jax
     from bert_jax.model import pretraining_heads
     from bert_jax.pretrain import loop as pretrain
@@ -397,7 +362,6 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
 def test_pretraining_continues_from_an_encoder_only_hf_checkpoint(data, tmp_path):
     """init_checkpoint in HF format, no heads: the encoder starts from its weights (learning rate 0
     keeps them), the heads from a fresh initialization."""
-    sys.path.insert(0, str(ROOT))
     import jax
     from bert_jax import convert
     from bert_jax.model import model_config, modeling
@@ -557,7 +521,6 @@ def test_data_casing_comes_from_the_records_dataset_info(tmp_path):
 
 
 def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
-    sys.path.insert(0, str(ROOT))
     from bert_jax.pretrain import loop as pretrain
     from configs import test as test_config
     vocab = tmp_path / "vocab.txt"
@@ -572,7 +535,6 @@ def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
 
 def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path):
     """Each names its config field (or the pattern) before the first step, so nothing is lost."""
-    sys.path.insert(0, str(ROOT))
     from bert_jax.pretrain import loop as pretrain
     from configs import test as test_config
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "tpu_pod.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "tpu_pod.sh"
 
 NODE = {"acceleratorType": "v4-16", "runtimeVersion": "tpu-ubuntu2204-base",
         "schedulingConfig": {"spot": True},

@@ -1,5 +1,5 @@
-"""Helpers several test modules share: pretraining records in Google's schema, written with
-tf.train.Example directly (not our writer), and the losses a run logged."""
+"""Pretraining records in Google's schema, written with tf.train.Example directly (not our writer),
+a record file read back as bytes, and the losses a run logged."""
 
 import json
 from pathlib import Path
@@ -38,6 +38,12 @@ def write_records(path: Path, n: int, seed: int, nan_weight: bool = False, SEQ: 
             f = {k: tf.train.Feature(int64_list=tf.train.Int64List(value=v)) for k, v in feats.items()}
             f["masked_lm_weights"] = tf.train.Feature(float_list=tf.train.FloatList(value=weights))
             w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
+
+
+def read_records(path) -> list[bytes]:
+    """The serialized records of a TFRecord file (gzipped when its name ends in .gz), in order."""
+    import tensorflow as tf
+    return [r.numpy() for r in tf.data.TFRecordDataset(str(path), compression_type="GZIP" if str(path).endswith(".gz") else "")]
 
 
 def logged_losses(text: str) -> dict:

@@ -15,7 +15,7 @@ a running test suite, 2026-11-27: 13.4 -> 6.2 s compile, 22.5 -> 13.2 CPU s for 
 the suite on a clean clone, 2,028 -> 1,497 s with data_pipeline.tf_import's start). Both emitters
 compute the same operations, and the parity tests against transformers and Google's graph hold
 their bounds; two programs of the same update may round differently, by an ulp of a parameter
-(tests/pretrain/test_training.py's bench variant tests, bit for bit under the default emitter).
+(tests/training/test_training.py's bench variant tests, bit for bit under the default emitter).
 The TPU
 compiles of test_aot_tpu.py and test_plan.py keep libtpu's defaults (their processes set no flag);
 the pod rehearsal's workers (tests/pod/test_pod_rehearsal.py) get FAST_COMPILE alone (their devices

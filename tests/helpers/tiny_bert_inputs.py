@@ -1,4 +1,4 @@
-"""A small pretraining batch the conversion tests feed every model they compare (tests/ is on sys.path)."""
+"""A small pretraining batch the conversion tests feed every model they compare."""
 
 import numpy as np
 
