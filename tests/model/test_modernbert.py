@@ -2,7 +2,7 @@
 
 The reference is transformers itself: `tests/fixtures/modernbert_tiny/` holds a random model that
 transformers saved and its outputs on two rows crossing the local window, one padded
-(`tests/fixtures/make_modernbert_reference.py`, run with torch). Where torch is importable the
+(`tests/helpers/make_modernbert_reference.py`, run with torch). Where torch is importable the
 export is also loaded by transformers and run live.
 """
 
