@@ -69,40 +69,17 @@ class VocabStats:
 # --- reading ---------------------------------------------------------------------------
 
 
-def expand_input_files(input_files: Union[str, Sequence[str]]) -> List[str]:
-    """Comma-separated globs (or a list of them) -> sorted, de-duplicated file paths.
-
-    Raises:
-      FileNotFoundError: if a pattern matches nothing.
-    """
-    patterns = input_files.split(",") if isinstance(input_files, str) else list(input_files)
-    paths: List[str] = []
-    for pattern in (p.strip() for p in patterns):
-        if not pattern:
-            continue
-        matches = storage.glob(storage_paths.check(pattern, "--input_file"))  # local (~ expanded) or gs://
-        if not matches:
-            raise FileNotFoundError(f"No file matches {pattern!r}")
-        paths.extend(sorted(matches))
-    return list(dict.fromkeys(paths))
-
-
 def read_lines(paths: Sequence[str], stats: Optional[VocabStats] = None) -> Iterator[str]:
-    """Yields the lines of `paths`, decoded as UTF-8 with replacement; counts bad lines."""
+    """Yields the lines of `paths` (`storage.utf8_lines`: bad UTF-8 replaced); counts bad lines."""
     for path in paths:
-        with storage.open(path, "rb") as reader:
+        lines = storage.utf8_lines(path)
+        if stats is not None:
+            stats.files += 1
+        for line, bad in lines:
             if stats is not None:
-                stats.files += 1
-            for raw in reader:
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    line = raw.decode("utf-8", errors="replace")
-                    if stats is not None:
-                        stats.bad_utf8_lines += 1
-                if stats is not None:
-                    stats.lines += 1
-                yield line
+                stats.lines += 1
+                stats.bad_utf8_lines += bad
+            yield line
 
 
 def _batched(items: Iterable[str], size: int) -> Iterator[List[str]]:
@@ -332,7 +309,7 @@ def train_vocab(input_files: Union[str, Sequence[str]], vocab_size: int, output_
     heldout: List[str] = []
 
     def training_lines() -> Iterator[str]:
-        for index, line in enumerate(read_lines(expand_input_files(input_files), stats)):
+        for index, line in enumerate(read_lines(storage.expand_patterns(input_files, "--input_file"), stats)):
             if heldout_every > 0 and index % heldout_every == heldout_every - 1:
                 stats.heldout_lines += 1
                 if len(heldout) < max_heldout_lines:
