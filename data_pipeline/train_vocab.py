@@ -45,7 +45,8 @@ from data_pipeline.tokenization.fast import FastBasicTokenizer, FastTokenizer
 from data_pipeline.tokenization.sentencepiece_tokenizer import SPM_SIDECAR_SUFFIX
 
 GOOGLE_VOCAB_SIZE = 30522
-BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+BERT_SPECIAL_TOKENS = (tokenization.PAD_TOKEN, tokenization.UNK_TOKEN, tokenization.CLS_TOKEN, tokenization.SEP_TOKEN,
+                       tokenization.MASK_TOKEN)
 _SPM_WORD_START = "\u2581"  # SentencePiece's word-boundary marker "▁".
 _READ_BATCH_LINES = 10_000
 
@@ -109,8 +110,8 @@ def count_words(texts: Iterable[str], do_lower_case: bool) -> "collections.Count
 def reserved_tokens(vocab_size: int) -> List[str]:
     """The tokens at the start of the vocabulary (Google's layout at 30522)."""
     if vocab_size == GOOGLE_VOCAB_SIZE:
-        return (["[PAD]"] + [f"[unused{i}]" for i in range(99)]
-                + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"[unused{i}]" for i in range(99, 994)])
+        pad, *others = BERT_SPECIAL_TOKENS  # Google's ids: [PAD] 0, [UNK] [CLS] [SEP] [MASK] 100-103
+        return [pad] + [f"[unused{i}]" for i in range(99)] + others + [f"[unused{i}]" for i in range(99, 994)]
     return list(BERT_SPECIAL_TOKENS)
 
 
@@ -144,8 +145,9 @@ def _train_sentencepiece(word_counts: Sequence[Tuple[str, int]], model_prefix: s
             # Text is already normalized and split by the BERT rules; keep it as it is.
             normalization_rule_name="identity", character_coverage=1.0, byte_fallback=False,
             # BERT-style specials, so the saved .model can serve as a tokenizer on its own.
-            pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
-            user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
+            pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
+            pad_piece=tokenization.PAD_TOKEN, unk_piece=tokenization.UNK_TOKEN,
+            user_defined_symbols=[tokenization.CLS_TOKEN, tokenization.SEP_TOKEN, tokenization.MASK_TOKEN],
             max_sentence_length=1 << 16, num_threads=num_threads, minloglevel=1)
     finally:
         storage.remove(tsv)
