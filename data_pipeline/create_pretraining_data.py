@@ -117,19 +117,6 @@ def define_flags():
 
 
 
-def expand_inputs(patterns: str | Sequence[str]) -> List[str]:
-    """Globs in order (each glob's matches sorted); a pattern matching nothing is an error naming it."""
-    if isinstance(patterns, str):
-        patterns = [p for p in patterns.split(",") if p]
-    files: List[str] = []
-    for p in patterns:
-        matched = storage.glob(storage_paths.check(p, "--input_file"))  # sorted; local or gs://
-        if not matched:
-            raise FileNotFoundError(f"--input_file: nothing matches {p!r}")
-        files.extend(matched)
-    return files
-
-
 WRITE_GROUP = 1024  # --reference_compatible: records per file framed and written at once
 
 
@@ -326,8 +313,9 @@ def create_pretraining_data(input_files: Sequence[str], output_dir: str, vocab_f
     ext = ".tfrecord.gz" if compression == "gzip" else ".tfrecord"
     outputs = [storage_paths.join(output_dir, f"part-{i:05d}-of-{num_output_shards:05d}{ext}")
                for i in range(num_output_shards)]
-    return run(opts, sources=[("text", f) for f in expand_inputs(list(input_files))], outputs=outputs,
-               reference_compatible=reference_compatible, num_workers=num_workers, compression=compression)
+    sources = [("text", f) for f in storage.expand_patterns(list(input_files), "--input_file")]
+    return run(opts, sources=sources, outputs=outputs, reference_compatible=reference_compatible,
+               num_workers=num_workers, compression=compression)
 
 
 def tfds_sources(name: str, split: str = "train", text_key: str = "text", data_dir: Optional[str] = None,
@@ -368,7 +356,7 @@ def main(argv):
     if FLAGS.input_format == "text":
         if not FLAGS.input_file:
             raise app.UsageError("--input_file is required with --input_format=text")
-        sources = [("text", f) for f in expand_inputs(FLAGS.input_file)]
+        sources = [("text", f) for f in storage.expand_patterns(FLAGS.input_file, "--input_file")]
     else:
         if not FLAGS.tfds_name:
             raise app.UsageError("--tfds_name is required with --input_format=tfds")

@@ -45,7 +45,8 @@ from data_pipeline.tokenization.fast import FastBasicTokenizer, FastTokenizer
 from data_pipeline.tokenization.sentencepiece_tokenizer import SPM_SIDECAR_SUFFIX
 
 GOOGLE_VOCAB_SIZE = 30522
-BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+BERT_SPECIAL_TOKENS = (tokenization.PAD_TOKEN, tokenization.UNK_TOKEN, tokenization.CLS_TOKEN, tokenization.SEP_TOKEN,
+                       tokenization.MASK_TOKEN)
 _SPM_WORD_START = "\u2581"  # SentencePiece's word-boundary marker "▁".
 _READ_BATCH_LINES = 10_000
 
@@ -69,40 +70,17 @@ class VocabStats:
 # --- reading ---------------------------------------------------------------------------
 
 
-def expand_input_files(input_files: Union[str, Sequence[str]]) -> List[str]:
-    """Comma-separated globs (or a list of them) -> sorted, de-duplicated file paths.
-
-    Raises:
-      FileNotFoundError: if a pattern matches nothing.
-    """
-    patterns = input_files.split(",") if isinstance(input_files, str) else list(input_files)
-    paths: List[str] = []
-    for pattern in (p.strip() for p in patterns):
-        if not pattern:
-            continue
-        matches = storage.glob(storage_paths.check(pattern, "--input_file"))  # local (~ expanded) or gs://
-        if not matches:
-            raise FileNotFoundError(f"No file matches {pattern!r}")
-        paths.extend(sorted(matches))
-    return list(dict.fromkeys(paths))
-
-
 def read_lines(paths: Sequence[str], stats: Optional[VocabStats] = None) -> Iterator[str]:
-    """Yields the lines of `paths`, decoded as UTF-8 with replacement; counts bad lines."""
+    """Yields the lines of `paths` (`storage.utf8_lines`: bad UTF-8 replaced); counts bad lines."""
     for path in paths:
-        with storage.open(path, "rb") as reader:
+        lines = storage.utf8_lines(path)
+        if stats is not None:
+            stats.files += 1
+        for line, bad in lines:
             if stats is not None:
-                stats.files += 1
-            for raw in reader:
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    line = raw.decode("utf-8", errors="replace")
-                    if stats is not None:
-                        stats.bad_utf8_lines += 1
-                if stats is not None:
-                    stats.lines += 1
-                yield line
+                stats.lines += 1
+                stats.bad_utf8_lines += bad
+            yield line
 
 
 def _batched(items: Iterable[str], size: int) -> Iterator[List[str]]:
@@ -132,8 +110,8 @@ def count_words(texts: Iterable[str], do_lower_case: bool) -> "collections.Count
 def reserved_tokens(vocab_size: int) -> List[str]:
     """The tokens at the start of the vocabulary (Google's layout at 30522)."""
     if vocab_size == GOOGLE_VOCAB_SIZE:
-        return (["[PAD]"] + [f"[unused{i}]" for i in range(99)]
-                + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"[unused{i}]" for i in range(99, 994)])
+        pad, *others = BERT_SPECIAL_TOKENS  # Google's ids: [PAD] 0, [UNK] [CLS] [SEP] [MASK] 100-103
+        return [pad] + [f"[unused{i}]" for i in range(99)] + others + [f"[unused{i}]" for i in range(99, 994)]
     return list(BERT_SPECIAL_TOKENS)
 
 
@@ -167,8 +145,9 @@ def _train_sentencepiece(word_counts: Sequence[Tuple[str, int]], model_prefix: s
             # Text is already normalized and split by the BERT rules; keep it as it is.
             normalization_rule_name="identity", character_coverage=1.0, byte_fallback=False,
             # BERT-style specials, so the saved .model can serve as a tokenizer on its own.
-            pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
-            user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
+            pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
+            pad_piece=tokenization.PAD_TOKEN, unk_piece=tokenization.UNK_TOKEN,
+            user_defined_symbols=[tokenization.CLS_TOKEN, tokenization.SEP_TOKEN, tokenization.MASK_TOKEN],
             max_sentence_length=1 << 16, num_threads=num_threads, minloglevel=1)
     finally:
         storage.remove(tsv)
@@ -332,7 +311,7 @@ def train_vocab(input_files: Union[str, Sequence[str]], vocab_size: int, output_
     heldout: List[str] = []
 
     def training_lines() -> Iterator[str]:
-        for index, line in enumerate(read_lines(expand_input_files(input_files), stats)):
+        for index, line in enumerate(read_lines(storage.expand_patterns(input_files, "--input_file"), stats)):
             if heldout_every > 0 and index % heldout_every == heldout_every - 1:
                 stats.heldout_lines += 1
                 if len(heldout) < max_heldout_lines:

@@ -37,7 +37,8 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
-from data_pipeline.records.reader import FilePatterns, dataset_info, split_patterns
+from data_pipeline.records.reader import FilePatterns, dataset_info
+from data_pipeline.storage import split_patterns
 
 log = logging.getLogger(__name__)
 

@@ -53,8 +53,8 @@ from data_pipeline.input.masking import (SpecialIds, dynamic_mask, dynamic_predi
 from data_pipeline.input.packing import pack_window
 from data_pipeline.records import schema
 from data_pipeline.records.reader import (CorruptDataError, FilePatterns, HostFiles, check_files, file_datasets,
-                                          read_error, split_patterns)
-from data_pipeline.storage import paths as storage_paths, staging as storage_staging
+                                          read_error)
+from data_pipeline.storage import paths as storage_paths, split_patterns, staging as storage_staging
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
 _STATE_JSON = "input_state.json"

@@ -71,16 +71,12 @@ def iter_lines(path: str, stats: Optional[ReadStats] = None) -> Iterator[str]:
       FileNotFoundError: naming `path` when it does not exist.
     """
     stats = stats if stats is not None else ReadStats()
-    if not storage.exists(path):  # local or gs:// (storage imports no TensorFlow)
-        raise FileNotFoundError(f"input file not found: {path}")
+    lines = storage.utf8_lines(path)  # local or gs:// (storage imports no TensorFlow)
     stats.files += 1
-    with storage.open(path, "rb") as f:
-        for raw in f:
-            stats.lines += 1
-            line = raw.decode("utf-8", errors="replace")
-            if "\ufffd" in line and b"\xef\xbf\xbd" not in raw:
-                stats.lines_with_bad_utf8 += 1
-            yield line.strip()
+    for line, bad in lines:
+        stats.lines += 1
+        stats.lines_with_bad_utf8 += bad
+        yield line.strip()
 
 
 def documents_from_lines(lines: Iterable[str], stats: Optional[ReadStats] = None) -> Iterator[Document]:

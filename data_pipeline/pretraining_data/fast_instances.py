@@ -228,13 +228,15 @@ class Vocab:
 
     @classmethod
     def from_dict(cls, vocab: dict) -> "Vocab":
-        tokenization.require_tokens(vocab, "the vocabulary", ("[CLS]", "[SEP]", "[MASK]"))
+        tokenization.require_tokens(vocab, "the vocabulary", (tokenization.CLS_TOKEN, tokenization.SEP_TOKEN,
+                                                              tokenization.MASK_TOKEN))
         ids = np.fromiter(vocab.values(), np.int32, len(vocab))
         is_subword = np.zeros(int(ids.max()) + 1, bool)
         for token, index in vocab.items():
             if token.startswith("##"):
                 is_subword[index] = True
-        return cls(vocab["[CLS]"], vocab["[SEP]"], vocab["[MASK]"], ids, is_subword)
+        return cls(vocab[tokenization.CLS_TOKEN], vocab[tokenization.SEP_TOKEN], vocab[tokenization.MASK_TOKEN], ids,
+                   is_subword)
 
 
 def masked_features(ids: np.ndarray, pairs: Pairs, vocab: Vocab, *, max_seq_length: int,

@@ -31,6 +31,8 @@ import dataclasses
 import random
 from typing import List, Sequence, Tuple
 
+from data_pipeline.tokenization import CLS_TOKEN, MASK_TOKEN, SEP_TOKEN
+
 Tokens = List[str]
 
 
@@ -96,7 +98,7 @@ def create_masked_lm_predictions(tokens: Sequence[str], masked_lm_prob: float, m
     """Returns (masked tokens, sorted positions, original labels)."""
     cand_indexes: List[List[int]] = []
     for i, token in enumerate(tokens):
-        if token in ("[CLS]", "[SEP]"):
+        if token in (CLS_TOKEN, SEP_TOKEN):
             continue
         if do_whole_word_mask and cand_indexes and (token.startswith("##") or token.__class__ is WordContinuation):
             cand_indexes[-1].append(i)
@@ -120,7 +122,7 @@ def create_masked_lm_predictions(tokens: Sequence[str], masked_lm_prob: float, m
         for index in index_set:
             covered.add(index)
             if rng.random() < 0.8:
-                replacement = "[MASK]"
+                replacement = MASK_TOKEN
                 stats.replaced_by_mask += 1
             elif rng.random() < 0.5:
                 replacement = tokens[index]
@@ -180,7 +182,7 @@ def create_instances_from_document(all_documents: Sequence[Sequence[Tokens]], do
                     tokens_b = [t for s in chunk[a_end:] for t in s]
                 truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
                 if tokens_a and tokens_b:
-                    tokens = ["[CLS]"] + tokens_a + ["[SEP]"] + tokens_b + ["[SEP]"]
+                    tokens = [CLS_TOKEN] + tokens_a + [SEP_TOKEN] + tokens_b + [SEP_TOKEN]
                     segment_ids = [0] * (len(tokens_a) + 2) + [1] * (len(tokens_b) + 1)
                     tokens, positions, labels = create_masked_lm_predictions(
                         tokens, masked_lm_prob, max_predictions_per_seq, vocab_words, rng,

@@ -56,7 +56,7 @@ class Options:
         if not storage.exists(storage_paths.check(self.vocab_file, "--vocab_file")):
             raise FileNotFoundError(f"--vocab_file={self.vocab_file}: not found")
         tokenization.require_tokens(tokenization.load_vocab(self.vocab_file), f"--vocab_file={self.vocab_file}",
-                                    ("[CLS]", "[SEP]", "[MASK]"))
+                                    (tokenization.CLS_TOKEN, tokenization.SEP_TOKEN, tokenization.MASK_TOKEN))
         if self.chinese_whole_word_mask and not self.do_whole_word_mask:
             raise ValueError("--chinese_whole_word_mask chooses the words of whole-word masking: it needs "
                              "--do_whole_word_mask too")

@@ -2,11 +2,12 @@
 
 The first step of the training input (`create_pretraining_data` -> TFRecords + a manifest per
 run -> **records.reader** -> `input.masking`, `input.packing` -> `input.pretraining`):
-comma-separated globs expanded and sorted, the manifests (`<run>.dataset_info.json`, or one `dataset_info.json` in folders of earlier
-versions: flags, record shape, per-file size/sha256/count; `manifests.py`), the per-host share of
-the files, their check against the manifests before training, and the tf.data reading of a host's
-files, the good records of damaged ones included (found by `scan.scan_tfrecord_file`, which
-walks a file's framing and checks every CRC).
+comma-separated globs expanded and sorted, the manifests (`<run>.dataset_info.json`, or one
+`dataset_info.json` in folders of earlier versions: flags, record shape, per-file
+size/sha256/count; `manifests.py`), the per-host share of the files, their check against the
+manifests before training, and the tf.data reading of a host's files, the good records of
+damaged ones included (found by `scan.scan_tfrecord_file`, which walks a file's framing and
+checks every CRC).
 
 - **Files.** Comma-separated globs (or a list of them) are expanded, de-duplicated and *sorted*
   (`*.gz` files are read as gzip-compressed TFRecords, as `--compression=gzip` writes them);
@@ -68,34 +69,23 @@ class CorruptDataError(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 
 
-def split_patterns(file_patterns: FilePatterns) -> list[str]:
-    """The globs of a pattern, comma-separated patterns, or a list of them, in order."""
-    items = [file_patterns] if isinstance(file_patterns, str) else list(file_patterns)
-    # Google's flags take comma-separated globs; accept that inside each item too.
-    patterns = [p.strip() for item in items for p in str(item).split(",") if p.strip()]
-    if not patterns:
-        raise ValueError("no input file pattern given")
-    return patterns
+def _is_record_file(path: str) -> bool:
+    """Not a data manifest (`data/*` matches them too)."""
+    return not manifests.is_manifest(storage_paths.basename(path))
 
 
 def _glob_records(pattern: str) -> list[str]:
-    """The files a glob matches, less the data manifests (`data/*` matches them too)."""
-    return [p for p in storage.glob(storage_paths.check(pattern, "input file pattern"))
-            if not manifests.is_manifest(storage_paths.basename(p))]
+    """The files one glob matches, less the data manifests."""
+    return [p for p in storage.glob(storage_paths.check(pattern, "input file pattern")) if _is_record_file(p)]
 
 
 def expand_file_patterns(file_patterns: FilePatterns) -> list[str]:
-    """Sorted, de-duplicated files matching the globs. Raises naming a pattern that matches nothing.
+    """Sorted, de-duplicated files matching the globs (`storage.expand_patterns`, less the
+    manifests). Raises naming a pattern that matches nothing.
 
     Sorting matters: every host must see the same list before taking its share of it.
     """
-    files = set()
-    for pattern in split_patterns(file_patterns):
-        matched = _glob_records(pattern)
-        if not matched:
-            raise FileNotFoundError(f"input file pattern {pattern!r} matches no file")
-        files.update(matched)
-    return sorted(files)
+    return sorted(set(storage.expand_patterns(file_patterns, "input file pattern", keep=_is_record_file)))
 
 
 def _compression(path: str) -> str:
@@ -129,7 +119,7 @@ def dataset_info(file_patterns: FilePatterns) -> dict:
     manifests (`manifests.touched`), once all are checked to agree on the settings that change
     what the model sees (`manifests.check_agree`; raises `ManifestMismatchError`). Its flags
     (casing, lengths, vocabulary) are those of every run; its statistics are its own run's."""
-    patterns = split_patterns(file_patterns)
+    patterns = storage.split_patterns(file_patterns)
     found = [f for p in patterns for f in _glob_records(p)]
     # Unreadable manifests are skipped with a warning: verify_data names them; the flags are informative.
     touched = manifests.touched(patterns, found, lenient=True)
@@ -365,7 +355,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
     """Lists, shards and (with `verify`) checks the files; finds the good records of bad ones
     when lenient. `verify="full"` hashes every file again; `known_hashes_file` keeps the hashes of
     remote files beside the run too (`KnownHashes`)."""
-    patterns = split_patterns(file_patterns)
+    patterns = storage.split_patterns(file_patterns)
     hashes = KnownHashes(fresh=verify == "full", shared_file=known_hashes_file)
     found, unmatched = set(), []
     for pattern in patterns:

@@ -41,7 +41,7 @@ import io
 import json
 import os
 import shutil
-from typing import IO, Iterator, Optional
+from typing import IO, Callable, Iterator, Optional, Sequence, Union
 
 from data_pipeline.storage.atomic import LocalWrite, Upload, write_local
 from data_pipeline.storage.gcs import filesystem
@@ -98,6 +98,72 @@ def glob(pattern) -> list[str]:
         return sorted(object_url(k, s) for k in filesystem(pattern).glob(object_key(pattern)))
     pattern = local_path(pattern)
     return sorted(_glob.glob(pattern, recursive="**" in pattern))
+
+
+def split_patterns(patterns: Union[str, Sequence[str]]) -> list[str]:
+    """The globs of comma-separated patterns, or of a list of them (each maybe comma-separated), in
+    order, blanks dropped: `"a/*.txt, b.txt"` -> `["a/*.txt", "b.txt"]`.
+
+    Raises:
+      ValueError: if there is no pattern.
+    """
+    items = [patterns] if isinstance(patterns, str) else list(patterns)
+    found = [p.strip() for item in items for p in str(item).split(",") if p.strip()]
+    if not found:
+        raise ValueError("no input file pattern given")
+    return found
+
+
+def expand_patterns(patterns: Union[str, Sequence[str]], what: str = "input file pattern",
+                    keep: Optional[Callable[[str], bool]] = None) -> list[str]:
+    """The files of comma-separated globs (or a list of them), data_pipeline's one globber.
+
+    As google-research/bert's scripts read `--input_file` (`for p in FLAGS.input_file.split(","):
+    files.extend(tf.gfile.Glob(p))`): each pattern in the order given, its matches sorted (as `glob`
+    gives them), and a file two patterns match listed twice. `create_pretraining_data` and
+    `train_vocab` read their inputs in this order (the records depend on it); `records.reader`
+    sorts and de-duplicates the list, since every host must see the same one.
+
+    Args:
+      patterns: comma-separated globs, or a list of them; local paths or gs://.
+      what: how errors name the patterns (`"--input_file"`).
+      keep: if given, only the matches it keeps count (`records.reader` leaves out manifests).
+
+    Raises:
+      ValueError: if there is no pattern.
+      FileNotFoundError: naming the first pattern that matches no (kept) file.
+    """
+    files: list[str] = []
+    for pattern in split_patterns(patterns):
+        matched = [p for p in glob(check(pattern, what)) if keep is None or keep(p)]
+        if not matched:
+            raise FileNotFoundError(f"{what} {pattern!r} matches no file")
+        files.extend(matched)
+    return files
+
+
+def utf8_lines(path) -> Iterator[tuple[str, bool]]:
+    """The lines of a text file, local or gs://, as data_pipeline reads every corpus: each decoded as
+    UTF-8 with its line ending, paired with whether it was not valid UTF-8 (then its bad bytes are
+    U+FFFD, which the tokenizer drops as google-research/bert's `errors="ignore"` decoding does).
+
+    Raises:
+      FileNotFoundError: naming `path` if there is no such file (when called, not when iterated).
+    """
+    path = os.fspath(path)
+    if not exists(path):
+        raise FileNotFoundError(f"input file not found: {path}")
+    return _utf8_lines(path)
+
+
+def _utf8_lines(path: str) -> Iterator[tuple[str, bool]]:
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                line, bad = raw.decode("utf-8"), False
+            except UnicodeDecodeError:
+                line, bad = raw.decode("utf-8", errors="replace"), True
+            yield line, bad
 
 
 def walk(root) -> Iterator[tuple[str, list[str], list[str]]]:

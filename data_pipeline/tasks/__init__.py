@@ -46,6 +46,7 @@ import numpy as np
 
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
+from data_pipeline.tokenization import CLS_TOKEN, PAD_TOKEN, SEP_TOKEN, UNK_TOKEN
 
 HEAD_KINDS = ("classification", "regression", "span", "token", "multiple_choice")
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids")
@@ -286,10 +287,10 @@ def encode_pair(tokenizer, tokens_a: list, tokens_b: Optional[list], max_seq_len
         truncate_pair(tokens_a, tokens_b, max_seq_length - 3)
     else:
         del tokens_a[max_seq_length - 2:]
-    tokens = ["[CLS]"] + tokens_a + ["[SEP]"]
+    tokens = [CLS_TOKEN] + tokens_a + [SEP_TOKEN]
     segments = [0] * len(tokens)
     if tokens_b is not None:
-        tokens += tokens_b + ["[SEP]"]
+        tokens += tokens_b + [SEP_TOKEN]
         segments += [1] * (len(tokens_b) + 1)
     return pad_row(tokenizer.convert_tokens_to_ids(tokens), segments, max_seq_length)
 
@@ -313,7 +314,7 @@ def stack(rows: dict[str, list], dtypes: dict[str, Any]) -> dict[str, np.ndarray
 def check_vocab(tokenizer) -> None:
     from data_pipeline import tokenization
     tokenization.require_tokens(tokenizer.vocab, getattr(tokenizer, "vocab_file", "the vocabulary"),
-                                ("[CLS]", "[SEP]", "[PAD]", "[UNK]"))
+                                (CLS_TOKEN, SEP_TOKEN, PAD_TOKEN, UNK_TOKEN))
 
 
 # ---------------------------------------------------------------------------------------------

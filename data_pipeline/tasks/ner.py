@@ -28,6 +28,7 @@ import numpy as np
 
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
+from data_pipeline.tokenization import CLS_TOKEN, SEP_TOKEN
 
 from data_pipeline.tasks import Task, check_vocab, pad_row, read_text, stack, tfds_examples
 
@@ -229,7 +230,7 @@ class Conll2003(Task):
     def featurize(self, examples, tokenizer, max_seq_length, *, training):
         del training
         check_vocab(tokenizer)
-        cls_id, sep_id = tokenizer.vocab["[CLS]"], tokenizer.vocab["[SEP]"]
+        cls_id, sep_id = tokenizer.vocab[CLS_TOKEN], tokenizer.vocab[SEP_TOKEN]
         keys = ("input_ids", "input_mask", "segment_ids", "label_ids", "label_weights", "weight",
                 "example_index", "word_index")
         rows = {k: [] for k in keys}

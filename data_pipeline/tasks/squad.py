@@ -39,6 +39,7 @@ import numpy as np
 
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
+from data_pipeline.tokenization import CLS_TOKEN, SEP_TOKEN
 
 from data_pipeline.tasks import Task, check_vocab, pad_row, read_json, stack, tfds_examples
 # The official scorer lives in squad_eval; its names stay importable from here (and `main` runs below).
@@ -205,7 +206,7 @@ class SquadV1(Task):
         # postprocess reads the pieces back from input_ids and re-tokenizes answers like Google.
         self._vocab = (tokenizer.inv_vocab, tokenizer.do_lower_case)
         doc = None
-        cls_id, sep_id = tokenizer.vocab["[CLS]"], tokenizer.vocab["[SEP]"]
+        cls_id, sep_id = tokenizer.vocab[CLS_TOKEN], tokenizer.vocab[SEP_TOKEN]
         for index, ex in enumerate(self._progress(examples, "featurize")):
             if doc is None or doc.context != ex.context:  # consecutive questions share a context
                 doc = _Doc.tokenize(ex.context, tokenizer)

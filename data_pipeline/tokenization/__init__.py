@@ -35,11 +35,12 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from data_pipeline import storage
 from data_pipeline.tokenization.char_classes import is_cjk_char, is_dropped, is_punctuation, is_whitespace
 
+# BERT's special tokens, each named once for data_pipeline (instances, tasks, vocabulary training).
+CLS_TOKEN, SEP_TOKEN, MASK_TOKEN, PAD_TOKEN, UNK_TOKEN = "[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]"
 # Special tokens that `keep_special_tokens=True` preserves when a user types them in raw text
 # (fill-in-the-blank prompts such as "Paris is the [MASK] of France."). Google's tokenizer
 # has no such option and splits them into "[", "mask", "]"; that stays the default.
-SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]", "[UNK]")
-UNK_TOKEN = "[UNK]"
+SPECIAL_TOKENS = (CLS_TOKEN, SEP_TOKEN, MASK_TOKEN, UNK_TOKEN)
 MAX_INPUT_CHARS_PER_WORD = 200
 
 Span = Tuple[int, int]

@@ -4,8 +4,9 @@ tests/finetune/test_finetune_tasks.py's, the plan of a run tests/finetune/test_f
 
 One tiny "pretrained" encoder (L=1, H=32) is saved with `bert_jax.convert` and every run loads it
 through `config.init_checkpoint`, as a user would. Runs of the same head kind share shapes and
-hyper-parameters, so XLA's persistent compilation cache (a temporary folder the fine-tuning modules share, tests/finetune/conftest.py) compiles
-each kind once: the module takes about two minutes on two CPU cores.
+hyper-parameters, so XLA's persistent compilation cache (a temporary folder the fine-tuning modules
+share, tests/finetune/conftest.py) compiles each kind once: the module takes about two minutes on
+two CPU cores.
 """
 
 import csv

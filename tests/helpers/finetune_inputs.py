@@ -10,12 +10,9 @@ import numpy as np
 
 from configs import glue as glue_config
 
-
 WORDS = ("good bad movie film the a was is plot actor great awful very really man woman dog cat sat ran "
          "on mat park in paris john smith acme corp went to city he she it what where who did yes no "
          "then walks away sits down opens door eats food").split()
-
-
 ENTITIES = {"paris": "LOC", "john": "PER", "smith": "PER", "acme": "ORG", "corp": "ORG"}
 
 

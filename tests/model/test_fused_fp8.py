@@ -116,8 +116,8 @@ def test_the_fp8_model_trains_as_with_flax_s_cast_when_the_kernel_casts(monkeypa
     with the LayerNorm kernels takes the path (without them, or at a hidden size they cannot read,
     the output denses keep flax's op)."""
     assert fused_fp8.applies(fp8_training.fused_config())
-    assert not any(fused_fp8.applies(fp8_training.fused_config(**kw)) for kw in ({"fused_ops": False}, {"fp8": False},
-                                                             {"hidden_size": 120, "num_attention_heads": 4}))
+    assert not any(fused_fp8.applies(fp8_training.fused_config(**kw))
+                   for kw in ({"fused_ops": False}, {"fp8": False}, {"hidden_size": 120, "num_attention_heads": 4}))
     casts, input_casts = [], []  # the kernels traced that cast dh to e5m2, and y to e4m3
 
     def backward(*args, grad_scale=None, **kw):
