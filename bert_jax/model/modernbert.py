@@ -37,6 +37,7 @@ import numpy as np
 
 from bert_jax.model import attention as attention_lib
 from bert_jax.model import dropout as dropout_lib
+from data_pipeline import storage
 
 Array = jax.Array
 
@@ -158,8 +159,7 @@ class ModernBertConfig:
 
     @classmethod
     def from_json_file(cls, path: str, **ours) -> "ModernBertConfig":
-        with open(path, encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f), **ours)
+        return cls.from_hf_dict(json.loads(storage.read_text(path)), **ours)
 
 
 # ---------------------------------------------------------------------------------------------
