@@ -198,13 +198,6 @@ HELPERS = os.path.join("tests", "helpers")
 # A path into tests/, looked for on the lines that set a child process's import path.
 INTO_TESTS = re.compile(r"""["']tests["']|/tests\b""")
 
-# sys.path edits that stay, each with its reason: benchmarks/ is a folder of scripts, not a package,
-# until it becomes one (issue 71); these tests import its scripts from that folder.
-SYS_PATH_ALLOWED = {
-    os.path.join("tests", "pretrain", "test_pretraining_helps.py"): "benchmarks/ scripts",
-    os.path.join("tests", "pretrain", "test_chinese_pretraining_helps.py"): "benchmarks/ scripts",
-}
-
 
 def files_under_tests():
     """(path relative to the root, absolute path) of every Python file under tests/."""
@@ -256,7 +249,7 @@ def test_no_test_edits_sys_path():
                     target = t.value if isinstance(t, ast.Subscript) else t
                     if ast.unparse(target) == "sys.path":
                         break
-            if target is not None and ast.unparse(target) == "sys.path" and rel not in SYS_PATH_ALLOWED:
+            if target is not None and ast.unparse(target) == "sys.path":
                 wrong.append((rel, node.lineno))
         wrong += [(rel, n) for n, line in enumerate(source.splitlines(), 1)
                   if "PYTHONPATH" in line and INTO_TESTS.search(line)]
