@@ -29,7 +29,7 @@ def get_config():
 """
 
 # Two programs that compute the same update may still round differently: with the suite's XLA
-# flags (tests/xla_flags.py, an older fusion emitter) their fused loops do, by up to a float32 ulp
+# flags (tests/helpers/xla_flags.py, an older fusion emitter) their fused loops do, by up to a float32 ulp
 # of a parameter (1.2e-7 at a LayerNorm scale of 1; bit for bit with XLA's default CPU emitter).
 # Another update (another guard, clip or dropout mask) moves them by about the learning rate.
 ROUNDING = 2.5e-7
