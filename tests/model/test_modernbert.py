@@ -110,6 +110,16 @@ def test_a_packed_row_computes_what_each_sequence_alone_computes():
         np.testing.assert_allclose(np.asarray(hidden)[0, start:start + len(seq)], np.asarray(alone)[0], atol=2e-6)
 
 
+def test_positions_restart_at_each_packed_sequence():
+    # Rotary attention depends on position differences only, so restarting changes the scores by
+    # rounding alone (the packed-row test cannot see it); restarting makes a packed sequence's angles
+    # those of the sequence alone, bit for bit.
+    pack_ids = jnp.asarray([[1, 1, 2, 2, 2, 3, 0, 0]])
+    got = modernbert.positions_of(pack_ids > 0, pack_ids)
+    assert np.asarray(got).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]
+    assert np.asarray(modernbert.positions_of(jnp.ones((1, 4), bool), None)).tolist() == [[0, 1, 2, 3]]
+
+
 def test_masked_positions_gather_the_rows_the_full_logits_have():
     config, params, _ = modernbert_hf.load(FIXTURE)
     ref = _reference()
