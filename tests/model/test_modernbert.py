@@ -1,8 +1,9 @@
 """The ModernBERT encoder (bert_jax/model/modernbert.py) against transformers' `ModernBertForMaskedLM`.
 
-The reference is transformers itself: `tests/fixtures/modernbert_tiny/` holds a random model that
-transformers saved and its outputs on two rows crossing the local window, one padded
-(`tests/helpers/make_modernbert_reference.py`, run with torch). Where torch is importable the
+The reference is transformers itself: `tests/fixtures/modernbert_tiny/` holds the config and tensor list
+transformers saved for a tiny model and its outputs, on weights a seeded recipe draws
+(`tests/helpers/modernbert_fixture.py`; no weights are committed), on two rows crossing the local window,
+one padded (`tests/helpers/make_modernbert_reference.py`, run with torch). Where torch is importable the
 export is also loaded by transformers and run live.
 """
 
@@ -18,8 +19,15 @@ import safetensors.numpy
 
 from bert_jax.formats import modernbert_hf
 from bert_jax.model import attention, modernbert
+from tests.helpers import modernbert_fixture
 
-FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "modernbert_tiny")
+FIXTURE = modernbert_fixture.FIXTURE
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The fixture's checkpoint as transformers loaded it: config.json and the drawn model.safetensors."""
+    return modernbert_fixture.checkpoint(str(tmp_path_factory.mktemp("modernbert_tiny")))
 
 
 def _forward(config, params, ids, mask, **kw):
@@ -33,8 +41,8 @@ def _reference():
 
 
 @pytest.mark.parametrize("local_blocks", [False, True])
-def test_forward_equals_transformers_on_its_own_random_weights(local_blocks):
-    config, params, task = modernbert_hf.load(FIXTURE, local_blocks=local_blocks)
+def test_forward_equals_transformers_on_its_own_random_weights(local_blocks, tiny):
+    config, params, task = modernbert_hf.load(tiny, local_blocks=local_blocks)
     assert task is None
     assert config.layer_types() == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
     ref = _reference()
@@ -69,13 +77,16 @@ def test_attention_by_blocks_equals_the_band_masked_attention_for_every_real_que
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-6, rtol=0)
 
 
-def test_an_export_writes_the_tensors_and_config_transformers_wrote(tmp_path):
-    config, params, _ = modernbert_hf.load(FIXTURE)
+def test_an_export_writes_the_tensors_and_config_transformers_wrote(tmp_path, tiny):
+    config, params, _ = modernbert_hf.load(tiny)
     modernbert_hf.save(str(tmp_path), config, params)
-    theirs = safetensors.numpy.load_file(os.path.join(FIXTURE, "model.safetensors"))
+    # What transformers wrote: these names, shapes and dtypes (tensors.json); these values (the drawn ones).
+    listed = modernbert_fixture.shapes()["model"]
+    theirs = modernbert_fixture.encoder_tensors()
     ours = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
-    assert sorted(ours) == sorted(theirs)
-    for name in theirs:
+    assert sorted(ours) == sorted(listed)
+    for name in listed:
+        assert list(ours[name].shape) == listed[name] and ours[name].dtype == np.float32, name
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
     with open(os.path.join(FIXTURE, "config.json")) as f:
         their_config = json.load(f)
@@ -98,8 +109,8 @@ def test_the_4x_config_keys_read_as_the_5x_ones():
         modernbert.ModernBertConfig.from_hf_dict({**d, "layer_types": ["full_attention"] * 4})
 
 
-def test_a_packed_row_computes_what_each_sequence_alone_computes():
-    config, params, _ = modernbert_hf.load(FIXTURE)
+def test_a_packed_row_computes_what_each_sequence_alone_computes(tiny):
+    config, params, _ = modernbert_hf.load(tiny)
     rng = np.random.RandomState(3)
     a, b = rng.randint(3, 48, size=17), rng.randint(3, 48, size=21)
     packed = np.concatenate([a, b, [0, 0]])[None]
@@ -120,20 +131,20 @@ def test_positions_restart_at_each_packed_sequence():
     assert np.asarray(modernbert.positions_of(jnp.ones((1, 4), bool), None)).tolist() == [[0, 1, 2, 3]]
 
 
-def test_masked_positions_gather_the_rows_the_full_logits_have():
-    config, params, _ = modernbert_hf.load(FIXTURE)
+def test_masked_positions_gather_the_rows_the_full_logits_have(tiny):
+    config, params, _ = modernbert_hf.load(tiny)
     ref = _reference()
     positions = np.array([[1, 5, 30], [2, 9, 20]])
     _, logits = _forward(config, params, ref["input_ids"], ref["attention_mask"], masked_positions=jnp.asarray(positions))
     np.testing.assert_allclose(np.asarray(logits), np.take_along_axis(ref["logits"], positions[..., None], 1), atol=1e-5)
 
 
-def test_a_bad_shape_or_a_foreign_checkpoint_is_refused_by_name(tmp_path):
+def test_a_bad_shape_or_a_foreign_checkpoint_is_refused_by_name(tmp_path, tiny):
     with pytest.raises(ValueError, match="does not divide"):
         modernbert.ModernBertConfig(hidden_size=30, num_attention_heads=4)
     with pytest.raises(ValueError, match="odd"):
         modernbert.ModernBertConfig(hidden_size=36, num_attention_heads=4)
-    config, params, _ = modernbert_hf.load(FIXTURE)
+    config, params, _ = modernbert_hf.load(tiny)
     tensors = modernbert_hf.to_hf(params, config)
     del tensors["model.layers.2.mlp.Wo.weight"]
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.Wo\.weight"):
@@ -184,14 +195,13 @@ HEAD_KINDS = [("sequence", 3, "cls"), ("sequence_mean", 3, "mean"), ("token", 5,
 
 
 @pytest.mark.parametrize("name,num_outputs,pooling", HEAD_KINDS)
-def test_each_task_head_equals_transformers(name, num_outputs, pooling):
-    """transformers' four task models on the fixture's encoder, their heads drawn by transformers."""
-    config, params, _ = modernbert_hf.load(FIXTURE)
+def test_each_task_head_equals_transformers(name, num_outputs, pooling, tiny):
+    """transformers' four task models on the fixture's encoder, their heads drawn by the recipe."""
+    config, params, _ = modernbert_hf.load(tiny)
     config = dataclasses.replace(config, classifier_pooling=pooling)
     kind = name.removesuffix("_mean")
     heads = np.load(os.path.join(FIXTURE, "heads.npz"))
-    tensors = {**modernbert_hf.to_hf(params, config),
-               **{k.split("/", 1)[1]: heads[k] for k in heads.files if k.startswith(name + "/") and "logits" not in k}}
+    tensors = {**modernbert_hf.to_hf(params, config), **modernbert_fixture.head_tensors(name)}
     del tensors["decoder.bias"]
     task_params = modernbert_hf.from_hf(tensors, config, kind=kind)
     ref = _reference()
@@ -208,10 +218,10 @@ def test_each_task_head_equals_transformers(name, num_outputs, pooling):
 
 @pytest.mark.parametrize("kind,num_outputs", [("sequence", 3), ("sequence", 1), ("token", 4), ("span", 2),
                                               ("multiple_choice", 1)])
-def test_transformers_loads_each_exported_task_model_as_its_class(tmp_path, kind, num_outputs):
+def test_transformers_loads_each_exported_task_model_as_its_class(tmp_path, kind, num_outputs, tiny):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config, params, _ = modernbert_hf.load(FIXTURE)
+    config, params, _ = modernbert_hf.load(tiny)
     ref = _reference()
     ids, mask = ref["input_ids"], ref["attention_mask"]
     if kind == "multiple_choice":
