@@ -8,7 +8,7 @@
 Every format passes through one in-memory form, `Pretrained` (`bert_jax.formats.common`). Each format
 has its module, which says what it holds on disk: `bert_jax.formats.google` (TF1 checkpoints, and the
 one name table), `bert_jax.formats.hf` (safetensors, Flax msgpack, torch .bin) and
-`bert_jax.formats.bert_jax` (our export directory and training workdirs). This module detects the
+`bert_jax.formats.native` (our export directory and training workdirs). This module detects the
 format, reads and writes any of them, fetches Google's release archives, and is the CLI; the
 formats' public functions are importable from here too.
 
@@ -33,7 +33,6 @@ from absl import logging
 
 # The formats' functions: used here, and importable from `bert_jax.convert` as before the split.
 from bert_jax import layout
-from bert_jax.formats.bert_jax import _bert_jax_source, load_bert_jax, save_bert_jax
 from bert_jax.formats.common import (  # noqa: F401
     FINETUNED, FORMATS, HEADS, TASK_HEAD, Pretrained, _read_casing, _require, check_task, read_task,
     tokenizer_config_json, unrolled)
@@ -42,6 +41,7 @@ from bert_jax.formats.google import (  # noqa: F401
     to_google)
 from bert_jax.formats.hf import (  # noqa: F401
     _HF_WEIGHTS, _read_hf_config, flax_to_hf_names, from_hf, hf_config_dict, hf_name, load_hf, save_hf, to_hf)
+from bert_jax.formats.native import _bert_jax_source, load_bert_jax, save_bert_jax
 from bert_jax.model.model_config import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths, staging as storage_staging

@@ -16,7 +16,7 @@
       seeds/<seed>/             SEEDS              fine-tuning with config.seeds: each seed's own workdir
       events.out.tfevents.*     EVENTS_PREFIX      TensorBoard's (`bert_jax.workdir.MetricWriter`)
       verified_data/process_<i>.json  VERIFIED_DATA, verified_data_file(i)  pretraining: the hashes of
-                                                   the files process i checked (`pretrain.pretrain_input`)
+                                                   the files process i checked (`pretrain.feed`)
       predictions/<split>_scores.json  PREDICTIONS, scores_file(split)  mode=predict's default output
                                                    folder (the predictions' own files: the task's)
       curves.png                CURVES             the training curves (`bert_jax.plot`)
@@ -42,7 +42,7 @@
       bert_config.json, vocab.txt, tokenizer_config.json, and task.json for a fine-tuned model
 
 A step folder's own layout (its state, the per-host input state, the integrity manifest) is
-`bert_jax.checkpoints.checkpoint_steps`'. Google's and HuggingFace's checkpoints keep their own
+`bert_jax.checkpoints.step_dirs`'. Google's and HuggingFace's checkpoints keep their own
 names (`bert_jax.formats.google`, `bert_jax.formats.hf`).
 """
 

@@ -20,7 +20,7 @@ import importlib.metadata
 import logging
 from typing import Optional
 
-from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError
+from bert_jax.checkpoints.step_dirs import CheckpointRestoreError
 
 # Every package recorded, by its distribution name (`pip install NAME==VERSION`).
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "libtpu")

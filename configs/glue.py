@@ -63,7 +63,7 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     # Training batches of the classification and regression heads packed: a batch's rows laid end
     # to end in fewer rows of max_seq_length, each sequence attending only to itself (its own
     # positions and [CLS]): the unpacked loss to float rounding, with dropout's masks drawn for the
-    # packed shape (bert_jax/finetune/packing.py). Replaces trimming for those steps; evaluation
+    # packed shape (bert_jax/finetune/row_packing.py). Replaces trimming for those steps; evaluation
     # is not packed. Other heads train unpacked. False: unpacked (trimmed) rows, as runs before.
     config.packing = True
     config.task_options = ml_collections.ConfigDict()  # keyword arguments of the task (see squad.py)

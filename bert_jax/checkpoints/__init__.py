@@ -2,10 +2,10 @@
 on disk, reading, integrity manifests, preemption and the save deadline (docs/architecture.md,
 docs/reliability.md). Nothing here imports the training loops.
 
-  checkpointing         `Checkpointer`: the orbax manager; async saves, keep-K, auto-resume
-  checkpoint_steps      a step's layout on disk, its errors, verifying it, moving a damaged one aside
-  checkpoint_reading    pytree keys, restore targets, one host's read of a step, read-only access
-  checkpoint_integrity  the manifest of what a step wrote, and whether it is still that
+  checkpointer          `Checkpointer`: the orbax manager; async saves, keep-K, auto-resume
+  step_dirs             a step's layout on disk, its errors, verifying it, moving a damaged one aside
+  saved_state           pytree keys, restore targets, one host's read of a step, read-only access
+  integrity             the manifest of what a step wrote, and whether it is still that
   input_state           each host's input-pipeline state beside a step: write, check, prune
   host_agreement        the hosts' exchanges: one verdict on a step, one outcome of a restore
   intact_steps          which steps every host takes for intact, and the newest one to resume

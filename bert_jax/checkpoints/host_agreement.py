@@ -7,7 +7,7 @@ same error, so they all fall back to the same step; no host resumes alone and no
 skip). Each exchange names the step it is about, and a host that is sent another step's finding
 raises `CheckpointRestoreError` naming both steps rather than combine them.
 
-`HostAgreement` only exchanges and combines findings; `checkpointing.Checkpointer` makes them
+`HostAgreement` only exchanges and combines findings; `checkpointer.Checkpointer` makes them
 (verifying, reading) and acts on the combined one. One process: every exchange is the host's own
 finding, and nothing is sent.
 """
@@ -21,8 +21,8 @@ from typing import Optional
 import jax
 import orbax.checkpoint as ocp
 
-from bert_jax.checkpoints import checkpoint_integrity as integrity
-from bert_jax.checkpoints.checkpoint_steps import STATE, CheckpointCorruptError, CheckpointRestoreError
+from bert_jax.checkpoints import integrity
+from bert_jax.checkpoints.step_dirs import STATE, CheckpointCorruptError, CheckpointRestoreError
 
 # How long a host waits for the others' findings or at a barrier: a slow host may be verifying or
 # reading a large step. A host that died ends the wait sooner (jax's coordination service reports

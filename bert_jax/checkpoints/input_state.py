@@ -1,6 +1,6 @@
 """Each host's input-pipeline state beside a checkpoint step: its folder, writing, checking, pruning.
 
-A step's input state is `<directory>/input_state/<step>/process_<i>/` (checkpoint_steps.py), one
+A step's input state is `<directory>/input_state/<step>/process_<i>/` (step_dirs.py), one
 folder per process, written by a caller-provided function (e.g. a `tf.train.Checkpoint` of the
 tf.data iterator) and read by the caller after `Checkpointer.restore`.
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from bert_jax.checkpoints import checkpoint_integrity as integrity
-from bert_jax.checkpoints.checkpoint_steps import INPUT_STATE, CheckpointCorruptError, input_dir
+from bert_jax.checkpoints import integrity
+from bert_jax.checkpoints.step_dirs import INPUT_STATE, CheckpointCorruptError, input_dir
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
 

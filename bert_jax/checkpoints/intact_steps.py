@@ -1,13 +1,13 @@
 """Which committed steps every host takes for intact, and the newest one a resume uses.
 
-A step is verified against its integrity manifest (`checkpoint_steps.check_step`) once per
+A step is verified against its integrity manifest (`step_dirs.check_step`) once per
 `Checkpointer`, and the verdict is agreed over hosts (`HostAgreement.verdict`): damaged if any host
 found it damaged or could not read it. The newest intact step is then the same on every host.
 Newer damaged steps are, as `on_damaged` says, raised as `CheckpointCorruptError` ("stop", or when
 nothing intact is left) or moved to `<directory>/damaged/` by the primary process with one log
 line each ("fallback"), every host waiting until they are gone.
 
-Nothing here saves or restores: `checkpointing.Checkpointer` asks, and reads the step it is given.
+Nothing here saves or restores: `checkpointer.Checkpointer` asks, and reads the step it is given.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from bert_jax.checkpoints import checkpoint_integrity as integrity
-from bert_jax.checkpoints.checkpoint_steps import STATE, CheckpointRestoreError, check_step, corrupt_error, move_aside
+from bert_jax.checkpoints import integrity
+from bert_jax.checkpoints.step_dirs import STATE, CheckpointRestoreError, check_step, corrupt_error, move_aside
 from bert_jax.checkpoints.host_agreement import HostAgreement
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths

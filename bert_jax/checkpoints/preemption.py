@@ -7,7 +7,7 @@
   True on every host at the same step. It must be called by every host at every step, including
   the last one, or a preemption notice is silently lost.
 
-`checkpointing.Checkpointer` holds one: its `should_stop` is this one's, and once it has returned
+`checkpointer.Checkpointer` holds one: its `should_stop` is this one's, and once it has returned
 True, `Checkpointer.save` saves regardless of the interval.
 """
 

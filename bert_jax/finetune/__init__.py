@@ -9,8 +9,8 @@ never `bert_jax.pretrain`; `data_pipeline.tasks` reads and featurizes the data.
   batches  every batching decision: the steps of a run, each step's rows, trimming rows short of
            their padding, the lengths and packed row counts worth a compile
   bucketing  the arithmetic of row and batch lengths, and which lengths are worth a compile
-  packing  rows packed several to a row (first fit), for the classification, regression and
-           token heads
+  row_packing  rows packed several to a row (first fit), for the classification, regression
+           and token heads
   heads    `BertForTask`: the encoder plus a classification, regression, span, token or
            multiple-choice head, and their losses
   predict  the fine-tuned model on new text (`config.mode=predict`)

@@ -10,7 +10,7 @@
     `training_needs` / `eval_batch_needs`, and of those the ones worth a compile,
     `bucketing.choose_lengths` at `compile_cost`), or
   - rows packed several to a row (`plan_packing`: the rows each step needs, and the counts that
-    pay for their compile; `bert_jax.finetune.packing` packs them).
+    pay for their compile; `bert_jax.finetune.row_packing` packs them).
 
 Everything here is a function of the data, the seed and the config's numbers, so every host and
 a resumed run plan the same. `data_pipeline.tasks` reads and featurizes; the loop
@@ -28,7 +28,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from bert_jax.finetune import bucketing, heads, packing
+from bert_jax.finetune import bucketing, heads, row_packing
 from bert_jax.training import sharding
 
 
@@ -102,7 +102,7 @@ def plan_packing(features: dict, rows: np.ndarray, real: np.ndarray, packed_leng
     holds (the same in every step: the head's slots).
 
     `rows`/`real` are `training_rows`. Each host packs its slice of a global batch
-    (`packing.pack`); a step has `process_count` times the most rows a host's slice needs, rounded
+    (`row_packing.pack`); a step has `process_count` times the most rows a host's slice needs, rounded
     up to divide over the `batch_shards` of the mesh. Of those counts, only the ones whose steps
     save more than their compile costs get a program (`bucketing.choose_lengths`; a compile costs
     `cost` unpacked steps of `global_batch_size` rows), each step running at the smallest chosen
@@ -111,10 +111,10 @@ def plan_packing(features: dict, rows: np.ndarray, real: np.ndarray, packed_leng
     process_count = process_count or jax.process_count()
     steps_, batch = rows.shape
     per_host = batch // process_count
-    lengths = packing.sequence_lengths(features["input_mask"])
+    lengths = row_packing.sequence_lengths(features["input_mask"])
     weight = features["weight"][rows] * real
     # [steps, hosts]: what each host's slice of each step's batch takes.
-    host_rows, host_slots = packing.needs(lengths[rows].reshape(steps_, process_count, per_host),
+    host_rows, host_slots = row_packing.needs(lengths[rows].reshape(steps_, process_count, per_host),
                                          weight.reshape(steps_, process_count, per_host), packed_length)
     need = np.maximum(host_rows.max(axis=1), 1)
     slots = max(int(host_slots.max()), 1)

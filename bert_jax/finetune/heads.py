@@ -11,7 +11,7 @@ pretraining, so a pretrained encoder drops in) plus one small head (`params["hea
 | token | every token (dropout) | logits [batch, length, classes] | cross-entropy on weighted tokens |
 | multiple_choice | pooled [CLS] of each choice (dropout) | logits [batch, choices] | cross-entropy over choices |
 
-Packed rows (several sequences a row, `bert_jax/finetune/packing.py`: `position_ids`, `pack_ids`)
+Packed rows (several sequences a row, `bert_jax/finetune/row_packing.py`: `position_ids`, `pack_ids`)
 feed the classification and regression heads, with `cls_positions` `[batch, slots]`: logits
 `[batch, slots(, classes)]`, a label and weight per slot; and the token head, its labels and
 weights per position as unpacked.
@@ -43,7 +43,7 @@ from bert_jax.model.modeling import BertModel
 from data_pipeline.tasks import HEAD_KINDS, MODEL_INPUTS
 
 # The head kinds and the model's inputs are the tasks' (`data_pipeline.tasks`): one list for both sides.
-# Packed rows (bert_jax/finetune/packing.py), several sequences a row, also give these: for the
+# Packed rows (bert_jax/finetune/row_packing.py), several sequences a row, also give these: for the
 # heads that read each sequence's [CLS] (a label and weight per slot) or every position.
 PACKED_INPUTS = ("position_ids", "pack_ids", "cls_positions")
 PACKED_HEADS = ("classification", "regression", "token")

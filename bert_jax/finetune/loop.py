@@ -20,7 +20,7 @@ featurization, post-processing and the metric; there is no per-task branch here)
   row (`bert_jax.finetune.batches`; evaluation takes its rows by length): the padded
   computation to float rounding, at the cost of a compile per length; not for the span head;
 - training rows packed several to a row (`config.packing`, classification, regression and token
-  heads; `bert_jax/finetune/packing.py`): the unpacked loss to float rounding, in the rows
+  heads; `bert_jax/finetune/row_packing.py`): the unpacked loss to float rounding, in the rows
   each step needs; the lengths and row counts compiled are those that pay for their compile
   (`bert_jax.finetune.batches` plans every step's batch before training);
 - or google-research/bert's `run_classifier.py` / `run_squad.py` recipe (docs/finetuning.md):
@@ -57,8 +57,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bert_jax import exit_codes, layout, versions, workdir as workdir_files
-from bert_jax.checkpoints import checkpoint_steps, checkpointing
-from bert_jax.finetune import batches as finetune_batches, heads, packing, restarts, steps
+from bert_jax.checkpoints import checkpointer, step_dirs
+from bert_jax.finetune import batches as finetune_batches, heads, restarts, row_packing, steps
 from bert_jax.layout import TASK_FILE
 from bert_jax.model.model_config import BertConfig
 from bert_jax.training import compile_ahead, optim, run_setup, sharding, train_state
@@ -309,11 +309,11 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
     # Both checkpointers' deadlines.
     timeouts = dict(save_timeout_s=config.get("checkpoint_save_timeout_seconds", 1800),
                     restore_timeout_s=config.get("checkpoint_restore_timeout_seconds", 1800))
-    ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, layout.CHECKPOINTS),
+    ckpt = checkpointer.Checkpointer(storage_paths.join(workdir, layout.CHECKPOINTS),
                                       save_interval_steps=every or total_steps + 1,
                                       max_to_keep=1, async_save=config.async_checkpointing,
                                       on_damaged=config.get("on_damaged_checkpoint", "fallback"), **timeouts)
-    best_ckpt = checkpointing.Checkpointer(storage_paths.join(workdir, layout.BEST), save_interval_steps=1,
+    best_ckpt = checkpointer.Checkpointer(storage_paths.join(workdir, layout.BEST), save_interval_steps=1,
                                            max_to_keep=1, async_save=False, handle_sigterm=False, **timeouts)
     start_step, meta = ckpt.latest_step(), {}
     keys = heads.batch_keys(task.head)
@@ -322,7 +322,7 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
     hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
 
     def epoch_batches(epoch: int, step: int):
-        """This host's batches of `epoch` from `step` on (packed: bert_jax/finetune/packing.py)."""
+        """This host's batches of `epoch` from `step` on (packed: bert_jax/finetune/row_packing.py)."""
         begin, end = ([0] + epoch_ends)[epoch], epoch_ends[epoch]
         if stream:
             batches = finetune_batches.stream_batches(
@@ -333,7 +333,7 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
                 train.features, keys, config.global_batch_size, shuffle_seed=config.seed + epoch,
                 **hosts, **trimming), step - begin, None)
         if step_rows is not None:  # this host's rows of each step, packed
-            batches = (packing.pack(b, int(step_rows[k]) // jax.process_count(), slots)
+            batches = (row_packing.pack(b, int(step_rows[k]) // jax.process_count(), slots)
                        for k, b in zip(itertools.count(step), batches))
         return batches
 
@@ -352,14 +352,14 @@ def train_seed(prepared: Prepared, config: ml_collections.ConfigDict, workdir: s
     ahead.queue_each("eval", p.eval_step, (p.abstract_state.params,), itertools.chain.from_iterable(
         steps.predict_batches(split, keys=keys, batch_size=eval_batch, **eval_trimming)[0] for split in evals),
         process_count=jax.process_count(), sharding=sharding.batch_sharding(mesh))
-    if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
+    if start_step is not None:  # the newest intact step: damaged ones are skipped (checkpointer.py)
         try:  # before anything compiles; refused: not retried (a version mismatch keeps its own exit code)
             with exit_codes.refusals():
                 start_step, state, meta = ckpt.restore_latest(p.abstract_state, check_input_state=False)
                 versions.check_resume(meta.get(versions.META_KEY),
                                       allow_change=config.get("allow_version_change", False),
                                       where=f"checkpoint step {start_step} in {ckpt.directory}")
-        except checkpoint_steps.CheckpointRestoreError:
+        except step_dirs.CheckpointRestoreError:
             ahead.close()
             ckpt.close()  # puts the previous SIGTERM handler back
             best_ckpt.close()

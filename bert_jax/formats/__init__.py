@@ -4,7 +4,7 @@
   every format maps through;
 * `hf`: HuggingFace (`config.json` + `model.safetensors`, sharded safetensors, `flax_model.msgpack`,
   `pytorch_model.bin`);
-* `bert_jax`: ours (`bert_config.json` + orbax `params/` + `task.json` for a fine-tuned model, or a
+* `native`: ours (`bert_config.json` + orbax `params/` + `task.json` for a fine-tuned model, or a
   training workdir's checkpoints);
 * `common`: `Pretrained`, the checkpoint in memory that every reader returns and every writer takes.
 

@@ -4,8 +4,8 @@
 
   loop             `run` (pretrain, resuming from the workdir) and `evaluate`: mesh, sharded init,
                    restore, the jitted step, logging, evaluation, saves, preemption
-  pretrain_input   the per-host tf.data input made global, its position saved with the checkpoint
-  pretrain_checks  what every host checks before compiling: config, mesh, data, vocab, token ids
+  feed             the per-host tf.data input made global, its position saved with the checkpoint
+  startup_checks   what every host checks before compiling: config, mesh, data, vocab, token ids
   phases           the phases of a two-phase run (length 128, then 512) over one schedule
   divergence       the loss-spike rule and its statistic, `DivergenceError`, `config.skip_batches`
   rollback         rolling back past a loss spike; the batches skipped (`skipped_batches.json`)

@@ -6,11 +6,11 @@ TFRecords. Both read the ml_collections config here and pass explicit arguments 
 The loop, in order of what can go wrong:
 - every host checks, before compiling, that all hosts resolved the same config (a mismatch exits
   all of them), that the batch and the model divide over the mesh, and that the data, the
-  vocabulary and the model agree (pretrain_checks.py);
+  vocabulary and the model agree (startup_checks.py);
 - the state is initialized directly into its shards, or restored from the newest committed
   checkpoint in `workdir/checkpoints` (params, optimizer state, RNG, step) together with each host's
   input-pipeline position, so a resumed run sees exactly the batches it would have seen
-  (pretrain_input.py);
+  (feed.py);
 - the data manifest (`dataset_info.json`) is verified before the first step;
 - a non-finite loss or gradient never touches the parameters; `nonfinite="stop"` ends the run with
   a diagnostic, `"skip"` goes on until `max_consecutive_nonfinite` bad steps in a row;
@@ -43,13 +43,13 @@ import jax
 import ml_collections
 
 from bert_jax import exit_codes, layout, versions
-from bert_jax.checkpoints import checkpoint_steps, checkpointing
+from bert_jax.checkpoints import checkpointer, step_dirs
 from bert_jax.model import layers, modeling
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
-from bert_jax.pretrain import divergence, pretrain_checks, rollback, steps
+from bert_jax.pretrain import divergence, rollback, startup_checks, steps
 from bert_jax.pretrain.phases import resolve_phases
-from bert_jax.pretrain.pretrain_input import make_eval_input, make_train_input, run_eval
+from bert_jax.pretrain.feed import make_eval_input, make_train_input, run_eval
 from bert_jax.training import optim, run_setup, sharding, train_state
 from bert_jax.workdir import metric_writer, write_json, write_model_files
 from data_pipeline.storage import paths as storage_paths
@@ -134,38 +134,38 @@ class _Pretraining:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         self.config, self.workdir = config, workdir
         run_setup.use_prng_impl(config)
-        pretrain_checks.check_same_config_on_all_hosts(config)
+        startup_checks.check_same_config_on_all_hosts(config)
         self.bert_config = bert_config = run_setup.bert_config_from(config, workdir=workdir)
         self.phases = resolve_phases(config)
-        pretrain_checks.check_sequence_lengths(config, bert_config, self.phases)
+        startup_checks.check_sequence_lengths(config, bert_config, self.phases)
         self.mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
-        pretrain_checks.check_mesh(config, bert_config, self.mesh)
+        startup_checks.check_mesh(config, bert_config, self.mesh)
         if config.objective not in ("mlm", "ltr"):
             raise ValueError(f"config.objective must be 'mlm' or 'ltr', got {config.objective!r}")
         if config.nonfinite not in ("stop", "skip"):
             raise ValueError(f"config.nonfinite must be 'stop' or 'skip', got {config.nonfinite!r}")
         self.divergence = divergence.settings_from(config)
         self.skipped = rollback.SkippedBatches(workdir, divergence.parse_skip_batches(config.get("skip_batches", "")))
-        self.special_ids = special_ids = pretrain_checks.special_token_ids(config.vocab_file)
+        self.special_ids = special_ids = startup_checks.special_token_ids(config.vocab_file)
         if special_ids and special_ids["vocab_size"] > bert_config.vocab_size:
             raise ValueError(f"config.vocab_file={config.vocab_file} has {special_ids['vocab_size']} tokens but "
                              f"config.model.vocab_size={bert_config.vocab_size}: set the model's vocab_size to the "
                              f"vocabulary's size (ids past the embedding table would be silently clamped)")
         if config.dynamic_masking and special_ids is None:
             raise ValueError("config.dynamic_masking needs config.vocab_file (for the [MASK] id and the vocabulary)")
-        pretrain_checks.check_vocab_matches_data(config.vocab_file, [p.train_data for p in self.phases]
+        startup_checks.check_vocab_matches_data(config.vocab_file, [p.train_data for p in self.phases]
                                                  + ([config.eval_data] if config.eval_data else []))
         if config.eval_data and config.eval_every_steps:
             make_eval_input(config, config.eval_data, workdir)  # bad eval data: an error now, not after hours
         if jax.process_index() == 0:
-            write_model_files(workdir, bert_config, config.vocab_file, pretrain_checks.data_casing(self.phases))
+            write_model_files(workdir, bert_config, config.vocab_file, startup_checks.data_casing(self.phases))
 
         self.model, self.tx, self.schedule, init_state = build(config, bert_config, self.mesh)
         abstract = jax.eval_shape(init_state, jax.random.key(config.seed))
         self.state_shardings = sharding.logical_to_sharding(abstract, self.mesh, sharding.DEFAULT_RULES)
         self.abstract_state = sharding.abstract_with_shardings(nn.meta.unbox(abstract), self.state_shardings)
         self.installed_versions = versions.installed()  # saved with every step, checked on resume (versions.py)
-        self.ckpt = checkpointing.Checkpointer(
+        self.ckpt = checkpointer.Checkpointer(
             storage_paths.join(workdir, layout.CHECKPOINTS), save_interval_steps=config.checkpoint_every_steps,
             max_to_keep=config.keep_checkpoints, async_save=config.async_checkpointing,
             on_damaged=config.get("on_damaged_checkpoint", "fallback"),
@@ -181,7 +181,7 @@ class _Pretraining:
         """The state (restored, or initialized into its shards), the monitor, and the first phase's input."""
         config, ckpt = self.config, self.ckpt
         self.meta: dict = {}
-        if ckpt.latest_step() is not None:  # the newest intact step: damaged ones are skipped (checkpointing.py)
+        if ckpt.latest_step() is not None:  # the newest intact step: damaged ones are skipped (checkpointer.py)
             start_step, self.state, self.meta = ckpt.restore_latest(self.abstract_state)
             # Before anything compiles.
             versions.check_resume(self.meta.get(versions.META_KEY),
@@ -189,7 +189,7 @@ class _Pretraining:
                                   where=f"checkpoint step {start_step} in {ckpt.directory}")
             logging.info("resumed from step %d", start_step)
             self.step = int(start_step)
-            pretrain_checks.report_schedule_change(config, self.meta, self.step)
+            startup_checks.report_schedule_change(config, self.meta, self.step)
         else:
             self.state, _ = sharding.sharded_init(init_state, jax.random.key(config.seed), self.mesh,
                                                   sharding.DEFAULT_RULES)
@@ -221,7 +221,7 @@ class _Pretraining:
         batches = make_train_input(self.config, phase, self.special_ids, self.workdir)
         if self.step > phase.start_step:
             if self.meta.get("phase") != phase_index:
-                raise checkpoint_steps.CheckpointRestoreError(
+                raise step_dirs.CheckpointRestoreError(
                     f"checkpoint step {self.step} belongs to phase {self.meta.get('phase')}, expected {phase_index}")
             batches.restore_shards(input_position(self.config, self.ckpt, self.step, self.meta))
         return batches
@@ -283,7 +283,7 @@ class _Pretraining:
             # meanwhile, so input stalls the loop only when this exceeds a step.
             input_started = time.perf_counter()
             batch = next(self.batches)
-            pretrain_checks.check_token_ids(batch, self.bert_config.vocab_size, phase.train_data)
+            startup_checks.check_token_ids(batch, self.bert_config.vocab_size, phase.train_data)
             global_batch = sharding.to_global(batch, self.mesh)
             window.input_seconds += time.perf_counter() - input_started
             if phase_step is None:
@@ -319,7 +319,7 @@ class _Pretraining:
                 self.writer.flush()
             # Saved before evaluating: an evaluation that fails loses no training.
             meta = {"phase": phase_index, "step": step, "data_shards": self.batches.num_shards,
-                    "schedule": {k: config.get(k) for k in pretrain_checks.SCHEDULE_KEYS},
+                    "schedule": {k: config.get(k) for k in startup_checks.SCHEDULE_KEYS},
                     versions.META_KEY: self.installed_versions}
             if self.monitor is not None:
                 meta[divergence.META_KEY] = self.monitor.state()
@@ -448,14 +448,14 @@ def input_position(config: ml_collections.ConfigDict, ckpt, step: int, meta: dic
     saved_shards = meta.get("data_shards")
     if saved_shards is None:  # saved before checkpoints recorded their shard count
         if saved_processes != jax.process_count():
-            raise checkpoint_steps.CheckpointRestoreError(
+            raise step_dirs.CheckpointRestoreError(
                 f"checkpoint step {step} was saved by {saved_processes} processes without its file shard count "
                 f"(an older bert_jax): resume it on {saved_processes} processes")
         saved_shards = shards
     if saved_shards != shards:
         fix = (f"set config.data_shards={saved_shards}" if saved_shards % jax.process_count() == 0 else
                f"resume on a number of processes that divides {saved_shards}")
-        raise checkpoint_steps.CheckpointRestoreError(
+        raise step_dirs.CheckpointRestoreError(
             f"checkpoint step {step} was saved by {saved_processes} processes reading {saved_shards} file shards; "
             f"this run has {jax.process_count()} processes and {shards} shards (config.data_shards="
             f"{config.data_shards}), which split the files differently, so the input position cannot carry over: "

@@ -4,7 +4,7 @@ The paper pretrains 90% of the steps at length 128 and 10% at 512; `config.phase
 parts (each a fraction of `config.num_train_steps`, its own `train_data`, `max_seq_length` and
 `max_predictions_per_seq`), or is empty for one phase from the top-level keys. One optimizer and
 one learning-rate schedule run over all steps; the loop (`loop.py`), the checks
-(`pretrain_checks.py`) and the input (`pretrain_input.py`) take the resolved `Phase`s.
+(`startup_checks.py`) and the input (`feed.py`) take the resolved `Phase`s.
 """
 
 from __future__ import annotations

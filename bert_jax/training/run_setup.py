@@ -22,7 +22,7 @@ import jax
 import ml_collections
 
 from bert_jax import layout
-from bert_jax.checkpoints import checkpoint_reading
+from bert_jax.checkpoints import saved_state
 from bert_jax.model import modeling
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
@@ -150,14 +150,14 @@ def load_params(config, bert_config: BertConfig, mesh):
                                     google_gelu=config.get("google_gelu")), shardings
     ckpt_dir = storage_paths.join(path, layout.CHECKPOINTS) if has_checkpoints else path
     try:
-        saved_scanned = any("/encoder/layers/" in key for key in checkpoint_reading.saved_keys(ckpt_dir))
+        saved_scanned = any("/encoder/layers/" in key for key in saved_state.saved_keys(ckpt_dir))
     except FileNotFoundError as e:
         raise FileNotFoundError(f"config.init_checkpoint={path}: {e}") from None
     saved_config = dataclasses.replace(bert_config, scan_layers=saved_scanned)
     saved_abstract, saved_shardings = (abstract, shardings) if saved_scanned == bert_config.scan_layers \
         else abstract_params(saved_config)
     target = sharding.abstract_with_shardings(nn.meta.unbox(saved_abstract), saved_shardings)
-    part, step = checkpoint_reading.restore_part(ckpt_dir, {"params": target})
+    part, step = saved_state.restore_part(ckpt_dir, {"params": target})
     params = part["params"]
     logging.info("init_checkpoint: parameters of step %d of %s", step, ckpt_dir)
     if saved_scanned != bert_config.scan_layers:

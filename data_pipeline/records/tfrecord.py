@@ -10,7 +10,7 @@ with `masked(crc) = ((crc >> 15) | (crc << 17)) + 0xa282ead8 (mod 2**32)`. A gzi
 file (`--compression=gzip`) is one gzip stream of that, as `tf.io.TFRecordOptions("GZIP")` writes.
 
 `crc32c` is the project's one CRC-32C: the `google-crc32c` library (hardware CRC instructions),
-also what checkpoint manifests use (`bert_jax/checkpoints/checkpoint_integrity.py`). One C call per record:
+also what checkpoint manifests use (`bert_jax/checkpoints/integrity.py`). One C call per record:
 15x faster than the table-driven numpy batch this module had before on 600-byte records, equal on
 8-byte headers. Tests check it against the standard check value and TensorFlow's writer and reader.
 

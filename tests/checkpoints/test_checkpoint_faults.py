@@ -27,10 +27,10 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bert_jax.checkpoints import checkpoint_integrity as integrity
-from bert_jax.checkpoints.checkpoint_reading import restore_part, saved_keys
-from bert_jax.checkpoints.checkpoint_steps import CheckpointCorruptError, CheckpointSaveError, check_step
-from bert_jax.checkpoints.checkpointing import Checkpointer
+from bert_jax.checkpoints import integrity
+from bert_jax.checkpoints.saved_state import restore_part, saved_keys
+from bert_jax.checkpoints.step_dirs import CheckpointCorruptError, CheckpointSaveError, check_step
+from bert_jax.checkpoints.checkpointer import Checkpointer
 from data_pipeline.storage import atomic as storage_atomic
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,8 +26,8 @@ import pytest
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError, CheckpointSaveError
-from bert_jax.checkpoints.checkpointing import Checkpointer
+from bert_jax.checkpoints.step_dirs import CheckpointRestoreError, CheckpointSaveError
+from bert_jax.checkpoints.checkpointer import Checkpointer
 from tests.helpers.xla_flags import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -135,15 +135,15 @@ def test_restore_onto_other_meshes_is_bitwise(tmp_path):
 def test_reading_only_the_parameters_is_bitwise_and_quiet(tmp_path, caplog):
     """`restore_part` (evaluation, export) reads the parameters alone, read-only, without orbax
     warnings about the checkpoint's other items or about being read-only."""
-    from bert_jax.checkpoints import checkpoint_reading
+    from bert_jax.checkpoints import saved_state
     saved = _make_state(_mesh(2, 4))
     with Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False) as ckpt:
         assert ckpt.save(3, saved, {"note": "x"}, force=True)
     one = SingleDeviceSharding(jax.devices()[0])
     target = {"params": _abstract(saved, lambda name: one).params}
     with caplog.at_level("INFO"):
-        part, step = checkpoint_reading.restore_part(tmp_path, target)
-        keys = checkpoint_reading.saved_keys(tmp_path)
+        part, step = saved_state.restore_part(tmp_path, target)
+        keys = saved_state.saved_keys(tmp_path)
     assert step == 3 and any(k.startswith("params/") for k in keys) and any(k.startswith("opt_state") for k in keys)
     for a, b in zip(jax.tree.leaves(part["params"]), jax.tree.leaves(saved.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -206,8 +206,8 @@ def test_interval_force_keep_k_and_input_state(tmp_path):
 
 def test_every_step_gets_an_integrity_manifest_sealed_once_committed(tmp_path):
     """Written before orbax's commit (so a committed step always has one), sealed after it."""
-    from bert_jax.checkpoints import checkpoint_integrity as integrity
-    from bert_jax.checkpoints import checkpoint_steps
+    from bert_jax.checkpoints import integrity
+    from bert_jax.checkpoints import step_dirs
 
     with Checkpointer(tmp_path / "sync", save_interval_steps=1, max_to_keep=2, async_save=False,
                       handle_sigterm=False) as ckpt:
@@ -219,14 +219,14 @@ def test_every_step_gets_an_integrity_manifest_sealed_once_committed(tmp_path):
     manifest = integrity.read_manifest(str(tmp_path / "async" / "1"))
     assert not manifest["sealed"] and "input_state/process_0/x" in manifest["files"]
     assert "commit_success.txt" not in manifest["files"]  # written by orbax's rename, after the manifest
-    assert checkpoint_steps.check_step(tmp_path / "async", 1) == ("ok", None)  # unsealed still verifies
+    assert step_dirs.check_step(tmp_path / "async", 1) == ("ok", None)  # unsealed still verifies
     ckpt.wait_until_finished()
     manifest = integrity.read_manifest(str(tmp_path / "async" / "1"))
     assert manifest["sealed"] and {"commit_success.txt", "_CHECKPOINT_METADATA"} <= set(manifest["files"])
     state, _ = ckpt.restore(_abstract_of(_small_state()))
     assert float(state["params"]["w"][0, 0]) == 1.0
     ckpt.close()
-    assert checkpoint_steps.check_step(tmp_path / "async", 1) == ("ok", None)  # restoring changed no file
+    assert step_dirs.check_step(tmp_path / "async", 1) == ("ok", None)  # restoring changed no file
 
 
 def test_state_may_be_donated_as_soon_as_save_returns(tmp_path):
@@ -423,7 +423,7 @@ def test_hosts_agreeing_about_different_steps_raise_naming_both(tmp_path, monkey
     """Two hosts (threads) exchange verdicts through a fake coordination service: about the same
     step they combine them, under keys naming the step; about different steps (their exchanges
     drifted apart) each raises, naming both steps, instead of pairing them."""
-    from bert_jax.checkpoints.checkpoint_integrity import Damage
+    from bert_jax.checkpoints.integrity import Damage
 
     store, hosts = _two_hosts(tmp_path, monkeypatch)
     damage = Damage("state/d/0", "checksum mismatch")
@@ -445,7 +445,7 @@ def test_a_restore_failing_on_one_host_fails_on_every_host(tmp_path, monkeypatch
     """The restores' outcomes are combined: a host whose own read succeeded gets the failing host's
     error (a corrupt read as `CheckpointCorruptError` carrying the step, so that it falls back too);
     a corrupt failure outranks a mismatch; all ok stays ok; one process exchanges nothing."""
-    from bert_jax.checkpoints.checkpoint_steps import CheckpointCorruptError
+    from bert_jax.checkpoints.step_dirs import CheckpointCorruptError
     from bert_jax.checkpoints.host_agreement import HostAgreement
 
     _, hosts = _two_hosts(tmp_path, monkeypatch)

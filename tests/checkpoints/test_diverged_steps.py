@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.checkpoints.checkpoint_steps import CheckpointCorruptError
-from bert_jax.checkpoints.checkpointing import Checkpointer
+from bert_jax.checkpoints.step_dirs import CheckpointCorruptError
+from bert_jax.checkpoints.checkpointer import Checkpointer
 
 
 def _save(ckpt, step, value):

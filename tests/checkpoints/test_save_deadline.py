@@ -16,8 +16,8 @@ import types
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.checkpoints import checkpointing, save_deadline
-from bert_jax.checkpoints.checkpointing import Checkpointer
+from bert_jax.checkpoints import checkpointer, save_deadline
+from bert_jax.checkpoints.checkpointer import Checkpointer
 from bert_jax.checkpoints.save_deadline import EXIT_CODE, Deadline
 
 HANG_S = 60  # every wait below: expected within a poll or two (0.5 s each); only a hang runs out
@@ -198,15 +198,15 @@ def test_a_restore_that_stalls_ends_the_process_after_its_limit(tmp_path, caplog
 
 
 def test_orbax_gives_a_save_longer_than_our_deadline(tmp_path):
-    orbax_default = checkpointing.ocp.AsyncOptions().timeout_secs
-    for seconds, want in ((1800, max(orbax_default, 1800 + checkpointing.ORBAX_TIMEOUT_MARGIN_S)),
-                          (60, orbax_default), (None, checkpointing.ORBAX_TIMEOUT_WITHOUT_DEADLINE_S)):
-        assert checkpointing.orbax_timeout_s(seconds) == want
+    orbax_default = checkpointer.ocp.AsyncOptions().timeout_secs
+    for seconds, want in ((1800, max(orbax_default, 1800 + checkpointer.ORBAX_TIMEOUT_MARGIN_S)),
+                          (60, orbax_default), (None, checkpointer.ORBAX_TIMEOUT_WITHOUT_DEADLINE_S)):
+        assert checkpointer.orbax_timeout_s(seconds) == want
         assert want > (seconds or 0) + 60
     # What orbax's background save thread is given: 1800 s of ours plus the margin.
     ckpt = Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=1, handle_sigterm=False, save_timeout_s=1800)
     try:
         # pylint: disable=protected-access
-        assert ckpt._mngr._checkpointer._async_manager._timeout_secs == checkpointing.orbax_timeout_s(1800) > 1800
+        assert ckpt._mngr._checkpointer._async_manager._timeout_secs == checkpointer.orbax_timeout_s(1800) > 1800
     finally:
         ckpt.close()

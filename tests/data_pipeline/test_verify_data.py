@@ -153,7 +153,7 @@ def test_the_training_input_keeps_the_hashes_in_the_workdir_and_logs_the_counts(
 
     from bert_jax.pretrain.phases import resolve_phases
     from data_pipeline import storage
-    from bert_jax.pretrain.pretrain_input import make_train_input
+    from bert_jax.pretrain.feed import make_train_input
     from configs import test as test_config
 
     objects = _upload(tmp_path, bucket, [8, 8])

@@ -25,7 +25,7 @@ def test_the_names_are_the_ones_runs_wrote():
 WORDS = {"best", "params", "data", "code"}
 NAMES = sorted({v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str)} - WORDS | {
     "process_", "_scores.json", "attempt-", "worker-", ".tar.gz"})
-MODULES = ["bert_jax/pretrain/pretrain_input.py", "bert_jax/finetune/predict.py", "bert_jax/finetune/restarts.py",
+MODULES = ["bert_jax/pretrain/feed.py", "bert_jax/finetune/predict.py", "bert_jax/finetune/restarts.py",
            "bert_jax/workdir.py", "bert_jax/pod/supervisor.py", "bert_jax/pod/pins.py", "bert_jax/demo.py",
            "bert_jax/plot.py"]
 

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from bert_jax import convert
-from bert_jax.checkpoints import checkpointing
+from bert_jax.checkpoints import checkpointer
 from bert_jax.finetune import heads
 from bert_jax.model import modeling
 from bert_jax.model.model_config import BertConfig
@@ -63,12 +63,12 @@ def write_workdir(root, kind, *, best=None, last=None, config=CFG):
     (root / "tokenizer_config.json").write_text(convert.tokenizer_config_json(True))
     (root / "task.json").write_text(json.dumps(task_json(kind)))
     if best is not None:
-        with checkpointing.Checkpointer(str(root / "best"), save_interval_steps=1, max_to_keep=1,
+        with checkpointer.Checkpointer(str(root / "best"), save_interval_steps=1, max_to_keep=1,
                                         async_save=False, handle_sigterm=False) as ckpt:
             ckpt.save(6, {"params": best}, {"epoch": 2, "results": {}}, force=True)
     if last is not None:
         state = train_state.create_train_state(last, optax.adamw(1e-3), jax.random.key(1))
-        with checkpointing.Checkpointer(str(root / "checkpoints"), save_interval_steps=1, max_to_keep=1,
+        with checkpointer.Checkpointer(str(root / "checkpoints"), save_interval_steps=1, max_to_keep=1,
                                         handle_sigterm=False) as ckpt:
             ckpt.save(9, state, {"history": [], "best": None}, force=True)
     return str(root)

@@ -220,7 +220,7 @@ def test_a_resume_under_another_jax_is_refused(tmp_path, sst2_run, checkpoint, m
     import shutil
 
     from bert_jax import versions
-    from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError
+    from bert_jax.checkpoints.step_dirs import CheckpointRestoreError
     data, work, _ = sst2_run
     saved = versions.installed()
     monkeypatch.setattr(versions, "installed", lambda: {**saved, "jax": "99.0"})

@@ -1,4 +1,4 @@
-"""Fine-tuning rows packed several to a row (bert_jax/finetune/packing.py, config.packing).
+"""Fine-tuning rows packed several to a row (bert_jax/finetune/row_packing.py, config.packing).
 
 The reference for packed steps is the unpacked model (itself checked against HF's Flax BERT in
 test_modeling.py): the same rows give the same logits, loss and gradients, packed or not.
@@ -14,20 +14,20 @@ import pytest
 
 from bert_jax.finetune import batches as finetune_batches, heads
 from bert_jax.model import model_config
-from bert_jax.finetune import packing
+from bert_jax.finetune import row_packing
 
 
 def test_first_fit_places_longest_first_in_the_first_row_with_room():
     # By hand: 9 opens row 0, 7 opens row 1 (9 + 7 > 12), 5 joins row 1 (7 + 5 = 12), 3 joins row 0.
-    rows, offsets, slots = packing.first_fit([5, 9, 3, 7], 12)
+    rows, offsets, slots = row_packing.first_fit([5, 9, 3, 7], 12)
     assert rows.tolist() == [1, 0, 0, 1]
     assert offsets.tolist() == [7, 0, 9, 0]
     assert slots.tolist() == [1, 0, 1, 0]
     # Ties keep their order; a sequence of the row's whole length is alone.
-    rows, offsets, slots = packing.first_fit([4, 4, 8, 4], 8)
+    rows, offsets, slots = row_packing.first_fit([4, 4, 8, 4], 8)
     assert rows.tolist() == [1, 1, 0, 2] and offsets.tolist() == [0, 4, 0, 0] and slots.tolist() == [0, 1, 0, 0]
     with pytest.raises(ValueError, match="1..8"):
-        packing.first_fit([9], 8)
+        row_packing.first_fit([9], 8)
 
 
 def _first_fit_by_hand(lengths, row_length):
@@ -49,14 +49,14 @@ def _first_fit_by_hand(lengths, row_length):
 def test_first_fit_of_many_batches_at_once_is_the_plain_loop_on_each():
     rng = np.random.RandomState(7)
     lengths = rng.randint(1, 17, size=(50, 12)) * (rng.rand(50, 12) < 0.8)  # 0: no sequence
-    rows, offsets, slots = packing.first_fit(lengths, 16)
+    rows, offsets, slots = row_packing.first_fit(lengths, 16)
     for b in range(50):
         present = [int(x) for x in np.flatnonzero(lengths[b])]
         want = _first_fit_by_hand([int(lengths[b, i]) for i in present], 16)
         for k, i in enumerate(present):
             assert (rows[b, i], offsets[b, i], slots[b, i]) == (want[0][k], want[1][k], want[2][k]), (b, i)
         assert (rows[b][lengths[b] == 0] == -1).all()
-    need_rows, need_slots = packing.needs(lengths, np.ones_like(lengths), 16)
+    need_rows, need_slots = row_packing.needs(lengths, np.ones_like(lengths), 16)
     np.testing.assert_array_equal(need_rows, rows.max(axis=1) + 1)
     np.testing.assert_array_equal(need_slots, slots.max(axis=1) + 1)
 
@@ -80,7 +80,7 @@ def test_first_fit_rows_are_disjoint_and_within_first_fit_decreasings_bound():
     for _ in range(40):
         row_length = int(rng.choice([8, 12, 16]))
         lengths = rng.randint(1, row_length + 1, size=rng.randint(1, 8))
-        rows, offsets, slots = packing.first_fit(lengths, row_length)
+        rows, offsets, slots = row_packing.first_fit(lengths, row_length)
         for r in np.unique(rows):
             here = np.flatnonzero(rows == r)
             taken = np.zeros(row_length, int)
@@ -116,8 +116,8 @@ def _random_batch(rng, b, length, head="classification"):
 def test_pack_lays_every_weighted_row_end_to_end_and_leaves_out_the_others():
     rng = np.random.RandomState(1)
     batch, lengths = _random_batch(rng, 16, 16)
-    need_rows, need_slots = packing.needs(packing.sequence_lengths(batch["input_mask"]), batch["weight"], 16)
-    out = packing.pack(batch, need_rows + 1, need_slots)
+    need_rows, need_slots = row_packing.needs(row_packing.sequence_lengths(batch["input_mask"]), batch["weight"], 16)
+    out = row_packing.pack(batch, need_rows + 1, need_slots)
     assert out["input_ids"].shape == (need_rows + 1, 16) and out["cls_positions"].shape == (need_rows + 1, need_slots)
     found = 0
     for r, s in zip(*np.nonzero(out["weight"])):
@@ -142,14 +142,14 @@ def test_pack_lays_every_weighted_row_end_to_end_and_leaves_out_the_others():
     assert out["input_ids"][-1].sum() == 0 and out["weight"][-1].sum() == 0  # the spare row
     assert need_rows < 14  # fewer rows than it had
     with pytest.raises(ValueError, match="past the"):
-        packing.pack(batch, need_rows - 1, need_slots)
+        row_packing.pack(batch, need_rows - 1, need_slots)
 
 
 def test_a_packed_token_batch_carries_each_rows_labels_and_weights_at_its_positions():
     rng = np.random.RandomState(4)
     batch, lengths = _random_batch(rng, 12, 16, "token")
     batch["weight"][np.flatnonzero(batch["weight"])[0]] = 0.5  # a weight other than 1 is carried too
-    out = packing.pack(batch, 12, 12)
+    out = row_packing.pack(batch, 12, 12)
     assert "cls_positions" not in out and "label" not in out
     assert out["weight"].tolist() == (out["pack_ids"].max(axis=1) > 0).tolist()  # rows in use
     for i in np.flatnonzero(batch["weight"]):
@@ -175,8 +175,8 @@ def test_a_packed_batch_gives_the_unpacked_logits_loss_and_gradients(head, outpu
     batch, _ = _random_batch(rng, 12, 16, head)
     model = heads.BertForTask(cfg, head, outputs)
     params = nn.meta.unbox(model.init(jax.random.key(0), *(batch[k][:1] for k in heads.MODEL_INPUTS))["params"])
-    need_rows, need_slots = packing.needs(packing.sequence_lengths(batch["input_mask"]), batch["weight"], 16)
-    pack = packing.pack(batch, need_rows + 1, need_slots + 1)
+    need_rows, need_slots = row_packing.needs(row_packing.sequence_lengths(batch["input_mask"]), batch["weight"], 16)
+    pack = row_packing.pack(batch, need_rows + 1, need_slots + 1)
 
     def loss(p, b):
         out = model.apply({"params": p}, **heads.model_inputs(b))
@@ -187,8 +187,8 @@ def test_a_packed_batch_gives_the_unpacked_logits_loss_and_gradients(head, outpu
     (loss_padded, logits_padded), grads_padded = loss_and_grad(params, batch)
     (loss_packed, logits_packed), grads_packed = loss_and_grad(params, pack)
     keep = np.flatnonzero(batch["weight"])
-    lengths = packing.sequence_lengths(batch["input_mask"][keep])
-    rows, offsets, slots = packing.first_fit(lengths, 16)
+    lengths = row_packing.sequence_lengths(batch["input_mask"][keep])
+    rows, offsets, slots = row_packing.first_fit(lengths, 16)
     if head == "token":
         for i, n, r, o in zip(keep, lengths, rows, offsets):
             np.testing.assert_allclose(np.asarray(logits_packed)[r, o:o + n], np.asarray(logits_padded)[i, :n],
@@ -237,7 +237,7 @@ def test_the_packing_plan_holds_every_hosts_batch_of_every_step(stream, process_
                 host_batches = (b for e in range(epochs)
                                 for b in finetune_batches.batches(features, keys, batch, shuffle_seed=4 + e, **hosts))
             for k, b in enumerate(host_batches):
-                out = packing.pack(b, int(step_rows[k]) // process_count, slots)  # fits, or raises
+                out = row_packing.pack(b, int(step_rows[k]) // process_count, slots)  # fits, or raises
                 used = out["pack_ids"].max(axis=1)
                 most_slots = max(most_slots, int(used.max()))
                 fewest.append((k, int((used > 0).sum())))

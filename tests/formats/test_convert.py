@@ -554,7 +554,7 @@ def test_google_gelu_reaches_the_tools_that_read_an_init_checkpoint(google_dir):
 def test_pretraining_workdir_is_a_bert_jax_checkpoint(google_dir, tmp_path):
     """A workdir's newest TrainState (checkpoints/<step>/state) loads like an export."""
     import optax
-    from bert_jax.checkpoints import checkpointing
+    from bert_jax.checkpoints import checkpointer
     from bert_jax.training import train_state
     src = convert.load_pretrained(google_dir[0])
     params = convert.model_params(src, src.config.replace(scan_layers=True))
@@ -563,7 +563,7 @@ def test_pretraining_workdir_is_a_bert_jax_checkpoint(google_dir, tmp_path):
     src.config.to_json_file(str(tmp_path / "bert_config.json"))
     os.makedirs(workdir)
     os.replace(tmp_path / "bert_config.json", workdir / "bert_config.json")
-    with checkpointing.Checkpointer(str(workdir / "checkpoints"), save_interval_steps=1, max_to_keep=2,
+    with checkpointer.Checkpointer(str(workdir / "checkpoints"), save_interval_steps=1, max_to_keep=2,
                                     handle_sigterm=False) as ckpt:
         ckpt.save(7, state, {}, force=True)
     p = convert.load_pretrained(str(workdir))
@@ -595,6 +595,6 @@ def test_fetch_downloads_and_unpacks_a_release_zip_once(google_dir, tmp_path):
 
 
 def test_convert_and_formats_import_tensorflow_only_to_read_or_write_google_checkpoints():
-    code = ("import bert_jax.convert, bert_jax.formats.google, bert_jax.formats.hf, bert_jax.formats.bert_jax, sys; "
+    code = ("import bert_jax.convert, bert_jax.formats.google, bert_jax.formats.hf, bert_jax.formats.native, sys; "
             "assert 'tensorflow' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -69,7 +69,7 @@ def test_kill9_and_a_flipped_bit_resume_with_the_uninterrupted_loss_sequence(dat
     assert got == want  # bitwise: the same floats, step for step
 
     # One flipped bit in the newest step's parameter/optimizer data (the checksums of
-    # checkpoint_integrity): a reader (convert) takes step 8 read-only; the same command again
+    # integrity): a reader (convert) takes step 8 read-only; the same command again
     # moves step 12 aside, resumes from 8, and steps 9-12 trained again give the same losses.
     logged = len((work / "train_log.jsonl").read_text().splitlines())
     ckpt_dir = work / "checkpoints"
@@ -118,7 +118,7 @@ def test_a_resume_under_other_library_versions_is_refused_unless_allowed(data, u
     jax and orbax-checkpoint seem to have been upgraded: refused naming both versions of each, then
     resumed with config.allow_version_change, warning about them."""
     from bert_jax import exit_codes, versions
-    from bert_jax.checkpoints.checkpoint_steps import CheckpointRestoreError
+    from bert_jax.checkpoints.step_dirs import CheckpointRestoreError
     from bert_jax.pretrain import loop as pretrain
     from configs import test as test_config
 
@@ -492,17 +492,17 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
 def test_data_casing_comes_from_the_records_dataset_info(tmp_path):
     from bert_jax import convert, workdir as workdir_files
     from bert_jax.model import model_config
-    from bert_jax.pretrain import phases, pretrain_checks
+    from bert_jax.pretrain import phases, startup_checks
     for name, lower in (("uncased", True), ("cased", False), ("unknown", None)):
         (tmp_path / name).mkdir()
         flags = {} if lower is None else {"do_lower_case": lower}
         (tmp_path / name / "dataset_info.json").write_text(json.dumps({"flags": flags, "files": {}}))
     phase = lambda name: phases.Phase(128, 20, str(tmp_path / name / "part-*"), 0, 10)
-    assert pretrain_checks.data_casing([phase("uncased")]) is True
-    assert pretrain_checks.data_casing([phase("cased"), phase("cased")]) is False
-    assert pretrain_checks.data_casing([phase("uncased"), phase("cased")]) is None  # disagree: not recorded
-    assert pretrain_checks.data_casing([phase("unknown")]) is None
-    assert pretrain_checks.data_casing([phases.Phase(128, 20, str(tmp_path / "none" / "x"), 0, 10)]) is None
+    assert startup_checks.data_casing([phase("uncased")]) is True
+    assert startup_checks.data_casing([phase("cased"), phase("cased")]) is False
+    assert startup_checks.data_casing([phase("uncased"), phase("cased")]) is None  # disagree: not recorded
+    assert startup_checks.data_casing([phase("unknown")]) is None
+    assert startup_checks.data_casing([phases.Phase(128, 20, str(tmp_path / "none" / "x"), 0, 10)]) is None
     # What the workdir then holds is what convert reads back.
     config = model_config.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=16, max_position_embeddings=16)
@@ -584,12 +584,12 @@ def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path)
 def test_token_ids_past_the_model_and_a_different_vocab_are_named(tmp_path):
     import hashlib
 
-    from bert_jax.pretrain import pretrain_checks
+    from bert_jax.pretrain import startup_checks
     batch = {"input_ids": np.array([[2, 7, 511, 3]]), "masked_lm_ids": np.array([[600, 0]])}
-    pretrain_checks.check_token_ids(batch, 601, "data/*.tfrecord")
+    startup_checks.check_token_ids(batch, 601, "data/*.tfrecord")
     with pytest.raises(ValueError, match=r"data/\*.tfrecord: masked_lm_ids holds token id 600 but "
                                          r"config.model.vocab_size=600") as e:
-        pretrain_checks.check_token_ids(batch, 600, "data/*.tfrecord")
+        startup_checks.check_token_ids(batch, 600, "data/*.tfrecord")
     from bert_jax import exit_codes
     assert exit_codes.of(e.value) == exit_codes.DATA  # raised while training: bad data, not retried
     vocab = tmp_path / "vocab.txt"
@@ -598,17 +598,17 @@ def test_token_ids_past_the_model_and_a_different_vocab_are_named(tmp_path):
     made.mkdir()
     info = {"vocab_sha256": hashlib.sha256(vocab.read_bytes()).hexdigest(), "flags": {"vocab_file": str(vocab)}}
     (made / "dataset_info.json").write_text(json.dumps(info))
-    pretrain_checks.check_vocab_matches_data(str(vocab), [str(made / "*.tfrecord")])  # the same file: fine
+    startup_checks.check_vocab_matches_data(str(vocab), [str(made / "*.tfrecord")])  # the same file: fine
     crlf = tmp_path / "crlf.txt"  # the same tokens, other bytes: fine
     crlf.write_bytes(vocab.read_bytes().replace(b"\n", b"\r\n").rstrip())
-    pretrain_checks.check_vocab_matches_data(str(crlf), [str(made / "*.tfrecord")])
+    startup_checks.check_vocab_matches_data(str(crlf), [str(made / "*.tfrecord")])
     other = tmp_path / "other.txt"
     other.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nmot\n")
     with pytest.raises(ValueError, match=r"other.txt is not the vocabulary .*made/\*.tfrecord was made with "
                                          r"\(.*vocab.txt, per its dataset_info.json\): their tokens differ"):
-        pretrain_checks.check_vocab_matches_data(str(other), [f"{tmp_path / 'nothing' / '*'},{made / '*.tfrecord'}"])
+        startup_checks.check_vocab_matches_data(str(other), [f"{tmp_path / 'nothing' / '*'},{made / '*.tfrecord'}"])
     vocab.unlink()  # the recorded file gone: bytes differ, tokens unknown -> a warning, not an error
-    pretrain_checks.check_vocab_matches_data(str(other), [str(made / "*.tfrecord")])
+    startup_checks.check_vocab_matches_data(str(other), [str(made / "*.tfrecord")])
 
 
 def test_hparams_report_the_model_as_built_not_the_config_defaults():

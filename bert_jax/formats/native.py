@@ -74,8 +74,8 @@ def load_bert_jax(path: str, finetuned: Optional[str] = None) -> Pretrained:
 
     ckpt = ckpt_dir
     if kind != "params":  # the newest step that passes its integrity manifest; damaged ones are named
-        from bert_jax.checkpoints import checkpoint_reading
-        step = checkpoint_reading.newest_intact_step(ckpt_dir, _step_dirs(ckpt_dir))
+        from bert_jax.checkpoints import saved_state
+        step = saved_state.newest_intact_step(ckpt_dir, _step_dirs(ckpt_dir))
         ckpt = storage_paths.join(ckpt_dir, str(step), "state")
         if task is not None:
             logging.info("%s: the fine-tuned parameters of %s (step %d)", path,

@@ -3,7 +3,7 @@
 What a restore needs before orbax reads anything: the state's leaves by '/'-joined key path
 (`flat`, the names orbax uses), a validated abstract target with a sharding on every leaf
 (`to_abstract`), and a comparison with the saved metadata that names every key whose presence, shape
-or dtype differs (`check_against_metadata`). `checkpointing.Checkpointer.restore` uses them, through
+or dtype differs (`check_against_metadata`). `checkpointer.Checkpointer.restore` uses them, through
 `StepReader` (one host's read of a verified step), and so do the read-only helpers here for
 evaluation and export: `restore_part` (some fields of a saved state, e.g. the parameters alone),
 `saved_keys` and `newest_intact_step`. None of these creates, cleans, moves or deletes anything in
@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from bert_jax.checkpoints import input_state
-from bert_jax.checkpoints.checkpoint_steps import (INFO, META, ON_DAMAGED, STATE, CheckpointRestoreError, check_step,
+from bert_jax.checkpoints.step_dirs import (INFO, META, ON_DAMAGED, STATE, CheckpointRestoreError, check_step,
                                        corrupt_error, is_read_failure, read_error)
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths

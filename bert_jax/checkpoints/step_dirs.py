@@ -1,6 +1,6 @@
 """Steps on disk: their layout, the errors, verifying a step, and moving a damaged one aside.
 
-On-disk layout of a `checkpointing.Checkpointer` directory (a step exists once orbax has renamed its
+On-disk layout of a `checkpointer.Checkpointer` directory (a step exists once orbax has renamed its
 temporary folder, so a `kill -9` at any moment leaves the previous committed step as the latest)::
 
     <directory>/
@@ -8,7 +8,7 @@ temporary folder, so a `kill -9` at any moment leaves the previous committed ste
         state/                       the train-state pytree (orbax StandardCheckpointHandler, OCDBT)
         meta/metadata                the caller's JSON dict (input position, data files, config hash)
         checkpointer_info/metadata   our bookkeeping, e.g. how many processes wrote input state
-        bert_jax_integrity.json      size + CRC-32C of every file of the step (checkpoint_integrity.py)
+        bert_jax_integrity.json      size + CRC-32C of every file of the step (integrity.py)
       input_state/<step>/process_<i>/   per-host input-pipeline state (e.g. a tf.train.Checkpoint
                                         of the tf.data iterator), written by `input_state_writer`
       damaged/<step>-<time>/{<step>,input_state}/   steps that failed verification, moved aside
@@ -41,7 +41,7 @@ import os
 import time
 from typing import Optional
 
-from bert_jax.checkpoints import checkpoint_integrity as integrity
+from bert_jax.checkpoints import integrity
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
 
@@ -52,7 +52,7 @@ INFO = "checkpointer_info"
 INPUT_STATE = "input_state"
 DAMAGED = "damaged"
 DIVERGED = "diverged"
-# 2: every step carries an integrity manifest (checkpoint_integrity.py); 1: older bert_jax, none.
+# 2: every step carries an integrity manifest (integrity.py); 1: older bert_jax, none.
 FORMAT_VERSION = 2
 ON_DAMAGED = ("fallback", "stop")
 

@@ -1,6 +1,6 @@
 """Integrity manifests of checkpoint steps: what a step wrote, and whether it is still what was written.
 
-A step of a `checkpointing.Checkpointer` directory is every file under `<directory>/<step>/` (orbax's
+A step of a `checkpointer.Checkpointer` directory is every file under `<directory>/<step>/` (orbax's
 items, `_METADATA`, OCDBT array data, `_CHECKPOINT_METADATA`, commit markers) plus every file under
 `<directory>/input_state/<step>/` (the per-host input-pipeline state). At save, once all hosts'
 data is written and orbax has finalized the items but before the step folder is renamed into

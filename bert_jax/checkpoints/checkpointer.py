@@ -56,10 +56,10 @@ from typing import Any, Callable, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from bert_jax.checkpoints import checkpoint_integrity as integrity
+from bert_jax.checkpoints import integrity
 from bert_jax.checkpoints import input_state
-from bert_jax.checkpoints.checkpoint_reading import StepReader, flat, is_typed_key, listed, to_abstract
-from bert_jax.checkpoints.checkpoint_steps import (DIVERGED, FORMAT_VERSION, INFO, META, ON_DAMAGED, STATE,
+from bert_jax.checkpoints.saved_state import StepReader, flat, is_typed_key, listed, to_abstract
+from bert_jax.checkpoints.step_dirs import (DIVERGED, FORMAT_VERSION, INFO, META, ON_DAMAGED, STATE,
                                                    CheckpointCorruptError, CheckpointRestoreError, CheckpointSaveError,
                                                    committing_dir, corrupt_error, input_dir, is_read_failure,
                                                    move_aside, read_error, remove_uncommitted)
@@ -498,7 +498,7 @@ class Checkpointer:
         For a run that rolls back past a loss spike (`bert_jax.pretrain.rollback`): the steps saved
         after the spike began are kept for a human to look at, never deleted, and never resumed
         from. Waits for the save in flight first. Process 0 moves them (each with its input state,
-        as `checkpoint_steps.move_aside` moves a damaged step), then every host waits until they
+        as `step_dirs.move_aside` moves a damaged step), then every host waits until they
         are gone and orbax forgets them: `latest_step` and `restore_latest` then see the steps
         before, and a later save may reuse a moved step's number.
 
