@@ -87,6 +87,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.warmup_steps = 10_000  # linear warmup, then decay to 0
     config.lr_decay_power = 1.0  # 1 = linear decay; other values = polynomial
     config.google_lr_schedule = False  # True: Google's decay over all steps, overridden by warmup
+    config.lr_decay_steps = config_dict.placeholder(int)  # set: warmup-stable-decay, the decay over the last N steps
+    config.lr_decay_shape = "polynomial"  # polynomial (lr_decay_power) | 1-sqrt (WSD's, ModernBERT's)
     config.weight_decay = 0.01  # decoupled weight decay (not on LayerNorm or biases)
     config.adam_b1 = 0.9  # Adam beta1
     config.adam_b2 = 0.999  # Adam beta2

@@ -77,7 +77,8 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
     model = BertForPreTraining(bert_config)
     schedule = optim.learning_rate_schedule(
         config.learning_rate, config.warmup_steps, config.num_train_steps,
-        power=config.lr_decay_power, google_style=config.google_lr_schedule)
+        power=config.lr_decay_power, google_style=config.google_lr_schedule,
+        decay_steps=config.get("lr_decay_steps"), decay_shape=config.get("lr_decay_shape", "polynomial"))
     tx = optim.make_optimizer(config.optimizer, schedule, weight_decay=config.weight_decay,
                               b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
                               clip_norm=config.clip_norm or None)

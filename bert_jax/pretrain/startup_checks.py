@@ -35,7 +35,7 @@ from bert_jax.training.run_setup import flatten_dict
 
 # The config fields of the learning-rate schedule, saved with each checkpoint to compare on resume.
 SCHEDULE_KEYS = ("learning_rate", "warmup_steps", "num_train_steps", "lr_decay_power", "google_lr_schedule",
-                 "optimizer")
+                 "lr_decay_steps", "lr_decay_shape", "optimizer")
 
 
 # ---------------------------------------------------------------------------------------------

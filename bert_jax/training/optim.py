@@ -31,7 +31,7 @@ This module must not import tensorflow.
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +44,21 @@ NO_DECAY_NAMES = ("bias", "scale", "output_bias")  # LayerNorm scale/bias, every
 STACKED_LAYERS_PATH = ("encoder", "layers")
 
 
+DECAY_SHAPES = ("polynomial", "1-sqrt")
+
+
 def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, *, power: float = 1.0,
-                           end_value: float = 0.0, google_style: bool = False) -> optax.Schedule:
-    """Linear warmup from 0 to `peak`, then polynomial decay (power 1 = linear) to `end_value`."""
+                           end_value: float = 0.0, google_style: bool = False,
+                           decay_steps: Optional[int] = None, decay_shape: str = "polynomial") -> optax.Schedule:
+    """Linear warmup from 0 to `peak`, then polynomial decay (power 1 = linear) to `end_value`.
+
+    With `decay_steps` (`config.lr_decay_steps`), warmup-stable-decay: the rate holds at `peak`
+    after warmup and decays only over the last `decay_steps` steps ("trapezoidal"/WSD, as
+    ModernBERT trained: a run can be extended, or a checkpoint taken before the decay resumed with
+    another length, without redoing its warmup). `decay_shape` "1-sqrt" decays as
+    `peak * (1 - sqrt(t))` over the decay's fraction `t` (the shape Hägele et al. 2024 found best
+    for WSD, and ModernBERT used); "polynomial" as `(1 - t) ** power`.
+    """
     if not peak >= 0:
         raise ValueError(f"config.learning_rate={peak} must not be negative")
     if peak == 0:
@@ -55,6 +67,17 @@ def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, *, 
         raise ValueError(f"config.num_train_steps must be positive, got {total_steps}")
     if not 0 <= warmup_steps <= total_steps:
         raise ValueError(f"config.warmup_steps={warmup_steps} must be in [0, num_train_steps={total_steps}]")
+    if decay_shape not in DECAY_SHAPES:
+        raise ValueError(f"config.lr_decay_shape={decay_shape!r}: one of {', '.join(DECAY_SHAPES)}")
+    if decay_steps is not None:
+        if google_style:
+            raise ValueError("config.lr_decay_steps and config.google_lr_schedule=True do not go together: "
+                             "Google's decay runs over every step")
+        if not 0 < decay_steps <= total_steps - warmup_steps:
+            raise ValueError(f"config.lr_decay_steps={decay_steps} must be in [1, num_train_steps - warmup_steps = "
+                             f"{total_steps - warmup_steps}]")
+    elif decay_shape != "polynomial":
+        decay_steps = max(total_steps - warmup_steps, 1)  # no stable phase: the decay begins after warmup
     if google_style:
         decay = optax.polynomial_schedule(peak, end_value, power, total_steps)
 
@@ -65,8 +88,17 @@ def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, *, 
 
         return schedule
     warmup = optax.linear_schedule(0.0, peak, warmup_steps)
-    decay = optax.polynomial_schedule(peak, end_value, power, max(total_steps - warmup_steps, 1))
-    return optax.join_schedules([warmup, decay], [warmup_steps])
+    if decay_steps is None:
+        decay = optax.polynomial_schedule(peak, end_value, power, max(total_steps - warmup_steps, 1))
+        return optax.join_schedules([warmup, decay], [warmup_steps])
+    stable_end = max(total_steps - decay_steps, warmup_steps)
+
+    def wsd_decay(count):  # `count`: steps since the decay began
+        t = jnp.clip(jnp.asarray(count, jnp.float32) / decay_steps, 0.0, 1.0)
+        shape = 1.0 - jnp.sqrt(t) if decay_shape == "1-sqrt" else (1.0 - t) ** power
+        return end_value + (peak - end_value) * shape
+
+    return optax.join_schedules([warmup, optax.constant_schedule(peak), wsd_decay], [warmup_steps, stable_end])
 
 
 def _names(path) -> tuple[str, ...]:

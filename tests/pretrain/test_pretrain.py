@@ -102,12 +102,17 @@ def test_a_changed_schedule_on_resume_and_a_zero_learning_rate_are_reported(data
     shutil.copytree(first_work, tmp_path / "w")
     for later in ("8", "12", "input_state/8", "input_state/12"):
         shutil.rmtree(tmp_path / "w" / "checkpoints" / later)
-    longer = run(cmd(tmp_path / "w", data, "--config.num_train_steps=6", "--config.learning_rate=0"))
+    longer = run(cmd(tmp_path / "w", data, "--config.num_train_steps=6", "--config.learning_rate=0",
+                     "--config.lr_decay_steps=2", "--config.lr_decay_shape=1-sqrt"))
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert "resumed from step 4" in longer.stderr
     assert ("resuming step 4 with config.num_train_steps=6; the checkpoint was trained with "
             "config.num_train_steps=12") in longer.stderr
     assert "config.learning_rate=0.0; the checkpoint was trained with config.learning_rate=0.0001" in longer.stderr
+    # Warmup-stable-decay from the command line: the new schedule keys are compared too.
+    assert "config.lr_decay_steps=2; the checkpoint was trained with config.lr_decay_steps=None" in longer.stderr
+    assert "config.lr_decay_shape='1-sqrt'; the checkpoint was trained with config.lr_decay_shape='polynomial'" \
+        in longer.stderr
     assert "warmup_steps" not in longer.stderr  # unchanged keys are not reported
     assert "config.learning_rate=0: the parameters will not change" in longer.stderr
 

@@ -222,6 +222,29 @@ def test_schedules():
         optim.learning_rate_schedule(1.0, 200, 100)
 
 
+def test_warmup_stable_decay_holds_the_peak_then_decays_over_the_last_steps():
+    linear = optim.learning_rate_schedule(2.0, 10, 100, decay_steps=20)
+    # Warmup to 2 by step 10, 2 until step 80, then linear to 0 over 20 steps (step 85: 2 * 15/20).
+    np.testing.assert_allclose([float(linear(s)) for s in (0, 5, 10, 50, 80, 85, 95, 100, 130)],
+                               [0, 1.0, 2.0, 2.0, 2.0, 1.5, 0.5, 0.0, 0.0], atol=1e-6)
+    sqrt = optim.learning_rate_schedule(2.0, 10, 100, decay_steps=20, decay_shape="1-sqrt")
+    # 1 - sqrt(t): a quarter of the way (step 85) at 2 * (1 - 0.5); at t = 0.64 (step 92.8) 2 * 0.2.
+    np.testing.assert_allclose([float(sqrt(s)) for s in (80, 85, 100)], [2.0, 1.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(float(sqrt(92.8)), 0.4, atol=1e-5)
+    # Without a stable phase, "1-sqrt" decays from the end of warmup; the default is today's schedule.
+    no_stable = optim.learning_rate_schedule(1.0, 10, 110, decay_shape="1-sqrt")
+    np.testing.assert_allclose([float(no_stable(s)) for s in (10, 35, 110)], [1.0, 0.5, 0.0], atol=1e-6)
+    full = optim.learning_rate_schedule(1.0, 10, 100, decay_steps=90)
+    today = optim.learning_rate_schedule(1.0, 10, 100)
+    np.testing.assert_allclose([float(full(s)) for s in range(0, 101, 7)], [float(today(s)) for s in range(0, 101, 7)],
+                               atol=1e-6)
+    for bad, match in (({"decay_steps": 0}, "lr_decay_steps"), ({"decay_steps": 91}, "lr_decay_steps"),
+                       ({"decay_shape": "cosine"}, "lr_decay_shape"),
+                       ({"decay_steps": 10, "google_style": True}, "google_lr_schedule")):
+        with pytest.raises(ValueError, match=match):
+            optim.learning_rate_schedule(1.0, 10, 100, **bad)
+
+
 def test_weight_decay_mask_excludes_layernorm_and_biases():
     params = BertForPreTraining(CONFIG).init(jax.random.key(0), **modeling.dummy_inputs(CONFIG))["params"]
     mask = optim.weight_decay_mask(nn.meta.unbox(params))
