@@ -9,8 +9,8 @@ Every format passes through one in-memory form, `Pretrained` (`bert_jax.formats.
 has its module, which says what it holds on disk: `bert_jax.formats.google` (TF1 checkpoints, and the
 one name table), `bert_jax.formats.hf` (safetensors, Flax msgpack, torch .bin) and
 `bert_jax.formats.native` (our export directory and training workdirs). This module detects the
-format, reads and writes any of them, fetches Google's release archives, and is the CLI; the
-formats' public functions are importable from here too.
+format, reads and writes any of them, fetches Google's release archives, and is the CLI; it
+re-exports none of the formats' names (import `unrolled`, `to_hf`, ... from their modules).
 
 Encoder-only checkpoints report the missing heads; variables we have no place for (optimizer slots,
 `global_step`, HF's `position_ids` buffer, a fine-tuning head nothing describes) are listed and
@@ -31,16 +31,10 @@ from typing import Optional, Sequence
 import numpy as np
 from absl import logging
 
-# The formats' functions: used here, and importable from `bert_jax.convert` as before the split.
 from bert_jax import layout
-from bert_jax.formats.common import (  # noqa: F401
-    FINETUNED, FORMATS, HEADS, TASK_HEAD, Pretrained, _read_casing, _require, check_task, read_task,
-    tokenizer_config_json, unrolled)
-from bert_jax.formats.google import (  # noqa: F401
-    _GOOGLE_FIELDS, _google_prefix, from_google, google_config_dict, load_google, read_google_config, save_google,
-    to_google)
-from bert_jax.formats.hf import (  # noqa: F401
-    _HF_WEIGHTS, _read_hf_config, flax_to_hf_names, from_hf, hf_config_dict, hf_name, load_hf, save_hf, to_hf)
+from bert_jax.formats.common import FINETUNED, FORMATS, Pretrained, _require
+from bert_jax.formats.google import _google_prefix, load_google, read_google_config, save_google
+from bert_jax.formats.hf import _HF_WEIGHTS, _read_hf_config, load_hf, save_hf
 from bert_jax.formats.native import _bert_jax_source, load_bert_jax, save_bert_jax
 from bert_jax.model.model_config import DEFAULT_GOOGLE_GELU, GOOGLE_GELUS, BertConfig
 from data_pipeline import storage

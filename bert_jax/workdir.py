@@ -84,7 +84,7 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
     with the casing when it is known) next to the checkpoints. A file is written only when its
     content changes, so a finished (even read-only) workdir re-runs as a no-op. Call it on one
     process."""
-    from bert_jax import convert
+    from bert_jax.formats.common import tokenizer_config_json
 
     storage.makedirs(workdir)
     config_file = storage_paths.join(workdir, layout.MODEL_CONFIG)
@@ -98,7 +98,7 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
         write_if_changed(storage_paths.join(workdir, layout.VOCAB), storage.read_bytes(vocab_file))
     if do_lower_case is not None:
         write_if_changed(storage_paths.join(workdir, layout.TOKENIZER_CONFIG),
-                         convert.tokenizer_config_json(do_lower_case).encode())
+                         tokenizer_config_json(do_lower_case).encode())
 
 
 def write_if_changed(path: str, data: bytes) -> None:

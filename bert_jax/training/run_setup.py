@@ -108,6 +108,7 @@ def init_from_checkpoint(path: str, bert_config: BertConfig, fresh_params: dict,
     Heads the checkpoint lacks keep their fresh initialization (logged), unless `require_heads`.
     """
     from bert_jax import convert
+    from bert_jax.formats.common import TASK_HEAD
     pretrained = convert.load_pretrained(path, google_gelu=google_gelu)
     if pretrained.missing:
         if require_heads:
@@ -116,7 +117,7 @@ def init_from_checkpoint(path: str, bert_config: BertConfig, fresh_params: dict,
         logging.info("init_checkpoint has no %s head(s): they start from a fresh initialization",
                      ", ".join(pretrained.missing))
     loaded = convert.model_params(pretrained, bert_config)
-    if loaded.pop(convert.TASK_HEAD, None) is not None:  # a fine-tuned model: its task head has no place here
+    if loaded.pop(TASK_HEAD, None) is not None:  # a fine-tuned model: its task head has no place here
         logging.info("init_checkpoint is a fine-tuned model: its %s head is not used", pretrained.task_head)
     placed = sharding.place(loaded, {k: shardings[k] for k in loaded})
     return {**fresh_params, **placed}

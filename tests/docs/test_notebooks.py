@@ -55,6 +55,7 @@ def release_zip(tmp_path, words=None):
     """A release-style zip of a tiny random Google checkpoint, to 'download' from a file:// URL."""
     import jax
     from bert_jax import convert
+    from bert_jax.formats.common import unrolled
     from bert_jax.model.model_config import BertConfig
     from bert_jax.model.modeling import dummy_inputs
     from bert_jax.model.pretraining_heads import BertForPreTraining
@@ -65,7 +66,7 @@ def release_zip(tmp_path, words=None):
     cfg = BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=64)
     params = BertForPreTraining(cfg).init(jax.random.key(0), **dummy_inputs(cfg))["params"]
-    src = convert.save_google(convert.Pretrained(cfg, convert.unrolled(params), str(tmp_path / "vocab.txt"), True),
+    src = convert.save_google(convert.Pretrained(cfg, unrolled(params), str(tmp_path / "vocab.txt"), True),
                               str(tmp_path / "google"))
     archive = tmp_path / "uncased_L-2_H-32_A-4.zip"
     with zipfile.ZipFile(archive, "w") as z:

@@ -20,6 +20,7 @@ import pytest
 from bert_jax import convert
 from bert_jax.checkpoints import checkpointer
 from bert_jax.finetune import heads
+from bert_jax.formats.common import tokenizer_config_json, unrolled
 from bert_jax.model import modeling
 from bert_jax.model.model_config import BertConfig
 from bert_jax.training import train_state
@@ -60,7 +61,7 @@ def write_workdir(root, kind, *, best=None, last=None, config=CFG):
     config.to_json_file(str(root / "bert_config.json"))
     (root / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
                                               + [f"w{i}" for i in range(CFG.vocab_size - 5)]) + "\n")
-    (root / "tokenizer_config.json").write_text(convert.tokenizer_config_json(True))
+    (root / "tokenizer_config.json").write_text(tokenizer_config_json(True))
     (root / "task.json").write_text(json.dumps(task_json(kind)))
     if best is not None:
         with checkpointer.Checkpointer(str(root / "best"), save_interval_steps=1, max_to_keep=1,
@@ -102,7 +103,7 @@ def flat(tree):
 
 
 def assert_trees_equal(got, want):
-    got, want = flat(got), flat(convert.unrolled(want))
+    got, want = flat(got), flat(unrolled(want))
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
@@ -262,7 +263,7 @@ def test_head_shape_and_task_are_checked(tmp_path):
     with pytest.raises(ValueError, match="not a fine-tuned model"):
         convert.load_finetuned(work)
     with pytest.raises(ValueError, match="no task says what it is"):
-        convert.save_hf(convert.Pretrained(CFG, convert.unrolled(params)), str(tmp_path / "x"))
+        convert.save_hf(convert.Pretrained(CFG, unrolled(params)), str(tmp_path / "x"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 
 from bert_jax import convert
 from bert_jax.finetune import batches as finetune_batches, bucketing, loop as finetune, steps as finetune_steps
+from bert_jax.formats.google import to_google
 from configs import glue as glue_config
 from configs import ner as ner_config
 from tests.helpers.finetune_inputs import ENTITIES, WORDS, read_json, sentiment, tiny
@@ -154,9 +155,9 @@ def test_google_adamw_of_the_loop_matches_optimization_py(checkpoint):
         updates, state = jax.jit(tx.update)(g, state, p)
         p = jax.tree_util.tree_map(lambda a, u: np.asarray(a + u), p, updates)
     cfg = checkpoint["config"]
-    want = adam_weight_decay_reference(convert.to_google(params, cfg),
-                                       [convert.to_google(g, cfg) for g in grads], lrs)
-    got = convert.to_google(p, cfg)
+    want = adam_weight_decay_reference(to_google(params, cfg),
+                                       [to_google(g, cfg) for g in grads], lrs)
+    got = to_google(p, cfg)
     assert sorted(got) == sorted(want)
     assert any("LayerNorm" in k for k in want) and any(k.endswith("bias") for k in want)
     for k in want:

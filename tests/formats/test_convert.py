@@ -20,6 +20,7 @@ import pytest
 import scipy.special
 
 from bert_jax import convert
+from bert_jax.formats.google import _GOOGLE_FIELDS
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.modeling import BertModel
 from bert_jax.model.pretraining_heads import BertForPreTraining
@@ -254,7 +255,7 @@ def test_export_import_round_trip_is_bit_exact(google_dir, tmp_path, fmt, act):
     back = convert.load_pretrained(out)
     assert back.format == fmt
     assert_trees_equal(back.params, src.params)
-    for field in convert._GOOGLE_FIELDS + ("layer_norm_eps",):
+    for field in _GOOGLE_FIELDS + ("layer_norm_eps",):
         assert getattr(back.config, field) == getattr(src.config, field), field
     assert back.do_lower_case is True
     assert open(back.vocab_file).read() == open(src.vocab_file).read()

@@ -12,6 +12,7 @@ import pytest
 
 from bert_jax import convert, extract_features as ef
 from tests.helpers.xla_flags import xla_flags
+from bert_jax.formats.common import unrolled
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.modeling import BertModel
 from data_pipeline import tokenization
@@ -31,7 +32,7 @@ def checkpoint(tmp_path_factory):
     params = BertModel(config).init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
     params = jax.tree_util.tree_map(
         lambda x: np.asarray(x) + 0.1 * np.random.default_rng(x.size).standard_normal(x.shape), params)
-    p = convert.Pretrained(config, {"bert": convert.unrolled(params)}, str(d / "vocab.txt"), True)
+    p = convert.Pretrained(config, {"bert": unrolled(params)}, str(d / "vocab.txt"), True)
     return convert.save_hf(p, str(d / "hf")), config
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from bert_jax import convert, fill_mask
+from bert_jax.formats.common import unrolled
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.modeling import dummy_inputs
 from bert_jax.model.pretraining_heads import BertForPreTraining
@@ -23,7 +24,7 @@ def hf_dir(tmp_path_factory):
     params = BertForPreTraining(config).init(jax.random.key(1), **dummy_inputs(config))["params"]
     params = jax.tree_util.tree_map(
         lambda x: np.asarray(x) + 0.3 * np.random.default_rng(x.size).standard_normal(x.shape), params)
-    p = convert.Pretrained(config, convert.unrolled(params), str(d / "vocab.txt"), True)
+    p = convert.Pretrained(config, unrolled(params), str(d / "vocab.txt"), True)
     return convert.save_hf(p, str(d / "hf"))
 
 

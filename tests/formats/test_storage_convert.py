@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from bert_jax import convert
+from bert_jax.formats.google import from_google
 from bert_jax.model.model_config import BertConfig
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
@@ -35,7 +36,7 @@ def tiny_pretrained(tmp_path) -> convert.Pretrained:
                         intermediate_size=32, max_position_embeddings=24, hidden_act="gelu_tanh")
     rng = np.random.default_rng(0)
     variables = {e.google: rng.standard_normal(e.google_shape).astype(np.float32) for e in _table(config)}
-    params, missing, _ = convert.from_google(variables, config)
+    params, missing, _ = from_google(variables, config)
     assert missing == ()
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(VOCAB) + "\n")

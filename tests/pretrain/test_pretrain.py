@@ -369,11 +369,12 @@ def test_pretraining_continues_from_an_encoder_only_hf_checkpoint(data, tmp_path
     keeps them), the heads from a fresh initialization."""
     import jax
     from bert_jax import convert
+    from bert_jax.formats.common import unrolled
     from bert_jax.model import model_config, modeling
     config = model_config.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                  intermediate_size=64, max_position_embeddings=64)
     params = modeling.BertModel(config).init(jax.random.key(7), np.zeros((1, 8), np.int32))["params"]
-    src = convert.Pretrained(config, {"bert": convert.unrolled(params)}, None, True)
+    src = convert.Pretrained(config, {"bert": unrolled(params)}, None, True)
     convert.save_hf(src, str(tmp_path / "hf"))
     r = run(cmd(tmp_path / "w", data, f"--config.init_checkpoint={tmp_path / 'hf'}", "--config.num_train_steps=1",
                 "--config.learning_rate=0.0", "--config.warmup_steps=0"))
@@ -495,7 +496,8 @@ def test_offline_demo_end_to_end_shortened(tmp_path):
 
 
 def test_data_casing_comes_from_the_records_dataset_info(tmp_path):
-    from bert_jax import convert, workdir as workdir_files
+    from bert_jax import workdir as workdir_files
+    from bert_jax.formats.common import _read_casing
     from bert_jax.model import model_config
     from bert_jax.pretrain import phases, startup_checks
     for name, lower in (("uncased", True), ("cased", False), ("unknown", None)):
@@ -514,7 +516,7 @@ def test_data_casing_comes_from_the_records_dataset_info(tmp_path):
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("[PAD]\n[UNK]\n")
     workdir_files.write_model_files(str(tmp_path / "w"), config, str(vocab), False)
-    assert convert._read_casing(str(tmp_path / "w")) is False
+    assert _read_casing(str(tmp_path / "w")) is False
     # Written again only when changed: a finished (read-only) workdir re-runs as a no-op.
     files = [tmp_path / "w" / n for n in ("bert_config.json", "vocab.txt", "tokenizer_config.json")]
     times = [f.stat().st_mtime_ns for f in files]
@@ -522,7 +524,7 @@ def test_data_casing_comes_from_the_records_dataset_info(tmp_path):
     workdir_files.write_model_files(str(tmp_path / "w"), config, str(vocab), False)
     assert [f.stat().st_mtime_ns for f in files] == times
     workdir_files.write_model_files(str(tmp_path / "w"), config, str(vocab), True)
-    assert convert._read_casing(str(tmp_path / "w")) is True
+    assert _read_casing(str(tmp_path / "w")) is True
 
 
 def test_a_vocab_larger_than_the_model_is_an_error_naming_both(data, tmp_path):
