@@ -62,8 +62,8 @@ from data_pipeline.pretraining_data import chinese_words, corpora, instances as 
 from data_pipeline.records import manifests, schema, tfrecord
 from data_pipeline.storage import paths as storage_paths
 # The per-shard work and its options live in shards.py (the Beam runner shares them).
-from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_output_dir_free, dataset_info,
-                                                   init_worker, output_dir, output_index, shard_records)
+from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_output_dir_free, init_worker,
+                                                   output_dir, output_index, run_info, shard_records)
 
 FLAGS = flags.FLAGS
 
@@ -291,9 +291,9 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
     finally:
         for w in writers:
             w.close()
-    info = dataset_info(opts, totals, num_instances=written, seconds=time.time() - started,
-                        mode="reference_compatible" if reference_compatible else "fast", compression=compression,
-                        flags_used=flags_used, workers_rss=num_workers > 1 and not reference_compatible)
+    info = run_info(opts, totals, num_instances=written, seconds=time.time() - started,
+                    mode="reference_compatible" if reference_compatible else "fast", compression=compression,
+                    flags_used=flags_used, workers_rss=num_workers > 1 and not reference_compatible)
     manifest = manifests.write_dataset_info(out_dir, {w.path: w.num_records for w in writers}, info)
     for path in replaced:  # an earlier version's manifest of these very files, now described by this run's
         storage.remove(path, missing_ok=True)

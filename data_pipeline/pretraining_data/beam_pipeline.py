@@ -78,8 +78,8 @@ from data_pipeline import storage
 from data_pipeline.pretraining_data import corpora, instances as inst
 from data_pipeline.records import manifests, tfrecord
 from data_pipeline.storage import paths as storage_paths
-from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_output_dir_free, dataset_info,
-                                                   init_worker, output_dir, output_index, shard_records, worker_options)
+from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_output_dir_free, init_worker,
+                                                   output_dir, output_index, run_info, shard_records, worker_options)
 
 NAMESPACE = "create_pretraining_data"
 COUNTERS = ("shards", "documents", "empty_documents", "lines_with_bad_utf8", "instances", "records_written")
@@ -401,9 +401,9 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], comp
         _delete_temp_dir(temp_dir)
     totals = ShardTotals(corpora.ReadStats(**summary["read_stats"]), inst.MaskStats(**summary["mask_stats"]),
                              summary["worker_rss_mb"])
-    info = dataset_info(opts, totals, num_instances=summary["num_instances"], seconds=time.time() - started,
-                            mode="fast", compression=compression, flags_used=flags_used,
-                            workers_rss=summary["ran_outside_driver"])
+    info = run_info(opts, totals, num_instances=summary["num_instances"], seconds=time.time() - started,
+                    mode="fast", compression=compression, flags_used=flags_used,
+                    workers_rss=summary["ran_outside_driver"])
     found = counters(result)
     if found is not None:
         wrong = _check_counters(found, info)

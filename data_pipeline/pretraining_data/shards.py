@@ -4,7 +4,7 @@ What a shard needs and makes, and how shards add up: the `Options` (Google's fla
 per-process worker state (`init_worker`: the `FastTokenizer` and vocabulary, and with
 `--chinese_whole_word_mask` the word segmenter, loaded once per process), `shard_records` (an input shard -> framed TFRecord bytes per output bucket + statistics,
 a function of (seed, shard) only through `shard_rng`), `output_index` (which output file a shard's
-bucket goes to: the reference's round-robin), `ShardTotals` and `dataset_info` (the statistics
+bucket goes to: the reference's round-robin), `ShardTotals` and `run_info` (the statistics
 the run's manifest reports), `check_output_dir_free` (what a run may write into a folder that
 other runs' records are in).
 
@@ -253,8 +253,8 @@ def _some(names: list) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
-def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds: float, mode: str,
-                 compression: str, flags_used: Optional[dict], workers_rss: bool) -> dict:
+def run_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds: float, mode: str,
+             compression: str, flags_used: Optional[dict], workers_rss: bool) -> dict:
     """The run manifest's fields besides the file list (`manifests.write_dataset_info` adds that).
 
     Args:

@@ -3,7 +3,7 @@ folder; what a run writes into its own, which of them a glob touches, and whethe
 describe were made alike.
 
 A manifest, next to the TFRecords, records how they were made (all flags, seed, the vocab file's
-sha256, statistics: `shards.dataset_info`) and every output file (records, bytes, sha256) that the
+sha256, statistics: `shards.run_info`) and every output file (records, bytes, sha256) that the
 input pipeline checks before training: an empty or truncated TFRecord file reads without error in
 tf.data, so only the manifest catches it.
 
@@ -133,7 +133,7 @@ def write_dataset_info(directory: str, files: Mapping[str, int], info: Optional[
     Args:
       directory: where the TFRecords are (names in the manifest are relative to it).
       files: file path -> number of records written to it.
-      info: flags, seed, vocab sha256, statistics, ... (`shards.dataset_info` for a create-data run)
+      info: flags, seed, vocab sha256, statistics, ... (`shards.run_info` for a create-data run)
       name: the manifest's file name instead (`MANIFEST_NAME`: a folder as earlier versions wrote it).
     """
     manifest = {storage_paths.basename(p): file_entry(p, n) for p, n in sorted(files.items())}
