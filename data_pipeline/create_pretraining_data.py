@@ -35,7 +35,7 @@ inputs.
 
 Outputs: the TFRecords (gzip with `--compression=gzip`) and the run's manifest next to them, named
 after the output (`--output_file=data/train.tfrecord` -> `data/train.dataset_info.json`;
-`schema.run_manifest_name`): the flags, seed, vocab sha256, reading and masking statistics, and the
+`manifests.run_manifest_name`): the flags, seed, vocab sha256, reading and masking statistics, and the
 records, bytes and sha256 of each file, which the input pipeline verifies before training. Any
 number of runs may write into one folder, in parallel too (Google's "shard the input file and call
 the script multiple times": one run per input shard, each with its own `--output_file`); the
@@ -59,11 +59,11 @@ from absl import app, flags
 
 from data_pipeline import storage, tokenization
 from data_pipeline.pretraining_data import chinese_words, corpora, instances as inst, shards
-from data_pipeline.records import schema, tfrecord
+from data_pipeline.records import manifests, schema, tfrecord
 from data_pipeline.storage import paths as storage_paths
 # The per-shard work and its options live in shards.py (the Beam runner shares them).
-from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_output_dir_free, dataset_info,
-                                                   init_worker, output_dir, output_index, shard_records)
+from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_output_dir_free, init_worker,
+                                                   output_dir, output_index, run_info, shard_records)
 
 FLAGS = flags.FLAGS
 
@@ -291,10 +291,10 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
     finally:
         for w in writers:
             w.close()
-    info = dataset_info(opts, totals, num_instances=written, seconds=time.time() - started,
-                        mode="reference_compatible" if reference_compatible else "fast", compression=compression,
-                        flags_used=flags_used, workers_rss=num_workers > 1 and not reference_compatible)
-    manifest = schema.write_dataset_info(out_dir, {w.path: w.num_records for w in writers}, info)
+    info = run_info(opts, totals, num_instances=written, seconds=time.time() - started,
+                    mode="reference_compatible" if reference_compatible else "fast", compression=compression,
+                    flags_used=flags_used, workers_rss=num_workers > 1 and not reference_compatible)
+    manifest = manifests.write_dataset_info(out_dir, {w.path: w.num_records for w in writers}, info)
     for path in replaced:  # an earlier version's manifest of these very files, now described by this run's
         storage.remove(path, missing_ok=True)
     if not written:  # the files and statistics are written: they show what was read

@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from data_pipeline.input import pretraining as ip  # noqa: E402
-from data_pipeline.records import schema  # noqa: E402
+from data_pipeline.records import manifests, schema  # noqa: E402
 
 PAD, CLS, SEP, MASK, VOCAB = 0, 101, 102, 103, 30522
 SPECIAL = dict(pad_id=PAD, cls_id=CLS, sep_id=SEP, mask_id=MASK, vocab_size=VOCAB)
@@ -72,7 +72,7 @@ def write_data(directory: str, args, lengths: str) -> str:
                                             args.max_predictions_per_seq, lengths, rng):
                 writer.write(record)
         counts[path] = per_file
-    schema.write_dataset_info(directory, counts)
+    manifests.write_dataset_info(directory, counts)
     return os.path.join(directory, "train-*.tfrecord")
 
 

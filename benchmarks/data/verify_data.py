@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from data_pipeline import storage
-from data_pipeline.records import reader as records, schema
+from data_pipeline.records import manifests, reader as records
 from data_pipeline.storage import paths as storage_paths
 
 
@@ -45,7 +45,7 @@ def main(argv=None):
             path = storage_paths.join(args.dir, f"train-{i:05d}-of-{args.shards:05d}.tfrecord")
             storage.write_bytes(path, os.urandom(size))
             paths.append(path)
-        schema.write_dataset_info(args.dir, {p: 1 for p in paths})
+        manifests.write_dataset_info(args.dir, {p: 1 for p in paths})
         if not args.emulator:
             past = time.time() - 60  # written a minute ago (files written within 2 s are not remembered)
             for p in paths:

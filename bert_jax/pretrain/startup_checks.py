@@ -164,7 +164,7 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
         return
     from data_pipeline import storage, tokenization
     from data_pipeline.records import reader
-    from data_pipeline.records import schema
+    from data_pipeline.records import manifests
 
     digest = None
     for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
@@ -173,7 +173,7 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
         if not want:
             continue
         if digest is None:
-            digest = schema.sha256_file(vocab_file)  # as create_pretraining_data records it
+            digest = manifests.sha256_file(vocab_file)  # as create_pretraining_data records it
         if digest == want:
             continue
         made_with = info.get("flags", {}).get("vocab_file")

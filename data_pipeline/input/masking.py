@@ -13,7 +13,7 @@ where `num_tokens` counts the *real* tokens including [CLS] and [SEP] (as the re
 `len(tokens)` does; `round` is half-to-even in both), further capped by the number of candidates;
 candidates are the real tokens other than [CLS], [SEP] and [PAD]; each chosen position becomes
 [MASK] with probability 0.8, else keeps its token with probability 0.5, else becomes an id drawn
-uniformly from `[0, vocab_size)`. Positions are sorted ascending and padded with position 0,
+uniformly from `[0, vocab_size)` (`data_pipeline/masking_rule.py`, the rule all three maskers share). Positions are sorted ascending and padded with position 0,
 id 0, weight 0. With whole-word masking (`whole_word_mask`, by default as the records were made:
 `--do_whole_word_mask` in their manifests) the candidates are words instead, as in the
 reference: a word is a token and the `##` pieces after it (a boolean table over the vocabulary,
@@ -37,6 +37,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
+from data_pipeline import masking_rule
 from data_pipeline.records.reader import FilePatterns, dataset_info
 from data_pipeline.storage import split_patterns
 
@@ -320,7 +321,7 @@ def dynamic_mask(features: Mapping[str, tf.Tensor], seed: tf.Tensor, *,
     r_keep = tf.random.stateless_uniform(pshape, seeds[2])
     random_ids = tf.random.stateless_uniform(pshape, seeds[3], minval=0, maxval=sp.vocab_size,
                                              dtype=tf.int32)
-    replacement = tf.where(r_mask < 0.8, sp.mask_id, tf.where(r_keep < 0.5, labels, random_ids))
+    replacement = masking_rule.replace(r_mask, r_keep, labels, random_ids, sp.mask_id, tf.where)
     idx = tf.stack([_row_index(positions), positions], -1)  # [N, W, 2]
     input_ids = tf.tensor_scatter_nd_update(original, tf.boolean_mask(idx, chosen),
                                             tf.boolean_mask(replacement, chosen))

@@ -76,10 +76,10 @@ except ImportError as e:  # the core install does not have Beam
 
 from data_pipeline import storage
 from data_pipeline.pretraining_data import corpora, instances as inst
-from data_pipeline.records import schema, tfrecord
+from data_pipeline.records import manifests, tfrecord
 from data_pipeline.storage import paths as storage_paths
-from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_output_dir_free, dataset_info,
-                                                   init_worker, output_dir, output_index, shard_records, worker_options)
+from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_output_dir_free, init_worker,
+                                                   output_dir, output_index, run_info, shard_records, worker_options)
 
 NAMESPACE = "create_pretraining_data"
 COUNTERS = ("shards", "documents", "empty_documents", "lines_with_bad_utf8", "instances", "records_written")
@@ -249,7 +249,7 @@ class _WriteFile(beam.DoFn):
         finally:
             writer.close()
         self._records_written.inc(writer.num_records)
-        yield index, schema.manifest_entry(writer.num_records, out.num_bytes, out.sha256.hexdigest())
+        yield index, manifests.manifest_entry(writer.num_records, out.num_bytes, out.sha256.hexdigest())
 
 
 def _write_summary(_, path: str, totals: ShardTotals, files: List[Tuple[int, dict]],
@@ -374,7 +374,7 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], comp
       flags_used: the command line's flags, recorded in the run's manifest.
 
     Returns:
-      The info dict written to the run's manifest (`schema.run_manifest_name(outputs)`), without the file list.
+      The info dict written to the run's manifest (`manifests.run_manifest_name(outputs)`), without the file list.
 
     Raises:
       FileNotFoundError: naming a local input file that does not exist.
@@ -401,9 +401,9 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], comp
         _delete_temp_dir(temp_dir)
     totals = ShardTotals(corpora.ReadStats(**summary["read_stats"]), inst.MaskStats(**summary["mask_stats"]),
                              summary["worker_rss_mb"])
-    info = dataset_info(opts, totals, num_instances=summary["num_instances"], seconds=time.time() - started,
-                            mode="fast", compression=compression, flags_used=flags_used,
-                            workers_rss=summary["ran_outside_driver"])
+    info = run_info(opts, totals, num_instances=summary["num_instances"], seconds=time.time() - started,
+                    mode="fast", compression=compression, flags_used=flags_used,
+                    workers_rss=summary["ran_outside_driver"])
     found = counters(result)
     if found is not None:
         wrong = _check_counters(found, info)
@@ -413,9 +413,9 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], comp
     info["runner"] = {"name": "beam", "beam_runner": beam_runner, "pipeline_options": list(pipeline_args),
                       "counters": found}
     manifest = {os.path.basename(outputs[int(i)]): entry for i, entry in summary["files"].items()}
-    path = FileSystems.join(out_dir, schema.run_manifest_name(outputs))  # this run's own: parallel runs write others
+    path = FileSystems.join(out_dir, manifests.run_manifest_name(outputs))  # this run's own: parallel runs write others
     with _create(path + ".tmp") as f:
-        f.write(schema.dataset_info_json(manifest, info).encode())
+        f.write(manifests.dataset_info_json(manifest, info).encode())
     FileSystems.rename([path + ".tmp"], [path])
     if replaced:  # an earlier version's manifest of these very files
         FileSystems.delete(replaced)

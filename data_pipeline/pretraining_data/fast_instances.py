@@ -34,7 +34,8 @@ int32 array of token ids instead of lists of strings:
   (Floyd's sampling, one numpy step per draw for the whole batch); with it, the same greedy
   walk over a random order of the words, one numpy step per rank for the whole batch. Each masked position then becomes
   [MASK] with probability 0.8, keeps its token with 0.1, or becomes an id drawn uniformly from
-  the vocabulary list with 0.1 (the reference draws from `list(vocab.keys())`).
+  the vocabulary list with 0.1 (the reference draws from `list(vocab.keys())`): the rule of
+  `data_pipeline/masking_rule.py`, both of its uniforms drawn for every slot in advance.
 
 Nothing here does I/O or imports jax or tensorflow.
 """
@@ -47,7 +48,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import tokenization
+from data_pipeline import masking_rule, tokenization
 from data_pipeline.pretraining_data.instances import MaskStats
 
 
@@ -284,12 +285,11 @@ def masked_features(ids: np.ndarray, pairs: Pairs, vocab: Vocab, *, max_seq_leng
     used = np.arange(preds)[None, :] < count[:, None]
     safe = np.where(used, chosen, 0)
     labels = np.take_along_axis(tokens, safe, axis=1)
-    u = rng.random((batch, preds), dtype=np.float32)
-    keep = rng.random((batch, preds), dtype=np.float32) < 0.5
+    u_mask = rng.random((batch, preds), dtype=np.float32)
+    u_keep = rng.random((batch, preds), dtype=np.float32)
     random_word = vocab.word_ids[rng.integers(0, len(vocab.word_ids), (batch, preds))]
-    to_mask = used & (u < 0.8)
-    to_keep = used & ~to_mask & keep
-    to_random = used & ~to_mask & ~keep
+    is_mask, is_keep = masking_rule.outcomes(u_mask, u_keep)
+    to_mask, to_keep, to_random = used & is_mask, used & is_keep, used & ~is_mask & ~is_keep
     replaced = np.where(to_mask, vocab.mask_id, np.where(to_random, random_word, labels))
     mrow, mslot = np.nonzero(used)
     tokens[mrow, safe[mrow, mslot]] = replaced[mrow, mslot]

@@ -19,7 +19,8 @@ for random call, so that with the same `random.Random(seed)` and inputs the same
   masking's 2nd, 3rd, ... character of a segmenter word), shuffled; `num_to_predict = min(max_predictions_per_seq,
   max(1, round(len(tokens) * masked_lm_prob)))`; candidates are taken in order while they fit;
   each masked position becomes [MASK] (`random() < 0.8`), else keeps its token (`random() < 0.5`),
-  else a word drawn uniformly from the whole vocabulary list; positions sorted.
+  else a word drawn uniformly from the whole vocabulary list (`data_pipeline/masking_rule.py`);
+  positions sorted.
 
 This module holds no I/O; `create_pretraining_data` feeds it documents and writes what it returns.
 It never imports jax.
@@ -31,6 +32,7 @@ import dataclasses
 import random
 from typing import List, Sequence, Tuple
 
+from data_pipeline import masking_rule
 from data_pipeline.tokenization import CLS_TOKEN, MASK_TOKEN, SEP_TOKEN
 
 Tokens = List[str]
@@ -121,10 +123,11 @@ def create_masked_lm_predictions(tokens: Sequence[str], masked_lm_prob: float, m
             continue
         for index in index_set:
             covered.add(index)
-            if rng.random() < 0.8:
+            outcome = masking_rule.choose(rng.random)
+            if outcome == "mask":
                 replacement = MASK_TOKEN
                 stats.replaced_by_mask += 1
-            elif rng.random() < 0.5:
+            elif outcome == "keep":
                 replacement = tokens[index]
                 stats.kept += 1
             else:

@@ -4,7 +4,7 @@ What a shard needs and makes, and how shards add up: the `Options` (Google's fla
 per-process worker state (`init_worker`: the `FastTokenizer` and vocabulary, and with
 `--chinese_whole_word_mask` the word segmenter, loaded once per process), `shard_records` (an input shard -> framed TFRecord bytes per output bucket + statistics,
 a function of (seed, shard) only through `shard_rng`), `output_index` (which output file a shard's
-bucket goes to: the reference's round-robin), `ShardTotals` and `dataset_info` (the statistics
+bucket goes to: the reference's round-robin), `ShardTotals` and `run_info` (the statistics
 the run's manifest reports), `check_output_dir_free` (what a run may write into a folder that
 other runs' records are in).
 
@@ -213,7 +213,7 @@ def check_output_dir_free(out_dir: str, outputs: Sequence[str]) -> list[str]:
     """Refuses, before any work, a run that would leave a manifest of the folder wrong; returns
     the manifests this run's replaces (to delete once it is written).
 
-    Any number of runs write into one folder, each its own manifest (`schema.run_manifest_name`),
+    Any number of runs write into one folder, each its own manifest (`manifests.run_manifest_name`),
     so records of other runs are left alone. Refused: writing a file another run's manifest lists
     (that manifest would describe bytes that are gone), and rerunning under a name whose earlier
     run listed files this one does not write and that are still there (a rerun with another shard
@@ -222,7 +222,7 @@ def check_output_dir_free(out_dir: str, outputs: Sequence[str]) -> list[str]:
     there) is this run's: its manifest is replaced by this run's.
     """
     mine = {storage_paths.basename(p) for p in outputs}
-    own = schema.run_manifest_name(outputs)
+    own = manifests.run_manifest_name(outputs)
     replaced = []
     for manifest in manifests.in_directory(out_dir, lenient=True):  # unreadable: describes nothing
         name = storage_paths.basename(manifest.path)
@@ -244,7 +244,7 @@ def check_output_dir_free(out_dir: str, outputs: Sequence[str]) -> list[str]:
                 f"--output_file: {manifest.path} lists {len(clash)} of this run's output files ({_some(clash)}): "
                 f"writing them would leave that manifest describing records that are gone. Name this run's "
                 f"output differently (each run in a folder writes its own files and its own "
-                f"<output name>.{schema.MANIFEST_NAME}), or delete that manifest and its records first")
+                f"<output name>.{manifests.MANIFEST_NAME}), or delete that manifest and its records first")
     return replaced
 
 
@@ -253,9 +253,9 @@ def _some(names: list) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
-def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds: float, mode: str,
-                 compression: str, flags_used: Optional[dict], workers_rss: bool) -> dict:
-    """The run manifest's fields besides the file list (`schema.write_dataset_info` adds that).
+def run_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds: float, mode: str,
+             compression: str, flags_used: Optional[dict], workers_rss: bool) -> dict:
+    """The run manifest's fields besides the file list (`manifests.write_dataset_info` adds that).
 
     Args:
       workers_rss: whether the shards ran in processes other than this one (then their peak RSS
@@ -265,7 +265,7 @@ def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seco
         "flags": flags_used or dataclasses.asdict(opts),
         "random_seed": opts.random_seed,
         "mode": mode,
-        "vocab_sha256": schema.sha256_file(opts.vocab_file),
+        "vocab_sha256": manifests.sha256_file(opts.vocab_file),
         "max_seq_length": opts.max_seq_length,
         "max_predictions_per_seq": opts.max_predictions_per_seq,
         "compression": compression,
@@ -280,5 +280,5 @@ def dataset_info(opts: Options, totals: ShardTotals, *, num_instances: int, seco
     if opts.chinese_whole_word_mask:
         info["chinese_segmenter"] = {
             "name": "jieba", "version": chinese_words.segmenter_version(), "hmm": chinese_words.HMM,
-            "user_dict_sha256": schema.sha256_file(opts.chinese_user_dict) if opts.chinese_user_dict else None}
+            "user_dict_sha256": manifests.sha256_file(opts.chinese_user_dict) if opts.chinese_user_dict else None}
     return info

@@ -1,12 +1,19 @@
-"""Data manifests: one per run of `create_pretraining_data`, any number in a folder; which of them
-a glob touches, and whether the records they describe were made alike.
+"""Data manifests, written and read: one per run of `create_pretraining_data`, any number in a
+folder; what a run writes into its own, which of them a glob touches, and whether the records they
+describe were made alike.
+
+A manifest, next to the TFRecords, records how they were made (all flags, seed, the vocab file's
+sha256, statistics: `shards.run_info`) and every output file (records, bytes, sha256) that the
+input pipeline checks before training: an empty or truncated TFRecord file reads without error in
+tf.data, so only the manifest catches it.
 
 Google's README has users with large inputs "shard the input file and call the script multiple
 times", and a cluster's job array writes every shard's records into one folder. So each run
-writes its own manifest beside its records, named after its output (`schema.run_manifest_name`:
-`--output_file=data/shard-07.tfrecord` -> `data/shard-07.dataset_info.json`), whole or not at all:
-runs started in parallel into one folder never write the same file. A folder written by an earlier
-version holds one `dataset_info.json` (`schema.MANIFEST_NAME`), read the same way.
+writes its own manifest beside its records, named after its output (`run_manifest_name`:
+`--output_file=data/shard-07.tfrecord` -> `data/shard-07.dataset_info.json`), whole or not at all
+(`write_dataset_info`): runs started in parallel into one folder never write the same file. A
+folder written by an earlier version holds one `dataset_info.json` (`MANIFEST_NAME`), read the
+same way.
 
 The trainer reads the records a glob matches as one dataset, so every manifest listing one of them
 must record the same settings (`settings`: the vocabulary's sha256, casing, lengths, masking):
@@ -15,7 +22,7 @@ parse with the rest. `check_agree` refuses them, naming both manifests, the fiel
 What may differ between runs is what varies the data and not its meaning: inputs, seed,
 dupe_factor, short_seq_prob, worker and shard counts, compression, mode.
 
-`records.check_files` (before training and evaluation) and `records.dataset_info` (the flags the
+`reader.check_files` (before training and evaluation) and `reader.dataset_info` (the flags the
 trainer reads: casing, vocabulary, whole-word masking) both go through `touching` and
 `check_agree`; `shards.check_output_dir_free` (before a run writes) reads the folder's manifests
 through `in_directory`.
@@ -30,15 +37,15 @@ import fnmatch
 import json
 import logging
 import os
+import re
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from data_pipeline import storage
-from data_pipeline.records import schema
 from data_pipeline.storage import paths as storage_paths
 
 log = logging.getLogger(__name__)
 
-LEGACY_NAME = schema.MANIFEST_NAME
+MANIFEST_NAME = "dataset_info.json"  # a folder's one manifest in earlier versions; every run's name ends with it
 
 
 class UnreadableManifest(ValueError):
@@ -55,7 +62,89 @@ class ManifestMismatchError(ValueError):
 
 def is_manifest(name: str) -> bool:
     """Whether a file name is a data manifest: a run's `<stem>.dataset_info.json` or the legacy one."""
-    return name == LEGACY_NAME or name.endswith("." + LEGACY_NAME)
+    return name == MANIFEST_NAME or name.endswith("." + MANIFEST_NAME)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: one run's manifest
+# ---------------------------------------------------------------------------------------------
+
+
+def sha256_file(path: str) -> str:
+    """The hex sha256 of a file (local or gs://, through `storage`)."""
+    return storage.sha256(path)
+
+
+def manifest_entry(num_records: int, num_bytes: int, sha256: str) -> dict:
+    """One file's manifest entry (what `records.reader` verifies before training)."""
+    return {"num_records": int(num_records), "num_bytes": int(num_bytes), "sha256": sha256}
+
+
+def file_entry(path: str, num_records: int) -> dict:
+    """The manifest entry of a written file: its size and sha256 read from it."""
+    return manifest_entry(num_records, storage.getsize(path), sha256_file(path))
+
+
+def dataset_info_json(manifest: Mapping[str, dict], info: Optional[dict] = None) -> str:
+    """The text of dataset_info.json: `info`, the schema version and `manifest` {file name: entry}."""
+    out = dict(info or {})
+    out["schema_version"] = 1
+    out["files"] = dict(manifest)
+    return json.dumps(out, indent=2, sort_keys=True) + "\n"
+
+
+_SHARD_NAME = re.compile(r"(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})(?P<ext>.*)")
+_RECORD_EXTENSIONS = (".tfrecords", ".tfrecord", ".tfrec")
+
+
+def run_manifest_name(outputs: Sequence[str]) -> str:
+    """The manifest file name of a run writing `outputs` (one folder): `<stem>.dataset_info.json`.
+
+    The stem is the first output's name (sorted) less its record extensions (`.gz`, `.tfrecord`,
+    ...), and less the shard number when the outputs are exactly the numbered family one name
+    makes (`--num_output_shards`, or the library's `part-*`). A lone numbered file keeps its
+    number: a job array whose task i writes `wiki-0000i-of-00100.tfrecord` gives each task its own
+    manifest.
+
+    Example: `["d/train-00000-of-00002.tfrecord.gz", "d/train-00001-of-00002.tfrecord.gz"]` ->
+    `train.dataset_info.json`; `["d/shard-07.tfrecord"]` -> `shard-07.dataset_info.json`.
+    """
+    names = sorted(storage_paths.basename(p) for p in outputs)
+    if not names:
+        raise ValueError("a run writes at least one output file")
+    name = names[0]
+    family = _SHARD_NAME.fullmatch(name)
+    if family and int(family["count"]) == len(names) > 0 and names == [
+            f"{family['stem']}-{i:05d}-of-{family['count']}{family['ext']}" for i in range(len(names))]:
+        name = family["stem"] + family["ext"]
+    for extensions in ((".gz",), _RECORD_EXTENSIONS):
+        for ext in extensions:
+            if name.endswith(ext) and len(name) > len(ext):
+                name = name[: -len(ext)]
+                break
+    return f"{name}.{MANIFEST_NAME}"
+
+
+def write_dataset_info(directory: str, files: Mapping[str, int], info: Optional[dict] = None,
+                       name: Optional[str] = None) -> str:
+    """Writes the run's manifest `directory/<run_manifest_name(files)>`: `info` plus `files`
+    {name: {num_records, num_bytes, sha256}}; returns its path.
+
+    Args:
+      directory: where the TFRecords are (names in the manifest are relative to it).
+      files: file path -> number of records written to it.
+      info: flags, seed, vocab sha256, statistics, ... (`shards.run_info` for a create-data run)
+      name: the manifest's file name instead (`MANIFEST_NAME`: a folder as earlier versions wrote it).
+    """
+    manifest = {storage_paths.basename(p): file_entry(p, n) for p, n in sorted(files.items())}
+    path = storage_paths.join(directory, name or run_manifest_name(list(files)))
+    storage.write_text(path, dataset_info_json(manifest, info))  # whole or not at all
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: the manifests a glob touches
+# ---------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +157,13 @@ class Manifest:
 
     @property
     def legacy(self) -> bool:
-        return storage_paths.basename(self.path) == LEGACY_NAME
+        return storage_paths.basename(self.path) == MANIFEST_NAME
 
 
 def read(path: str, *, lenient: bool = False) -> Manifest:
     """The manifest at `path`. Raises `UnreadableManifest` when it is not a JSON object or its
     file list is malformed; `lenient` reads a missing or malformed file list as none (the flags
-    alone are what `dataset_info`'s callers want)."""
+    alone are what `reader.dataset_info`'s callers want)."""
     try:
         info = json.loads(storage.read_text(path))
     except (OSError, ValueError) as e:

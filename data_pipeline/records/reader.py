@@ -18,7 +18,7 @@ checks every CRC).
   `ManifestMismatchError` names both manifests, the field and both values; checked whether or not
   the files are verified.
 - **Integrity, before training.** With `verify=True` each file is checked against the manifest
-  that lists it (size, sha256, record count; `schema.py` writes it): a file no manifest lists, or
+  that lists it (size, sha256, record count; `manifests.py` writes it): a file no manifest lists, or
   a missing, empty, truncated, bit-flipped or garbage file raises `CorruptDataError` naming the file.
   With `skip_corrupt=True` exactly the good records of the bad file are read, in place (no copy:
   `scan_tfrecord_file` walks the record framing, checks every CRC and records where each good
@@ -41,13 +41,11 @@ from typing import Optional, Sequence, Union
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
 from data_pipeline import storage
-from data_pipeline.records import manifests, schema
+from data_pipeline.records import manifests
 from data_pipeline.records.scan import count_records_by_framing, is_gzip, scan_tfrecord_file
 from data_pipeline.storage import paths as storage_paths, staging as storage_staging
 
 log = logging.getLogger(__name__)
-
-MANIFEST_NAME = schema.MANIFEST_NAME
 
 FilePatterns = Union[str, Sequence[str]]
 
@@ -140,7 +138,7 @@ def shard_files(files: Sequence[str], process_index: int, process_count: int) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# The manifests (one per run, `<run>.dataset_info.json`, written by schema.py next to the TFRecords)
+# The manifests (one per run, `<run>.dataset_info.json`, written by manifests.py next to the TFRecords)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -310,7 +308,7 @@ class KnownHashes:
                 self._shared_used[key] = entry
             return entry["sha256"]
         started = time.time()
-        digest = schema.sha256_file(path)
+        digest = manifests.sha256_file(path)
         self.counts["hashed_files"] += 1
         self.counts["hashed_bytes"] += int(identity[0])
         if storage_paths.is_remote(path) or identity[1] / 1e9 < started - self.RACY_S:
@@ -386,7 +384,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
                                            if _pattern_has_glob(pattern) else "input file is missing")
                                            + _what_is_there(pattern))
                 raise CorruptDataError(
-                    storage_paths.join(directory, "*." + MANIFEST_NAME),
+                    storage_paths.join(directory, "*." + manifests.MANIFEST_NAME),
                     "no data manifest next to the input files (create_pretraining_data writes one per run); "
                     "to read them unchecked " + _VERIFY_HINT)
             listed_by: dict[str, str] = {}
@@ -406,8 +404,9 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
         manifests.check_agree(touched, what)
         unlisted = sorted(p for p in found if p not in infos)
         if unlisted:
-            raise CorruptDataError(unlisted[0], f"is not listed in any data manifest of its folder (*.{MANIFEST_NAME}; "
-                                   f"{len(unlisted)} unlisted files); to read it anyway " + _VERIFY_HINT)
+            raise CorruptDataError(unlisted[0], "is not listed in any data manifest of its folder "
+                                   f"(*.{manifests.MANIFEST_NAME}; {len(unlisted)} unlisted files); "
+                                   "to read it anyway " + _VERIFY_HINT)
         for pattern in unmatched:
             if not any(fnmatch.fnmatchcase(p, pattern) for p in expected):
                 raise CorruptDataError(pattern, "no input file (on disk or in the manifest) "

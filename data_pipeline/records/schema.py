@@ -1,4 +1,4 @@
-"""THE pretraining TFRecord schema (Google's), and the data manifest: the contract of the project.
+"""THE pretraining TFRecord schema (Google's): the contract of the project.
 
 Writer (`create_pretraining_data`) and reader (`records.reader`, `input.pretraining`) both use this module; it is the
 only place the feature names, dtypes and shapes are defined.
@@ -12,32 +12,19 @@ Features of one record (google-research/bert `create_pretraining_data.py`), zero
 | masked_lm_weights | float32 | max_predictions_per_seq |
 | next_sentence_labels | int64 | 1 (1 = the second segment is random) |
 
-The data manifest, next to the TFRecords, records how they were made (all flags, seed, the vocab
-file's sha256, statistics) and every output file (records, bytes, sha256) that the input pipeline
-checks before training: an empty or truncated TFRecord file reads without error in tf.data, so only
-the manifest catches it. One manifest per run, named after the run's output (`run_manifest_name`:
-`--output_file=data/train.tfrecord` writes `data/train.dataset_info.json`), so any number of runs,
-a cluster's job array among them, write into one folder without touching each other's manifests
-(`manifests.py` reads them back). Folders written by earlier versions hold one `dataset_info.json`
-(`MANIFEST_NAME`), still read.
+The data manifest written beside the records (how they were made, every file's records, bytes and
+sha256) is `manifests.py`'s.
 
 This module never imports jax; tensorflow is imported only by the functions that need it (parsing,
-`tf.train.Example`): the fast writer runs without it. Files (local or gs://) go through `storage`,
-which imports no TensorFlow.
+`tf.train.Example`): the fast writer runs without it.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from data_pipeline import storage
-from data_pipeline.storage import paths as storage_paths
-
-MANIFEST_NAME = "dataset_info.json"  # a folder's one manifest in earlier versions; every run's name ends with it
 INT_FEATURES_SEQ = ("input_ids", "input_mask", "segment_ids")
 INT_FEATURES_PRED = ("masked_lm_positions", "masked_lm_ids")
 FEATURE_ORDER = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
@@ -121,82 +108,6 @@ def decode_example(serialized: bytes) -> dict:
         out[name] = np.array(getattr(feat, kind).value,
                              np.float32 if kind == "float_list" else np.int64)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Manifest
-# ---------------------------------------------------------------------------------------------
-
-
-def sha256_file(path: str) -> str:
-    """The hex sha256 of a file (local or gs://, through `storage`)."""
-    return storage.sha256(path)
-
-
-def manifest_entry(num_records: int, num_bytes: int, sha256: str) -> dict:
-    """One file's manifest entry (what `records.reader` verifies before training)."""
-    return {"num_records": int(num_records), "num_bytes": int(num_bytes), "sha256": sha256}
-
-
-def file_entry(path: str, num_records: int) -> dict:
-    return manifest_entry(num_records, storage.getsize(path), sha256_file(path))
-
-
-def dataset_info_json(manifest: Mapping[str, dict], info: Optional[dict] = None) -> str:
-    """The text of dataset_info.json: `info`, the schema version and `manifest` {file name: entry}."""
-    out = dict(info or {})
-    out["schema_version"] = 1
-    out["files"] = dict(manifest)
-    return json.dumps(out, indent=2, sort_keys=True) + "\n"
-
-
-_SHARD_NAME = re.compile(r"(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})(?P<ext>.*)")
-_RECORD_EXTENSIONS = (".tfrecords", ".tfrecord", ".tfrec")
-
-
-def run_manifest_name(outputs: Sequence[str]) -> str:
-    """The manifest file name of a run writing `outputs` (one folder): `<stem>.dataset_info.json`.
-
-    The stem is the first output's name (sorted) less its record extensions (`.gz`, `.tfrecord`,
-    ...), and less the shard number when the outputs are exactly the numbered family one name
-    makes (`--num_output_shards`, or the library's `part-*`). A lone numbered file keeps its
-    number: a job array whose task i writes `wiki-0000i-of-00100.tfrecord` gives each task its own
-    manifest.
-
-    Example: `["d/train-00000-of-00002.tfrecord.gz", "d/train-00001-of-00002.tfrecord.gz"]` ->
-    `train.dataset_info.json`; `["d/shard-07.tfrecord"]` -> `shard-07.dataset_info.json`.
-    """
-    names = sorted(storage_paths.basename(p) for p in outputs)
-    if not names:
-        raise ValueError("a run writes at least one output file")
-    name = names[0]
-    family = _SHARD_NAME.fullmatch(name)
-    if family and int(family["count"]) == len(names) > 0 and names == [
-            f"{family['stem']}-{i:05d}-of-{family['count']}{family['ext']}" for i in range(len(names))]:
-        name = family["stem"] + family["ext"]
-    for extensions in ((".gz",), _RECORD_EXTENSIONS):
-        for ext in extensions:
-            if name.endswith(ext) and len(name) > len(ext):
-                name = name[: -len(ext)]
-                break
-    return f"{name}.{MANIFEST_NAME}"
-
-
-def write_dataset_info(directory: str, files: Mapping[str, int], info: Optional[dict] = None,
-                       name: Optional[str] = None) -> str:
-    """Writes the run's manifest `directory/<run_manifest_name(files)>`: `info` plus `files`
-    {name: {num_records, num_bytes, sha256}}; returns its path.
-
-    Args:
-      directory: where the TFRecords are (names in the manifest are relative to it).
-      files: file path -> number of records written to it.
-      info: flags, seed, vocab sha256, statistics, ...
-      name: the manifest's file name instead (`MANIFEST_NAME`: a folder as earlier versions wrote it).
-    """
-    manifest = {storage_paths.basename(p): file_entry(p, n) for p, n in sorted(files.items())}
-    path = storage_paths.join(directory, name or run_manifest_name(list(files)))
-    storage.write_text(path, dataset_info_json(manifest, info))  # whole or not at all
-    return path
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from data_pipeline.input import masking, packing
-from data_pipeline.records import schema
+from data_pipeline.records import manifests
 from tests.helpers.numbered_records import (CLS, L, MASK, P, PAD, SEP, SPECIAL, VOCAB, make_input, make_record,
                                             originals, record_ids, stack_records, write_dataset)
 
@@ -309,7 +309,7 @@ def test_whole_word_dynamic_mask_on_packed_rows_keeps_sequences_apart():
 def _wwm_dataset(directory: Path, recorded) -> str:
     paths = write_dataset(directory, [6, 6])
     info = {"flags": {"do_whole_word_mask": recorded}} if recorded is not None else None
-    schema.write_dataset_info(str(directory), {p: 6 for p in paths}, info)
+    manifests.write_dataset_info(str(directory), {p: 6 for p in paths}, info)
     return str(directory / "part-*.tfrecord")
 
 

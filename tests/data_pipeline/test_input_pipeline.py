@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from data_pipeline.input import pretraining as ip
-from data_pipeline.records import reader as records_module, schema
+from data_pipeline.records import manifests, reader as records_module
 from tests.helpers.numbered_records import L, P, SPECIAL, make_input, record_ids, write_dataset
 
 
@@ -293,7 +293,7 @@ def test_lenient_mode_skips_exactly_the_bad_records_and_counts_them(tmp_path, ki
     # (TensorFlow's autograph may leave its own `__autograph_generated_file*.py` there.)
     ours = [p for p in temp.iterdir() if not p.name.startswith("__autograph_generated_file")]
     assert ours == [] and sorted(os.listdir(tmp_path / "data")) == sorted(
-        [os.path.basename(p) for p in paths if os.path.exists(p)] + [schema.run_manifest_name(paths)])
+        [os.path.basename(p) for p in paths if os.path.exists(p)] + [manifests.run_manifest_name(paths)])
 
 
 def test_lenient_mode_reads_the_good_records_byte_for_byte_in_runs(tmp_path, monkeypatch):
@@ -328,7 +328,7 @@ def test_a_missing_manifest_or_an_unlisted_file_is_an_error(tmp_path):
     Path(tmp_path / "part-00009.tfrecord").write_bytes(Path(paths[0]).read_bytes())
     with pytest.raises(records_module.CorruptDataError, match="part-00009.*not listed"):
         make_input(str(tmp_path / "part-*.tfrecord"))
-    os.remove(tmp_path / schema.run_manifest_name(paths))
+    os.remove(tmp_path / manifests.run_manifest_name(paths))
     with pytest.raises(records_module.CorruptDataError, match="verify=False"):
         make_input(str(tmp_path / "part-*.tfrecord"))
     assert make_input(str(tmp_path / "part-*.tfrecord"), verify=False).stats["records_in_files"] == 9

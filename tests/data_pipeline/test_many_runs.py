@@ -17,7 +17,7 @@ tf = pytest.importorskip("tensorflow")
 
 from data_pipeline import create_pretraining_data as cpd  # noqa: E402
 from data_pipeline.pretraining_data import shards  # noqa: E402
-from data_pipeline.records import manifests, reader as records, schema  # noqa: E402
+from data_pipeline.records import manifests, reader as records  # noqa: E402
 from tests.helpers.pretraining_records import read_records  # noqa: E402
 from tests.helpers.synthetic_corpus import synthetic_corpus  # noqa: E402
 
@@ -40,7 +40,7 @@ def make(tmp_path, text, vocab, name: str, **flags) -> dict:
 
 
 def test_a_runs_manifest_is_named_after_its_output():
-    name = schema.run_manifest_name
+    name = manifests.run_manifest_name
     assert name(cpd.output_paths("d/train.tfrecord", 16, "gzip")) == "train.dataset_info.json"
     assert name(cpd.output_paths("d/train.tfrecord", 1, "none")) == "train.dataset_info.json"
     assert name(["d/shard-07.tfrecord"]) == "shard-07.dataset_info.json"

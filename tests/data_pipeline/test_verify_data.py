@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from data_pipeline.records import reader as records, schema  # noqa: E402
+from data_pipeline.records import manifests, reader as records  # noqa: E402
 from data_pipeline.records.reader import CorruptDataError  # noqa: E402
 from tests.helpers.numbered_records import write_dataset  # noqa: E402
 
@@ -19,13 +19,13 @@ def hashed(monkeypatch, tmp_path):
     """The files sha256_file reads, in order; the cache in the test's own folder."""
     monkeypatch.setenv("BERT_JAX_CACHE_DIR", str(tmp_path / "cache"))
     seen = []
-    real = schema.sha256_file
+    real = manifests.sha256_file
 
     def counting(path):
         seen.append(os.path.basename(path))
         return real(path)
 
-    monkeypatch.setattr(schema, "sha256_file", counting)
+    monkeypatch.setattr(manifests, "sha256_file", counting)
     return seen
 
 
@@ -91,7 +91,7 @@ def test_in_a_bucket_the_generation_is_the_identity(tmp_path, bucket, hashed):
     from data_pipeline import storage
 
     paths = write_dataset(tmp_path / "d", [3, 4])
-    for p in paths + [str(tmp_path / "d" / schema.run_manifest_name(paths))]:
+    for p in paths + [str(tmp_path / "d" / manifests.run_manifest_name(paths))]:
         storage.copy(p, f"{bucket}/d/{os.path.basename(p)}")
     hashed.clear()
     pattern = f"{bucket}/d/*.tfrecord"
@@ -111,7 +111,7 @@ def _upload(tmp_path, bucket, counts) -> list[str]:
     from data_pipeline import storage
 
     paths = write_dataset(tmp_path / "d", counts)
-    for p in paths + [str(tmp_path / "d" / schema.run_manifest_name(paths))]:
+    for p in paths + [str(tmp_path / "d" / manifests.run_manifest_name(paths))]:
         storage.copy(p, f"{bucket}/d/{os.path.basename(p)}")
     return [f"{bucket}/d/{os.path.basename(p)}" for p in paths]
 

@@ -31,10 +31,11 @@ LAYERS = (
 )
 LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
-# data_pipeline's stages, bottom up (docs/architecture.md): the package's root and `tf_import` (TensorFlow
-# without Keras), then one folder per stage, then the two command-line programs.
+# data_pipeline's stages, bottom up (docs/architecture.md): the package's root, `tf_import` (TensorFlow
+# without Keras) and `masking_rule` (BERT's 80/10/10, shared by the three maskers), then one folder per
+# stage, then the two command-line programs.
 DP_LAYERS = (
-    ("data_pipeline", "tf_import"),
+    ("data_pipeline", "tf_import", "masking_rule"),
     ("storage/",),
     ("tokenization/",),
     ("records/",),

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from data_pipeline.input import pretraining as ip
-from data_pipeline.records import schema
+from data_pipeline.records import manifests, schema
 
 L, P = 32, 5  # max_seq_length, max_predictions_per_seq of the test records
 PAD, CLS, SEP, MASK, VOCAB = 0, 101, 102, 103, 30000
@@ -57,7 +57,7 @@ def write_dataset(directory: Path, counts: list[int], first_id: int = 0, gzip: b
                 writer.write(schema.serialize(make_record(rid)))
                 rid += 1
         paths.append(path)
-    schema.write_dataset_info(str(directory), dict(zip(paths, counts)))
+    manifests.write_dataset_info(str(directory), dict(zip(paths, counts)))
     return paths
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from data_pipeline import storage
-from data_pipeline.records import schema
+from data_pipeline.records import manifests
 from data_pipeline.storage import gcs as storage_gcs
 from tests.helpers import fake_pod, fault_hooks
 from tests.helpers.pretraining_records import logged_losses, write_records
@@ -81,7 +81,7 @@ def pod(gcs_server, tmp_path):
     for i in range(4):
         write_records(tmp_path / f"train-{i}.tfrecord", 48, seed=i)
         storage.copy(str(tmp_path / f"train-{i}.tfrecord"), f"{bucket}/data/train-{i}.tfrecord")
-    schema.write_dataset_info(f"{bucket}/data", {f"{bucket}/data/train-{i}.tfrecord": 48 for i in range(4)})
+    manifests.write_dataset_info(f"{bucket}/data", {f"{bucket}/data/train-{i}.tfrecord": 48 for i in range(4)})
     fake = fake_pod.install(tmp_path, workers=2, python=sys.executable)
     python = Path(fake["BIN"]) / "python"
     python.write_text(FAKE_PYTHON)

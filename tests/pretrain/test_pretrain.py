@@ -553,12 +553,12 @@ def test_bad_settings_and_bad_eval_data_stop_before_any_training(data, tmp_path)
         return cfg
 
     # One glob over the records of two runs made otherwise (casing): refused, naming both manifests.
-    from data_pipeline.records import schema
+    from data_pipeline.records import manifests
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     for name, lower in (("a", True), ("b", False)):
         shutil.copy(data / "train-0.tfrecord", mixed / f"{name}.tfrecord")
-        schema.write_dataset_info(str(mixed), {str(mixed / f"{name}.tfrecord"): 64},
+        manifests.write_dataset_info(str(mixed), {str(mixed / f"{name}.tfrecord"): 64},
                                   {"flags": {"do_lower_case": lower}})
 
     cases = [(dict(learning_rate=-1e-4), r"config.learning_rate=-0.0001 must not be negative"),
