@@ -11,5 +11,3 @@
 `bert_jax.convert` detects the format, dispatches to these, and is the CLI. None of them imports
 tensorflow except inside the two functions that read and write Google's checkpoints.
 """
-
-from bert_jax.formats.common import FORMATS, HEADS, Pretrained  # noqa: F401

@@ -42,10 +42,8 @@ from data_pipeline.storage import paths as storage_paths
 from data_pipeline.tokenization import CLS_TOKEN, SEP_TOKEN
 
 from data_pipeline.tasks import Task, check_vocab, pad_row, read_json, stack, tfds_examples
-# The official scorer lives in squad_eval; its names stay importable from here (and `main` runs below).
-from data_pipeline.tasks.squad_eval import (  # noqa: F401
-    _best_threshold, check_complete, evaluate_v1, evaluate_v2, exact_match_score, f1_score_v1, f1_score_v2,
-    gold_from_json, main, normalize_answer)
+# The official scorer lives in squad_eval; `python -m data_pipeline.tasks.squad` runs its `main` (below).
+from data_pipeline.tasks.squad_eval import evaluate_v1, evaluate_v2, main
 
 
 @dataclasses.dataclass

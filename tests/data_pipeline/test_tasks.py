@@ -10,7 +10,7 @@ import pytest
 
 from bert_jax.finetune import bucketing, batches as finetune_batches
 from data_pipeline import tasks, tokenization
-from data_pipeline.tasks import glue, multiple_choice, ner, squad
+from data_pipeline.tasks import glue, multiple_choice, ner, squad, squad_eval
 
 WORDS = ["the", "cat", "sat", "on", "mat", "john", "smith", "lives", "in", "paris", "cafe", "una", "##ffa",
          "##ble", "who", "where", "is", "was", "a", "dog", ".", ",", "?", "1996", "-", "08"]
@@ -312,32 +312,32 @@ def test_batches_are_cut_to_the_global_batchs_longest_row_on_every_host():
 
 
 def test_squad_normalization_and_f1_hand_worked():
-    assert squad.normalize_answer("The  Cat, sat!") == "cat sat"
-    assert squad.normalize_answer("an apple a day") == "apple day"
-    assert squad.normalize_answer("theater") == "theater"  # articles only as whole words
-    assert squad.normalize_answer("Hello-World") == "helloworld"  # punctuation removed, not split
-    assert squad.exact_match_score("the Eiffel Tower.", "Eiffel tower") == 1.0
+    assert squad_eval.normalize_answer("The  Cat, sat!") == "cat sat"
+    assert squad_eval.normalize_answer("an apple a day") == "apple day"
+    assert squad_eval.normalize_answer("theater") == "theater"  # articles only as whole words
+    assert squad_eval.normalize_answer("Hello-World") == "helloworld"  # punctuation removed, not split
+    assert squad_eval.exact_match_score("the Eiffel Tower.", "Eiffel tower") == 1.0
     # pred "the big red dog" -> [big, red, dog]; gold "red dog" -> [red, dog]: P 2/3, R 1, F1 0.8.
-    assert squad.f1_score_v1("the big red dog", "red dog") == pytest.approx(0.8)
-    assert squad.f1_score_v1("cat", "dog") == 0.0
-    assert squad.f1_score_v2("", "") == 1.0 and squad.f1_score_v2("dog", "") == 0.0
+    assert squad_eval.f1_score_v1("the big red dog", "red dog") == pytest.approx(0.8)
+    assert squad_eval.f1_score_v1("cat", "dog") == 0.0
+    assert squad_eval.f1_score_v2("", "") == 1.0 and squad_eval.f1_score_v2("dog", "") == 0.0
     gold = [("q1", ["red dog", "a dog"]), ("q2", ["Paris"]), ("q3", ["1996"])]
-    out = squad.evaluate_v1(gold, {"q1": "the big red dog", "q2": "paris", "q3": "1996"})
+    out = squad_eval.evaluate_v1(gold, {"q1": "the big red dog", "q2": "paris", "q3": "1996"})
     assert out == pytest.approx({"exact_match": 200 / 3, "f1": 100 * (0.8 + 1.0 + 1.0) / 3})
 
 
 def test_squad_partial_predictions_fail_unless_allowed(tmp_path, capsys):
     gold = [("q1", ["red dog", "a dog"]), ("q2", ["Paris"]), ("q3", ["1996"]), ("q4", [])]
     preds = {"q1": "the big red dog", "q2": "paris"}
-    for evaluate in (squad.evaluate_v1, squad.evaluate_v2):
+    for evaluate in (squad_eval.evaluate_v1, squad_eval.evaluate_v2):
         with pytest.raises(ValueError, match=r"2 of 4 questions have no prediction \(e.g. q3, q4\).*allow_partial"):
             evaluate(gold, preds)
     # v1.1's official rule: a missing question scores 0 and stays in the total.
-    assert squad.evaluate_v1(gold[:3], preds, allow_partial=True) == pytest.approx(
+    assert squad_eval.evaluate_v1(gold[:3], preds, allow_partial=True) == pytest.approx(
         {"exact_match": 100 / 3, "f1": 100 * 1.8 / 3})
     assert "scoring a partial prediction file: 1 of 3 questions" in capsys.readouterr().err
     # v2.0's official rule: only the predicted questions count (the script then fails on HasAns).
-    out = squad.evaluate_v2(gold, preds, allow_partial=True)
+    out = squad_eval.evaluate_v2(gold, preds, allow_partial=True)
     assert out["total"] == 2 and out["exact"] == 50.0 and out["HasAns_total"] == 2 and "NoAns_total" not in out
     data = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": "John lives in Paris.", "qas": [
         {"id": "q1", "question": "where?", "answers": [{"text": "Paris", "answer_start": 14}]},
@@ -345,9 +345,9 @@ def test_squad_partial_predictions_fail_unless_allowed(tmp_path, capsys):
     (tmp_path / "dev.json").write_text(json.dumps(data))
     (tmp_path / "pred.json").write_text(json.dumps({"q1": "Paris"}))
     args = [str(tmp_path / "dev.json"), str(tmp_path / "pred.json")]
-    assert squad.main(args) == 2
+    assert squad_eval.main(args) == 2
     assert "pred.json: 1 of 2 questions have no prediction (e.g. q2)" in capsys.readouterr().err
-    assert squad.main(args + ["--allow_partial"]) == 0
+    assert squad_eval.main(args + ["--allow_partial"]) == 0
     assert json.loads(capsys.readouterr().out) == {"exact_match": 50.0, "f1": 50.0}
 
 
@@ -355,7 +355,7 @@ def test_squad_v2_scores_and_best_threshold_hand_worked():
     gold = [("a", ["x y"]), ("b", []), ("c", ["z"]), ("d", [])]
     preds = {"a": "x y", "b": "", "c": "w", "d": "q"}
     na = {"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.3}
-    out = squad.evaluate_v2(gold, preds, na)
+    out = squad_eval.evaluate_v2(gold, preds, na)
     # Raw: a 1, b 1 (empty = empty), c 0, d 0. na_prob_thresh 1.0 changes nothing.
     assert out["exact"] == 50.0 and out["total"] == 4
     assert out["HasAns_exact"] == 50.0 and out["HasAns_total"] == 2
@@ -363,8 +363,8 @@ def test_squad_v2_scores_and_best_threshold_hand_worked():
     # Thresholds, ascending na: start at 2 (all no-answer right); a (+1) = 3 at 0.1; d (-1) = 2;
     # c (+0) = 2; b (+0) = 2 -> best 3 of 4 at threshold 0.1.
     assert out["best_exact"] == 75.0 and out["best_exact_thresh"] == 0.1
-    assert squad.evaluate_v2(gold, preds)["exact"] == 50.0 and "best_f1" not in squad.evaluate_v2(gold, preds)
-    assert squad.evaluate_v2(gold, preds, na, na_prob_thresh=0.2)["exact"] == 75.0  # c, d, b -> no answer
+    assert squad_eval.evaluate_v2(gold, preds)["exact"] == 50.0 and "best_f1" not in squad_eval.evaluate_v2(gold, preds)
+    assert squad_eval.evaluate_v2(gold, preds, na, na_prob_thresh=0.2)["exact"] == 75.0  # c, d, b -> no answer
 
 
 def test_squad_cli_prints_the_official_keys(tmp_path, capsys):
@@ -374,9 +374,9 @@ def test_squad_cli_prints_the_official_keys(tmp_path, capsys):
     (tmp_path / "dev.json").write_text(json.dumps(data))
     (tmp_path / "pred.json").write_text(json.dumps({"q1": "Paris", "q2": "lives"}))
     (tmp_path / "na.json").write_text(json.dumps({"q1": 0.0, "q2": 2.0}))
-    assert squad.main([str(tmp_path / "dev.json"), str(tmp_path / "pred.json")]) == 0
+    assert squad_eval.main([str(tmp_path / "dev.json"), str(tmp_path / "pred.json")]) == 0
     assert json.loads(capsys.readouterr().out) == {"exact_match": 50.0, "f1": 50.0}
-    squad.main([str(tmp_path / "dev.json"), str(tmp_path / "pred.json"), "--version_2",
+    squad_eval.main([str(tmp_path / "dev.json"), str(tmp_path / "pred.json"), "--version_2",
                 "--na_prob_file", str(tmp_path / "na.json")])
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["exact", "f1", "total", "HasAns_exact", "HasAns_f1", "HasAns_total",
@@ -391,11 +391,11 @@ def test_squad_cli_prints_the_official_keys(tmp_path, capsys):
                 "cut.json": "line 1, column 8: not valid JSON", "latin1.json": "line 1, column 12: byte 0xe9"}
     for name, content in bad.items():
         (tmp_path / name).write_bytes(content)
-        assert squad.main([str(tmp_path / "dev.json"), str(tmp_path / name)]) == 2
+        assert squad_eval.main([str(tmp_path / "dev.json"), str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
         assert name in err and expected[name] in err, err
     (tmp_path / "na_bad.json").write_text(json.dumps({"q1": "high"}))
-    assert squad.main([str(tmp_path / "dev.json"), str(tmp_path / "pred.json"), "--version_2",
+    assert squad_eval.main([str(tmp_path / "dev.json"), str(tmp_path / "pred.json"), "--version_2",
                        "--na_prob_file", str(tmp_path / "na_bad.json")]) == 2
     assert "the no-answer score is a str, not a number" in capsys.readouterr().err
 
@@ -644,14 +644,14 @@ def test_squad_scorers_match_the_official_scripts_on_perturbed_predictions():
     dev questions with perturbed answers (case, articles, punctuation, cut, padded, wrong, empty)."""
     fx = _official()
     v1 = fx["squad_v1.1"]
-    assert squad.evaluate_v1(squad.gold_from_json(v1["data"]["data"]), v1["predictions"]) == pytest.approx(
+    assert squad_eval.evaluate_v1(squad_eval.gold_from_json(v1["data"]["data"]), v1["predictions"]) == pytest.approx(
         v1["official"], abs=1e-9)
     v2 = fx["squad_v2.0"]
-    gold = squad.gold_from_json(v2["data"]["data"])
-    assert squad.evaluate_v2(gold, v2["predictions"]) == pytest.approx(v2["official"], abs=1e-9)
-    assert squad.evaluate_v2(gold, v2["predictions"], v2["na_probs"]) == pytest.approx(
+    gold = squad_eval.gold_from_json(v2["data"]["data"])
+    assert squad_eval.evaluate_v2(gold, v2["predictions"]) == pytest.approx(v2["official"], abs=1e-9)
+    assert squad_eval.evaluate_v2(gold, v2["predictions"], v2["na_probs"]) == pytest.approx(
         v2["official_with_na_probs"], abs=1e-9)
-    assert squad.evaluate_v2(gold, v2["predictions"], v2["na_probs"], 0.5) == pytest.approx(
+    assert squad_eval.evaluate_v2(gold, v2["predictions"], v2["na_probs"], 0.5) == pytest.approx(
         v2["official_with_na_probs_thresh_0.5"], abs=1e-9)
 
 
