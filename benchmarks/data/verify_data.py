@@ -1,5 +1,5 @@
 """What `verify_data` costs when a run starts: the first start hashes every file, a restart checks
-each unchanged file by its identity (`records.KnownHashes`), `rehash_data` hashes them all again.
+each unchanged file by its identity (`records.known_hashes.KnownHashes`), `rehash_data` hashes them all again.
 
     python -m benchmarks.data.verify_data [--shards=100] [--shard_mb=4] [--dir=/tmp/bench_verify]
     python -m benchmarks.data.verify_data --emulator [--dir=gs://bench/verify]   # Cloud Storage, emulated

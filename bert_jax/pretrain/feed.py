@@ -8,7 +8,7 @@ sums `eval_step` over it. The batches become global arrays in `run_eval` here an
 (`sharding.to_global`).
 
 Given the run's workdir, both keep the hashes of verified files in a bucket in
-`WORKDIR/verified_data/process_<i>.json` as well as on local disk (`records.KnownHashes`), so a
+`WORKDIR/verified_data/process_<i>.json` as well as on local disk (`records.known_hashes.KnownHashes`), so a
 VM recreated after a preemption does not hash the dataset again; `make_train_input` logs one line
 per phase it starts: `data verification: hashed N files (B bytes), trusted T from earlier runs`.
 """
@@ -73,7 +73,7 @@ class ShardedInput:
 
 def known_hashes_file(workdir: Optional[str]) -> Optional[str]:
     """This process's `WORKDIR/verified_data/process_<i>.json`, where the hashes of its verified data
-    files are kept (`records.KnownHashes`; None without a workdir)."""
+    files are kept (`records.known_hashes.KnownHashes`; None without a workdir)."""
     if not workdir:
         return None
     return storage_paths.join(workdir, layout.VERIFIED_DATA, layout.verified_data_file(jax.process_index()))

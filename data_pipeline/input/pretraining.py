@@ -188,7 +188,7 @@ class PretrainingInput:
             the good records of a damaged file are read in place (nothing is copied).
           cycle_length: files read concurrently (interleave).
           known_hashes_file: where this process also keeps the hashes of verified files in a
-            bucket, beside those of the other processes (`records.KnownHashes`; a training run's
+            bucket, beside those of the other processes (`records.known_hashes.KnownHashes`; a training run's
             `WORKDIR/verified_data/process_<i>.json`); None: on local disk only.
 
         Raises:

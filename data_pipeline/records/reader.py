@@ -23,7 +23,7 @@ checks every CRC).
   With `skip_corrupt=True` exactly the good records of the bad file are read, in place (no copy:
   `scan_tfrecord_file` walks the record framing, checks every CRC and records where each good
   record lies), and the lost records are counted. Only this host's files are hashed, and an
-  unchanged file only once (`KnownHashes`: on local disk, and beside a training run for files in
+  unchanged file only once (`known_hashes.KnownHashes`: on local disk, and beside a training run for files in
   a bucket, so a machine recreated after a preemption trusts them too).
 
 This module imports neither jax nor bert_jax.
@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import logging
-import time
 from typing import Optional, Sequence, Union
 
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
 from data_pipeline import storage
-from data_pipeline.records import manifests
+from data_pipeline.records import known_hashes, manifests
 from data_pipeline.records.scan import count_records_by_framing, is_gzip, scan_tfrecord_file
 from data_pipeline.storage import paths as storage_paths, staging as storage_staging
 
@@ -125,7 +123,7 @@ def dataset_info(file_patterns: FilePatterns) -> dict:
     return dict(touched[0].info) if touched else {}
 
 
-def shard_files(files: Sequence[str], process_index: int, process_count: int) -> list[str]:
+def host_files(files: Sequence[str], process_index: int, process_count: int) -> list[str]:
     """This host's files: `sorted(files)[process_index::process_count]`.
 
     Round-robin over the sorted list: the hosts' sets are disjoint, their union is every file,
@@ -226,125 +224,8 @@ class HostFiles:
 
     def records_per_host(self, process_count: int) -> list[int]:
         """Expected records of every host's files (the same numbers on every host)."""
-        return [sum(self.count(p) for p in shard_files(self.all_files, h, process_count))
+        return [sum(self.count(p) for p in host_files(self.all_files, h, process_count))
                 for h in range(process_count)]
-
-
-class KnownHashes:
-    """The SHA-256 of data files hashed before, by path and identity (size and mtime on local
-    disk, size and generation on Cloud Storage), kept in `storage_staging.cache_dir()`: a restart
-    checks an unchanged file by its identity in microseconds instead of reading it again (hours at
-    Wikipedia scale on a bucket). Any rewrite changes the identity, and the file is hashed again.
-    A local file modified within the last 2 s is not remembered (an mtime that a write in the same
-    clock tick would not change: git's "racy clean" case). `fresh=True` hashes every file again
-    (`config.rehash_data`).
-
-    `shared_file` (a training run's `WORKDIR/verified_data/process_<i>.json`) keeps the hashes of
-    Cloud Storage files beside the run too, where a machine recreated after a preemption (an empty
-    local cache) finds them: this process writes the entries it used or read there before, and
-    reads every `*.json` of that folder, so a resume on another number of hosts still trusts the
-    files other hosts hashed. Local files stay in the local cache only: their mtimes belong to one
-    machine.
-
-    Counts what it did (`counts`): files hashed and their bytes, and files trusted by identity.
-    """
-
-    NAME = "verified_data_files.json"
-    RACY_S = 2.0
-
-    def __init__(self, fresh: bool = False, shared_file: Optional[str] = None):
-        self.fresh, self.changed, self._listed, self._known = fresh, False, {}, None
-        self.path = storage_paths.join(storage_staging.cache_dir(), self.NAME)
-        self.shared_file = shared_file
-        self._shared: dict = {}  # path -> [entries of the `shared_file` folder's files]
-        self._shared_before: dict = {}  # what `shared_file` held when read
-        self._shared_used: dict = {}  # remote entries looked up or hashed now
-        self.counts = {"hashed_files": 0, "hashed_bytes": 0, "trusted_files": 0}
-
-    @property
-    def known(self) -> dict:
-        """The hashes remembered on this machine, read on first use (not at all when nothing is
-        verified); the `shared_file` folder's are read with them."""
-        if self._known is None:
-            self._known = _read_json_dict(self.path)
-            if self.shared_file is not None:
-                folder, own = storage_paths.dirname(self.shared_file), storage_paths.basename(self.shared_file)
-                for name in storage.listdir(folder):
-                    if not name.endswith(".json"):
-                        continue
-                    # A remote file's entry holds on any machine (path, size, generation).
-                    entries = {k: v for k, v in _read_json_dict(storage_paths.join(folder, name)).items()
-                               if storage_paths.is_remote(k) and isinstance(v, dict)}
-                    if name == own:
-                        self._shared_before = entries
-                    for key, entry in entries.items():
-                        self._shared.setdefault(key, []).append(entry)
-        return self._known
-
-    def identity(self, path: str) -> list:
-        """`storage.identity(path)`; for a remote file, from one listing of its folder (a bucket
-        answers one request for a thousand objects, not one each)."""
-        if not storage_paths.is_remote(path):
-            return list(storage.identity(path))
-        folder = storage_paths.dirname(path)
-        if folder not in self._listed:
-            self._listed[folder] = {info["path"]: [info["size"], info["generation"]]
-                                    for rel, info in storage.files_info(folder).items() if "/" not in rel}
-        return self._listed[folder].get(path) or list(storage.identity(path))
-
-    def size(self, path: str) -> int:
-        return int(self.identity(path)[0])
-
-    def sha256(self, path: str) -> str:
-        key = path if storage_paths.is_remote(path) else storage_paths.abspath(path)
-        identity = self.identity(path)
-        known = self.known  # reads the shared folder too, on first use
-        candidates = [known.get(key), *self._shared.get(key, ())]
-        entry = next((e for e in candidates if isinstance(e, dict) and e.get("identity") == identity
-                      and isinstance(e.get("sha256"), str)), None)
-        if not self.fresh and entry is not None:
-            self.counts["trusted_files"] += 1
-            if storage_paths.is_remote(path):
-                self._shared_used[key] = entry
-            return entry["sha256"]
-        started = time.time()
-        digest = manifests.sha256_file(path)
-        self.counts["hashed_files"] += 1
-        self.counts["hashed_bytes"] += int(identity[0])
-        if storage_paths.is_remote(path) or identity[1] / 1e9 < started - self.RACY_S:
-            self.known[key] = {"identity": identity, "sha256": digest}
-            self.changed = True
-            if storage_paths.is_remote(path):
-                self._shared_used[key] = self.known[key]
-        return digest
-
-    def save(self) -> None:
-        if self.changed:
-            try:  # written whole; two processes at once lose an entry, not the file
-                storage.makedirs(storage_paths.dirname(self.path))
-                storage.write_text(self.path, json.dumps(self.known, sort_keys=True))
-            except OSError as e:
-                log.warning("could not remember the verified data files in %s (%s): the next start hashes "
-                            "them again", self.path, e)
-            self.changed = False
-        shared = {**self._shared_before, **self._shared_used}
-        if self.shared_file is not None and shared != self._shared_before:
-            try:  # this process's file only: no other process writes it
-                storage.makedirs(storage_paths.dirname(self.shared_file))
-                storage.write_text(self.shared_file, json.dumps(shared, sort_keys=True))
-            except OSError as e:
-                log.warning("could not remember the verified data files in %s (%s): a new machine hashes "
-                            "them again", self.shared_file, e)
-            self._shared_before = shared
-
-
-def _read_json_dict(path: str) -> dict:
-    """The JSON object in `path`; {} when it is missing, unreadable or no object."""
-    try:
-        value = json.loads(storage.read_text(path))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def check_files(file_patterns: FilePatterns, *, process_index: int, process_count: int,
@@ -354,7 +235,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
     when lenient. `verify="full"` hashes every file again; `known_hashes_file` keeps the hashes of
     remote files beside the run too (`KnownHashes`)."""
     patterns = storage.split_patterns(file_patterns)
-    hashes = KnownHashes(fresh=verify == "full", shared_file=known_hashes_file)
+    hashes = known_hashes.KnownHashes(fresh=verify == "full", shared_file=known_hashes_file)
     found, unmatched = set(), []
     for pattern in patterns:
         matched = _glob_records(pattern)
@@ -417,7 +298,7 @@ def check_files(file_patterns: FilePatterns, *, process_index: int, process_coun
         raise ValueError(
             f"{len(all_files)} input files for process_count={process_count}: every host needs at "
             f"least one file (files are sharded per host); write more shards")
-    mine = shard_files(all_files, process_index, process_count)
+    mine = host_files(all_files, process_index, process_count)
 
     read_paths, read_counts, corrupt, skipped, good_records = [], [], [], 0, {}
     for path in mine:

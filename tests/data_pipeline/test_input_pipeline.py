@@ -44,7 +44,7 @@ def test_host_file_sets_are_disjoint_and_complete(dataset, hosts):
     assert sorted(flat) == every  # complete
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
     # The list order given does not matter (hosts that glob differently still agree).
-    assert records_module.shard_files(every[::-1], 1 % hosts, hosts) == shares[1 % hosts]
+    assert records_module.host_files(every[::-1], 1 % hosts, hosts) == shares[1 % hosts]
 
 
 def test_more_hosts_than_files_is_an_error(dataset):

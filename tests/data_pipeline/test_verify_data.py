@@ -1,5 +1,5 @@
 """`verify_data` on a restart: a file hashed once is checked by its identity (size and mtime, or
-a bucket's generation) afterwards, and any rewrite is hashed again (`records.KnownHashes`); a bucket's
+a bucket's generation) afterwards, and any rewrite is hashed again (`records.known_hashes.KnownHashes`); a bucket's
 files also by the hashes a training run keeps in its workdir, on a machine whose local cache is new."""
 
 import os
