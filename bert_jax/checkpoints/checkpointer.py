@@ -56,17 +56,16 @@ from typing import Any, Callable, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from bert_jax.checkpoints import integrity
-from bert_jax.checkpoints import input_state
-from bert_jax.checkpoints.saved_state import StepReader, flat, is_typed_key, listed, to_abstract
-from bert_jax.checkpoints.step_dirs import (DIVERGED, FORMAT_VERSION, INFO, META, ON_DAMAGED, STATE,
-                                                   CheckpointCorruptError, CheckpointRestoreError, CheckpointSaveError,
-                                                   committing_dir, corrupt_error, input_dir, is_read_failure,
-                                                   move_aside, read_error, remove_uncommitted)
+from bert_jax.checkpoints import input_state, integrity
 from bert_jax.checkpoints.host_agreement import HostAgreement
 from bert_jax.checkpoints.intact_steps import IntactSteps
 from bert_jax.checkpoints.preemption import Preemption
 from bert_jax.checkpoints.save_deadline import Deadline
+from bert_jax.checkpoints.saved_state import StepReader, flat, is_typed_key, listed, to_abstract
+from bert_jax.checkpoints.step_dirs import (DIVERGED, FORMAT_VERSION, INFO, META, ON_DAMAGED, STATE,
+                                            CheckpointCorruptError, CheckpointRestoreError, CheckpointSaveError,
+                                            committing_dir, corrupt_error, input_dir, is_read_failure,
+                                            move_aside, read_error, remove_uncommitted)
 from data_pipeline.storage import paths as storage_paths
 
 PyTree = Any

@@ -16,8 +16,8 @@ import logging
 from typing import Optional
 
 from bert_jax.checkpoints import integrity
-from bert_jax.checkpoints.step_dirs import STATE, CheckpointRestoreError, check_step, corrupt_error, move_aside
 from bert_jax.checkpoints.host_agreement import HostAgreement
+from bert_jax.checkpoints.step_dirs import STATE, CheckpointRestoreError, check_step, corrupt_error, move_aside
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
 

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from bert_jax.checkpoints import input_state
 from bert_jax.checkpoints.step_dirs import (INFO, META, ON_DAMAGED, STATE, CheckpointRestoreError, check_step,
-                                       corrupt_error, is_read_failure, read_error)
+                                            corrupt_error, is_read_failure, read_error)
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
 

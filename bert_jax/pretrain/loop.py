@@ -48,8 +48,8 @@ from bert_jax.model import layers, modeling
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
 from bert_jax.pretrain import divergence, rollback, startup_checks, steps
-from bert_jax.pretrain.phases import resolve_phases
 from bert_jax.pretrain.feed import make_eval_input, make_train_input, run_eval
+from bert_jax.pretrain.phases import resolve_phases
 from bert_jax.training import optim, run_setup, sharding, train_state
 from bert_jax.workdir import metric_writer, write_json, write_model_files
 from data_pipeline.storage import paths as storage_paths
