@@ -1,4 +1,4 @@
-"""bert_jax.pod.hlo: the collectives of compiled programs (8 CPU devices) against what the
+"""bert_jax.pod.planning.hlo: the collectives of compiled programs (8 CPU devices) against what the
 mesh and the shapes say they must be, and hand-written HLO in the forms the CPU compiler does not
 print (explicit and iota replica groups, async start/done pairs, tuples, nested loops)."""
 
@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bert_jax.pod import hlo
+from bert_jax.pod.planning import hlo
 
 
 def as_sets(groups):

@@ -330,7 +330,7 @@ def summarize(found: list[Collective]) -> dict:
 
 
 # Instructions that move no data of their own: names for buffers, control flow (its bodies are
-# counted), or data the collectives' term accounts for (`pod.cost`).
+# counted), or data the collectives' term accounts for (`pod.planning.cost`).
 _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
                "replica-id", "opt-barrier", "add-dependency", "domain", "while", "conditional", "call",
                "copy-start", "copy-done", "slice-start", "slice-done", "send", "send-done", "recv", "recv-done"}
