@@ -5,8 +5,9 @@ running it unattended (the supervisor of `launch/tpu_pod.sh --watch`).
                 time, what it moves, the step-time model (its `__init__.py` lists them)
 
     supervisor  the loop: watches the slice and the run, ends, relaunches, recreates, gives up
+    slice_recovery  the supervisor's slice when not READY: queued, lost, stopped, stuck; maintenance
     slice       the Cloud TPU slice through gcloud: describe, recreate, start; structured errors
-    progress    hang detection: the run's log and checkpoints as progress signals
+    progress    hang detection: the run's log and checkpoints as progress signals; the step resumed
     records     attempts.jsonl (never lost, never twice) and the lease (one supervisor per workdir)
     pins        the project snapshot every attempt ships, and the versions a reinstall is pinned to
     calls       every gcloud and storage call bounded in time and retried
