@@ -102,7 +102,7 @@ compiled, _, rows, _ = aot.compile_step(config, bert_config, aot.slice_devices("
 hlo = compiled.as_text()
 calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
 op = r"%([\\w.\\-]+) = [^\\n]*?\\b(?:all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\\("
-parsed = "\\n".join(line for lines in hlo_lib._computations(hlo)[0].values() for line in lines)
+parsed = "\\n".join(line for lines in hlo_lib.computations(hlo)[0].values() for line in lines)
 print(json.dumps(dict(aot.analyze(compiled, 16), rows=rows, attention=bert_config.attention_impl,
                       collectives_in_text=sorted(re.findall(op, hlo)), collectives_parsed=sorted(re.findall(op, parsed)),
                       kernels=sorted(re.match(r"\\s*(?:ROOT )?%(\\w+?)(?:\\.\\d+)? =", c).group(1) for c in calls),

@@ -6,6 +6,7 @@ modules compile with jax and libtpu, no TPU needed (docs/pod_planning.md states 
     aot         the pretraining step compiled ahead of time for a slice's real devices (libtpu)
     aot_check   does the step fit a slice: the batch that fits, the largest, the MFU ceiling
                 (`python -m bert_jax.pod.planning.aot_check`; `python -m benchmarks.step.aot_tpu` runs it)
-    hlo         what a compiled program moves: its collectives, its HBM traffic
+    hlo         a compiled program's HLO text read: its collectives (bytes, groups, executions)
+    traffic     what one run of a program reads and writes, by memory space (its HBM traffic)
     cost        the stated model of a step's time on a slice, and time-to-train
 """

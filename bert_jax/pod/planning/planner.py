@@ -105,7 +105,7 @@ def comm_seconds(collectives, mesh, net) -> tuple[float, float, dict]:
 
 def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int, batch_per_chip: int) -> dict:
     """Compile, read the program, project the step (module docstring)."""
-    from bert_jax.pod.planning import aot, cost, hlo
+    from bert_jax.pod.planning import aot, cost, hlo, traffic as traffic_lib
     from bert_jax.training import chips
     from bert_jax.pretrain import steps
 
@@ -124,7 +124,7 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
     count_slice = chips.smallest_slice(spec) if mesh_kind == "data" else spec
     count_devices = devices if count_slice.dims == spec.dims else aot.slice_devices(count_slice.name)
     costs, loops = aot.counted_costs(config, bert_config, count_devices, mesh_kind, b, seq_len, predictions)
-    traffic = hlo.memory_traffic(compiled.as_text())  # the real program's HBM traffic
+    traffic = traffic_lib.memory_traffic(compiled.as_text())  # the real program's HBM traffic
     t = cost.step_time(costs["flops"], traffic.hbm, comm_s, peak_flops=spec.chip.peak_flops,
                        hbm_bw=spec.chip.hbm_bw, layers=bert_config.num_hidden_layers)
     model_flops = steps.train_flops_per_sequence(bert_config, seq_len, predictions) * rows / spec.chips
@@ -137,7 +137,7 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
         "global_batch": rows, "hbm_gib": analysis["hbm_gib"], "hbm_capacity_gib": spec.chip.hbm_gib,
         "xla_flops": costs["flops"], "model_flops": model_flops, "flop_count_loops": loops,
         "flop_count_slice": count_slice.topology_name,
-        # HBM traffic (pod.planning.hlo.memory_traffic) and, for comparison, XLA's "bytes accessed",
+        # HBM traffic (pod.planning.traffic.memory_traffic) and, for comparison, XLA's "bytes accessed",
         # which on TPU also counts on-chip accesses (docs/pod_planning.md)
         "hbm_bytes": traffic.hbm, "hbm_copy_bytes": traffic.copies, "on_chip_bytes": traffic.on_chip,
         "xla_bytes": costs["bytes"], "fixed_bytes": min(2 * state_bytes, traffic.hbm),
