@@ -163,9 +163,9 @@ def parse(argv=None):
 def make_parity_batches(args, step_args) -> dict:
     """`parity_steps` batches of `--batch` real instances, in order, as uint16/uint8 arrays."""
     import numpy as np
-    from data_pipeline.input import pretraining as input_pipeline
+    from data_pipeline.input import evaluation
 
-    batches = input_pipeline.make_eval_iterator(
+    batches = evaluation.make_eval_iterator(
         args.records, per_host_batch_size=step_args.batch, max_seq_length=step_args.seq_len,
         max_predictions_per_seq=step_args.predictions or max(1, round(step_args.seq_len * 20 / 128)))
     rows = {k: [] for k in BATCH_KEYS}
