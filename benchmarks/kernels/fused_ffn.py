@@ -1,4 +1,4 @@
-"""The FFN's GEMM + bias + GELU kernels (`bert_jax.model.fused_ffn`) against XLA's GEMMs and passes.
+"""The FFN's GEMM + bias + GELU kernels (`bert_jax.model.kernels.fused_ffn`) against XLA's GEMMs and passes.
 
     python -m benchmarks.kernels.fused_ffn [--rows=32768 --hidden=1024 --intermediate=4096] \\
         [--activation=gelu_tanh] [--sweep=blocks.json] [--out_json=kernel.json]
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.model import fused_ffn
+from bert_jax.model.kernels import fused_ffn
 
 # (block_m, block_n, block_k, num_warps, num_stages)
 SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
@@ -77,7 +77,7 @@ def unfused_block(x, w1, b1, w2, activation):
 
 
 def launch(shape) -> dict:
-    """A `SHAPES` tuple as the kernels' launch-shape dict (`bert_jax.model.pallas_gemm`)."""
+    """A `SHAPES` tuple as the kernels' launch-shape dict (`bert_jax.model.kernels.pallas_gemm`)."""
     bm, bn, bk, warps, stages = shape
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
 

@@ -34,7 +34,7 @@ def _sweep(args, h, x, keep, scale, bias, dy, keep_prob, eps, ref) -> dict:
     whose error is at bf16 rounding's level wins."""
     import jax
     import jax.numpy as jnp
-    from bert_jax.model import fused
+    from bert_jax.model.kernels import fused
 
     hidden = h.shape[-1]
     h2, x2, dy2 = (a.reshape(-1, hidden) for a in (h, x, dy))
@@ -84,7 +84,8 @@ def kernel(args, step_args) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from bert_jax.model import dropout, fused, layers, model_config
+    from bert_jax.model import dropout, layers, model_config
+    from bert_jax.model.kernels import fused
 
     config = pretrain_step.load_config(step_args.config)
     hidden = config.model.hidden_size

@@ -1,4 +1,4 @@
-"""The Q/K/V GEMM kernels (`bert_jax.model.fused_qkv`) against XLA's GEMM, bias and slices.
+"""The Q/K/V GEMM kernels (`bert_jax.model.kernels.fused_qkv`) against XLA's GEMM, bias and slices.
 
     python -m benchmarks.kernels.fused_qkv [--batch=256 --length=128 --hidden=1024 --heads=16] \\
         [--sweep=blocks.json] [--out_json=kernel.json]
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.model import fused_qkv
+from bert_jax.model.kernels import fused_qkv
 from benchmarks.kernels.fused_ffn import SHAPES, errors_vs_float32, log, report, sweep_shapes, time_pairs
 
 KERNELS = ("forward", "backward_input", "backward_weights")

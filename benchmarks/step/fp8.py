@@ -70,17 +70,17 @@ VARIANTS = {
     "fused_gelu_tanh": {"fused_ops": True, "hidden_act": "gelu_tanh"},
     "fp8_fused_gelu_tanh": {"fp8": True, "fused_ops": True, "hidden_act": "gelu_tanh"},
     # ... with the output denses' gradient cast to e5m2 and the FFN's and Q/K/V inputs' casts to e4m3,
-    # and their amax, by XLA's passes (flax's op), not by the LayerNorm kernels (bert_jax/model/fused_fp8.py):
+    # and their amax, by XLA's passes (flax's op), not by the LayerNorm kernels (bert_jax/model/kernels/fused_fp8.py):
     # what the kernels' casts save
     "fp8_fused_cast_apart_gelu_tanh": {"fp8": True, "fused_ops": True, "hidden_act": "gelu_tanh",
                                        CAST_IN_KERNEL: False},
-    # + the FFN's GEMM + bias + GELU kernels (`BertConfig.fused_ffn`, bert_jax/model/fused_ffn.py)
+    # + the FFN's GEMM + bias + GELU kernels (`BertConfig.fused_ffn`, bert_jax/model/kernels/fused_ffn.py)
     "fused_ffn": {"fused_ops": True, "fused_ffn": True},
     "fused_ffn_gelu_tanh": {"fused_ops": True, "fused_ffn": True, "hidden_act": "gelu_tanh"},
     # Q, K and V as three matmuls (`BertConfig.separate_qkv`: no stacked kernel, no slices)
     "gelu_tanh_separate_qkv": {"hidden_act": "gelu_tanh", "separate_qkv": True},
     "fused_gelu_tanh_separate_qkv": {"fused_ops": True, "hidden_act": "gelu_tanh", "separate_qkv": True},
-    # + the Q/K/V GEMM kernels (`BertConfig.fused_qkv`, bert_jax/model/fused_qkv.py), without and
+    # + the Q/K/V GEMM kernels (`BertConfig.fused_qkv`, bert_jax/model/kernels/fused_qkv.py), without and
     # with the FFN's
     "fused_qkv_gelu_tanh": {"fused_ops": True, "fused_qkv": True, "hidden_act": "gelu_tanh"},
     "fused_qkv_ffn_gelu_tanh": {"fused_ops": True, "fused_qkv": True, "fused_ffn": True, "hidden_act": "gelu_tanh"},
@@ -163,9 +163,9 @@ def parse(argv=None):
 def make_parity_batches(args, step_args) -> dict:
     """`parity_steps` batches of `--batch` real instances, in order, as uint16/uint8 arrays."""
     import numpy as np
-    from data_pipeline.input import pretraining as input_pipeline
+    from data_pipeline.input import evaluation
 
-    batches = input_pipeline.make_eval_iterator(
+    batches = evaluation.make_eval_iterator(
         args.records, per_host_batch_size=step_args.batch, max_seq_length=step_args.seq_len,
         max_predictions_per_seq=step_args.predictions or max(1, round(step_args.seq_len * 20 / 128)))
     rows = {k: [] for k in BATCH_KEYS}
@@ -211,7 +211,7 @@ def _hlo_facts(compiled) -> dict:
 
 def speed(args, step_args) -> dict:
     import jax
-    from bert_jax.model import fused_fp8
+    from bert_jax.model.kernels import fused_fp8
     from bert_jax.pretrain import steps
     from bert_jax.training import run_setup
 
@@ -328,7 +328,7 @@ def _load_gemm_blocks(path: str, module: str, attributes: dict) -> dict:
 
 def _load_fused_blocks(path: str, wait_s: float) -> dict:
     """Sets `fused.FORWARD`/`BACKWARD` from a --kernel_sweep file, once it exists."""
-    from bert_jax.model import fused
+    from bert_jax.model.kernels import fused
 
     t0 = time.perf_counter()
     while not os.path.exists(path) and time.perf_counter() - t0 < wait_s:

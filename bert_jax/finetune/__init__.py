@@ -4,6 +4,8 @@ never `bert_jax.pretrain`; `data_pipeline.tasks` reads and featurizes the data.
 
   loop     `run` and `train_and_evaluate`: one loop for every task, evaluation after each epoch,
            the best epoch kept, test predictions
+  preparation  what every seed of a run shares, made once: the data featurized, the step plan,
+           the optimizer, the jitted programs (`prepare` -> `Prepared`)
   restarts `config.seeds`: the paper's random restarts, one run per seed, the best on dev kept
   steps    the train and eval steps, and predicting a split batch by batch
   batches  every batching decision: the steps of a run, each step's rows, trimming rows short of

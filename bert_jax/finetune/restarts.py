@@ -9,7 +9,7 @@ so we ran several random restarts and selected the best model on the Dev set."
 `run_seeds` fine-tunes once per seed in one process, each run the single run of
 `bert_jax.finetune.loop.train_seed` with `config.seed` set to that seed, in `W/seeds/<seed>/`
 (a whole fine-tuning workdir of its own: checkpoints/, best/, eval_results.json, ...). The runs
-share the jitted programs (`loop.prepare`), so a seed compiles only what no earlier seed needed
+share the jitted programs (`preparation.prepare`), so a seed compiles only what no earlier seed needed
 (a batch length or packed row count its own plan chooses; none when those are fixed). A seed
 whose `eval_results.json` exists is done and not run again; the others resume from their own
 checkpoints, so a process killed during seed 2 resumes seed 2 where it stopped.

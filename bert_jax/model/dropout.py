@@ -68,7 +68,7 @@ def threefry_key(rng: Array, size: int) -> Optional[Array]:
 def keep_from_index(k0: Array, k1: Array, index: Array, keep_prob: float) -> Array:
     """The keep mask's value at the row-major element indices `index` (uint32) under the threefry
     key `k0, k1`: jax.random.bernoulli's, bit for bit (`keep_mask`). Plain elementwise integer and
-    float ops, so a kernel can compute its own block's part (`bert_jax.model.fused`)."""
+    float ops, so a kernel can compute its own block's part (`bert_jax.model.kernels.fused`)."""
     hi, lo = _threefry2x32(k0, k1, np.uint32(0), index)
     bits = hi ^ lo
     # jax.random.uniform's float32 in [0, 1): 23 random mantissa bits under the exponent of 1.0.

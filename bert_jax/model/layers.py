@@ -17,7 +17,8 @@ from flax.linen import fp8_ops
 import jax
 import jax.numpy as jnp
 
-from bert_jax.model import fused, fused_fp8, mixed_precision
+from bert_jax.model import mixed_precision
+from bert_jax.model.kernels import fused, fused_fp8
 from bert_jax.model.dropout import Dropout, keep_mask, threefry_key
 from bert_jax.model.model_config import ACTIVATIONS, BertConfig
 
@@ -118,7 +119,7 @@ class Dense(nn.Module):
             x, y = fused_fp8.Fp8NormInput(name="fp8")(x, kernel.astype(cfg.compute_dtype), dims)
         elif self.return_bias and fused_fp8.applies(cfg):
             # The GEMM runs inside the LayerNorm kernel's custom VJP (`dropout_add_norm`), which
-            # casts its output gradient to e5m2 (bert_jax.model.fused_fp8).
+            # casts its output gradient to e5m2 (bert_jax.model.kernels.fused_fp8).
             y = fused_fp8.Fp8Operands(name="fp8")(x, kernel.astype(cfg.compute_dtype), dims)
         else:
             dot = fp8_ops.Fp8DirectDotGeneralOp(name="fp8") if cfg.fp8 else jax.lax.dot_general
@@ -179,7 +180,7 @@ def dropout_add_norm(cfg: BertConfig, deterministic: bool, out: Array, residual:
                      out_bias: Optional[Array] = None, pending: bool = False) -> Array:
     """`LayerNorm(dropout(out + out_bias) + residual)`, the end of every sub-layer (call it from a
     module's compact `__call__`: it creates the submodules "Dropout_0" and "output_norm" there).
-    With `cfg.fused_ops` where `bert_jax.model.fused` applies (`folds_output_bias`): one Pallas kernel
+    With `cfg.fused_ops` where `bert_jax.model.kernels.fused` applies (`folds_output_bias`): one Pallas kernel
     each way, the bias add inside it, with the same parameters and the same dropout mask (drawn
     inside the kernels from a threefry key: never stored). With `pending` and an FP8 `out`, a
     `fused_fp8.PendingNorm` that the next FP8 dense layer computes (`Dense`)."""

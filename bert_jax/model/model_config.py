@@ -76,13 +76,13 @@ class BertConfig:
     # applied without that collection cannot run with it (fine-tuning and inference run without).
     fp8: bool = False
     # Dropout + residual add + LayerNorm at the end of each sub-layer as one Pallas kernel each way
-    # (`bert_jax.model.fused`; Triton on GPUs). The same parameters, masks and arithmetic; where the
+    # (`bert_jax.model.kernels.fused`; Triton on GPUs). The same parameters, masks and arithmetic; where the
     # kernels do not apply (a hidden size `fused.supported` refuses) the layer is unfused. On a mesh
-    # each device runs them on its own examples (`bert_jax.model.shards`).
+    # each device runs them on its own examples (`bert_jax.model.kernels.per_device`).
     fused_ops: bool = False
     # The feed-forward block's first GEMM with its bias and GELU in the GEMM's epilogue, and in the
     # backward the GELU's derivative and the bias gradient in the epilogue of the GEMM that produces
-    # the activation's gradient (`bert_jax.model.fused_ffn`; Triton on GPUs). The same parameters; sizes
+    # the activation's gradient (`bert_jax.model.kernels.fused_ffn`; Triton on GPUs). The same parameters; sizes
     # that do not divide by its blocks and FP8 run the layer unfused. Slower than XLA + cuBLAS on an
     # H200 (0.90x BERT-Large's step, benchmarks/kernels/RESULTS.md 2026-11-28): off unless measured to pay.
     fused_ffn: bool = False
@@ -96,7 +96,7 @@ class BertConfig:
     # 0.99x the step on an H200 (benchmarks/kernels/RESULTS.md, 2026-11-28): XLA's dot merger joins the
     # three matmuls again; off unless measured to pay.
     separate_qkv: bool = False
-    # Q, K and V as one Pallas GEMM kernel each way (`bert_jax.model.fused_qkv`; Triton on GPUs):
+    # Q, K and V as one Pallas GEMM kernel each way (`bert_jax.model.kernels.fused_qkv`; Triton on GPUs):
     # q, k and v written with their biases from the GEMM's program (no slices), the bias gradients
     # summed inside the kernels' gradients' GEMM. The same parameters; hidden sizes that 64 does not
     # divide and FP8 run the projections unfused. Not yet timed on a GPU: off unless measured to pay.

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.model import fused_ffn, fused_fp8, fused_qkv, mixed_precision
+from bert_jax.model import mixed_precision
+from bert_jax.model.kernels import fused_ffn, fused_fp8, fused_qkv
 from bert_jax.model.attention import ACT_HEADS, attention, make_attention_mask, make_sequence_ids
 from bert_jax.model.dropout import Dropout
 from bert_jax.model.layers import (FP8_COLLECTION, Dense, DenseParams, LayerNorm, activation_fn, dropout_add_norm,
@@ -114,7 +115,7 @@ class SelfAttention(nn.Module):
         # FP8 (see Dense): the query and the key/value projections always as two matmuls, so that
         # the layer has the same scaling state whether or not it runs at a few query positions.
         if query_positions is None and not cfg.fp8 and cfg.fused_qkv and fused_qkv.supported(cfg.hidden_size):
-            # One Pallas GEMM writing q, k and v with their biases (bert_jax.model.fused_qkv).
+            # One Pallas GEMM writing q, k and v with their biases (bert_jax.model.kernels.fused_qkv).
             q, k, v = fused_qkv.qkv_projection(xc, kernels, params_biases)
         elif query_positions is None and not cfg.fp8 and cfg.separate_qkv:
             # Each: [batch, length, heads, head_dim], written where attention reads it.
@@ -127,7 +128,7 @@ class SelfAttention(nn.Module):
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
             kernel_kv = jnp.stack(kernels[1:], axis=1)  # [hidden, 2, heads, head_dim]
-            if chained:  # FP8: the input's LayerNorm kernel runs here (bert_jax.model.fused_fp8.norm_qkv)
+            if chained:  # FP8: the input's LayerNorm kernel runs here (bert_jax.model.kernels.fused_fp8.norm_qkv)
                 x, q, kv = fused_fp8.norm_qkv(x, fused_fp8.Fp8NormInput(name="query_fp8"),
                                               fused_fp8.Fp8NormInput(name="key_value_fp8"), kernels[0], kernel_kv,
                                               (((2,), (0,)), ((), ())))  # the einsums' dimension numbers

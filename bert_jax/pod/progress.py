@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from typing import Callable, Optional
 
@@ -37,6 +38,8 @@ from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
 
 TAIL_BYTES = 64 * 1024
+RESUMED = re.compile(r"resumed from step (\d+)")
+LOG_HEAD_BYTES = 1 << 20  # the part of worker 0's log where a resume says its step
 
 
 @dataclasses.dataclass
@@ -61,6 +64,14 @@ def newest_committed_step(checkpoints: str) -> Optional[int]:
                 storage_paths.join(checkpoints, str(step), "commit_success.txt")):
             return step
     return None
+
+
+def resumed_step(attempt_logs: str) -> int:
+    """The step worker 0's run resumed from (0: it started fresh), from the head of its log in an
+    attempt's collected logs (`logs/attempt-<n>/`)."""
+    text = storage.read_range(storage_paths.join(attempt_logs, layout.worker_log(0)), 0, LOG_HEAD_BYTES)
+    found = RESUMED.search(text.decode("utf-8", errors="replace"))
+    return int(found.group(1)) if found else 0
 
 
 def read_signals(workdir: str, last_identity: Optional[tuple] = None, last_step: Optional[int] = None) -> Signals:

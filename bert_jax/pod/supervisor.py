@@ -54,18 +54,17 @@ from typing import Optional
 
 from bert_jax import exit_codes, layout
 from bert_jax.pod import calls, pins
-from bert_jax.pod.progress import Progress, newest_committed_step
+from bert_jax.pod.progress import Progress, newest_committed_step, resumed_step
 from bert_jax.pod.records import Attempts, Lease, LeaseHeld, local_state_dir
 from bert_jax.pod.settings import Settings
-from bert_jax.pod.slice import GONE, NOT_FOUND, QUEUED_FAILED, Reading, Slice, maintenance_of
+from bert_jax.pod.slice import NOT_FOUND, Slice
+from bert_jax.pod.slice_recovery import SliceRecovery
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
 
 # A worker's status line (launch/tpu_worker.sh), wherever on its line it starts (a log's last line
 # without a newline before it).
 WORKER_LINE = re.compile(r"bert_jax-worker (\S+) (running|finished|stopped|halted|failed|gone|none) ?(-?\d+)?\s*$")
-RESUMED = re.compile(r"resumed from step (\d+)")
-LOG_HEAD_BYTES = 1 << 20  # the part of worker 0's log where a resume says its step
 SUPERVISOR_FLAGS = ("--takeover", "--update_code")
 # The supervisor's own exit codes (launch/bert_jax-supervisor.service does not restart after them):
 # 0 the run finished or a person stopped it; EXIT_HELD another supervisor holds the workdir;
@@ -86,8 +85,10 @@ class Stop(Exception):
         self.code, self.cause = code, cause
 
 
-class Supervisor:
+class Supervisor(SliceRecovery):
     """Starts the run, polls it, relaunches it; one `run()` call lasts until supervision ends."""
+
+    log = staticmethod(log)  # the console log, for the methods of its base (the slice: slice_recovery.py)
 
     def __init__(self, args: list[str], env: Optional[dict] = None):
         self.env = dict(os.environ if env is None else env)
@@ -230,9 +231,6 @@ class Supervisor:
 
     # --- the slice ----------------------------------------------------------------------------
 
-    def describe(self) -> Reading:
-        return self.slice.read(self.spec.get("queued_resource"), sleep=lambda s: time.sleep(min(self.s.poll_seconds, s)))
-
     def poll(self) -> None:
         self.attempts.flush()
         if self.lease.lost:
@@ -259,97 +257,7 @@ class Supervisor:
             elif self.open:
                 self.watch_run()
             return
-        if self.open and self.readings == 1:
-            log(f"{self.slice.name} is {state}")
-        if state == "QUEUED":  # the node is gone; the request waits for capacity: keep its place
-            self.lose_attempt("slice QUEUED")
-            self.mark_needs_install("slice QUEUED")
-            if now - self.state_since > self.s.queue_timeout:
-                raise self.give_up(f"the queued resource {self.spec['queued_resource']} waited more than "
-                                   f"QUEUE_TIMEOUT={self.s.queue_timeout:.0f} s; it keeps its place in the queue: "
-                                   "start the supervisor again to wait on")
-            return
-        if state in GONE or state == NOT_FOUND or state in (f"QUEUED_{s}" for s in QUEUED_FAILED):
-            if self.readings < self.s.lost_readings:
-                log(f"{self.slice.name} is {state} (reading {self.readings} of {self.s.lost_readings} before "
-                    "recreating it)")
-                return
-            self.recreate(state)
-            return
-        if state == "STOPPED":
-            if self.readings >= self.s.lost_readings:
-                self.restart_stopped()
-            return
-        if now - self.state_since > self.s.ready_timeout:  # CREATING, REPAIRING, UNKNOWN, ... for too long
-            log(f"{self.slice.name} has been {state} for more than READY_TIMEOUT={self.s.ready_timeout:.0f} s")
-            self.recreate(f"{state} past READY_TIMEOUT")
-
-    def lose_attempt(self, cause: str) -> None:
-        """The slice took the attempt's VMs (or will be made again): the attempt ends, not a failure."""
-        if self.open:
-            self.end(cause, None, collect=False)
-        if self.pending is None:
-            self.pending = cause
-
-    def mark_needs_install(self, why: str) -> bool:
-        """Writes "needs install" to the workdir before the slice is touched; False if it could not."""
-        if self.needs_install and not self.first_install:
-            return True
-        try:
-            self.io.call("writing needs_install.json", storage.write_text, self.needs_install_file,
-                         json.dumps({"why": why, "time": datetime.datetime.now().isoformat(timespec="seconds")}) + "\n")
-        except calls.Unavailable as e:
-            log(f"not touching the slice before 'needs install' is recorded: {e}")
-            return False
-        self.needs_install, self.first_install = True, False
-        return True
-
-    def recreate(self, state: str) -> None:
-        """Deletes what is left and creates the slice again from its spec (one try a poll, backed off)."""
-        self.lose_attempt(f"slice {state}")
-        if not self.mark_needs_install(f"slice {state}") or time.monotonic() < self.create_not_before:
-            return
-        log(f"{self.slice.name} is {state}: recreating it from {self.spec_file}")
-        error = self.slice.delete(self.spec)
-        if error is None:
-            self.record(event="recreate", cause=f"slice {state}", tries=self.create_failures + 1)
-            error = self.slice.create(self.spec, timeout=self.s.create_timeout)
-        if error is None:
-            self.pending = f"slice recreated after {state}"
-            self.slice_state = None  # its next state's clock starts now
-            return
-        self.create_failures += 1
-        wait = min(self.s.backoff_seconds * 2 ** (self.create_failures - 1), self.s.max_backoff_seconds)
-        self.record(event="create_failed", cause=f"slice {state}", error=error[-500:], failures=self.create_failures,
-                    retry_in=wait)
-        if self.create_failures >= self.s.max_create_failures:
-            raise self.give_up(f"creating {self.slice.name} failed {self.create_failures} times "
-                               f"(MAX_CREATE_FAILURES); the last: {error[-300:]}")
-        log(f"recreating failed ({error[-300:]}); trying again in {wait:g} s")
-        self.create_not_before = time.monotonic() + wait
-
-    def restart_stopped(self) -> None:
-        """A STOPPED slice is started again, not deleted (its disks are kept)."""
-        self.lose_attempt("slice STOPPED")
-        if not self.mark_needs_install("slice STOPPED") or time.monotonic() < self.create_not_before:
-            return
-        error = self.slice.start()
-        self.record(event="start_slice", error=error and error[-500:])
-        if error is not None:
-            self.create_failures += 1
-            self.create_not_before = time.monotonic() + min(self.s.backoff_seconds * 2 ** (self.create_failures - 1),
-                                                            self.s.max_backoff_seconds)
-        else:
-            self.slice_state = None
-
-    def note_maintenance(self, reading: Reading) -> None:
-        """Records describe's health and announced maintenance when they change."""
-        found = maintenance_of(reading.node)
-        if found != self.maintenance:
-            self.maintenance = found
-            if found:
-                log(f"{self.slice.name}: {json.dumps(found)}")
-            self.record(event="maintenance", attempt=self.attempt, **(found or {"health": "HEALTHY"}))
+        self.slice_not_ready(state, now)
 
     # --- the run ------------------------------------------------------------------------------
 
@@ -505,16 +413,10 @@ class Supervisor:
             self.pod(f"--collect={self.log_dest(self.attempt)}", timeout=600)
         self.record(attempt=self.attempt, event="end", cause=cause,
                     workers={k: f"{s}{'' if rc is None else f' {rc}'}" for k, (s, rc) in (workers or {}).items()},
-                    resumed_step=self.quietly(None, "reading worker 0's log", self.resumed_step, self.attempt),
+                    resumed_step=self.quietly(None, "reading worker 0's log", resumed_step, self.log_dest(self.attempt)),
                     saved_step=self.saved_step(), logs=self.log_dest(self.attempt))
         self.open, self.adopting, self.stop_grace_until = False, False, None
         log(f"attempt {self.attempt} ended: {cause}; logs in {self.log_dest(self.attempt)}")
-
-    def resumed_step(self, attempt: int) -> Optional[int]:
-        """The step worker 0's run resumed from (0: it started fresh), from its log's head."""
-        text = storage.read_range(storage_paths.join(self.log_dest(attempt), layout.worker_log(0)), 0, LOG_HEAD_BYTES)
-        found = RESUMED.search(text.decode("utf-8", errors="replace"))
-        return int(found.group(1)) if found else 0
 
     def failure(self, cause: str) -> None:
         """A failure: counted only without a new checkpoint since the last one; backed off."""

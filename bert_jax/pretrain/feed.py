@@ -133,11 +133,11 @@ def make_eval_input(config, data: str, workdir: Optional[str] = None):
     """One padded pass over `data`, at the records' own length and prediction count (whatever the
     training phase's are: a 128 -> 512 run evaluates on the same held-out records throughout).
     With `workdir`, the hashes of its verified files are kept there too (module docstring)."""
-    from data_pipeline.input import pretraining as input_pipeline
+    from data_pipeline.input import evaluation
     from data_pipeline.records import reader
     max_seq_length, max_predictions_per_seq = reader.record_shape(data)
     global_batch = config.eval_batch_size or config.global_batch_size
-    return input_pipeline.make_eval_iterator(
+    return evaluation.make_eval_iterator(
         data,
         per_host_batch_size=global_batch // jax.process_count(),
         max_seq_length=max_seq_length,

@@ -2,9 +2,10 @@
 
 The last stage of the training input (`records.reader` -> `masking` -> `packing` -> **pretraining**
 -> `bert_jax.training.sharding.to_global`): `PretrainingInput`, the endless (or one-epoch) training
-stream of one host, with its saved and restored position, and `EvalInput`
-(`make_eval_iterator`), one padded pass for evaluation, built from the three modules before it.
-Their names are imported from their own modules, not from here.
+stream of one host, with its saved and restored position, built from the modules before it;
+beside it, `data_pipeline.input.evaluation` (one padded pass for evaluation) and
+`data_pipeline.input.parsing` (what both share: parsing, the next batch as numpy). Their names are
+imported from their own modules, not from here.
 
 - **Training stream** (`PretrainingInput`): seeded file-order shuffle -> interleave -> seeded
   record shuffle (of the serialized records: small buffers, small checkpoints) -> `repeat` ->
@@ -19,8 +20,8 @@ Their names are imported from their own modules, not from here.
   sequence by sequence.
 - **Packing** (`packing.pack_window`): first-fit-decreasing within windows of `packing_window`
   consecutive records. Records of different epochs never share a row.
-- **Evaluation** (`make_eval_iterator` -> `EvalInput`): one finite pass, in file order, padded
-  so every host yields the same number of batches; padding rows carry weight 0.
+- **Evaluation** (`evaluation.make_eval_iterator` -> `EvalInput`): one finite pass, in file
+  order, padded so every host yields the same number of batches; padding rows carry weight 0.
 
 Batches (numpy, host-local; `B` = per_host_batch_size, `L` = max_seq_length,
 `P` = max_predictions_per_seq):
@@ -43,7 +44,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -51,9 +52,8 @@ from data_pipeline import storage
 from data_pipeline.input.masking import (SpecialIds, dynamic_mask, dynamic_predictions_per_sequence,
                                          resolve_whole_word_mask)
 from data_pipeline.input.packing import pack_window
-from data_pipeline.records import schema
-from data_pipeline.records.reader import (CorruptDataError, FilePatterns, HostFiles, check_files, file_datasets,
-                                          read_error)
+from data_pipeline.input.parsing import deterministic_options, graph_fn, next_batch, parse_batch
+from data_pipeline.records.reader import CorruptDataError, FilePatterns, check_files, file_datasets
 from data_pipeline.storage import paths as storage_paths, split_patterns, staging as storage_staging
 from data_pipeline.tf_import import tf  # without Keras (data_pipeline/tf_import.py)
 
@@ -62,35 +62,8 @@ _ITERATOR_PREFIX = "iterator"
 
 
 # ---------------------------------------------------------------------------------------------
-# Parsing
-# ---------------------------------------------------------------------------------------------
-
-
-def parse_batch(serialized: tf.Tensor, max_seq_length: int, max_predictions_per_seq: int) -> dict:
-    """Parses `[N]` serialized tf.Examples into int32/float32 `[N, ...]` tensors (schema names)."""
-    parsed = schema.parse_example(serialized, max_seq_length, max_predictions_per_seq)
-    out = {}
-    for name, value in parsed.items():
-        out[name] = tf.cast(value, tf.float32 if value.dtype.is_floating else tf.int32)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # Training input
 # ---------------------------------------------------------------------------------------------
-
-
-def _next_batch(iterator, files: HostFiles, patterns: list, max_seq_length: int,
-                max_predictions_per_seq: int) -> dict:
-    """`next(iterator)` as numpy, with TF's anonymous read errors turned into named ones."""
-    try:
-        return _to_numpy(next(iterator))
-    except tf.errors.DataLossError as e:
-        raise read_error(files, patterns, e) from e
-    except tf.errors.InvalidArgumentError as e:
-        raise ValueError(
-            f"records in {patterns} do not parse with max_seq_length={max_seq_length}, "
-            f"max_predictions_per_seq={max_predictions_per_seq}: {e.message}") from e
 
 
 def _mix(*values: int) -> int:
@@ -101,22 +74,6 @@ def _mix(*values: int) -> int:
         x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         x ^= x >> 29
     return x & 0x7FFFFFFFFFFFFFFF
-
-
-def _options() -> tf.data.Options:
-    options = tf.data.Options()
-    options.deterministic = True
-    return options
-
-
-def _graph_fn(fn):
-    # Our map functions are plain TF ops (explicit tf.while_loop): skipping autograph's source
-    # conversion makes building a pipeline several times faster.
-    return tf.autograph.experimental.do_not_convert(fn)
-
-
-def _to_numpy(batch: dict) -> dict:
-    return {k: v.numpy() for k, v in batch.items()}
 
 
 class PretrainingInput:
@@ -300,11 +257,11 @@ class PretrainingInput:
                                    groups=index // per_epoch)  # the epoch: never mixed in a row
 
             ds = ds.enumerate().batch(self.packing_window).map(
-                _graph_fn(pack), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+                graph_fn(pack), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
             ds = ds.batch(self.per_host_batch_size, drop_remainder=True)
         else:
             ds = ds.batch(self.per_host_batch_size, drop_remainder=True).map(
-                _graph_fn(lambda serialized: dict(
+                graph_fn(lambda serialized: dict(
                     parse_batch(serialized, L, P),
                     next_sentence_weights=tf.ones([tf.shape(serialized)[0]], tf.float32))),
                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -322,10 +279,10 @@ class PretrainingInput:
                                     subword=subword)
 
             ds = tf.data.Dataset.zip(ds, tf.data.Dataset.random(seed=_mix(seed, host, 3)))
-            ds = ds.map(_graph_fn(remask), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            ds = ds.map(graph_fn(remask), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         if self.num_batches is not None:
             ds = ds.take(self.num_batches)
-        return ds.prefetch(2).with_options(_options())
+        return ds.prefetch(2).with_options(deterministic_options())
 
     # --- iteration ---------------------------------------------------------------------------
 
@@ -334,7 +291,7 @@ class PretrainingInput:
 
     def __next__(self) -> dict:
         try:
-            out = _next_batch(self._iterator, self._files, self._patterns, self.max_seq_length,
+            out = next_batch(self._iterator, self._files, self._patterns, self.max_seq_length,
                               self.max_predictions_per_seq)
         except StopIteration:
             if self.num_batches is not None and self._counters["batches"] < self.num_batches:
@@ -437,84 +394,3 @@ class PretrainingInput:
             checkpoint = tf.train.Checkpoint(iterator=self._iterator)  # storage: local (storage_staging.reading_dir)
             checkpoint.read(os.path.join(local, _ITERATOR_PREFIX)).assert_consumed()
         self._counters = dict(state["counters"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation input
-# ---------------------------------------------------------------------------------------------
-
-
-class EvalInput:
-    """One finite pass over eval records, padded so every host yields `len(self)` batches.
-
-    Iterating gives unpacked batches (module docstring) in file order with the records' own
-    masks; padding rows are all zeros, with `masked_lm_weights` and `next_sentence_weights` 0.
-    Each `iter()` starts a fresh pass.
-    """
-
-    def __init__(self, file_patterns: FilePatterns, *, per_host_batch_size: int,
-                 max_seq_length: int, max_predictions_per_seq: int, process_index: int = 0,
-                 process_count: int = 1, verify: bool = True, skip_corrupt: bool = False,
-                 known_hashes_file: Optional[str] = None):
-        if per_host_batch_size <= 0:
-            raise ValueError(f"per_host_batch_size={per_host_batch_size} must be positive")
-        self.per_host_batch_size = per_host_batch_size
-        self.max_seq_length, self.max_predictions_per_seq = max_seq_length, max_predictions_per_seq
-        self._patterns = split_patterns(file_patterns)
-        # Eval may have fewer files than hosts: a host without files yields padding only.
-        self._files = check_files(file_patterns, process_index=process_index,
-                                  process_count=process_count, verify=verify,
-                                  skip_corrupt=skip_corrupt, require_files_per_host=False,
-                                  known_hashes_file=known_hashes_file)
-        per_host = self._files.records_per_host(process_count)
-        self.num_batches = max(-(-n // per_host_batch_size) for n in per_host)
-        self.num_records = self._files.read_records
-        self.stats = {"files": len(self._files.host_files),
-                      "corrupt_files": list(self._files.corrupt_files),
-                      "skipped_records": self._files.skipped_records,
-                      "records": self.num_records}
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def _dataset(self) -> tf.data.Dataset:
-        L, P = self.max_seq_length, self.max_predictions_per_seq
-        paths = self._files.read_paths
-
-        def real(serialized):
-            features = parse_batch(serialized, L, P)
-            features["next_sentence_weights"] = tf.ones([tf.shape(serialized)[0]], tf.float32)
-            return features
-
-        pad = {"input_ids": tf.zeros([L], tf.int32), "input_mask": tf.zeros([L], tf.int32),
-               "segment_ids": tf.zeros([L], tf.int32),
-               "masked_lm_positions": tf.zeros([P], tf.int32),
-               "masked_lm_ids": tf.zeros([P], tf.int32),
-               "masked_lm_weights": tf.zeros([P], tf.float32),
-               "next_sentence_labels": tf.zeros([1], tf.int32),
-               "next_sentence_weights": tf.zeros([], tf.float32)}
-        padding = tf.data.Dataset.from_tensors(pad).repeat()
-        if paths:
-            units, read = file_datasets(self._files)
-            rows = units.flat_map(read).batch(256).map(
-                _graph_fn(real), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
-            rows = rows.concatenate(padding)
-        else:
-            rows = padding
-        ds = rows.batch(self.per_host_batch_size).take(self.num_batches)
-        return ds.prefetch(2).with_options(_options())
-
-    def __iter__(self) -> Iterator[dict]:
-        iterator = iter(self._dataset())
-        while True:
-            try:
-                batch = _next_batch(iterator, self._files, self._patterns, self.max_seq_length,
-                                    self.max_predictions_per_seq)
-            except StopIteration:
-                return
-            yield batch
-
-
-def make_eval_iterator(file_patterns: FilePatterns, **kwargs: Any) -> EvalInput:
-    """`EvalInput(file_patterns, **kwargs)`: the finite, padded eval pass (see `EvalInput`)."""
-    return EvalInput(file_patterns, **kwargs)

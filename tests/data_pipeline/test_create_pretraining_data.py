@@ -14,7 +14,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from data_pipeline import create_pretraining_data as cpd  # noqa: E402
-from data_pipeline.input import pretraining as input_pipeline  # noqa: E402
+from data_pipeline.input import evaluation  # noqa: E402
 from data_pipeline.pretraining_data import corpora, instances  # noqa: E402
 from data_pipeline.pretraining_data import shards  # noqa: E402
 from data_pipeline.records import schema  # noqa: E402
@@ -163,14 +163,14 @@ def test_fast_mode_is_independent_of_the_worker_count_and_has_the_reference_stat
     # Above 50%: a one-sentence chunk always takes a random next segment (as in the reference).
     assert 0.45 < m["random_next_fraction"] < 0.7
     # The manifest is what the input pipeline verifies: it reads the files without complaint...
-    ds = input_pipeline.EvalInput(str(tmp_path / "w1" / "*.tfrecord"), per_host_batch_size=16,
+    ds = evaluation.EvalInput(str(tmp_path / "w1" / "*.tfrecord"), per_host_batch_size=16,
                                   max_seq_length=48, max_predictions_per_seq=8)
     assert ds.num_records == one["num_instances"]
     # ... and refuses a truncated one, naming it.
     bad = tmp_path / "w1" / "part-00001-of-00002.tfrecord"
     bad.write_bytes(bad.read_bytes()[:-100])
     with pytest.raises(records.CorruptDataError, match="part-00001-of-00002"):
-        input_pipeline.EvalInput(str(tmp_path / "w1" / "*.tfrecord"), per_host_batch_size=16,
+        evaluation.EvalInput(str(tmp_path / "w1" / "*.tfrecord"), per_host_batch_size=16,
                                  max_seq_length=48, max_predictions_per_seq=8)
 
 
@@ -620,5 +620,5 @@ def test_a_run_that_would_leave_a_manifest_wrong_is_refused_before_any_work(tmp_
     # A pattern that matches nothing says what the folder holds (records, not their manifests).
     with pytest.raises(records.CorruptDataError, match=r"matches this pattern \(.*data holds eval\.tfrecord, "
                                                               r"part-00000-of-00002\.tfrecord, part-00001.*\)$"):
-        input_pipeline.EvalInput(str(out / "train-*.tfrecord"), per_host_batch_size=4, max_seq_length=32,
+        evaluation.EvalInput(str(out / "train-*.tfrecord"), per_host_batch_size=4, max_seq_length=32,
                                  max_predictions_per_seq=4)

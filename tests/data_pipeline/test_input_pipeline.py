@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.input import pretraining as ip
+from data_pipeline.input import evaluation
 from data_pipeline.records import manifests, reader as records_module
 from tests.helpers.numbered_records import L, P, SPECIAL, make_input, record_ids, write_dataset
 
@@ -172,7 +172,7 @@ def test_gzip_files_read_exactly_like_plain_ones_and_resume(tmp_path):
     resumed.restore_state(str(tmp_path / "state"))
     got += [batch_hash(next(resumed)) for _ in range(7)]
     assert got == reference
-    evals = [[batch_hash(b) for b in ip.make_eval_iterator(
+    evals = [[batch_hash(b) for b in evaluation.make_eval_iterator(
         str(tmp_path / d / "part-*"), per_host_batch_size=4, max_seq_length=L,
         max_predictions_per_seq=P)] for d in ("plain", "gz")]
     assert evals[0] == evals[1] and len(evals[0]) == 5
@@ -349,7 +349,7 @@ def test_eval_is_one_padded_pass_with_equal_batch_counts(dataset):
     hosts, b = 3, 4
     lengths, seen = [], []
     for h in range(hosts):
-        ev = ip.make_eval_iterator(pattern, per_host_batch_size=b, max_seq_length=L,
+        ev = evaluation.make_eval_iterator(pattern, per_host_batch_size=b, max_seq_length=L,
                                    max_predictions_per_seq=P, process_index=h, process_count=hosts)
         batches = list(ev)
         assert list(ev) and len(list(ev)) == len(batches)  # each iter() is a fresh pass
@@ -369,7 +369,7 @@ def test_lenient_eval_keeps_hosts_in_step_and_counts_the_loss(tmp_path):
     _damage(paths[1], "bit_flip")  # record 6 of file 1 is lost
     lengths, seen = [], []
     for h in range(2):
-        ev = ip.make_eval_iterator(str(tmp_path / "part-*.tfrecord"), per_host_batch_size=4,
+        ev = evaluation.make_eval_iterator(str(tmp_path / "part-*.tfrecord"), per_host_batch_size=4,
                                    max_seq_length=L, max_predictions_per_seq=P, process_index=h,
                                    process_count=2, skip_corrupt=True)
         batches = list(ev)

@@ -19,7 +19,7 @@ tf = pytest.importorskip("tensorflow")
 
 from data_pipeline import create_pretraining_data as cpd  # noqa: E402
 from data_pipeline import tasks  # noqa: E402
-from data_pipeline.input import pretraining as ip  # noqa: E402
+from data_pipeline.input import evaluation, pretraining as ip  # noqa: E402
 from data_pipeline.records import reader  # noqa: E402
 from data_pipeline.tokenization.sentencepiece_tokenizer import create_tokenizer  # noqa: E402
 
@@ -198,8 +198,10 @@ def test_pretraining_input_from_a_bucket_saves_and_resumes_there(records, tmp_pa
         make_input(remote).restore_state(storage_paths.join(remote, "nothing"))
 
     # The finite, padded evaluation pass reads the bucket as it reads the disk.
-    evals = {root: list(ip.make_eval_iterator(storage_paths.join(root, "part-*.tfrecord"), per_host_batch_size=8,
-                                              max_seq_length=L, max_predictions_per_seq=P)) for root in (local, remote)}
+    evals = {root: list(evaluation.make_eval_iterator(storage_paths.join(root, "part-*.tfrecord"),
+                                                      per_host_batch_size=8, max_seq_length=L,
+                                                      max_predictions_per_seq=P))
+             for root in (local, remote)}
     assert len(evals[remote]) > 3
     assert_same_batches(evals[remote], evals[local])
     assert reader.record_shape(storage_paths.join(remote, "part-*.tfrecord")) == (L, P)

@@ -9,7 +9,7 @@ import pytest
 from benchmarks.checkpoints import integrity_cost
 from benchmarks.step import pretrain_step
 from bert_jax.config_overrides import known_configs, load_config, resolve_config, resolve_config_argv
-from bert_jax.pod import planner
+from bert_jax.pod.planning import planner
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"

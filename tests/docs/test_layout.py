@@ -26,8 +26,8 @@ WORDS = {"best", "params", "data", "code"}
 NAMES = sorted({v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str)} - WORDS | {
     "process_", "_scores.json", "attempt-", "worker-", ".tar.gz"})
 MODULES = ["bert_jax/pretrain/feed.py", "bert_jax/finetune/predict.py", "bert_jax/finetune/restarts.py",
-           "bert_jax/workdir.py", "bert_jax/pod/supervisor.py", "bert_jax/pod/pins.py", "bert_jax/demo.py",
-           "bert_jax/plot.py"]
+           "bert_jax/workdir.py", "bert_jax/pod/supervisor.py", "bert_jax/pod/slice_recovery.py",
+           "bert_jax/pod/progress.py", "bert_jax/pod/pins.py", "bert_jax/demo.py", "bert_jax/plot.py"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from bert_jax import convert
-from bert_jax.finetune import batches as finetune_batches, bucketing, loop as finetune, steps as finetune_steps
+from bert_jax.finetune import batches as finetune_batches, bucketing, loop as finetune, preparation
+from bert_jax.finetune import steps as finetune_steps
 from bert_jax.formats.google import to_google
 from configs import glue as glue_config
 from configs import ner as ner_config
@@ -86,7 +87,7 @@ def test_train_plan_counts_steps_as_googles_scripts():
         finetune_batches.train_plan(config, 10, 10)
     # Examples are counted as those that gave feature rows (a SQuAD question gives several).
     split = type("Split", (), {"examples": list("abcd"), "features": {"example_index": np.array([0, 0, 1, 3, 3])}})
-    assert finetune.count_examples(split) == 3
+    assert preparation.count_examples(split) == 3
 
 
 def test_stream_batches_are_full_batches_of_passes_one_after_another():
@@ -143,7 +144,7 @@ def test_google_adamw_of_the_loop_matches_optimization_py(checkpoint):
     the tiny BERT, against optimization.py in numpy on the TF1 variable names."""
     config = google_recipe(glue_config.get_config())
     config.learning_rate = 1e-2
-    schedule, tx = finetune.make_optimizer(config, 7, 2)
+    schedule, tx = preparation.make_optimizer(config, 7, 2)
     params = jax.tree_util.tree_map(np.asarray, checkpoint["params"])
     rng = np.random.RandomState(0)
     grads = [jax.tree_util.tree_map(lambda x: (rng.randn(*x.shape) * scale).astype(np.float32), params)

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from bert_jax.finetune import loop as finetune
+from bert_jax.finetune import loop as finetune, preparation
 from configs import glue as glue_config
 from configs import ner as ner_config
 from configs import squad as squad_config
@@ -157,11 +157,11 @@ def test_tfds_datasets_are_prepared_by_host_zero_before_the_others_read(monkeypa
 
     monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: Builder(name))
     monkeypatch.setattr(tfds, "load", lambda *a, **k: pytest.fail("read, not only prepared"))
-    monkeypatch.setattr(finetune.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(finetune.jax, "process_index", lambda: process_index)
-    monkeypatch.setattr(finetune.multihost_utils, "sync_global_devices", lambda name: events.append(("barrier",)))
+    monkeypatch.setattr(preparation.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(preparation.jax, "process_index", lambda: process_index)
+    monkeypatch.setattr(preparation.multihost_utils, "sync_global_devices", lambda name: events.append(("barrier",)))
     task = tasks_lib.get_task("mnli", source="tfds")
-    finetune._prepare_tfds_on_host_zero(task, (task.train_split, *task.eval_splits), task.test_splits)
+    preparation._prepare_tfds_on_host_zero(task, (task.train_split, *task.eval_splits), task.test_splits)
     if process_index == 0:
         names = [e[1] for e in events[:-1]]
         assert set(names) == {"glue/mnli", "glue/ax"} and names.index("glue/ax") == len(names) - 1

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import dropout, fused, layers, model_config, modeling, pretraining_heads
+from bert_jax.model import dropout, layers, model_config, modeling, pretraining_heads
+from bert_jax.model.kernels import fused
 from tests.helpers import model_parity
 
 

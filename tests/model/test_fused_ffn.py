@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import fused_ffn, layers, model_config, modeling, pretraining_heads
+from bert_jax.model import layers, model_config, modeling, pretraining_heads
+from bert_jax.model.kernels import fused_ffn
 from tests.helpers import model_parity
 
 # Launch shapes that make the interpreter walk a grid of 2 x 2 output tiles and the contraction in

@@ -1,4 +1,4 @@
-"""FP8's gradient cast inside the LayerNorm backward kernel (`bert_jax.model.fused_fp8`, used by
+"""FP8's gradient cast inside the LayerNorm backward kernel (`bert_jax.model.kernels.fused_fp8`, used by
 `BertConfig.fp8` with `fused_ops`), in Pallas' interpreter: the kernel's e5m2 gradient and amax
 against flax's `quantize` and `jnp.max(|g|)` of the same gradient, the whole FP8 model trained with
 the kernel's cast against flax's own passes (loss, parameters and the next scaling state, bit for
@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import dropout, fused, fused_fp8, layers
+from bert_jax.model import dropout, layers
+from bert_jax.model.kernels import fused, fused_fp8
 from tests.helpers import fp8_training, model_parity
 
 

@@ -1,4 +1,4 @@
-"""FP8's Q/K/V input cast inside the LayerNorm forward kernel (`bert_jax.model.fused_fp8.norm_qkv`,
+"""FP8's Q/K/V input cast inside the LayerNorm forward kernel (`bert_jax.model.kernels.fused_fp8.norm_qkv`,
 used with `fp8` and `fused_ops` when the layers are unrolled and not rematerialized:
 `fused_fp8.chains_layers`): each layer's FFN LayerNorm is left pending and the next layer's attention
 runs it, the kernel writing the input in e4m3 once per input scale (the query's and the key/value's).
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import fused, fused_fp8, layers, modeling
+from bert_jax.model import layers, modeling
+from bert_jax.model.kernels import fused, fused_fp8
 from tests.helpers import fp8_training, model_parity
 
 DIMS = (((2,), (0,)), ((), ()))  # what jnp.einsum hands the FP8 op for "blh,hnd->blnd" and "blh,hsnd->blsnd"

@@ -1,6 +1,6 @@
-"""The Pallas kernels on a mesh of several devices (`bert_jax.model.shards`): each device runs them on
-its own rows under `jax.shard_map`. The LayerNorm kernels (`bert_jax.model.fused`), with the dropout
-mask drawn from each element's index in the whole array, equal one device's bit for bit (forward,
+"""The Pallas kernels on a mesh of several devices (`bert_jax.model.kernels.per_device`): each device
+runs them on its own rows under `jax.shard_map`. The LayerNorm kernels (`bert_jax.model.kernels.fused`),
+with the dropout mask drawn from each element's index in the whole array, equal one device's bit for bit (forward,
 backward, FP8's casts and amaxes); the GEMM kernels (`fused_ffn`, `fused_qkv`) equal one device's,
 their weight gradients summed over the devices; the program a GPU would compile has each Triton
 call take one device's rows; and the whole pretraining model's gradients, dropout on, equal one
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bert_jax.model import fused, fused_ffn, fused_qkv, layers, model_config, modeling, pretraining_heads, shards
+from bert_jax.model import layers, model_config, modeling, pretraining_heads
+from bert_jax.model.kernels import fused, fused_ffn, fused_qkv, per_device
 from bert_jax.pretrain import steps
 from bert_jax.training import sharding
 from tests.helpers import model_parity
@@ -54,7 +55,7 @@ def test_the_kernels_run_per_shard_and_equal_one_device(monkeypatch, mesh_shape,
     rows = NamedSharding(mesh, P(sharding.BATCH_AXES))
     step = jax.jit(_passes, in_shardings=(rows, rows, rows) + (NamedSharding(mesh, P()),) * 4)
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
-        assert shards.row_axes(h.shape[0]) == sharding.BATCH_AXES
+        assert per_device.row_axes(h.shape[0]) == sharding.BATCH_AXES
         assert "shard_map" in str(jax.make_jaxpr(step)(h, x, dy, scale, bias, h_bias, key))
         got = step(h, x, dy, scale, bias, h_bias, key)
     assert got[0].sharding.is_equivalent_to(rows, 2)  # y stays split by rows
@@ -72,24 +73,24 @@ def test_the_kernels_run_per_shard_and_equal_one_device(monkeypatch, mesh_shape,
     # The mask is the whole array's: each device's rows draw different bits (a shard that drew
     # from row 0 would repeat the first device's mask, and fail above).
     dropped = np.asarray(got[names.index("dh")], np.float32) == 0
-    per_device = dropped.reshape(8, -1)
-    assert 0.05 < dropped.mean() < 0.15 and not all((per_device[0] == d).all() for d in per_device[1:])
+    by_device = dropped.reshape(8, -1)
+    assert 0.05 < dropped.mean() < 0.15 and not all((by_device[0] == d).all() for d in by_device[1:])
 
 
 def test_the_kernels_run_as_one_call_where_rows_cannot_split():
-    assert shards.row_axes(96) is None  # no mesh
+    assert per_device.row_axes(96) is None  # no mesh
     with jax.set_mesh(sharding.create_mesh({"data": 1}, devices=jax.devices()[:1])):
         with nn.logical_axis_rules(sharding.DEFAULT_RULES):
-            assert shards.row_axes(96) is None  # one device (one GPU's run): its program as it was
+            assert per_device.row_axes(96) is None  # one device (one GPU's run): its program as it was
     mesh = sharding.create_mesh({"data": 4, "fsdp": 2})
     rules = dict(sharding.DEFAULT_RULES)
     with jax.set_mesh(mesh):
         with nn.logical_axis_rules(sharding.DEFAULT_RULES):
-            assert shards.row_axes(96) == ("data", "fsdp")
-            assert shards.row_axes(100) is None  # 100 rows over 8 devices
+            assert per_device.row_axes(96) == ("data", "fsdp")
+            assert per_device.row_axes(100) is None  # 100 rows over 8 devices
         for split in ({"activation_embed": "tensor"}, {"activation_length": "data", "activation_batch": "fsdp"}):
             with nn.logical_axis_rules(tuple({**rules, **split}.items())):
-                assert shards.row_axes(96) is None, split  # a LayerNorm row or a sequence across devices
+                assert per_device.row_axes(96) is None, split  # a LayerNorm row or a sequence across devices
         h, x, dy, scale, bias, h_bias = _operands("float32", b=25, length=4)  # 100 rows: one call, still right
         with nn.logical_axis_rules(sharding.DEFAULT_RULES):
             got = jax.jit(_passes)(h, x, dy, scale, bias, h_bias, jax.random.key_data(jax.random.key(7)))
@@ -145,7 +146,7 @@ def test_on_a_mesh_the_triton_calls_take_one_device_s_rows(monkeypatch, per_shar
     for module in (fused, fused_ffn, fused_qkv):
         monkeypatch.setattr(module, "_interpret", lambda: False)
     if not per_shard:
-        monkeypatch.setattr(shards, "row_axes", lambda rows, multiple=1: None)
+        monkeypatch.setattr(per_device, "row_axes", lambda rows, multiple=1: None)
     hidden, mesh = 768, sharding.create_mesh({"data": 4, "fsdp": 2})
     shape, rows, whole = jax.ShapeDtypeStruct, NamedSharding(mesh, P(sharding.BATCH_AXES)), NamedSharding(mesh, P())
     act = shape((8, 64, hidden), jnp.bfloat16, sharding=rows)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.model import fused_qkv, model_config, modeling, pretraining_heads
+from bert_jax.model import model_config, modeling, pretraining_heads
+from bert_jax.model.kernels import fused_qkv
 from tests.helpers import model_parity
 
 # Launch shapes that make the interpreter walk several output tiles of each projection and every

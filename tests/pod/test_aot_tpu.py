@@ -1,8 +1,8 @@
 """AOT compilation of the sharded train step for a real TPU topology, on CPU (skips without libtpu,
 except in CI: `.ci/run` installs it and sets `BERT_JAX_CI=1`, where its absence fails).
 
-`bert_jax.pod.aot_check` (once through `python -m benchmarks.step.aot_tpu`, the thin benchmark over it) compiles
-against `jax.experimental.topologies` devices; libtpu (the TPU compiler, from PyPI) needs no TPU.
+`bert_jax.pod.planning.aot_check` (once through `python -m benchmarks.step.aot_tpu`, the thin benchmark
+over it) compiles against `jax.experimental.topologies` devices; libtpu (the TPU compiler, from PyPI) needs no TPU.
 This compiles the test-sized config for a v5e 2x2 slice, and
 BERT-Tiny with `attention_impl="dot_product"`, which on TPU is the Pallas splash attention kernel.
 """
@@ -71,7 +71,7 @@ def test_fsdp_flops_count_the_collective_matmul_loops(tmp_path):
     The counting compiles must also compute the last layer everywhere, as the scanned program does
     (with `sparse_last_layer` they would skip ~70% of one of the two layers, well below 1.0)."""
     (tmp_path / "wide.py").write_text(WIDE_CONFIG)
-    r = subprocess.run([sys.executable, "-m", "bert_jax.pod.aot_check", f"--config={tmp_path / 'wide.py'}",
+    r = subprocess.run([sys.executable, "-m", "bert_jax.pod.planning.aot_check", f"--config={tmp_path / 'wide.py'}",
                         "--topology=v5e-16", "--mesh=fsdp", "--seq_len=128", "--batch_per_chip=4",
                         "--max_batch_per_chip=0", "--json"], env=_env(), cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
@@ -93,7 +93,7 @@ def test_fsdp_flops_count_the_collective_matmul_loops(tmp_path):
 # the kernel must run per chip, inside shard_map, on its own 4 of the 16 examples.
 SPLASH_SCRIPT = """
 import json, re
-from bert_jax.pod import aot, aot_check, hlo as hlo_lib
+from bert_jax.pod.planning import aot, aot_check, hlo as hlo_lib
 aot.quiet_libtpu_env()
 args = aot_check.parse_args(["--config=configs/tiny.py", "--seq_len=128", "--attention=dot_product"])
 config, bert_config = aot_check.load_configs(args)
@@ -102,7 +102,7 @@ compiled, _, rows, _ = aot.compile_step(config, bert_config, aot.slice_devices("
 hlo = compiled.as_text()
 calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
 op = r"%([\\w.\\-]+) = [^\\n]*?\\b(?:all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\\("
-parsed = "\\n".join(line for lines in hlo_lib._computations(hlo)[0].values() for line in lines)
+parsed = "\\n".join(line for lines in hlo_lib.computations(hlo)[0].values() for line in lines)
 print(json.dumps(dict(aot.analyze(compiled, 16), rows=rows, attention=bert_config.attention_impl,
                       collectives_in_text=sorted(re.findall(op, hlo)), collectives_parsed=sorted(re.findall(op, parsed)),
                       kernels=sorted(re.match(r"\\s*(?:ROOT )?%(\\w+?)(?:\\.\\d+)? =", c).group(1) for c in calls),

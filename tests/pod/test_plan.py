@@ -1,4 +1,4 @@
-"""bert_jax.pod.planner (`python -m bert_jax.plan`): the pod planner on a compiled program (libtpu, no TPU),
+"""bert_jax.pod.planning.planner (`python -m bert_jax.plan`): the pod planner on a compiled program (libtpu, no TPU),
 and its recipe arithmetic.
 
 The compile test plans the test-sized model on a v5e 2x2 slice and checks what the planner read
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_jax.pod import planner
+from bert_jax.pod.planning import planner
 
 ROOT = Path(__file__).resolve().parents[2]
 _MISSING = None if importlib.util.find_spec("libtpu") else "libtpu not installed (pip install 'libtpu==0.0.42.*')"
@@ -31,7 +31,7 @@ def _need_libtpu():
 
 PARAMS_SCRIPT = """
 import json, jax, numpy as np, flax.linen as nn
-from bert_jax.pod import planner
+from bert_jax.pod.planning import planner
 from bert_jax.model import modeling, pretraining_heads
 config, bc = planner.load_config("configs/test.py", 64, "bfloat16")
 params = jax.eval_shape(lambda: pretraining_heads.BertForPreTraining(bc).init(jax.random.key(0), **modeling.dummy_inputs(bc)))
@@ -179,11 +179,11 @@ def test_config_overrides_reach_the_planned_model():
 
 
 def test_fitting_step_halves_the_batch_until_the_program_fits():
-    """`pod.aot.fitting_step`, the planner's and aot_check's: a refused compile (RESOURCE_EXHAUSTED)
+    """`pod.planning.aot.fitting_step`, the planner's and aot_check's: a refused compile (RESOURCE_EXHAUSTED)
     and a program over the chip's HBM both halve the batch; any other error is raised."""
     from unittest import mock
 
-    from bert_jax.pod import aot
+    from bert_jax.pod.planning import aot
 
     def compile_step(config, bert_config, devices, mesh_kind, b, seq_len, predictions):
         if b == 32:

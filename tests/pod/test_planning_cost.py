@@ -1,8 +1,8 @@
-"""bert_jax.pod.cost: the stated model's arithmetic against cases computed by hand."""
+"""bert_jax.pod.planning.cost: the stated model's arithmetic against cases computed by hand."""
 
 import pytest
 
-from bert_jax.pod import cost
+from bert_jax.pod.planning import cost
 
 RING4 = cost.Interconnect(link_bw=100.0, wraparound=(True,), hop_latency=0.0)
 TORUS = cost.Interconnect(link_bw=100.0, wraparound=(True, False), hop_latency=0.0)

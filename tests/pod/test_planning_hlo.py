@@ -1,6 +1,7 @@
-"""bert_jax.pod.hlo: the collectives of compiled programs (8 CPU devices) against what the
+"""bert_jax.pod.planning.hlo: the collectives of compiled programs (8 CPU devices) against what the
 mesh and the shapes say they must be, and hand-written HLO in the forms the CPU compiler does not
-print (explicit and iota replica groups, async start/done pairs, tuples, nested loops)."""
+print (explicit and iota replica groups, async start/done pairs, tuples, nested loops); and
+bert_jax.pod.planning.traffic's memory traffic of hand-written and compiled programs."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bert_jax.pod import hlo
+from bert_jax.pod.planning import hlo, traffic
 
 
 def as_sets(groups):
@@ -295,7 +296,7 @@ ENTRY %main (a: f32[256], t0: (s32[], f32[64], f32[5,64]), t1: (u32[], bf16[32])
 
 
 def test_memory_traffic_hand_computed():
-    t = hlo.memory_traffic(TRAFFIC)
+    t = traffic.memory_traffic(TRAFFIC)
     copies = 256 * 4  # copy-start/done of a: one HBM -> CMEM move
     hbm = (256 * 2  # convert: reads the CMEM copy (counted on chip), writes bf16 to HBM
            + 8 * 4  # slice: reads the 8 floats it returns, not the whole array (its result is in S(1))
@@ -320,19 +321,19 @@ def test_memory_traffic_hand_computed():
     # The all-reduce (left to the network term) and the reserved buffer (AllocateBuffer) moved
     # nothing here; the loop counts 5 trips:
     # the same program with 10 trips adds five more bodies.
-    ten = hlo.memory_traffic(TRAFFIC.replace('"n":"5"', '"n":"10"'))
+    ten = traffic.memory_traffic(TRAFFIC.replace('"n":"5"', '"n":"10"'))
     assert ten.by_space[0] - t.by_space[0] == 5 * (64 * 4 + 64 * 4 + 4 + 64 * 4)
 
 
 def test_memory_traffic_of_compiled_programs():
     """An elementwise op reads and writes its array once; a scan's traffic grows by one body per step."""
     x = jnp.ones(1000, jnp.float32)
-    assert hlo.memory_traffic(jax.jit(jnp.sin).lower(x).compile().as_text()).hbm == 2 * 4000
+    assert traffic.memory_traffic(jax.jit(jnp.sin).lower(x).compile().as_text()).hbm == 2 * 4000
 
     def scanned(n):
         def f(c, xs):
             return jax.lax.scan(lambda c, x: (jnp.sin(c) * x, None), c, xs)[0]
-        return hlo.memory_traffic(jax.jit(f).lower(x, jnp.ones((n, 1000))).compile().as_text()).hbm
+        return traffic.memory_traffic(jax.jit(f).lower(x, jnp.ones((n, 1000))).compile().as_text()).hbm
 
     a, b, c = scanned(20), scanned(40), scanned(60)
     assert b - a == c - b > 0
@@ -377,7 +378,7 @@ ENTRY %main (a: f32[256]) -> f32[256] {
 def test_a_kernel_config_over_several_lines_does_not_end_its_computation():
     (ar,) = hlo.collectives(MULTILINE)
     assert (ar.name, ar.executions, ar.bytes) == ("ar", 24, 256 * 4)
-    comps, entry, devices = hlo._computations(MULTILINE)
+    comps, entry, devices = hlo.computations(MULTILINE)
     assert (entry, devices) == ("main", 4)
     assert [line.split("=")[0].strip().lstrip("%") for line in comps["body"]] == ["p", "v", "k", "ar", "c", "ROOT %t"]
     assert '"xprof_metadata"' in comps["body"][2] and comps["body"][2].endswith('metadata={op_name="splash"}')

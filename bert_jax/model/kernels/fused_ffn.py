@@ -20,7 +20,7 @@ reference). On GPUs the kernels lower through Triton; elsewhere they run in Pall
 (correct, slow: for tests). Both GELUs are built (`gelu`, the exact erf form; `gelu_tanh`). The
 sizes must divide by the blocks (hidden and intermediate by 64; BERT-Base's 768/3072 and Large's
 1024/4096 do); `supported` says. On a mesh of several devices each runs the kernels on its own rows
-(`bert_jax.model.shards`), the weights whole (a tensor-parallel split of them gathered first).
+(`bert_jax.model.kernels.per_device`), the weights whole (a tensor-parallel split of them gathered first).
 
 Measured on an H200 (benchmarks/kernels/RESULTS.md, 2026-11-28): the kernels are more exact than XLA's bf16
 path (the bias gradient 26x), but their GEMMs, as Pallas emits them through Triton, run at
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bert_jax.model import pallas_gemm, shards
+from bert_jax.model.kernels import pallas_gemm, per_device
 
 Array = jax.Array
 
@@ -131,8 +131,8 @@ def _backward_kernel(g_ref, w_ref, pre_ref, dpre_ref, db_ref, *, bm, bn, bk, ste
 
 def forward(x: Array, w1: Array, b1: Array, activation: str) -> tuple[Array, Array]:
     """`(pre, act)`: `x @ w1 + b1` and its GELU, `[m, intermediate]` in `x`'s dtype (on a mesh, each
-    device on its own rows: `bert_jax.model.shards`)."""
-    return tuple(shards.per_shard(functools.partial(_forward_call, activation=activation), (x, w1, b1),
+    device on its own rows: `bert_jax.model.kernels.per_device`)."""
+    return tuple(per_device.per_shard(functools.partial(_forward_call, activation=activation), (x, w1, b1),
                                   row_args=(0,), multiple=pallas_gemm.ROW_MULTIPLE))
 
 
@@ -151,7 +151,7 @@ def _forward_call(x: Array, w1: Array, b1: Array, activation: str) -> list:
 def backward(g: Array, w2: Array, pre: Array, activation: str) -> tuple[Array, Array]:
     """`(d_pre, d_b1)`: `(g @ w2.T) * gelu'(pre)` in `g`'s dtype and its column sums in float32 (on a
     mesh, each device on its own rows, the column sums' per-block partials summed over all)."""
-    dpre, db = shards.per_shard(functools.partial(_backward_call, activation=activation), (g, w2, pre),
+    dpre, db = per_device.per_shard(functools.partial(_backward_call, activation=activation), (g, w2, pre),
                                 row_args=(0, 2), multiple=pallas_gemm.ROW_MULTIPLE)
     return dpre, jnp.sum(db, axis=0)
 

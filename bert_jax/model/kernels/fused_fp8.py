@@ -6,7 +6,7 @@ layer's history) and once to cast it to float8_e5m2 for the two gradient GEMMs. 
 passes cost about what the FP8 GEMMs save (benchmarks/step/RESULTS.md: 0.998x at 4 layers on an H100).
 For the two dense layers whose output goes straight into `LayerNorm(dropout(h + b) + x)` (the
 attention output and the FFN output), `g` is `dh`, which the LayerNorm backward kernel
-(`bert_jax.model.fused`) computes anyway: here that kernel writes `dh` already cast to e5m2 (one
+(`bert_jax.model.kernels.fused`) computes anyway: here that kernel writes `dh` already cast to e5m2 (one
 byte where it wrote two) with its block's amax, and the dense layer's backward takes them as they
 are. One `custom_vjp` spans the layer's FP8 GEMM and the LayerNorm kernels, so that the e5m2
 gradient never passes through a bfloat16 cotangent.
@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.model import fused
+from bert_jax.model.kernels import fused
 
 Array = jax.Array
 

@@ -1,7 +1,7 @@
 """The Pallas kernels on a mesh of several devices: each device runs them on its own rows.
 
 XLA cannot split a Triton (or Mosaic) call over a mesh: it gathers every operand to every device
-and runs the whole call on each. The kernels of `bert_jax.model.fused`, `fused_ffn` and
+and runs the whole call on each. The kernels of `bert_jax.model.kernels.fused`, `fused_ffn` and
 `fused_qkv` all work on `[rows, features]` activations whose rows are examples' positions, split
 over the activations' batch axes like the examples; so on the mesh of `jax.set_mesh` they run
 under `jax.shard_map` (`per_shard`), each device on its own rows. Weights go in whole (under FSDP

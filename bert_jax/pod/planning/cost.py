@@ -5,7 +5,7 @@ tests/pod/test_planning_cost.py checks it against hand-computed cases.
 
 Compute and memory (per chip, per step)
     compute_s = XLA FLOPs / peak FLOP/s;  memory_s = HBM traffic / HBM bandwidth, the traffic
-    read off the program's instructions (`pod.hlo.memory_traffic`: operands and results
+    read off the program's instructions (`pod.planning.traffic.memory_traffic`: operands and results
     in HBM, and the copies to and from on-chip memory).
     Both are totals, not per-op pairs: a step takes between
     max(compute_s, memory_s) (every op overlaps its traffic with other ops' math) and

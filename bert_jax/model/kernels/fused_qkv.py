@@ -6,7 +6,7 @@ stacked at run time, then three strided slices of its `[rows, 3, hidden]` output
 pass of its own); in the backward it stacks the three gradients again for the input's and the
 kernels' GEMMs and sums the bias gradients in passes over them (on an H200 at BERT-Large, 3.4 ms
 of bias gradients and stacking and 2.2 ms of slices a step: benchmarks/kernels/RESULTS.md, 2026-11-28).
-Here three Pallas kernels (`bert_jax.model.pallas_gemm`) do that work inside the GEMMs:
+Here three Pallas kernels (`bert_jax.model.kernels.pallas_gemm`) do that work inside the GEMMs:
 
 - forward: one launch over `[row blocks, 3, column blocks]`: each program multiplies `x` by one
   of the three kernels (read where they are: nothing stacked) and writes, from its float32
@@ -26,7 +26,7 @@ gradient from the compute-dtype gradients; here the bias is added to the float32
 its gradient summed in float32 (`tests/model/test_fused_qkv.py` compares both passes against the
 unfused path and a float32 reference). The hidden size must divide by 64 (BERT-Base's 768, Large's
 1024 do): `supported`. On a mesh of several devices each runs the kernels on its own rows
-(`bert_jax.model.shards`), the weights whole, their gradients summed over the devices.
+(`bert_jax.model.kernels.per_device`), the weights whole, their gradients summed over the devices.
 
 Speed: not yet timed on a GPU (`benchmarks/kernels/fused_qkv.py`, `benchmarks/gpu/fused_qkv.sh`).
 Pallas' Triton GEMMs ran at 0.65-0.75x cuBLAS's in the FFN kernels (benchmarks/kernels/RESULTS.md,
@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bert_jax.model import pallas_gemm, shards
+from bert_jax.model.kernels import pallas_gemm, per_device
 
 Array = jax.Array
 
-# Launch shapes per kernel (see `bert_jax.model.pallas_gemm`): the FFN kernels' fastest at
+# Launch shapes per kernel (see `bert_jax.model.kernels.pallas_gemm`): the FFN kernels' fastest at
 # BERT-Large's shapes on an H200 (its forward for the forward, its backward for both backward
 # kernels) until `benchmarks/kernels/fused_qkv.py --sweep` measures these.
 FORWARD = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
@@ -138,8 +138,8 @@ def _weight_grad_kernel(x_ref, dq_ref, dk_ref, dv_ref, dwq_ref, dwk_ref, dwv_ref
 
 def forward(x: Array, wq: Array, wk: Array, wv: Array, bq: Array, bk: Array, bv: Array) -> tuple[Array, Array, Array]:
     """`(q, k, v)`: `x @ w_t + b_t` for `x` `[m, hidden]` and each `w_t` `[hidden, n]`, `[m, n]` in
-    `x`'s dtype (on a mesh, each device on its own rows: `bert_jax.model.shards`)."""
-    return tuple(shards.per_shard(_forward_call, (x, wq, wk, wv, bq, bk, bv), row_args=(0,),
+    `x`'s dtype (on a mesh, each device on its own rows: `bert_jax.model.kernels.per_device`)."""
+    return tuple(per_device.per_shard(_forward_call, (x, wq, wk, wv, bq, bk, bv), row_args=(0,),
                                   multiple=pallas_gemm.ROW_MULTIPLE))
 
 
@@ -157,7 +157,7 @@ def _forward_call(x, wq, wk, wv, bq, bk, bv) -> list:
 
 def input_grad(dq: Array, dk: Array, dv: Array, wq: Array, wk: Array, wv: Array) -> Array:
     """`dq @ w_q.T + dk @ w_k.T + dv @ w_v.T`, `[m, hidden]` in `dq`'s dtype (per device's rows)."""
-    return shards.per_shard(_input_grad_call, (dq, dk, dv, wq, wk, wv), row_args=(0, 1, 2),
+    return per_device.per_shard(_input_grad_call, (dq, dk, dv, wq, wk, wv), row_args=(0, 1, 2),
                             multiple=pallas_gemm.ROW_MULTIPLE)
 
 
@@ -176,7 +176,7 @@ def weight_grads(x: Array, dq: Array, dk: Array, dv: Array) -> tuple[tuple[Array
     """`((dw_q, dw_k, dw_v), db)`: each `x.T @ d_t` (`[hidden, n]` in `x`'s dtype) and the bias
     gradients' `[3, n]` column sums of `dq`, `dk`, `dv` in float32 (on a mesh, each device's over its
     own rows, then summed over the devices)."""
-    *dws, db = shards.per_shard(_weight_grads_call, (x, dq, dk, dv), row_args=(0, 1, 2, 3), summed=True,
+    *dws, db = per_device.per_shard(_weight_grads_call, (x, dq, dk, dv), row_args=(0, 1, 2, 3), summed=True,
                                 multiple=pallas_gemm.ROW_MULTIPLE)
     return tuple(dws), db
 

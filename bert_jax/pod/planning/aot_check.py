@@ -1,7 +1,7 @@
 """Does the pretraining step fit a Cloud TPU pod slice: compiled ahead of time on a CPU machine.
 
     pip install 'libtpu==0.0.42.*'    # the TPU compiler, matching jax 0.10.2; no TPU needed
-    python -m bert_jax.pod.aot_check --config=configs/large.py \\
+    python -m bert_jax.pod.planning.aot_check --config=configs/large.py \\
         [--topology=v4-32,v5p-64,v5e-16] [--mesh=data,fsdp,tensor] [--seq_len=128] \\
         [--batch_per_chip=32] [--max_batch_per_chip=1024] [--attention=einsum] [--json]
 
@@ -45,7 +45,7 @@ import os
 import sys
 import time
 
-from bert_jax.pod import aot
+from bert_jax.pod.planning import aot
 from bert_jax.training import chips
 
 

@@ -1,4 +1,4 @@
-"""What the Pallas GEMM kernels share (`bert_jax.model.fused_ffn`, `bert_jax.model.fused_qkv`).
+"""What the Pallas GEMM kernels share (`bert_jax.model.kernels`: `fused_ffn`, `fused_qkv`).
 
 A kernel here is one `pallas_call` over a grid of output tiles, each program walking the
 contraction a block at a time into a float32 accumulator, its epilogue acting on that accumulator

@@ -17,7 +17,7 @@ the backward, or read (what it costs and saves on a GPU is not measured yet). Gi
 scale, the backward writes `dh` cast to float8_e5m2 and each block's largest |dh|; given the input
 scales of the FP8 layers that read `y` (one, or two: the query's and the key/value's), the forward
 writes `y` also cast to float8_e4m3fn once per scale and each block's largest |y| (`_fp8`; used by
-`bert_jax.model.fused_fp8`, whose custom VJPs span the FP8 dense layers and these kernels).
+`bert_jax.model.kernels.fused_fp8`, whose custom VJPs span the FP8 dense layers and these kernels).
 
 The arithmetic is the unfused path's, in its dtypes: the dense bias add (`h_bias` rounded to the
 compute dtype first), the dropout scaling and the residual add in the compute dtype, the
@@ -34,8 +34,8 @@ power-of-two column pieces (`pieces`): one for 128, 256, 512, 1024 (BERT-Tiny, -
 16 or need more than `MAX_PIECES` pieces fall back to the unfused path. XLA cannot split a Triton
 call over a mesh (it would gather every operand to every device), so on the mesh of `jax.set_mesh`
 the kernels run under `jax.shard_map`, each device on its own rows (the activations' batch axes,
-`bert_jax.model.shards`), the dropout mask drawn from each element's index in the whole array (the shard's first
-row goes in with the key), and the partial sums and amaxes reduced over devices after: the same
+`bert_jax.model.kernels.per_device`), the dropout mask drawn from each element's index in the
+whole array (the shard's first row goes in with the key), and the partial sums and amaxes reduced over devices after: the same
 results as one device (`tests/model/test_fused_per_shard.py`). Rows that cannot split evenly, or a
 sequence or hidden axis split over devices, run as one call (gathered: correct, not fast).
 """
@@ -51,7 +51,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from bert_jax.model import dropout as dropout_lib, shards
+from bert_jax.model import dropout as dropout_lib
+from bert_jax.model.kernels import per_device
 
 Array = jax.Array
 
@@ -153,7 +154,7 @@ def _drawn_keep(key_ref, row0, rows: int, hidden: int, keep_prob: float) -> list
     """Dropout's keep mask of `rows` rows from row `row0` on, per column piece, drawn from the key
     as `dropout.keep_mask` draws it for the whole `[rows, hidden]` array: the hash of each
     element's row-major index (`dropout.keep_from_index`), so no mask is read or stored. The key's
-    third word is the first row of this device's shard (`shards.per_shard`; 0 on one device)."""
+    third word is the first row of this device's shard (`per_device.per_shard`; 0 on one device)."""
     k0, k1 = key_ref[0], key_ref[1]
     first = key_ref[2] + jnp.asarray(row0).astype(jnp.uint32)
     row = (first + jnp.arange(rows, dtype=jnp.int32).astype(jnp.uint32))[:, None] * np.uint32(hidden)
@@ -290,7 +291,7 @@ def _forward(h, x, keep, key, scale, bias, h_bias, keep_prob, eps, in_scale=None
     """y, mean and 1/std; given `in_scale` (float32 `[n]`: the input scales of the FP8 layers that
     read y, one or two), also y as float8_e4m3fn divided by each (`_fp8`), then its largest |value|
     (FP8's input amax, the same for every scale)."""
-    out = shards.per_shard(functools.partial(_forward_call, keep_prob=keep_prob, eps=eps),
+    out = per_device.per_shard(functools.partial(_forward_call, keep_prob=keep_prob, eps=eps),
                            (h, x, keep, key, scale, bias, h_bias, in_scale), row_args=(0, 1, 2), first_row=True)
     if in_scale is not None:
         *out, amax = out
@@ -326,7 +327,7 @@ def _backward(h, x, keep, key, scale, h_bias, mean, rstd, dy, keep_prob, grad_sc
     `grad_scale` (float32 `[1]`), dh as float8_e5m2 scaled by it (`_fp8`), and its largest |value|
     before the cast as a sixth result (FP8's gradient amax)."""
     fp8 = grad_scale is not None
-    dh, dx, *partials = shards.per_shard(functools.partial(_backward_call, keep_prob=keep_prob),
+    dh, dx, *partials = per_device.per_shard(functools.partial(_backward_call, keep_prob=keep_prob),
                                          (h, x, keep, key, scale, h_bias, mean, rstd, dy, grad_scale),
                                          row_args=(0, 1, 2, 6, 7, 8), first_row=True)
     amax = jnp.max(partials.pop()) if fp8 else None

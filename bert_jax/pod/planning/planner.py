@@ -8,10 +8,10 @@ The planner behind `python -m bert_jax.plan` (`bert_jax/plan.py`, the command's 
         [--json=plan.json] [--config.model.attention_impl=dot_product ...]
 
 For each slice and mesh the pretraining step (`steps.train_step`, as `bert_jax.main` runs it) is
-compiled for the slice's real devices (`pod.aot`), and the step time is projected with the
-model of `pod.cost` (stated there): compute at the chip's peak, HBM traffic at its bandwidth
+compiled for the slice's real devices (`pod.planning.aot`), and the step time is projected with the
+model of `pod.planning.cost` (stated there): compute at the chip's peak, HBM traffic at its bandwidth
 (XLA's FLOPs; the HBM traffic of the program's instructions, by memory space), and every
-collective of the compiled program (`pod.hlo`: bytes, replica groups, executions) on the
+collective of the compiled program (`pod.planning.hlo`: bytes, replica groups, executions) on the
 slice's interconnect: the groups' devices' physical
 coordinates say which torus axes each collective crosses. Chip figures: `training.chips` (public
 specifications, cited). Reported per slice and mesh: the per-chip batch that fits (halved from
@@ -66,7 +66,7 @@ def load_config(path: str, seq_len: int, dtype: str, overrides=()):
     config.model.dtype = dtype
     # The real program with scanned layers, as the docs say: compile memory and time flat in
     # depth (BERT-Large unrolled took 14 GB of host memory on v4-8 before it was stopped);
-    # the FLOPs and bytes come from unrolled 1- and 2-layer programs (pod.aot.counted_costs).
+    # the FLOPs and bytes come from unrolled 1- and 2-layer programs (pod.planning.aot.counted_costs).
     config.model.scan_layers = True
     config.max_seq_length = seq_len
     return config, BertConfig.from_dict(config.model.to_dict())
@@ -76,7 +76,7 @@ def comm_seconds(collectives, mesh, net) -> tuple[float, float, dict]:
     """Seconds per step of every collective on the slice's interconnect; the part that grows with
     the batch (activations: groups inside one tensor-parallel group); the split by kind."""
     import numpy as np
-    from bert_jax.pod import cost
+    from bert_jax.pod.planning import cost
 
     flat = list(mesh.devices.flat)  # the program's device ids are positions in this list
     tensor_groups = []
@@ -105,7 +105,7 @@ def comm_seconds(collectives, mesh, net) -> tuple[float, float, dict]:
 
 def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int, batch_per_chip: int) -> dict:
     """Compile, read the program, project the step (module docstring)."""
-    from bert_jax.pod import aot, cost, hlo
+    from bert_jax.pod.planning import aot, cost, hlo, traffic as traffic_lib
     from bert_jax.training import chips
     from bert_jax.pretrain import steps
 
@@ -124,7 +124,7 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
     count_slice = chips.smallest_slice(spec) if mesh_kind == "data" else spec
     count_devices = devices if count_slice.dims == spec.dims else aot.slice_devices(count_slice.name)
     costs, loops = aot.counted_costs(config, bert_config, count_devices, mesh_kind, b, seq_len, predictions)
-    traffic = hlo.memory_traffic(compiled.as_text())  # the real program's HBM traffic
+    traffic = traffic_lib.memory_traffic(compiled.as_text())  # the real program's HBM traffic
     t = cost.step_time(costs["flops"], traffic.hbm, comm_s, peak_flops=spec.chip.peak_flops,
                        hbm_bw=spec.chip.hbm_bw, layers=bert_config.num_hidden_layers)
     model_flops = steps.train_flops_per_sequence(bert_config, seq_len, predictions) * rows / spec.chips
@@ -137,7 +137,7 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
         "global_batch": rows, "hbm_gib": analysis["hbm_gib"], "hbm_capacity_gib": spec.chip.hbm_gib,
         "xla_flops": costs["flops"], "model_flops": model_flops, "flop_count_loops": loops,
         "flop_count_slice": count_slice.topology_name,
-        # HBM traffic (pod.hlo.memory_traffic) and, for comparison, XLA's "bytes accessed",
+        # HBM traffic (pod.planning.traffic.memory_traffic) and, for comparison, XLA's "bytes accessed",
         # which on TPU also counts on-chip accesses (docs/pod_planning.md)
         "hbm_bytes": traffic.hbm, "hbm_copy_bytes": traffic.copies, "on_chip_bytes": traffic.on_chip,
         "xla_bytes": costs["bytes"], "fixed_bytes": min(2 * state_bytes, traffic.hbm),
@@ -164,7 +164,7 @@ def scaled_step_s(row: dict, batch_per_chip: float, overlap: bool = True, achiev
     the batch-sized traffic and the activation collectives in proportion to the rows, the
     optimizer's traffic and the gradient/weight collectives fixed; compute and traffic at
     `achieved` of the peak rates (1 = the peak-rate projection; training.chips.ACHIEVED)."""
-    from bert_jax.pod import cost
+    from bert_jax.pod.planning import cost
 
     k = batch_per_chip / row["batch_per_chip"]
     traffic = row["fixed_bytes"] + (row["hbm_bytes"] - row["fixed_bytes"]) * k
@@ -178,7 +178,7 @@ def scaled_step_s(row: dict, batch_per_chip: float, overlap: bool = True, achiev
 def recipe_plan(name: str, phases: list, rows_by_len: dict) -> list:
     """Per slice (the recommended mesh at each length): wall time and chip-hours, at the peak
     rates and calibrated (`entry["calibrated"]`), or why not."""
-    from bert_jax.pod import cost
+    from bert_jax.pod.planning import cost
     from bert_jax.training import chips
 
     out = []
@@ -220,7 +220,7 @@ def recommended(rows: list) -> dict | None:
 
 def weak_scaling(rows: list) -> dict:
     """`{mesh: {chips: efficiency}}` at each mesh's per-chip batch (as planned)."""
-    from bert_jax.pod import cost
+    from bert_jax.pod.planning import cost
 
     out = {}
     for mesh_kind in sorted({r["mesh_kind"] for r in rows}):
@@ -264,7 +264,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         key = a[len("--"):].split("=", 1)[0]
         if key in PLANNER_KEYS:
             p.error(f"--{key}: the planner sets it ({PLANNER_KEYS[key]})")
-    from bert_jax.pod import aot
+    from bert_jax.pod.planning import aot
     from bert_jax.training import chips
 
     try:
@@ -298,7 +298,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    from bert_jax.pod import aot
+    from bert_jax.pod.planning import aot
 
     aot.quiet_libtpu_env()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

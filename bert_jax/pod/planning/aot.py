@@ -11,7 +11,7 @@ reads from the compiled program:
   makes of FSDP's gathered-weight matmuls (the bytes are kept for comparison only: on TPU they
   also count on-chip accesses);
 * the collectives of the real (scanned) program with their bytes, groups and executions, and its
-  HBM traffic by memory space (`pod.hlo`), and the Pallas kernels in it.
+  HBM traffic by memory space (`pod.planning.traffic`), and the Pallas kernels in it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import re
 import time
 
-from bert_jax.pod import hlo as hlo_lib
+from bert_jax.pod.planning import hlo as hlo_lib
 from bert_jax.training import chips as chips_lib
 
 MESHES = ("data", "fsdp", "tensor")
