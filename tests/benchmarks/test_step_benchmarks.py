@@ -130,3 +130,29 @@ def test_bench_fp8_variants_carry_their_own_xla_options_and_time_pipelined_steps
     np.testing.assert_array_equal(runners["dumped"].state, np.full(3, 5.0))  # 3 + 2 steps ran
     assert runners["dumped"].loss == 12.0  # the last step's loss: sum of the state before it (4 x 3)
     assert len(runners["dumped"].pipelined) == 1 and len(runners["dumped"].durations) == 2
+
+
+def test_modernbert_vs_bert_compares_equal_widths_and_feed_forward_parameters():
+    """benchmarks/step/modernbert_vs_bert.py: the two models share width, depth and heads, and GeGLU's
+    two-thirds intermediate size gives ModernBERT's feed-forward exactly BERT's weights (96: divisible
+    by 3); one timed step of each trains on the same masked positions (the loss moves)."""
+    from benchmarks.step import modernbert_vs_bert as bench
+
+    args = bench.parse_args(["--lengths=32", "--hidden=96", "--layers=3", "--heads=2", "--vocab=200",
+                             "--local_attention=8", "--rounds=1", "--steps=1"])
+    bert_cfg, modern_cfg = bench.models(args, 32)
+    assert (bert_cfg.hidden_size, bert_cfg.num_hidden_layers, bert_cfg.num_attention_heads) == \
+        (modern_cfg.hidden_size, modern_cfg.num_hidden_layers, modern_cfg.num_attention_heads)
+    bert_ffn = 2 * bert_cfg.hidden_size * bert_cfg.intermediate_size  # two matrices
+    modern_ffn = 3 * modern_cfg.hidden_size * modern_cfg.intermediate_size  # Wi (two halves) and Wo
+    assert bert_ffn == modern_ffn == 73_728
+    ids = jnp.asarray(np.arange(64, dtype=np.int32).reshape(2, 32) % 200)
+    positions = jnp.asarray(np.array([[1, 5, 9], [2, 6, 30]], np.int32))
+    labels = jnp.take_along_axis(ids, positions, 1)
+    modern = bench.modernbert.ModernBertForMaskedLM(modern_cfg)
+    params = modern.init(jax.random.key(0), ids, jnp.ones_like(ids), masked_positions=positions)["params"]
+    step = bench.make_step(lambda p, b: modern.apply({"params": p}, b["input_ids"], jnp.ones_like(b["input_ids"]),
+                                                     masked_positions=b["positions"])[1], params)
+    batch = {"input_ids": ids, "positions": positions, "labels": labels}
+    first, second = float(step(batch)), float(step(batch))
+    assert second < first  # AdamW moved the parameters downhill on the same batch
