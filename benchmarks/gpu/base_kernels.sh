@@ -36,7 +36,7 @@ lane_a() {
 lane_b() {
   local log=$OUT_DIR/lane_b.log
   phase "$log" tests 40 0.08 $LOCKED env JAX_DEFAULT_MATMUL_PRECISION=float32 python3 -m pytest -q -p no:cacheprovider tests/model/test_fused.py \
-    "tests/model/test_modeling.py::test_separate_qkv_matmuls_train_like_the_stacked_kernel"
+    "tests/model/test_modeling_options.py::test_separate_qkv_matmuls_train_like_the_stacked_kernel"
   phase "$log" hf_base 60 0.3 python3 -m benchmarks.step.pretrain_step --config=configs/base.py $COMMON \
     --hf_only --warmup=2 --rounds=3 --steps=5 --hf_pipelined_steps=10 --hf_gpu_lock=$LOCK --host_memory=false
 }

@@ -1,8 +1,8 @@
-"""Checkpointing: mesh-changing restore, keep-K, clear errors, failing saves, kill -9 and SIGTERM.
+"""Checkpointing in-process: mesh-changing restore, keep-K, clear errors, failing saves, SIGTERM's
+stop, and the hosts' agreement about a restore.
 
-In-process tests run on the 8 fake CPU devices of conftest.py. Tests that kill or signal a
-training process run this same file as a worker script (`python tests/checkpoints/test_checkpointing.py MODE
-DIR`, see the bottom) in a subprocess with a bounded wall time, escalating SIGTERM to SIGKILL.
+Runs on the 8 fake CPU devices of conftest.py. The tests that kill or signal a training process
+(kill -9, SIGTERM, a failing save, two-process preemption) are in test_checkpoint_preemption.py.
 """
 
 from __future__ import annotations
@@ -10,11 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-import queue
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,13 +20,11 @@ import numpy as np
 import optax
 import pytest
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from bert_jax.checkpoints.step_dirs import CheckpointRestoreError, CheckpointSaveError
 from bert_jax.checkpoints.checkpointer import Checkpointer
-from tests.helpers.xla_flags import xla_flags
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.checkpoint_states import abstract_of, device_mesh, small_state
 
 
 @struct.dataclass
@@ -39,10 +33,6 @@ class TrainState:
     params: dict
     opt_state: optax.OptState
     rng: jax.Array
-
-
-def _mesh(data, fsdp):
-    return Mesh(np.array(jax.devices()[: data * fsdp]).reshape(data, fsdp), ("data", "fsdp"))
 
 
 # Partition specs per parameter, used on every mesh: on (8, 1) 'fsdp' has size 1.
@@ -90,26 +80,13 @@ def _assert_bitwise_equal(a, b):
         assert x.tobytes() == y.tobytes(), f"{jax.tree_util.keystr(path)} differs"
 
 
-def _small_state(value=0.0):
-    sharding = NamedSharding(_mesh(8, 1), P("data"))
-    return {
-        "params": {"w": jax.device_put(np.full((8, 4), value, np.float32), sharding),
-                   "b": jax.device_put(np.full((4,), value, np.float32), sharding.update(spec=P()))},
-        "step": jax.device_put(np.int32(value), sharding.update(spec=P())),
-    }
-
-
-def _abstract_of(state):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-
-
 # ---------------------------------------------------------------------------------------------
 # In-process
 # ---------------------------------------------------------------------------------------------
 
 
 def test_restore_onto_other_meshes_is_bitwise(tmp_path):
-    saved = _make_state(_mesh(2, 4))
+    saved = _make_state(device_mesh(2, 4))
     meta = {"position": 123, "files": ["a.tfrecord", "b.tfrecord"], "config_hash": "abc"}
     with Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False) as ckpt:
         assert ckpt.latest_step() is None
@@ -117,7 +94,7 @@ def test_restore_onto_other_meshes_is_bitwise(tmp_path):
     ckpt = Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False)
     assert ckpt.latest_step() == 7
 
-    mesh81 = _mesh(8, 1)
+    mesh81 = device_mesh(8, 1)
     target = _abstract(saved, lambda name: NamedSharding(mesh81, SPECS.get(name, P())))
     restored, restored_meta = ckpt.restore(target)
     assert isinstance(restored, TrainState) and restored_meta == meta
@@ -136,7 +113,7 @@ def test_reading_only_the_parameters_is_bitwise_and_quiet(tmp_path, caplog):
     """`restore_part` (evaluation, export) reads the parameters alone, read-only, without orbax
     warnings about the checkpoint's other items or about being read-only."""
     from bert_jax.checkpoints import saved_state
-    saved = _make_state(_mesh(2, 4))
+    saved = _make_state(device_mesh(2, 4))
     with Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False) as ckpt:
         assert ckpt.save(3, saved, {"note": "x"}, force=True)
     one = SingleDeviceSharding(jax.devices()[0])
@@ -152,7 +129,7 @@ def test_reading_only_the_parameters_is_bitwise_and_quiet(tmp_path, caplog):
 
 
 def test_a_stray_step_folder_is_named_with_the_step_to_resume_from(tmp_path):
-    saved = _make_state(_mesh(2, 4))
+    saved = _make_state(device_mesh(2, 4))
     with Checkpointer(tmp_path, save_interval_steps=100, max_to_keep=2, handle_sigterm=False) as ckpt:
         assert ckpt.save(6, saved, {}, force=True)
     (tmp_path / "99").mkdir()
@@ -174,11 +151,11 @@ def test_interval_force_keep_k_and_input_state(tmp_path):
             with open(os.path.join(path, "iterator.json"), "w") as f:
                 json.dump({"step": step}, f)
 
-        if ckpt.save(step, _small_state(step), {"position": step}, force=step == 10,
+        if ckpt.save(step, small_state(step), {"position": step}, force=step == 10,
                      input_state_writer=write):
             saved_at.append(step)
     # A forced final save of an already saved step is a no-op, not an error.
-    assert not ckpt.save(10, _small_state(10), {"position": 10}, force=True)
+    assert not ckpt.save(10, small_state(10), {"position": 10}, force=True)
     ckpt.wait_until_finished()
     assert saved_at == [3, 6, 9, 10]
     assert ckpt.all_steps() == [9, 10] and ckpt.latest_step() == 10
@@ -188,18 +165,18 @@ def test_interval_force_keep_k_and_input_state(tmp_path):
 
     ckpt = Checkpointer(tmp_path, save_interval_steps=3, max_to_keep=2, handle_sigterm=False)
     assert ckpt.latest_step() == 10
-    state, meta = ckpt.restore(_abstract_of(_small_state()), step=9)
+    state, meta = ckpt.restore(abstract_of(small_state()), step=9)
     assert meta == {"position": 9}
     assert float(state["params"]["w"][0, 0]) == 9.0 and int(state["step"]) == 9
     with open(os.path.join(ckpt.input_state_dir(9), "iterator.json")) as f:
         assert json.load(f) == {"step": 9}
     with pytest.raises(FileNotFoundError, match="step 3"):
-        ckpt.restore(_abstract_of(_small_state()), step=3)
+        ckpt.restore(abstract_of(small_state()), step=3)
     # A step whose input state vanished is refused unless the caller restarts the data.
     (tmp_path / "input_state" / "10" / "process_0" / "iterator.json").unlink()
     with pytest.raises(CheckpointRestoreError, match="input state"):
-        ckpt.restore(_abstract_of(_small_state()))
-    state, _ = ckpt.restore(_abstract_of(_small_state()), check_input_state=False)
+        ckpt.restore(abstract_of(small_state()))
+    state, _ = ckpt.restore(abstract_of(small_state()), check_input_state=False)
     assert int(state["step"]) == 10
     ckpt.close()
 
@@ -211,10 +188,10 @@ def test_every_step_gets_an_integrity_manifest_sealed_once_committed(tmp_path):
 
     with Checkpointer(tmp_path / "sync", save_interval_steps=1, max_to_keep=2, async_save=False,
                       handle_sigterm=False) as ckpt:
-        assert ckpt.save(1, _small_state(1), {})
+        assert ckpt.save(1, small_state(1), {})
         assert integrity.read_manifest(str(tmp_path / "sync" / "1"))["sealed"]  # synchronous: at once
     ckpt = Checkpointer(tmp_path / "async", save_interval_steps=1, max_to_keep=2, handle_sigterm=False)
-    assert ckpt.save(1, _small_state(1), {}, input_state_writer=lambda p: open(os.path.join(p, "x"), "w").close())
+    assert ckpt.save(1, small_state(1), {}, input_state_writer=lambda p: open(os.path.join(p, "x"), "w").close())
     ckpt._mngr.wait_until_finished()  # committed, not yet seen by the Checkpointer
     manifest = integrity.read_manifest(str(tmp_path / "async" / "1"))
     assert not manifest["sealed"] and "input_state/process_0/x" in manifest["files"]
@@ -223,7 +200,7 @@ def test_every_step_gets_an_integrity_manifest_sealed_once_committed(tmp_path):
     ckpt.wait_until_finished()
     manifest = integrity.read_manifest(str(tmp_path / "async" / "1"))
     assert manifest["sealed"] and {"commit_success.txt", "_CHECKPOINT_METADATA"} <= set(manifest["files"])
-    state, _ = ckpt.restore(_abstract_of(_small_state()))
+    state, _ = ckpt.restore(abstract_of(small_state()))
     assert float(state["params"]["w"][0, 0]) == 1.0
     ckpt.close()
     assert step_dirs.check_step(tmp_path / "async", 1) == ("ok", None)  # restoring changed no file
@@ -234,13 +211,13 @@ def test_state_may_be_donated_as_soon_as_save_returns(tmp_path):
     # either donates (orbax has its copy) or, while orbax still holds the buffers, skips the
     # donation for that call; the checkpoint must hold the values of save time in both cases.
     ckpt = Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=1, handle_sigterm=False)
-    state = _small_state(3.0)
+    state = small_state(3.0)
     expected = jax.tree.map(np.asarray, state)
     assert ckpt.save(1, state, {})
     overwrite = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 + 9, s), donate_argnums=0)
     donated = overwrite(state)
     ckpt.wait_until_finished()
-    restored, _ = ckpt.restore(_abstract_of(donated))
+    restored, _ = ckpt.restore(abstract_of(donated))
     _assert_bitwise_equal(restored, expected)
     ckpt.close()
 
@@ -248,10 +225,10 @@ def test_state_may_be_donated_as_soon_as_save_returns(tmp_path):
 def test_mismatched_targets_raise_naming_the_key(tmp_path):
     ckpt = Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=1, handle_sigterm=False)
     with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
-        ckpt.restore(_abstract_of(_small_state()))
-    ckpt.save(1, _small_state(1.0), {})
+        ckpt.restore(abstract_of(small_state()))
+    ckpt.save(1, small_state(1.0), {})
     ckpt.wait_until_finished()
-    good = _abstract_of(_small_state())
+    good = abstract_of(small_state())
     sharding = good["params"]["w"].sharding
 
     def with_w(shape, dtype):
@@ -285,7 +262,7 @@ def test_mismatched_targets_raise_naming_the_key(tmp_path):
     with pytest.raises(TypeError, match="typed PRNG keys.*'rng'"):
         ckpt.save(2, {"rng": jax.random.key(0)}, {})
     with pytest.raises(ValueError, match="JSON"):
-        ckpt.save(2, _small_state(), {"position": object()})
+        ckpt.save(2, small_state(), {"position": object()})
     # None of the above broke the checkpointer.
     state, _ = ckpt.restore(good)
     assert float(state["params"]["w"][0, 0]) == 1.0
@@ -296,7 +273,7 @@ def test_background_save_failure_surfaces_within_one_interval(tmp_path, monkeypa
     from orbax.checkpoint._src.path import atomicity
 
     ckpt = Checkpointer(tmp_path, save_interval_steps=2, max_to_keep=3, handle_sigterm=False)
-    assert ckpt.save(2, _small_state(2), {})
+    assert ckpt.save(2, small_state(2), {})
     ckpt.wait_until_finished()
 
     async def read_only_commit(self):
@@ -304,14 +281,14 @@ def test_background_save_failure_surfaces_within_one_interval(tmp_path, monkeypa
         raise OSError(errno.EROFS, "Read-only file system (injected)", str(self.get()))
 
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", read_only_commit)
-    assert ckpt.save(4, _small_state(4), {})  # the failure happens in the background
+    assert ckpt.save(4, small_state(4), {})  # the failure happens in the background
     with pytest.raises(CheckpointSaveError, match="step 4.*Read-only file system") as raised:
-        ckpt.save(5, _small_state(5), {})
-        ckpt.save(6, _small_state(6), {})  # the next interval at the latest
+        ckpt.save(5, small_state(5), {})
+        ckpt.save(6, small_state(6), {})  # the next interval at the latest
     assert isinstance(raised.value.__cause__, OSError)
     # Latched: every later call raises again, nothing is ever saved on top of a failure.
     with pytest.raises(CheckpointSaveError):
-        ckpt.save(8, _small_state(8), {}, force=True)
+        ckpt.save(8, small_state(8), {}, force=True)
     with pytest.raises(CheckpointSaveError):
         ckpt.wait_until_finished()
     assert ckpt.latest_step() == 2
@@ -326,11 +303,11 @@ def test_close_raises_a_failed_last_save(tmp_path, monkeypatch):
 
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", read_only_commit)
     ckpt = Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=1, handle_sigterm=False)
-    assert ckpt.save(1, _small_state(1), {}, force=True)
+    assert ckpt.save(1, small_state(1), {}, force=True)
     with pytest.raises(CheckpointSaveError, match="step 1"):
         ckpt.close()
     with pytest.raises(RuntimeError, match="closed"):
-        ckpt.save(2, _small_state(2), {}, force=True)
+        ckpt.save(2, small_state(2), {}, force=True)
 
 
 def test_unwritable_directory_raises_at_save(tmp_path):
@@ -339,7 +316,7 @@ def test_unwritable_directory_raises_at_save(tmp_path):
     directory.rmdir()
     directory.write_text("a file where the checkpoint directory must be")  # we run as root: no chmod
     with pytest.raises(CheckpointSaveError, match="step 1"):
-        ckpt.save(1, _small_state(1), {})
+        ckpt.save(1, small_state(1), {})
     with pytest.raises(CheckpointSaveError):
         ckpt.wait_until_finished()
     ckpt.close()
@@ -356,7 +333,7 @@ def test_sigterm_sets_stop_and_forces_a_save(tmp_path):
         while not ckpt.should_stop(5) and time.time() < deadline:
             time.sleep(0.01)
         assert ckpt.should_stop(5) and seen == []
-        assert ckpt.save(5, _small_state(5), {"position": 5})  # off-interval, saved because of the stop
+        assert ckpt.save(5, small_state(5), {"position": 5})  # off-interval, saved because of the stop
         ckpt.close()
         assert seen == []
         os.kill(os.getpid(), signal.SIGTERM)  # the previous handler is back
@@ -484,262 +461,3 @@ def test_hosts_meet_at_barriers_of_one_name_and_one_process_at_none(tmp_path, mo
 
     HostAgreement(str(tmp_path), process_index=0, process_count=1).barrier("moved_damaged")
     assert len(met) == 2, met
-
-
-# ---------------------------------------------------------------------------------------------
-# Subprocesses: kill -9, SIGTERM, failing saves, two-process preemption
-# ---------------------------------------------------------------------------------------------
-
-
-def _worker_env(**extra):
-    env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8),
-               PYTHONPATH=os.pathsep.join([REPO, env.get("PYTHONPATH", "")]),
-               PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
-class _Worker:
-    """A worker subprocess whose output lines can be awaited with a timeout."""
-
-    def __init__(self, mode, directory, env=None, args=()):
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), mode, str(directory), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-            env=env or _worker_env(), start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self):
-        for line in self.proc.stdout:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
-
-    def wait_for(self, prefix, timeout=60.0):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            try:
-                line = self._queue.get(timeout=max(0.01, deadline - time.time()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.lines.append(line)
-            if line.startswith(prefix):
-                return line
-        self.stop()
-        pytest.fail(f"worker never printed {prefix!r}; output:\n" + "\n".join(self.lines[-40:]))
-
-    def finish(self, timeout=60.0):
-        """Exit code, after draining the output; escalates SIGTERM -> SIGKILL past `timeout`."""
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            pytest.fail("worker did not exit in time; output:\n" + "\n".join(self.lines[-40:]))
-        while (line := self._queue.get(timeout=10)) is not None:
-            self.lines.append(line)
-        return rc
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-def _step_value(step):
-    return float(step) * 0.5
-
-
-def test_kill9_during_async_save_restores_previous_step(tmp_path):
-    worker = _Worker("kill_during_save", tmp_path)
-    worker.wait_for("SAVING 2")
-    assert (tmp_path / "2.orbax-checkpoint-tmp").is_dir()  # we really are mid-save
-    worker.proc.send_signal(signal.SIGKILL)
-    assert worker.finish() == -signal.SIGKILL
-
-    ckpt = Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=3, handle_sigterm=False)
-    assert ckpt.latest_step() == 1
-    state, meta = ckpt.restore(_abstract_of(_small_state()))
-    assert meta == {"position": 1}
-    assert np.all(np.asarray(state["params"]["w"]) == _step_value(1))
-    # The interrupted step can be written again: its leftovers (tmp folder, input state) go.
-    assert ckpt.save(2, _small_state(_step_value(2)), {"position": 2},
-                     input_state_writer=lambda p: open(os.path.join(p, "new"), "w").close())
-    ckpt.wait_until_finished()
-    assert ckpt.all_steps() == [1, 2] and os.listdir(ckpt.input_state_dir(2)) == ["new"]
-    ckpt.close()
-
-
-def test_sigterm_leaves_committed_checkpoint_and_clean_exit(tmp_path):
-    worker = _Worker("sigterm_loop", tmp_path)
-    worker.wait_for("STEP 3")
-    worker.proc.send_signal(signal.SIGTERM)
-    stopped = int(worker.wait_for("STOPPED", timeout=30).split()[1])
-    assert worker.finish(timeout=30) == 0, "\n".join(worker.lines[-40:])
-    assert stopped >= 3
-
-    ckpt = Checkpointer(tmp_path, save_interval_steps=5, max_to_keep=2, handle_sigterm=False)
-    assert ckpt.latest_step() == stopped
-    state, meta = ckpt.restore(_abstract_of(_small_state()))
-    assert meta == {"position": stopped}
-    assert np.all(np.asarray(state["params"]["w"]) == _step_value(stopped))
-    with open(os.path.join(ckpt.input_state_dir(stopped), "iterator.json")) as f:
-        assert json.load(f) == {"next_batch": stopped + 1}
-    ckpt.close()
-
-
-def test_failing_save_stops_training_nonzero_within_one_interval(tmp_path):
-    worker = _Worker("failing_save_loop", tmp_path)
-    rc = worker.finish(timeout=60)
-    output = "\n".join(worker.lines)
-    assert rc not in (0, None), output
-    assert "CheckpointSaveError" in output and "Read-only file system" in output, output
-    steps = [int(line.split()[1]) for line in worker.lines if line.startswith("STEP ")]
-    # Saves at 3 (fine) and 6 (fails in the background); the error stops the loop by step 9.
-    assert 6 <= max(steps) <= 9, output
-    ckpt = Checkpointer(tmp_path, save_interval_steps=3, max_to_keep=5, handle_sigterm=False)
-    assert ckpt.latest_step() == 3
-    ckpt.close()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def test_multihost_preemption_sync_point_saves_same_step(tmp_path):
-    """Two JAX processes; SIGTERM to one; both stop at the agreed step, save it and exit 0."""
-    port = str(_free_port())
-    env = _worker_env(XLA_FLAGS=xla_flags(), JAX_NUM_CPU_DEVICES="1")
-    workers = [_Worker("multihost_loop", tmp_path, env=env, args=(port, str(i))) for i in range(2)]
-    try:
-        for w in workers:
-            w.wait_for("STEP 3", timeout=60)
-        workers[1].proc.send_signal(signal.SIGTERM)  # the preemption notice reaches one host
-        stopped = [int(w.wait_for("STOPPED", timeout=60).split()[1]) for w in workers]
-        rcs = [w.finish(timeout=60) for w in workers]
-    finally:
-        for w in workers:
-            w.stop()
-    assert rcs == [0, 0], "\n".join(workers[0].lines[-20:] + workers[1].lines[-20:])
-    assert stopped[0] == stopped[1] >= 3
-
-    ckpt = Checkpointer(tmp_path, save_interval_steps=1000, max_to_keep=2, handle_sigterm=False)
-    assert ckpt.latest_step() == stopped[0]
-    target = {"w": jax.ShapeDtypeStruct((2, 8), jnp.float32, sharding=NamedSharding(_mesh(8, 1), P()))}
-    # The state restores onto this 8-device mesh, in one process; the step says that 2 processes
-    # saved input state, and both folders are checked (the loop reads each file shard's position
-    # from the folder of the process that saved it: pretrain.input_position).
-    state, meta = ckpt.restore(target)
-    assert ckpt.input_state_process_count(stopped[0]) == 2
-    assert meta == {"position": stopped[0]}
-    assert np.all(np.asarray(state["w"]) == float(stopped[0]))
-    assert os.path.isdir(ckpt.input_state_dir(stopped[0], 0))
-    assert os.path.isdir(ckpt.input_state_dir(stopped[0], 1))
-    ckpt.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker entry points (run as `python tests/checkpoints/test_checkpointing.py MODE DIR [ARGS]`)
-# ---------------------------------------------------------------------------------------------
-
-
-def _write_position(step):
-    def write(path):
-        with open(os.path.join(path, "iterator.json"), "w") as f:
-            json.dump({"next_batch": step + 1}, f)
-
-    return write
-
-
-def _worker_kill_during_save(directory):
-    from orbax.checkpoint._src.path import atomicity
-
-    ckpt = Checkpointer(directory, save_interval_steps=1, max_to_keep=3)
-    ckpt.save(1, _small_state(_step_value(1)), {"position": 1}, input_state_writer=_write_position(1))
-    ckpt.wait_until_finished()
-
-    async def never_commit(self):
-        # Hold the save between "data written" and "renamed" so the kill lands mid-save.
-        import asyncio
-
-        await asyncio.sleep(3600)
-
-    atomicity.AtomicRenameTemporaryPath.finalize = never_commit
-    ckpt.save(2, _small_state(_step_value(2)), {"position": 2}, input_state_writer=_write_position(2))
-    print("SAVING 2", flush=True)
-    time.sleep(600)
-
-
-def _worker_sigterm_loop(directory):
-    ckpt = Checkpointer(directory, save_interval_steps=5, max_to_keep=2)
-    for step in range(1, 100_000):
-        time.sleep(0.02)  # a training step
-        stop = ckpt.should_stop(step)
-        ckpt.save(step, _small_state(_step_value(step)), {"position": step}, force=stop,
-                  input_state_writer=_write_position(step))
-        print(f"STEP {step}", flush=True)
-        if stop:
-            ckpt.close()
-            print(f"STOPPED {step}", flush=True)
-            return
-    raise SystemExit("never stopped")
-
-
-def _worker_failing_save_loop(directory):
-    from orbax.checkpoint._src.path import atomicity
-
-    ckpt = Checkpointer(directory, save_interval_steps=3, max_to_keep=5)
-    for step in range(1, 100):
-        if step == 4:  # the workdir turns read-only once step 3 is committed
-            ckpt.wait_until_finished()
-
-            async def read_only_commit(self):
-                raise OSError(errno.EROFS, "Read-only file system (injected)", str(self.get()))
-
-            atomicity.AtomicRenameTemporaryPath.finalize = read_only_commit
-        time.sleep(0.05)  # a training step
-        ckpt.save(step, _small_state(_step_value(step)), {"position": step})
-        print(f"STEP {step}", flush=True)
-    ckpt.close()
-
-
-def _worker_multihost_loop(directory, port, process_id):
-    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=int(process_id),
-                               initialization_timeout=60, heartbeat_timeout_seconds=30)
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    sharding = NamedSharding(mesh, P("data"))
-    state = {"w": jax.make_array_from_process_local_data(sharding, np.zeros((1, 8), np.float32))}
-    increment = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), out_shardings={"w": sharding})
-    ckpt = Checkpointer(directory, save_interval_steps=1000, max_to_keep=2)
-    for step in range(1, 100_000):
-        state = jax.block_until_ready(increment(state))  # blocking each step avoids gloo deadlocks
-        time.sleep(0.02)
-        stop = ckpt.should_stop(step)
-        ckpt.save(step, state, {"position": step}, force=stop, input_state_writer=_write_position(step))
-        print(f"STEP {step}", flush=True)
-        if stop:
-            ckpt.close()
-            print(f"STOPPED {step}", flush=True)
-            jax.distributed.shutdown()
-            return
-    raise SystemExit("never stopped")
-
-
-if __name__ == "__main__":
-    _mode, _directory, *_args = sys.argv[1:]
-    {
-        "kill_during_save": _worker_kill_during_save,
-        "sigterm_loop": _worker_sigterm_loop,
-        "failing_save_loop": _worker_failing_save_loop,
-        "multihost_loop": _worker_multihost_loop,
-    }[_mode](_directory, *_args)

@@ -4,7 +4,7 @@ equal to the local statistics, and errors that name the file or flag.
 
 The files are compared as bytes and their records counted from the TFRecord length headers, so
 only the TFDS case imports TensorFlow (the local path's records are checked against TensorFlow's
-reader in tests/data_pipeline/test_create_pretraining_data.py)."""
+reader in tests/data_pipeline/test_create_pretraining_data.py and test_fast_mode.py)."""
 
 import dataclasses
 import gzip

@@ -1,7 +1,7 @@
 """The fast mode's instances one by one, against the text they came from (issue 43, item 2).
 
-`test_create_pretraining_data.py` compares the fast (default) mode of `create_pretraining_data`
-with the reference algorithm by averages. Here every record the fast mode writes for the embedded
+`test_fast_mode.py` compares the fast (default) mode of `create_pretraining_data` with the
+reference algorithm by averages. Here every record the fast mode writes for the embedded
 offline corpus is parsed back with TensorFlow's `tf.train.Example` (not our reader), its masked
 positions are restored from `masked_lm_ids`, and its two segments are looked up in the source
 documents, read from the written text files here and tokenized by the Google-exact

@@ -1,6 +1,7 @@
-"""`bert_jax.main` pretraining configs/test.py in a subprocess, as tests/pretrain/test_pretrain.py and
-tests/model/test_fp8.py run it: the command, its environment (with a shared XLA compilation cache
-when a test sets one in `CACHE`), the run, and the losses it logged."""
+"""`bert_jax.main` pretraining configs/test.py in a subprocess, as tests/pretrain/test_pretrain.py,
+test_pretrain_startup_checks.py and tests/model/test_fp8.py run it: the command, its environment
+(with a shared XLA compilation cache when a test sets one in `CACHE`: tests/pretrain/conftest.py's
+`compilation_cache`), the run, and the losses it logged."""
 
 import os
 import subprocess
