@@ -8,7 +8,7 @@ running it unattended (the supervisor of `launch/tpu_pod.sh --watch`).
     slice_recovery  the supervisor's slice when not READY: queued, lost, stopped, stuck; maintenance
     slice       the Cloud TPU slice through gcloud: describe, recreate, start; structured errors
     progress    hang detection: the run's log and checkpoints as progress signals; the step resumed
-    records     attempts.jsonl (never lost, never twice) and the lease (one supervisor per workdir)
+    attempts    attempts.jsonl (never lost, never twice) and the lease (one supervisor per workdir)
     pins        the project snapshot every attempt ships, and the versions a reinstall is pinned to
     calls       every gcloud and storage call bounded in time and retried
     settings    the supervisor's settings, each from its environment variable (POLL_SECONDS, ...)

@@ -6,7 +6,7 @@
 (`launch/tpu_pod.sh --watch ARGS` runs `python -m bert_jax.pod.supervisor ARGS`.) It runs on a
 machine that outlives the slice: a small VM, under systemd (`launch/bert_jax-supervisor.service`:
 restarted if it ever exits abnormally, which is safe, since it adopts the run it finds). Stopping
-it leaves the run going. One supervisor per workdir (the lease, `records.py`); `--takeover` takes
+it leaves the run going. One supervisor per workdir (the lease, `attempts.py`); `--takeover` takes
 over from one whose heartbeat went stale; `--update_code` ships the checkout's code from now on.
 
 Once a poll (`POLL_SECONDS`, 60): one `describe` (and the queued resource's, when the slice came
@@ -54,8 +54,8 @@ from typing import Optional
 
 from bert_jax import exit_codes, layout
 from bert_jax.pod import calls, pins
+from bert_jax.pod.attempts import Attempts, Lease, LeaseHeld, local_state_dir
 from bert_jax.pod.progress import Progress, newest_committed_step, resumed_step
-from bert_jax.pod.records import Attempts, Lease, LeaseHeld, local_state_dir
 from bert_jax.pod.settings import Settings
 from bert_jax.pod.slice import NOT_FOUND, Slice
 from bert_jax.pod.slice_recovery import SliceRecovery
