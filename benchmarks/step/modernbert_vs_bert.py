@@ -28,6 +28,7 @@ import optax
 from benchmarks.common.variant_timing import time_alternating
 from bert_jax.model import modernbert
 from bert_jax.model.model_config import BertConfig
+from bert_jax.model.modeling import count_params
 from bert_jax.model.pretraining_heads import BertForPreTraining
 
 
@@ -46,10 +47,6 @@ def parse_args(argv=None):
                    help="also time ModernBERT with local_blocks=False (the band mask over full attention)")
     p.add_argument("--json", default="", help="also write the results here")
     return p.parse_args(argv)
-
-
-def count(params) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
 
 
 def mlm_loss(logits, labels):
@@ -128,7 +125,7 @@ def run(args) -> dict:
             units["modernbert_band"] = lambda: band_step(batch)
         times = time_alternating(units, args.rounds, args.steps)
         row = {"length": length, "predictions": preds,
-               "bert_params": count(bert_params), "modernbert_params": count(modern_params),
+               "bert_params": count_params(bert_params), "modernbert_params": count_params(modern_params),
                "bert_ms": 1e3 * statistics.median(times["bert"]),
                "modernbert_ms": 1e3 * statistics.median(times["modernbert"])}
         row["speedup"] = row["bert_ms"] / row["modernbert_ms"]

@@ -69,10 +69,10 @@ def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, *, 
         raise ValueError(f"config.warmup_steps={warmup_steps} must be in [0, num_train_steps={total_steps}]")
     if decay_shape not in DECAY_SHAPES:
         raise ValueError(f"config.lr_decay_shape={decay_shape!r}: one of {', '.join(DECAY_SHAPES)}")
+    if google_style and (decay_steps is not None or decay_shape != "polynomial"):
+        raise ValueError("config.lr_decay_steps / config.lr_decay_shape and config.google_lr_schedule=True do not "
+                         "go together: Google's decay is polynomial over every step")
     if decay_steps is not None:
-        if google_style:
-            raise ValueError("config.lr_decay_steps and config.google_lr_schedule=True do not go together: "
-                             "Google's decay runs over every step")
         if not 0 < decay_steps <= total_steps - warmup_steps:
             raise ValueError(f"config.lr_decay_steps={decay_steps} must be in [1, num_train_steps - warmup_steps = "
                              f"{total_steps - warmup_steps}]")

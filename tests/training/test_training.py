@@ -240,7 +240,8 @@ def test_warmup_stable_decay_holds_the_peak_then_decays_over_the_last_steps():
                                atol=1e-6)
     for bad, match in (({"decay_steps": 0}, "lr_decay_steps"), ({"decay_steps": 91}, "lr_decay_steps"),
                        ({"decay_shape": "cosine"}, "lr_decay_shape"),
-                       ({"decay_steps": 10, "google_style": True}, "google_lr_schedule")):
+                       ({"decay_steps": 10, "google_style": True}, "google_lr_schedule"),
+                       ({"decay_shape": "1-sqrt", "google_style": True}, "google_lr_schedule")):
         with pytest.raises(ValueError, match=match):
             optim.learning_rate_schedule(1.0, 10, 100, **bad)
 
