@@ -43,6 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.mode = "pretrain"  # pretrain | evaluate | demo (fine-tuning configs: finetune | predict)
     config.model = get_model_config()
+    # Which encoder `config.model` describes: "bert" (BertConfig's fields, this file's get_model_config) or
+    # "modernbert" (bert_jax.model.modernbert.ModernBertConfig's fields: configs/modernbert_*.py).
+    config.model_family = "bert"
     config.seed = 42  # seeds init, dropout and data order
     # Random bits of dropout: "threefry2x32" (jax's default: the same masks on any mesh), or "rbg" /
     # "unsafe_rbg" (the hardware generator: faster on GPU and TPU; the speed tables' --prng=rbg).
