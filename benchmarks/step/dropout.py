@@ -78,7 +78,7 @@ def main(argv=None):
             dropout.keep_mask = draw  # looked up when the step is traced, i.e. in bench_ours
             try:
                 _, runners[name] = builders.bench_ours(step_args, config, bert_config, mesh, batch_np,
-                                                         init_cache=init_cache)
+                                                    init_cache=init_cache)
             finally:
                 dropout.keep_mask = ours
         else:

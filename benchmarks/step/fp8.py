@@ -243,8 +243,8 @@ def speed(args, step_args) -> dict:
         # `bench_ours` builds the model from the BertConfig it is given (config.model unused), and
         # traces and lowers the step (the module flag above is read then).
         compile_info, runner = builders.bench_ours(step_args, config, bert_config.replace(**changes),
-                                                     mesh, batch_np, cache, compile=not args.parallel_compile,
-                                                     compiler_options=xla)
+                                                mesh, batch_np, cache, compile=not args.parallel_compile,
+                                                compiler_options=xla)
         fused_fp8.ENABLED = True
         runners[name] = runner
         result["variants"][name] = dict(compile_info, xla_options=xla)
@@ -367,7 +367,7 @@ def parity(args, step_args) -> dict:
     compiled: dict = {}  # fp8 -> the compiled step (the second bf16 run reuses the first's)
     for name, fp8, seed in (("bf16", False, 0), ("bf16_seed1", False, 1), ("fp8", True, 0)):
         info, runner = builders.bench_ours(step_args, config, bert_config.replace(fp8=fp8), mesh,
-                                             batches[0], cache, compile=fp8 not in compiled)
+                                        batches[0], cache, compile=fp8 not in compiled)
         compiled.setdefault(fp8, runner.step)
         # The dropout seed: the same initial parameters, another stream of dropout masks.
         state = runner.state.replace(rng=jax.random.key_data(jax.random.key(seed)))
@@ -384,7 +384,7 @@ def parity(args, step_args) -> dict:
         result["runs"][name] = {"loss": losses, "mlm_accuracy": mlm_acc, "compile_s": info.get("compile_s"),
                                 "median_step_s": statistics.median(times[5:])}
         timing.log(f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-                       f"median step {result['runs'][name]['median_step_s'] * 1e3:.1f} ms")
+                f"median step {result['runs'][name]['median_step_s'] * 1e3:.1f} ms")
         del state, runner
     result.update(parity_summary(result["runs"]))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1), file=sys.stderr)

@@ -95,7 +95,7 @@ def main(argv=None):
         try:
             if args.step:
                 _, runners[name] = builders.bench_ours(step_args, config, bert_config, mesh, batch_np,
-                                                         init_cache=init_cache)
+                                                    init_cache=init_cache)
                 continue
             run_config = config.copy_and_resolve_references()
             if clip is None:

@@ -120,7 +120,7 @@ def test_bench_fp8_variants_carry_their_own_xla_options_and_time_pipelined_steps
     dump = tmp_path / "dump"
     runners = {"plain": timing.Runner(lowered, jnp.zeros(3), jnp.ones(3)),
                "dumped": timing.Runner(lowered, jnp.zeros(3), jnp.ones(3),
-                                                 compiler_options={"xla_dump_to": str(dump)})}
+                                       compiler_options={"xla_dump_to": str(dump)})}
     infos = {"plain": {}, "dumped": {}}
     timing.compile_runners(runners, infos)
     assert infos["plain"]["compile_s"] > 0 and infos["dumped"]["compile_s"] > 0
