@@ -9,7 +9,8 @@ that names the field and the fix, rather than as a trace error, a silent clamp, 
 - `check_sequence_lengths`: each phase's length fits the position table and is the records' length;
 - `check_mesh`: the batch, gradient accumulation and the model divide over the mesh;
 - `special_token_ids`, `check_vocab_matches_data`: the vocabulary has the special tokens and is the
-  one the data was made with; `check_token_ids` checks each batch against the embedding table;
+  one the data was made with (records a tokenizer.json made are refused with a vocab.txt: their
+  ids are the file's); `check_token_ids` checks each batch against the embedding table;
 - `report_schedule_change`: a resumed run says when its learning-rate schedule differs from the
   checkpoint's (allowed, but worth a line);
 - `data_casing`: the casing the data was made with, for the workdir's tokenizer config.
@@ -169,6 +170,14 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
     digest = None
     for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
         info = reader.dataset_info(pattern)
+        made_by = info.get("tokenizer")
+        if isinstance(made_by, dict) and made_by.get("kind") == "tokenizer.json":
+            raise ValueError(
+                f"config.vocab_file={vocab_file}, but {pattern} was made with the tokenizer.json "
+                f"{made_by.get('file')} (per its dataset_info.json): its ids are that file's "
+                f"({made_by.get('vocab_size')} ids, [MASK] = {(made_by.get('special_ids') or {}).get('mask_id')}), not "
+                "a vocab.txt's. Train on these pre-masked records with config.vocab_file='' and "
+                f"config.dynamic_masking=False, and config.model.vocab_size >= {made_by.get('vocab_size')}")
         want = info.get("vocab_sha256")
         if not want:
             continue

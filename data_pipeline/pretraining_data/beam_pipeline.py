@@ -380,6 +380,9 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], comp
       FileNotFoundError: naming a local input file that does not exist.
       RuntimeError: when the job ends in a state other than DONE.
     """
+    if opts.tokenizer_json:  # its bytes do not travel to the workers as a vocab.txt's do
+        raise ValueError(f"--tokenizer_json={opts.tokenizer_json}: the Beam runner reads a --vocab_file only; "
+                         "run the local runner (--runner=local)")
     opts.validate()
     if compression not in ("none", "gzip"):
         raise ValueError(f"--compression={compression!r}: 'none' or 'gzip'")
