@@ -219,13 +219,13 @@ def test_a_tokenizer_json_without_mask_or_cls_sep_is_named(lines, tmp_path):
     (tmp_path / "vocab.json").write_text(json.dumps({"the": 0}))
     with pytest.raises(ValueError, match=r"vocab.json: not a HuggingFace tokenizer.json"):
         hf_tokenizer.HFTokenizer(str(tmp_path / "vocab.json"))
-    # RoBERTa's names, from its post-processor: <s> and </s>.
+    # Classification and separator tokens of any name, from the post-processor (RoBERTa's kind here).
     roberta = tokenizers.Tokenizer(tokenizers.models.BPE())
-    roberta.add_special_tokens(["<s>", "</s>", "<pad>", "<mask>"])
-    roberta.post_processor = tokenizers.processors.RobertaProcessing(("</s>", 1), ("<s>", 0))
+    roberta.add_special_tokens(["<start>", "<end>", "<pad>", "<mask>"])
+    roberta.post_processor = tokenizers.processors.RobertaProcessing(("<end>", 1), ("<start>", 0))
     roberta.save(str(tmp_path / "roberta.json"))
     tok = hf_tokenizer.HFTokenizer(str(tmp_path / "roberta.json"))
-    assert (tok.cls_token, tok.sep_token, tok.mask_token, tok.pad_token) == ("<s>", "</s>", "<mask>", "<pad>")
+    assert (tok.cls_token, tok.sep_token, tok.mask_token, tok.pad_token) == ("<start>", "<end>", "<mask>", "<pad>")
 
 
 def test_bad_option_combinations_are_refused_before_any_work(bpe_json, tmp_path):
