@@ -28,6 +28,11 @@ word segmenter (jieba; `--chinese_user_dict` adds words) decides which character
 whole-word masking masks them together; the tokens stay single characters (`chinese_words.py`).
 Both modes and the Beam runner; in every other respect Google's whole-word masking.
 
+A HuggingFace tokenizer.json (`--tokenizer_json`, instead of `--vocab_file`; ModernBERT's BPE, ...):
+the fast mode encodes with it (`tokenization/hf_tokenizer.py`), its special tokens read from the
+file, whole words its pre-tokenizer's; the manifest records the file (`tokenizer`: sha256, size in
+ids, special ids). Not with `--reference_compatible`, `--runner=beam` or Chinese whole-word masking.
+
 `--runner=beam` runs the fast mode as an Apache Beam pipeline on any Beam runner
 (`--beam_runner`, `--beam_pipeline_options`; `beam_pipeline.py`): the same per-shard function
 and file assignment (`shards.py`), so the same files as the local path for the same flags, seed and

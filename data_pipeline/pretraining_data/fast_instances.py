@@ -27,7 +27,7 @@ int32 array of token ids instead of lists of strings:
 - `masked_features`: a batch of instances as the schema's padded arrays: `[CLS] A [SEP] B [SEP]`,
   segment ids, masking. The reference shuffles the candidate positions (every token but
   [CLS]/[SEP]; with whole-word masking a `##` piece, or a token marked as continuing a
-  Chinese word, joins the candidate before it) and takes
+  word (a Chinese word; a tokenizer.json's pre-tokenizer word), joins the candidate before it) and takes
   them in order while they fit `num_to_predict = min(max_predictions_per_seq, max(1,
   round(len * masked_lm_prob)))`, skipping a whole word that would overflow. Without whole-word
   masking that is a uniform random subset of `min(num_to_predict, candidates)` positions
@@ -62,7 +62,7 @@ class ShardTokens:
     doc_first: np.ndarray  # int64 [documents]
     doc_end: np.ndarray  # int64 [documents]
     num_input_documents: int = 0  # documents given, with those that had no tokens
-    continues: Optional[np.ndarray] = None  # bool [tokens]: continues a Chinese word (or None)
+    continues: Optional[np.ndarray] = None  # bool [tokens]: continues a word (Chinese; a tokenizer.json's), or None
 
     @property
     def num_documents(self) -> int:
