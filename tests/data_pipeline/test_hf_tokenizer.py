@@ -261,10 +261,14 @@ def test_cli_flags(bpe_json, tmp_path, flags, match):
     assert r.returncode != 0 and re.search(match, r.stderr), r.stderr[-2000:]
 
 
-def test_the_trainer_refuses_a_vocab_txt_for_tokenizer_json_records(made, tmp_path):
+def test_the_trainer_refuses_a_vocab_txt_or_a_small_model_for_tokenizer_json_records(made):
     from bert_jax.pretrain import startup_checks
 
     info, _, out_dir = made[1][False]
+    size = info["tokenizer"]["vocab_size"]
+    startup_checks.check_data_vocab_size(size, [f"{out_dir}/*.tfrecord"])  # the file's size: fine
+    with pytest.raises(ValueError, match=rf"config.model.vocab_size={size - 1}, but .* of {size} ids"):
+        startup_checks.check_data_vocab_size(size - 1, [f"{out_dir}/*.tfrecord"])
     mask_id = info["tokenizer"]["special_ids"]["mask_id"]
     with pytest.raises(ValueError, match=rf"{out_dir}/\*.tfrecord was made with the tokenizer.json .*tokenizer.json "
                                          rf"\(per its dataset_info.json\): .*\[MASK\] = {mask_id}\)"):
