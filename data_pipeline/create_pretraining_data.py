@@ -31,7 +31,7 @@ Both modes and the Beam runner; in every other respect Google's whole-word maski
 A HuggingFace tokenizer.json (`--tokenizer_json`, instead of `--vocab_file`; ModernBERT's BPE, ...):
 the fast mode encodes with it (`tokenization/hf_tokenizer.py`), its special tokens read from the
 file, whole words its pre-tokenizer's; the manifest records the file (`tokenizer`: sha256, size in
-ids, special ids). Not with `--reference_compatible`, `--runner=beam` or Chinese whole-word masking.
+ids, special ids). Not with `--reference_compatible` or Chinese whole-word masking.
 
 `--runner=beam` runs the fast mode as an Apache Beam pipeline on any Beam runner
 (`--beam_runner`, `--beam_pipeline_options`; `beam_pipeline.py`): the same per-shard function
@@ -91,7 +91,7 @@ def define_flags():
     flags.DEFINE_string("tokenizer_json", None, "A HuggingFace tokenizer.json (BPE, WordPiece, Unigram; e.g. "
                         "ModernBERT's) instead of --vocab_file: its own normalizer decides casing (no "
                         "--do_lower_case), its special tokens are read from it, whole words are its "
-                        "pre-tokenizer's. Fast mode, local runner. pip install -e '.[hf]'.")
+                        "pre-tokenizer's. Fast mode (local or Beam runner). pip install -e '.[hf]'.")
     flags.DEFINE_bool("do_lower_case", True, "Lower-case and strip accents (uncased models).")
     flags.DEFINE_bool("do_whole_word_mask", False, "Mask whole words (all their ## pieces).")
     flags.DEFINE_bool("chinese_whole_word_mask", False, "With --do_whole_word_mask: a Chinese word (jieba's "
@@ -360,8 +360,6 @@ def main(argv):
         if FLAGS["do_lower_case"].present:
             raise app.UsageError(f"--do_lower_case with --tokenizer_json={FLAGS.tokenizer_json}: the file's own "
                                  "normalizer decides casing; drop --do_lower_case")
-        if FLAGS.runner == "beam":
-            raise app.UsageError("--tokenizer_json runs on the local runner (--runner=local)")
     if FLAGS.runner == "beam" and FLAGS.reference_compatible:
         raise app.UsageError("--reference_compatible is one random stream over the whole corpus, in one "
                              "process; --runner=beam runs the fast mode only")

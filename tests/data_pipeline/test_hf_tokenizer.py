@@ -204,6 +204,22 @@ def test_whole_word_masking_masks_more_tokens_per_word_than_tokens_alone(made):
     assert adjacent_fraction(out[True][1]) > 2 * adjacent_fraction(out[False][1])
 
 
+def test_the_beam_runner_writes_the_local_runners_files(made, bpe_json, tmp_path):
+    """The tokenizer.json travels to Beam's workers as a vocab.txt does (read from a copy there)."""
+    beam_pipeline = pytest.importorskip("data_pipeline.pretraining_data.beam_pipeline")
+    docs, out = made
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join("\n".join(d) for d in docs[:12]) + "\n", encoding="utf-8")
+    opts = shards.Options(vocab_file=None, tokenizer_json=bpe_json, max_seq_length=64, max_predictions_per_seq=12,
+                          dupe_factor=1, do_whole_word_mask=True)
+    local = cpd.run(opts, sources=[("text", str(text))], outputs=[str(tmp_path / "local" / "part")],
+                    reference_compatible=False)
+    beam = beam_pipeline.run(opts, sources=[("text", str(text))], outputs=[str(tmp_path / "beam" / "part")])
+    assert (tmp_path / "beam" / "part").read_bytes() == (tmp_path / "local" / "part").read_bytes()
+    assert beam["num_instances"] == local["num_instances"] > 20
+    assert beam["tokenizer"] == local["tokenizer"] == out[False][0]["tokenizer"]  # the driver's file
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
