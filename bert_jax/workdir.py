@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from bert_jax import layout
 from bert_jax.model.model_config import BertConfig
+from bert_jax.model.modernbert import ModernBertConfig
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths, staging as storage_staging
 from data_pipeline.storage.log_writer import CLOSE_TIMEOUT_S, MIRROR_INTERVAL_S, LogWriter
@@ -39,6 +40,9 @@ from data_pipeline.storage.log_writer import CLOSE_TIMEOUT_S, MIRROR_INTERVAL_S,
 # whole every few seconds, and 4 MiB took 0.1 s against the emulator (a week at 600 bytes per log
 # step and log_every_steps=1 would otherwise re-upload hundreds of MB each time).
 EVENT_FILE_BYTES = 4 << 20
+
+# ModernBertConfig's fields transformers' config.json has no key for (kept under "bert_jax").
+MODERNBERT_OWN_FIELDS = ("dtype", "attention_impl", "local_blocks")
 
 # Config keys whose value may be an http(s):// URL (a checkpoint zip bert_jax downloads).
 URL_KEYS = ("init_checkpoint",)
@@ -80,25 +84,42 @@ def check_paths(config: Mapping, workdir: Optional[str]) -> None:
 
 def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
                       do_lower_case: Optional[bool] = None) -> None:
-    """Makes the workdir self-describing: bert_config.json (+ vocab.txt, + tokenizer_config.json
-    with the casing when it is known) next to the checkpoints. A file is written only when its
+    """Makes the workdir self-describing: bert_config.json (for a `ModernBertConfig`:
+    modernbert_config.json) + vocab.txt + tokenizer_config.json (with the casing, when it is known)
+    next to the checkpoints. A file is written only when its
     content changes, so a finished (even read-only) workdir re-runs as a no-op. Call it on one
     process."""
     from bert_jax.formats.common import tokenizer_config_json
 
     storage.makedirs(workdir)
-    config_file = storage_paths.join(workdir, layout.MODEL_CONFIG)
-    try:
-        unchanged = BertConfig.from_json_file(config_file) == bert_config.replace(fp8=False)
-    except (OSError, ValueError):
-        unchanged = False
-    if not unchanged:
-        bert_config.to_json_file(config_file)
+    if isinstance(bert_config, ModernBertConfig):  # config.model_family="modernbert"
+        write_if_changed(storage_paths.join(workdir, layout.MODERNBERT_CONFIG), modernbert_config_json(bert_config))
+    else:
+        config_file = storage_paths.join(workdir, layout.MODEL_CONFIG)
+        try:
+            unchanged = BertConfig.from_json_file(config_file) == bert_config.replace(fp8=False)
+        except (OSError, ValueError):
+            unchanged = False
+        if not unchanged:
+            bert_config.to_json_file(config_file)
     if vocab_file:
         write_if_changed(storage_paths.join(workdir, layout.VOCAB), storage.read_bytes(vocab_file))
     if do_lower_case is not None:
         write_if_changed(storage_paths.join(workdir, layout.TOKENIZER_CONFIG),
                          tokenizer_config_json(do_lower_case).encode())
+
+
+def modernbert_config_json(config: ModernBertConfig) -> bytes:
+    """A ModernBERT workdir's `modernbert_config.json`: transformers' `config.json` and our three fields
+    (`read_modernbert_config` reads it back)."""
+    d = dict(config.to_hf_dict(), bert_jax={k: getattr(config, k) for k in MODERNBERT_OWN_FIELDS})
+    return json.dumps(d, indent=2, sort_keys=True).encode()
+
+
+def read_modernbert_config(workdir: str) -> ModernBertConfig:
+    """The `ModernBertConfig` a ModernBERT pretraining run wrote into `workdir`."""
+    d = json.loads(storage.read_text(storage_paths.join(workdir, layout.MODERNBERT_CONFIG)))
+    return ModernBertConfig.from_hf_dict(d, **d.get("bert_jax", {}))
 
 
 def write_if_changed(path: str, data: bytes) -> None:
