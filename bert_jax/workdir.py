@@ -41,9 +41,6 @@ from data_pipeline.storage.log_writer import CLOSE_TIMEOUT_S, MIRROR_INTERVAL_S,
 # step and log_every_steps=1 would otherwise re-upload hundreds of MB each time).
 EVENT_FILE_BYTES = 4 << 20
 
-# ModernBertConfig's fields transformers' config.json has no key for (kept under "bert_jax").
-MODERNBERT_OWN_FIELDS = ("dtype", "attention_impl", "local_blocks")
-
 # Config keys whose value may be an http(s):// URL (a checkpoint zip bert_jax downloads).
 URL_KEYS = ("init_checkpoint",)
 
@@ -93,7 +90,9 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
 
     storage.makedirs(workdir)
     if isinstance(bert_config, ModernBertConfig):  # config.model_family="modernbert"
-        write_if_changed(storage_paths.join(workdir, layout.MODERNBERT_CONFIG), modernbert_config_json(bert_config))
+        from bert_jax.formats import modernbert_hf
+        write_if_changed(storage_paths.join(workdir, layout.MODERNBERT_CONFIG),
+                         modernbert_hf.workdir_config_json(bert_config))
     else:
         config_file = storage_paths.join(workdir, layout.MODEL_CONFIG)
         try:
@@ -107,19 +106,6 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
     if do_lower_case is not None:
         write_if_changed(storage_paths.join(workdir, layout.TOKENIZER_CONFIG),
                          tokenizer_config_json(do_lower_case).encode())
-
-
-def modernbert_config_json(config: ModernBertConfig) -> bytes:
-    """A ModernBERT workdir's `modernbert_config.json`: transformers' `config.json` and our three fields
-    (`read_modernbert_config` reads it back)."""
-    d = dict(config.to_hf_dict(), bert_jax={k: getattr(config, k) for k in MODERNBERT_OWN_FIELDS})
-    return json.dumps(d, indent=2, sort_keys=True).encode()
-
-
-def read_modernbert_config(workdir: str) -> ModernBertConfig:
-    """The `ModernBertConfig` a ModernBERT pretraining run wrote into `workdir`."""
-    d = json.loads(storage.read_text(storage_paths.join(workdir, layout.MODERNBERT_CONFIG)))
-    return ModernBertConfig.from_hf_dict(d, **d.get("bert_jax", {}))
 
 
 def write_if_changed(path: str, data: bytes) -> None:
