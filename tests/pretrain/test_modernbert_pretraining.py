@@ -105,6 +105,12 @@ def packed_batch(seed: int = 0) -> dict:
 def test_the_step_loss_is_numpys_cross_entropy_of_the_models_logits(compiled):
     model_config, state, step = compiled
     batch = packed_batch()
+    # Weights far from the init's 0.02 (norm scales 1 + 0.3 N, the rest 0.2 N): packing changes the logits.
+    leaves, tree = jax.tree_util.tree_flatten(state.params)
+    rng = np.random.RandomState(0)
+    state = state.replace(params=jax.tree_util.tree_unflatten(tree, [
+        jnp.asarray(rng.standard_normal(x.shape), jnp.float32) * 0.2 + (x.mean() if x.mean() > 0.5 else 0.0)
+        for x in leaves]))
     # Every position's logits from the model itself (no gather), then NumPy in float64.
     _, logits = ModernBertForMaskedLM(model_config).apply(
         {"params": state.params}, batch["input_ids"], batch["input_mask"], batch["pack_ids"], batch["position_ids"])
@@ -232,3 +238,15 @@ def test_a_bert_only_model_key_is_refused_naming_it(records):
     config = tiny_config(records, model_family="gpt")
     with pytest.raises(ValueError, match="config.model_family='gpt'"):
         run_setup.model_config_from(config)
+
+
+@pytest.mark.parametrize("prob", [0.15, 0.3])
+def test_config_masked_lm_prob_is_the_share_dynamic_masking_predicts(records, prob):
+    from bert_jax.pretrain import feed
+    from bert_jax.pretrain.phases import resolve_phases
+    from bert_jax.pretrain.startup_checks import special_token_ids
+    config = tiny_config(records, packing=False, masked_lm_prob=prob)
+    batch = next(feed.make_train_input(config, resolve_phases(config)[0], special_token_ids(config.vocab_file)))
+    real = batch["input_mask"].sum(1)  # [CLS] ... [SEP]: every row has more candidates than predictions
+    want = np.minimum(PREDS, np.maximum(1, np.round(real * prob)))  # Google's count, by hand
+    np.testing.assert_array_equal(batch["masked_lm_weights"].sum(1), want)
