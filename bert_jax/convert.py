@@ -17,7 +17,9 @@ Encoder-only checkpoints report the missing heads; variables we have no place fo
 skipped. A fine-tuned model (a fine-tuning workdir with its `task.json`, or an export of one) keeps
 its task head: `Pretrained.task` says what it is, and each format writes it under its own names
 (transformers' task classes, google-research/bert's `run_classifier.py`/`run_squad.py` names).
-tensorflow is imported only to read or write a Google checkpoint.
+tensorflow is imported only to read or write a Google checkpoint. A ModernBERT pretraining workdir
+(`modernbert_config.json`) is exported by `export_modernbert` to transformers' format only
+(`bert_jax.formats.modernbert_hf`).
 """
 
 from __future__ import annotations
