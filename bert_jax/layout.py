@@ -5,6 +5,9 @@
       best/<step>/              BEST               fine-tuning: the best epoch's parameters
       best_predictions/         BEST_PREDICTIONS   fine-tuning: the best epoch's predictions
       bert_config.json          MODEL_CONFIG       the model's config (Google's file name and fields)
+      modernbert_config.json    MODERNBERT_CONFIG  instead, for config.model_family="modernbert": transformers'
+                                                   config.json of ModernBertForMaskedLM (+ dtype, attention_impl,
+                                                   local_blocks)
       vocab.txt                 VOCAB              the WordPiece vocabulary, one token a line
       tokenizer_config.json     TOKENIZER_CONFIG   the casing (`do_lower_case`), as HF writes it
       task.json                 TASK_FILE          fine-tuning: the task, its head and labels
@@ -50,6 +53,7 @@ CHECKPOINTS = "checkpoints"
 BEST = "best"
 BEST_PREDICTIONS = "best_predictions"
 MODEL_CONFIG = "bert_config.json"
+MODERNBERT_CONFIG = "modernbert_config.json"
 VOCAB = "vocab.txt"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TASK_FILE = "task.json"
