@@ -9,6 +9,8 @@
                                                    config.json of ModernBertForMaskedLM (+ dtype, attention_impl,
                                                    local_blocks)
       vocab.txt                 VOCAB              the WordPiece vocabulary, one token a line
+      tokenizer.json            TOKENIZER_JSON     instead, for a run of config.tokenizer_json: that HuggingFace
+                                                   tokenizer.json (ModernBERT's BPE, ...)
       tokenizer_config.json     TOKENIZER_CONFIG   the casing (`do_lower_case`), as HF writes it
       task.json                 TASK_FILE          fine-tuning: the task, its head and labels
       train_log.jsonl           TRAIN_LOG          one line of metrics per logged step (and event lines)
@@ -55,6 +57,7 @@ BEST_PREDICTIONS = "best_predictions"
 MODEL_CONFIG = "bert_config.json"
 MODERNBERT_CONFIG = "modernbert_config.json"
 VOCAB = "vocab.txt"
+TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TASK_FILE = "task.json"
 TRAIN_LOG = "train_log.jsonl"

@@ -148,19 +148,14 @@ class _Pretraining:
             raise ValueError(f"config.nonfinite must be 'stop' or 'skip', got {config.nonfinite!r}")
         self.divergence = divergence.settings_from(config)
         self.skipped = rollback.SkippedBatches(workdir, divergence.parse_skip_batches(config.get("skip_batches", "")))
-        self.special_ids = special_ids = startup_checks.special_token_ids(config.vocab_file)
-        if special_ids and special_ids["vocab_size"] > bert_config.vocab_size:
-            raise ValueError(f"config.vocab_file={config.vocab_file} has {special_ids['vocab_size']} tokens but "
-                             f"config.model.vocab_size={bert_config.vocab_size}: set the model's vocab_size to the "
-                             f"vocabulary's size (ids past the embedding table would be silently clamped)")
-        if config.dynamic_masking and special_ids is None:
-            raise ValueError("config.dynamic_masking needs config.vocab_file (for the [MASK] id and the vocabulary)")
-        startup_checks.check_vocab_matches_data(config.vocab_file, [p.train_data for p in self.phases]
-                                                 + ([config.eval_data] if config.eval_data else []))
+        self.special_ids = startup_checks.check_vocabulary(
+            config, bert_config.vocab_size, [p.train_data for p in self.phases]
+            + ([config.eval_data] if config.eval_data else []))
         if config.eval_data and config.eval_every_steps:
             make_eval_input(config, config.eval_data, workdir)  # bad eval data: an error now, not after hours
         if jax.process_index() == 0:
-            write_model_files(workdir, bert_config, config.vocab_file, startup_checks.data_casing(self.phases))
+            write_model_files(workdir, bert_config, config.vocab_file, startup_checks.data_casing(self.phases),
+                              tokenizer_json=config.get("tokenizer_json", ""))
 
         self.model, self.tx, self.schedule, init_state = build(config, bert_config, self.mesh)
         abstract = jax.eval_shape(init_state, jax.random.key(config.seed))
