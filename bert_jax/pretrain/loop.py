@@ -191,8 +191,8 @@ class _Pretraining:
                                                   sharding.DEFAULT_RULES)
             self.step = 0
             if config.init_checkpoint:  # continued pretraining from released (or our) weights
-                self.state = self.state.replace(params=run_setup.init_from_checkpoint(
-                    config.init_checkpoint, self.bert_config, self.state.params, self.state_shardings.params,
+                self.state = self.state.replace(params=model_family.init_params(
+                    config, self.bert_config, self.state.params, self.state_shardings.params,
                     google_gelu=config.get("google_gelu")))
                 logging.info("initialized from %s", config.init_checkpoint)
         self.monitor = self._monitor()
