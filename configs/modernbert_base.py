@@ -9,7 +9,7 @@ special-token ids as set below): the records are made with it (`create_pretraini
 --tokenizer_json=MODERNBERT/tokenizer.json`), and `config.tokenizer_json` gives dynamic masking its [MASK]
 id and is checked against the records' manifest (docs/model.md, "Pretraining ModernBERT"). Records of a
 WordPiece vocab.txt train too (`config.vocab_file`, with `model.vocab_size` and the special-token ids
-set to that vocabulary's).
+set to that vocabulary's: [PAD], [CLS] and [SEP] ids that differ from the vocabulary's are refused).
 
 With the context extension, a config file of your own sets the two phases' records:
 

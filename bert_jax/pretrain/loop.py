@@ -150,6 +150,7 @@ class _Pretraining:
         self.special_ids = startup_checks.check_vocabulary(
             config, bert_config.vocab_size, [p.train_data for p in self.phases]
             + ([config.eval_data] if config.eval_data else []))
+        model_family.check_special_token_ids(bert_config, self.special_ids, startup_checks.vocabulary_key(config))
         if config.eval_data and config.eval_every_steps:
             make_eval_input(config, config.eval_data, workdir)  # bad eval data: an error now, not after hours
         if jax.process_index() == 0:

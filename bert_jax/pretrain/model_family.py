@@ -52,6 +52,19 @@ def check(config: ml_collections.ConfigDict, model_config) -> None:
         raise ValueError(f"config.objective={config.objective!r}: {where} pretrains with 'mlm' only")
 
 
+def check_special_token_ids(model_config, special_ids: Optional[dict], where: str) -> None:
+    """Raises naming `config.model.<role>_token_id` when a ModernBERT's [PAD]/[CLS]/[SEP] ids are not those of
+    the run's vocabulary (`where`: its key): the export's config.json tells transformers these ids."""
+    if not is_modernbert(model_config) or not special_ids:
+        return
+    for role in ("pad", "cls", "sep"):
+        want, have = special_ids.get(f"{role}_id"), getattr(model_config, f"{role}_token_id")
+        if want is not None and want >= 0 and have != want:
+            raise ValueError(f"config.model.{role}_token_id={have}, but the {role} token of {where} has id {want}: set "
+                             f"config.model.{role}_token_id={want} (the exported config.json gives transformers "
+                             "these ids)")
+
+
 # What a run may set apart from its ModernBERT init checkpoint: our own fields, regularization, the
 # initialization (unused: the weights are the checkpoint's), the special-token ids and the classifier's
 # settings (no weights of the masked-LM model).

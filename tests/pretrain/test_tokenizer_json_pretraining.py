@@ -6,6 +6,7 @@ Two byte-level BPE tokenizer.json files are trained here by the `tokenizers` lib
 lines of made-up text (no shared data); their special tokens are ordered so that [MASK] is not a
 vocab.txt's id 4. Records: `create_pretraining_data --tokenizer_json`, statically masked at 15%."""
 
+import json
 import subprocess
 import sys
 
@@ -71,6 +72,8 @@ def tiny_config(made, **more):
                 "lr_decay_steps": 1}
     for k, v in dict(settings, **more).items():
         setattr(config, k, v)
+    m = config.model  # A's ids: [MASK] 0, [CLS] 1, [SEP] 2, [PAD] 3
+    m.pad_token_id, m.cls_token_id, m.sep_token_id, m.bos_token_id, m.eos_token_id = 3, 1, 2, 1, 2
     return config
 
 
@@ -104,7 +107,8 @@ def test_main_trains_on_them_and_the_export_carries_the_tokenizer_json(made, tmp
         "train_data", "tokenizer_json", "verify_data", "packing", "num_train_steps", "log_every_steps",
         "checkpoint_every_steps", "eval_every_steps", "lr_decay_steps")}
     args = [sys.executable, "-m", "bert_jax.main", f"--config={ROOT / 'configs/modernbert_tiny.py'}",
-            f"--workdir={work}"] + [f"--config.{k}={v}" for k, v in overrides.items()]
+            f"--workdir={work}"] + [f"--config.{k}={v}" for k, v in overrides.items()] + [
+            f"--config.model.{k}_token_id={v}" for k, v in dict(pad=3, cls=1, sep=2, bos=1, eos=2).items()]
     r = subprocess.run(args, env=env(devices=1), cwd=ROOT, timeout=300, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(losses(work)) == [1, 2, 3] and all(np.isfinite(list(losses(work).values())))
@@ -115,6 +119,9 @@ def test_main_trains_on_them_and_the_export_carries_the_tokenizer_json(made, tmp
     assert not (out / "vocab.txt").exists()
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
     assert hf.convert_tokens_to_ids("[MASK]") == 0
+    exported = json.loads((out / "config.json").read_text())
+    assert [exported[f"{r}_token_id"] for r in ("pad", "cls", "sep")] == hf.convert_tokens_to_ids(
+        ["[PAD]", "[CLS]", "[SEP]"])
 
 
 @pytest.mark.parametrize("more,match", [
@@ -124,6 +131,8 @@ def test_main_trains_on_them_and_the_export_carries_the_tokenizer_json(made, tmp
     ({"vocab_file": "VOCAB"}, r"config.vocab_file=.*vocab.txt and config.tokenizer_json=.*a.json: give one"),
     ({"dynamic_whole_word_mask": True}, r"config.dynamic_whole_word_mask=True with config.tokenizer_json="),
     ({"model.vocab_size": 399}, r"config.model.vocab_size=399, but .* of 400 ids"),
+    ({"model.sep_token_id": 3}, r"config.model.sep_token_id=3, but the sep token of config.tokenizer_json=.*a.json "
+                                r"has id 2"),
 ])
 def test_a_run_is_refused_before_training(made, tmp_path, more, match):
     vocab = tmp_path / "vocab.txt"
