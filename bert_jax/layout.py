@@ -4,6 +4,9 @@
       checkpoints/<step>/       CHECKPOINTS        the resumable train state (`bert_jax.checkpoints`)
       best/<step>/              BEST               fine-tuning: the best epoch's parameters
       best_predictions/         BEST_PREDICTIONS   fine-tuning: the best epoch's predictions
+      transformers/             TRANSFORMERS       ModernBERT fine-tuning: the best epoch in transformers'
+                                                   format (config.json, model.safetensors, vocab.txt)
+      config.json               HF_CONFIG          ModernBERT fine-tuning: the encoder's config (transformers')
       bert_config.json          MODEL_CONFIG       the model's config (Google's file name and fields)
       vocab.txt                 VOCAB              the WordPiece vocabulary, one token a line
       tokenizer_config.json     TOKENIZER_CONFIG   the casing (`do_lower_case`), as HF writes it
@@ -49,6 +52,8 @@ names (`bert_jax.formats.google`, `bert_jax.formats.hf`).
 CHECKPOINTS = "checkpoints"
 BEST = "best"
 BEST_PREDICTIONS = "best_predictions"
+TRANSFORMERS = "transformers"
+HF_CONFIG = "config.json"
 MODEL_CONFIG = "bert_config.json"
 VOCAB = "vocab.txt"
 TOKENIZER_CONFIG = "tokenizer_config.json"
