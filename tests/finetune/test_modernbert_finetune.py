@@ -15,7 +15,6 @@ itself predicts from it what the loop predicted.
 import csv
 import json
 
-import jax
 import numpy as np
 import pytest
 
@@ -49,12 +48,13 @@ def run(config, task, data, work, modernbert, **overrides):
     return finetune.run(config, str(work)), config
 
 
-def check_learned(work, drop=0.05):
-    """The training loss of the last epoch is below the first's (by `drop`), and so is the dev loss."""
+def check_learned(work, drop=0.0, dev=False):
+    """The training loss of the last epoch is below the first's (by `drop`); with `dev` (a learnable
+    task), the dev loss of a later epoch too."""
     history = read_json(work / "eval_history.json")
     assert len(history) >= 2
     assert history[-1]["train_loss"] < history[0]["train_loss"] - drop, history
-    if "loss" in history[0]:
+    if dev:
         assert min(h["loss"] for h in history[1:]) < history[0]["loss"], history
 
 
@@ -117,23 +117,101 @@ def layer_norm(x, scale, eps):
     return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * scale
 
 
+def loop_loss(head, outputs, f):
+    """heads.loss_sums' mean loss, in NumPy (float64) from `outputs` and the gold of features `f`."""
+    w = f["weight"].astype(np.float64)
+    if head == "token":
+        tw = f["label_weights"].astype(np.float64) * w[:, None]
+        return (cross_entropy(outputs["logits"], f["label_ids"]) * tw).sum() / tw.sum()
+    if head == "span":
+        per = 0.5 * (cross_entropy(outputs["start_logits"], f["start_positions"])
+                     + cross_entropy(outputs["end_logits"], f["end_positions"]))
+    elif head == "regression":
+        per = (outputs["logits"].astype(np.float64) - f["label"]) ** 2
+    else:
+        per = cross_entropy(outputs["logits"], f["label"])
+    return (per * w).sum() / w.sum()
+
+
+# --- task files ---
+
+
+def stsb_files(root):
+    from data_pipeline.tasks import glue
+    from tests.helpers.finetune_inputs import glue_files
+    glue_files(root / "glue" / glue.SPECS["stsb"].folder, "stsb", np.random.RandomState(1), n_train=8)
+    return root / "glue"
+
+
+def squad_files(root):
+    rng = np.random.RandomState(3)
+    data = root / "squad"
+    data.mkdir()
+    for split, n in (("train", 8), ("dev", 6)):
+        articles = []
+        for i in range(n):
+            words = list(rng.choice(WORDS[12:30], 10))
+            name = ["john smith", "paris", "acme corp"][i % 3]
+            pos = rng.randint(1, 9)
+            context = " ".join(words[:pos]) + f" {name} " + " ".join(words[pos:])
+            qa = {"id": f"q{i}", "question": "who did it", "answers": [{"text": name,
+                                                                       "answer_start": context.index(name)}]}
+            articles.append({"title": "t", "paragraphs": [{"context": context, "qas": [qa]}]})
+        (data / f"{split}-v1.1.json").write_text(json.dumps({"version": "1.1", "data": articles}))
+    return data
+
+
+def conll_files(root):
+    rng = np.random.RandomState(4)
+    data = root / "conll"
+    data.mkdir()
+    for name, n in (("train.txt", 8), ("valid.txt", 6), ("test.txt", 2)):
+        with open(data / name, "w") as f:
+            f.write("-DOCSTART- -X- -X- O\n\n")
+            for _ in range(n):
+                words = rng.choice(WORDS[12:25] + ["paris", "john", "smith", "acme", "corp"], rng.randint(3, 9))
+                f.write("".join(f"{w} NN I-NP {'I-' + ENTITIES[w] if w in ENTITIES else 'O'}\n" for w in words) + "\n")
+    return data
+
+
+def swag_files(root):
+    rng = np.random.RandomState(5)
+    data = root / "swag"
+    data.mkdir()
+    header = ["", "video-id", "fold-ind", "startphrase", "sent1", "sent2", "gold-source",
+              "ending0", "ending1", "ending2", "ending3", "label"]
+    for name, n in (("train.csv", 8), ("val.csv", 8)):
+        with open(data / name, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            for i in range(n):
+                endings = [" ".join(rng.choice(WORDS[12:40], 3)) for _ in range(4)]
+                writer.writerow([i, "v", i, "he sat", "he sat on the mat", "then he", "gold", *endings, i % 4])
+    return data
+
+
 # ---------------------------------------------------------------------------------------------
 
 
-def test_sequence_classification_packed_trains_exports_and_predicts_the_same(tmp_path, modernbert):
-    """SST-2, rows packed several a row (configs/glue.py's default): the loss falls, the export gives
-    the loop's dev loss and accuracy, the head equals a NumPy computation, config.json is transformers'."""
-    work = tmp_path / "work"
-    results, config = run(glue_config.get_config(), "sst2", sst2_files(tmp_path), work, modernbert,
-                          num_train_epochs=3, learning_rate=3e-3)
+@pytest.fixture(scope="module")
+def sst2(tmp_path_factory, modernbert):
+    """SST-2 fine-tuned for 3 epochs, rows packed several a row (configs/glue.py's default)."""
+    root = tmp_path_factory.mktemp("sst2")
+    work = root / "work"
+    results, config = run(glue_config.get_config(), "sst2", sst2_files(root), work, modernbert,
+                          num_train_epochs=3, learning_rate=3e-3, predict_test=False)
+    return work, config
+
+
+def test_sequence_classification_packed_learns_and_its_export_gives_the_loops_evaluation(sst2):
+    """The loss falls; the export gives the loop's dev loss and accuracy; its head equals a NumPy
+    computation on the encoder's hidden states; config.json is transformers' with SST-2's labels."""
+    work, config = sst2
     assert config.packing
-    check_learned(work)
+    check_learned(work, drop=0.05, dev=True)
     task, split, outputs, (mb_config, params, _) = exported_outputs(work, config, "sst2")
     best = best_epoch(work)
-    labels = split.features["label"]
-    weight = split.features["weight"].astype(np.float64)
-    loss = (cross_entropy(outputs["logits"], labels) * weight).sum() / weight.sum()
-    assert best["loss"] == pytest.approx(loss, rel=1e-4)
+    assert best["loss"] == pytest.approx(loop_loss(task.head, outputs, split.features), rel=1e-4)
     check_scores(task, split, outputs, best)
     # The head by hand: the [CLS] row of the encoder's hidden states, dense, GELU, norm, classifier.
     hidden = np.asarray(ModernBertModel(mb_config).apply({"params": params["model"]}, split.features["input_ids"],
@@ -143,11 +221,84 @@ def test_sequence_classification_packed_trains_exports_and_predicts_the_same(tmp
     by_hand = x @ params["classifier"]["kernel"] + params["classifier"]["bias"]
     np.testing.assert_allclose(outputs["logits"], by_hand, rtol=1e-4, atol=1e-5)
     check_config_json(work, "ModernBertForSequenceClassification", [str(x) for x in task.labels])
-    # transformers itself, where torch is installed.
+
+
+def test_transformers_predicts_what_the_loop_predicted(sst2):
+    """Live transformers (needs torch, absent on CI's CPU image): its logits on the export."""
     torch = pytest.importorskip("torch")
     import transformers
+    work, config = sst2
+    _, split, outputs, _ = exported_outputs(work, config, "sst2")
     model = transformers.AutoModelForSequenceClassification.from_pretrained(str(work / "transformers")).eval()
     with torch.no_grad():
         theirs = model(input_ids=torch.tensor(split.features["input_ids"], dtype=torch.long),
                        attention_mask=torch.tensor(split.features["input_mask"], dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(theirs, outputs["logits"], rtol=1e-4, atol=1e-4)
+
+
+FAMILIES = {  # task -> (config, files, overrides, transformers' class, labels of config.json (None: the task's))
+    "stsb": (glue_config, stsb_files, {}, "ModernBertForSequenceClassification", ["LABEL_0"]),
+    "squad_v1": (squad_config, squad_files, dict(max_seq_length=24, task_options=dict(
+        squad_config.get_config().task_options.to_dict(), doc_stride=4, max_query_length=6, max_answer_length=5)),
+        "ModernBertForQuestionAnswering", ["LABEL_0", "LABEL_1"]),
+    "conll2003": (ner_config, conll_files, {}, "ModernBertForTokenClassification", None),
+    "swag": (swag_config, swag_files, {}, "ModernBertForMultipleChoice", ["LABEL_0"]),
+}
+
+
+@pytest.mark.parametrize("task_name", sorted(FAMILIES))
+def test_each_task_family_learns_and_its_export_gives_the_loops_evaluation(tmp_path, modernbert, task_name):
+    """Pair regression (STS-B), span (SQuAD v1.1), token (CoNLL-2003), multiple choice (SWAG): two
+    epochs of one batch each; the training loss falls, and the exported model's outputs give the
+    loop's dev loss (where the split has one) and every metric."""
+    config_module, files, overrides, architecture, labels = FAMILIES[task_name]
+    work = tmp_path / "work"
+    _, config = run(config_module.get_config(), task_name, files(tmp_path), work, modernbert, num_train_epochs=2,
+                    learning_rate=3e-3, predict_test=False, **overrides)
+    check_learned(work)
+    task, split, outputs, _ = exported_outputs(work, config, task_name)
+    best = best_epoch(work)
+    if "loss" in best:
+        assert best["loss"] == pytest.approx(loop_loss(task.head, outputs, split.features), rel=1e-4)
+    check_scores(task, split, outputs, best)
+    check_config_json(work, architecture, [str(x) for x in task.labels] if labels is None else labels)
+
+
+@pytest.mark.parametrize("override, named", [
+    ({"model.fused_ops": True}, "config.model.fused_ops"),
+    ({"model.fp8": True}, "config.model.fp8"),
+    ({"model.scan_layers": True}, "config.model.scan_layers"),
+    ({"model.mixed_matmuls": True}, "config.model.mixed_matmuls"),
+    ({"model.remat_policy": "full"}, "config.model.remat_policy"),
+    ({"google_gelu": "tanh"}, "config.google_gelu"),
+    ({"head_init": "normal"}, "config.head_init"),
+    ({"cpu_bf16": "on"}, "config.cpu_bf16"),
+    ({"model_family": "roberta"}, "config.model_family"),
+])
+def test_bert_only_options_are_refused_by_name(tmp_path, modernbert, override, named):
+    config = tiny(glue_config.get_config(), "sst2", sst2_files(tmp_path), modernbert["dir"],
+                  model_family="modernbert", vocab_file=modernbert["vocab"])
+    for key, value in override.items():
+        parent, _, field = key.rpartition(".")
+        setattr(config.model if parent else config, field, value)
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        finetune.run(config, str(tmp_path / "work"))
+    assert not (tmp_path / "work" / "checkpoints").exists()
+
+
+def test_a_bert_checkpoint_or_a_bpe_only_folder_is_refused_by_name(tmp_path, modernbert):
+    """A transformers BERT folder (its config.json: model_type "bert") as a ModernBERT init checkpoint,
+    and a ModernBERT folder with only its BPE tokenizer.json and no config.vocab_file, name the field."""
+    data = sst2_files(tmp_path)
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    config = tiny(glue_config.get_config(), "sst2", data, str(bert), model_family="modernbert",
+                  vocab_file=modernbert["vocab"])
+    with pytest.raises(ValueError, match=r"config\.init_checkpoint=.*not a transformers ModernBERT"):
+        finetune.run(config, str(tmp_path / "a"))
+    bpe_only = modernbert_fixture.checkpoint(str(tmp_path / "bpe_only"))
+    (tmp_path / "bpe_only" / "tokenizer.json").write_text("{}")
+    config = tiny(glue_config.get_config(), "sst2", data, bpe_only, model_family="modernbert")
+    with pytest.raises(ValueError, match=r"tokenizer\.json.*config\.vocab_file"):
+        finetune.run(config, str(tmp_path / "b"))
