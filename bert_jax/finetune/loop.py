@@ -75,8 +75,11 @@ def task_description(task, config: ml_collections.ConfigDict) -> dict:
     the task, the head kind, its outputs and their label names (in the order of the head's outputs;
     empty for regression, span and multiple choice), the sequence length and the task options."""
     labels = [] if task.head in ("regression", "span", "multiple_choice") else [str(x) for x in task.labels]
-    return {"task": task.name, "head": task.head, "num_outputs": int(task.num_outputs), "labels": labels,
-            "max_seq_length": int(config.max_seq_length), "task_options": config.task_options.to_dict()}
+    description = {"task": task.name, "head": task.head, "num_outputs": int(task.num_outputs), "labels": labels,
+                   "max_seq_length": int(config.max_seq_length), "task_options": config.task_options.to_dict()}
+    if modernbert_tasks.wanted(config):  # mode=predict reads W/transformers/ (BERT's task.json is unchanged)
+        description["model_family"] = "modernbert"
+    return description
 
 
 def make_task(config: ml_collections.ConfigDict):

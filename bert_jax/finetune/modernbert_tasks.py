@@ -32,7 +32,8 @@ evaluation, seeds and checkpoints are BERT's (`bert_jax.finetune.loop`):
   scanned layers, remat, Google's GELU, `head_init="normal"`, `cpu_bf16="on"`). The parameters are
   replicated over the mesh (no logical axis names: data parallelism only).
 
-`mode=predict` and `bert_jax.convert` read BERT workdirs; a ModernBERT run's model is `W/transformers/`.
+`mode=predict` reads the best epoch from `W/transformers/` (`finetuned`; `task.json` says
+`"model_family": "modernbert"`); `bert_jax.convert` reads BERT workdirs only.
 This module must not import tensorflow.
 """
 
@@ -173,6 +174,30 @@ class TaskModel(nn.Module):
         if self.head == "span":  # [batch, length, 2] -> two [batch, length]
             return {"start_logits": logits[..., 0], "end_logits": logits[..., 1]}
         return {"logits": logits[..., 0] if self.head == "regression" else logits}
+
+
+def finetuned(workdir: str, which: str, config: ml_collections.ConfigDict) -> tuple:
+    """(model config, parameters, vocab file, casing) of a ModernBERT fine-tuning run for `mode=predict`:
+    its best epoch, `W/transformers/` (`config.predict_params="last"` is refused: the last state is an
+    orbax checkpoint of the loop, read back only by a resumed run)."""
+    if which != "best":
+        raise ValueError(f"config.predict_params={which!r}: a ModernBERT run ({workdir}) predicts with its best "
+                         f"epoch, {layout.TRANSFORMERS}/ (config.predict_params='best')")
+    directory = storage_paths.join(workdir, layout.TRANSFORMERS)
+    model = config.model.to_dict()
+    mb_config, params, exported = modernbert_hf.load(directory, **{k: model[k] for k in RUN_FIELDS if k in model})
+    if exported is None:
+        raise ValueError(f"{directory}: a ModernBERT masked LM, not a fine-tuned task model")
+    vocab_file = config.vocab_file or storage_paths.join(directory, layout.VOCAB)
+    if not storage.isfile(vocab_file):
+        raise FileNotFoundError(f"{directory}: no vocab.txt (set config.vocab_file)")
+    do_lower_case = config.do_lower_case
+    if do_lower_case is None:
+        path = storage_paths.join(directory, layout.TOKENIZER_CONFIG)
+        do_lower_case = json.loads(storage.read_text(path)).get("do_lower_case") if storage.isfile(path) else None
+    if do_lower_case is None:
+        raise ValueError(f"{directory}: no tokenizer_config.json to say the casing (set config.do_lower_case)")
+    return mb_config, params, vocab_file, bool(do_lower_case)
 
 
 def export_task(description: dict) -> dict:

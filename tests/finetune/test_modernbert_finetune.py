@@ -223,6 +223,25 @@ def test_sequence_classification_packed_learns_and_its_export_gives_the_loops_ev
     check_config_json(work, "ModernBertForSequenceClassification", [str(x) for x in task.labels])
 
 
+def test_predict_mode_reads_the_export_and_predicts_the_best_epochs_labels(sst2, tmp_path):
+    """`mode=predict` on a ModernBERT workdir (task.json: model_family): the dev file's predictions are
+    the argmax of the export's logits by `ModernBertForTask`, its accuracy the best epoch's; the last
+    state is refused by name."""
+    from bert_jax.finetune import predict
+    from tests.helpers.finetune_inputs import predict_config, tsv_rows
+
+    work, config = sst2
+    assert read_json(work / "task.json")["model_family"] == "modernbert"
+    dev = next(work.parent.glob("glue/SST-2/dev.tsv"))
+    out = predict.run(predict_config(tmp_path, dev), str(work))
+    assert out["scores"]["accuracy"] == pytest.approx(best_epoch(work)["accuracy"], abs=1e-9)
+    task, _, outputs, _ = exported_outputs(work, config, "sst2")
+    rows = tsv_rows(tmp_path / "predict_out" / "sst2_dev_predictions.tsv")
+    assert [r["prediction"] for r in rows] == [str(task.labels[i]) for i in outputs["logits"].argmax(-1)]
+    with pytest.raises(ValueError, match="config.predict_params='last'"):
+        predict.run(predict_config(tmp_path, dev, predict_params="last"), str(work))
+
+
 def test_transformers_predicts_what_the_loop_predicted(sst2):
     """Live transformers (needs torch, absent on CI's CPU image): its logits on the export."""
     torch = pytest.importorskip("torch")
