@@ -321,3 +321,19 @@ def test_a_bert_checkpoint_or_a_bpe_only_folder_is_refused_by_name(tmp_path, mod
     config = tiny(glue_config.get_config(), "sst2", data, bpe_only, model_family="modernbert")
     with pytest.raises(ValueError, match=r"tokenizer\.json.*config\.vocab_file"):
         finetune.run(config, str(tmp_path / "b"))
+
+
+def test_without_an_init_checkpoint_config_model_holds_modernbert_fields():
+    """No init checkpoint: config.model's fields are ModernBertConfig's (BERT's are named and refused)."""
+    import ml_collections
+
+    from bert_jax.finetune import modernbert_tasks
+
+    config = glue_config.get_config()
+    with pytest.raises(ValueError, match=r"config\.model has fields ModernBertConfig does not \(\['attention_probs"):
+        modernbert_tasks.model_config(config)
+    config.model = ml_collections.ConfigDict(dict(vocab_size=48, hidden_size=16, intermediate_size=24,
+                                                  num_hidden_layers=2, num_attention_heads=2, local_attention=8))
+    got = modernbert_tasks.model_config(config)
+    assert (got.vocab_size, got.hidden_size, got.num_hidden_layers, got.local_attention) == (48, 16, 2, 8)
+    assert got.global_rope_theta == 160_000.0  # transformers' default, not given
