@@ -46,6 +46,9 @@ EXTRAS = {
     "beam": ["apache-beam>=2.77.0"],
     # create_pretraining_data --chinese_whole_word_mask: jieba segments Chinese text into words (its dictionary ships with it).
     "chinese": ["jieba>=0.42.1"],
+    # create_pretraining_data --tokenizer_json: a HuggingFace tokenizer.json (ModernBERT's BPE, ...) through
+    # the tokenizers library (data_pipeline/tokenization/hf_tokenizer.py). transformers<5 pins it too.
+    "hf": ["tokenizers>=0.20"],
 }
 
 setup(

@@ -17,7 +17,9 @@ Encoder-only checkpoints report the missing heads; variables we have no place fo
 skipped. A fine-tuned model (a fine-tuning workdir with its `task.json`, or an export of one) keeps
 its task head: `Pretrained.task` says what it is, and each format writes it under its own names
 (transformers' task classes, google-research/bert's `run_classifier.py`/`run_squad.py` names).
-tensorflow is imported only to read or write a Google checkpoint.
+tensorflow is imported only to read or write a Google checkpoint. A ModernBERT pretraining workdir
+(`modernbert_config.json`) is exported by `export_modernbert` to transformers' format only
+(`bert_jax.formats.modernbert_hf`).
 """
 
 from __future__ import annotations
@@ -275,6 +277,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     std_logging.getLogger("bert_jax").setLevel(std_logging.INFO)  # e.g. the Google GELU chosen
     if not std_logging.getLogger().handlers:
         std_logging.basicConfig()
+    from bert_jax.formats import modernbert_hf
+    if modernbert_hf.is_workdir(args.input):
+        return export_modernbert(args)
     p = load_pretrained(args.input, args.input_format, google_gelu=args.google_gelu, finetuned=args.finetuned)
     if args.vocab_file:
         p.vocab_file = _require(args.vocab_file, "--vocab_file")
@@ -298,6 +303,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "heads": list(p.heads), "missing_heads": list(p.missing),
                       "task_head": p.task_head, "task": p.task if p.task_head else None,
                       "finetuned": p.finetuned, "skipped": list(p.skipped)}, indent=2))
+    return 0
+
+
+def export_modernbert(args) -> int:
+    """A ModernBERT pretraining workdir (`modernbert_config.json`) -> transformers' `config.json` +
+    `model.safetensors` (`ModernBertForMaskedLM`) and the workdir's vocab.txt; only `--output_format=hf`."""
+    from bert_jax.formats import modernbert_hf
+    if args.output_format != "hf":
+        raise ValueError(f"--output_format={args.output_format}: a ModernBERT workdir ({args.input}) exports to "
+                         "transformers' format only (--output_format=hf)")
+    for flag in ("input_format", "finetuned", "google_gelu", "do_lower_case"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag}: does not apply to a ModernBERT pretraining workdir ({args.input})")
+    if args.drop_heads:
+        raise ValueError("--drop_heads: a ModernBERT export is transformers' ModernBertForMaskedLM, head included")
+    if not args.overwrite and storage.isdir(args.output) and storage.listdir(args.output):
+        raise ValueError(f"--output={args.output} is not empty (pass --overwrite to write into it)")
+    config, params, step = modernbert_hf.load_workdir(args.input)
+    modernbert_hf.save(args.output, config, params)
+    for name, source in ((layout.VOCAB, args.vocab_file or storage_paths.join(args.input, layout.VOCAB)),
+                         (layout.TOKENIZER_CONFIG, storage_paths.join(args.input, layout.TOKENIZER_CONFIG))):
+        if storage.isfile(source):  # the WordPiece vocabulary the records were made with, and its casing
+            storage.write_bytes(storage_paths.join(args.output, name), storage.read_bytes(source))
+    from bert_jax.model.modeling import count_params
+    print(json.dumps({"input": args.input, "input_format": "bert_jax (ModernBERT workdir)", "step": step,
+                      "output": args.output, "output_format": "hf", "model_type": "modernbert",
+                      "parameters": count_params(params)}, indent=2))
     return 0
 
 

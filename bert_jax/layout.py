@@ -8,6 +8,9 @@
                                                    format (config.json, model.safetensors, vocab.txt)
       config.json               HF_CONFIG          ModernBERT fine-tuning: the encoder's config (transformers')
       bert_config.json          MODEL_CONFIG       the model's config (Google's file name and fields)
+      modernbert_config.json    MODERNBERT_CONFIG  instead, for config.model_family="modernbert": transformers'
+                                                   config.json of ModernBertForMaskedLM (+ dtype, attention_impl,
+                                                   local_blocks)
       vocab.txt                 VOCAB              the WordPiece vocabulary, one token a line
       tokenizer_config.json     TOKENIZER_CONFIG   the casing (`do_lower_case`), as HF writes it
       task.json                 TASK_FILE          fine-tuning: the task, its head and labels
@@ -55,6 +58,7 @@ BEST_PREDICTIONS = "best_predictions"
 TRANSFORMERS = "transformers"
 HF_CONFIG = "config.json"
 MODEL_CONFIG = "bert_config.json"
+MODERNBERT_CONFIG = "modernbert_config.json"
 VOCAB = "vocab.txt"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TASK_FILE = "task.json"

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from bert_jax import layout
 from bert_jax.model.model_config import BertConfig
+from bert_jax.model.modernbert import ModernBertConfig
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths, staging as storage_staging
 from data_pipeline.storage.log_writer import CLOSE_TIMEOUT_S, MIRROR_INTERVAL_S, LogWriter
@@ -80,20 +81,26 @@ def check_paths(config: Mapping, workdir: Optional[str]) -> None:
 
 def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
                       do_lower_case: Optional[bool] = None) -> None:
-    """Makes the workdir self-describing: bert_config.json (+ vocab.txt, + tokenizer_config.json
-    with the casing when it is known) next to the checkpoints. A file is written only when its
+    """Makes the workdir self-describing: bert_config.json (for a `ModernBertConfig`:
+    modernbert_config.json) + vocab.txt + tokenizer_config.json (with the casing, when it is known)
+    next to the checkpoints. A file is written only when its
     content changes, so a finished (even read-only) workdir re-runs as a no-op. Call it on one
     process."""
     from bert_jax.formats.common import tokenizer_config_json
 
     storage.makedirs(workdir)
-    config_file = storage_paths.join(workdir, layout.MODEL_CONFIG)
-    try:
-        unchanged = BertConfig.from_json_file(config_file) == bert_config.replace(fp8=False)
-    except (OSError, ValueError):
-        unchanged = False
-    if not unchanged:
-        bert_config.to_json_file(config_file)
+    if isinstance(bert_config, ModernBertConfig):  # config.model_family="modernbert"
+        from bert_jax.formats import modernbert_hf
+        write_if_changed(storage_paths.join(workdir, layout.MODERNBERT_CONFIG),
+                         modernbert_hf.workdir_config_json(bert_config))
+    else:
+        config_file = storage_paths.join(workdir, layout.MODEL_CONFIG)
+        try:
+            unchanged = BertConfig.from_json_file(config_file) == bert_config.replace(fp8=False)
+        except (OSError, ValueError):
+            unchanged = False
+        if not unchanged:
+            bert_config.to_json_file(config_file)
     if vocab_file:
         write_if_changed(storage_paths.join(workdir, layout.VOCAB), storage.read_bytes(vocab_file))
     if do_lower_case is not None:

@@ -65,6 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.max_predictions_per_seq = 20  # masked-LM predictions per sequence at length 128
     config.shuffle_buffer_size = 10_000  # records held for shuffling, per host
     config.dynamic_masking = False  # re-mask each epoch instead of using the records' masks
+    config.masked_lm_prob = 0.15  # dynamic masking: share of real tokens predicted (BERT's 15%; ModernBERT 30%)
     # dynamic masking of whole words (all ## pieces with their word); None = as the records were made
     config.dynamic_whole_word_mask = config_dict.placeholder(bool)
     config.packing = False  # pack several short sequences per row (MLPerf style)

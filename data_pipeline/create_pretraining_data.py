@@ -28,6 +28,11 @@ word segmenter (jieba; `--chinese_user_dict` adds words) decides which character
 whole-word masking masks them together; the tokens stay single characters (`chinese_words.py`).
 Both modes and the Beam runner; in every other respect Google's whole-word masking.
 
+A HuggingFace tokenizer.json (`--tokenizer_json`, instead of `--vocab_file`; ModernBERT's BPE, ...):
+the fast mode encodes with it (`tokenization/hf_tokenizer.py`), its special tokens read from the
+file, whole words its pre-tokenizer's; the manifest records the file (`tokenizer`: sha256, size in
+ids, special ids). Not with `--reference_compatible` or Chinese whole-word masking.
+
 `--runner=beam` runs the fast mode as an Apache Beam pipeline on any Beam runner
 (`--beam_runner`, `--beam_pipeline_options`; `beam_pipeline.py`): the same per-shard function
 and file assignment (`shards.py`), so the same files as the local path for the same flags, seed and
@@ -68,7 +73,7 @@ from data_pipeline.pretraining_data.shards import (Options, ShardTotals, check_o
 FLAGS = flags.FLAGS
 
 
-FLAG_NAMES = ("input_file", "output_file", "vocab_file", "do_lower_case", "do_whole_word_mask",
+FLAG_NAMES = ("input_file", "output_file", "vocab_file", "tokenizer_json", "do_lower_case", "do_whole_word_mask",
               "max_seq_length", "max_predictions_per_seq", "random_seed", "dupe_factor",
               "masked_lm_prob", "short_seq_prob", "reference_compatible", "num_workers",
               "num_output_shards", "compression", "input_format", "tfds_name", "tfds_split",
@@ -82,7 +87,11 @@ def define_flags():
     flags.DEFINE_string("output_file", None, "Output TFRecord file(s), comma-separated; in fast mode "
                         "with --num_output_shards=N>1 one name, numbered per shard (train.tfrecord -> "
                         "train-00000-of-0000N.tfrecord, ...).")
-    flags.DEFINE_string("vocab_file", None, "WordPiece vocab.txt.")
+    flags.DEFINE_string("vocab_file", None, "WordPiece vocab.txt (or --tokenizer_json).")
+    flags.DEFINE_string("tokenizer_json", None, "A HuggingFace tokenizer.json (BPE, WordPiece, Unigram; e.g. "
+                        "ModernBERT's) instead of --vocab_file: its own normalizer decides casing (no "
+                        "--do_lower_case), its special tokens are read from it, whole words are its "
+                        "pre-tokenizer's. Fast mode (local or Beam runner). pip install -e '.[hf]'.")
     flags.DEFINE_bool("do_lower_case", True, "Lower-case and strip accents (uncased models).")
     flags.DEFINE_bool("do_whole_word_mask", False, "Mask whole words (all their ## pieces).")
     flags.DEFINE_bool("chinese_whole_word_mask", False, "With --do_whole_word_mask: a Chinese word (jieba's "
@@ -184,7 +193,8 @@ def _worker_pool(num_workers: int, opts: Options, num_outputs: int):
     threaded = any(m in sys.modules for m in ("tensorflow", "jax", "torch"))
     if sys.platform.startswith("linux") and not threaded:
         init_worker(opts, num_outputs)
-        shards._WORKER["tok"].encode_batch(["\u00e9"])  # builds the Unicode tables, once, before forking
+        if not opts.tokenizer_json:  # (tokenizers' batch encoding starts a thread pool: not before a fork)
+            shards._WORKER["tok"].encode_batch(["\u00e9"])  # builds the Unicode tables, once, before forking
         return multiprocessing.get_context("fork").Pool(num_workers)
     return multiprocessing.get_context("spawn").Pool(num_workers, initializer=init_worker,
                                                       initargs=(opts, num_outputs))
@@ -230,6 +240,9 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
     """Writes the records and the run's manifest; returns the info dict."""
     from tqdm import tqdm
 
+    if reference_compatible and opts.tokenizer_json:
+        raise ValueError(f"--tokenizer_json={opts.tokenizer_json}: --reference_compatible is Google's program, "
+                         "which reads a WordPiece --vocab_file; the fast mode (the default) reads a tokenizer.json")
     opts.validate()
     out_dir = output_dir(outputs)
     replaced = check_output_dir_free(out_dir, outputs)
@@ -305,10 +318,12 @@ def run(opts: Options, *, sources: Sequence[tuple], outputs: Sequence[str], refe
     return info
 
 
-def create_pretraining_data(input_files: Sequence[str], output_dir: str, vocab_file: str, *,
+def create_pretraining_data(input_files: Sequence[str], output_dir: str, vocab_file: Optional[str], *,
                             num_output_shards: int = 1, reference_compatible: bool = False,
                             num_workers: int = 1, compression: str = "none", **options) -> dict:
-    """Library entry point: text files -> `output_dir/part-*.tfrecord` + `output_dir/part.dataset_info.json`."""
+    """Library entry point: text files -> `output_dir/part-*.tfrecord` + `output_dir/part.dataset_info.json`.
+
+    `vocab_file` None and `tokenizer_json=PATH` in `options`: the ids are a HuggingFace tokenizer.json's."""
     opts = Options(vocab_file=vocab_file, **options)
     ext = ".tfrecord.gz" if compression == "gzip" else ".tfrecord"
     outputs = [storage_paths.join(output_dir, f"part-{i:05d}-of-{num_output_shards:05d}{ext}")
@@ -336,9 +351,15 @@ def tfds_sources(name: str, split: str = "train", text_key: str = "text", data_d
 
 def main(argv):
     del argv
-    for name in ("output_file", "vocab_file"):
-        if not getattr(FLAGS, name):
-            raise app.UsageError(f"--{name} is required")
+    if not FLAGS.output_file:
+        raise app.UsageError("--output_file is required")
+    if bool(FLAGS.vocab_file) == bool(FLAGS.tokenizer_json):
+        raise app.UsageError("give one of --vocab_file (a WordPiece vocab.txt) and --tokenizer_json (a HuggingFace "
+                             f"tokenizer.json){': not both' if FLAGS.vocab_file else ''}")
+    if FLAGS.tokenizer_json:
+        if FLAGS["do_lower_case"].present:
+            raise app.UsageError(f"--do_lower_case with --tokenizer_json={FLAGS.tokenizer_json}: the file's own "
+                                 "normalizer decides casing; drop --do_lower_case")
     if FLAGS.runner == "beam" and FLAGS.reference_compatible:
         raise app.UsageError("--reference_compatible is one random stream over the whole corpus, in one "
                              "process; --runner=beam runs the fast mode only")
@@ -352,7 +373,7 @@ def main(argv):
         max_predictions_per_seq=FLAGS.max_predictions_per_seq, random_seed=FLAGS.random_seed,
         dupe_factor=FLAGS.dupe_factor, masked_lm_prob=FLAGS.masked_lm_prob,
         short_seq_prob=FLAGS.short_seq_prob, chinese_whole_word_mask=FLAGS.chinese_whole_word_mask,
-        chinese_user_dict=FLAGS.chinese_user_dict)
+        chinese_user_dict=FLAGS.chinese_user_dict, tokenizer_json=FLAGS.tokenizer_json)
     if FLAGS.input_format == "text":
         if not FLAGS.input_file:
             raise app.UsageError("--input_file is required with --input_format=text")
@@ -366,6 +387,8 @@ def main(argv):
     outputs = output_paths(FLAGS.output_file, 1 if FLAGS.reference_compatible else FLAGS.num_output_shards,
                            FLAGS.compression)
     used = {name: FLAGS[name].value for name in FLAG_NAMES}
+    if FLAGS.tokenizer_json:
+        used["do_lower_case"] = None  # not used: the tokenizer.json's normalizer decides
     if FLAGS.runner == "beam":
         from data_pipeline.pretraining_data import beam_pipeline  # Beam is an optional extra; only this path needs it
 

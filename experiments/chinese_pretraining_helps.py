@@ -46,8 +46,9 @@ import zipfile
 
 import numpy as np
 
-from experiments import pretraining_corpus as pc  # the English study's record stage, reused
-from experiments import pretraining_helps as ph  # its pretraining and fine-tuning stages, reused
+from experiments import finetuning_arms as fa  # the English study's fine-tuning runs, reused
+from experiments import pretraining_corpus as pc  # its record stage, reused
+from experiments import pretraining_run as pr  # its pretraining stage, reused
 
 ROOT, DATA = pc.ROOT, pc.DATA
 ZH = os.path.join(DATA, "zh")
@@ -264,14 +265,14 @@ def test_at_best_dev(run_dir: str, metric: str) -> dict:
 
 
 def stage_finetune(args, inits: dict) -> dict:
-    ph.compile_cache(os.path.join(args.workdir, "xla_cache"))
+    fa.compile_cache(os.path.join(args.workdir, "xla_cache"))
     out: dict = {}
     for task, (_, metric) in TASKS.items():
         for arm in ARMS:
             for seed in args.seeds:
                 run_dir = os.path.join(args.workdir, "finetune", arm, task, f"seed{seed}")
-                record = ph._finetune_once(args, run_dir, finetune_config(args, task, inits[arm], seed),
-                                           f"finetune {task} {arm} seed {seed}")
+                record = fa.finetune_once(args, run_dir, finetune_config(args, task, inits[arm], seed),
+                                          f"finetune {task} {arm} seed {seed}")
                 record["at_best_dev"] = test_at_best_dev(run_dir, metric)
                 out.setdefault(task, {}).setdefault(arm, {})[str(seed)] = record
     return out
@@ -404,12 +405,12 @@ def main(argv=None) -> dict:
     for arm in PRETRAINED:
         out = os.path.join(args.workdir, "records", arm)
         records[arm] = timed(f"records_{arm}", stage_records, args, corpus, out, arm)
-        overrides[arm] = ph.pretrain_overrides(args, out)
+        overrides[arm] = pr.pretrain_overrides(args, out)
         overrides[arm]["max_predictions_per_seq"] = args.max_predictions
         inits[arm] = os.path.join(args.workdir, "pretrain", arm)
-        timed(f"pretrain_{arm}", ph.stage_pretrain, args, inits[arm], overrides[arm])
-        curves[arm] = ph.pretraining_curves(inits[arm])
-    inits["random"] = timed("random_init", ph.stage_random_init, os.path.join(args.workdir, "random_init"),
+        timed(f"pretrain_{arm}", pr.stage_pretrain, args, inits[arm], overrides[arm])
+        curves[arm] = pr.pretraining_curves(inits[arm])
+    inits["random"] = timed("random_init", fa.stage_random_init, os.path.join(args.workdir, "random_init"),
                             overrides["wwm"], args.vocab_file)
     finetuned = timed("finetune", stage_finetune, args, inits)
     summary = summarize(finetuned)

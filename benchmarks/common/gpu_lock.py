@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.step import pretrain_step
+from benchmarks.step import timing
 
 
 class Lock:
@@ -22,7 +22,7 @@ class Lock:
             t0 = time.perf_counter()
             fcntl.flock(self.file, fcntl.LOCK_EX)
             if time.perf_counter() - t0 > 0.5:
-                pretrain_step.log(f"waited {time.perf_counter() - t0:.1f} s for {self.path}")
+                timing.log(f"waited {time.perf_counter() - t0:.1f} s for {self.path}")
         return self
 
     def __exit__(self, *exc):

@@ -13,7 +13,7 @@ import sys
 import time
 
 from benchmarks.common import gpu_lock, variant_timing
-from benchmarks.step import pretrain_step
+from benchmarks.step import pretrain_step, timing
 
 
 def _rel_l2(got, want) -> float:
@@ -64,7 +64,7 @@ def _sweep(args, h, x, keep, scale, bias, dy, keep_prob, eps, ref) -> dict:
             except Exception as e:  # a launch shape Triton refuses: noted, not fatal
                 row = {**config, "failed": f"{type(e).__name__}: {str(e)[:300]}"}
             rows[kind].append(row)
-            pretrain_step.log(f"sweep {kind} {row}")
+            timing.log(f"sweep {kind} {row}")
     fused.FORWARD, fused.BACKWARD = saved
     best = {}
     for kind, found in rows.items():
@@ -131,7 +131,7 @@ def kernel(args, step_args) -> dict:
         with open(args.kernel_sweep + ".tmp", "w", encoding="utf-8") as f:
             json.dump(best, f)
         os.replace(args.kernel_sweep + ".tmp", args.kernel_sweep)  # whole, for a reader waiting on it
-        pretrain_step.log(f"sweep: fastest {best}")
+        timing.log(f"sweep: fastest {best}")
     out["launch"] = {"forward": dict(fused.FORWARD), "backward": dict(fused.BACKWARD)}
     runs = {"xla": fwd_bwd(unfused), "fused": fwd_bwd(kern), "fused_key": fwd_bwd(kern_key)}
     names = ("y", "dh", "dx", "dscale", "dbias")

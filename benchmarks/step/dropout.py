@@ -24,7 +24,7 @@ import functools
 import statistics
 
 from benchmarks.common import variant_timing
-from benchmarks.step import pretrain_step
+from benchmarks.step import builders, pretrain_step
 
 
 def mask_shapes(bert_config, batch: int, seq_len: int) -> list:
@@ -77,8 +77,8 @@ def main(argv=None):
         if args.step:
             dropout.keep_mask = draw  # looked up when the step is traced, i.e. in bench_ours
             try:
-                _, runners[name] = pretrain_step.bench_ours(step_args, config, bert_config, mesh, batch_np,
-                                                         init_cache=init_cache)
+                _, runners[name] = builders.bench_ours(step_args, config, bert_config, mesh, batch_np,
+                                                    init_cache=init_cache)
             finally:
                 dropout.keep_mask = ours
         else:

@@ -54,7 +54,7 @@ import time
 
 from benchmarks.common import gpu_lock
 from benchmarks.kernels import fused_layernorm  # --kernel
-from benchmarks.step import pretrain_step
+from benchmarks.step import builders, pretrain_step, timing
 
 # A variant's key that is not a BertConfig field: whether FP8 layers take their gradient's e5m2
 # cast, and the FFN's first layer (unrolled, the next layer's Q/K/V projections too) its input's
@@ -227,7 +227,7 @@ def speed(args, step_args) -> dict:
                            "packing": step_args.packing, "parallel_compile": args.parallel_compile,
                            "variants": {}}
     for name in args.variants.split(","):
-        pretrain_step.log(f"variant {name}")
+        timing.log(f"variant {name}")
         changes, xla = variant_spec(name)
         if changes.get("fused_ops") and args.fused_blocks_from and "fused_blocks" not in result:
             result["fused_blocks"] = _load_fused_blocks(args.fused_blocks_from, args.fused_blocks_wait)
@@ -242,14 +242,14 @@ def speed(args, step_args) -> dict:
         fused_fp8.ENABLED = changes.pop(CAST_IN_KERNEL, True)
         # `bench_ours` builds the model from the BertConfig it is given (config.model unused), and
         # traces and lowers the step (the module flag above is read then).
-        compile_info, runner = pretrain_step.bench_ours(step_args, config, bert_config.replace(**changes),
-                                                     mesh, batch_np, cache, compile=not args.parallel_compile,
-                                                     compiler_options=xla)
+        compile_info, runner = builders.bench_ours(step_args, config, bert_config.replace(**changes),
+                                                mesh, batch_np, cache, compile=not args.parallel_compile,
+                                                compiler_options=xla)
         fused_fp8.ENABLED = True
         runners[name] = runner
         result["variants"][name] = dict(compile_info, xla_options=xla)
     if args.parallel_compile:
-        pretrain_step.compile_runners(runners, result["variants"])
+        timing.compile_runners(runners, result["variants"])
     for name, runner in runners.items():
         facts = _hlo_facts(runner.step)
         if args.hlo_dir:
@@ -258,24 +258,24 @@ def speed(args, step_args) -> dict:
             with gzip.open(os.path.join(args.hlo_dir, f"{name}.hlo.txt.gz"), "wt") as f:
                 f.write(runner.step.as_text())
         result["variants"][name].update(facts)
-        pretrain_step.log(f"{name}: {facts}")
+        timing.log(f"{name}: {facts}")
     cache.clear()  # the initial state's spare copy: memory for the steps
     gpu_lock.hold_until_exit(args.slot_lock)
     with gpu_lock.Lock(args.gpu_lock):
         for runner in runners.values():
             runner.run(step_args.warmup, record=False)
         for r in range(args.rounds):
-            pretrain_step.log(f"round {r + 1} of {args.rounds}")
+            timing.log(f"round {r + 1} of {args.rounds}")
             for runner in runners.values():
                 runner.run(step_args.steps)
         for r in range(args.rounds if args.pipelined_steps > 0 else 0):
-            pretrain_step.log(f"pipelined round {r + 1} of {args.rounds}: {args.pipelined_steps} steps each")
+            timing.log(f"pipelined round {r + 1} of {args.rounds}: {args.pipelined_steps} steps each")
             for runner in runners.values():
                 runner.run_pipelined(args.pipelined_steps)
         if step_args.profile_dir:  # pretrain_step's flag: a subfolder per variant
             chosen = args.profile_variants.split(",") if args.profile_variants else list(runners)
             for name, runner in ((n, r) for n, r in runners.items() if n in chosen):
-                result["variants"][name]["profile"] = pretrain_step.profile(
+                result["variants"][name]["profile"] = timing.profile(
                     runner, os.path.join(step_args.profile_dir, name), step_args.profile_steps)
     stats = device.memory_stats() or {}
     if "peak_bytes_in_use" in stats:  # this process's, all variants' states included
@@ -322,7 +322,7 @@ def _load_gemm_blocks(path: str, module: str, attributes: dict) -> dict:
         for key, attribute in attributes.items():
             setattr(kernels, attribute, best[key])
     shapes = {key: getattr(kernels, attribute) for key, attribute in attributes.items()}
-    pretrain_step.log(f"{module} launch shapes: {shapes}")
+    timing.log(f"{module} launch shapes: {shapes}")
     return shapes
 
 
@@ -338,10 +338,10 @@ def _load_fused_blocks(path: str, wait_s: float) -> dict:
         with open(path, encoding="utf-8") as f:
             best = json.load(f)
     if not best.get("forward") or not best.get("backward"):  # not written in time, or the sweep found none
-        pretrain_step.log(f"{path}: no launch shapes after {wait_s:.0f} s at most; the kernels' defaults")
+        timing.log(f"{path}: no launch shapes after {wait_s:.0f} s at most; the kernels' defaults")
         return {"forward": dict(fused.FORWARD), "backward": dict(fused.BACKWARD), "from": "defaults"}
     fused.FORWARD, fused.BACKWARD = dict(best["forward"]), dict(best["backward"])
-    pretrain_step.log(f"fused launch shapes from {path}: {best['forward']} / {best['backward']}")
+    timing.log(f"fused launch shapes from {path}: {best['forward']} / {best['backward']}")
     return {"forward": fused.FORWARD, "backward": fused.BACKWARD, "from": path}
 
 
@@ -366,14 +366,14 @@ def parity(args, step_args) -> dict:
     cache: dict = {}  # every run starts from the first one's initial parameters
     compiled: dict = {}  # fp8 -> the compiled step (the second bf16 run reuses the first's)
     for name, fp8, seed in (("bf16", False, 0), ("bf16_seed1", False, 1), ("fp8", True, 0)):
-        info, runner = pretrain_step.bench_ours(step_args, config, bert_config.replace(fp8=fp8), mesh,
-                                             batches[0], cache, compile=fp8 not in compiled)
+        info, runner = builders.bench_ours(step_args, config, bert_config.replace(fp8=fp8), mesh,
+                                        batches[0], cache, compile=fp8 not in compiled)
         compiled.setdefault(fp8, runner.step)
         # The dropout seed: the same initial parameters, another stream of dropout masks.
         state = runner.state.replace(rng=jax.random.key_data(jax.random.key(seed)))
         step = compiled[fp8]
         losses, mlm_acc, times = [], [], []
-        pretrain_step.log(f"parity run {name}: {n} steps")
+        timing.log(f"parity run {name}: {n} steps")
         with gpu_lock.Lock(args.gpu_lock):
             for b in batches:
                 t0 = time.perf_counter()
@@ -383,8 +383,8 @@ def parity(args, step_args) -> dict:
                 mlm_acc.append(float(metrics["mlm_correct"]) / max(float(metrics["mlm_weight"]), 1e-9))
         result["runs"][name] = {"loss": losses, "mlm_accuracy": mlm_acc, "compile_s": info.get("compile_s"),
                                 "median_step_s": statistics.median(times[5:])}
-        pretrain_step.log(f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-                       f"median step {result['runs'][name]['median_step_s'] * 1e3:.1f} ms")
+        timing.log(f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                f"median step {result['runs'][name]['median_step_s'] * 1e3:.1f} ms")
         del state, runner
     result.update(parity_summary(result["runs"]))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1), file=sys.stderr)

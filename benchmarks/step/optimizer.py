@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 
 from benchmarks.common import variant_timing
-from benchmarks.step import pretrain_step
+from benchmarks.step import builders, pretrain_step
 
 
 def where_guarded_update(state, grads, loss, tx):
@@ -94,8 +94,8 @@ def main(argv=None):
         optim.clip_by_global_norm, steps.apply_guarded_update = clip or ours_clip, guard
         try:
             if args.step:
-                _, runners[name] = pretrain_step.bench_ours(step_args, config, bert_config, mesh, batch_np,
-                                                         init_cache=init_cache)
+                _, runners[name] = builders.bench_ours(step_args, config, bert_config, mesh, batch_np,
+                                                    init_cache=init_cache)
                 continue
             run_config = config.copy_and_resolve_references()
             if clip is None:

@@ -35,12 +35,14 @@ dropout, which the fused kernel does not have.
 adds to the result (and logs) the device time per step by kind and the top kernels
 (`benchmarks.common.trace_summary`); `XLA_FLAGS=--xla_dump_to=... --xla_dump_hlo_as_text` beside it gives the
 optimized HLO that maps the kernels' names to the model's ops.
+
+This module holds the flags, the run's setup and the report; the steps are built in
+`benchmarks.step.builders` and timed with `benchmarks.step.timing`.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -48,15 +50,9 @@ import statistics
 import sys
 import time
 
+from benchmarks.step import builders, timing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-_T0 = time.perf_counter()
-
-
-def log(message: str) -> None:
-    """Progress on stderr (stdout stays one JSON object with --json): where a killed run was."""
-    print(f"[pretrain_step {time.perf_counter() - _T0:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def load_config(path: str):
@@ -149,237 +145,6 @@ def make_batch(rng, batch, seq_len, predictions, vocab, packing):
     return {k: np.asarray(v, np.float32 if k.endswith("weights") else np.int32) for k, v in b.items()}
 
 
-class Runner:
-    """A compiled step with its (donated, so replaced every step) state."""
-
-    def __init__(self, step, state, batch, mesh=None, compiler_options=None):
-        self.step, self.state, self.batch, self.mesh = step, state, batch, mesh
-        self.compiler_options = compiler_options or {}  # XLA options for `compile_runners`
-        self.durations: list = []
-        self.pipelined: list = []  # seconds per step of runs dispatched back to back
-        self.loss = float("nan")
-
-    def _mesh(self):
-        """The mesh and its logical axis rules, as the step was lowered under (if any)."""
-        import contextlib
-        import flax.linen as nn
-        import jax
-        from bert_jax.training import sharding
-
-        ctx = contextlib.ExitStack()
-        if self.mesh is not None:
-            ctx.enter_context(jax.set_mesh(self.mesh))
-            ctx.enter_context(nn.logical_axis_rules(sharding.DEFAULT_RULES))
-        return ctx
-
-    def run(self, steps: int, record: bool = True) -> None:
-        if steps <= 0:  # --warmup=0
-            return
-        import jax
-
-        with self._mesh():
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                self.state, metrics = self.step(self.state, self.batch)
-                jax.block_until_ready(metrics["loss"])
-                if record:
-                    self.durations.append(time.perf_counter() - t0)
-        self.loss = float(metrics["loss"])
-
-    def run_pipelined(self, steps: int) -> None:
-        """`steps` steps dispatched back to back and waited for once, as the training loop runs
-        them (it fetches metrics only at its log steps): the host's dispatch of each step overlaps
-        the device's previous one, which `run`'s per-step wait exposes. Records seconds per step."""
-        import jax
-
-        with self._mesh():
-            jax.block_until_ready(self.state)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                self.state, metrics = self.step(self.state, self.batch)
-            jax.block_until_ready((self.state, metrics))
-            self.pipelined.append((time.perf_counter() - t0) / steps)
-        self.loss = float(metrics["loss"])
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.durations)
-
-
-def measure_matmul_peak(dtype: str, n: int = 0, repeats: int = 7) -> float:
-    """FLOP/s of the best of `repeats` jitted n x n x n matmuls in `dtype` on device 0."""
-    import jax
-    import jax.numpy as jnp
-
-    device = jax.devices()[0]
-    n = n or (2048 if device.platform == "cpu" else 8192)
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.device_put(jax.random.normal(ka, (n, n), jnp.dtype(dtype)), device)
-    b = jax.device_put(jax.random.normal(kb, (n, n), jnp.dtype(dtype)), device)
-    matmul = jax.jit(lambda a, b: a @ b)
-    jax.block_until_ready(matmul(a, b))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(matmul(a, b))
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n ** 3 / best
-
-
-def initial_fp8_state(abstract, shardings):
-    """The FP8 scaling state as flax's `Fp8DotGeneralBase` initializes it (scales 1, amax
-    histories 0), without compiling the model's initialization again; None stays None."""
-    import jax
-    import jax.numpy as jnp
-
-    if abstract is None:
-        return None
-    def init(path, x, s):
-        fill = 1.0 if jax.tree_util.keystr(path).endswith("_scale']") else 0.0
-        return jax.device_put(jnp.full(x.shape, fill, x.dtype), s)
-    return jax.tree_util.tree_map_with_path(init, abstract, shardings)
-
-
-def bench_ours(args, config, bert_config, mesh, batch_np, init_cache: dict | None = None,
-               compile: bool = True, compiler_options: dict | None = None):
-    """Compiles our step; returns `({lower_s, compile_s}, Runner)`. Scripts that build several
-    variants of the step pass one `init_cache` dict to every call: the first call keeps a copy of
-    its freshly initialized state there and the others start from copies of it instead of
-    initializing again (BERT-Large's initialization compiles for about a minute on a GPU).
-    `compile=False` stops after lowering: the Runner's `step` is the `Lowered` program, for the
-    caller to compile (`compile_runners` compiles several at once). `compiler_options`: XLA
-    options for this program alone (e.g. `{"xla_gpu_enable_cublaslt": True}`), as `XLA_FLAGS`
-    would set them for the whole process."""
-    import jax
-    import jax.numpy as jnp
-    import flax.linen as nn
-    from bert_jax.pretrain import loop as pretrain, steps
-    from bert_jax.training import sharding
-
-    model, tx, schedule, init_state = pretrain.build(config, bert_config, mesh)
-    cached = (init_cache or {}).get("state")
-    if cached is not None:  # usable if this variant's state has the same structure, shapes and dtypes
-        shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
-        boxed = jax.eval_shape(init_state, jax.random.key(0))
-        fresh = nn.meta.unbox(boxed)
-        # The FP8 scaling state apart: a variant with FP8 takes the others' parameters and moments.
-        cached = cached if shapes(fresh.replace(fp8=None)) == shapes(cached.replace(fp8=None)) else None
-    if cached is not None:
-        log("copying the first variant's initial state")
-        state_shardings = sharding.logical_to_sharding(boxed, mesh)
-        state = jax.tree.map(jnp.copy, cached.replace(fp8=None)).replace(
-            fp8=initial_fp8_state(fresh.fp8, state_shardings.fp8))
-    else:
-        log("initializing the state")
-        state, state_shardings = sharding.sharded_init(init_state, jax.random.key(0), mesh)
-        if init_cache is not None and not init_cache:  # a copy, before the donation consumes the state
-            init_cache.update(state=jax.tree.map(jnp.copy, state), shardings=state_shardings)
-    batch_sharding = sharding.batch_sharding(mesh)
-    step = functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, mesh=mesh)
-    jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=(state_shardings, None), donate_argnums=0)
-    batch = sharding.to_global(batch_np, mesh)
-    # The initialization is dispatched asynchronously: timing the compile while it still runs
-    # would charge it to the compile (on CPU both share the cores; it grows with the depth).
-    jax.block_until_ready((state, batch))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
-        log("lowering our step")
-        t0 = time.perf_counter()
-        lowered = jitted.lower(state, batch)
-        t1 = time.perf_counter()
-        if not compile:
-            log(f"lowered in {t1 - t0:.1f} s")
-            return {"lower_s": t1 - t0}, Runner(lowered, state, batch, mesh, compiler_options)
-        log(f"lowered in {t1 - t0:.1f} s; compiling")
-        compiled = lowered.compile(compiler_options=compiler_options or None)
-        t2 = time.perf_counter()
-        log(f"compiled in {t2 - t1:.1f} s")
-    result = {"lower_s": t1 - t0, "compile_s": t2 - t1}
-    return result, Runner(compiled, state, batch, mesh)
-
-
-def compile_runners(runners: dict, infos: dict) -> None:
-    """Compiles the lowered steps of `runners` (name -> Runner from `bench_ours(..., compile=False)`)
-    in parallel threads (XLA compiles outside Python's lock): the slowest compile instead of their
-    sum. Each `infos[name]["compile_s"]` is that program's own compile, timed while the others
-    compiled beside it (on a GPU, XLA's GEMM autotuning of each then shares the device)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(name):
-        t0 = time.perf_counter()
-        compiled = runners[name].step.compile(compiler_options=runners[name].compiler_options or None)
-        return name, compiled, time.perf_counter() - t0
-
-    log(f"compiling {len(runners)} steps in parallel")
-    with ThreadPoolExecutor(max_workers=len(runners)) as pool:
-        for name, compiled, seconds in pool.map(one, list(runners)):
-            runners[name].step = compiled
-            infos[name]["compile_s"] = seconds
-            log(f"{name}: compiled in {seconds:.1f} s")
-
-
-def bench_hf(args, config, bert_config, batch_np):
-    """transformers' FlaxBertForPreTraining, same optimizer and losses, one device."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    import transformers
-    from bert_jax.pretrain import steps
-    from bert_jax.training import optim
-
-    hf_config = transformers.BertConfig(
-        vocab_size=bert_config.vocab_size, hidden_size=bert_config.hidden_size,
-        num_hidden_layers=bert_config.num_hidden_layers, num_attention_heads=bert_config.num_attention_heads,
-        intermediate_size=bert_config.intermediate_size, hidden_act="gelu",
-        max_position_embeddings=bert_config.max_position_embeddings)
-    model = transformers.FlaxBertForPreTraining(hf_config, dtype=jnp.dtype(args.dtype), seed=0)
-    schedule = optim.learning_rate_schedule(1e-4, 10, 10_000)
-    tx = optim.make_optimizer("adamw", schedule, clip_norm=1.0)
-    state = (model.params, tx.init(model.params), jnp.zeros((), jnp.int32))
-
-    def step(state, batch):
-        params, opt_state, count = state
-
-        def loss_fn(params):
-            out = model(batch["input_ids"], batch["input_mask"], batch["segment_ids"], params=params,
-                        dropout_rng=jax.random.fold_in(jax.random.key(0), count), train=True)
-            logits = jnp.take_along_axis(out.prediction_logits,
-                                         batch["masked_lm_positions"][..., None], axis=1)
-            nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["masked_lm_ids"])
-            w = batch["masked_lm_weights"]
-            nsp = optax.softmax_cross_entropy_with_integer_labels(
-                out.seq_relationship_logits.astype(jnp.float32), batch["next_sentence_labels"][:, 0])
-            return jnp.sum(nll * w) / (jnp.sum(w) + 1e-5) + jnp.mean(nsp)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, count + 1), {"loss": loss}
-
-    jitted = jax.jit(step, donate_argnums=0)
-    batch = jax.device_put({k: v for k, v in batch_np.items()})
-    jax.block_until_ready((state, batch))  # as for ours: the initialization is not the compile's
-    log("compiling HF's step")
-    t0 = time.perf_counter()
-    compiled = jitted.lower(state, batch).compile()
-    log(f"compiled HF's step in {time.perf_counter() - t0:.1f} s")
-    del steps
-    return {"compile_s": time.perf_counter() - t0}, Runner(compiled, state, batch)
-
-
-def profile(runner, profile_dir: str, steps: int) -> dict:
-    """Traces `steps` more steps of `runner`; the device time by kind and the top kernels, per step."""
-    import jax
-
-    from benchmarks.common import trace_summary
-
-    log(f"tracing {steps} step(s) into {profile_dir}")
-    with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-        runner.run(steps, record=False)
-    summary = trace_summary.summarize_dir(profile_dir, steps, top=25)
-    log(trace_summary.format_summary(summary))
-    return summary
-
-
 def setup(args):
     """The run's config, model config, one-axis data mesh and host batch, from the flags."""
     import jax
@@ -417,7 +182,7 @@ def setup(args):
 def hf_alone(args) -> dict:
     """`--hf_only`: HF's step timed alone (warm-up, then `--rounds` x `--steps`), printed as JSON."""
     config, bert_config, _, batch_np, _ = setup(args)
-    hf, runner = bench_hf(args, config, bert_config, batch_np)
+    hf, runner = builders.bench_hf(args, config, bert_config, batch_np)
     lock = None
     if args.hf_gpu_lock:
         import fcntl
@@ -445,7 +210,7 @@ def hf_in_its_own_process(argv: list) -> dict:
 
     drop = ("--hf", "--hf_process", "--json", "--measure_peak", "--host_memory", "--profile_dir")
     flags = [a for a in argv if a.split("=")[0] not in drop]
-    log("timing HF's step in a process of its own")
+    timing.log("timing HF's step in a process of its own")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.step.pretrain_step", *flags, "--hf_only",
                            "--host_memory=false"], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
@@ -458,7 +223,7 @@ def main(argv=None):
     args = parse_args(argv)
     from bert_jax.training import host_memory  # before JAX starts its threads, as bert_jax.main
     memory = host_memory.configure(args.host_memory)
-    log(f"host memory: {memory}")
+    timing.log(f"host memory: {memory}")
     if args.hf_only:
         return hf_alone(args)
     import jax
@@ -476,8 +241,8 @@ def main(argv=None):
     peak = run_setup.peak_flops_per_device()
     if peak and args.dtype == "float32" and device.platform == "gpu":
         peak = None  # the table holds bf16 peaks; fp32 MFU on GPU needs --peak_tflops or --measure_peak
-    log(f"{jax.device_count()} x {device.device_kind}; setting up")
-    measured_peak = measure_matmul_peak(args.dtype) if args.measure_peak else None
+    timing.log(f"{jax.device_count()} x {device.device_kind}; setting up")
+    measured_peak = timing.measure_matmul_peak(args.dtype) if args.measure_peak else None
     peak = args.peak_tflops * 1e12 or measured_peak or peak
     result = {
         "date": time.strftime("%Y-%m-%d"), "device": device.device_kind, "platform": device.platform,
@@ -495,17 +260,17 @@ def main(argv=None):
     result["sparse_last_layer"] = queries is not None
     if measured_peak:
         result["matmul_peak_tflops"] = measured_peak / 1e12
-    ours, runner = bench_ours(args, config, bert_config, mesh, batch_np)
+    ours, runner = builders.bench_ours(args, config, bert_config, mesh, batch_np)
     result.update(ours)
     tokens = int(batch_np["input_mask"].sum())
     sequences = args.batch * (3 if args.packing else 1)
     if not args.compile_only:
         hf_runner = None
         if args.hf:
-            hf, hf_runner = bench_hf(args, config, bert_config, batch_np)
+            hf, hf_runner = builders.bench_hf(args, config, bert_config, batch_np)
             result["hf_compile_s"] = hf["compile_s"]
         # Rounds alternate ours and HF so that both see the same machine load.
-        log(f"{args.warmup} warm-up step(s)")
+        timing.log(f"{args.warmup} warm-up step(s)")
         runner.run(args.warmup, record=False)
         if hf_runner:
             hf_runner.run(args.warmup, record=False)
@@ -513,13 +278,13 @@ def main(argv=None):
         for r in range(args.rounds):
             if args.hf_process and r == (args.rounds + 1) // 2:
                 hf_alone_result = hf_in_its_own_process(argv)
-            log(f"timing round {r + 1} of {args.rounds}: {args.steps} step(s)")
+            timing.log(f"timing round {r + 1} of {args.rounds}: {args.steps} step(s)")
             runner.run(args.steps)
             if hf_runner:
                 hf_runner.run(args.steps)
         if args.hf_process and hf_alone_result is None:  # one round: HF's after ours
             hf_alone_result = hf_in_its_own_process(argv)
-        log(f"done: median step {runner.median * 1e3:.1f} ms")
+        timing.log(f"done: median step {runner.median * 1e3:.1f} ms")
         ours["step_s"] = result["step_s"] = runner.median
         result["loss"] = runner.loss
         flops = steps.train_flops_per_sequence(bert_config, args.seq_len, predictions) * args.batch
@@ -546,7 +311,7 @@ def main(argv=None):
             if measured_peak:
                 result["hf_matmul_bound_share"] = hf_executed / measured_peak / hf_step
         if args.profile_dir:
-            result["profile"] = profile(runner, args.profile_dir, args.profile_steps)
+            result["profile"] = timing.profile(runner, args.profile_dir, args.profile_steps)
     if args.json:
         print(json.dumps(result))
         return result

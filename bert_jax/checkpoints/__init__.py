@@ -2,7 +2,9 @@
 on disk, reading, integrity manifests, preemption and the save deadline (docs/architecture.md,
 docs/reliability.md). Nothing here imports the training loops.
 
-  checkpointer          `Checkpointer`: the orbax manager; async saves, keep-K, auto-resume
+  checkpointer          `Checkpointer`: async saves, keep-K, auto-resume, moving diverged steps aside
+  orbax_manager         the orbax `CheckpointManager` as configured: options, handlers, its save timeout
+  restorer              one restore of a step: verified, read within its deadline, one outcome on all hosts
   step_dirs             a step's layout on disk, its errors, verifying it, moving a damaged one aside
   saved_state           pytree keys, restore targets, one host's read of a step, read-only access
   integrity             the manifest of what a step wrote, and whether it is still that

@@ -3,12 +3,13 @@
 This module owns everything a training loop needs to survive being stopped: when to save, what a
 step on disk contains, which steps are kept, how a step is restored onto any mesh, and how a
 SIGTERM (single process) or the multi-host preemption sync point turns into "save now and stop".
-It wraps one orbax `CheckpointManager`; there is no hand-written checkpoint format. `Checkpointer`
-saves, keeps K, restores and resumes, and composes the other modules of bert_jax/checkpoints/ (the
-package docstring lists them): `input_state` (each host's input-pipeline state beside a step),
-`HostAgreement` and `IntactSteps` (the hosts' agreement on every verdict, and the step a resume
-uses), `StepReader` (one host's read of a step), `Preemption` and `Deadline` (one on saves, one on
-restores).
+It wraps one orbax `CheckpointManager` (`orbax_manager.make_manager`: its options and orbax's own save
+timeout); there is no hand-written checkpoint format. `Checkpointer` saves, keeps K, restores and
+resumes, and composes the other modules of bert_jax/checkpoints/ (the package docstring lists them):
+`input_state` (each host's input-pipeline state beside a step), `HostAgreement` and `IntactSteps`
+(the hosts' agreement on every verdict, and the step a resume uses), `Restorer` (one restore of a
+step: verified, read through `StepReader` within the restore deadline, one outcome on every host),
+`Preemption` and `Deadline` (the save deadline).
 
 Integrity: every step carries a manifest written before orbax commits it, and is checked against
 it before anything of it is read, with one verdict for all hosts (intact_steps.py); a damaged
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from typing import Any, Callable, Optional
 
@@ -59,35 +59,20 @@ import orbax.checkpoint as ocp
 from bert_jax.checkpoints import input_state, integrity
 from bert_jax.checkpoints.host_agreement import HostAgreement
 from bert_jax.checkpoints.intact_steps import IntactSteps
+from bert_jax.checkpoints.orbax_manager import make_manager
 from bert_jax.checkpoints.preemption import Preemption
+from bert_jax.checkpoints.restorer import Restorer
 from bert_jax.checkpoints.save_deadline import Deadline
-from bert_jax.checkpoints.saved_state import StepReader, flat, is_typed_key, listed, to_abstract
+from bert_jax.checkpoints.saved_state import flat, is_typed_key, listed
 from bert_jax.checkpoints.step_dirs import (DIVERGED, FORMAT_VERSION, INFO, META, ON_DAMAGED, STATE,
                                             CheckpointCorruptError, CheckpointRestoreError, CheckpointSaveError,
-                                            committing_dir, corrupt_error, input_dir, is_read_failure,
-                                            move_aside, read_error, remove_uncommitted)
+                                            committing_dir, input_dir, move_aside, remove_uncommitted)
 from data_pipeline.storage import paths as storage_paths
 
 PyTree = Any
 
 # The names it imports are for its own use: import each from the module that defines it.
-__all__ = ["Checkpointer", "orbax_timeout_s"]
-
-# orbax gives each async save its own time (`AsyncOptions.timeout_secs`, 1200 s in orbax 0.12.8), after which
-# its background thread fails the save with a TimeoutError. Ours (`Deadline`) must fire first, with its
-# clearer message and exit code: orbax gets the save deadline plus this margin (its clock starts a little
-# later, in its thread), or a week when the save has no deadline.
-ORBAX_TIMEOUT_MARGIN_S = 300
-ORBAX_TIMEOUT_WITHOUT_DEADLINE_S = 7 * 24 * 3600  # as milliseconds (orbax's barriers), well within an int32
-
-
-def orbax_timeout_s(save_timeout_s: Optional[float]) -> int:
-    """orbax's `AsyncOptions.timeout_secs` for a save deadline of `save_timeout_s` (None or <= 0: none):
-    never shorter than the deadline plus `ORBAX_TIMEOUT_MARGIN_S`, nor than orbax's own default."""
-    default = ocp.AsyncOptions().timeout_secs
-    if not save_timeout_s or save_timeout_s <= 0:
-        return max(default, ORBAX_TIMEOUT_WITHOUT_DEADLINE_S)
-    return max(default, math.ceil(save_timeout_s) + ORBAX_TIMEOUT_MARGIN_S)
+__all__ = ["Checkpointer"]
 
 
 class Checkpointer:
@@ -112,7 +97,7 @@ class Checkpointer:
             step to fall back to, both raise and move nothing.
         save_timeout_s: each save's limit from its start to its commit; past it the process
             ends with a message naming the step (`bert_jax.checkpoints.save_deadline`). None: no limit.
-            orbax's own timeout is set past it (`orbax_timeout_s`).
+            orbax's own timeout is set past it (`orbax_manager.orbax_timeout_s`).
         restore_timeout_s: each `restore` (and so each step `restore_latest` tries)'s limit for
             verifying and reading the step; past it the process ends the same way. None: no limit.
     """
@@ -143,42 +128,11 @@ class Checkpointer:
         self._saving_step: Optional[int] = None  # the step `_write_manifest` runs for
         self._hosts = HostAgreement(self._directory, self._process_index, self._process_count)
         self._steps = IntactSteps(self._directory, on_damaged, self._hosts, self._process_index)
-        options = ocp.CheckpointManagerOptions(
-            # `max_to_keep` is deprecated in favour of a preservation policy.
-            preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
-            # Always orbax's async path (a synchronous save waits right after starting it): only it
-            # has the post-finalization hook where the integrity manifest is written.
-            enable_async_checkpointing=True,
-            # Synchronous directory creation: a folder that cannot be created (read-only or
-            # missing workdir) then raises from `save` itself. Created asynchronously, the
-            # failure left orbax's other background threads waiting ~300 s for a signal that
-            # never came, which delayed the process exit by as much.
-            # The hook runs on the primary process once every process's data is written and the
-            # items are finalized, before the rename that commits the step: the manifest is part
-            # of the commit, and covers the files of all hosts.
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
-                                           post_finalization_callback=self._write_manifest,
-                                           timeout_secs=orbax_timeout_s(save_timeout_s)),
-            # A kill -9 mid-save leaves `<step>.orbax-checkpoint-tmp`; it is never a step, and
-            # this removes it at startup. On Cloud Storage orbax would take every folder without
-            # a commit marker for such a leftover, `input_state/` and `damaged/` included:
-            # `_remove_uncommitted_steps` removes only uncommitted step folders there.
-            cleanup_tmp_directories=not storage_paths.is_remote(self._directory),
-            create=True,
-        )
-        self._mngr = ocp.CheckpointManager(
-            self._directory,
-            options=options,
-            item_handlers={
-                STATE: ocp.StandardCheckpointHandler(),
-                META: ocp.JsonCheckpointHandler(),
-                INFO: ocp.JsonCheckpointHandler(),
-            },
-        )
+        # The integrity manifest is written in orbax's post-finalization hook, part of the commit.
+        self._mngr = make_manager(self._directory, max_to_keep=max_to_keep, save_timeout_s=save_timeout_s,
+                                  on_finalized=self._write_manifest)
         self._deadline = Deadline(save_timeout_s, self._directory, self._mngr.is_saving_in_progress)
-        self._restore_deadline = Deadline(restore_timeout_s, self._directory, kind="restore")
-        # Restores read through this, not the manager (whose handlers are for saving).
-        self._reader = StepReader(self._directory)
+        self._restorer = Restorer(self._directory, self._steps, self._hosts, restore_timeout_s)
         self._pending_step: Optional[int] = None  # a save started by us, not yet known finished
         self._error: Optional[CheckpointSaveError] = None
         self._closed = False
@@ -362,9 +316,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._deadline.close()
-            self._restore_deadline.close()
             self._preemption.close()
-            self._reader.close()
+            self._restorer.close()
             try:
                 self._mngr.close()
             except Exception as e:  # pylint: disable=broad-except
@@ -439,32 +392,8 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"step {step} is not a committed checkpoint in {self._directory} (have {steps})"
             )
-        target = to_abstract(abstract_state)
-        # Verifying (with the hosts' verdict on it) and reading: a store that stops answering ends
-        # the run within the deadline (tensorstore's reads wait as long as the store does). The
-        # hosts' agreement on the outcome has its own bound (host_agreement.AGREEMENT_TIMEOUT_S).
-        self._restore_deadline.arm(step)
-        try:
-            # Verify before use: nothing of a damaged step is read.
-            damage = self._steps.damage(step)
-            if damage is not None:
-                intact = next((s for s in reversed(steps) if s < step and self._steps.damage(s) is None), None)
-                raise corrupt_error(self._directory, step, damage, intact)
-            failure: Optional[CheckpointRestoreError] = None
-            try:
-                state, meta = self._reader.read(step, target, check_input_state)
-            except CheckpointRestoreError as e:  # a wrong target, missing input state, or unreadable
-                failure = e
-            except Exception as e:  # pylint: disable=broad-except
-                if not is_read_failure(e):
-                    raise
-                failure = read_error(step, self._directory, e)
-        finally:
-            self._restore_deadline.disarm()
-        failure = self._hosts.failure(step, failure)
-        if failure is not None:
-            raise failure
-        return state, meta
+        # Verified, read within the restore deadline, one outcome on every host (restorer.py).
+        return self._restorer.restore(abstract_state, step, steps, check_input_state)
 
     def restore_latest(
         self, abstract_state: PyTree, *, check_input_state: bool = True
@@ -518,7 +447,7 @@ class Checkpointer:
 
     def input_state_process_count(self, step: int) -> Optional[int]:
         """How many processes saved `step`'s input state (None: saved without any)."""
-        return self._reader.info(step).get("input_state_process_count")
+        return self._restorer.reader.info(step).get("input_state_process_count")
 
     # --- internals ------------------------------------------------------------------------------
 

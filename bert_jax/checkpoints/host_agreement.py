@@ -7,9 +7,9 @@ same error, so they all fall back to the same step; no host resumes alone and no
 skip). Each exchange names the step it is about, and a host that is sent another step's finding
 raises `CheckpointRestoreError` naming both steps rather than combine them.
 
-`HostAgreement` only exchanges and combines findings; `checkpointer.Checkpointer` makes them
-(verifying, reading) and acts on the combined one. One process: every exchange is the host's own
-finding, and nothing is sent.
+`HostAgreement` only exchanges and combines findings; `restorer.Restorer` (a restore) and
+`checkpointer.Checkpointer` make them (verifying, reading) and act on the combined one. One
+process: every exchange is the host's own finding, and nothing is sent.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 What a restore needs before orbax reads anything: the state's leaves by '/'-joined key path
 (`flat`, the names orbax uses), a validated abstract target with a sharding on every leaf
 (`to_abstract`), and a comparison with the saved metadata that names every key whose presence, shape
-or dtype differs (`check_against_metadata`). `checkpointer.Checkpointer.restore` uses them, through
-`StepReader` (one host's read of a verified step), and so do the read-only helpers here for
-evaluation and export: `restore_part` (some fields of a saved state, e.g. the parameters alone),
+or dtype differs (`check_against_metadata`). `restorer.Restorer.restore` (under `Checkpointer.restore`)
+uses them, through `StepReader` (one host's read of a verified step), and so do the read-only
+helpers here for evaluation and export: `restore_part` (some fields of a saved state, e.g. the parameters alone),
 `saved_keys` and `newest_intact_step`. None of these creates, cleans, moves or deletes anything in
 the directory, so a training run may still be writing there.
 """

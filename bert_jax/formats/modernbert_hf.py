@@ -5,6 +5,11 @@ transformers' names (`model.layers.3.attn.Wqkv.weight`, `[out, in]` weights) map
 decoder's weight is the token embedding (transformers drops `decoder.weight` when it saves: tied),
 its bias is `decoder.bias`. What `write` produces `transformers.AutoModelForMaskedLM` loads as
 `ModernBertForMaskedLM` (tests/model/test_modernbert.py).
+
+A ModernBERT pretraining workdir (`config.model_family="modernbert"`) holds `modernbert_config.json`
+(`workdir_config_json`: this `config.json` and, under "bert_jax", the fields transformers has no key
+for) beside its orbax `checkpoints/`; `load_workdir` reads its newest intact step's parameters, which
+`bert_jax.convert --output_format=hf` writes with `save`.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ import safetensors.numpy
 
 from bert_jax.model.modernbert import TASK_CLASSES, ModernBertConfig
 from data_pipeline import storage
+from data_pipeline.storage import paths as storage_paths
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+# ModernBertConfig's fields transformers' config.json has no key for (a workdir keeps them under "bert_jax").
+OWN_FIELDS = ("dtype", "attention_impl", "local_blocks")
 
 
 def names(config: ModernBertConfig, kind: Optional[str] = None) -> list[tuple[str, tuple, bool]]:
@@ -139,3 +147,42 @@ def save(directory: str, config: ModernBertConfig, params: dict, task: Optional[
     storage.write_bytes(os.path.join(directory, WEIGHTS),
                         safetensors.numpy.save(to_hf(params, config, kind), metadata={"format": "pt"}))
     storage.write_text(os.path.join(directory, CONFIG), json.dumps(d, indent=2, sort_keys=True))
+
+
+def workdir_config_json(config: ModernBertConfig) -> bytes:
+    """A pretraining workdir's `modernbert_config.json`: transformers' `config.json` + `{"bert_jax": OWN_FIELDS}`."""
+    d = dict(config.to_hf_dict(), bert_jax={k: getattr(config, k) for k in OWN_FIELDS})
+    return json.dumps(d, indent=2, sort_keys=True).encode()
+
+
+def is_workdir(directory: str) -> bool:
+    from bert_jax import layout
+    return storage.isfile(os.path.join(directory, layout.MODERNBERT_CONFIG))
+
+
+def load_workdir(directory: str) -> tuple[ModernBertConfig, dict, int]:
+    """(config, params, step) of a ModernBERT pretraining workdir: its newest intact checkpoint's parameters."""
+    import orbax.checkpoint as ocp
+
+    from bert_jax import layout
+    from bert_jax.checkpoints import saved_state
+    d = json.loads(storage.read_text(os.path.join(directory, layout.MODERNBERT_CONFIG)))
+    config = ModernBertConfig.from_hf_dict(d, **d.get("bert_jax", {}))
+    ckpt_dir = storage_paths.join(directory, layout.CHECKPOINTS)
+    steps = sorted(int(x) for x in storage.listdir(ckpt_dir) if x.isdigit()
+                   and storage.isdir(storage_paths.join(ckpt_dir, x, "state"))) if storage.isdir(ckpt_dir) else []
+    step = saved_state.newest_intact_step(ckpt_dir, steps)
+    if step is None:
+        raise FileNotFoundError(f"{directory}: no committed checkpoints/<step>/state to export")
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.restore(storage_paths.abspath(storage_paths.join(ckpt_dir, str(step), "state")))
+    params = jax_free(tree["params"])
+    from_hf(to_hf(params, config), config, where=f"{ckpt_dir}/{step}")  # every tensor present, none extra
+    return config, params, step
+
+
+def jax_free(tree):
+    """Nested dicts of numpy float32 arrays."""
+    if isinstance(tree, dict):
+        return {k: jax_free(v) for k, v in tree.items()}
+    return np.asarray(tree, np.float32)

@@ -91,6 +91,9 @@ def make_train_input(config, phase: Phase, special_ids: Optional[dict],
     what checking the files took; with `workdir`, keeps their hashes there too (module docstring)."""
     from data_pipeline.input import masking, pretraining as input_pipeline
 
+    if not 0.0 < config.get("masked_lm_prob", 0.15) < 1.0:
+        raise ValueError(f"config.masked_lm_prob={config.masked_lm_prob} must be in (0, 1): the share of real "
+                         "tokens dynamic masking predicts")
     # Which ids are `##` pieces: whole-word dynamic masking (asked, or as the records were made).
     subword = (masking.subword_table(config.vocab_file)
                if config.dynamic_masking and config.vocab_file else None)
@@ -111,6 +114,7 @@ def make_train_input(config, phase: Phase, special_ids: Optional[dict],
             shuffle_buffer_size=config.shuffle_buffer_size,
             dynamic_masking=config.dynamic_masking,
             special_ids=special_ids,
+            masked_lm_prob=config.get("masked_lm_prob", 0.15),
             whole_word_mask=config.get("dynamic_whole_word_mask"),
             subword=subword,
             packing=config.packing,

@@ -44,10 +44,10 @@ import ml_collections
 
 from bert_jax import exit_codes, layout, versions
 from bert_jax.checkpoints import checkpointer, step_dirs
-from bert_jax.model import layers, modeling
+from bert_jax.model import layers
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
-from bert_jax.pretrain import divergence, rollback, startup_checks, steps
+from bert_jax.pretrain import divergence, model_family, rollback, startup_checks, steps
 from bert_jax.pretrain.feed import make_eval_input, make_train_input, run_eval
 from bert_jax.pretrain.phases import resolve_phases
 from bert_jax.training import optim, run_setup, sharding, train_state
@@ -73,8 +73,8 @@ def blocks_every_step(backend: str, process_count: int) -> bool:
 
 
 def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
-    """Model, optimizer, schedule and a sharded-init function for the train state."""
-    model = BertForPreTraining(bert_config)
+    """Model, optimizer, schedule and a sharded-init function for the train state (of either family)."""
+    model = model_family.pretraining_model(bert_config)
     schedule = optim.learning_rate_schedule(
         config.learning_rate, config.warmup_steps, config.num_train_steps,
         power=config.lr_decay_power, google_style=config.google_lr_schedule,
@@ -85,7 +85,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
 
     def init_state(rng):
         params_rng, dropout_rng = jax.random.split(rng)
-        variables = model.init(params_rng, **modeling.dummy_inputs(bert_config))
+        variables = model.init(params_rng, **model_family.dummy_inputs(bert_config))
         return train_state.create_train_state(variables["params"], tx, dropout_rng,
                                         fp8=variables.get(layers.FP8_COLLECTION))
 
@@ -136,7 +136,8 @@ class _Pretraining:
         self.config, self.workdir = config, workdir
         run_setup.use_prng_impl(config)
         startup_checks.check_same_config_on_all_hosts(config)
-        self.bert_config = bert_config = run_setup.bert_config_from(config, workdir=workdir)
+        self.bert_config = bert_config = run_setup.model_config_from(config, workdir=workdir)
+        model_family.check(config, bert_config)
         self.phases = resolve_phases(config)
         startup_checks.check_sequence_lengths(config, bert_config, self.phases)
         self.mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
@@ -246,7 +247,7 @@ class _Pretraining:
             self.p_train = jax.jit(train_step, in_shardings=(self.state_shardings, batch_sharding),
                                    out_shardings=(self.state_shardings, None), donate_argnums=0)
             # Evaluation runs the weights in the compute dtype: FP8 is how the training step multiplies.
-            eval_model = BertForPreTraining(self.bert_config.replace(fp8=False))
+            eval_model = model_family.eval_model(self.bert_config)
             self.p_eval = jax.jit(functools.partial(steps.eval_step, model=eval_model, objective=config.objective),
                                   in_shardings=(self.state_shardings.params, batch_sharding))
             self.peak = run_setup.peak_flops_per_device()
@@ -271,7 +272,8 @@ class _Pretraining:
     def _train_phase(self, phase_index: int, phase) -> bool:
         """Trains `phase` to its end; True when the run stopped (SIGTERM, preemption) inside it."""
         config, ckpt = self.config, self.ckpt
-        flops = steps.train_flops_per_sequence(self.bert_config, phase.max_seq_length, phase.max_predictions_per_seq)
+        flops = model_family.train_flops_per_sequence(self.bert_config, phase.max_seq_length,
+                                                      phase.max_predictions_per_seq)
         phase_step = None  # the phase's compiled step (`compile_step`), at its first batch
         window = _Window(self.step)
         from tqdm import tqdm
@@ -493,6 +495,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         raise ValueError("config.init_checkpoint is empty: give the checkpoint to evaluate")
     if not config.eval_data:
         raise ValueError("config.eval_data is empty: give the evaluation TFRecords (glob)")
+    model_family.check_evaluate(config)
     jax.config.update("jax_threefry_partitionable", True)
     bert_config = run_setup.bert_config_from(config)
     mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())

@@ -6,10 +6,12 @@ that names the field and the fix, rather than as a trace error, a silent clamp, 
 
 - `check_same_config_on_all_hosts`: every host resolved the same config (else all hosts exit,
   naming the keys that differ);
-- `check_sequence_lengths`: each phase's length fits the position table and is the records' length;
+- `check_sequence_lengths`: each phase's length fits the position table and is the records' length
+  (and `check_data_vocab_size`: a tokenizer.json's records fit the embedding table);
 - `check_mesh`: the batch, gradient accumulation and the model divide over the mesh;
 - `special_token_ids`, `check_vocab_matches_data`: the vocabulary has the special tokens and is the
-  one the data was made with; `check_token_ids` checks each batch against the embedding table;
+  one the data was made with (records a tokenizer.json made are refused with a vocab.txt: their
+  ids are the file's); `check_token_ids` checks each batch against the embedding table;
 - `report_schedule_change`: a resumed run says when its learning-rate schedule differs from the
   checkpoint's (allowed, but worth a line);
 - `data_casing`: the casing the data was made with, for the workdir's tokenizer config.
@@ -105,7 +107,9 @@ def check_mesh(config, bert_config: BertConfig, mesh) -> None:
 
 def check_sequence_lengths(config: ml_collections.ConfigDict, bert_config: BertConfig, phases: list) -> None:
     """Each phase's length against the position table and against its records, before compiling
-    (else: a trace error without the field, or a tf parse error, at phase 2 hours into a run)."""
+    (else: a trace error without the field, or a tf parse error, at phase 2 hours into a run); and
+    the size of a tokenizer.json its records were made with against the embedding table
+    (`check_data_vocab_size`)."""
     from data_pipeline.records import reader
     for i, phase in enumerate(phases):
         where = f"config.phases[{i}]." if config.phases else "config."
@@ -122,6 +126,7 @@ def check_sequence_lengths(config: ml_collections.ConfigDict, bert_config: BertC
                 f"{where}max_predictions_per_seq={phase.max_predictions_per_seq}: set these to the records' "
                 f"values, or write records at this length (create_pretraining_data --max_seq_length=... "
                 f"--max_predictions_per_seq=...)")
+    check_data_vocab_size(bert_config.vocab_size, [p.train_data for p in phases])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +144,21 @@ def special_token_ids(vocab_file: str) -> Optional[dict]:
     tokenization.require_tokens(vocab, f"config.vocab_file={vocab_file}", ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
     return dict(pad_id=vocab["[PAD]"], cls_id=vocab["[CLS]"], sep_id=vocab["[SEP]"],
                 mask_id=vocab["[MASK]"], vocab_size=max(vocab.values()) + 1)  # ids, not distinct tokens
+
+
+def check_data_vocab_size(vocab_size: int, patterns: Sequence[str]) -> None:
+    """Raises naming config.model.vocab_size when records were made with a tokenizer.json of more ids
+    (their manifest's `tokenizer.vocab_size`): at startup, not at the first batch holding a large id
+    (`check_token_ids`). Records of a vocab.txt record no size and pass."""
+    from data_pipeline.records import reader
+
+    for pattern in patterns:
+        made_by = reader.dataset_info(pattern).get("tokenizer")
+        size = made_by.get("vocab_size") if isinstance(made_by, dict) else None
+        if size and size > vocab_size:
+            raise ValueError(f"config.model.vocab_size={vocab_size}, but {pattern} was made with the tokenizer.json "
+                             f"{made_by.get('file')} of {size} ids (per its dataset_info.json): set "
+                             f"config.model.vocab_size >= {size}")
 
 
 def check_token_ids(batch: dict, vocab_size: int, data: str) -> None:
@@ -169,6 +189,14 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
     digest = None
     for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
         info = reader.dataset_info(pattern)
+        made_by = info.get("tokenizer")
+        if isinstance(made_by, dict) and made_by.get("kind") == "tokenizer.json":
+            raise ValueError(
+                f"config.vocab_file={vocab_file}, but {pattern} was made with the tokenizer.json "
+                f"{made_by.get('file')} (per its dataset_info.json): its ids are that file's "
+                f"({made_by.get('vocab_size')} ids, [MASK] = {(made_by.get('special_ids') or {}).get('mask_id')}), not "
+                "a vocab.txt's. Train on these pre-masked records with config.vocab_file='' and "
+                f"config.dynamic_masking=False, and config.model.vocab_size >= {made_by.get('vocab_size')}")
         want = info.get("vocab_sha256")
         if not want:
             continue

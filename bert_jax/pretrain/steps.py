@@ -83,17 +83,17 @@ def ltr_targets(batch: dict) -> dict:
 
 
 def pretraining_sums(outputs, batch: dict) -> dict:
-    """Sums and weights of the masked-LM and NSP losses and accuracies (float32)."""
+    """Sums and weights of the masked-LM and NSP losses and accuracies (float32); the NSP ones are 0
+    for a model without NSP logits (`nsp_logits` None: ModernBERT, `pretrain/model_family.py`)."""
     mlm_nll, mlm_correct = _nll_and_correct(outputs.mlm_logits, batch["masked_lm_ids"])
     w = batch["masked_lm_weights"].astype(jnp.float32)
+    sums = {"mlm_loss_sum": jnp.sum(mlm_nll * w), "mlm_correct": jnp.sum(mlm_correct * w), "mlm_weight": jnp.sum(w)}
+    if outputs.nsp_logits is None:
+        return dict(sums, **{k: jnp.zeros((), jnp.float32) for k in ("nsp_loss_sum", "nsp_correct", "nsp_weight")})
     labels, nsp_w = nsp_labels_and_weights(batch)
     nsp_nll, nsp_correct = _nll_and_correct(outputs.nsp_logits, labels)
-    return {
-        "mlm_loss_sum": jnp.sum(mlm_nll * w), "mlm_correct": jnp.sum(mlm_correct * w),
-        "mlm_weight": jnp.sum(w),
-        "nsp_loss_sum": jnp.sum(nsp_nll * nsp_w), "nsp_correct": jnp.sum(nsp_correct * nsp_w),
-        "nsp_weight": jnp.sum(nsp_w),
-    }
+    return dict(sums, nsp_loss_sum=jnp.sum(nsp_nll * nsp_w), nsp_correct=jnp.sum(nsp_correct * nsp_w),
+                nsp_weight=jnp.sum(nsp_w))
 
 
 def combine_loss(sums: dict, mlm_total: jax.Array, nsp_total: jax.Array, use_nsp: bool) -> jax.Array:

@@ -1,7 +1,8 @@
 """What a pretraining, fine-tuning, evaluation or prediction run sets up the same way, from its config.
 
-- the model's config (`bert_config_from`): `config.model`, or an init checkpoint's with the run's
-  own settings over it (`RUN_KEYS`, `SETTING_KEYS`; `ARCHITECTURE_KEYS` are the checkpoint's);
+- the model's config (`model_config_from`, by `config.model_family`): BERT's (`bert_config_from`:
+  `config.model`, or an init checkpoint's with the run's own settings over it: `RUN_KEYS`,
+  `SETTING_KEYS`; `ARCHITECTURE_KEYS` are the checkpoint's) or ModernBERT's (`modernbert_config_from`);
 - jax's random-bit generator (`use_prng_impl`, `config.prng_impl`);
 - a checkpoint's parameters, sharded onto the mesh (`load_params`, `init_from_checkpoint`: any
   format `bert_jax.convert` reads, or a bert_jax workdir's train state);
@@ -25,6 +26,7 @@ from bert_jax import layout
 from bert_jax.checkpoints import saved_state
 from bert_jax.model import modeling
 from bert_jax.model.model_config import BertConfig
+from bert_jax.model.modernbert import ModernBertConfig
 from bert_jax.model.pretraining_heads import BertForPreTraining
 from bert_jax.training import chips, cpu_bf16, sharding
 from data_pipeline import storage
@@ -75,6 +77,38 @@ def bert_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable
     changes = {k: model[k] for k in RUN_KEYS if k in model}
     changes.update({k: model[k] for k in SETTING_KEYS if k in given})
     return checkpoint.replace(**changes)
+
+
+MODEL_FAMILIES = ("bert", "modernbert")
+
+
+def model_config_from(config: ml_collections.ConfigDict, given: Optional[Iterable[str]] = None,
+                      workdir: Optional[str] = None):
+    """`config.model` as the model of `config.model_family` takes it: a `BertConfig`
+    (`bert_config_from`) or a `ModernBertConfig` (`modernbert_config_from`)."""
+    family = config.get("model_family", "bert")
+    if family not in MODEL_FAMILIES:
+        raise ValueError(f"config.model_family={family!r}: one of {MODEL_FAMILIES}")
+    if family == "modernbert":
+        return modernbert_config_from(config)
+    return bert_config_from(config, given, workdir)
+
+
+def modernbert_config_from(config: ml_collections.ConfigDict) -> ModernBertConfig:
+    """`config.model` (ModernBertConfig's fields, transformers' names) as a `ModernBertConfig`.
+
+    A key ModernBERT has no field for (BERT's `fp8`, `scan_layers`, ...) is refused naming it;
+    `config.cpu_bf16="on"` is refused (ModernBERT has no mixed-matmul path: "auto" and "off" run it
+    in `config.model.dtype`)."""
+    model = config.model.to_dict()
+    unknown = sorted(set(model) - {f.name for f in dataclasses.fields(ModernBertConfig)})
+    if unknown:
+        raise ValueError(f"config.model.{unknown[0]} (of {unknown}): not a field of ModernBertConfig "
+                         f"(config.model_family='modernbert'; BERT-only options do not apply)")
+    if config.get("cpu_bf16", "auto") == "on":
+        raise ValueError("config.cpu_bf16='on' sets BERT's model.mixed_matmuls, which ModernBERT does not have "
+                         "(config.model_family='modernbert'): set config.cpu_bf16='off'")
+    return ModernBertConfig(**model)
 
 
 PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")

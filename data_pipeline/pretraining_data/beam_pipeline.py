@@ -24,7 +24,7 @@ The pipeline:
     summary = Create([None]) | Map(_write_summary, totals, files, shards)  # a small JSON for the driver
 
 The vocabulary travels inside the shard step (workers elsewhere cannot read the driver's
---vocab_file; nor its --chinese_user_dict, which travels the same way), and one shard at a time
+--vocab_file or --tokenizer_json; nor its --chinese_user_dict, which travels the same way), and one shard at a time
 runs per worker process. With --chinese_whole_word_mask the workers need jieba installed too.
 
 Records go from a shard's worker to its file's worker through files, not through a shuffle: no
@@ -145,10 +145,11 @@ def _load_worker(job: str, opts: Options, num_outputs: int, vocab: bytes, user_d
     if _LOADED is not None and _LOADED[0] == job and worker_options() is _LOADED[1]:
         return
     with tempfile.TemporaryDirectory(prefix="bert-vocab-") as tmp:
-        path = os.path.join(tmp, "vocab.txt")
+        field = "tokenizer_json" if opts.tokenizer_json else "vocab_file"  # a tokenizer.json travels the same way
+        path = os.path.join(tmp, "tokenizer.json" if opts.tokenizer_json else "vocab.txt")
         storage.write_bytes(path, vocab)
         # Read once, into the tokenizer; shard_records reads no file named in the options.
-        worker_opts = dataclasses.replace(opts, vocab_file=path)
+        worker_opts = dataclasses.replace(opts, **{field: path})
         if user_dict is not None:
             dict_path = os.path.join(tmp, "chinese_user_dict.txt")
             storage.write_bytes(dict_path, user_dict)
@@ -164,7 +165,7 @@ class _ProcessShard(beam.DoFn):
         self._opts, self._num_outputs, self._temp_dir = opts, num_outputs, temp_dir
         # The vocabulary travels with the DoFn: workers on other machines cannot read the
         # driver's --vocab_file (dataset_info.json's vocab_sha256 is the driver's file's).
-        self._vocab = storage.read_bytes(opts.vocab_file)
+        self._vocab = storage.read_bytes(opts.vocabulary)  # the vocab.txt or the tokenizer.json
         self._user_dict = storage.read_bytes(opts.chinese_user_dict) if opts.chinese_user_dict else None
         self._counters = {name: Metrics.counter(NAMESPACE, name) for name in COUNTERS if name != "records_written"}
 

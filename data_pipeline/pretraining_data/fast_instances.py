@@ -27,7 +27,7 @@ int32 array of token ids instead of lists of strings:
 - `masked_features`: a batch of instances as the schema's padded arrays: `[CLS] A [SEP] B [SEP]`,
   segment ids, masking. The reference shuffles the candidate positions (every token but
   [CLS]/[SEP]; with whole-word masking a `##` piece, or a token marked as continuing a
-  Chinese word, joins the candidate before it) and takes
+  word (a Chinese word; a tokenizer.json's pre-tokenizer word), joins the candidate before it) and takes
   them in order while they fit `num_to_predict = min(max_predictions_per_seq, max(1,
   round(len * masked_lm_prob)))`, skipping a whole word that would overflow. Without whole-word
   masking that is a uniform random subset of `min(num_to_predict, candidates)` positions
@@ -62,7 +62,7 @@ class ShardTokens:
     doc_first: np.ndarray  # int64 [documents]
     doc_end: np.ndarray  # int64 [documents]
     num_input_documents: int = 0  # documents given, with those that had no tokens
-    continues: Optional[np.ndarray] = None  # bool [tokens]: continues a Chinese word (or None)
+    continues: Optional[np.ndarray] = None  # bool [tokens]: continues a word (Chinese; a tokenizer.json's), or None
 
     @property
     def num_documents(self) -> int:
@@ -228,16 +228,21 @@ class Vocab:
     is_subword: np.ndarray  # bool [max id + 1]: the token starts with "##"
 
     @classmethod
-    def from_dict(cls, vocab: dict) -> "Vocab":
-        tokenization.require_tokens(vocab, "the vocabulary", (tokenization.CLS_TOKEN, tokenization.SEP_TOKEN,
-                                                              tokenization.MASK_TOKEN))
+    def from_dict(cls, vocab: dict, special_tokens: Sequence[str] = (tokenization.CLS_TOKEN, tokenization.SEP_TOKEN,
+                                                                      tokenization.MASK_TOKEN),
+                  subword_prefix: Optional[str] = "##") -> "Vocab":
+        """From a token -> id dict. `special_tokens`: the (cls, sep, mask) tokens (a tokenizer.json names
+        its own); `subword_prefix` None: no token is a continuation piece by its spelling (BPE, whose
+        words come from the tokenizer instead: `ShardTokens.continues`)."""
+        tokenization.require_tokens(vocab, "the vocabulary", special_tokens)
         ids = np.fromiter(vocab.values(), np.int32, len(vocab))
         is_subword = np.zeros(int(ids.max()) + 1, bool)
-        for token, index in vocab.items():
-            if token.startswith("##"):
-                is_subword[index] = True
-        return cls(vocab[tokenization.CLS_TOKEN], vocab[tokenization.SEP_TOKEN], vocab[tokenization.MASK_TOKEN], ids,
-                   is_subword)
+        if subword_prefix:
+            for token, index in vocab.items():
+                if token.startswith(subword_prefix):
+                    is_subword[index] = True
+        cls_token, sep_token, mask_token = special_tokens
+        return cls(vocab[cls_token], vocab[sep_token], vocab[mask_token], ids, is_subword)
 
 
 def masked_features(ids: np.ndarray, pairs: Pairs, vocab: Vocab, *, max_seq_length: int,

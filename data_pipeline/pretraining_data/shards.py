@@ -1,11 +1,12 @@
 """One shard of `create_pretraining_data`'s fast mode, shared by its local and Beam runners.
 
 What a shard needs and makes, and how shards add up: the `Options` (Google's flags), the
-per-process worker state (`init_worker`: the `FastTokenizer` and vocabulary, and with
-`--chinese_whole_word_mask` the word segmenter, loaded once per process), `shard_records` (an input shard -> framed TFRecord bytes per output bucket + statistics,
+per-process worker state (`init_worker`: the `FastTokenizer` and vocabulary, or with
+`--tokenizer_json` the `HFTokenizer` and its words; with `--chinese_whole_word_mask` the word
+segmenter; loaded once per process), `shard_records` (an input shard -> framed TFRecord bytes per output bucket + statistics,
 a function of (seed, shard) only through `shard_rng`), `output_index` (which output file a shard's
 bucket goes to: the reference's round-robin), `ShardTotals` and `run_info` (the statistics
-the run's manifest reports), `check_output_dir_free` (what a run may write into a folder that
+the run's manifest reports; `tokenizer_record`: a tokenizer.json's), `check_output_dir_free` (what a run may write into a folder that
 other runs' records are in).
 
 `create_pretraining_data` (the CLI and local process pool) and `beam_pipeline` (the Beam runner)
@@ -25,12 +26,12 @@ from data_pipeline import storage, tokenization
 from data_pipeline.pretraining_data import chinese_words, corpora, fast_instances, instances as inst
 from data_pipeline.records import manifests, schema, tfrecord
 from data_pipeline.storage import paths as storage_paths
-from data_pipeline.tokenization import fast as fast_tokenization
+from data_pipeline.tokenization import fast as fast_tokenization, hf_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    vocab_file: str
+    vocab_file: Optional[str]  # WordPiece vocab.txt (or a SentencePiece .model); None with tokenizer_json
     do_lower_case: bool = True
     do_whole_word_mask: bool = False
     max_seq_length: int = 128
@@ -41,6 +42,12 @@ class Options:
     short_seq_prob: float = 0.1
     chinese_whole_word_mask: bool = False  # whole words are a segmenter's (jieba) Chinese words too
     chinese_user_dict: Optional[str] = None  # the segmenter's user dictionary
+    tokenizer_json: Optional[str] = None  # a HuggingFace tokenizer.json instead of vocab_file (hf_tokenizer.py)
+
+    @property
+    def vocabulary(self) -> str:
+        """The file the ids come from: the tokenizer.json or the vocab.txt (its sha256 is the manifest's)."""
+        return self.tokenizer_json or self.vocab_file
 
     def validate(self) -> None:
         if self.max_seq_length < 5:
@@ -53,10 +60,16 @@ class Options:
             raise ValueError(f"--short_seq_prob={self.short_seq_prob} must be in [0, 1]")
         if self.dupe_factor < 1:
             raise ValueError(f"--dupe_factor={self.dupe_factor} must be >= 1")
-        if not storage.exists(storage_paths.check(self.vocab_file, "--vocab_file")):
-            raise FileNotFoundError(f"--vocab_file={self.vocab_file}: not found")
-        tokenization.require_tokens(tokenization.load_vocab(self.vocab_file), f"--vocab_file={self.vocab_file}",
-                                    (tokenization.CLS_TOKEN, tokenization.SEP_TOKEN, tokenization.MASK_TOKEN))
+        if bool(self.vocab_file) == bool(self.tokenizer_json):
+            raise ValueError(f"--vocab_file={self.vocab_file} and --tokenizer_json={self.tokenizer_json}: give "
+                             "exactly one (a WordPiece vocab.txt, or a HuggingFace tokenizer.json)")
+        if self.tokenizer_json:
+            self._validate_tokenizer_json()
+        else:
+            if not storage.exists(storage_paths.check(self.vocab_file, "--vocab_file")):
+                raise FileNotFoundError(f"--vocab_file={self.vocab_file}: not found")
+            tokenization.require_tokens(tokenization.load_vocab(self.vocab_file), f"--vocab_file={self.vocab_file}",
+                                        (tokenization.CLS_TOKEN, tokenization.SEP_TOKEN, tokenization.MASK_TOKEN))
         if self.chinese_whole_word_mask and not self.do_whole_word_mask:
             raise ValueError("--chinese_whole_word_mask chooses the words of whole-word masking: it needs "
                              "--do_whole_word_mask too")
@@ -66,6 +79,15 @@ class Options:
             chinese_words.segmenter_version()  # jieba installed?
             if self.chinese_user_dict:
                 chinese_words.read_user_dict(self.chinese_user_dict)  # missing or malformed: named now
+
+    def _validate_tokenizer_json(self) -> None:
+        name = f"--tokenizer_json={self.tokenizer_json}"
+        if not storage.exists(storage_paths.check(self.tokenizer_json, "--tokenizer_json")):
+            raise FileNotFoundError(f"{name}: not found")
+        if self.chinese_whole_word_mask:
+            raise ValueError(f"{name}: --chinese_whole_word_mask aligns jieba's words with WordPiece tokens; "
+                             "with a tokenizer.json, --do_whole_word_mask uses its pre-tokenizer's words")
+        hf_tokenizer.HFTokenizer(self.tokenizer_json)  # unreadable, or no [CLS]/[SEP]/[MASK]: named now
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,11 +101,20 @@ BATCH_INSTANCES = 4096  # instances masked, encoded and framed at once (bounds w
 
 def init_worker(opts: Options, num_outputs: int = 1) -> None:
     """Loads what `shard_records` needs into this process (the local pool's workers, Beam's DoFns)."""
-    tok = fast_tokenization.FastTokenizer(opts.vocab_file, do_lower_case=opts.do_lower_case)
+    words = None  # the tokens that continue a word, where the vocabulary's spelling ("##") does not tell
+    if opts.tokenizer_json:
+        tok = hf_tokenizer.HFTokenizer(opts.tokenizer_json)
+        vocab = fast_instances.Vocab.from_dict(tok.vocab, (tok.cls_token, tok.sep_token, tok.mask_token),
+                                               subword_prefix=None)
+        words = tok.word_continuations if opts.do_whole_word_mask else None
+    else:
+        tok = fast_tokenization.FastTokenizer(opts.vocab_file, do_lower_case=opts.do_lower_case)
+        vocab = fast_instances.Vocab.from_dict(tok.vocab)
     segmenter = (chinese_words.ChineseWordSegmenter(opts.chinese_user_dict) if opts.chinese_whole_word_mask
                  else None)
-    _WORKER.update(opts=opts, tok=tok, vocab=fast_instances.Vocab.from_dict(tok.vocab), num_outputs=num_outputs,
-                   segmenter=segmenter)
+    if segmenter:
+        words = _word_continuations(segmenter, tok)
+    _WORKER.update(opts=opts, tok=tok, vocab=vocab, num_outputs=num_outputs, words=words)
 
 
 def _word_continuations(segmenter: "chinese_words.ChineseWordSegmenter", tok: fast_tokenization.FastTokenizer):
@@ -135,9 +166,7 @@ def shard_records(task) -> tuple:
         _, name, split, key, data_dir, num_shards, download = source
         docs = corpora.read_tfds_documents(name, split, key, data_dir, shard_index, num_shards, read_stats,
                                            download=download)
-    segmenter = _WORKER["segmenter"]
-    shard = fast_instances.tokenize_shard(
-        docs, tok.encode_batch, word_continuations=_word_continuations(segmenter, tok) if segmenter else None)
+    shard = fast_instances.tokenize_shard(docs, tok.encode_batch, word_continuations=_WORKER["words"])
     read_stats.documents_without_tokens += shard.num_input_documents - shard.num_documents
     read_stats.one_sentence_documents += int(np.sum(shard.doc_end - shard.doc_first == 1))
     rng = shard_rng(opts.random_seed, shard_index)
@@ -265,7 +294,7 @@ def run_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds:
         "flags": flags_used or dataclasses.asdict(opts),
         "random_seed": opts.random_seed,
         "mode": mode,
-        "vocab_sha256": manifests.sha256_file(opts.vocab_file),
+        "vocab_sha256": manifests.sha256_file(opts.vocabulary),
         "max_seq_length": opts.max_seq_length,
         "max_predictions_per_seq": opts.max_predictions_per_seq,
         "compression": compression,
@@ -277,8 +306,21 @@ def run_info(opts: Options, totals: ShardTotals, *, num_instances: int, seconds:
         "peak_rss_mb": {"parent": round(_peak_rss_mb(), 1),
                         "workers": round(totals.worker_rss_mb, 1) if workers_rss else None},
     }
+    if opts.tokenizer_json:
+        # The ids are this file's: a run checks its mask id and size against it (`tokenizer_record`).
+        info["tokenizer"] = tokenizer_record(opts.tokenizer_json)
+        info["flags"] = {**info["flags"], "do_lower_case": None}  # the file's normalizer decides casing
     if opts.chinese_whole_word_mask:
         info["chinese_segmenter"] = {
             "name": "jieba", "version": chinese_words.segmenter_version(), "hmm": chinese_words.HMM,
             "user_dict_sha256": manifests.sha256_file(opts.chinese_user_dict) if opts.chinese_user_dict else None}
     return info
+
+
+def tokenizer_record(path: str) -> dict:
+    """What a run's manifest records of the tokenizer.json that made its records: the file, its sha256,
+    its size in ids and its special tokens' ids (`dataset_info.json`'s `tokenizer`)."""
+    tok = hf_tokenizer.HFTokenizer(path)
+    return {"kind": "tokenizer.json", "file": path, "sha256": manifests.sha256_file(path),
+            "vocab_size": tok.vocab_size, "special_ids": tok.special_ids(),
+            "special_tokens": {role: getattr(tok, f"{role}_token") for role in hf_tokenizer.ROLE_NAMES}}

@@ -8,6 +8,8 @@ the rest of the stage lives beside it, each name imported from its own module:
   once warm (the batch path of data preparation and fine-tuning).
 * `sentencepiece_tokenizer.py`: `SentencePieceTokenizer` and `create_tokenizer`, which picks
   between a SentencePiece `.model` and a WordPiece `vocab.txt` by file name.
+* `hf_tokenizer.py`: `HFTokenizer`, a HuggingFace `tokenizer.json` (ModernBERT's BPE, ...) through
+  the `tokenizers` library, its special tokens and pre-tokenizer words read from the file.
 
 What is here, the reference rules that turn raw text into WordPiece tokens and ids:
 

@@ -9,7 +9,7 @@ import pytest
 from benchmarks.step import dropout as dropout_bench
 from benchmarks.step import fp8 as fp8_bench
 from benchmarks.step import optimizer as optimizer_bench
-from benchmarks.step import pretrain_step
+from benchmarks.step import pretrain_step, timing
 from bert_jax.model import dropout
 from bert_jax.model.model_config import BertConfig
 from bert_jax.pretrain import steps
@@ -118,11 +118,11 @@ def test_bench_fp8_variants_carry_their_own_xla_options_and_time_pipelined_steps
     step = jax.jit(lambda state, batch: (state + batch, {"loss": jnp.sum(state)}))
     lowered = step.lower(jnp.zeros(3), jnp.ones(3))
     dump = tmp_path / "dump"
-    runners = {"plain": pretrain_step.Runner(lowered, jnp.zeros(3), jnp.ones(3)),
-               "dumped": pretrain_step.Runner(lowered, jnp.zeros(3), jnp.ones(3),
-                                                 compiler_options={"xla_dump_to": str(dump)})}
+    runners = {"plain": timing.Runner(lowered, jnp.zeros(3), jnp.ones(3)),
+               "dumped": timing.Runner(lowered, jnp.zeros(3), jnp.ones(3),
+                                       compiler_options={"xla_dump_to": str(dump)})}
     infos = {"plain": {}, "dumped": {}}
-    pretrain_step.compile_runners(runners, infos)
+    timing.compile_runners(runners, infos)
     assert infos["plain"]["compile_s"] > 0 and infos["dumped"]["compile_s"] > 0
     assert len(list(dump.iterdir())) > 0  # the option reached XLA for that program
     runners["dumped"].run_pipelined(3)

@@ -21,6 +21,7 @@ import shutil
 import signal
 from pathlib import Path
 
+import google_crc32c
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -170,6 +171,29 @@ def test_a_bit_flip_with_stop_raises_naming_step_file_and_remedy(template, tmp_p
     # An explicit request for the damaged step is refused too, whatever the mode.
     with _open(directory) as ckpt, pytest.raises(CheckpointCorruptError, match="step 2 .* is damaged"):
         ckpt.restore(_target(), step=2)
+
+
+def test_a_step_that_reads_cleanly_but_fails_its_manifest_is_refused_before_use(template, tmp_path):
+    """The check comes first, not orbax's read: the data is intact and readable, but the (resealed)
+    manifest records another checksum for one array file, as after a silent overwrite. An explicit
+    `restore(step=2)` refuses the step by name; step 1 still restores."""
+    directory = _copy(template, tmp_path, "manifest_only")
+    manifest = directory / "2" / integrity.MANIFEST
+    body = json.loads(manifest.read_text())
+    rel = next(r for r in sorted(body["files"]) if "/d/" in r)
+    size, checksum = body["files"][rel]
+    body["files"][rel] = [size, format(int(checksum[:8], 16) ^ 1, "08x") + checksum[8:]]
+    body.pop("self_crc32c")  # resealed by hand: CRC-32C of the canonical JSON, as the format says
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    body["self_crc32c"] = f"{google_crc32c.value(canonical):08x}"
+    manifest.write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    with _open(directory) as ckpt:
+        with pytest.raises(CheckpointCorruptError) as raised:
+            ckpt.restore(_target(), step=2)
+        assert f"step 2 in {directory} is damaged: {rel} (array data): checksum mismatch" in str(raised.value)
+        state, meta = ckpt.restore(_target(), step=1)
+    assert meta == {"position": 1}
+    _assert_state(state, 1)
 
 
 # ---------------------------------------------------------------------------------------------

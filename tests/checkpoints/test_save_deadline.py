@@ -16,7 +16,7 @@ import types
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.checkpoints import checkpointer, save_deadline
+from bert_jax.checkpoints import orbax_manager, save_deadline
 from bert_jax.checkpoints.checkpointer import Checkpointer
 from bert_jax.checkpoints.save_deadline import EXIT_CODE, Deadline
 
@@ -152,15 +152,15 @@ def test_a_restore_that_stalls_ends_the_process_after_its_limit(tmp_path, caplog
     clock = _plant_clock(monkeypatch)
     ckpt = _saved(tmp_path, restore_timeout_s=1.0)
     exits = []
-    ckpt._restore_deadline._exit = exits.append  # pylint: disable=protected-access
-    read, reading, unfrozen = ckpt._reader.read, threading.Event(), threading.Event()  # pylint: disable=protected-access
+    ckpt._restorer.deadline._exit = exits.append  # pylint: disable=protected-access
+    read, reading, unfrozen = ckpt._restorer.reader.read, threading.Event(), threading.Event()  # pylint: disable=protected-access
 
     def frozen_read(*args, **kwargs):  # tensorstore waiting on a store that stopped answering
         reading.set()
         unfrozen.wait(HANG_S)
         return read(*args, **kwargs)
 
-    ckpt._reader.read = frozen_read  # pylint: disable=protected-access
+    ckpt._restorer.reader.read = frozen_read  # pylint: disable=protected-access
     target = {"w": jnp.zeros(4)}
     done = []
     with caplog.at_level(logging.ERROR):
@@ -182,10 +182,10 @@ def test_a_restore_that_stalls_ends_the_process_after_its_limit(tmp_path, caplog
     assert done and done[0][0] == 2  # the held-up read itself was left to finish
 
     # A restore in time, then time past the limit: nothing fires (the deadline lifted at its end).
-    ckpt._reader.read = read  # pylint: disable=protected-access
+    ckpt._restorer.reader.read = read  # pylint: disable=protected-access
     exits_in_time = []
-    ckpt._restore_deadline = Deadline(1.0, ckpt.directory, exit=exits_in_time.append, kind="restore")
-    polls = _polls(ckpt._restore_deadline)  # pylint: disable=protected-access
+    ckpt._restorer.deadline = Deadline(1.0, ckpt.directory, exit=exits_in_time.append, kind="restore")
+    polls = _polls(ckpt._restorer.deadline)  # pylint: disable=protected-access
     clock.set(2000.0)
     step, state, meta = ckpt.restore_latest(target)  # armed at 2000.0, however long the read took here
     clock.set(2005.0)  # long past its limit
@@ -198,15 +198,15 @@ def test_a_restore_that_stalls_ends_the_process_after_its_limit(tmp_path, caplog
 
 
 def test_orbax_gives_a_save_longer_than_our_deadline(tmp_path):
-    orbax_default = checkpointer.ocp.AsyncOptions().timeout_secs
-    for seconds, want in ((1800, max(orbax_default, 1800 + checkpointer.ORBAX_TIMEOUT_MARGIN_S)),
-                          (60, orbax_default), (None, checkpointer.ORBAX_TIMEOUT_WITHOUT_DEADLINE_S)):
-        assert checkpointer.orbax_timeout_s(seconds) == want
+    orbax_default = orbax_manager.ocp.AsyncOptions().timeout_secs
+    for seconds, want in ((1800, max(orbax_default, 1800 + orbax_manager.ORBAX_TIMEOUT_MARGIN_S)),
+                          (60, orbax_default), (None, orbax_manager.ORBAX_TIMEOUT_WITHOUT_DEADLINE_S)):
+        assert orbax_manager.orbax_timeout_s(seconds) == want
         assert want > (seconds or 0) + 60
     # What orbax's background save thread is given: 1800 s of ours plus the margin.
     ckpt = Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=1, handle_sigterm=False, save_timeout_s=1800)
     try:
         # pylint: disable=protected-access
-        assert ckpt._mngr._checkpointer._async_manager._timeout_secs == checkpointer.orbax_timeout_s(1800) > 1800
+        assert ckpt._mngr._checkpointer._async_manager._timeout_secs == orbax_manager.orbax_timeout_s(1800) > 1800
     finally:
         ckpt.close()

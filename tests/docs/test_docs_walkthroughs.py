@@ -6,8 +6,9 @@ shards named as the page says, the run's `train.dataset_info.json` beside them) 
 records, each in its own folder -> the many-runs loop (two runs at once into one folder, read through
 one glob). What the test changes: the optional flags the page shows in brackets are left out, and
 `lines` (the snippet's free name) is the corpus's lines. The Beam command (an alternative to the
-local one, tested against it in tests/data_pipeline/test_beam_pipeline.py) and the Chinese whole-word masking one
-(tests/data_pipeline/test_chinese_whole_word_mask.py) are not run here.
+local one, tested against it in tests/data_pipeline/test_beam_pipeline.py), the Chinese whole-word masking one
+(tests/data_pipeline/test_chinese_whole_word_mask.py) and the tokenizer.json one
+(tests/data_pipeline/test_hf_tokenizer.py) are not run here.
 
 docs/pretraining.md, finetuning.md and checkpoints.md: their walk-throughs (pretrain -> evaluate;
 fine-tune SST-2 -> predict; convert, export the fine-tuned model) are, command for command, the
@@ -130,7 +131,8 @@ def test_the_pretraining_finetuning_and_checkpoint_pages_walk_the_readme_path():
     checkpoints = _page_commands("docs/checkpoints.md")
     walks = {
         "data": [c for c in data if "create_pretraining_data" in c and "--runner=beam" not in c
-                 and "--chinese_whole_word_mask" not in c and "$i" not in c],  # not the many-runs loop
+                 and "--chinese_whole_word_mask" not in c and "--tokenizer_json" not in c
+                 and "$i" not in c],  # not the many-runs loop
         "pretraining": pretraining,  # pretrain, then evaluate its checkpoint
         "finetuning": [c for c in finetuning if "--config.task=sst2" in c or "--workdir=/tmp/sst2" in c],
         "checkpoints": [c for c in checkpoints if "bert_jax.convert" in c and "--output_format=google" not in c
