@@ -6,7 +6,6 @@
       best_predictions/         BEST_PREDICTIONS   fine-tuning: the best epoch's predictions
       transformers/             TRANSFORMERS       ModernBERT fine-tuning: the best epoch in transformers'
                                                    format (config.json, model.safetensors, vocab.txt)
-      config.json               HF_CONFIG          ModernBERT fine-tuning: the encoder's config (transformers')
       bert_config.json          MODEL_CONFIG       the model's config (Google's file name and fields)
       modernbert_config.json    MODERNBERT_CONFIG  instead, for config.model_family="modernbert": transformers'
                                                    config.json of ModernBertForMaskedLM (+ dtype, attention_impl,
@@ -56,7 +55,6 @@ CHECKPOINTS = "checkpoints"
 BEST = "best"
 BEST_PREDICTIONS = "best_predictions"
 TRANSFORMERS = "transformers"
-HF_CONFIG = "config.json"
 MODEL_CONFIG = "bert_config.json"
 MODERNBERT_CONFIG = "modernbert_config.json"
 VOCAB = "vocab.txt"

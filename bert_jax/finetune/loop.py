@@ -254,8 +254,7 @@ def train_seed(prepared: preparation.Prepared, config: ml_collections.ConfigDict
                 encoder = {k: _place_encoder(v, p.state_shardings.params[k]) for k, v in init_params.items()}
                 state = p.init(jax.random.key(config.seed), encoder)
     if jax.process_index() == 0:
-        (modernbert_tasks.write_model_files if modernbert_tasks.is_model(bert_config)
-         else workdir_files.write_model_files)(workdir, bert_config, p.vocab_file, p.do_lower_case)
+        workdir_files.write_model_files(workdir, bert_config, p.vocab_file, p.do_lower_case)
         workdir_files.write_json(workdir, TASK_FILE, task_description(task, config), indent=2)
 
     writer = workdir_files.metric_writer(workdir, just_logging=jax.process_index() > 0)

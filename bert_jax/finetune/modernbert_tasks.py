@@ -20,7 +20,7 @@ evaluation, seeds and checkpoints are BERT's (`bert_jax.finetune.loop`):
   prediction head (`head`: dense, activation, norm) are loaded as transformers loads them into a task
   class; the `classifier` starts fresh, drawn as transformers draws it. `config.model`'s `dtype`,
   `attention_impl` and `local_blocks` apply; without an init checkpoint `config.model` holds
-  `ModernBertConfig`'s fields;
+  `ModernBertConfig`'s fields (`bert_jax.training.run_setup.modernbert_config_from`);
 * the vocabulary: the tasks tokenize with a WordPiece `vocab.txt` (`config.vocab_file`, or one in the
   checkpoint's folder). ModernBERT's own tokenizer is BPE (`tokenizer.json`), which the tasks do
   not read yet;
@@ -33,13 +33,13 @@ evaluation, seeds and checkpoints are BERT's (`bert_jax.finetune.loop`):
   replicated over the mesh (no logical axis names: data parallelism only).
 
 `mode=predict` reads the best epoch from `W/transformers/` (`finetuned`; `task.json` says
-`"model_family": "modernbert"`); `bert_jax.convert` reads BERT workdirs only.
+`"model_family": "modernbert"`); `bert_jax.convert --input=W` points to `W/transformers/`. The workdir's
+`modernbert_config.json` is `bert_jax.workdir.write_model_files`' (as a ModernBERT pretraining run's).
 This module must not import tensorflow.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from typing import Optional
@@ -55,6 +55,7 @@ from bert_jax.finetune import heads
 from bert_jax.formats import modernbert_hf
 from bert_jax.formats.common import tokenizer_config_json
 from bert_jax.model.modernbert import ModernBertConfig, ModernBertForTask
+from bert_jax.training import run_setup
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
 
@@ -62,8 +63,8 @@ FAMILIES = ("bert", "modernbert")
 # The loop's head kinds (data_pipeline.tasks.HEAD_KINDS) -> ModernBertForTask's (transformers' classes).
 KINDS = {"classification": "sequence", "regression": "sequence", "span": "span", "token": "token",
          "multiple_choice": "multiple_choice"}
-# config.model's fields that ModernBERT takes from the run, not from the checkpoint.
-RUN_FIELDS = ("dtype", "attention_impl", "local_blocks")
+# config.model's fields that ModernBERT takes from the run, not from the checkpoint (transformers has no key).
+RUN_FIELDS = modernbert_hf.OWN_FIELDS
 # BERT's model options with no ModernBERT meaning: refused when set (truthy).
 BERT_ONLY = ("fp8", "fused_ops", "fused_ffn", "fused_qkv", "mixed_matmuls", "separate_qkv", "scan_layers",
              "causal_attention")
@@ -105,18 +106,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                          "config.model.dtype: set config.cpu_bf16='off' (or 'auto', which leaves it alone)")
 
 
-def model_config(config: ml_collections.ConfigDict) -> ModernBertConfig:
-    """The encoder's config without an init checkpoint: `config.model` holds ModernBertConfig's fields."""
-    fields = {f.name for f in dataclasses.fields(ModernBertConfig)}
-    model = config.model.to_dict()
-    foreign = sorted(k for k in model if k not in fields and not (k in BERT_ONLY and not model[k]))
-    if foreign:
-        raise ValueError(f"config.model has fields ModernBertConfig does not ({foreign[:8]}): with "
-                         "config.model_family=modernbert and no config.init_checkpoint, config.model holds "
-                         "bert_jax.model.modernbert.ModernBertConfig's fields")
-    return ModernBertConfig(**{k: v for k, v in model.items() if k in fields})
-
-
 def load(config: ml_collections.ConfigDict) -> tuple[ModernBertConfig, Optional[dict], str, Optional[bool]]:
     """(model config, the init checkpoint's `{"model", "head"}` parameters or None, vocab file, casing or
     None) of a ModernBERT run."""
@@ -125,7 +114,7 @@ def load(config: ml_collections.ConfigDict) -> tuple[ModernBertConfig, Optional[
     vocab_file, do_lower_case = config.vocab_file, config.do_lower_case
     if not init:
         logging.warning("config.init_checkpoint is empty: the encoder starts from a random initialization")
-        return model_config(config), None, vocab_file, do_lower_case
+        return run_setup.modernbert_config_from(config), None, vocab_file, do_lower_case
     model = config.model.to_dict()
     ours = {k: model[k] for k in RUN_FIELDS if k in model}
     try:
@@ -204,16 +193,6 @@ def export_task(description: dict) -> dict:
     """`bert_jax.formats.modernbert_hf.save`'s task from the loop's `task_description`."""
     return {"kind": KINDS[description["head"]], "num_outputs": int(description["num_outputs"]),
             "labels": list(description["labels"])}
-
-
-def write_model_files(workdir: str, mb_config: ModernBertConfig, vocab_file: str,
-                      do_lower_case: Optional[bool] = None) -> None:
-    """The workdir's description of its encoder: transformers' `config.json` (+ vocab.txt and the casing).
-    Call it on one process."""
-    storage.makedirs(workdir)
-    text = json.dumps(mb_config.to_hf_dict(), indent=2, sort_keys=True)
-    workdir_files.write_if_changed(storage_paths.join(workdir, layout.HF_CONFIG), text.encode())
-    _tokenizer_files(workdir, vocab_file, do_lower_case)
 
 
 def _tokenizer_files(directory: str, vocab_file: str, do_lower_case: Optional[bool]) -> None:

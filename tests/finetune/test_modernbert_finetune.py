@@ -242,6 +242,14 @@ def test_predict_mode_reads_the_export_and_predicts_the_best_epochs_labels(sst2,
         predict.run(predict_config(tmp_path, dev, predict_params="last"), str(work))
 
 
+def test_convert_points_a_finetuning_workdir_to_its_export(sst2, tmp_path):
+    from bert_jax import convert
+    work, _ = sst2
+    assert (work / "modernbert_config.json").exists() and not (work / "bert_config.json").exists()
+    with pytest.raises(ValueError, match="fine-tuning workdir: its best epoch .*transformers"):
+        convert.main([f"--input={work}", f"--output={tmp_path / 'out'}", "--output_format=hf"])
+
+
 def test_transformers_predicts_what_the_loop_predicted(sst2):
     """Live transformers (needs torch, absent on CI's CPU image): its logits on the export."""
     torch = pytest.importorskip("torch")
@@ -330,10 +338,11 @@ def test_without_an_init_checkpoint_config_model_holds_modernbert_fields():
     from bert_jax.finetune import modernbert_tasks
 
     config = glue_config.get_config()
-    with pytest.raises(ValueError, match=r"config\.model has fields ModernBertConfig does not \(\['attention_probs"):
-        modernbert_tasks.model_config(config)
+    with pytest.raises(ValueError, match=r"config\.model\.attention_probs_dropout_prob .*not a field of ModernBertConfig"):
+        modernbert_tasks.load(config)
     config.model = ml_collections.ConfigDict(dict(vocab_size=48, hidden_size=16, intermediate_size=24,
                                                   num_hidden_layers=2, num_attention_heads=2, local_attention=8))
-    got = modernbert_tasks.model_config(config)
+    got, params, _, _ = modernbert_tasks.load(config)
+    assert params is None
     assert (got.vocab_size, got.hidden_size, got.num_hidden_layers, got.local_attention) == (48, 16, 2, 8)
     assert got.global_rope_theta == 160_000.0  # transformers' default, not given
