@@ -310,6 +310,9 @@ def export_modernbert(args) -> int:
     """A ModernBERT pretraining workdir (`modernbert_config.json`) -> transformers' `config.json` +
     `model.safetensors` (`ModernBertForMaskedLM`) and the workdir's vocab.txt or tokenizer.json; only `--output_format=hf`."""
     from bert_jax.formats import modernbert_hf
+    if storage.isfile(storage_paths.join(args.input, layout.TASK_FILE)):  # bert_jax/finetune/modernbert_tasks.py
+        raise ValueError(f"{args.input} is a ModernBERT fine-tuning workdir: its best epoch is already in "
+                         f"transformers' format, {storage_paths.join(args.input, layout.TRANSFORMERS)}")
     if args.output_format != "hf":
         raise ValueError(f"--output_format={args.output_format}: a ModernBERT workdir ({args.input}) exports to "
                          "transformers' format only (--output_format=hf)")

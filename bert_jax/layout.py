@@ -4,6 +4,8 @@
       checkpoints/<step>/       CHECKPOINTS        the resumable train state (`bert_jax.checkpoints`)
       best/<step>/              BEST               fine-tuning: the best epoch's parameters
       best_predictions/         BEST_PREDICTIONS   fine-tuning: the best epoch's predictions
+      transformers/             TRANSFORMERS       ModernBERT fine-tuning: the best epoch in transformers'
+                                                   format (config.json, model.safetensors, vocab.txt)
       bert_config.json          MODEL_CONFIG       the model's config (Google's file name and fields)
       modernbert_config.json    MODERNBERT_CONFIG  instead, for config.model_family="modernbert": transformers'
                                                    config.json of ModernBertForMaskedLM (+ dtype, attention_impl,
@@ -54,6 +56,7 @@ names (`bert_jax.formats.google`, `bert_jax.formats.hf`).
 CHECKPOINTS = "checkpoints"
 BEST = "best"
 BEST_PREDICTIONS = "best_predictions"
+TRANSFORMERS = "transformers"
 MODEL_CONFIG = "bert_config.json"
 MODERNBERT_CONFIG = "modernbert_config.json"
 VOCAB = "vocab.txt"

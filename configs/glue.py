@@ -81,6 +81,9 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.vocab_file = ""  # "" = the checkpoint's vocab.txt
     config.do_lower_case = config_dict.placeholder(bool)  # None = the checkpoint's casing (else True)
     config.model = base.get_model_config()  # with init_checkpoint: docs/configuration.md says which keys apply
+    # "modernbert": init_checkpoint is a transformers ModernBERT folder, whose config.json decides the
+    # architecture (docs/finetuning.md#modernbert, bert_jax/finetune/modernbert_tasks.py).
+    config.model_family = "bert"
 
     # --- optimization (paper: Adam, warmup 10%, linear decay, dropout 0.1) ---
     # Google's scripts exactly: optimizer=google_adamw, google_lr_schedule=True,

@@ -15,5 +15,7 @@ never `bert_jax.pretrain`; `data_pipeline.tasks` reads and featurizes the data.
            and token heads
   heads    `BertForTask`: the encoder plus a classification, regression, span, token or
            multiple-choice head, and their losses
+  modernbert_tasks  `config.model_family="modernbert"`: transformers' ModernBERT task classes behind
+           `BertForTask`'s call, the init checkpoint, BERT-only options refused, the export
   predict  the fine-tuned model on new text (`config.mode=predict`)
 """

@@ -56,7 +56,8 @@ import numpy as np
 
 from bert_jax import exit_codes, layout, versions, workdir as workdir_files
 from bert_jax.checkpoints import checkpointer, step_dirs
-from bert_jax.finetune import batches as finetune_batches, heads, preparation, restarts, row_packing, steps
+from bert_jax.finetune import (batches as finetune_batches, heads, modernbert_tasks, preparation, restarts,
+                               row_packing, steps)
 from bert_jax.layout import TASK_FILE
 from bert_jax.model.model_config import BertConfig
 from bert_jax.training import compile_ahead, run_setup, sharding
@@ -74,8 +75,11 @@ def task_description(task, config: ml_collections.ConfigDict) -> dict:
     the task, the head kind, its outputs and their label names (in the order of the head's outputs;
     empty for regression, span and multiple choice), the sequence length and the task options."""
     labels = [] if task.head in ("regression", "span", "multiple_choice") else [str(x) for x in task.labels]
-    return {"task": task.name, "head": task.head, "num_outputs": int(task.num_outputs), "labels": labels,
-            "max_seq_length": int(config.max_seq_length), "task_options": config.task_options.to_dict()}
+    description = {"task": task.name, "head": task.head, "num_outputs": int(task.num_outputs), "labels": labels,
+                   "max_seq_length": int(config.max_seq_length), "task_options": config.task_options.to_dict()}
+    if modernbert_tasks.wanted(config):  # mode=predict reads W/transformers/ (BERT's task.json is unchanged)
+        description["model_family"] = "modernbert"
+    return description
 
 
 def make_task(config: ml_collections.ConfigDict):
@@ -100,24 +104,22 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _prepare(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -> tuple:
-    """(task, bert_config, encoder params or None, vocab file, do_lower_case) of `config` (`run`)."""
+    """(task, bert_config, encoder params or None, vocab file, do_lower_case) of `config` (`run`);
+    with `config.model_family="modernbert"` the model config and parameters are ModernBERT's
+    (`bert_jax.finetune.modernbert_tasks`)."""
+    modernbert = modernbert_tasks.wanted(config)
+    if modernbert:
+        modernbert_tasks.check_config(config)  # BERT-only options refused by name
     if config.model.get("fp8"):
         raise ValueError("config.model.fp8=True: FP8 training is a pretraining option (bert_jax.pretrain.loop); "
                          "fine-tuning runs in config.model.dtype (e.g. bfloat16): set config.model.fp8=False")
     heads.check_head_init(config.get("head_init", "truncated_normal"))
     task = make_task(config)
     run_setup.use_prng_impl(config)
-    bert_config = run_setup.bert_config_from(config, workdir=workdir)  # cpu_bf16's decision kept in W
-    init_params, vocab_file, do_lower_case = None, config.vocab_file, config.do_lower_case
-    if config.init_checkpoint:
-        from bert_jax import convert
-        pretrained = convert.load_pretrained(config.init_checkpoint, google_gelu=config.get("google_gelu"))
-        init_params = convert.model_params(pretrained, bert_config, heads=False)
-        vocab_file = vocab_file or pretrained.vocab_file
-        if do_lower_case is None:
-            do_lower_case = pretrained.do_lower_case
+    if modernbert:
+        bert_config, init_params, vocab_file, do_lower_case = modernbert_tasks.load(config)
     else:
-        logging.warning("config.init_checkpoint is empty: the encoder starts from a random initialization")
+        bert_config, init_params, vocab_file, do_lower_case = _bert_encoder(config, workdir)
     if not vocab_file:
         raise ValueError("no vocabulary: set config.vocab_file (the checkpoint has no vocab.txt)")
     if do_lower_case is None:  # no config, no tokenizer_config.json: the vocabulary says it
@@ -133,9 +135,26 @@ def _prepare(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
     return task, bert_config, init_params, vocab_file, do_lower_case
 
 
+def _bert_encoder(config: ml_collections.ConfigDict, workdir: Optional[str]) -> tuple:
+    """(BertConfig, `{"bert": encoder}` or None, vocab file, casing or None) of `config`."""
+    bert_config = run_setup.bert_config_from(config, workdir=workdir)  # cpu_bf16's decision kept in W
+    init_params, vocab_file, do_lower_case = None, config.vocab_file, config.do_lower_case
+    if config.init_checkpoint:
+        from bert_jax import convert
+        pretrained = convert.load_pretrained(config.init_checkpoint, google_gelu=config.get("google_gelu"))
+        init_params = convert.model_params(pretrained, bert_config, heads=False)
+        vocab_file = vocab_file or pretrained.vocab_file
+        if do_lower_case is None:
+            do_lower_case = pretrained.do_lower_case
+    else:
+        logging.warning("config.init_checkpoint is empty: the encoder starts from a random initialization")
+    return bert_config, init_params, vocab_file, do_lower_case
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task, bert_config: BertConfig,
                        init_params: Optional[dict], vocab_file: str, do_lower_case: bool) -> dict:
-    """The loop (module docstring). `init_params` is `{"bert": numpy tree}` (or None: random).
+    """The loop (module docstring). `init_params` is `{"bert": numpy tree}` (ModernBERT: `{"model": ...,
+    "head": ...}`; or None: random).
 
     Returns the last epoch's eval results (as written to `W/eval_results.json`); with
     `config.seeds`, one run per seed (`bert_jax.finetune.restarts`) and their summary.
@@ -232,7 +251,7 @@ def train_seed(prepared: preparation.Prepared, config: ml_collections.ConfigDict
             if init_params is None:
                 state = p.init(jax.random.key(config.seed))
             else:
-                encoder = _place_encoder(init_params["bert"], p.state_shardings.params["bert"])
+                encoder = {k: _place_encoder(v, p.state_shardings.params[k]) for k, v in init_params.items()}
                 state = p.init(jax.random.key(config.seed), encoder)
     if jax.process_index() == 0:
         workdir_files.write_model_files(workdir, bert_config, p.vocab_file, p.do_lower_case)
@@ -318,6 +337,9 @@ def train_seed(prepared: preparation.Prepared, config: ml_collections.ConfigDict
                         storage.rmtree(best_dir)
                         for split, predictions in split_predictions:
                             task.write_predictions(split.examples, predictions, best_dir, split.name)
+                    if modernbert_tasks.is_model(bert_config):  # W/transformers/: the best epoch, transformers'
+                        modernbert_tasks.export(workdir, bert_config, task_description(task, config), state.params,
+                                                p.vocab_file, p.do_lower_case)
                 results["best_epoch"] = best["epoch"] if best else None
                 # Not "best_<metric>": SQuAD v2's official metrics already have best_f1 (another quantity).
                 results[f"best_epoch_{task.primary_metric}"] = best["value"] if best else None

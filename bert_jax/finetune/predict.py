@@ -37,7 +37,7 @@ import jax
 import ml_collections
 
 from bert_jax import layout
-from bert_jax.finetune import batches as finetune_batches, heads, restarts, steps
+from bert_jax.finetune import batches as finetune_batches, heads, modernbert_tasks, restarts, steps
 from bert_jax.formats.common import read_task
 from bert_jax.layout import TASK_FILE
 from bert_jax.training import run_setup, sharding
@@ -119,9 +119,34 @@ def output_name(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "_", stem)
 
 
+def _bert_finetuned(config: ml_collections.ConfigDict, workdir: str, which: str) -> tuple:
+    """(BertConfig, `{"bert", "head"}` parameters, vocab file, casing) of a BERT fine-tuning workdir."""
+    from bert_jax import convert
+
+    try:
+        pretrained = convert.load_finetuned(workdir, which=which)
+    except FileNotFoundError:
+        best_seed = restarts.best_seed_of(workdir) if which == "last" else None
+        if best_seed is None:
+            raise
+        raise FileNotFoundError(  # W/best/ is the best seed's; each seed's last state is in its own folder
+            f"{workdir} is a run of several seeds (config.seeds): no last state of its own; "
+            f"--workdir={restarts.seed_dir(workdir, best_seed)} predicts with the best seed's") from None
+    with_checkpoint = ml_collections.ConfigDict(config.to_dict())
+    with_checkpoint.init_checkpoint = workdir
+    bert_config = run_setup.bert_config_from(with_checkpoint)
+    vocab_file = config.vocab_file or pretrained.vocab_file
+    if not vocab_file:
+        raise FileNotFoundError(f"{workdir}: no vocab.txt (set config.vocab_file)")
+    do_lower_case = config.do_lower_case if config.do_lower_case is not None else pretrained.do_lower_case
+    if do_lower_case is None:
+        raise ValueError(f"{workdir}: no tokenizer_config.json to say the casing (set config.do_lower_case)")
+    params = convert.model_params(pretrained, bert_config)
+    return bert_config, {"bert": params["bert"], "head": params["head"]}, vocab_file, do_lower_case
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Predicts `config.predict_input` with the fine-tuned model in `workdir`; returns the summary."""
-    from bert_jax import convert
     from data_pipeline import tasks as tasks_lib
     from bert_jax.config_overrides import given_on_command_line
 
@@ -139,29 +164,17 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     form = input_format(task, path, config.get("predict_format", "auto"))
     examples = read_input(task, path, form)
 
-    try:
-        pretrained = convert.load_finetuned(workdir, which=which)
-    except FileNotFoundError:
-        best_seed = restarts.best_seed_of(workdir) if which == "last" else None
-        if best_seed is None:
-            raise
-        raise FileNotFoundError(  # W/best/ is the best seed's; each seed's last state is in its own folder
-            f"{workdir} is a run of several seeds (config.seeds): no last state of its own; "
-            f"--workdir={restarts.seed_dir(workdir, best_seed)} predicts with the best seed's") from None
-    with_checkpoint = ml_collections.ConfigDict(config.to_dict())
-    with_checkpoint.init_checkpoint = workdir
-    bert_config = run_setup.bert_config_from(with_checkpoint)
+    if description.get("model_family") == "modernbert":  # its best epoch in W/transformers/
+        bert_config, params, vocab_file, do_lower_case = modernbert_tasks.finetuned(workdir, which, config)
+        model = modernbert_tasks.TaskModel(bert_config, task.head, task.num_outputs)
+    else:
+        bert_config, params, vocab_file, do_lower_case = _bert_finetuned(config, workdir, which)
+        model = heads.BertForTask(bert_config, task.head, task.num_outputs)
     max_len = (config.max_seq_length if "config.max_seq_length" in given_on_command_line()
                else int(description["max_seq_length"]))
     if max_len > bert_config.max_position_embeddings:
         raise ValueError(f"max_seq_length={max_len} exceeds the model's max_position_embeddings="
                          f"{bert_config.max_position_embeddings}")
-    vocab_file = config.vocab_file or pretrained.vocab_file
-    if not vocab_file:
-        raise FileNotFoundError(f"{workdir}: no vocab.txt (set config.vocab_file)")
-    do_lower_case = config.do_lower_case if config.do_lower_case is not None else pretrained.do_lower_case
-    if do_lower_case is None:
-        raise ValueError(f"{workdir}: no tokenizer_config.json to say the casing (set config.do_lower_case)")
     tokenizer = task.make_tokenizer(vocab_file, bool(do_lower_case))
     split = tasks_lib.Split(output_name(path), examples,
                             task.featurize(examples, tokenizer, max_len, training=False))
@@ -172,16 +185,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                 num_attention_heads=bert_config.num_attention_heads,
                                 intermediate_size=bert_config.intermediate_size,
                                 hidden_size=bert_config.hidden_size)
-    model = heads.BertForTask(bert_config, task.head, task.num_outputs)
     dummy = heads.dummy_batch(task.head, max_len, task.num_outputs)
     abstract = jax.eval_shape(lambda r: model.init(r, *(dummy[k] for k in heads.MODEL_INPUTS))["params"],
                               jax.random.key(0))
     rules = sharding.DEFAULT_RULES
     shardings = sharding.logical_to_sharding(abstract, mesh, rules)
-    params = convert.model_params(pretrained, bert_config)
-    params = {"bert": params["bert"], "head": params["head"]}
     if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(shardings):
-        raise ValueError(f"{workdir}: its parameters do not match a {task.head} head on its bert_config.json")
+        raise ValueError(f"{workdir}: its parameters do not match a {task.head} head on its model config")
     params = sharding.place(params, shardings)
     p_eval = jax.jit(functools.partial(steps.eval_step, model=model),
                      in_shardings=(shardings, sharding.batch_sharding(mesh)))

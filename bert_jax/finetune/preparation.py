@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bert_jax import exit_codes
-from bert_jax.finetune import batches as finetune_batches, heads, steps
+from bert_jax.finetune import batches as finetune_batches, heads, modernbert_tasks, steps
 from bert_jax.model.model_config import BertConfig
 from bert_jax.training import optim, sharding, train_state
 
@@ -61,7 +61,7 @@ class Prepared:
     stream: bool
     abstract_state: Any
     state_shardings: Any
-    init: Any  # jit: key (, encoder) -> TrainState
+    init: Any  # jit: key (, pretrained parts) -> TrainState
     train_step: Any  # jit: (state, batch) -> (state, metrics)
     eval_step: Any  # jit: (params, batch) -> (outputs, sums)
     test_splits: dict = dataclasses.field(default_factory=dict)  # featurized on first use
@@ -109,7 +109,9 @@ def prepare(config: ml_collections.ConfigDict, task, bert_config: BertConfig, wi
                      {s.name: len(s.examples) for s in evals}, time.time() - started, task.skipped or "none")
 
         # --- model, optimizer, state ---
-        model = heads.BertForTask(bert_config, task.head, task.num_outputs)
+        # ModernBERT (`config.model_family`): transformers' task classes behind the same call.
+        model_class = modernbert_tasks.TaskModel if modernbert_tasks.is_model(bert_config) else heads.BertForTask
+        model = model_class(bert_config, task.head, task.num_outputs)
         num_train = len(train.features["weight"])
         total_steps, warmup, epoch_ends = finetune_batches.train_plan(config, count_examples(train), num_train)
         stream = config.get("num_train_steps_from", "epochs") == "examples"
@@ -120,8 +122,9 @@ def prepare(config: ml_collections.ConfigDict, task, bert_config: BertConfig, wi
     def init_state(rng):
         params_rng, dropout_rng = jax.random.split(rng)
         params = model.init(params_rng, *(dummy[k] for k in heads.MODEL_INPUTS))["params"]
-        params = heads.draw_head(params, config.get("head_init", "truncated_normal"),
-                                 jax.random.fold_in(params_rng, 1), bert_config.initializer_range)
+        if model_class is heads.BertForTask:  # ModernBERT's classifier is drawn as transformers draws it
+            params = heads.draw_head(params, config.get("head_init", "truncated_normal"),
+                                     jax.random.fold_in(params_rng, 1), bert_config.initializer_range)
         return train_state.create_train_state(params, tx, dropout_rng)
 
     level = config.get("xla_backend_optimization_level", -1)
@@ -136,9 +139,9 @@ def prepare(config: ml_collections.ConfigDict, task, bert_config: BertConfig, wi
         # replaces it), so XLA drops it: only the head's is compiled and run (a MiniLM's
         # whole initialization took 8 s to compile on 2 CPU cores). The head's values are
         # the same: flax draws each module's key from its own path.
-        def init_with_encoder(rng, encoder):
+        def init_with_encoder(rng, encoder):  # encoder: {"bert": ...} (ModernBERT: {"model", "head"})
             state = nn.meta.unbox(init_state(rng))
-            return state.replace(params={**state.params, "bert": encoder})
+            return state.replace(params={**state.params, **encoder})
 
         init = jax.jit(init_with_encoder, out_shardings=state_shardings, donate_argnums=1,
                        compiler_options=compiler_options)

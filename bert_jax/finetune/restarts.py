@@ -127,7 +127,7 @@ def publish(workdir: str, summary: dict) -> None:
     best = summary["best_seed"]
     if best is not None:
         source = seed_dir(workdir, best)
-        for folder in (layout.BEST, layout.BEST_PREDICTIONS):
+        for folder in (layout.BEST, layout.BEST_PREDICTIONS, layout.TRANSFORMERS):
             storage.rmtree(storage_paths.join(workdir, folder))
             if storage.isdir(storage_paths.join(source, folder)):
                 storage.copy_tree(storage_paths.join(source, folder), storage_paths.join(workdir, folder))

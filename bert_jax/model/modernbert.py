@@ -422,6 +422,10 @@ class ModernBertForTask(nn.Module):
     * "multiple_choice": inputs `[batch, choices, length]`, one logit per choice from the pooled row
       (the first real token under "cls", as transformers takes it), returned `[batch, choices]`.
 
+    Packed rows (`pack_ids`, several sequences a row) give "sequence" one `[CLS]` per sequence:
+    `cls_positions` `[batch, slots]` picks those rows, logits `[batch, slots, num_outputs]` (each what
+    the sequence alone gives: `ModernBertModel` keeps a packed sequence to itself; "cls" pooling only).
+
     Logits in float32; the classifier drawn as transformers does (std `hidden_size ** -0.5`, cut at 2 std).
     """
 
@@ -431,15 +435,20 @@ class ModernBertForTask(nn.Module):
 
     @nn.compact
     def __call__(self, input_ids: Array, input_mask: Array, pack_ids: Optional[Array] = None,
-                 deterministic: bool = True) -> Array:
+                 deterministic: bool = True, cls_positions: Optional[Array] = None) -> Array:
         cfg = self.config
         if self.kind not in TASK_CLASSES:
             raise ValueError(f"kind={self.kind!r}: one of {sorted(TASK_CLASSES)}")
+        if cls_positions is not None and (self.kind != "sequence" or cfg.classifier_pooling != "cls"):
+            raise ValueError(f"cls_positions (packed rows) are for kind 'sequence' with classifier_pooling='cls', "
+                             f"not kind={self.kind!r}, classifier_pooling={cfg.classifier_pooling!r}")
         choices = input_ids.shape[1] if self.kind == "multiple_choice" else None
         if choices is not None:
             input_ids, input_mask = input_ids.reshape(-1, input_ids.shape[-1]), input_mask.reshape(-1, input_mask.shape[-1])
         hidden = ModernBertModel(cfg, name="model")(input_ids, input_mask, pack_ids, None, deterministic)
-        if self.kind in ("sequence", "multiple_choice"):
+        if cls_positions is not None:  # [batch, slots, hidden]: each packed sequence's [CLS]
+            hidden = jnp.take_along_axis(hidden, cls_positions[..., None].astype(jnp.int32), axis=1)
+        elif self.kind in ("sequence", "multiple_choice"):
             if cfg.classifier_pooling == "mean":
                 m = input_mask.astype(jnp.float32)[..., None]
                 hidden = (hidden.astype(jnp.float32) * m).sum(1) / m.sum(1)

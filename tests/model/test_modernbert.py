@@ -121,6 +121,28 @@ def test_a_packed_row_computes_what_each_sequence_alone_computes(tiny):
         np.testing.assert_allclose(np.asarray(hidden)[0, start:start + len(seq)], np.asarray(alone)[0], atol=2e-6)
 
 
+def test_a_packed_rows_sequence_logits_are_each_sequence_alones(tiny):
+    """`cls_positions` (packed rows, the fine-tuning loop's `config.packing`): the sequence head's logits
+    of each packed sequence are those of the sequence alone; other kinds refuse them by name."""
+    config, params, _ = modernbert_hf.load(tiny)
+    tensors = {**modernbert_hf.to_hf(params, config), **modernbert_fixture.head_tensors("sequence")}
+    del tensors["decoder.bias"]
+    task_params = {"params": modernbert_hf.from_hf(tensors, config, kind="sequence")}
+    model = modernbert.ModernBertForTask(config, "sequence", 3)
+    rng = np.random.RandomState(4)
+    a, b = rng.randint(3, 48, size=9), rng.randint(3, 48, size=14)
+    packed = jnp.asarray(np.concatenate([a, b, [0, 0, 0]])[None])
+    pack_ids = jnp.asarray([[1] * 9 + [2] * 14 + [0] * 3])
+    got = model.apply(task_params, packed, (pack_ids > 0).astype(jnp.int32), pack_ids,
+                      cls_positions=jnp.asarray([[0, 9]]))  # [1, slots, 3]
+    for slot, seq in enumerate((a, b)):
+        alone = model.apply(task_params, jnp.asarray(seq[None]), jnp.ones((1, len(seq)), jnp.int32))
+        np.testing.assert_allclose(np.asarray(got)[0, slot], np.asarray(alone)[0], atol=2e-6)
+    with pytest.raises(ValueError, match="cls_positions"):
+        modernbert.ModernBertForTask(config, "token", 3).init(jax.random.key(0), packed, pack_ids > 0, pack_ids,
+                                                              cls_positions=jnp.asarray([[0, 9]]))
+
+
 def test_positions_restart_at_each_packed_sequence():
     # Rotary attention depends on position differences only, so restarting changes the scores by
     # rounding alone (the packed-row test cannot see it); restarting makes a packed sequence's angles
