@@ -77,7 +77,14 @@ NOT_ARCHITECTURE = ("dtype", "attention_impl", "local_blocks", "attention_dropou
 def load_modernbert(path: str) -> tuple[ModernBertConfig, dict, str]:
     """(config, params as float32 numpy, what was read) of `path`: a ModernBERT pretraining workdir or a
     transformers ModernBERT (masked-LM) folder; a fine-tuned one is refused naming `path`."""
+    from bert_jax import layout
     from bert_jax.formats import modernbert_hf
+    from data_pipeline import storage
+    from data_pipeline.storage import paths as storage_paths
+    if storage.exists(storage_paths.join(path, layout.TASK_FILE)):
+        raise ValueError(f"config.init_checkpoint={path} is a ModernBERT fine-tuning workdir ({layout.TASK_FILE}): "
+                         "pretraining and mode=evaluate read a masked-LM model (a pretraining workdir, or a "
+                         "transformers ModernBertForMaskedLM folder)")
     if modernbert_hf.is_workdir(path):
         model_config, params, step = modernbert_hf.load_workdir(path)
         return model_config, params, f"step {step} of {path}"

@@ -246,6 +246,16 @@ def test_a_checkpoint_of_another_architecture_is_refused_naming_the_key(records,
         loop.run(config, str(tmp_path / "w"))
 
 
+def test_a_fine_tuning_workdir_as_init_checkpoint_is_refused_by_name(exported, tmp_path):
+    """A ModernBERT fine-tuning workdir also holds modernbert_config.json; its task.json names it."""
+    work = tmp_path / "sst2"
+    shutil.copytree(exported, work)
+    (work / "modernbert_config.json").write_text((exported / "config.json").read_text())
+    (work / "task.json").write_text(json.dumps({"task": "sst2", "model_family": "modernbert"}))
+    with pytest.raises(ValueError, match=rf"init_checkpoint={work} is a ModernBERT fine-tuning workdir"):
+        model_family.load_modernbert(str(work))
+
+
 # ---------------------------------------------------------------------------------------------
 # Configs and refusals
 # ---------------------------------------------------------------------------------------------
