@@ -27,8 +27,9 @@ if "BERT_JAX_CACHE_DIR" not in os.environ:
 # the same results on every CPU it runs on with "auto" as float32 ("off"), here and in the programs
 # tests start. The decision itself is tested with planted CPUs (tests/training/test_cpu_bf16.py).
 os.environ["BERT_JAX_CPU_BF16"] = "off"
-# Under BERT_JAX_CI=1 a failed `pytest.importorskip` fails (tests/helpers/ci_required.py).
-pytest_plugins = ["tests.helpers.ci_required"]
+# Under BERT_JAX_CI=1 a failed `pytest.importorskip` fails (tests/helpers/ci_required.py); the tests marked
+# `slow` run only with --slow (tests/helpers/slow_tier.py).
+pytest_plugins = ["tests.helpers.ci_required", "tests.helpers.slow_tier"]
 # TensorFlow must not grab both cores' worth of threads or print its banner in tests.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
