@@ -63,6 +63,7 @@ from bert_jax.model.model_config import BertConfig
 from bert_jax.training import compile_ahead, run_setup, sharding
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
+from data_pipeline.tasks import tokenizer_json
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,10 +119,17 @@ def _prepare(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
     run_setup.use_prng_impl(config)
     if modernbert:
         bert_config, init_params, vocab_file, do_lower_case = modernbert_tasks.load(config)
+    elif config.get("tokenizer_json"):
+        raise ValueError(f"config.tokenizer_json={config.tokenizer_json}: a tokenizer.json is read for "
+                         "config.model_family=modernbert; BERT fine-tuning reads a WordPiece config.vocab_file")
     else:
         bert_config, init_params, vocab_file, do_lower_case = _bert_encoder(config, workdir)
     if not vocab_file:
-        raise ValueError("no vocabulary: set config.vocab_file (the checkpoint has no vocab.txt)")
+        raise ValueError("no vocabulary: set config.vocab_file (the checkpoint has no vocab.txt"
+                         f"{'; or config.tokenizer_json' if modernbert else ''})")
+    if tokenizer_json.is_tokenizer_json(vocab_file):  # its normalizer decides the casing
+        logging.info("tokenizer %s (HuggingFace tokenizer.json)", vocab_file)
+        return task, bert_config, init_params, vocab_file, None
     if do_lower_case is None:  # no config, no tokenizer_config.json: the vocabulary says it
         from bert_jax.formats.common import casing_from_vocab
         do_lower_case = casing_from_vocab(vocab_file)
