@@ -313,9 +313,10 @@ def test_bert_only_options_are_refused_by_name(tmp_path, modernbert, override, n
     assert not (tmp_path / "work" / "checkpoints").exists()
 
 
-def test_a_bert_checkpoint_or_a_bpe_only_folder_is_refused_by_name(tmp_path, modernbert):
-    """A transformers BERT folder (its config.json: model_type "bert") as a ModernBERT init checkpoint,
-    and a ModernBERT folder with only its BPE tokenizer.json and no config.vocab_file, name the field."""
+def test_a_bert_checkpoint_or_a_broken_tokenizer_json_is_refused_by_name(tmp_path, modernbert):
+    """A transformers BERT folder (its config.json: model_type "bert") as a ModernBERT init checkpoint names
+    the field; a ModernBERT folder whose tokenizer.json (read without a vocab.txt or config.vocab_file:
+    tests/finetune/test_modernbert_tokenizer_json.py) is not one names the file."""
     data = sst2_files(tmp_path)
     bert = tmp_path / "bert"
     bert.mkdir()
@@ -327,7 +328,7 @@ def test_a_bert_checkpoint_or_a_bpe_only_folder_is_refused_by_name(tmp_path, mod
     bpe_only = modernbert_fixture.checkpoint(str(tmp_path / "bpe_only"))
     (tmp_path / "bpe_only" / "tokenizer.json").write_text("{}")
     config = tiny(glue_config.get_config(), "sst2", data, bpe_only, model_family="modernbert")
-    with pytest.raises(ValueError, match=r"tokenizer\.json.*config\.vocab_file"):
+    with pytest.raises(ValueError, match=r"bpe_only/tokenizer\.json: not a HuggingFace tokenizer\.json"):
         finetune.run(config, str(tmp_path / "b"))
 
 
