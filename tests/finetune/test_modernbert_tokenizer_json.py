@@ -119,6 +119,16 @@ def test_squad_answer_spans_are_the_answers_characters_and_transformers_tokens(t
     task, examples, f = featurized(squad_config, "squad_v1", squad_files(tmp_path), bpe, max_len=40,
                                    doc_stride=8, max_query_length=8)
     assert len(f["input_ids"]) > len(examples)  # several windows an example: the spans move with them
+    # Answers inside words, ending and starting at token boundaries ("par" of "paris", "ris" of "paris"):
+    from data_pipeline.tasks.squad import Example
+    context = "he went to paris then"
+    tokens = hf(context, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    inside = [(s, e) for s, e in tokens if s > context.index("paris") and e < context.index(" then")]
+    at = context.index("paris")
+    for answer_start, answer_end in ((at, inside[0][1]), (inside[0][0], at + 5)):
+        text = context[answer_start:answer_end]
+        examples.append(Example(f"in{answer_start}", "who", context, [{"text": text, "answer_start": answer_start}]))
+    f = task.featurize(examples, tokenizer_json.make_tokenizer(task, bpe["file"], None), 40, training=True)
     labelled = 0
     for row, (s, e) in enumerate(zip(f["start_positions"], f["end_positions"])):
         ex = examples[f["example_index"][row]]
