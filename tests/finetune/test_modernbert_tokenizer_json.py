@@ -24,11 +24,10 @@ from configs import squad as squad_config
 from configs import swag as swag_config
 from data_pipeline import tasks as tasks_lib
 from data_pipeline.tasks import tokenizer_json
-from tests.finetune.test_modernbert_finetune import FAMILIES as MB_FAMILIES
-from tests.finetune.test_modernbert_finetune import (best_epoch, check_scores, conll_files, loop_loss, squad_files,
-                                                     stsb_files, swag_files)
 from tests.helpers import modernbert_fixture
 from tests.helpers.finetune_inputs import WORDS, sst2_files, tiny
+from tests.helpers.modernbert_finetune import (best_epoch, check_scores, conll_files, loop_loss, squad_files,
+                                              squad_overrides, stsb_files, swag_files)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("compilation_cache")  # tests/finetune/conftest.py
@@ -238,7 +237,7 @@ def test_predict_mode_reads_the_exported_tokenizer_json(sst2, tmp_path):
 # Task -> (config, files, overrides): test_modernbert_finetune.py's. CoNLL's loop differs from WordPiece's
 # in its features only, checked above against transformers: no run of its own (CI's time).
 FAMILIES = {
-    "squad_v1": (squad_config, squad_files, MB_FAMILIES["squad_v1"][2]),
+    "squad_v1": (squad_config, squad_files, squad_overrides()),
     "swag": (swag_config, swag_files, {}),
 }
 
