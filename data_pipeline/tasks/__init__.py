@@ -14,6 +14,8 @@ all of them; the task tells it only the head kind (`HEAD_KINDS`) and the number 
     classification.py    your own classification / regression table (CSV, TSV, JSON Lines)
     tagging.py           your own token tagging (CoNLL columns or JSON Lines; BIO, BIOES)
     files.py             reading your own files: tables by column name, splits, seeded dev share
+    tokenizer_json.py    featurizing with a HuggingFace tokenizer.json (ModernBERT's BPE) instead of vocab.txt
+    squad_windows.py     SQuAD's sliding context windows
 
 Feature arrays (numpy; `N` rows, `L` = max_seq_length, `C` = choices):
 
