@@ -308,7 +308,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def export_modernbert(args) -> int:
     """A ModernBERT pretraining workdir (`modernbert_config.json`) -> transformers' `config.json` +
-    `model.safetensors` (`ModernBertForMaskedLM`) and the workdir's vocab.txt; only `--output_format=hf`."""
+    `model.safetensors` (`ModernBertForMaskedLM`) and the workdir's vocab.txt or tokenizer.json; only `--output_format=hf`."""
     from bert_jax.formats import modernbert_hf
     if storage.isfile(storage_paths.join(args.input, layout.TASK_FILE)):  # bert_jax/finetune/modernbert_tasks.py
         raise ValueError(f"{args.input} is a ModernBERT fine-tuning workdir: its best epoch is already in "
@@ -326,8 +326,9 @@ def export_modernbert(args) -> int:
     config, params, step = modernbert_hf.load_workdir(args.input)
     modernbert_hf.save(args.output, config, params)
     for name, source in ((layout.VOCAB, args.vocab_file or storage_paths.join(args.input, layout.VOCAB)),
+                         (layout.TOKENIZER_JSON, storage_paths.join(args.input, layout.TOKENIZER_JSON)),
                          (layout.TOKENIZER_CONFIG, storage_paths.join(args.input, layout.TOKENIZER_CONFIG))):
-        if storage.isfile(source):  # the WordPiece vocabulary the records were made with, and its casing
+        if storage.isfile(source):  # the vocabulary (or tokenizer.json) the records were made with, and its casing
             storage.write_bytes(storage_paths.join(args.output, name), storage.read_bytes(source))
     from bert_jax.model.modeling import count_params
     print(json.dumps({"input": args.input, "input_format": "bert_jax (ModernBERT workdir)", "step": step,

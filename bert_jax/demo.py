@@ -20,7 +20,7 @@ import jax
 import ml_collections
 
 from bert_jax import layout
-from bert_jax.pretrain import loop as pretrain
+from bert_jax.pretrain import checkpoint_eval, loop as pretrain
 from bert_jax.training import run_setup, sharding
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
@@ -92,7 +92,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
 
     eval_config = config.copy_and_resolve_references()
     eval_config.init_checkpoint = workdir
-    evaluation = pretrain.evaluate(eval_config, workdir)
+    evaluation = checkpoint_eval.evaluate(eval_config, workdir)
     bert_config = run_setup.bert_config_from(eval_config)
     params, _ = run_setup.load_params(eval_config, bert_config, sharding.create_mesh(
         {"data": -1}, devices=jax.devices()[:1]))

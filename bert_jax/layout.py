@@ -5,14 +5,14 @@
       best/<step>/              BEST               fine-tuning: the best epoch's parameters
       best_predictions/         BEST_PREDICTIONS   fine-tuning: the best epoch's predictions
       transformers/             TRANSFORMERS       ModernBERT fine-tuning: the best epoch in transformers'
-                                                   format (config.json, model.safetensors, vocab.txt or
-                                                   tokenizer.json, tokenizer_config.json)
+                                                   format (config.json, model.safetensors, vocab.txt)
       bert_config.json          MODEL_CONFIG       the model's config (Google's file name and fields)
       modernbert_config.json    MODERNBERT_CONFIG  instead, for config.model_family="modernbert": transformers'
                                                    config.json of ModernBertForMaskedLM (+ dtype, attention_impl,
                                                    local_blocks)
       vocab.txt                 VOCAB              the WordPiece vocabulary, one token a line
-      tokenizer.json            TOKENIZER_JSON     instead of vocab.txt: a HuggingFace tokenizer.json (ModernBERT's BPE)
+      tokenizer.json            TOKENIZER_JSON     instead, for a run of config.tokenizer_json: that HuggingFace
+                                                   tokenizer.json (ModernBERT's BPE, ...)
       tokenizer_config.json     TOKENIZER_CONFIG   the casing (`do_lower_case`), as HF writes it
       task.json                 TASK_FILE          fine-tuning: the task, its head and labels
       train_log.jsonl           TRAIN_LOG          one line of metrics per logged step (and event lines)
@@ -60,8 +60,8 @@ TRANSFORMERS = "transformers"
 MODEL_CONFIG = "bert_config.json"
 MODERNBERT_CONFIG = "modernbert_config.json"
 VOCAB = "vocab.txt"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 TASK_FILE = "task.json"
 TRAIN_LOG = "train_log.jsonl"
 SKIPPED_BATCHES = "skipped_batches.json"

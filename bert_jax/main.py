@@ -94,8 +94,8 @@ def main(argv):
     init_distributed(_MULTIHOST.value)
     from bert_jax import demo
     from bert_jax.finetune import loop as finetune, predict
-    from bert_jax.pretrain import loop as pretrain
-    modes = {"pretrain": pretrain.run, "evaluate": pretrain.evaluate, "demo": demo.run, "finetune": finetune.run,
+    from bert_jax.pretrain import checkpoint_eval, loop as pretrain
+    modes = {"pretrain": pretrain.run, "evaluate": checkpoint_eval.evaluate, "demo": demo.run, "finetune": finetune.run,
              "predict": predict.run}
     if config.mode not in modes:
         refuse(f"FATAL: config.mode must be one of {sorted(modes)}, got {config.mode!r}")

@@ -80,12 +80,12 @@ def check_paths(config: Mapping, workdir: Optional[str]) -> None:
 
 
 def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
-                      do_lower_case: Optional[bool] = None) -> None:
+                      do_lower_case: Optional[bool] = None, tokenizer_json: str = "") -> None:
     """Makes the workdir self-describing: bert_config.json (for a `ModernBertConfig`:
-    modernbert_config.json) + vocab.txt (a tokenizer.json: tokenizer.json) + tokenizer_config.json
-    (with the casing, when it is known) next to the checkpoints. A file is written only when its
-    content changes, so a finished (even read-only) workdir re-runs as a no-op. Call it on one
-    process."""
+    modernbert_config.json) + vocab.txt (or, given `tokenizer_json`, that tokenizer.json) +
+    tokenizer_config.json (with the casing, when it is known) next to the checkpoints. A file is
+    written only when its content changes, so a finished (even read-only) workdir re-runs as a
+    no-op. Call it on one process."""
     from bert_jax.formats.common import tokenizer_config_json
 
     storage.makedirs(workdir)
@@ -101,9 +101,10 @@ def write_model_files(workdir: str, bert_config: BertConfig, vocab_file: str,
             unchanged = False
         if not unchanged:
             bert_config.to_json_file(config_file)
-    if vocab_file:  # a WordPiece vocab.txt, or a HuggingFace tokenizer.json (fine-tuning ModernBERT)
-        name = layout.TOKENIZER_JSON if vocab_file.endswith(".json") else layout.VOCAB
-        write_if_changed(storage_paths.join(workdir, name), storage.read_bytes(vocab_file))
+    if vocab_file:
+        write_if_changed(storage_paths.join(workdir, layout.VOCAB), storage.read_bytes(vocab_file))
+    if tokenizer_json:
+        write_if_changed(storage_paths.join(workdir, layout.TOKENIZER_JSON), storage.read_bytes(tokenizer_json))
     if do_lower_case is not None:
         write_if_changed(storage_paths.join(workdir, layout.TOKENIZER_CONFIG),
                          tokenizer_config_json(do_lower_case).encode())

@@ -61,6 +61,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.train_data = ""  # glob(s), comma-separated, of training TFRecords
     config.eval_data = ""  # glob(s) of held-out TFRecords ("" = no periodic evaluation)
     config.vocab_file = ""  # vocab.txt: needed by dynamic masking; copied into the workdir
+    # instead of vocab_file, for records made with create_pretraining_data --tokenizer_json: that
+    # HuggingFace tokenizer.json (its [MASK] id, special ids and size; copied into the workdir)
+    config.tokenizer_json = ""
     config.max_seq_length = 128  # phase 1 sequence length (the paper's 90% of steps)
     config.max_predictions_per_seq = 20  # masked-LM predictions per sequence at length 128
     config.shuffle_buffer_size = 10_000  # records held for shuffling, per host

@@ -2,7 +2,14 @@
 as bert_jax's input pipeline carries it.
 
     python -m bert_jax.main --config=configs/modernbert_base.py --workdir=W \\
-        --config.train_data='RECORDS_1024/*.tfrecord' --config.vocab_file=VOCAB
+        --config.train_data='RECORDS_1024/*.tfrecord' --config.tokenizer_json=MODERNBERT/tokenizer.json
+
+The tokenizer is ModernBERT's own BPE tokenizer.json (OLMo's, 50,368 ids, the model's `vocab_size` and
+special-token ids as set below): the records are made with it (`create_pretraining_data
+--tokenizer_json=MODERNBERT/tokenizer.json`), and `config.tokenizer_json` gives dynamic masking its [MASK]
+id and is checked against the records' manifest (docs/model.md, "Pretraining ModernBERT"). Records of a
+WordPiece vocab.txt train too (`config.vocab_file`, with `model.vocab_size` and the special-token ids
+set to that vocabulary's: [PAD], [CLS] and [SEP] ids that differ from the vocabulary's are refused).
 
 With the context extension, a config file of your own sets the two phases' records:
 
@@ -27,10 +34,8 @@ The recipe, as the paper trains it and as this config sets it:
   for `config.phases`; without it, one phase at 1,024 from `config.train_data`).
 
 What differs from the paper, because of the input pipeline (docs/model.md, "Pretraining ModernBERT"):
-- the records are Google's schema, made by `data_pipeline.create_pretraining_data` with a WordPiece
-  vocab.txt: ModernBERT's own BPE tokenizer (OLMo's, 50,368 ids) is not supported, so set
-  `model.vocab_size` and the special-token ids to the vocab.txt used (dynamic masking reads [MASK],
-  [CLS], [SEP] from it);
+- dynamic masking masks token by token: the records carry no BPE word boundaries, so whole-word
+  dynamic masking is refused with a tokenizer.json;
 - packing fills a row only with records of this phase's file (first-fit within a window of records),
   and needs records shorter than the row: records written at `--max_seq_length=1024` from short
   documents (the paper packs unpadded sequences into the row, ours keeps [CLS]/[SEP] per record);

@@ -7,7 +7,9 @@ configs/modernbert_base.py in miniature, for tests and a first run on a laptop.
 Two layers, the first global and the second local (`global_attn_every_n_layers=2`) with a window of
 8 tokens (`local_attention=8`: 4 on each side), so 32-token rows cross the window. The vocabulary
 is the records' (512 ids in the tests' records); the special-token ids are BERT's vocab.txt ones
-([PAD] 0, [CLS] 2, [SEP] 3: the records are made with a WordPiece vocab.txt).
+([PAD] 0, [CLS] 2, [SEP] 3: the records are made with a WordPiece vocab.txt); records of a BPE
+tokenizer.json train with `--config.tokenizer_json=FILE` instead of `--config.vocab_file`
+(tests/pretrain/test_tokenizer_json_pretraining.py).
 """
 
 from configs import modernbert_base

@@ -262,7 +262,9 @@ def train_seed(prepared: preparation.Prepared, config: ml_collections.ConfigDict
                 encoder = {k: _place_encoder(v, p.state_shardings.params[k]) for k, v in init_params.items()}
                 state = p.init(jax.random.key(config.seed), encoder)
     if jax.process_index() == 0:
-        workdir_files.write_model_files(workdir, bert_config, p.vocab_file, p.do_lower_case)
+        bpe = tokenizer_json.is_tokenizer_json(p.vocab_file)  # W/tokenizer.json instead of W/vocab.txt
+        workdir_files.write_model_files(workdir, bert_config, "" if bpe else p.vocab_file, p.do_lower_case,
+                                        tokenizer_json=p.vocab_file if bpe else "")
         workdir_files.write_json(workdir, TASK_FILE, task_description(task, config), indent=2)
 
     writer = workdir_files.metric_writer(workdir, just_logging=jax.process_index() > 0)

@@ -97,6 +97,15 @@ def make_train_input(config, phase: Phase, special_ids: Optional[dict],
     # Which ids are `##` pieces: whole-word dynamic masking (asked, or as the records were made).
     subword = (masking.subword_table(config.vocab_file)
                if config.dynamic_masking and config.vocab_file else None)
+    whole_word_mask = config.get("dynamic_whole_word_mask")
+    if config.get("tokenizer_json") and config.dynamic_masking:
+        # A tokenizer.json's words are its pre-tokenizer's, which the records do not carry.
+        if whole_word_mask:
+            raise ValueError(f"config.dynamic_whole_word_mask=True with config.tokenizer_json={config.tokenizer_json}: "
+                             "the records carry no word boundaries of a tokenizer.json (BPE has no ## pieces), so "
+                             "dynamic masking cannot re-draw whole words; set config.dynamic_whole_word_mask=False "
+                             "(token by token), or config.dynamic_masking=False to train on the records' own masks")
+        whole_word_mask = False
 
     def make(shard: int, num_shards: int, shards_per_host: int):
         per_host = config.global_batch_size // jax.process_count()
@@ -115,7 +124,7 @@ def make_train_input(config, phase: Phase, special_ids: Optional[dict],
             dynamic_masking=config.dynamic_masking,
             special_ids=special_ids,
             masked_lm_prob=config.get("masked_lm_prob", 0.15),
-            whole_word_mask=config.get("dynamic_whole_word_mask"),
+            whole_word_mask=whole_word_mask,
             subword=subword,
             packing=config.packing,
             max_seqs_per_pack=config.max_seqs_per_pack,

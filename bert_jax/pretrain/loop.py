@@ -1,7 +1,8 @@
-"""Pretraining and evaluation loops: mesh, sharded init, restore, jit(step), loop, eval, saves.
+"""The pretraining loop: mesh, sharded init, restore, jit(step), loop, eval, saves.
 
-`run(config, workdir)` pretrains; `evaluate(config, workdir)` scores a checkpoint on pretraining
-TFRecords. Both read the ml_collections config here and pass explicit arguments below.
+`run(config, workdir)` pretrains (`mode=pretrain`; `mode=evaluate`, a checkpoint scored on pretraining
+TFRecords, is `checkpoint_eval.py`). It reads the ml_collections config here and passes explicit
+arguments below.
 
 The loop, in order of what can go wrong:
 - every host checks, before compiling, that all hosts resolved the same config (a mismatch exits
@@ -33,7 +34,6 @@ and one learning-rate schedule over all steps; each phase has its own data and c
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from typing import Optional
@@ -46,12 +46,11 @@ from bert_jax import exit_codes, layout, versions
 from bert_jax.checkpoints import checkpointer, step_dirs
 from bert_jax.model import layers
 from bert_jax.model.model_config import BertConfig
-from bert_jax.model.pretraining_heads import BertForPreTraining
 from bert_jax.pretrain import divergence, model_family, rollback, startup_checks, steps
 from bert_jax.pretrain.feed import make_eval_input, make_train_input, run_eval
 from bert_jax.pretrain.phases import resolve_phases
 from bert_jax.training import optim, run_setup, sharding, train_state
-from bert_jax.workdir import metric_writer, write_json, write_model_files
+from bert_jax.workdir import metric_writer, write_model_files
 from data_pipeline.storage import paths as storage_paths
 
 
@@ -148,19 +147,15 @@ class _Pretraining:
             raise ValueError(f"config.nonfinite must be 'stop' or 'skip', got {config.nonfinite!r}")
         self.divergence = divergence.settings_from(config)
         self.skipped = rollback.SkippedBatches(workdir, divergence.parse_skip_batches(config.get("skip_batches", "")))
-        self.special_ids = special_ids = startup_checks.special_token_ids(config.vocab_file)
-        if special_ids and special_ids["vocab_size"] > bert_config.vocab_size:
-            raise ValueError(f"config.vocab_file={config.vocab_file} has {special_ids['vocab_size']} tokens but "
-                             f"config.model.vocab_size={bert_config.vocab_size}: set the model's vocab_size to the "
-                             f"vocabulary's size (ids past the embedding table would be silently clamped)")
-        if config.dynamic_masking and special_ids is None:
-            raise ValueError("config.dynamic_masking needs config.vocab_file (for the [MASK] id and the vocabulary)")
-        startup_checks.check_vocab_matches_data(config.vocab_file, [p.train_data for p in self.phases]
-                                                 + ([config.eval_data] if config.eval_data else []))
+        self.special_ids = startup_checks.check_vocabulary(
+            config, bert_config.vocab_size, [p.train_data for p in self.phases]
+            + ([config.eval_data] if config.eval_data else []))
+        model_family.check_special_token_ids(bert_config, self.special_ids, startup_checks.vocabulary_key(config))
         if config.eval_data and config.eval_every_steps:
             make_eval_input(config, config.eval_data, workdir)  # bad eval data: an error now, not after hours
         if jax.process_index() == 0:
-            write_model_files(workdir, bert_config, config.vocab_file, startup_checks.data_casing(self.phases))
+            write_model_files(workdir, bert_config, config.vocab_file, startup_checks.data_casing(self.phases),
+                              tokenizer_json=config.get("tokenizer_json", ""))
 
         self.model, self.tx, self.schedule, init_state = build(config, bert_config, self.mesh)
         abstract = jax.eval_shape(init_state, jax.random.key(config.seed))
@@ -197,8 +192,8 @@ class _Pretraining:
                                                   sharding.DEFAULT_RULES)
             self.step = 0
             if config.init_checkpoint:  # continued pretraining from released (or our) weights
-                self.state = self.state.replace(params=run_setup.init_from_checkpoint(
-                    config.init_checkpoint, self.bert_config, self.state.params, self.state_shardings.params,
+                self.state = self.state.replace(params=model_family.init_params(
+                    config, self.bert_config, self.state.params, self.state_shardings.params,
                     google_gelu=config.get("google_gelu")))
                 logging.info("initialized from %s", config.init_checkpoint)
         self.monitor = self._monitor()
@@ -482,33 +477,3 @@ def compile_step(p_train, state, batch, name: str):
         ocp.multihost.sync_global_processes(f"bert_jax_compiled_{name}", timeout=3600,
                                             processes=set(range(jax.process_count())))
     return compiled
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation mode
-# ---------------------------------------------------------------------------------------------
-
-
-def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Scores `config.init_checkpoint` on `config.eval_data`; writes `workdir/eval_results.json`."""
-    if not config.init_checkpoint:
-        raise ValueError("config.init_checkpoint is empty: give the checkpoint to evaluate")
-    if not config.eval_data:
-        raise ValueError("config.eval_data is empty: give the evaluation TFRecords (glob)")
-    model_family.check_evaluate(config)
-    jax.config.update("jax_threefry_partitionable", True)
-    bert_config = run_setup.bert_config_from(config)
-    mesh = sharding.create_mesh(config.mesh.to_dict(), config.dcn_mesh.to_dict())
-    params, params_shardings = run_setup.load_params(config, bert_config, mesh)
-    model = BertForPreTraining(bert_config.replace(fp8=False))  # as in training's evaluations
-    p_eval = jax.jit(functools.partial(steps.eval_step, model=model, objective=config.objective),
-                     in_shardings=(params_shardings, sharding.batch_sharding(mesh)))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
-        results = run_eval(p_eval, params, make_eval_input(config, config.eval_data), mesh,
-            config.eval_steps)
-    if jax.process_index() == 0:
-        write_json(workdir, layout.EVAL_RESULTS, results, indent=2, sort_keys=True)
-        print(json.dumps(results, sort_keys=True))
-    return results
-
-

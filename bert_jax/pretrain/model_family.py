@@ -10,14 +10,21 @@ families; this module holds the few places where they differ:
   types, no NSP) and returns a `PreTrainingOutput` without NSP logits, so the train and eval steps'
   masked-LM loss and sums are BERT's code (`steps.pretraining_sums`; the NSP sums are 0).
 
-ModernBERT refuses, before anything compiles, what it has no part for: `config.use_nsp=True`,
-`config.objective="ltr"`, `config.init_checkpoint` (continued pretraining of a ModernBERT
-checkpoint is not wired), and `mode=evaluate`. BERT-only model options are not ModernBertConfig
-fields and are refused by `run_setup.modernbert_config_from`. This module must not import tensorflow.
+ModernBERT refuses, before anything compiles, what it has no part for: `config.use_nsp=True` and
+`config.objective="ltr"`. BERT-only model options are not ModernBertConfig fields and are refused by
+`run_setup.modernbert_config_from`.
+
+A ModernBERT `config.init_checkpoint` (continued pretraining, `init_params`; `mode=evaluate`,
+`checkpoint_eval.py`) is a ModernBERT pretraining workdir (its newest intact checkpoint's
+parameters: `formats.modernbert_hf.load_workdir`) or a transformers ModernBERT folder
+(`ModernBertForMaskedLM`'s `config.json` + `model.safetensors`: `formats.modernbert_hf.load`).
+Continued pretraining refuses a checkpoint whose architecture differs from `config.model`'s, naming
+the key. This module must not import tensorflow.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax.numpy as jnp
@@ -43,16 +50,67 @@ def check(config: ml_collections.ConfigDict, model_config) -> None:
                          "next-sentence head); set config.use_nsp=False")
     if config.objective != "mlm":
         raise ValueError(f"config.objective={config.objective!r}: {where} pretrains with 'mlm' only")
-    if config.get("init_checkpoint"):
-        raise ValueError(f"config.init_checkpoint={config.init_checkpoint}: {where} pretrains from scratch "
-                         "(continued pretraining of a ModernBERT checkpoint is not supported)")
 
 
-def check_evaluate(config: ml_collections.ConfigDict) -> None:
-    """`mode=evaluate` scores BERT checkpoints only (`run_setup.load_params` reads BERT's trees)."""
-    if config.get("model_family", "bert") != "bert":
-        raise ValueError("mode=evaluate scores BERT checkpoints; config.model_family='modernbert' evaluates during "
-                         "pretraining (config.eval_data, config.eval_every_steps)")
+def check_special_token_ids(model_config, special_ids: Optional[dict], where: str) -> None:
+    """Raises naming `config.model.<role>_token_id` when a ModernBERT's [PAD]/[CLS]/[SEP] ids are not those of
+    the run's vocabulary (`where`: its key): the export's config.json tells transformers these ids."""
+    if not is_modernbert(model_config) or not special_ids:
+        return
+    for role in ("pad", "cls", "sep"):
+        want, have = special_ids.get(f"{role}_id"), getattr(model_config, f"{role}_token_id")
+        if want is not None and want >= 0 and have != want:
+            raise ValueError(f"config.model.{role}_token_id={have}, but the {role} token of {where} has id {want}: set "
+                             f"config.model.{role}_token_id={want} (the exported config.json gives transformers "
+                             "these ids)")
+
+
+# What a run may set apart from its ModernBERT init checkpoint: our own fields, regularization, the
+# initialization (unused: the weights are the checkpoint's), the special-token ids and the classifier's
+# settings (no weights of the masked-LM model).
+NOT_ARCHITECTURE = ("dtype", "attention_impl", "local_blocks", "attention_dropout", "embedding_dropout",
+                    "mlp_dropout", "initializer_range", "initializer_cutoff_factor", "pad_token_id",
+                    "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id", "classifier_pooling",
+                    "classifier_dropout", "classifier_bias", "classifier_activation")
+
+
+def load_modernbert(path: str) -> tuple[ModernBertConfig, dict, str]:
+    """(config, params as float32 numpy, what was read) of `path`: a ModernBERT pretraining workdir or a
+    transformers ModernBERT (masked-LM) folder; a fine-tuned one is refused naming `path`."""
+    from bert_jax.formats import modernbert_hf
+    if modernbert_hf.is_workdir(path):
+        model_config, params, step = modernbert_hf.load_workdir(path)
+        return model_config, params, f"step {step} of {path}"
+    model_config, params, task = modernbert_hf.load(path)
+    if task is not None:
+        raise ValueError(f"config.init_checkpoint={path} is a fine-tuned ModernBERT (a {task['kind']} head): "
+                         "pretraining and mode=evaluate read a masked-LM model (ModernBertForMaskedLM)")
+    return model_config, params, path
+
+
+def check_same_architecture(model_config: ModernBertConfig, checkpoint: ModernBertConfig, path: str) -> None:
+    """Raises naming `config.model.<key>` when the run's model differs from the checkpoint's in its weights'
+    architecture (every field but `NOT_ARCHITECTURE`)."""
+    for field in dataclasses.fields(ModernBertConfig):
+        mine, theirs = getattr(model_config, field.name), getattr(checkpoint, field.name)
+        if field.name not in NOT_ARCHITECTURE and mine != theirs:
+            raise ValueError(f"config.model.{field.name}={mine!r}, but the init checkpoint {path} has "
+                             f"{field.name}={theirs!r}: set config.model to the checkpoint's architecture "
+                             "(its config.json), or pretrain from scratch without config.init_checkpoint")
+
+
+def init_params(config: ml_collections.ConfigDict, model_config, fresh_params: dict, shardings: dict,
+                google_gelu: Optional[str] = None) -> dict:
+    """Continued pretraining: the parameters `config.init_checkpoint` gives the run, on `shardings`
+    (BERT: `run_setup.init_from_checkpoint`, heads it lacks kept fresh; ModernBERT: every parameter the
+    checkpoint's, its architecture `config.model`'s)."""
+    from bert_jax.training import run_setup, sharding
+    path = config.init_checkpoint
+    if not is_modernbert(model_config):
+        return run_setup.init_from_checkpoint(path, model_config, fresh_params, shardings, google_gelu=google_gelu)
+    checkpoint, params, _ = load_modernbert(path)
+    check_same_architecture(model_config, checkpoint, path)
+    return sharding.place(params, shardings)
 
 
 class ModernBertPreTraining:

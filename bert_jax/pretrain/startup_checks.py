@@ -9,9 +9,11 @@ that names the field and the fix, rather than as a trace error, a silent clamp, 
 - `check_sequence_lengths`: each phase's length fits the position table and is the records' length
   (and `check_data_vocab_size`: a tokenizer.json's records fit the embedding table);
 - `check_mesh`: the batch, gradient accumulation and the model divide over the mesh;
-- `special_token_ids`, `check_vocab_matches_data`: the vocabulary has the special tokens and is the
-  one the data was made with (records a tokenizer.json made are refused with a vocab.txt: their
-  ids are the file's); `check_token_ids` checks each batch against the embedding table;
+- `check_one_vocabulary`, `special_token_ids`, `check_vocab_matches_data`,
+  `check_tokenizer_matches_data`: one vocabulary (a vocab.txt, `config.vocab_file`, or a HuggingFace
+  tokenizer.json, `config.tokenizer_json`), it has the special tokens and is the one the data was
+  made with (records a tokenizer.json made are refused with a vocab.txt, and the other way round);
+  `check_token_ids` checks each batch against the embedding table;
 - `report_schedule_change`: a resumed run says when its learning-rate schedule differs from the
   checkpoint's (allowed, but worth a line);
 - `data_casing`: the casing the data was made with, for the workdir's tokenizer config.
@@ -134,9 +136,55 @@ def check_sequence_lengths(config: ml_collections.ConfigDict, bert_config: BertC
 # ---------------------------------------------------------------------------------------------
 
 
-def special_token_ids(vocab_file: str) -> Optional[dict]:
-    """The ids of [PAD], [CLS], [SEP], [MASK] in `vocab_file` and its size in ids (None without one);
-    raises naming the file when one of those tokens is missing."""
+def check_one_vocabulary(config: ml_collections.ConfigDict) -> None:
+    """At most one of config.vocab_file (a WordPiece vocab.txt) and config.tokenizer_json (a HuggingFace
+    tokenizer.json): the records' ids are one of them."""
+    if config.get("vocab_file") and config.get("tokenizer_json"):
+        raise ValueError(f"config.vocab_file={config.vocab_file} and config.tokenizer_json={config.tokenizer_json}: "
+                         "give one, the vocabulary the records were made with (create_pretraining_data's "
+                         "--vocab_file or --tokenizer_json), and set the other to ''")
+
+
+def check_vocabulary(config: ml_collections.ConfigDict, model_vocab_size: int,
+                     patterns: Sequence[str]) -> Optional[dict]:
+    """The run's vocabulary checked (one of them, its special tokens, its size against the model's, the
+    data's own, one for dynamic masking); returns its special ids (`special_token_ids`)."""
+    check_one_vocabulary(config)
+    tokenizer_json = config.get("tokenizer_json", "")
+    special_ids = special_token_ids(config.vocab_file, tokenizer_json)
+    check_special_ids_fit(special_ids, model_vocab_size, vocabulary_key(config))
+    if config.dynamic_masking and special_ids is None:
+        raise ValueError("config.dynamic_masking needs config.vocab_file or config.tokenizer_json (for the [MASK] "
+                         "id and the vocabulary)")
+    check_vocab_matches_data(config.vocab_file, patterns)
+    check_tokenizer_matches_data(tokenizer_json, patterns)
+    return special_ids
+
+
+def check_special_ids_fit(special_ids: Optional[dict], model_vocab_size: int, where: str) -> None:
+    """Raises naming `where` (the vocabulary's key) when the vocabulary has more ids than the model."""
+    if special_ids and special_ids["vocab_size"] > model_vocab_size:
+        raise ValueError(f"{where} has {special_ids['vocab_size']} tokens but config.model.vocab_size="
+                         f"{model_vocab_size}: set the model's vocab_size to the vocabulary's size (ids past the "
+                         "embedding table would be silently clamped)")
+
+
+def vocabulary_key(config: ml_collections.ConfigDict) -> str:
+    """`config.vocab_file=PATH` or `config.tokenizer_json=PATH`, whichever is set, for messages."""
+    if config.get("tokenizer_json"):
+        return f"config.tokenizer_json={config.tokenizer_json}"
+    return f"config.vocab_file={config.get('vocab_file')}"
+
+
+def special_token_ids(vocab_file: str, tokenizer_json: str = "") -> Optional[dict]:
+    """The ids of [PAD], [CLS], [SEP], [MASK] in `vocab_file` (or the special tokens of the tokenizer.json
+    `tokenizer_json`: `HFTokenizer.special_ids`) and its size in ids (None without either); raises naming
+    the file when one of those tokens is missing. A tokenizer.json without a padding token gets
+    pad_id -1 (no real token is taken for padding)."""
+    if tokenizer_json:
+        from data_pipeline.tokenization import hf_tokenizer
+        ids = hf_tokenizer.HFTokenizer(tokenizer_json).special_ids()
+        return dict(ids, pad_id=-1 if ids["pad_id"] is None else ids["pad_id"])
     if not vocab_file:
         return None
     from data_pipeline import tokenization  # the loop's checks may touch the data side
@@ -144,6 +192,50 @@ def special_token_ids(vocab_file: str) -> Optional[dict]:
     tokenization.require_tokens(vocab, f"config.vocab_file={vocab_file}", ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
     return dict(pad_id=vocab["[PAD]"], cls_id=vocab["[CLS]"], sep_id=vocab["[SEP]"],
                 mask_id=vocab["[MASK]"], vocab_size=max(vocab.values()) + 1)  # ids, not distinct tokens
+
+
+def check_tokenizer_matches_data(tokenizer_json: str, patterns: Sequence[str]) -> None:
+    """Raises, naming both files, when `tokenizer_json` is not the tokenizer.json the data was made with
+    (its dataset_info.json's `tokenizer`): equal bytes pass, and so does another file with the same
+    ids and special tokens while the recorded one is readable. Records of a vocab.txt are refused."""
+    if not tokenizer_json:
+        return
+    from data_pipeline import storage
+    from data_pipeline.records import manifests, reader
+    from data_pipeline.tokenization import hf_tokenizer
+
+    digest = None
+    for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
+        info = reader.dataset_info(pattern)
+        made_by = info.get("tokenizer")
+        if not (isinstance(made_by, dict) and made_by.get("kind") == "tokenizer.json"):
+            if info.get("vocab_sha256"):
+                made_with = info.get("flags", {}).get("vocab_file")
+                raise ValueError(f"config.tokenizer_json={tokenizer_json}, but {pattern} was made with the vocab.txt "
+                                 f"{made_with} (per its dataset_info.json): set config.vocab_file={made_with} and "
+                                 "config.tokenizer_json=''")
+            continue  # no manifest to compare with
+        if digest is None:
+            digest = manifests.sha256_file(tokenizer_json)
+        if digest == made_by.get("sha256"):
+            continue
+        recorded = made_by.get("file")
+        if recorded and storage.exists(recorded):
+            mine, theirs = hf_tokenizer.HFTokenizer(tokenizer_json), hf_tokenizer.HFTokenizer(recorded)
+            if mine.vocab == theirs.vocab and mine.special_ids() == theirs.special_ids():
+                continue  # the same ids and special tokens in another file
+            raise ValueError(f"config.tokenizer_json={tokenizer_json} is not the tokenizer.json {pattern} was made "
+                             f"with ({recorded}, per its dataset_info.json): their vocabularies or special tokens "
+                             "differ, so the data's token ids would mean other tokens")
+        mine = hf_tokenizer.HFTokenizer(tokenizer_json)
+        if (mine.vocab_size, mine.special_ids()) != (made_by.get("vocab_size"), made_by.get("special_ids")):
+            raise ValueError(f"config.tokenizer_json={tokenizer_json} is not the tokenizer.json {pattern} was made "
+                             f"with ({recorded}, no longer readable): {mine.vocab_size} ids and special ids "
+                             f"{mine.special_ids()}, the records' {made_by.get('vocab_size')} and "
+                             f"{made_by.get('special_ids')}")
+        logging.warning("config.tokenizer_json=%s differs byte-wise from the tokenizer.json %s was made with "
+                        "(%s, no longer readable; same size and special ids): make sure it has the same tokens",
+                        tokenizer_json, pattern, recorded)
 
 
 def check_data_vocab_size(vocab_size: int, patterns: Sequence[str]) -> None:
@@ -195,8 +287,8 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
                 f"config.vocab_file={vocab_file}, but {pattern} was made with the tokenizer.json "
                 f"{made_by.get('file')} (per its dataset_info.json): its ids are that file's "
                 f"({made_by.get('vocab_size')} ids, [MASK] = {(made_by.get('special_ids') or {}).get('mask_id')}), not "
-                "a vocab.txt's. Train on these pre-masked records with config.vocab_file='' and "
-                f"config.dynamic_masking=False, and config.model.vocab_size >= {made_by.get('vocab_size')}")
+                f"a vocab.txt's. Set config.tokenizer_json={made_by.get('file')} and config.vocab_file='', "
+                f"and config.model.vocab_size >= {made_by.get('vocab_size')}")
         want = info.get("vocab_sha256")
         if not want:
             continue

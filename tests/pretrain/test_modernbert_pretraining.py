@@ -1,8 +1,9 @@
 """ModernBERT pretrained through BERT's loop (`config.model_family="modernbert"`, configs/modernbert_tiny.py):
 the train step's loss against NumPy's cross-entropy of the model's own logits, the loss going down on a
 repeated batch, a run resumed by `bert_jax.main` from a checkpoint ending with the uninterrupted run's
-parameters, the export to transformers' format read back with the same logits, the configs, and the
-settings ModernBERT refuses. Records are the tests' own (tests/helpers/pretraining_records.py)."""
+parameters, the export to transformers' format read back with the same logits, `mode=evaluate` of the
+workdir and of the export equal to the run's own evaluation at that step, continued pretraining from the
+export starting from exactly its parameters, the configs, and the settings ModernBERT refuses. Records are the tests' own (tests/helpers/pretraining_records.py)."""
 
 import json
 import shutil
@@ -190,6 +191,62 @@ def test_the_hf_export_reads_back_with_the_trained_logits(uninterrupted, tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------
+# A checkpoint read back: mode=evaluate, continued pretraining
+# ---------------------------------------------------------------------------------------------
+
+
+def logged_eval(work, step: int) -> dict:
+    """The eval metrics the run wrote to TensorBoard at `step`."""
+    out = {}
+    for path in sorted(work.glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for v in event.summary.value:
+                value = tf.make_ndarray(v.tensor)
+                if event.step == step and v.tag.startswith("eval/") and value.ndim == 0:
+                    out[v.tag[len("eval/"):]] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(uninterrupted, tmp_path_factory):
+    """The run's step-8 checkpoint as transformers' ModernBertForMaskedLM folder."""
+    from bert_jax import convert
+    out = tmp_path_factory.mktemp("mb_export") / "hf"
+    assert convert.main([f"--input={uninterrupted}", f"--output={out}", "--output_format=hf"]) == 0
+    return out
+
+
+def test_mode_evaluate_of_a_workdir_or_its_export_equals_the_runs_logged_eval(records, uninterrupted, exported,
+                                                                              tmp_path):
+    from bert_jax.pretrain import checkpoint_eval
+    want = logged_eval(uninterrupted, STEPS)  # the run's evaluation of its step-8 parameters
+    assert set(want) == {"masked_lm_loss", "masked_lm_accuracy", "next_sentence_loss", "next_sentence_accuracy"}
+    for name, path in (("workdir", uninterrupted), ("hf", exported)):
+        got = checkpoint_eval.evaluate(tiny_config(records, mode="evaluate", init_checkpoint=str(path)),
+                                       str(tmp_path / name))
+        assert got == pytest.approx(want, rel=2e-7, abs=1e-9), name  # TensorBoard keeps float32: half an ulp
+        assert json.loads((tmp_path / name / "eval_results.json").read_text()) == got
+
+
+def test_continued_pretraining_starts_from_exactly_the_checkpoints_parameters(records, exported, tmp_path):
+    from bert_jax.formats import modernbert_hf
+    work = tmp_path / "continued"
+    # Learning rate 0: the step-1 checkpoint holds the parameters the run started from.
+    loop.run(tiny_config(records, init_checkpoint=str(exported), learning_rate=0.0, num_train_steps=1,
+                         warmup_steps=0, lr_decay_steps=1, checkpoint_every_steps=1, eval_every_steps=0), str(work))
+    _, want, _ = modernbert_hf.load(str(exported))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, saved_params(work, 1), want)
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_naming_the_key(records, exported, tmp_path):
+    config = tiny_config(records, init_checkpoint=str(exported))
+    config.model.intermediate_size = 128
+    with pytest.raises(ValueError, match=rf"config.model.intermediate_size=128, but the init checkpoint {exported} "
+                                         "has intermediate_size=96"):
+        loop.run(config, str(tmp_path / "w"))
+
+
+# ---------------------------------------------------------------------------------------------
 # Configs and refusals
 # ---------------------------------------------------------------------------------------------
 
@@ -219,7 +276,6 @@ def test_modernbert_base_flops_count_by_hand():
 @pytest.mark.parametrize("key,value,match", [
     ("use_nsp", True, "config.use_nsp=True: ModernBERT pretrains with masked LM only"),
     ("objective", "ltr", "config.objective='ltr'"),
-    ("init_checkpoint", "/some/bert", "config.init_checkpoint=/some/bert"),
     ("masked_lm_prob", 1.5, r"config.masked_lm_prob=1.5 must be in \(0, 1\)"),
     ("cpu_bf16", "on", "config.cpu_bf16='on'"),
 ])

@@ -275,7 +275,7 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
     # Independent check: the same weights scored record by record in numpy.
     import jax
     from bert_jax.model import pretraining_heads
-    from bert_jax.pretrain import loop as pretrain
+    from bert_jax.pretrain import checkpoint_eval
     from bert_jax.training import run_setup
     from configs import test as test_config
     cfg = test_config.get_config()
@@ -315,7 +315,7 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
     other_cfg.init_checkpoint, other_cfg.optimizer, other_cfg.clip_norm = str(tmp_path / "train"), "lamb", 0.0
     other_cfg.model.scan_layers = True
     other_cfg.eval_data, other_cfg.global_batch_size, other_cfg.verify_data = f"{data}/eval-0.tfrecord", 16, False
-    scanned = pretrain.evaluate(other_cfg, str(tmp_path / "eval_scanned"))
+    scanned = checkpoint_eval.evaluate(other_cfg, str(tmp_path / "eval_scanned"))
     for k, v in results.items():
         np.testing.assert_allclose(scanned[k], v, rtol=1e-5, err_msg=f"scanned: {k}")
     assert unfinished.is_dir()
@@ -331,7 +331,7 @@ def test_evaluate_mode_writes_the_reference_metrics(data, uninterrupted, tmp_pat
         for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(other)):
             np.testing.assert_array_equal(a, b)
         cfg.eval_data, cfg.global_batch_size, cfg.verify_data = f"{data}/eval-0.tfrecord", 16, False
-        again = pretrain.evaluate(cfg, str(tmp_path / f"eval_{fmt}"))
+        again = checkpoint_eval.evaluate(cfg, str(tmp_path / f"eval_{fmt}"))
         for k, v in results.items():
             np.testing.assert_allclose(again[k], v, rtol=1e-5, err_msg=f"{fmt}: {k}")
 
