@@ -5,7 +5,8 @@
       best/<step>/              BEST               fine-tuning: the best epoch's parameters
       best_predictions/         BEST_PREDICTIONS   fine-tuning: the best epoch's predictions
       transformers/             TRANSFORMERS       ModernBERT fine-tuning: the best epoch in transformers'
-                                                   format (config.json, model.safetensors, vocab.txt)
+                                                   format (config.json, model.safetensors, vocab.txt or
+                                                   tokenizer.json, tokenizer_config.json)
       bert_config.json          MODEL_CONFIG       the model's config (Google's file name and fields)
       modernbert_config.json    MODERNBERT_CONFIG  instead, for config.model_family="modernbert": transformers'
                                                    config.json of ModernBertForMaskedLM (+ dtype, attention_impl,

@@ -80,6 +80,9 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     config.google_gelu = config_dict.placeholder(str)  # a Google checkpoint's "gelu": None/"erf" or "tanh"
     config.vocab_file = ""  # "" = the checkpoint's vocab.txt
     config.do_lower_case = config_dict.placeholder(bool)  # None = the checkpoint's casing (else True)
+    # A HuggingFace tokenizer.json instead of vocab_file (model_family="modernbert"; "" = the checkpoint
+    # folder's when it has no vocab.txt): ModernBERT's BPE, with the file's [CLS]/[SEP]/[PAD] ids.
+    config.tokenizer_json = ""
     config.model = base.get_model_config()  # with init_checkpoint: docs/configuration.md says which keys apply
     # "modernbert": init_checkpoint is a transformers ModernBERT folder, whose config.json decides the
     # architecture (docs/finetuning.md#modernbert, bert_jax/finetune/modernbert_tasks.py).

@@ -63,6 +63,7 @@ from bert_jax.model.model_config import BertConfig
 from bert_jax.training import compile_ahead, run_setup, sharding
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
+from data_pipeline.tasks import tokenizer_json
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,10 +119,17 @@ def _prepare(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
     run_setup.use_prng_impl(config)
     if modernbert:
         bert_config, init_params, vocab_file, do_lower_case = modernbert_tasks.load(config)
+    elif config.get("tokenizer_json"):
+        raise ValueError(f"config.tokenizer_json={config.tokenizer_json}: a tokenizer.json is read for "
+                         "config.model_family=modernbert; BERT fine-tuning reads a WordPiece config.vocab_file")
     else:
         bert_config, init_params, vocab_file, do_lower_case = _bert_encoder(config, workdir)
     if not vocab_file:
-        raise ValueError("no vocabulary: set config.vocab_file (the checkpoint has no vocab.txt)")
+        raise ValueError("no vocabulary: set config.vocab_file (the checkpoint has no vocab.txt"
+                         f"{'; or config.tokenizer_json' if modernbert else ''})")
+    if tokenizer_json.is_tokenizer_json(vocab_file):  # its normalizer decides the casing
+        logging.info("tokenizer %s (HuggingFace tokenizer.json)", vocab_file)
+        return task, bert_config, init_params, vocab_file, None
     if do_lower_case is None:  # no config, no tokenizer_config.json: the vocabulary says it
         from bert_jax.formats.common import casing_from_vocab
         do_lower_case = casing_from_vocab(vocab_file)
@@ -254,7 +262,9 @@ def train_seed(prepared: preparation.Prepared, config: ml_collections.ConfigDict
                 encoder = {k: _place_encoder(v, p.state_shardings.params[k]) for k, v in init_params.items()}
                 state = p.init(jax.random.key(config.seed), encoder)
     if jax.process_index() == 0:
-        workdir_files.write_model_files(workdir, bert_config, p.vocab_file, p.do_lower_case)
+        bpe = tokenizer_json.is_tokenizer_json(p.vocab_file)  # W/tokenizer.json instead of W/vocab.txt
+        workdir_files.write_model_files(workdir, bert_config, "" if bpe else p.vocab_file, p.do_lower_case,
+                                        tokenizer_json=p.vocab_file if bpe else "")
         workdir_files.write_json(workdir, TASK_FILE, task_description(task, config), indent=2)
 
     writer = workdir_files.metric_writer(workdir, just_logging=jax.process_index() > 0)

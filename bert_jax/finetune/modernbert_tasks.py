@@ -2,7 +2,7 @@
 
     python -m bert_jax.main --config=configs/glue.py --config.task=sst2 --config.data_dir=DIR \\
         --config.model_family=modernbert --config.init_checkpoint=HF_MODERNBERT_DIR \\
-        --config.vocab_file=VOCAB_TXT --workdir=W
+        --workdir=W    # ModernBERT's tokenizer.json from HF_MODERNBERT_DIR (or --config.vocab_file=VOCAB_TXT)
 
 What differs from BERT's fine-tuning, and only that, lives here; the loop, its batches, packing,
 evaluation, seeds and checkpoints are BERT's (`bert_jax.finetune.loop`):
@@ -21,12 +21,14 @@ evaluation, seeds and checkpoints are BERT's (`bert_jax.finetune.loop`):
   class; the `classifier` starts fresh, drawn as transformers draws it. `config.model`'s `dtype`,
   `attention_impl` and `local_blocks` apply; without an init checkpoint `config.model` holds
   `ModernBertConfig`'s fields (`bert_jax.training.run_setup.modernbert_config_from`);
-* the vocabulary: the tasks tokenize with a WordPiece `vocab.txt` (`config.vocab_file`, or one in the
-  checkpoint's folder). ModernBERT's own tokenizer is BPE (`tokenizer.json`), which the tasks do
-  not read yet;
+* the vocabulary: ModernBERT's own BPE `tokenizer.json` (`config.tokenizer_json`, else the checkpoint
+  folder's when it has no `vocab.txt`; `data_pipeline.tasks.tokenizer_json`: the file's `[CLS]`,
+  `[SEP]` and `[PAD]` ids, SQuAD answers from character offsets), or a WordPiece `vocab.txt`
+  (`config.vocab_file`, or the checkpoint folder's);
 * the export: after each epoch that improves on the best, `W/transformers/` holds the model in
   transformers' format (`config.json` naming the task class, with `num_labels`, `id2label` and
-  `label2id`; `model.safetensors`; `vocab.txt`; `tokenizer_config.json`), which
+  `label2id`; `model.safetensors`; the `tokenizer.json` with a `tokenizer_config.json` naming its
+  special tokens, which `transformers.AutoTokenizer` loads, or `vocab.txt` with the casing), which
   `transformers.AutoModelForSequenceClassification` (etc.) loads;
 * BERT-only options are refused by name (`check_config`: FP8, the Pallas kernels, mixed matmuls,
   scanned layers, remat, Google's GELU, `head_init="normal"`, `cpu_bf16="on"`). The parameters are
@@ -58,6 +60,7 @@ from bert_jax.model.modernbert import ModernBertConfig, ModernBertForTask
 from bert_jax.training import run_setup
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
+from data_pipeline.tasks import tokenizer_json
 
 FAMILIES = ("bert", "modernbert")
 # The loop's head kinds (data_pipeline.tasks.HEAD_KINDS) -> ModernBertForTask's (transformers' classes).
@@ -106,12 +109,24 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                          "config.model.dtype: set config.cpu_bf16='off' (or 'auto', which leaves it alone)")
 
 
+def vocabulary(config: ml_collections.ConfigDict) -> str:
+    """`config.tokenizer_json` or `config.vocab_file` (both set: refused by name), "" for neither."""
+    tokenizer_json, vocab_file = config.get("tokenizer_json", ""), config.vocab_file
+    if tokenizer_json and vocab_file:
+        raise ValueError(f"config.tokenizer_json={tokenizer_json} and config.vocab_file={vocab_file}: set one")
+    if tokenizer_json and not tokenizer_json.endswith(".json"):
+        raise ValueError(f"config.tokenizer_json={tokenizer_json}: a HuggingFace tokenizer.json (a .json file)")
+    if tokenizer_json and not storage.isfile(tokenizer_json):
+        raise FileNotFoundError(f"config.tokenizer_json={tokenizer_json} does not exist")
+    return tokenizer_json or vocab_file
+
+
 def load(config: ml_collections.ConfigDict) -> tuple[ModernBertConfig, Optional[dict], str, Optional[bool]]:
-    """(model config, the init checkpoint's `{"model", "head"}` parameters or None, vocab file, casing or
-    None) of a ModernBERT run."""
+    """(model config, the init checkpoint's `{"model", "head"}` parameters or None, vocabulary (a
+    tokenizer.json or a vocab.txt), casing or None) of a ModernBERT run."""
     check_config(config)
     init = config.get("init_checkpoint", "")
-    vocab_file, do_lower_case = config.vocab_file, config.do_lower_case
+    vocab_file, do_lower_case = vocabulary(config), config.do_lower_case
     if not init:
         logging.warning("config.init_checkpoint is empty: the encoder starts from a random initialization")
         return run_setup.modernbert_config_from(config), None, vocab_file, do_lower_case
@@ -124,14 +139,9 @@ def load(config: ml_collections.ConfigDict) -> tuple[ModernBertConfig, Optional[
                          f"(config.model_family=modernbert): {e}") from e
     if task is not None:
         logging.info("config.init_checkpoint is a fine-tuned %s: its classifier is not used", task["kind"])
-    if not vocab_file:
-        candidate = storage_paths.join(init, layout.VOCAB)
-        if storage.isfile(candidate):
-            vocab_file = candidate
-        elif storage.exists(storage_paths.join(init, "tokenizer.json")):
-            raise ValueError(f"config.init_checkpoint={init} has ModernBERT's BPE tokenizer.json, which the "
-                             "fine-tuning tasks do not read (they tokenize with WordPiece): set config.vocab_file "
-                             "to a vocab.txt whose ids are the model's")
+    if not vocab_file:  # the folder's vocab.txt, else its tokenizer.json
+        vocab_file = next((p for p in (storage_paths.join(init, n) for n in (layout.VOCAB, layout.TOKENIZER_JSON))
+                           if storage.isfile(p)), "")
     return mb_config, {k: params[k] for k in PRETRAINED_PARTS}, vocab_file, do_lower_case
 
 
@@ -177,9 +187,14 @@ def finetuned(workdir: str, which: str, config: ml_collections.ConfigDict) -> tu
     mb_config, params, exported = modernbert_hf.load(directory, **{k: model[k] for k in RUN_FIELDS if k in model})
     if exported is None:
         raise ValueError(f"{directory}: a ModernBERT masked LM, not a fine-tuned task model")
-    vocab_file = config.vocab_file or storage_paths.join(directory, layout.VOCAB)
+    vocab_file = vocabulary(config) or next(
+        (p for p in (storage_paths.join(directory, n) for n in (layout.VOCAB, layout.TOKENIZER_JSON))
+         if storage.isfile(p)), "")
     if not storage.isfile(vocab_file):
-        raise FileNotFoundError(f"{directory}: no vocab.txt (set config.vocab_file)")
+        raise FileNotFoundError(f"{directory}: no vocab.txt or tokenizer.json (set config.vocab_file or "
+                                "config.tokenizer_json)")
+    if tokenizer_json.is_tokenizer_json(vocab_file):
+        return mb_config, params, vocab_file, None  # the file's normalizer decides the casing
     do_lower_case = config.do_lower_case
     if do_lower_case is None:
         path = storage_paths.join(directory, layout.TOKENIZER_CONFIG)
@@ -195,7 +210,23 @@ def export_task(description: dict) -> dict:
             "labels": list(description["labels"])}
 
 
+def hf_tokenizer_config(path: str) -> str:
+    """`tokenizer_config.json`'s text for the tokenizer.json at `path`: its special tokens, with which
+    `transformers.AutoTokenizer` loads it as ModernBERT's (a `PreTrainedTokenizerFast`, no token types)."""
+    tokenizer = tokenizer_json.TaskTokenizer(path).hf
+    specials = {f"{role}_token": getattr(tokenizer, f"{role}_token") for role in ("cls", "sep", "pad", "mask", "unk")}
+    return json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": True,
+                       "model_input_names": ["input_ids", "attention_mask"],
+                       **{k: v for k, v in specials.items() if v is not None}}, indent=2) + "\n"
+
+
 def _tokenizer_files(directory: str, vocab_file: str, do_lower_case: Optional[bool]) -> None:
+    if tokenizer_json.is_tokenizer_json(vocab_file):  # ModernBERT's own: tokenizer.json, its specials named
+        workdir_files.write_if_changed(storage_paths.join(directory, layout.TOKENIZER_JSON),
+                                       storage.read_bytes(vocab_file))
+        workdir_files.write_if_changed(storage_paths.join(directory, layout.TOKENIZER_CONFIG),
+                                       hf_tokenizer_config(vocab_file).encode())
+        return
     if vocab_file:
         workdir_files.write_if_changed(storage_paths.join(directory, layout.VOCAB), storage.read_bytes(vocab_file))
     if do_lower_case is not None:

@@ -43,6 +43,7 @@ from bert_jax.layout import TASK_FILE
 from bert_jax.training import run_setup, sharding
 from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
+from data_pipeline.tasks import tokenizer_json
 
 PREDICT_FORMATS = ("auto", "text", "task")
 PREDICT_PARAMS = ("best", "last")
@@ -175,7 +176,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if max_len > bert_config.max_position_embeddings:
         raise ValueError(f"max_seq_length={max_len} exceeds the model's max_position_embeddings="
                          f"{bert_config.max_position_embeddings}")
-    tokenizer = task.make_tokenizer(vocab_file, bool(do_lower_case))
+    tokenizer = tokenizer_json.make_tokenizer(task, vocab_file, do_lower_case)  # vocab.txt or tokenizer.json
     split = tasks_lib.Split(output_name(path), examples,
                             task.featurize(examples, tokenizer, max_len, training=False))
 

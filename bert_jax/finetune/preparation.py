@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -23,6 +23,7 @@ from bert_jax import exit_codes
 from bert_jax.finetune import batches as finetune_batches, heads, modernbert_tasks, steps
 from bert_jax.model.model_config import BertConfig
 from bert_jax.training import optim, sharding, train_state
+from data_pipeline.tasks import tokenizer_json
 
 
 def make_optimizer(config: ml_collections.ConfigDict, total_steps: int, warmup_steps: int):
@@ -50,7 +51,7 @@ class Prepared:
     task: Any
     bert_config: BertConfig
     vocab_file: str
-    do_lower_case: bool
+    do_lower_case: Optional[bool]  # None: a tokenizer.json (its normalizer decides)
     tokenizer: Any
     mesh: Any
     eval_batch: int
@@ -92,7 +93,7 @@ def prepare(config: ml_collections.ConfigDict, task, bert_config: BertConfig, wi
                                         hidden_size=bert_config.hidden_size)
 
         # --- data ---
-        tokenizer = task.make_tokenizer(vocab_file, do_lower_case)
+        tokenizer = tokenizer_json.make_tokenizer(task, vocab_file, do_lower_case)  # vocab.txt or tokenizer.json
         num_ids = max(tokenizer.vocab.values(), default=-1) + 1  # ids, not distinct tokens (repeats)
         if num_ids > bert_config.vocab_size:
             raise ValueError(f"{vocab_file} has {num_ids} entries but the model's vocab_size is "

@@ -14,6 +14,8 @@ all of them; the task tells it only the head kind (`HEAD_KINDS`) and the number 
     classification.py    your own classification / regression table (CSV, TSV, JSON Lines)
     tagging.py           your own token tagging (CoNLL columns or JSON Lines; BIO, BIOES)
     files.py             reading your own files: tables by column name, splits, seeded dev share
+    tokenizer_json.py    featurizing with a HuggingFace tokenizer.json (ModernBERT's BPE) instead of vocab.txt
+    squad_windows.py     SQuAD's sliding context windows
 
 Feature arrays (numpy; `N` rows, `L` = max_seq_length, `C` = choices):
 
@@ -292,12 +294,18 @@ def encode_pair(tokenizer, tokens_a: list, tokens_b: Optional[list], max_seq_len
     if tokens_b is not None:
         tokens += tokens_b + [SEP_TOKEN]
         segments += [1] * (len(tokens_b) + 1)
-    return pad_row(tokenizer.convert_tokens_to_ids(tokens), segments, max_seq_length)
+    return pad_row(tokenizer.convert_tokens_to_ids(tokens), segments, max_seq_length, pad_id_of(tokenizer))
 
 
-def pad_row(ids: list, segments: list, max_seq_length: int):
+def pad_id_of(tokenizer) -> int:
+    """The id padding takes: a tokenizer.json's own (`tokenizer_json.TaskTokenizer.pad_id`), else 0 as
+    Google's scripts pad."""
+    return getattr(tokenizer, "pad_id", 0)
+
+
+def pad_row(ids: list, segments: list, max_seq_length: int, pad_id: int = 0):
     n = len(ids)
-    input_ids = np.zeros(max_seq_length, np.int32)
+    input_ids = np.full(max_seq_length, pad_id, np.int32)
     input_ids[:n] = ids
     mask = np.zeros(max_seq_length, np.int32)
     mask[:n] = 1
@@ -313,8 +321,8 @@ def stack(rows: dict[str, list], dtypes: dict[str, Any]) -> dict[str, np.ndarray
 
 def check_vocab(tokenizer) -> None:
     from data_pipeline import tokenization
-    tokenization.require_tokens(tokenizer.vocab, getattr(tokenizer, "vocab_file", "the vocabulary"),
-                                (CLS_TOKEN, SEP_TOKEN, PAD_TOKEN, UNK_TOKEN))
+    required = getattr(tokenizer, "required_tokens", (CLS_TOKEN, SEP_TOKEN, PAD_TOKEN, UNK_TOKEN))
+    tokenization.require_tokens(tokenizer.vocab, getattr(tokenizer, "vocab_file", "the vocabulary"), required)
 
 
 # ---------------------------------------------------------------------------------------------

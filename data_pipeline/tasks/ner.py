@@ -30,7 +30,7 @@ from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
 from data_pipeline.tokenization import CLS_TOKEN, SEP_TOKEN
 
-from data_pipeline.tasks import Task, check_vocab, pad_row, read_text, stack, tfds_examples
+from data_pipeline.tasks import Task, check_vocab, pad_id_of, pad_row, read_text, stack, tfds_examples
 
 CONLL_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
 
@@ -270,7 +270,7 @@ class Conll2003(Task):
                             label_weights[position] = 1.0
                 piece_ids = [ids[j] for _, j, _ in chunk]
                 input_ids, mask, seg = pad_row([cls_id] + piece_ids + [sep_id], [0] * (len(chunk) + 2),
-                                               max_seq_length)
+                                               max_seq_length, pad_id_of(tokenizer))
                 for k, v in (("input_ids", input_ids), ("input_mask", mask), ("segment_ids", seg),
                              ("label_ids", label_ids), ("label_weights", label_weights),
                              ("weight", 1.0 if ex.tags is not None else 0.0), ("example_index", index),

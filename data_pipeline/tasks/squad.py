@@ -10,6 +10,10 @@ not at its `answer_start`, or that run_squad.py cannot recover from the words (i
 a bad row (an error naming the file and question, or a counted skip). A training answer outside a
 window (and every v2 unanswerable question) points at [CLS].
 
+With a HuggingFace tokenizer.json (`tokenizer_json.py`, ModernBERT's BPE) the labels and answer texts
+come from the tokens' character offsets instead: the span is the first to the last token holding a
+character of the answer, and a predicted answer is the context's characters under its tokens.
+
 Post-processing is Google's `write_predictions`: the top `n_best_size` (20) start and end logits of
 each window, valid spans only (inside the context, end >= start, at most `max_answer_length` (30)
 pieces, start piece at its max-context window), best `start + end` over the windows. The answer
@@ -41,9 +45,11 @@ from data_pipeline import storage
 from data_pipeline.storage import paths as storage_paths
 from data_pipeline.tokenization import CLS_TOKEN, SEP_TOKEN
 
-from data_pipeline.tasks import Task, check_vocab, pad_row, read_json, stack, tfds_examples
+from data_pipeline.tasks import Task, check_vocab, pad_id_of, pad_row, read_json, stack, tfds_examples
+from data_pipeline.tasks.tokenizer_json import covering_tokens
 # The official scorer lives in squad_eval; `python -m data_pipeline.tasks.squad` runs its `main` (below).
 from data_pipeline.tasks.squad_eval import evaluate_v1, evaluate_v2, main
+from data_pipeline.tasks.squad_windows import doc_windows, is_max_context  # re-exported
 
 
 @dataclasses.dataclass
@@ -158,6 +164,19 @@ class SquadV1(Task):
 
     # --- features ------------------------------------------------------------------------------
 
+    def _first_answer(self, ex: Example) -> Optional[tuple[str, int]]:
+        """(text, answer_start) of the first gold answer; None (after `bad`) if it is not at its offset."""
+        answer = ex.answers[0] if ex.answers else {}
+        text, start = answer.get("text", ""), answer.get("answer_start", -1)
+        if not ex.answers:
+            self.rows.bad(ex.where, "", "an answerable training question without answers")
+        elif not isinstance(start, int) or ex.context[start:start + len(text)] != text or not text.strip():
+            self.rows.bad(ex.where, "", f"answer {text!r} is not at answer_start={start} in its context "
+                          f"(found {ex.context[start:start + len(text)]!r})")
+        else:
+            return text, start
+        return None
+
     def _answer_span(self, ex: Example, doc: "_Doc", tokenizer) -> Optional[tuple[int, int]]:
         """Word-piece (start, end) of the first gold answer, as run_squad.py labels it; None (after
         `bad`) if it is off.
@@ -166,17 +185,18 @@ class SquadV1(Task):
         the span starts at the first piece of the first word and ends at the last piece of the
         last, then shrinks to the first (leftmost start, then longest) run of pieces equal to the
         tokenized answer text, when there is one. An answer that starts or ends inside a word
-        piece ("Japan" in "Japanese") keeps the whole piece.
+        piece ("Japan" in "Japanese") keeps the whole piece. With a tokenizer.json: the first to the
+        last token holding a character of the answer (its characters exactly at token boundaries).
         """
-        if not ex.answers:
-            self.rows.bad(ex.where, "", "an answerable training question without answers")
+        checked = self._first_answer(ex)
+        if checked is None:
             return None
-        answer = ex.answers[0]
-        text, start = answer.get("text", ""), answer.get("answer_start", -1)
-        if not isinstance(start, int) or ex.context[start:start + len(text)] != text or not text.strip():
-            self.rows.bad(ex.where, "", f"answer {text!r} is not at answer_start={start} in its context "
-                          f"(found {ex.context[start:start + len(text)]!r})")
-            return None
+        text, start = checked
+        if getattr(tokenizer, "exact_offsets", False):  # a tokenizer.json: the tokens holding its characters
+            first, last = covering_tokens(doc.spans, start, start + len(text))
+            if first < 0:
+                self.rows.bad(ex.where, "", f"answer {text!r} covers no token of the context")
+            return None if first < 0 else (first, last)
         first_word, last_word = doc.char_to_word[start], doc.char_to_word[start + len(text) - 1]
         # run_squad drops an answer whose whitespace-collapsed text is not inside its words (an
         # answer holding a space that only `str.split` knows, such as U+00A0); we name it.
@@ -198,11 +218,13 @@ class SquadV1(Task):
 
     def featurize(self, examples, tokenizer, max_seq_length, *, training):
         check_vocab(tokenizer)
+        # A tokenizer.json (data_pipeline.tasks.tokenizer_json): answers from character offsets.
+        self._by_offsets = bool(getattr(tokenizer, "exact_offsets", False))
         keys = ("input_ids", "input_mask", "segment_ids", "start_positions", "end_positions", "weight",
                 "example_index", "token_start_char", "token_end_char", "token_word_index", "token_is_max_context")
         rows = {k: [] for k in keys}
         # postprocess reads the pieces back from input_ids and re-tokenizes answers like Google.
-        self._vocab = (tokenizer.inv_vocab, tokenizer.do_lower_case)
+        self._vocab = None if self._by_offsets else (tokenizer.inv_vocab, tokenizer.do_lower_case)
         doc = None
         cls_id, sep_id = tokenizer.vocab[CLS_TOKEN], tokenizer.vocab[SEP_TOKEN]
         for index, ex in enumerate(self._progress(examples, "featurize")):
@@ -230,12 +252,14 @@ class SquadV1(Task):
                 max_context = np.zeros(max_seq_length, bool)
                 for j in range(w_len):
                     start_char[offset + j], end_char[offset + j] = spans[w_start + j]
-                    word[offset + j] = doc.piece_word[w_start + j]
+                    s, e = spans[w_start + j]
+                    # A whitespace-only token (a tokenizer.json's) starts or ends no answer.
+                    word[offset + j] = doc.piece_word[w_start + j] if s < e else -1
                     max_context[offset + j] = is_max_context(windows, w_start, w_start + j)
                 start_pos = end_pos = 0
                 if answer is not None and w_start <= answer[0] and answer[1] < w_start + w_len:
                     start_pos, end_pos = answer[0] - w_start + offset, answer[1] - w_start + offset
-                input_ids, mask, seg = pad_row(ids, segments, max_seq_length)
+                input_ids, mask, seg = pad_row(ids, segments, max_seq_length, pad_id_of(tokenizer))
                 for k, v in (("input_ids", input_ids), ("input_mask", mask), ("segment_ids", seg),
                              ("start_positions", start_pos), ("end_positions", end_pos),
                              ("weight", 1.0 if training else 0.0), ("example_index", index),
@@ -254,11 +278,12 @@ class SquadV1(Task):
         `features` must come from this task's `featurize` (it keeps the vocabulary that turns
         input ids back into the pieces Google's answer text is built from).
         """
-        if getattr(self, "_vocab", None) is None:
+        by_offsets = getattr(self, "_by_offsets", None)
+        if by_offsets is None:
             raise ValueError(f"task {self.name}: postprocess needs the features of this task's featurize")
         from data_pipeline import tokenization
-        inv_vocab, do_lower_case = self._vocab
-        basic = tokenization.BasicTokenizer(do_lower_case)
+        inv_vocab, do_lower_case = self._vocab or (None, None)
+        basic = None if by_offsets else tokenization.BasicTokenizer(do_lower_case)
         start_logits = np.asarray(outputs["start_logits"], np.float32)
         end_logits = np.asarray(outputs["end_logits"], np.float32)
         by_example = collections.defaultdict(list)
@@ -302,6 +327,8 @@ class SquadV1(Task):
                     break
                 if row < 0:
                     text = ""
+                elif by_offsets:  # the context's characters under the span's tokens
+                    text = ex.context[features["token_start_char"][row][s]:features["token_end_char"][row][e]]
                 else:
                     ids = features["input_ids"][row][s:e + 1]
                     word = features["token_word_index"][row]
@@ -445,43 +472,6 @@ def answer_text(pieces: Sequence[str], words: Sequence[str], basic_tokenizer) ->
     if first is None or last is None:
         return original
     return original[original_chars[first]:original_chars[last] + 1]
-
-
-# ---------------------------------------------------------------------------------------------
-# Windows
-# ---------------------------------------------------------------------------------------------
-
-
-def doc_windows(num_tokens: int, max_tokens: int, stride: int) -> list[tuple[int, int]]:
-    """Google's sliding windows `(start, length)`: the last one ends at the document's end.
-
-    Example: 10 pieces, windows of 4, stride 3 -> (0, 4), (3, 4), (6, 4).
-    """
-    windows, start = [], 0
-    while start < num_tokens:
-        length = min(num_tokens - start, max_tokens)
-        windows.append((start, length))
-        if start + length == num_tokens:
-            break
-        start += min(length, stride)
-    return windows or [(0, 0)]
-
-
-def is_max_context(windows: list[tuple[int, int]], current_start: int, position: int) -> bool:
-    """Whether the window starting at `current_start` gives `position` its most context.
-
-    Score of a window for a token: min(left context, right context) + 0.01 * window length;
-    the first best window wins (Google's `_check_is_max_context`).
-    """
-    best_score, best_start = None, None
-    for start, length in windows:
-        end = start + length - 1
-        if position < start or position > end:
-            continue
-        score = min(position - start, end - position) + 0.01 * length
-        if best_score is None or score > best_score:
-            best_score, best_start = score, start
-    return best_start == current_start
 
 
 if __name__ == "__main__":

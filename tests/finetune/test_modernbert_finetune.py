@@ -12,7 +12,6 @@ transformers reads, naming the task class with the task's labels; with torch ins
 itself predicts from it what the loop predicted.
 """
 
-import csv
 import json
 
 import numpy as np
@@ -26,7 +25,9 @@ from configs import ner as ner_config
 from configs import squad as squad_config
 from configs import swag as swag_config
 from tests.helpers import modernbert_fixture
-from tests.helpers.finetune_inputs import ENTITIES, WORDS, read_json, sst2_files, tiny
+from tests.helpers.finetune_inputs import WORDS, read_json, sst2_files, tiny
+from tests.helpers.modernbert_finetune import (best_epoch, check_scores, conll_files, loop_loss, squad_files,
+                                              squad_overrides, stsb_files, swag_files)
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")  # tests/finetune/conftest.py
 
@@ -77,27 +78,6 @@ def exported_outputs(work, config, task_name):
     return task, split, outputs, (mb_config, params, exported)
 
 
-def cross_entropy(logits, labels):
-    logits = logits.astype(np.float64)
-    z = logits - logits.max(-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    return -np.take_along_axis(logp, labels[..., None].astype(np.int64), -1)[..., 0]
-
-
-def best_epoch(work):
-    history = read_json(work / "eval_history.json")
-    best = read_json(work / "eval_results.json")["best_epoch"]
-    return history[best - 1]
-
-
-def check_scores(task, split, outputs, results):
-    """Every metric of the task on the exported model's outputs is the loop's of the best epoch."""
-    scores = task.score(split.examples, task.postprocess(split.examples, split.features, outputs))
-    assert scores, "no metric"
-    for k, v in scores.items():
-        assert results[k] == pytest.approx(float(v), abs=1e-6), k
-
-
 def check_config_json(work, architecture, labels):
     transformers = pytest.importorskip("transformers")
     hf = transformers.ModernBertConfig.from_pretrained(str(work / "transformers"))
@@ -115,79 +95,6 @@ def gelu(x):
 def layer_norm(x, scale, eps):
     mu = x.mean(-1, keepdims=True)
     return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * scale
-
-
-def loop_loss(head, outputs, f):
-    """heads.loss_sums' mean loss, in NumPy (float64) from `outputs` and the gold of features `f`."""
-    w = f["weight"].astype(np.float64)
-    if head == "token":
-        tw = f["label_weights"].astype(np.float64) * w[:, None]
-        return (cross_entropy(outputs["logits"], f["label_ids"]) * tw).sum() / tw.sum()
-    if head == "span":
-        per = 0.5 * (cross_entropy(outputs["start_logits"], f["start_positions"])
-                     + cross_entropy(outputs["end_logits"], f["end_positions"]))
-    elif head == "regression":
-        per = (outputs["logits"].astype(np.float64) - f["label"]) ** 2
-    else:
-        per = cross_entropy(outputs["logits"], f["label"])
-    return (per * w).sum() / w.sum()
-
-
-# --- task files ---
-
-
-def stsb_files(root):
-    from data_pipeline.tasks import glue
-    from tests.helpers.finetune_inputs import glue_files
-    glue_files(root / "glue" / glue.SPECS["stsb"].folder, "stsb", np.random.RandomState(1), n_train=8)
-    return root / "glue"
-
-
-def squad_files(root):
-    rng = np.random.RandomState(3)
-    data = root / "squad"
-    data.mkdir()
-    for split, n in (("train", 8), ("dev", 6)):
-        articles = []
-        for i in range(n):
-            words = list(rng.choice(WORDS[12:30], 10))
-            name = ["john smith", "paris", "acme corp"][i % 3]
-            pos = rng.randint(1, 9)
-            context = " ".join(words[:pos]) + f" {name} " + " ".join(words[pos:])
-            qa = {"id": f"q{i}", "question": "who did it", "answers": [{"text": name,
-                                                                       "answer_start": context.index(name)}]}
-            articles.append({"title": "t", "paragraphs": [{"context": context, "qas": [qa]}]})
-        (data / f"{split}-v1.1.json").write_text(json.dumps({"version": "1.1", "data": articles}))
-    return data
-
-
-def conll_files(root):
-    rng = np.random.RandomState(4)
-    data = root / "conll"
-    data.mkdir()
-    for name, n in (("train.txt", 8), ("valid.txt", 6), ("test.txt", 2)):
-        with open(data / name, "w") as f:
-            f.write("-DOCSTART- -X- -X- O\n\n")
-            for _ in range(n):
-                words = rng.choice(WORDS[12:25] + ["paris", "john", "smith", "acme", "corp"], rng.randint(3, 9))
-                f.write("".join(f"{w} NN I-NP {'I-' + ENTITIES[w] if w in ENTITIES else 'O'}\n" for w in words) + "\n")
-    return data
-
-
-def swag_files(root):
-    rng = np.random.RandomState(5)
-    data = root / "swag"
-    data.mkdir()
-    header = ["", "video-id", "fold-ind", "startphrase", "sent1", "sent2", "gold-source",
-              "ending0", "ending1", "ending2", "ending3", "label"]
-    for name, n in (("train.csv", 8), ("val.csv", 8)):
-        with open(data / name, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(header)
-            for i in range(n):
-                endings = [" ".join(rng.choice(WORDS[12:40], 3)) for _ in range(4)]
-                writer.writerow([i, "v", i, "he sat", "he sat on the mat", "then he", "gold", *endings, i % 4])
-    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,9 +172,7 @@ def test_transformers_predicts_what_the_loop_predicted(sst2):
 
 FAMILIES = {  # task -> (config, files, overrides, transformers' class, labels of config.json (None: the task's))
     "stsb": (glue_config, stsb_files, {}, "ModernBertForSequenceClassification", ["LABEL_0"]),
-    "squad_v1": (squad_config, squad_files, dict(max_seq_length=24, task_options=dict(
-        squad_config.get_config().task_options.to_dict(), doc_stride=4, max_query_length=6, max_answer_length=5)),
-        "ModernBertForQuestionAnswering", ["LABEL_0", "LABEL_1"]),
+    "squad_v1": (squad_config, squad_files, squad_overrides(), "ModernBertForQuestionAnswering", ["LABEL_0", "LABEL_1"]),
     "conll2003": (ner_config, conll_files, {}, "ModernBertForTokenClassification", None),
     "swag": (swag_config, swag_files, {}, "ModernBertForMultipleChoice", ["LABEL_0"]),
 }
@@ -313,9 +218,10 @@ def test_bert_only_options_are_refused_by_name(tmp_path, modernbert, override, n
     assert not (tmp_path / "work" / "checkpoints").exists()
 
 
-def test_a_bert_checkpoint_or_a_bpe_only_folder_is_refused_by_name(tmp_path, modernbert):
-    """A transformers BERT folder (its config.json: model_type "bert") as a ModernBERT init checkpoint,
-    and a ModernBERT folder with only its BPE tokenizer.json and no config.vocab_file, name the field."""
+def test_a_bert_checkpoint_or_a_broken_tokenizer_json_is_refused_by_name(tmp_path, modernbert):
+    """A transformers BERT folder (its config.json: model_type "bert") as a ModernBERT init checkpoint names
+    the field; a ModernBERT folder whose tokenizer.json (read without a vocab.txt or config.vocab_file:
+    tests/finetune/test_modernbert_tokenizer_json.py) is not one names the file."""
     data = sst2_files(tmp_path)
     bert = tmp_path / "bert"
     bert.mkdir()
@@ -327,7 +233,7 @@ def test_a_bert_checkpoint_or_a_bpe_only_folder_is_refused_by_name(tmp_path, mod
     bpe_only = modernbert_fixture.checkpoint(str(tmp_path / "bpe_only"))
     (tmp_path / "bpe_only" / "tokenizer.json").write_text("{}")
     config = tiny(glue_config.get_config(), "sst2", data, bpe_only, model_family="modernbert")
-    with pytest.raises(ValueError, match=r"tokenizer\.json.*config\.vocab_file"):
+    with pytest.raises(ValueError, match=r"bpe_only/tokenizer\.json: not a HuggingFace tokenizer\.json"):
         finetune.run(config, str(tmp_path / "b"))
 
 
