@@ -49,7 +49,7 @@ from data_pipeline.tasks import Task, check_vocab, pad_id_of, pad_row, read_json
 from data_pipeline.tasks.tokenizer_json import covering_tokens
 # The official scorer lives in squad_eval; `python -m data_pipeline.tasks.squad` runs its `main` (below).
 from data_pipeline.tasks.squad_eval import evaluate_v1, evaluate_v2, main
-from data_pipeline.tasks.squad_windows import doc_windows, is_max_context  # re-exported
+from data_pipeline.tasks.squad_windows import doc_windows, is_max_context
 
 
 @dataclasses.dataclass

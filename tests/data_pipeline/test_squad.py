@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from data_pipeline import tasks, tokenization
-from data_pipeline.tasks import squad, squad_eval
+from data_pipeline.tasks import squad, squad_eval, squad_windows
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 
@@ -116,13 +116,13 @@ def test_squad_cli_prints_the_official_keys(tmp_path, capsys):
 
 
 def test_doc_windows_and_max_context():
-    assert squad.doc_windows(10, 4, 3) == [(0, 4), (3, 4), (6, 4)]
-    assert squad.doc_windows(3, 4, 3) == [(0, 3)]
-    windows = squad.doc_windows(10, 4, 3)
+    assert squad_windows.doc_windows(10, 4, 3) == [(0, 4), (3, 4), (6, 4)]
+    assert squad_windows.doc_windows(3, 4, 3) == [(0, 3)]
+    windows = squad_windows.doc_windows(10, 4, 3)
     # Token 3 is in windows (0..3) and (3..6): min(3, 0) vs min(0, 3) tie -> 0.01*4 each -> first wins.
-    assert squad.is_max_context(windows, 0, 3) and not squad.is_max_context(windows, 3, 3)
+    assert squad_windows.is_max_context(windows, 0, 3) and not squad_windows.is_max_context(windows, 3, 3)
     # Token 4: (3..6) gives min(1, 2) = 1 > window 0's none: window 3.
-    assert squad.is_max_context(windows, 3, 4)
+    assert squad_windows.is_max_context(windows, 3, 4)
 
 
 def _squad_file(tmp_path, qas, context="John Smith lives in Paris, the cafe."):
