@@ -1,6 +1,6 @@
 """ModernBERT-tiny against BERT-tiny at equal parameters, pretrained on the same records (issue 72).
 
-    python -m experiments.modernbert_vs_bert --workdir=W [--lengths=128,512] [--seconds=300,240] \\
+    python -m experiments.modernbert_vs_bert --workdir=W [--lengths=128,512] [--seconds=360,300] \\
         [--seeds=0] [--quick]
 
 Both arms are this project's pretraining code, called in-process (`bert_jax.pretrain.loop.build`,
@@ -341,7 +341,7 @@ def parse_args(argv=None):
     p.add_argument("--corpus_dir", default=os.path.join(DATA, "corpus"))
     p.add_argument("--vocab_file", default=os.path.join(DATA, "vocab", "bert-base-uncased", "vocab.txt"))
     p.add_argument("--lengths", default="128,512")
-    p.add_argument("--seconds", default="300,240", help="training seconds per arm, one per length")
+    p.add_argument("--seconds", default="360,300", help="training seconds per arm, one per length")
     p.add_argument("--seeds", default="0")
     p.add_argument("--chunk_seconds", type=float, default=15.0, help="training seconds per turn of an arm")
     p.add_argument("--evals", type=int, default=4, help="curve points along each axis (time, FLOPs)")
