@@ -163,7 +163,6 @@ class Arm:
         self.step, self.seconds, self.step_ok = 0, 0.0, None
         self.batch_digests: list[str] = []  # what the arm trained on, batch by batch
         self.curve: list[dict] = []
-        self.eval_config = dict(eval_steps=config.eval_steps)
 
     def compile(self) -> float:
         """Compiles the train step at the data's shapes (not counted in the arm's seconds)."""
