@@ -44,3 +44,13 @@ def test_the_slow_tier_runs_only_when_asked(tmp_path, how, want):
     assert want in r.stdout.splitlines()[-1], r.stdout[-2000:]
     if "skipped" in want:  # the skip says how to run them
         assert "the slow tier: run with --slow" in r.stdout, r.stdout[-2000:]
+
+
+def test_every_test_the_slow_tier_lists_exists():
+    """A renamed test would silently leave the tier; a listed name must be a test function of its file."""
+    from tests.helpers import slow_tier
+    assert len(set(slow_tier.SLOW)) == len(slow_tier.SLOW)
+    for entry in slow_tier.SLOW:
+        path, name = entry.split("::")
+        source = (ROOT / path).read_text()
+        assert f"\ndef {name}(" in source, f"{entry}: no such test"
