@@ -94,6 +94,14 @@ def bucket(gcs_server, request):
 # The longest tests (1-6 minutes each on the 2-core CI machine) run first, so that pytest-xdist
 # spreads them over its workers instead of leaving one of them alone with a long test at the end.
 LONGEST_FIRST = (
+    # the fast tier's (what the README's command runs), then the slow tier's (tests/helpers/slow_tier.py)
+    "test_aot_tpu.py::test_tiny_config_compiles_for_a_v5e_2x2_slice",
+    "test_fused.py::test_the_kernel_equals_dropout_then_layernorm_values_and_gradients",
+    "test_readme.py::test_documented_commands_name_real_flags_and_config_keys",
+    "test_training.py::test_sharded_gradients_equal_the_single_device_gradients",
+    "test_modernbert_finetune.py::",
+    "test_modernbert_pretraining.py::",
+    "test_modeling.py::test_parity_with_hf_flax_bert",
     "test_pod_rehearsal.py::",
     "test_aot_tpu.py::test_fsdp_flops_count_the_collective_matmul_loops",
     "test_gcs_pretrain.py::",
@@ -105,9 +113,7 @@ LONGEST_FIRST = (
     "test_pretrain.py::test_kill9_and_a_flipped_bit_resume_with_the_uninterrupted_loss_sequence",
     "test_packed_pretraining.py::test_packed_batch_runs_the_model_like_separate_sequences",
     "test_packed_pretraining.py::test_packed_batch_trains_like_separate_sequences",
-    "test_aot_tpu.py::test_tiny_config_compiles_for_a_v5e_2x2_slice",
     "test_pretraining_helps.py::test_quick_pipeline_and_resume",
-    "test_training.py::test_sharded_gradients_equal_the_single_device_gradients",
     "test_notebooks.py::test_pretrain_notebook",
 )
 
