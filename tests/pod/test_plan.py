@@ -281,3 +281,7 @@ def test_modernbert_plans_the_data_mesh_and_its_masking_rate(capsys):
     assert planner.predictions_per_row(config, 1024) == config.max_predictions_per_seq == 308
     assert (mcfg.num_hidden_layers, mcfg.dtype) == (22, "bfloat16")
     assert planner.predictions_per_row(planner.load_config("configs/tiny.py", 512, "bfloat16")[0], 512) == 80
+    from bert_jax.pod.planning import aot_check
+
+    with pytest.raises(SystemExit, match="config.model_family='modernbert'.*python -m bert_jax.plan"):
+        aot_check.load_configs(aot_check.parse_args(["--config=configs/modernbert_tiny.py"]))
