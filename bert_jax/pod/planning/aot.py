@@ -6,7 +6,8 @@ reads from the compiled program:
 
 * per-chip HBM (arguments + outputs - donated aliases + temporaries, `memory_analysis()`);
 * XLA's FLOPs and bytes accessed per chip (`cost_analysis()`), from 1- and 2-layer unrolled
-  compiles without collective-matmul loops, extrapolated in depth (`counted_costs`): XLA's cost
+  compiles (ModernBERT's alternating layers: 1, 2 and n + 1) without collective-matmul loops,
+  extrapolated in depth (`counted_costs`): XLA's cost
   analysis counts a loop's body once, both the scanned encoder's and the loops the TPU compiler
   makes of FSDP's gathered-weight matmuls (the bytes are kept for comparison only: on TPU they
   also count on-chip accesses);

@@ -22,7 +22,8 @@ step achieved, `training.chips.ACHIEVED`: what to budget for); per mesh, weak-sc
 from the smallest slice; per slice, the recommended mesh; per recipe, the projected wall time and
 chip-hours on every slice that can run it, at the peaks and calibrated. `--config.key=value` overrides
 the config file as `bert_jax.main` takes them (the dtype, the length and the batch come from the
-planner's own flags; layers are always scanned).
+planner's own flags; BERT's layers are always scanned). `config.model_family="modernbert"` plans
+ModernBERT (unrolled, data mesh only, 30% predictions: docs/pod_planning.md, "ModernBERT").
 
 Recipes (--recipes): `paper` = BERT-Large as Devlin et al.: 900k steps at length 128 + 100k at 512,
 batch 256; `lamb` = You et al. 2019: 7,038 steps at 128 with batch 65,536 + 1,563 at 512 with
