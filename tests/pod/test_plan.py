@@ -201,3 +201,87 @@ def test_fitting_step_halves_the_batch_until_the_program_fits():
     with mock.patch.object(aot, "compile_step", side_effect=ValueError("not a memory error")):
         with pytest.raises(ValueError):
             aot.fitting_step(None, None, [], "data", 4, 128, 20, 16, "v5e-4 data")
+
+
+def test_plan_modernbert_tiny_on_a_v5e_2x2_slice(tmp_path):
+    """configs/modernbert_tiny.py (2 layers, H 64, GeGLU 96, vocabulary 512; layer 0 global, layer 1
+    local with an 8-token window, run by blocks at length 32) compiles for a v5e 2x2 slice, unrolled
+    (ModernBERT has no scanned encoder), on the data mesh (the only one it shards): two compiles,
+    the fit and one FLOP count at its own depth."""
+    _need_libtpu()
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from bert_jax.pretrain import model_family
+
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "bert_jax.plan", "--config=configs/modernbert_tiny.py",
+                        "--topology=v5e-4", "--seq_len=32", "--batch_per_chip=4", f"--json={out}"],
+                       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["plans"]
+    assert row["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1} and row["global_batch"] == 16 and row["layers"] == 2
+    assert row["flop_count_loops"] == 0 and row["unknown_trip_counts"] == 0
+    # The model's FLOPs by hand: per layer and token Wqkv 3*64*64 + Wo 64*64 + Wi 64*192 + Wo 96*64
+    # (2 FLOPs a multiply-add); attention scores and context 2 * 2 * keys * 64, 32 keys in the global
+    # layer and the band's 9 (4 each side) in the local one; the head at ceil(0.3 * 32) = 10
+    # positions: dense 64*64, decoder 64*512; x3 for the backward; 16 rows over 4 chips.
+    layer = 2 * 32 * (3 * 64 * 64 + 64 * 64 + 64 * 192 + 96 * 64)
+    attention = 2 * 2 * 32 * 64 * (32 + 9)
+    head = 2 * 10 * (64 * 64 + 64 * 512)
+    assert row["model_flops"] == 3 * (2 * layer + attention + head) * 16 / 4 == 66_355_200
+    # XLA's FLOPs (of the unrolled program) are at least the matmul count (as for BERT's test model).
+    assert 1.0 <= row["xla_flops"] / row["model_flops"] < 6.0, row
+    assert 0 < row["mfu"] < 1 and row["hbm_gib"] <= row["hbm_capacity_gib"]
+    # Data parallel: the gradient all-reduce carries every parameter once, the tied decoder's
+    # gradient apart from the lookup's (vocabulary x hidden) and a few scalars (loss sums).
+    mcfg = planner.load_config("configs/modernbert_tiny.py", 32, "bfloat16")[1]
+    shapes = jax.eval_shape(lambda: model_family.pretraining_model(mcfg).init(
+        jax.random.key(0), **model_family.dummy_inputs(mcfg)))
+    params = int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(nn.meta.unbox(shapes))))
+    assert set(row["comm"]) == {"all-reduce"}
+    extra = row["comm"]["all-reduce"]["elements"] - params - 512 * 64
+    assert 0 <= extra <= 16, extra
+
+
+def test_flop_count_depths_and_extrapolation_by_hand():
+    """`aot.counting_depths` / `aot.extrapolate`: BERT's layers are alike (1 and 2 layers, linear);
+    ModernBERT-base's 22 alternate (global every 3rd: 8 global, 14 local), counted from 1, 2 and 4
+    layers (a global; + a local; + a local and a global)."""
+    from bert_jax.model.model_config import BertConfig
+    from bert_jax.model.modernbert import ModernBertConfig
+    from bert_jax.pod.planning import aot
+
+    rest, glob, local = 5e9, 3e9, 1e9  # made-up costs of the rest of the step and of each layer kind
+    mb = ModernBertConfig()
+    assert aot.counting_depths(mb) == (1, 2, 4)
+    counts = [{"flops": rest + glob, "bytes": 1.0}, {"flops": rest + glob + local, "bytes": 2.0},
+              {"flops": rest + 2 * glob + 2 * local, "bytes": 4.0}]
+    got = aot.extrapolate(counts, (1, 2, 4), mb)
+    assert got["flops"] == pytest.approx(rest + 8 * glob + 14 * local, rel=1e-12)
+    bert = BertConfig(num_hidden_layers=24)
+    assert aot.counting_depths(bert) == (1, 2)
+    got = aot.extrapolate([{"flops": 7.0, "bytes": 3.0}, {"flops": 10.0, "bytes": 5.0}], (1, 2), bert)
+    assert got == pytest.approx({"flops": 7.0 + 23 * 3.0, "bytes": 3.0 + 23 * 2.0})
+    shallow = ModernBertConfig(num_hidden_layers=2, global_attn_every_n_layers=2)
+    assert aot.counting_depths(shallow) == (2,) and aot.extrapolate([{"flops": 4.0}], (2,), shallow) == {"flops": 4.0}
+
+
+def test_modernbert_plans_the_data_mesh_and_its_masking_rate(capsys):
+    args = planner.parse_args(["--config=configs/modernbert_tiny.py", "--seq_len=32"])
+    assert args.meshes == ["data"]
+    assert planner.parse_args(["--config=configs/tiny.py"]).meshes == ["data", "fsdp", "tensor"]
+    with pytest.raises(SystemExit):
+        planner.parse_args(["--config=configs/modernbert_tiny.py", "--mesh=data,fsdp"])
+    assert "--mesh=fsdp: config.model_family='modernbert' shards data only" in capsys.readouterr().err
+    # 30% of the row: the 308 predictions configs/modernbert_base.py sets at 1,024; BERT's 20 per 128.
+    config, mcfg = planner.load_config("configs/modernbert_base.py", 1024, "bfloat16")
+    assert planner.predictions_per_row(config, 1024) == config.max_predictions_per_seq == 308
+    assert (mcfg.num_hidden_layers, mcfg.dtype) == (22, "bfloat16")
+    assert planner.predictions_per_row(planner.load_config("configs/tiny.py", 512, "bfloat16")[0], 512) == 80
+    from bert_jax.pod.planning import aot_check
+
+    with pytest.raises(SystemExit, match="config.model_family='modernbert'.*python -m bert_jax.plan"):
+        aot_check.load_configs(aot_check.parse_args(["--config=configs/modernbert_tiny.py"]))

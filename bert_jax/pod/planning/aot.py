@@ -6,7 +6,8 @@ reads from the compiled program:
 
 * per-chip HBM (arguments + outputs - donated aliases + temporaries, `memory_analysis()`);
 * XLA's FLOPs and bytes accessed per chip (`cost_analysis()`), from 1- and 2-layer unrolled
-  compiles without collective-matmul loops, extrapolated in depth (`counted_costs`): XLA's cost
+  compiles (ModernBERT's alternating layers: 1, 2 and n + 1) without collective-matmul loops,
+  extrapolated in depth (`counted_costs`): XLA's cost
   analysis counts a loop's body once, both the scanned encoder's and the loops the TPU compiler
   makes of FSDP's gathered-weight matmuls (the bytes are kept for comparison only: on TPU they
   also count on-chip accesses);
@@ -152,6 +153,55 @@ NO_COLLECTIVE_MATMUL_LOOPS = {"xla_tpu_enable_windowed_einsum_for_all_gather": F
                               "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
 
 
+def counting_depths(model_config) -> tuple:
+    """The depths of the unrolled programs `counted_costs` compiles. BERT's layers are alike: 1 and
+    2. ModernBERT's alternate, a global layer every `n = global_attn_every_n_layers` (layer 0 one),
+    the rest local: 1 (a global), 2 (+ a local) and n + 1 (+ n - 2 locals and a global), which
+    give the cost of the rest of the step, a global and a local layer. A model no deeper than the
+    deepest of those is counted from one compile at its own depth."""
+    from bert_jax.pretrain import model_family
+
+    n = model_config.global_attn_every_n_layers if model_family.is_modernbert(model_config) else 1
+    depths = (1, 2) if n == 1 else (1, 2, n + 1)
+    return depths if model_config.num_hidden_layers > depths[-1] else (model_config.num_hidden_layers,)
+
+
+def _layer_counts(model_config, layers: int) -> tuple:
+    """`(1, global layers, local layers)` of the first `layers` layers (BERT's are all global)."""
+    from bert_jax.pretrain import model_family
+
+    if not model_family.is_modernbert(model_config):
+        return (1, layers, 0)
+    glob = sum(model_config.is_global(i) for i in range(layers))
+    return (1, glob, layers - glob)
+
+
+def _at_depth(model_config, layers: int, sparse: bool):
+    """`model_config` with `layers` unrolled layers (BERT's last computed where the real program does)."""
+    import dataclasses
+
+    from bert_jax.pretrain import model_family
+
+    if model_family.is_modernbert(model_config):  # never scanned
+        return dataclasses.replace(model_config, num_hidden_layers=layers)
+    return model_config.replace(num_hidden_layers=layers, scan_layers=False, sparse_last_layer=sparse)
+
+
+def extrapolate(counts: list, depths: tuple, model_config) -> dict:
+    """The full-depth `{"flops", "bytes"}` from `counts` of the programs at `depths`: each count is
+    the rest of the step + globals x a global layer + locals x a local layer (`_layer_counts`),
+    solved for those costs (the columns that occur) and summed at the model's depth."""
+    import numpy as np
+
+    if len(counts) == 1:
+        return dict(counts[0])
+    rows = np.array([_layer_counts(model_config, d) for d in depths], dtype=np.float64)
+    used = [j for j in range(rows.shape[1]) if rows[:, j].any()]
+    full = np.array(_layer_counts(model_config, model_config.num_hidden_layers), dtype=np.float64)[used]
+    return {k: float(full @ np.linalg.solve(rows[:, used], np.array([c[k] for c in counts], dtype=np.float64)))
+            for k in counts[0]}
+
+
 def counted_costs(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,
                   predictions: int) -> tuple[dict, int]:
     """XLA's FLOPs and bytes accessed per chip of the full-depth step, and the loops left in the
@@ -159,20 +209,22 @@ def counted_costs(config, bert_config, devices, mesh_kind: str, batch_per_chip: 
 
     XLA's cost analysis counts a loop's body once: the scanned encoder's, and each collective
     matmul's (FSDP's gathered weights: without this it counts 21-25% fewer FLOPs than the model
-    needs). So the counts come from two unrolled compiles of 1 and 2 layers (same widths, mesh
-    and batch) without collective-matmul loops, extrapolated linearly in depth (a model of 1 or
-    2 layers is counted from one compile at its own depth). Their last layer
+    needs). So the counts come from unrolled compiles of a few layers (same widths, mesh and
+    batch; `counting_depths`: BERT's 1 and 2, ModernBERT's 1, 2 and n + 1) without
+    collective-matmul loops, extrapolated in depth (`extrapolate`; a shallow model is counted from
+    one compile at its own depth). BERT's last layer
     is computed as in the real program (at the masked positions only when it is unrolled with
     `sparse_last_layer`; a scanned encoder computes it everywhere).
     """
     from bert_jax.model import modeling
+    from bert_jax.pretrain import model_family
 
-    sparse = modeling.last_layer_queries(bert_config, seq_len, predictions) is not None
+    sparse = (not model_family.is_modernbert(bert_config)
+              and modeling.last_layer_queries(bert_config, seq_len, predictions) is not None)
     counts, loops, options = [], 0, NO_COLLECTIVE_MATMUL_LOOPS
-    # A model of 1 or 2 layers is its own unrolled program: one compile, nothing to extrapolate.
-    depths = (1, 2) if bert_config.num_hidden_layers > 2 else (bert_config.num_hidden_layers,)
+    depths = counting_depths(bert_config)
     for layers in depths:
-        small = bert_config.replace(num_hidden_layers=layers, scan_layers=False, sparse_last_layer=sparse)
+        small = _at_depth(bert_config, layers, sparse)
         try:
             compiled = compile_step(config, small, devices, mesh_kind, batch_per_chip, seq_len, predictions,
                                     compiler_options=options)[0]
@@ -183,10 +235,7 @@ def counted_costs(config, bert_config, devices, mesh_kind: str, batch_per_chip: 
             compiled = compile_step(config, small, devices, mesh_kind, batch_per_chip, seq_len, predictions)[0]
         counts.append(xla_costs(compiled))
         loops += len(re.findall(r"\swhile\(", compiled.as_text()))
-    if len(counts) == 1:
-        return counts[0], loops
-    depth = bert_config.num_hidden_layers - 1
-    return {k: counts[0][k] + depth * (counts[1][k] - counts[0][k]) for k in counts[0]}, loops
+    return extrapolate(counts, depths, bert_config), loops
 
 
 def counted_flops(config, bert_config, devices, mesh_kind: str, batch_per_chip: int, seq_len: int,

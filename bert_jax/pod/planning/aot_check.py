@@ -107,11 +107,14 @@ def load_configs(args: argparse.Namespace):
     """`(ConfigDict, BertConfig)` of `--config` with the command line's model options applied."""
     from bert_jax.config_overrides import load_config as load_config_file
     from bert_jax.model.model_config import BertConfig
+    config = load_config_file(args.config, module_name="cfg")  # a file, or a config's name from any folder
+    if config.get("model_family", "bert") != "bert":
+        raise SystemExit(f"--config={args.config}: config.model_family={config.model_family!r}; aot_check's "
+                         "options (--remat, --attention, --no_scan) are BERT's: plan it with python -m bert_jax.plan")
     try:
         import libtpu  # noqa: F401
     except ImportError:
         raise SystemExit("libtpu is not installed: pip install 'libtpu==0.0.42.*' (no TPU needed)") from None
-    config = load_config_file(args.config, module_name="cfg")  # a file, or a config's name from any folder
     config.model.dtype = args.dtype
     config.model.scan_layers = not args.no_scan
     config.model.remat_policy = args.remat

@@ -22,7 +22,8 @@ step achieved, `training.chips.ACHIEVED`: what to budget for); per mesh, weak-sc
 from the smallest slice; per slice, the recommended mesh; per recipe, the projected wall time and
 chip-hours on every slice that can run it, at the peaks and calibrated. `--config.key=value` overrides
 the config file as `bert_jax.main` takes them (the dtype, the length and the batch come from the
-planner's own flags; layers are always scanned).
+planner's own flags; BERT's layers are always scanned). `config.model_family="modernbert"` plans
+ModernBERT (unrolled, data mesh only, 30% predictions: docs/pod_planning.md, "ModernBERT").
 
 Recipes (--recipes): `paper` = BERT-Large as Devlin et al.: 900k steps at length 128 + 100k at 512,
 batch 256; `lamb` = You et al. 2019: 7,038 steps at 128 with batch 65,536 + 1,563 at 512 with
@@ -56,20 +57,48 @@ PLANNER_KEYS = {"config.model.dtype": "--dtype", "config.model.scan_layers": "(a
 
 
 def load_config(path: str, seq_len: int, dtype: str, overrides=()):
-    """`(ConfigDict, BertConfig)` of a config file (the one `bert_jax.main` would train), with
-    `--config.key=value` overrides (e.g. `--config.model.attention_impl=dot_product`)."""
+    """`(ConfigDict, model config)` of a config file (the one `bert_jax.main` would train), with
+    `--config.key=value` overrides (e.g. `--config.model.attention_impl=dot_product`): a `BertConfig`,
+    or a `ModernBertConfig` for `config.model_family="modernbert"` (`run_setup.model_config_from`)."""
     from bert_jax.config_overrides import apply_overrides, load_config as load_config_file
-    from bert_jax.model.model_config import BertConfig
+    from bert_jax.training import run_setup
 
     config = load_config_file(path, module_name="plan_config")
     apply_overrides(config, overrides, path)
     config.model.dtype = dtype
-    # The real program with scanned layers, as the docs say: compile memory and time flat in
-    # depth (BERT-Large unrolled took 14 GB of host memory on v4-8 before it was stopped);
-    # the FLOPs and bytes come from unrolled 1- and 2-layer programs (pod.planning.aot.counted_costs).
-    config.model.scan_layers = True
+    if config.get("model_family", "bert") == "bert":
+        # The real program with scanned layers, as the docs say: compile memory and time flat in
+        # depth (BERT-Large unrolled took 14 GB of host memory on v4-8 before it was stopped); the
+        # FLOPs and bytes come from unrolled 1- and 2-layer programs (pod.planning.aot.counted_costs).
+        # ModernBERT has no scanned encoder: its real program is unrolled.
+        config.model.scan_layers = True
     config.max_seq_length = seq_len
-    return config, BertConfig.from_dict(config.model.to_dict())
+    return config, run_setup.model_config_from(config)
+
+
+def predictions_per_row(config, seq_len: int) -> int:
+    """The masked positions a planned row carries: BERT's 20 per 128 tokens (Devlin et al.'s
+    `max_predictions_per_seq`), `ceil(masked_lm_prob * seq_len)` for ModernBERT (30%: 308 at 1,024)."""
+    if config.get("model_family", "bert") == "modernbert":
+        return max(1, math.ceil(config.masked_lm_prob * seq_len - 1e-9))
+    return max(1, round(seq_len * 20 / 128))
+
+
+def meshes_for(config, meshes: list) -> list:
+    """The meshes to plan for `config`: ModernBERT's parameters carry no logical axis names
+    (`bert_jax.model.modernbert`), so only the data-parallel mesh means what it says (an FSDP or
+    tensor mesh would replicate them); `None` (no --mesh) is every mesh the model supports."""
+    if config.get("model_family", "bert") != "modernbert":
+        from bert_jax.pod.planning import aot
+
+        return list(meshes or aot.MESHES)
+    if meshes is None:
+        return ["data"]
+    other = [m for m in meshes if m != "data"]
+    if other:
+        raise ValueError(f"--mesh={other[0]}: config.model_family='modernbert' shards data only (its parameters "
+                         "have no logical axis names for fsdp or tensor sharding); use --mesh=data")
+    return list(meshes)
 
 
 def comm_seconds(collectives, mesh, net) -> tuple[float, float, dict]:
@@ -107,11 +136,11 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
     """Compile, read the program, project the step (module docstring)."""
     from bert_jax.pod.planning import aot, cost, hlo, traffic as traffic_lib
     from bert_jax.training import chips
-    from bert_jax.pretrain import steps
+    from bert_jax.pretrain import model_family
 
     spec = chips.parse_slice(slice_name)
     devices = aot.slice_devices(slice_name)
-    predictions = max(1, round(seq_len * 20 / 128))
+    predictions = predictions_per_row(config, seq_len)
     started = time.perf_counter()
     compiled, analysis, b, mesh = aot.fitting_step(config, bert_config, devices, mesh_kind, batch_per_chip, seq_len,
                                                    predictions, spec.chip.hbm_gib, f"{slice_name} {mesh_kind}")
@@ -127,7 +156,7 @@ def plan_one(config, bert_config, slice_name: str, mesh_kind: str, seq_len: int,
     traffic = traffic_lib.memory_traffic(compiled.as_text())  # the real program's HBM traffic
     t = cost.step_time(costs["flops"], traffic.hbm, comm_s, peak_flops=spec.chip.peak_flops,
                        hbm_bw=spec.chip.hbm_bw, layers=bert_config.num_hidden_layers)
-    model_flops = steps.train_flops_per_sequence(bert_config, seq_len, predictions) * rows / spec.chips
+    model_flops = model_family.train_flops_per_sequence(bert_config, seq_len, predictions) * rows / spec.chips
     # The optimizer's share of the traffic (reads and writes the state once per step: fixed in the
     # batch): the arguments' bytes, read and written.
     state_bytes = analysis["hbm_fixed_gib"] * 2**30
@@ -249,7 +278,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/large.py")
     p.add_argument("--topology", default="v4-16,v4-64,v4-256",
                    help="comma-separated slices: v4-N, v5p-N (N TensorCores), v5e-N, v6e-N (N chips), or v4:AxBxC")
-    p.add_argument("--mesh", default="data,fsdp,tensor", help="comma-separated, of data, fsdp, tensor")
+    p.add_argument("--mesh", default=None, help="comma-separated, of data, fsdp, tensor (default: all three; "
+                   "data for ModernBERT)")
     p.add_argument("--seq_len", default="128", help="comma-separated lengths to plan (the recipes need 128,512)")
     p.add_argument("--batch_per_chip", type=int, default=32, help="rows per chip, halved until the step fits")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -271,8 +301,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.slices = [chips.parse_slice(s).name for s in args.topology.split(",") if s]
     except ValueError as e:
         p.error(str(e))
-    args.meshes = [m for m in args.mesh.split(",") if m]
-    for m in args.meshes:
+    args.meshes = None if args.mesh is None else [m for m in args.mesh.split(",") if m]
+    for m in args.meshes or ():
         if m not in aot.MESHES:
             p.error(f"--mesh: unknown mesh {m!r} (use {', '.join(aot.MESHES)})")
     args.seq_lens = [int(v) for v in args.seq_len.split(",") if v]
@@ -291,7 +321,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if storage_paths.is_remote(args.config):  # imported as a Python module: a local file
         p.error(f"--config={args.config}: a config is a local Python file (copy it here first)")
     try:  # a file, or a config's name (`--config=large`) from any folder: config_overrides.resolve_config
-        load_config(args.config, args.seq_lens[0] if args.seq_lens else 128, args.dtype, args.overrides)
+        config, _ = load_config(args.config, args.seq_lens[0] if args.seq_lens else 128, args.dtype, args.overrides)
+        args.meshes = meshes_for(config, args.meshes)
     except ValueError as e:
         p.error(str(e))
     return args
