@@ -275,3 +275,23 @@ def test_helpers_live_in_tests_helpers_and_the_test_folders_are_not_packages():
     assert not wrong, f"{wrong}: shared code goes to {HELPERS}/, fixtures to a folder's conftest.py"
     assert os.path.isfile(os.path.join(ROOT, "tests", "__init__.py"))
     assert os.path.isfile(os.path.join(ROOT, HELPERS, "__init__.py"))
+
+
+def test_the_data_pipeline_tests_follow_its_stages():
+    """tests/data_pipeline/ has a folder per stage of data_pipeline/ (tests/data_pipeline/records/ tests
+    data_pipeline/records/), each of 1..12 test modules; beside the folders only conftest.py and the tests of
+    a module at data_pipeline/'s top level (test_tf_import.py tests data_pipeline/tf_import.py)."""
+    folder = os.path.join(ROOT, "tests", "data_pipeline")
+    top_level = [part for part in DP_LAYER if not part.endswith("/") and part != "data_pipeline"]
+    wrong = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            tests = [n for n in os.listdir(path) if n.startswith("test_") and n.endswith(".py")]
+            if name != "__pycache__" and (name + "/" not in DP_LAYER or not 1 <= len(tests) <= 12):
+                wrong.append(f"{name}/ ({len(tests)} test modules)")
+        elif name.endswith(".py") and name != "conftest.py":
+            module = name[len("test_"):-len(".py")] if name.startswith("test_") else None
+            if not any(module == m or (module or "").startswith(m + "_") for m in top_level):
+                wrong.append(name)
+    assert not wrong, f"tests/data_pipeline/: {wrong}: a stage's tests go to the folder named for it"

@@ -6,9 +6,9 @@ shards named as the page says, the run's `train.dataset_info.json` beside them) 
 records, each in its own folder -> the many-runs loop (two runs at once into one folder, read through
 one glob). What the test changes: the optional flags the page shows in brackets are left out, and
 `lines` (the snippet's free name) is the corpus's lines. The Beam command (an alternative to the
-local one, tested against it in tests/data_pipeline/test_beam_pipeline.py), the Chinese whole-word masking one
-(tests/data_pipeline/test_chinese_whole_word_mask.py) and the tokenizer.json one
-(tests/data_pipeline/test_hf_tokenizer.py) are not run here.
+local one, tested against it in tests/data_pipeline/pretraining_data/test_beam_pipeline.py), the Chinese whole-word
+masking one (tests/data_pipeline/pretraining_data/test_chinese_whole_word_mask.py) and the tokenizer.json one
+(tests/data_pipeline/tokenization/test_hf_tokenizer.py) are not run here.
 
 docs/pretraining.md, finetuning.md and checkpoints.md: their walk-throughs (pretrain -> evaluate;
 fine-tune SST-2 -> predict; convert, export the fine-tuned model) are, command for command, the

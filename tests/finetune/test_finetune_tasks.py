@@ -246,7 +246,7 @@ def test_squad_v1_from_files_and_v2_from_tfds(tmp_path, checkpoint):
                 "best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh"):
         assert key in results, key
     assert results["total"] == 6
-    # What the loop reports is the v2.0 scorer (pinned to evaluate-v2.0.py in tests/data_pipeline/test_squad.py) on the
+    # What the loop reports is the v2.0 scorer (pinned to evaluate-v2.0.py in tests/data_pipeline/tasks/test_squad.py) on the
     # files it wrote, against the gold answers TFDS served: predictions.json and null_odds.json are
     # the scored ones. The best epoch's f1 has its own key and does not overwrite it.
     from data_pipeline.tasks import squad

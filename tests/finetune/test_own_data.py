@@ -236,7 +236,7 @@ def test_tagging_dev_tag_unseen_in_training(tmp_path):
 
 
 def test_bio_tagging_scores_as_conlleval():
-    """A BIO task's score is conlleval's (tests/data_pipeline/test_tasks.py checks that against the Perl script)."""
+    """A BIO task's score is conlleval's (tests/data_pipeline/tasks/test_tasks.py checks that against the Perl script)."""
     task = tasks.get_task("tagging", labels="O,B-PER,I-PER,B-LOC,I-LOC", split_files={"train": "unused"})
     assert task.scheme == "bio"
     gold = [["B-PER", "I-PER", "O", "B-LOC"], ["I-LOC", "B-LOC"]]

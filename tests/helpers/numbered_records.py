@@ -1,8 +1,8 @@
 """Pretraining records that carry their own id in token 1 (`ID_BASE + rid`), so that a batch tells
 which records it holds, even after (re-)masking: restoring `masked_lm_ids` at `masked_lm_positions`
 gives the original tokens back. Written through data_pipeline.schema's writer with a manifest;
-tests/data_pipeline/test_input_pipeline.py, test_dynamic_masking.py, test_packed_pretraining.py and
-test_verify_data.py read them."""
+tests/data_pipeline/input/test_input_pipeline.py, test_dynamic_masking.py, test_packed_pretraining.py and
+tests/data_pipeline/records/test_verify_data.py read them."""
 
 from pathlib import Path
 

@@ -43,7 +43,7 @@ SLOW = (
     "tests/model/test_modeling_options.py::test_separate_qkv_matmuls_train_like_the_stacked_kernel",
     "tests/model/test_modeling_options.py::test_cudnn_dispatch_falls_back_to_xla_where_cudnn_refuses_a_training_shape",
     "tests/model/test_mixed_precision.py::test_every_matmul_of_each_fine_tuning_head_takes_bf16_and_returns_float32",
-    "tests/data_pipeline/test_squad.py::test_squad_dev_sets_label_and_answer_like_google",  # ../shared/data only
+    "tests/data_pipeline/tasks/test_squad.py::test_squad_dev_sets_label_and_answer_like_google",  # ../shared/data only
     # TPU compiles (libtpu: 5-10 s a program); the tiny config's slice compile stays in the fast tier:
     "tests/pod/test_plan.py::test_plan_a_v5e_2x2_slice",
     "tests/pod/test_aot_tpu.py::test_fsdp_flops_count_the_collective_matmul_loops",

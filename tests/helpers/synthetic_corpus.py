@@ -1,6 +1,6 @@
 """A corpus of made-up words and its WordPiece vocabulary: the inputs of tests/fixtures/reference_records.json
-(tests/fixtures/README.md), which tests/data_pipeline/test_create_pretraining_data.py, test_fast_mode.py
-and test_many_runs.py run create_pretraining_data on."""
+(tests/fixtures/README.md), which tests/data_pipeline/pretraining_data/test_create_pretraining_data.py,
+test_fast_mode.py and tests/data_pipeline/records/test_many_runs.py run create_pretraining_data on."""
 
 import random
 from pathlib import Path

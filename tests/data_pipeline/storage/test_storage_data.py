@@ -23,7 +23,7 @@ from data_pipeline.input import evaluation, pretraining as ip  # noqa: E402
 from data_pipeline.records import reader  # noqa: E402
 from data_pipeline.tokenization.sentencepiece_tokenizer import create_tokenizer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STEMS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta",
          "river", "stone", "cloud", "light", "night", "paper", "garden", "window", "silver", "morning"]
 SUFFIXES = ["", "", "", "s", "ing", "ed", "ly"]

@@ -1,7 +1,7 @@
 """The fast and SentencePiece tokenizers against references, on text the tests make (runs in CI).
 
-tests/data_pipeline/test_tokenization.py pins the rules by hand and compares `FastTokenizer` with `FullTokenizer`
-on real BERT vocabularies only when ../shared/data exists, which CI lacks. Here the same
+tests/data_pipeline/tokenization/test_tokenization.py pins the rules by hand and compares `FastTokenizer` with
+`FullTokenizer` on real BERT vocabularies only when ../shared/data exists, which CI lacks. Here the same
 comparison runs everywhere, with nothing downloaded:
 
 * Text: the embedded offline corpus (`corpora.embedded_documents`, Python's pydoc topics),

@@ -160,7 +160,7 @@ def test_sentencepiece_model_as_tokenizer(corpus, tmp_path):
 
 def test_cli(corpus, tmp_path):
     out = tmp_path / "cli_vocab.txt"
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     result = subprocess.run(
         [sys.executable, "-m", "data_pipeline.train_vocab", f"--input_file={corpus}/*.txt",
          "--vocab_size=100", f"--output_file={out}", "--nodo_lower_case", "--heldout_every=5"],

@@ -11,7 +11,7 @@ from bert_jax.finetune import bucketing, batches as finetune_batches
 from data_pipeline import tasks
 from data_pipeline.tasks import glue, multiple_choice, ner
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures")
 
 
 # ---------------------------------------------------------------------------------------------

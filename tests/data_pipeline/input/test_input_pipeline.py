@@ -1,7 +1,7 @@
 """Tests of data_pipeline.input.pretraining and the modules under it (record_scan, records): sharding,
 exactly-once epochs, exact resume, corrupt-file detection and lenient skipping, padded eval;
-dynamic masking is tests/data_pipeline/test_dynamic_masking.py's, packed rows
-tests/data_pipeline/test_packed_pretraining.py's.
+dynamic masking is tests/data_pipeline/input/test_dynamic_masking.py's, packed rows
+tests/data_pipeline/input/test_packed_pretraining.py's.
 
 The records (tests/helpers/numbered_records.py) carry their own id in token 1, so a batch tells
 which records it holds, even after (re-)masking.

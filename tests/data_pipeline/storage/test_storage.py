@@ -13,7 +13,7 @@ import pytest
 from data_pipeline import storage
 from data_pipeline.storage import atomic as storage_atomic, paths as storage_paths, staging as storage_staging
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # ---------------------------------------------------------------------------------------------
 # The scan: file access outside the storage modules

@@ -16,7 +16,7 @@ import pytest
 from data_pipeline import tokenization as tok
 from data_pipeline.tokenization.fast import FastBasicTokenizer, FastTokenizer
 
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 
 VOCAB = [
     "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",                    # 0-4

@@ -23,8 +23,8 @@ from data_pipeline.records import reader as records  # noqa: E402
 from tests.helpers.pretraining_records import read_records  # noqa: E402
 from tests.helpers.synthetic_corpus import STEMS, synthetic_corpus  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "reference_records.json"
+ROOT = Path(__file__).resolve().parents[3]
+FIXTURE = Path(__file__).parents[2] / "fixtures" / "reference_records.json"
 
 
 @pytest.mark.parametrize("wwm", [False, True])
@@ -337,7 +337,7 @@ def test_shard_names_match_the_documented_globs():
 
 
 def test_a_run_that_would_leave_a_manifest_wrong_is_refused_before_any_work(tmp_path):
-    """Runs share a folder (tests/data_pipeline/test_many_runs.py); refused are only a rerun that would leave its
+    """Runs share a folder (tests/data_pipeline/records/test_many_runs.py); refused are only a rerun that would leave its
     earlier run's files unlisted, and a run writing files another run's manifest lists. The
     messages name the manifest and the files, and suggest no path (they once suggested a folder
     named after a shard, `part-00000-of-00002/part-00000-of-00002.tfrecord`)."""

@@ -24,7 +24,7 @@ from data_pipeline.tokenization.fast import FastTokenizer  # noqa: E402
 from tests.helpers.pretraining_records import read_records  # noqa: E402
 from tests.helpers.synthetic_corpus import STEMS, SUFFIXES, synthetic_corpus  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_fast_mode_is_independent_of_the_worker_count_and_has_the_reference_statistics(tmp_path):

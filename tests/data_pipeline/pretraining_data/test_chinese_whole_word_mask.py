@@ -40,7 +40,7 @@ from data_pipeline.records import schema
 from data_pipeline.tokenization.char_classes import is_cjk_char  # noqa: E402
 from data_pipeline.tokenization.fast import FastTokenizer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GOOGLE_CHINESE_VOCAB = ROOT.parent / "shared" / "data" / "vocab" / "bert-base-chinese" / "vocab.txt"
 SEQ, PREDS, PROB = 64, 10, 0.15
 MADE_UP = "银杏星果糕"  # jieba alone: 银杏 / 星果 / 糕

@@ -4,7 +4,7 @@ equal to the local statistics, and errors that name the file or flag.
 
 The files are compared as bytes and their records counted from the TFRecord length headers, so
 only the TFDS case imports TensorFlow (the local path's records are checked against TensorFlow's
-reader in tests/data_pipeline/test_create_pretraining_data.py and test_fast_mode.py)."""
+reader in tests/data_pipeline/pretraining_data/test_create_pretraining_data.py and test_fast_mode.py)."""
 
 import dataclasses
 import gzip
@@ -26,7 +26,7 @@ from data_pipeline import create_pretraining_data as cpd  # noqa: E402
 from data_pipeline.pretraining_data import beam_pipeline, corpora  # noqa: E402
 from data_pipeline.pretraining_data import shards  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STEMS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta",
          "river", "stone", "cloud", "light", "night", "paper", "garden", "window", "silver", "morning"]
 SUFFIXES = ["", "", "", "s", "ing", "ed", "ly"]

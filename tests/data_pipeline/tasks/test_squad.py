@@ -13,7 +13,7 @@ import pytest
 from data_pipeline import tasks, tokenization
 from data_pipeline.tasks import squad, squad_eval, squad_windows
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures")
 
 
 def _official():
@@ -286,8 +286,9 @@ def test_squad_answer_text_falls_back_to_the_whole_words_like_google():
                                                                 [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3])
 
 
+# FIXTURES is <repo>/tests/fixtures; the shared data sit beside the repository.
 SQUAD_DATA = os.path.join(os.environ.get("BERT_JAX_SHARED_DATA", os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "shared", "data")), "squad")
+    os.path.dirname(os.path.dirname(os.path.dirname(FIXTURES))), "shared", "data")), "squad")
 
 
 @pytest.mark.parametrize("config", ["v1_uncased", "v1_cased", "v2_uncased"])

@@ -21,7 +21,7 @@ from data_pipeline.records import manifests, reader as records  # noqa: E402
 from tests.helpers.pretraining_records import read_records  # noqa: E402
 from tests.helpers.synthetic_corpus import synthetic_corpus  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 FLAGS = dict(max_seq_length=32, max_predictions_per_seq=4, dupe_factor=2)
 

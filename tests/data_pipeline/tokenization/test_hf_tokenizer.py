@@ -23,7 +23,7 @@ from data_pipeline.pretraining_data import shards  # noqa: E402
 from data_pipeline.tokenization import hf_tokenizer  # noqa: E402
 from data_pipeline.tokenization.fast import FastTokenizer  # noqa: E402
 
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 # WikiText-2's 2,891 paragraphs, then Pride and Prejudice's short lines (curly quotes, a BOM): 10,000 lines.
 CORPUS = [SHARED_DATA / "corpus" / "wikitext-2-raw" / "wiki.test.raw",
           SHARED_DATA / "corpus" / "gutenberg" / "pg1342_pride_and_prejudice.txt"]
@@ -100,7 +100,7 @@ def test_wordpiece_tokenizer_json_equals_our_google_exact_wordpiece(lines):
         pytest.skip(f"{UNCASED}: no bert-base-uncased tokenizer.json")
     tok = hf_tokenizer.HFTokenizer(str(UNCASED / "tokenizer.json"))
     ours = FastTokenizer(str(UNCASED / "vocab.txt"), do_lower_case=True)
-    # Our fast path equals Google's reference tokenizer (tests/data_pipeline/test_tokenization*.py).
+    # Our fast path equals Google's reference tokenizer (tests/data_pipeline/tokenization/test_tokenization*.py).
     assert tok.encode_batch(lines) == ours.encode_batch(lines)
     assert tok.vocab == ours.vocab and tok.special_ids() == {"cls_id": 101, "sep_id": 102, "mask_id": 103,
                                                              "pad_id": 0, "vocab_size": 30522}
