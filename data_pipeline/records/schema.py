@@ -129,7 +129,7 @@ def decode_example(serialized: bytes) -> dict:
 # little-endian. Only the varint lengths differ from record to record, so a batch is laid out as
 # a [batch, widest record] byte matrix, each piece in a fixed column block as wide as its longest
 # varint, with a mask of the bytes actually used; the mask compacts the matrix into the records,
-# one after the other. Tested byte for byte against `serialize` (tests/data_pipeline/test_fast_mode.py).
+# one after the other. Tested byte for byte against `serialize` (tests/data_pipeline/pretraining_data/test_fast_mode.py).
 
 
 def _varint_fill(values: np.ndarray, data: np.ndarray, used: Optional[np.ndarray]) -> None:

@@ -4,7 +4,7 @@ bert_jax reads and writes local paths and `gs://bucket/...` paths, and nothing e
 project touches (data, vocabularies, configs, checkpoints and their manifests, logs, TensorBoard
 events, evaluation results, exports, predictions, plots) goes through the functions here and in
 their sibling modules, and no other module calls `open`, `os.path.exists`, `os.makedirs`, `glob` or
-`shutil` on a user's path (`tests/data_pipeline/test_storage.py` scans for them). The file API most callers use is
+`shutil` on a user's path (`tests/data_pipeline/storage/test_storage.py` scans for them). The file API most callers use is
 here: queries, reading, writing, copying, moving and deleting, each dispatching on the path's scheme.
 The rest of the stage sits beside it in `data_pipeline/storage/`, each name imported from where
 it is defined:

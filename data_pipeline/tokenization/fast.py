@@ -1,7 +1,7 @@
 """The fast batch path: the tokens and ids of `tokenization.FullTokenizer`, 20-30 times faster.
 
 * `FastBasicTokenizer`, `FastTokenizer`: the same output as `BasicTokenizer` / `FullTokenizer`
-  (tests/data_pipeline/test_tokenization.py pins it, on real corpora too), by memoizing whitespace-delimited
+  (tests/data_pipeline/tokenization/test_tokenization.py pins it, on real corpora too), by memoizing whitespace-delimited
   chunks (see `_ChunkMemoTokenizer` for why that is exact, and benchmarks/data/RESULTS.md for the
   numbers). Per-character rules become whole-string tables and regexes built from the same
   predicates (`char_classes.py`), so the per-character work runs in C.
