@@ -329,7 +329,7 @@ def export_modernbert(args) -> int:
                          (layout.TOKENIZER_JSON, storage_paths.join(args.input, layout.TOKENIZER_JSON)),
                          (layout.TOKENIZER_CONFIG, storage_paths.join(args.input, layout.TOKENIZER_CONFIG))):
         if storage.isfile(source):  # the vocabulary (or tokenizer.json) the records were made with, and its casing
-            storage.write_bytes(storage_paths.join(args.output, name), storage.read_bytes(source))
+            storage.copy(source, storage_paths.join(args.output, name))
     from bert_jax.model.modeling import count_params
     print(json.dumps({"input": args.input, "input_format": "bert_jax (ModernBERT workdir)", "step": step,
                       "output": args.output, "output_format": "hf", "model_type": "modernbert",

@@ -205,7 +205,7 @@ def check_tokenizer_matches_data(tokenizer_json: str, patterns: Sequence[str]) -
     from data_pipeline.tokenization import hf_tokenizer
 
     digest = None
-    for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
+    for pattern in storage.split_patterns(patterns):
         info = reader.dataset_info(pattern)
         made_by = info.get("tokenizer")
         if not (isinstance(made_by, dict) and made_by.get("kind") == "tokenizer.json"):
@@ -279,7 +279,7 @@ def check_vocab_matches_data(vocab_file: str, patterns: Sequence[str]) -> None:
     from data_pipeline.records import manifests
 
     digest = None
-    for pattern in (p.strip() for item in patterns for p in item.split(",") if p.strip()):
+    for pattern in storage.split_patterns(patterns):
         info = reader.dataset_info(pattern)
         made_by = info.get("tokenizer")
         if isinstance(made_by, dict) and made_by.get("kind") == "tokenizer.json":
