@@ -116,6 +116,10 @@ SUITES: dict = {
         # --warm: ours once more on the first run's compilation cache (a rerun, another seed).
         ("finetune_sst2_vs_transformers", _FINETUNE, ["--tasks=sst2", "--sst2_train=2000", "--warm",
                                                                 "--model={minilm}", "--hf_python={hf_python}"]),
+        # ... ours in float32 whatever the CPU (on a CPU where "auto" takes bf16, the run above is not).
+        ("finetune_sst2_float32_vs_transformers", _FINETUNE, [
+            "--tasks=sst2", "--sst2_train=2000", "--warm", "--set", "cpu_bf16=off",
+            "--model={minilm}", "--hf_python={hf_python}"]),
         # Where the first run's wall goes, compiling ahead (the default) and each program at its first
         # call, one after the other (issue 70's profile).
         *[(f"finetune_sst2_first_run_profile{suffix}", _FIRST_RUN, [

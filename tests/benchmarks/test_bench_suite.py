@@ -196,7 +196,8 @@ def test_the_fine_tuning_run_is_skipped_without_its_python_and_tabled_with_its_r
     """The cpu suite's end-to-end run: skipped (and said why) without --hf_python; its record's
     row shows both sides' wall clocks and their ratio."""
     runs = [(n, s, f) for n, s, f in suite.SUITES["cpu"] if s == "benchmarks.finetune.end_to_end"]
-    assert len(runs) == 2 and "--hf_autocast_bf16" in runs[1][2]  # the second: both sides in bf16
+    assert len(runs) == 3 and "--hf_autocast_bf16" in runs[2][2]  # the last: both sides in bf16
+    assert "cpu_bf16=off" in runs[1][2] and "cpu_bf16=off" not in runs[0][2]  # ours in float32; ours as default
     runs = runs[:1]
     records = suite.run_suite(runs, str(tmp_path / "r.jsonl"), 60, 60, values={"minilm": "/m", "hf_python": ""})
     assert records[0]["status"] == "skipped" and "--hf_python" in records[0]["stderr_tail"]
