@@ -16,7 +16,9 @@ mask matters). Two variants from the same parameters and batch, their timed roun
 Per length it prints and records which kernel the local layers got (`local_kernel`: "cudnn", "splash"
 or none; jax 0.10.2 refuses cuDNN's two-sided window and logs why), each variant's step time, and how
 far the two agree: the masked-LM logits of the first forward (the largest difference over the largest
-logit) and the loss; `agree` is whether both are within `--tolerance` (rounding of `--dtype` alone).
+logit) and the loss; `agree` is whether both are within `--tolerance` (rounding of `--dtype` alone), and
+`resolves_one_key` whether that difference is below the control's: the band one key narrower on each
+side against the band (in bfloat16 a window off by one key can hide in the rounding).
 benchmarks/gpu/modernbert_local.sh runs it on a lent GPU.
 """
 
@@ -59,18 +61,20 @@ def parse_args(argv=None):
     for length in lengths:
         if length < 1 or args.batch_tokens < length:
             p.error(f"--lengths: {length} needs --batch_tokens >= it (got {args.batch_tokens})")
+    if args.local_attention < 4:
+        p.error(f"--local_attention {args.local_attention}: at least 4 (the control narrows it by 2)")
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} does not divide by --heads {args.heads}")
     args.lengths = lengths
     return args
 
 
-def model_config(args, length: int, local_blocks: bool) -> modernbert.ModernBertConfig:
+def model_config(args, length: int, local_blocks: bool, local_attention: int = 0) -> modernbert.ModernBertConfig:
     return modernbert.ModernBertConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, max_position_embeddings=length,
-        local_attention=args.local_attention, pad_token_id=0, dtype=args.dtype, attention_impl="dot_product",
-        local_blocks=local_blocks)
+        local_attention=local_attention or args.local_attention, pad_token_id=0, dtype=args.dtype,
+        attention_impl="dot_product", local_blocks=local_blocks)
 
 
 def make_batch(args, length: int) -> dict:
@@ -117,22 +121,31 @@ def run(args) -> dict:
             logits[name] = np.asarray(jax.jit(apply_logits)(params, batch), np.float32)
             step = make_step(apply_logits, params)
             units[name] = lambda step=step: step(batch)
+        # The control: the band one key narrower on each side, forward only. A comparison that cannot tell
+        # it from the band (at `--dtype`'s rounding) could not see a window off by one either.
+        narrower = modernbert.ModernBertForMaskedLM(model_config(args, length, False, args.local_attention - 2))
+        logits["control"] = np.asarray(jax.jit(lambda p, b: narrower.apply(
+            {"params": p}, b["input_ids"], b["input_mask"], masked_positions=b["positions"])[1])(params, batch),
+            np.float32)
         losses = {name: float(mlm_loss(jnp.asarray(x), batch["labels"])) for name, x in logits.items()}
         scale = float(np.abs(logits["band"]).max())
         logit_diff = float(np.abs(logits["window"] - logits["band"]).max()) / max(scale, 1e-6)
+        control_diff = float(np.abs(logits["control"] - logits["band"]).max()) / max(scale, 1e-6)
         loss_diff = abs(losses["window"] - losses["band"]) / max(abs(losses["band"]), 1e-6)
         times = time_alternating(units, args.rounds, args.steps)
         row = {"length": length, "rows": int(batch["input_ids"].shape[0]), "local_kernel": kernel,
                "window_ms": 1e3 * statistics.median(times["window"]),
                "band_ms": 1e3 * statistics.median(times["band"]),
                "logit_diff_rel": logit_diff, "loss_window": losses["window"], "loss_band": losses["band"],
-               "agree": bool(logit_diff <= args.tolerance and loss_diff <= args.tolerance)}
+               "agree": bool(logit_diff <= args.tolerance and loss_diff <= args.tolerance),
+               "control_diff_rel": control_diff, "resolves_one_key": bool(logit_diff < control_diff)}
         row["band_over_window"] = row["band_ms"] / row["window_ms"]
         results["rows"].append(row)
         print(f"length {length:5d} x {row['rows']} rows: local layers on {kernel!r}: "
               f"window {row['window_ms']:8.1f} ms, "
               f"band mask {row['band_ms']:8.1f} ms ({row['band_over_window']:.2f}x); logits differ by "
-              f"{logit_diff:.2e} of the largest, losses {losses['window']:.5f} / {losses['band']:.5f}: "
+              f"{logit_diff:.2e} of the largest (a window one key narrower: {control_diff:.2e}), "
+              f"losses {losses['window']:.5f} / {losses['band']:.5f}: "
               f"{'agree' if row['agree'] else 'DISAGREE'}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
