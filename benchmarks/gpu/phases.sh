@@ -1,4 +1,4 @@
-# Sourced by the device scripts (benchmarks/gpu/fused_fp8.sh, benchmarks/gpu/fused_ffn.sh, benchmarks/gpu/fused_qkv.sh, benchmarks/gpu/base_kernels.sh): the wheels the GPU image lacks
+# Sourced by the device scripts (benchmarks/gpu/fused_fp8.sh, benchmarks/gpu/fused_ffn.sh, benchmarks/gpu/fused_qkv.sh, benchmarks/gpu/base_kernels.sh, benchmarks/gpu/modernbert_local.sh): the wheels the GPU image lacks
 # (.whl/, installed to /tmp/site), the environment, and `phase`, which runs one step of a script
 # under the time its BUDGET leaves (a phase that would not fit is skipped and says so), `$LOCKED`, `COMMON`.
 #   OUT_DIR=... BUDGET=...; source benchmarks/gpu/phases.sh

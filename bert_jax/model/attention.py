@@ -8,6 +8,11 @@ kernels take) and `attention`, which dispatches on `BertConfig.attention_impl`:
   it applies (probed here: `_splash_applies`, `_cudnn_applies`, `_cudnn_trains`), XLA's attention
   elsewhere.
 
+A local (sliding-window) attention, `attention(..., local_window=half)` (ModernBERT's local layers),
+goes to the same kernels where they take the window (`local_kernel`): splash with its `LocalMask`,
+cuDNN with `local_window_size` (which jax 0.10.2 refuses for a two-sided window: see `local_kernel`);
+elsewhere the window is the band mask `band` ANDed into the mask.
+
 The projections around it (query, key, value, output) are `bert_jax.model.modeling.SelfAttention`'s.
 
 This module must not import tensorflow.
@@ -80,6 +85,13 @@ def make_sequence_ids(input_mask: Array, pack_ids: Optional[Array] = None) -> Ar
     return jnp.where(input_mask.astype(bool), ids, 0)
 
 
+def band(length: int, half_window: int) -> Array:
+    """`[1, 1, length, length]`: True where `|query - key| <= half_window`, a local window (transformers'
+    ModernBERT: `local_attention // 2` tokens on each side, bidirectional)."""
+    i = np.arange(length)
+    return jnp.asarray(np.abs(i[:, None] - i[None, :]) <= half_window)[None, None]
+
+
 # ---------------------------------------------------------------------------------------------
 # The dispatch
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +99,7 @@ def make_sequence_ids(input_mask: Array, pack_ids: Optional[Array] = None) -> Ar
 
 def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
               sequence_ids: Optional[Array] = None, causal: bool = False,
+              local_window: Optional[int] = None,
               dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None,
               mixed_matmuls: bool = False) -> Array:
     """Scaled dot-product attention with a boolean mask; the softmax runs in float32.
@@ -102,6 +115,11 @@ def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
         TPU kernel takes (without it the kernel is not used). Outputs at padding queries then
         differ from the other paths (see `make_sequence_ids`).
       causal: whether `mask` includes the left-to-right mask (the TPU kernel applies it itself).
+      local_window: a local window of this many keys on each side: a query sees the keys with
+        `|query - key| <= local_window` (`band`; `mask` need not hold it). With "dot_product" the
+        kernel that takes the window computes it (`local_kernel`): splash's `LocalMask` on TPU,
+        cuDNN's `local_window_size` on GPU where cuDNN takes it; elsewhere `band` is ANDed into
+        `mask`. Self-attention only, not with `causal`.
       dropout_rate, dropout_rng: dropout on the attention probabilities (einsum only).
       mixed_matmuls: the two matmuls with bfloat16 inputs and float32 outputs
         (`bert_jax.model.mixed_precision`, `BertConfig.mixed_matmuls`); "dot_product" then runs
@@ -112,13 +130,25 @@ def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
     """
     head_dim = query.shape[-1]
     scale = 1.0 / np.sqrt(head_dim)
+    if local_window is not None:
+        if causal or local_window < 0 or query.shape[1] != key.shape[1]:
+            raise ValueError(f"local_window={local_window}: a window >= 0 of self-attention (query length "
+                             f"{query.shape[1]}, key length {key.shape[1]}), without causal (causal={causal})")
     if impl == "dot_product":
         if dropout_rate > 0.0 and dropout_rng is not None:
             raise ValueError(
                 "attention_impl='dot_product' has no attention-probability dropout: set "
                 "attention_probs_dropout_prob=0 or attention_impl='einsum' for training")
         if sequence_ids is not None and _splash_applies(query):
-            return _splash_attention(query, key, value, sequence_ids, causal=causal)
+            return _splash_attention(query, key, value, sequence_ids, causal=causal, local_window=local_window)
+        if local_window is not None and local_kernel(query, local_window, impl, sequence_ids) == "cudnn":
+            full = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
+            return jax.nn.dot_product_attention(query, key, value, mask=full, scale=scale,
+                                                local_window_size=(local_window, local_window),
+                                                implementation="cudnn")
+    if local_window is not None:  # no kernel takes the window: the band mask
+        mask = jnp.logical_and(mask, band(query.shape[1], local_window))
+    if impl == "dot_product":
         if not mixed_matmuls:
             return _dot_product_attention(query, key, value, mask, scale)
         # Mixed matmuls (a CPU): XLA's attention there is this einsum, softmax, einsum (below, without
@@ -140,6 +170,38 @@ def attention(query: Array, key: Array, value: Array, mask: Array, *, impl: str,
     return jnp.einsum("bhqk,bkhd->bqhd", probs, value)
 
 
+def local_kernel(query: Array, local_window: int, impl: str,
+                 sequence_ids: Optional[Array] = None) -> Optional[str]:
+    """The kernel that computes `attention(..., local_window=local_window)` by itself, or None.
+
+    * "splash" (TPU): splash attention with `LocalMask((L, L), window_size=(w, w), offset=0)` per
+      head, which skips the tiles outside the window, and the sequence ids for padding and packing
+      (`_splash_applies`; needs `sequence_ids`);
+    * "cudnn" (GPU): `jax.nn.dot_product_attention(..., local_window_size=(w, w),
+      implementation="cudnn")` with the mask, where cuDNN takes it, probed with its gradient like
+      every cuDNN shape (`_cudnn_trains`). jax 0.10.2 refuses it: cuDNN's sliding window is
+      one-sided (`sliding_window_length`, keys `(q - w - 1, q]`, for causal masks only), and
+      `dot_product_attention` raises "cuDNN doesn't support right window" for any right side
+      above 0 without `is_causal`. The refusal is logged once per shape and the window falls back
+      to the band mask, whatever XLA or cuDNN then computes with it (as on CPU), so a later jax
+      that takes a two-sided window gets it with no change here;
+    * None: the caller's band mask (`band`), or ModernBERT's blocks (`modernbert.banded_attention`).
+
+    Only `impl="dot_product"` uses the kernels.
+    """
+    if impl != "dot_product":
+        return None
+    if sequence_ids is not None and _splash_applies(query):
+        return "splash"
+    if _cudnn_applies(query):
+        length = query.shape[1]
+        shapes = ((tuple(query.shape), jnp.dtype(query.dtype)),) * 3 + (
+            ((query.shape[0], 1, length, length), jnp.dtype(bool)),)
+        if _cudnn_trains(shapes, float(1.0 / np.sqrt(query.shape[-1])), local_window):
+            return "cudnn"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # cuDNN fused attention (GPU)
 # ---------------------------------------------------------------------------------------------
@@ -152,9 +214,9 @@ def _cudnn_applies(query: Array) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _cudnn_trains(shapes: tuple, scale: float) -> bool:
+def _cudnn_trains(shapes: tuple, scale: float, local_window: Optional[int] = None) -> bool:
     """Whether cuDNN's fused attention takes q, k, v and mask of these `(shape, dtype)`s with a
-    gradient, probed abstractly.
+    gradient (and `local_window_size=(local_window, local_window)` if given), probed abstractly.
 
     cuDNN's rules for training (e.g. with a mask, even lengths only) run in its custom VJP's
     forward rule, which JAX traces only for a gradient, and, inside `jit`, `nn.scan` or `remat`,
@@ -163,9 +225,11 @@ def _cudnn_trains(shapes: tuple, scale: float) -> bool:
     shapes (every layer has the same). A refusal, whatever its type, is logged and sends the
     call to XLA's attention.
     """
+    window = {} if local_window is None else {"local_window_size": (local_window, local_window)}
+
     def forward_and_vjp(q, k, v, m):
         fused = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=m, scale=scale,
-                                                             implementation="cudnn")
+                                                             implementation="cudnn", **window)
         out, pullback = jax.vjp(fused, q, k, v)
         return pullback(out)
 
@@ -174,8 +238,13 @@ def _cudnn_trains(shapes: tuple, scale: float) -> bool:
         return True
     except Exception as e:  # noqa: BLE001  (any refusal: XLA's attention is always correct)
         reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        logging.warning("cuDNN fused attention refused q %s, kv %s (%s); using XLA's attention",
-                        shapes[0][0], shapes[1][0], reason)
+        if local_window is None:
+            logging.warning("cuDNN fused attention refused q %s, kv %s (%s); using XLA's attention",
+                            shapes[0][0], shapes[1][0], reason)
+        else:
+            logging.warning("cuDNN fused attention refused q %s, kv %s with local_window_size (%d, %d) "
+                            "(%s); using the band mask", shapes[0][0], shapes[1][0], local_window,
+                            local_window, reason)
         return False
 
 
@@ -247,16 +316,30 @@ def _splash_applies(query: Array) -> bool:
             and _splash_shards(query) is not None)
 
 
-def _splash_kernel(heads: int, length: int, causal: bool, interpret: bool):
-    """The splash kernel for one example's `[heads, length, head_dim]`.
+def _splash_block(length: int, local_window: Optional[int] = None) -> int:
+    """The kernel's tile: the largest that divides `length`; with a local window, the largest not
+    above `max(128, 2 * local_window)`, so that a query tile scores about its window's keys (three
+    tiles) rather than three 512-key tiles (a window of 64 a side: 384 keys a query instead of
+    1,536; chosen by this count, not timed on a TPU)."""
+    cap = _SPLASH_BLOCKS[0] if local_window is None else max(_SPLASH_BLOCKS[-1], 2 * local_window)
+    return next(b for b in _SPLASH_BLOCKS if length % b == 0 and b <= cap)
+
+
+def _splash_kernel(heads: int, length: int, causal: bool, interpret: bool,
+                   local_window: Optional[int] = None):
+    """The splash kernel for one example's `[heads, length, head_dim]`: the full, causal or local
+    (`|query - key| <= local_window`: `LocalMask` with `window_size=(w, w)`, `offset=0`) mask.
 
     Built afresh in every trace (a few small numpy block tables): its tables become arrays of
     the trace being built, which must not outlive it (so no cache).
     """
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    block = next(b for b in _SPLASH_BLOCKS if length % b == 0)
-    static = splash.CausalMask((length, length)) if causal else splash.FullMask((length, length))
+    block = _splash_block(length, local_window)
+    if local_window is not None:
+        static = splash.LocalMask((length, length), window_size=(local_window, local_window), offset=0)
+    else:
+        static = splash.CausalMask((length, length)) if causal else splash.FullMask((length, length))
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                               block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                               block_q_dq=block, block_kv_dq=block)
@@ -265,13 +348,14 @@ def _splash_kernel(heads: int, length: int, causal: bool, interpret: bool):
 
 
 def _splash_attention(query: Array, key: Array, value: Array, sequence_ids: Array, *,
-                      causal: bool, interpret: bool = False) -> Array:
+                      causal: bool, local_window: Optional[int] = None, interpret: bool = False) -> Array:
     """Pallas splash attention on TPU: `[batch, length, heads, head_dim]` in and out.
 
     The kernel takes one example's heads-major q, k, v (vmapped over the batch), computes the
     logits and softmax in float32 and does not scale the logits, so the queries are scaled here.
-    `sequence_ids` (`make_sequence_ids`) is the mask; `causal` adds the kernel's causal mask,
-    whose all-masked tiles it skips. XLA cannot partition a Mosaic kernel, so on the mesh of
+    `sequence_ids` (`make_sequence_ids`) is the mask; `causal` adds the kernel's causal mask and
+    `local_window` its local one (`|query - key| <= local_window`), whose all-masked tiles it
+    skips. XLA cannot partition a Mosaic kernel, so on the mesh of
     `jax.set_mesh` it runs under `jax.shard_map`, each device on its own examples and heads
     (`_splash_shards`); without a mesh it is one call, right for a program on one device (a
     program sharded without `jax.set_mesh` fails to compile: our loops all set the mesh).
@@ -283,7 +367,7 @@ def _splash_attention(query: Array, key: Array, value: Array, sequence_ids: Arra
     query = query * jnp.asarray(1.0 / np.sqrt(query.shape[-1]), query.dtype)
 
     def per_shard(q, k, v, ids):
-        kernel = _splash_kernel(q.shape[2], length, causal, interpret)
+        kernel = _splash_kernel(q.shape[2], length, causal, interpret, local_window)
         one = lambda q, k, v, ids: kernel(q, k, v, segment_ids=splash.SegmentIds(ids, ids))
         # [batch, length, heads, head_dim] -> [batch, heads, length, head_dim] and back.
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))

@@ -20,6 +20,15 @@ Packed rows (several sequences a row, `pack_ids`) attend within their own sequen
 restart at each sequence's first token, so a packed row computes what the sequences alone would
 (unpadded attention's result, with the band mask on CPU).
 
+Which attention computes a layer (`attention_impl`, `local_blocks`; `bert_jax.model.attention`):
+"einsum" everywhere, and "dot_product" off TPU and GPU: global layers the masked attention, local
+layers by blocks (`banded_attention`) where the row is longer than three blocks, else the band mask.
+"dot_product" on TPU: splash attention in every layer (its `LocalMask` in local layers), with the
+sequence ids (`make_sequence_ids`: padding queries attend to padding, no real token's output
+changes); on GPU: cuDNN's fused kernel on global layers, and on local layers cuDNN's own window
+where cuDNN takes a two-sided one (jax 0.10.2 does not: `attention.local_kernel`), else the blocks
+or the band mask as on CPU.
+
 Numerics as BERT's: parameters float32, matmuls in `compute_dtype`, LayerNorm, softmax, RoPE and
 the logits in float32. This module must not import tensorflow.
 """
@@ -225,12 +234,6 @@ def positions_of(input_mask: Array, pack_ids: Optional[Array]) -> Array:
     return index - first
 
 
-def band(length: int, half_window: int) -> Array:
-    """`[1, 1, length, length]`: True where `|query - key| <= half_window`."""
-    i = np.arange(length)
-    return jnp.asarray(np.abs(i[:, None] - i[None, :]) <= half_window)[None, None]
-
-
 def banded_attention(query: Array, key: Array, value: Array, keys_ok: Array, pack_ids: Optional[Array],
                      half_window: int, dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
     """Local attention computed by blocks: what the band mask computes for every real query, at ~3/`L` of its cost.
@@ -278,8 +281,8 @@ class Attention(nn.Module):
     is_global: bool
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, keys_ok: Array, pack_ids: Optional[Array], cos: Array, sin: Array,
-                 deterministic: bool) -> Array:
+    def __call__(self, x: Array, mask: Array, keys_ok: Array, pack_ids: Optional[Array],
+                 sequence_ids: Optional[Array], cos: Array, sin: Array, deterministic: bool) -> Array:
         cfg = self.config
         batch, length, _ = x.shape
         heads, head_dim = cfg.num_attention_heads, cfg.head_dim
@@ -290,13 +293,15 @@ class Attention(nn.Module):
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         rate = 0.0 if deterministic else cfg.attention_dropout
         rng = self.make_rng("dropout") if rate > 0.0 else None
-        half = cfg.local_attention // 2
-        if not self.is_global and cfg.local_blocks and length > 3 * max(half, 1):
-            context = banded_attention(query, key, value, keys_ok, pack_ids, half, rate, rng)
+        window = None if self.is_global else cfg.local_attention // 2
+        # A local layer: the kernel that takes the window (splash on TPU, cuDNN where it takes it),
+        # else blocks where the row is long enough, else the band mask (`attention_lib.local_kernel`).
+        if (window is not None and cfg.local_blocks and length > 3 * max(window, 1)
+                and attention_lib.local_kernel(query, window, cfg.attention_impl, sequence_ids) is None):
+            context = banded_attention(query, key, value, keys_ok, pack_ids, window, rate, rng)
         else:
-            if not self.is_global:
-                mask = jnp.logical_and(mask, band(length, half))
             context = attention_lib.attention(query, key, value, mask, impl=cfg.attention_impl,
+                                              sequence_ids=sequence_ids, local_window=window,
                                               dropout_rate=rate, dropout_rng=rng)
         out = _dense(cfg, cfg.hidden_size, cfg.attention_bias, out_std, "Wo")(
             context.reshape(batch, length, cfg.hidden_size))
@@ -324,13 +329,13 @@ class Layer(nn.Module):
     index: int
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, keys_ok: Array, pack_ids: Optional[Array], rope: dict,
-                 deterministic: bool) -> Array:
+    def __call__(self, x: Array, mask: Array, keys_ok: Array, pack_ids: Optional[Array],
+                 sequence_ids: Optional[Array], rope: dict, deterministic: bool) -> Array:
         cfg = self.config
         is_global = cfg.is_global(self.index)
         normed = x if self.index == 0 else LayerNorm(cfg, name="attn_norm")(x)
-        x = x + Attention(cfg, is_global, name="attn")(normed, mask, keys_ok, pack_ids, *rope[is_global],
-                                                   deterministic)
+        x = x + Attention(cfg, is_global, name="attn")(normed, mask, keys_ok, pack_ids, sequence_ids,
+                                                   *rope[is_global], deterministic)
         return x + MLP(cfg, name="mlp")(LayerNorm(cfg, name="mlp_norm")(x), deterministic)
 
 
@@ -356,9 +361,12 @@ class ModernBertModel(nn.Module):
         x = self.embedding_norm(self.tok_embeddings(input_ids))
         x = self.embedding_dropout(x, deterministic=deterministic)
         mask = attention_lib.make_attention_mask(input_mask, pack_ids)
+        # The mask as the TPU kernel takes it (`attention_lib.make_sequence_ids`), for "dot_product" only.
+        sequence_ids = (attention_lib.make_sequence_ids(input_mask, pack_ids)
+                        if cfg.attention_impl == "dot_product" else None)
         rope = {kind: rotary(cfg, positions, kind) for kind in {cfg.is_global(i) for i in range(cfg.num_hidden_layers)}}
         for layer in self.layers:
-            x = layer(x, mask, input_mask, pack_ids, rope, deterministic)
+            x = layer(x, mask, input_mask, pack_ids, sequence_ids, rope, deterministic)
         return self.final_norm(x)
 
     def attend(self, hidden: Array) -> Array:

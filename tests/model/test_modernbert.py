@@ -69,7 +69,7 @@ def test_attention_by_blocks_equals_the_band_masked_attention_for_every_real_que
         cut = length // 2 - 3
         pack_ids = np.where(np.arange(length)[None] < cut, 1, 2) * keys_ok
     mask = attention.make_attention_mask(jnp.asarray(keys_ok), None if pack_ids is None else jnp.asarray(pack_ids))
-    mask = mask & modernbert.band(length, half_window)
+    mask = mask & attention.band(length, half_window)
     want = attention.attention(q, k, v, mask, impl="einsum")
     got = modernbert.banded_attention(q, k, v, jnp.asarray(keys_ok), None if pack_ids is None else jnp.asarray(pack_ids),
                                       half_window)
