@@ -206,8 +206,9 @@ def test_fitting_step_halves_the_batch_until_the_program_fits():
 def test_plan_modernbert_tiny_on_a_v5e_2x2_slice(tmp_path):
     """configs/modernbert_tiny.py (2 layers, H 64, GeGLU 96, vocabulary 512; layer 0 global, layer 1
     local with an 8-token window, run by blocks at length 32) compiles for a v5e 2x2 slice, unrolled
-    (ModernBERT has no scanned encoder), on the data mesh (the only one it shards): two compiles,
-    the fit and one FLOP count at its own depth."""
+    (ModernBERT has no scanned encoder), on the data, fsdp and tensor meshes: two compiles each, the
+    fit and one FLOP count at its own depth. FSDP gathers its parameters (their logical axis names:
+    bert_jax/model/modernbert_axes.py), tensor parallelism reduces activations inside the group."""
     _need_libtpu()
     import flax.linen as nn
     import jax
@@ -221,7 +222,8 @@ def test_plan_modernbert_tiny_on_a_v5e_2x2_slice(tmp_path):
                        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["plans"]
+    row, fsdp, tensor = json.loads(out.read_text())["plans"]
+    assert (fsdp["mesh"], tensor["mesh"]) == ({"data": 1, "fsdp": 4, "tensor": 1}, {"data": 1, "fsdp": 1, "tensor": 4})
     assert row["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1} and row["global_batch"] == 16 and row["layers"] == 2
     assert row["flop_count_loops"] == 0 and row["unknown_trip_counts"] == 0
     # The model's FLOPs by hand: per layer and token Wqkv 3*64*64 + Wo 64*64 + Wi 64*192 + Wo 96*64
@@ -244,6 +246,13 @@ def test_plan_modernbert_tiny_on_a_v5e_2x2_slice(tmp_path):
     assert set(row["comm"]) == {"all-reduce"}
     extra = row["comm"]["all-reduce"]["elements"] - params - 512 * 64
     assert 0 <= extra <= 16, extra
+    # FSDP: every parameter split over fsdp (all but the decoder's bias: "vocab" is tensor's) gathered
+    # at least once (forward), at most three times (again for the backward, and the tied embedding
+    # for both its uses); replicated parameters would gather none.
+    gathered = fsdp["comm"]["all-gather"]["elements"]
+    assert params - 512 <= gathered <= 3 * (params + 512 * 64), gathered
+    # Tensor parallel: activations reduced inside the 4-chip group, which grow with the batch.
+    assert tensor["batch_comm_s"] > 0 and row["batch_comm_s"] == 0
 
 
 def test_flop_count_depths_and_extrapolation_by_hand():
@@ -269,13 +278,10 @@ def test_flop_count_depths_and_extrapolation_by_hand():
     assert aot.counting_depths(shallow) == (2,) and aot.extrapolate([{"flops": 4.0}], (2,), shallow) == {"flops": 4.0}
 
 
-def test_modernbert_plans_the_data_mesh_and_its_masking_rate(capsys):
+def test_modernbert_plans_every_mesh_and_its_masking_rate():
     args = planner.parse_args(["--config=configs/modernbert_tiny.py", "--seq_len=32"])
-    assert args.meshes == ["data"]
-    assert planner.parse_args(["--config=configs/tiny.py"]).meshes == ["data", "fsdp", "tensor"]
-    with pytest.raises(SystemExit):
-        planner.parse_args(["--config=configs/modernbert_tiny.py", "--mesh=data,fsdp"])
-    assert "--mesh=fsdp: config.model_family='modernbert' shards data only" in capsys.readouterr().err
+    assert args.meshes == ["data", "fsdp", "tensor"] == planner.parse_args(["--config=configs/tiny.py"]).meshes
+    assert planner.parse_args(["--config=configs/modernbert_tiny.py", "--mesh=fsdp"]).meshes == ["fsdp"]
     # 30% of the row: the 308 predictions configs/modernbert_base.py sets at 1,024; BERT's 20 per 128.
     config, mcfg = planner.load_config("configs/modernbert_base.py", 1024, "bfloat16")
     assert planner.predictions_per_row(config, 1024) == config.max_predictions_per_seq == 308
