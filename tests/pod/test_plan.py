@@ -203,27 +203,37 @@ def test_fitting_step_halves_the_batch_until_the_program_fits():
             aot.fitting_step(None, None, [], "data", 4, 128, 20, 16, "v5e-4 data")
 
 
-def test_plan_modernbert_tiny_on_a_v5e_2x2_slice(tmp_path):
-    """configs/modernbert_tiny.py (2 layers, H 64, GeGLU 96, vocabulary 512; layer 0 global, layer 1
-    local with an 8-token window, run by blocks at length 32) compiles for a v5e 2x2 slice, unrolled
-    (ModernBERT has no scanned encoder), on the data, fsdp and tensor meshes: two compiles each, the
-    fit and one FLOP count at its own depth. FSDP gathers its parameters (their logical axis names:
-    bert_jax/model/modernbert_axes.py), tensor parallelism reduces activations inside the group."""
-    _need_libtpu()
+def _plan_modernbert_tiny(tmp_path, meshes: str) -> list:
+    """configs/modernbert_tiny.py planned on a v5e 2x2 slice at length 32, 4 rows a chip: the plan rows."""
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "bert_jax.plan", "--config=configs/modernbert_tiny.py",
+                        "--topology=v5e-4", f"--mesh={meshes}", "--seq_len=32", "--batch_per_chip=4", f"--json={out}"],
+                       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())["plans"]
+
+
+def _modernbert_tiny_params() -> int:
     import flax.linen as nn
     import jax
     import numpy as np
 
     from bert_jax.pretrain import model_family
 
-    out = tmp_path / "plan.json"
-    r = subprocess.run([sys.executable, "-m", "bert_jax.plan", "--config=configs/modernbert_tiny.py",
-                        "--topology=v5e-4", "--seq_len=32", "--batch_per_chip=4", f"--json={out}"],
-                       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    row, fsdp, tensor = json.loads(out.read_text())["plans"]
-    assert (fsdp["mesh"], tensor["mesh"]) == ({"data": 1, "fsdp": 4, "tensor": 1}, {"data": 1, "fsdp": 1, "tensor": 4})
+    mcfg = planner.load_config("configs/modernbert_tiny.py", 32, "bfloat16")[1]
+    shapes = jax.eval_shape(lambda: model_family.pretraining_model(mcfg).init(
+        jax.random.key(0), **model_family.dummy_inputs(mcfg)))
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(nn.meta.unbox(shapes))))
+
+
+def test_plan_modernbert_tiny_on_a_v5e_2x2_slice(tmp_path):
+    """configs/modernbert_tiny.py (2 layers, H 64, GeGLU 96, vocabulary 512; layer 0 global, layer 1
+    local with an 8-token window, run by blocks at length 32) compiles for a v5e 2x2 slice, unrolled
+    (ModernBERT has no scanned encoder), on the data mesh: two compiles, the fit and one FLOP count at
+    its own depth (the fsdp and tensor meshes: the next test, in the slow tier)."""
+    _need_libtpu()
+    (row,) = _plan_modernbert_tiny(tmp_path, "data")
     assert row["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1} and row["global_batch"] == 16 and row["layers"] == 2
     assert row["flop_count_loops"] == 0 and row["unknown_trip_counts"] == 0
     # The model's FLOPs by hand: per layer and token Wqkv 3*64*64 + Wo 64*64 + Wi 64*192 + Wo 96*64
@@ -239,20 +249,28 @@ def test_plan_modernbert_tiny_on_a_v5e_2x2_slice(tmp_path):
     assert 0 < row["mfu"] < 1 and row["hbm_gib"] <= row["hbm_capacity_gib"]
     # Data parallel: the gradient all-reduce carries every parameter once, the tied decoder's
     # gradient apart from the lookup's (vocabulary x hidden) and a few scalars (loss sums).
-    mcfg = planner.load_config("configs/modernbert_tiny.py", 32, "bfloat16")[1]
-    shapes = jax.eval_shape(lambda: model_family.pretraining_model(mcfg).init(
-        jax.random.key(0), **model_family.dummy_inputs(mcfg)))
-    params = int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(nn.meta.unbox(shapes))))
+    params = _modernbert_tiny_params()
     assert set(row["comm"]) == {"all-reduce"}
     extra = row["comm"]["all-reduce"]["elements"] - params - 512 * 64
     assert 0 <= extra <= 16, extra
-    # FSDP: every parameter split over fsdp (all but the decoder's bias: "vocab" is tensor's) gathered
-    # at least once (forward), at most three times (again for the backward, and the tied embedding
-    # for both its uses); replicated parameters would gather none.
+
+
+def test_plan_modernbert_tiny_on_the_fsdp_and_tensor_meshes(tmp_path):
+    """ModernBERT's parameters carry logical axis names (bert_jax/model/modernbert_axes.py), so FSDP
+    gathers them and tensor parallelism reduces activations inside the group; replicated parameters
+    (before issue 72's names) would gather none. What they shard: tests/pretrain/test_modernbert_sharding.py."""
+    _need_libtpu()
+    fsdp, tensor = _plan_modernbert_tiny(tmp_path, "fsdp,tensor")
+    assert (fsdp["mesh"], tensor["mesh"]) == ({"data": 1, "fsdp": 4, "tensor": 1}, {"data": 1, "fsdp": 1, "tensor": 4})
+    params = _modernbert_tiny_params()
+    # Every parameter split over fsdp (all but the decoder's bias: "vocab" is tensor's) gathered at
+    # least once (forward), at most three times (again for the backward, and the tied embedding for
+    # both its uses).
     gathered = fsdp["comm"]["all-gather"]["elements"]
     assert params - 512 <= gathered <= 3 * (params + 512 * 64), gathered
-    # Tensor parallel: activations reduced inside the 4-chip group, which grow with the batch.
-    assert tensor["batch_comm_s"] > 0 and row["batch_comm_s"] == 0
+    assert tensor["batch_comm_s"] > 0 and fsdp["batch_comm_s"] == 0
+    for row in (fsdp, tensor):
+        assert 0 < row["mfu"] < 1 and row["hbm_gib"] <= row["hbm_capacity_gib"] and row["flop_count_loops"] == 0
 
 
 def test_flop_count_depths_and_extrapolation_by_hand():
