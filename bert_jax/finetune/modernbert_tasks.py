@@ -31,8 +31,10 @@ evaluation, seeds and checkpoints are BERT's (`bert_jax.finetune.loop`):
   special tokens, which `transformers.AutoTokenizer` loads, or `vocab.txt` with the casing), which
   `transformers.AutoModelForSequenceClassification` (etc.) loads;
 * BERT-only options are refused by name (`check_config`: FP8, the Pallas kernels, mixed matmuls,
-  scanned layers, remat, Google's GELU, `head_init="normal"`, `cpu_bf16="on"`). The parameters are
-  replicated over the mesh (no logical axis names: data parallelism only).
+  scanned layers, remat, Google's GELU, `head_init="normal"`, `cpu_bf16="on"`);
+* the mesh: `init_params` boxes the parameters with their logical axis names
+  (`bert_jax.model.modernbert_axes`), so `config.mesh`'s fsdp and tensor sizes split them and the
+  optimizer state as they split BERT's (the state's shardings, `mode=predict`'s too).
 
 `mode=predict` reads the best epoch from `W/transformers/` (`finetuned`; `task.json` says
 `"model_family": "modernbert"`); `bert_jax.convert --input=W` points to `W/transformers/`. The workdir's
@@ -56,6 +58,7 @@ from bert_jax import layout, workdir as workdir_files
 from bert_jax.finetune import heads
 from bert_jax.formats import modernbert_hf
 from bert_jax.formats.common import tokenizer_config_json
+from bert_jax.model import modernbert_axes
 from bert_jax.model.modernbert import ModernBertConfig, ModernBertForTask
 from bert_jax.training import run_setup
 from data_pipeline import storage
@@ -173,6 +176,13 @@ class TaskModel(nn.Module):
         if self.head == "span":  # [batch, length, 2] -> two [batch, length]
             return {"start_logits": logits[..., 0], "end_logits": logits[..., 1]}
         return {"logits": logits[..., 0] if self.head == "regression" else logits}
+
+
+def init_params(model: nn.Module, rng: jax.Array, *inputs) -> dict:
+    """`model.init`'s parameters (a `TaskModel` or BERT's `heads.BertForTask`); a `TaskModel`'s boxed with
+    their logical axis names (`modernbert_axes`), as BERT's modules create theirs."""
+    params = model.init(rng, *inputs)["params"]
+    return modernbert_axes.with_logical_axes(params) if isinstance(model, TaskModel) else params
 
 
 def finetuned(workdir: str, which: str, config: ml_collections.ConfigDict) -> tuple:

@@ -187,8 +187,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                 intermediate_size=bert_config.intermediate_size,
                                 hidden_size=bert_config.hidden_size)
     dummy = heads.dummy_batch(task.head, max_len, task.num_outputs)
-    abstract = jax.eval_shape(lambda r: model.init(r, *(dummy[k] for k in heads.MODEL_INPUTS))["params"],
-                              jax.random.key(0))
+    abstract = jax.eval_shape(  # boxed with logical axis names (ModernBERT's too: modernbert_tasks.init_params)
+        lambda r: modernbert_tasks.init_params(model, r, *(dummy[k] for k in heads.MODEL_INPUTS)), jax.random.key(0))
     rules = sharding.DEFAULT_RULES
     shardings = sharding.logical_to_sharding(abstract, mesh, rules)
     if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(shardings):

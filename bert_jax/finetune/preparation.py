@@ -122,7 +122,7 @@ def prepare(config: ml_collections.ConfigDict, task, bert_config: BertConfig, wi
 
     def init_state(rng):
         params_rng, dropout_rng = jax.random.split(rng)
-        params = model.init(params_rng, *(dummy[k] for k in heads.MODEL_INPUTS))["params"]
+        params = modernbert_tasks.init_params(model, params_rng, *(dummy[k] for k in heads.MODEL_INPUTS))
         if model_class is heads.BertForTask:  # ModernBERT's classifier is drawn as transformers draws it
             params = heads.draw_head(params, config.get("head_init", "truncated_normal"),
                                      jax.random.fold_in(params_rng, 1), bert_config.initializer_range)

@@ -30,7 +30,9 @@ where cuDNN takes a two-sided one (jax 0.10.2 does not: `attention.local_kernel`
 or the band mask as on CPU.
 
 Numerics as BERT's: parameters float32, matmuls in `compute_dtype`, LayerNorm, softmax, RoPE and
-the logits in float32. This module must not import tensorflow.
+the logits in float32. On a mesh the activations are constrained at block edges as BERT's; the
+parameters' logical axis names are `bert_jax.model.modernbert_axes`' (the training paths box them after
+`init`). This module must not import tensorflow.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ from bert_jax.model import dropout as dropout_lib
 from data_pipeline import storage
 
 Array = jax.Array
+
+# Logical names of activations (BERT's, `bert_jax.model.modeling`): the batch over (data, fsdp), heads and
+# the GeGLU's features over tensor. The parameters' names: `bert_jax.model.modernbert_axes`.
+ACT_EMBED = ("activation_batch", "activation_length", "activation_embed")
+ACT_QKV = ("activation_batch", "activation_length", None, "activation_heads", "activation_kv")
+ACT_GLU = ("activation_batch", "activation_length", None, "activation_mlp")
+ACT_MLP = ("activation_batch", "activation_length", "activation_mlp")
 
 ACTIVATIONS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False),
                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -288,7 +297,9 @@ class Attention(nn.Module):
         heads, head_dim = cfg.num_attention_heads, cfg.head_dim
         out_std = cfg.initializer_range / np.sqrt(2.0 * cfg.num_hidden_layers)
         qkv = _dense(cfg, 3 * cfg.hidden_size, cfg.attention_bias, cfg.initializer_range, "Wqkv")(x)
-        qkv = qkv.reshape(batch, length, 3, heads, head_dim)
+        # [batch, length, 3, heads, head_dim]: split by heads over tensor (modernbert_axes: each rank
+        # multiplies only its heads' columns of Wqkv)
+        qkv = nn.with_logical_constraint(qkv.reshape(batch, length, 3, heads, head_dim), ACT_QKV)
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         rate = 0.0 if deterministic else cfg.attention_dropout
@@ -303,8 +314,9 @@ class Attention(nn.Module):
             context = attention_lib.attention(query, key, value, mask, impl=cfg.attention_impl,
                                               sequence_ids=sequence_ids, local_window=window,
                                               dropout_rate=rate, dropout_rng=rng)
+        context = nn.with_logical_constraint(context, attention_lib.ACT_HEADS)
         out = _dense(cfg, cfg.hidden_size, cfg.attention_bias, out_std, "Wo")(
-            context.reshape(batch, length, cfg.hidden_size))
+            context.reshape(batch, length, cfg.hidden_size))  # [batch, length, hidden]
         return nn.Dropout(cfg.attention_dropout)(out, deterministic=deterministic)
 
 
@@ -317,9 +329,12 @@ class MLP(nn.Module):
     def __call__(self, x: Array, deterministic: bool) -> Array:
         cfg = self.config
         out_std = cfg.initializer_range / np.sqrt(2.0 * cfg.num_hidden_layers)
-        a, b = jnp.split(_dense(cfg, 2 * cfg.intermediate_size, cfg.mlp_bias, cfg.initializer_range, "Wi")(x), 2,
-                         axis=-1)
+        ab = _dense(cfg, 2 * cfg.intermediate_size, cfg.mlp_bias, cfg.initializer_range, "Wi")(x)
+        # [batch, length, 2, intermediate]: a and b, each split by feature over tensor (modernbert_axes)
+        ab = nn.with_logical_constraint(ab.reshape(*ab.shape[:-1], 2, cfg.intermediate_size), ACT_GLU)
+        a, b = ab[..., 0, :], ab[..., 1, :]
         h = ACTIVATIONS[cfg.hidden_activation](a.astype(jnp.float32)).astype(cfg.compute_dtype) * b
+        h = nn.with_logical_constraint(h, ACT_MLP)  # [batch, length, intermediate]
         h = nn.Dropout(cfg.mlp_dropout)(h, deterministic=deterministic)
         return _dense(cfg, cfg.hidden_size, cfg.mlp_bias, out_std, "Wo")(h)
 
@@ -336,7 +351,9 @@ class Layer(nn.Module):
         normed = x if self.index == 0 else LayerNorm(cfg, name="attn_norm")(x)
         x = x + Attention(cfg, is_global, name="attn")(normed, mask, keys_ok, pack_ids, sequence_ids,
                                                    *rope[is_global], deterministic)
-        return x + MLP(cfg, name="mlp")(LayerNorm(cfg, name="mlp_norm")(x), deterministic)
+        x = nn.with_logical_constraint(x, ACT_EMBED)
+        x = x + MLP(cfg, name="mlp")(LayerNorm(cfg, name="mlp_norm")(x), deterministic)
+        return nn.with_logical_constraint(x, ACT_EMBED)
 
 
 class ModernBertModel(nn.Module):
@@ -359,7 +376,7 @@ class ModernBertModel(nn.Module):
         if positions is None:
             positions = positions_of(input_mask, pack_ids)
         x = self.embedding_norm(self.tok_embeddings(input_ids))
-        x = self.embedding_dropout(x, deterministic=deterministic)
+        x = nn.with_logical_constraint(self.embedding_dropout(x, deterministic=deterministic), ACT_EMBED)
         mask = attention_lib.make_attention_mask(input_mask, pack_ids)
         # The mask as the TPU kernel takes it (`attention_lib.make_sequence_ids`), for "dot_product" only.
         sequence_ids = (attention_lib.make_sequence_ids(input_mask, pack_ids)
@@ -370,8 +387,14 @@ class ModernBertModel(nn.Module):
         return self.final_norm(x)
 
     def attend(self, hidden: Array) -> Array:
-        """Logits over the vocabulary by the tied embedding, in float32."""
-        return self.tok_embeddings.attend(hidden.astype(jnp.float32))
+        """Logits over the vocabulary by the tied embedding, in float32 (`nn.Embed.attend`'s product).
+
+        On a mesh the embedding is gathered over fsdp, the vocabulary kept on tensor, as BERT's MLM
+        head pins it (`pretraining_heads`): without the constraint XLA's SPMD partitioner (jax 0.10,
+        CPU) gave wrong gradients for the tied matrix on a 2x2x2 mesh, with the right loss
+        (tests/pretrain/test_modernbert_sharding.py)."""
+        embedding = nn.with_logical_constraint(self.tok_embeddings.embedding, ("vocab", None))  # [vocab, hidden]
+        return jnp.dot(hidden.astype(jnp.float32), embedding.T)  # [..., vocab]
 
 
 class PredictionHead(nn.Module):
@@ -405,6 +428,7 @@ class ModernBertForMaskedLM(nn.Module):
         hidden = encoder(input_ids, input_mask, pack_ids, positions, deterministic)
         rows = hidden if masked_positions is None else jnp.take_along_axis(
             hidden, masked_positions[..., None].astype(jnp.int32), axis=1)
+        rows = nn.with_logical_constraint(rows, ACT_EMBED)  # [batch, predictions or length, hidden]
         logits = encoder.attend(PredictionHead(cfg, name="head")(rows))
         if cfg.decoder_bias:
             logits = logits + self.param("decoder_bias", nn.initializers.zeros, (cfg.vocab_size,), jnp.float32)

@@ -20,10 +20,10 @@ import logging
 import flax.linen as nn
 import jax
 import ml_collections
-from jax.sharding import NamedSharding, PartitionSpec
 
 from bert_jax import layout
 from bert_jax.formats import modernbert_hf
+from bert_jax.model import modernbert_axes
 from bert_jax.model.pretraining_heads import BertForPreTraining
 from bert_jax.pretrain import model_family, steps
 from bert_jax.pretrain.feed import make_eval_input, run_eval
@@ -57,12 +57,12 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _modernbert(config: ml_collections.ConfigDict, mesh):
-    """The evaluation model, parameters and their shardings (replicated, as in training) of a ModernBERT
-    `config.init_checkpoint`."""
+    """The evaluation model, parameters and their shardings (by their logical axis names, as in training:
+    `modernbert_axes`) of a ModernBERT `config.init_checkpoint`."""
     model_config, params, where = model_family.load_modernbert(config.init_checkpoint)
     ours = {k: config.model[k] for k in modernbert_hf.OWN_FIELDS if k in config.model}
     model_config = dataclasses.replace(model_config, **ours)
     model_family.check(config, model_config)
     logging.info("evaluating %s", where)
-    shardings = jax.tree_util.tree_map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+    shardings = sharding.logical_to_sharding(modernbert_axes.with_logical_axes(params), mesh)
     return model_family.eval_model(model_config), sharding.place(params, shardings), shardings

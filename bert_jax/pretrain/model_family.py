@@ -8,7 +8,9 @@ families; this module holds the few places where they differ:
   takes the pretraining batch's names (`input_ids`, `input_mask`, `masked_lm_positions`, and from
   packed rows `pack_ids` and `position_ids`; `segment_ids` and `cls_positions` are not read: no token
   types, no NSP) and returns a `PreTrainingOutput` without NSP logits, so the train and eval steps'
-  masked-LM loss and sums are BERT's code (`steps.pretraining_sums`; the NSP sums are 0).
+  masked-LM loss and sums are BERT's code (`steps.pretraining_sums`; the NSP sums are 0). Its `init`
+  boxes the parameters with their logical axis names (`bert_jax.model.modernbert_axes`), so
+  `config.mesh`'s fsdp and tensor sizes split them and the optimizer state as they split BERT's.
 
 ModernBERT refuses, before anything compiles, what it has no part for: `config.use_nsp=True` and
 `config.objective="ltr"`. BERT-only model options are not ModernBertConfig fields and are refused by
@@ -30,7 +32,7 @@ from typing import Optional
 import jax.numpy as jnp
 import ml_collections
 
-from bert_jax.model import modeling
+from bert_jax.model import modeling, modernbert_axes
 from bert_jax.model.modernbert import ModernBertConfig, ModernBertForMaskedLM
 from bert_jax.model.pretraining_heads import BertForPreTraining, PreTrainingOutput
 from bert_jax.pretrain import steps
@@ -122,7 +124,8 @@ def init_params(config: ml_collections.ConfigDict, model_config, fresh_params: d
 
 class ModernBertPreTraining:
     """`ModernBertForMaskedLM` with the pretraining step's calling convention (`init`, `apply` with the
-    batch's names); its parameters are exactly `ModernBertForMaskedLM`'s (`formats.modernbert_hf`)."""
+    batch's names); its parameters are exactly `ModernBertForMaskedLM`'s (`formats.modernbert_hf`), boxed
+    with their logical axis names by `init`."""
 
     def __init__(self, config: ModernBertConfig):
         self.config = config
@@ -136,7 +139,10 @@ class ModernBertPreTraining:
                       deterministic, **kwargs)
 
     def init(self, rngs, **batch):
-        return self._call(self.module.init, rngs, **batch)
+        """`ModernBertForMaskedLM`'s variables, its parameters boxed with their logical axis names
+        (`modernbert_axes`: `sharding.sharded_init` splits them over fsdp and tensor as BERT's)."""
+        variables = self._call(self.module.init, rngs, **batch)
+        return {**variables, "params": modernbert_axes.with_logical_axes(variables["params"])}
 
     def apply(self, variables, **batch) -> PreTrainingOutput:
         hidden, logits = self._call(self.module.apply, variables, **batch)

@@ -3,8 +3,8 @@
 The mesh has at most three axes: `data` (pure data parallelism), `fsdp` (data parallelism with
 parameters and optimizer state sharded along the embedding dimension) and `tensor` (Megatron-style
 tensor parallelism over heads, the feed-forward and the vocabulary). Parameters carry logical axis
-names (`bert_jax.model.modeling`); `DEFAULT_RULES` maps them onto mesh axes. Multi-slice TPU jobs add
-DCN (between-slice) sizes for the same three axes.
+names (`bert_jax.model.modeling`; ModernBERT's `bert_jax.model.modernbert_axes`); `DEFAULT_RULES` maps
+them onto mesh axes. Multi-slice TPU jobs add DCN (between-slice) sizes for the same three axes.
 
 Never materialize before sharding: `sharded_init` runs `jax.eval_shape`, derives shardings from
 the logical names, then jits the initializer with those `out_shardings`, so no device ever holds a
@@ -40,6 +40,9 @@ DEFAULT_RULES = (
     ("position", None),
     ("type_vocab", None),
     ("classes", None),
+    # ModernBERT's fused kernels' outputs (`bert_jax.model.modernbert_axes`): not split over tensor.
+    ("qkv", None),
+    ("mlp_glu", None),
     # Activations: batch over the data-parallel axes, heads and feed-forward over tensor.
     ("activation_batch", BATCH_AXES),
     ("activation_length", None),

@@ -42,6 +42,7 @@ SLOW = (
     "tests/data_pipeline/tasks/test_squad.py::test_squad_dev_sets_label_and_answer_like_google",  # ../shared/data only
     # TPU compiles (libtpu: 5-10 s a program); the tiny config's slice compile stays in the fast tier:
     "tests/pod/test_plan.py::test_plan_a_v5e_2x2_slice",
+    "tests/pod/test_plan.py::test_plan_modernbert_tiny_on_the_fsdp_and_tensor_meshes",
     "tests/pod/test_aot_tpu.py::test_fsdp_flops_count_the_collective_matmul_loops",
     "tests/pod/test_aot_tpu.py::test_dot_product_attention_compiles_to_the_pallas_splash_kernel",
     # GPU kernels through Pallas's interpreter on the CPU: whole models trained with them, and FP8's

@@ -203,25 +203,37 @@ def test_fitting_step_halves_the_batch_until_the_program_fits():
             aot.fitting_step(None, None, [], "data", 4, 128, 20, 16, "v5e-4 data")
 
 
-def test_plan_modernbert_tiny_on_a_v5e_2x2_slice(tmp_path):
-    """configs/modernbert_tiny.py (2 layers, H 64, GeGLU 96, vocabulary 512; layer 0 global, layer 1
-    local with an 8-token window, run by blocks at length 32) compiles for a v5e 2x2 slice, unrolled
-    (ModernBERT has no scanned encoder), on the data mesh (the only one it shards): two compiles,
-    the fit and one FLOP count at its own depth."""
-    _need_libtpu()
+def _plan_modernbert_tiny(tmp_path, meshes: str) -> list:
+    """configs/modernbert_tiny.py planned on a v5e 2x2 slice at length 32, 4 rows a chip: the plan rows."""
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "bert_jax.plan", "--config=configs/modernbert_tiny.py",
+                        "--topology=v5e-4", f"--mesh={meshes}", "--seq_len=32", "--batch_per_chip=4", f"--json={out}"],
+                       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())["plans"]
+
+
+def _modernbert_tiny_params() -> int:
     import flax.linen as nn
     import jax
     import numpy as np
 
     from bert_jax.pretrain import model_family
 
-    out = tmp_path / "plan.json"
-    r = subprocess.run([sys.executable, "-m", "bert_jax.plan", "--config=configs/modernbert_tiny.py",
-                        "--topology=v5e-4", "--seq_len=32", "--batch_per_chip=4", f"--json={out}"],
-                       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["plans"]
+    mcfg = planner.load_config("configs/modernbert_tiny.py", 32, "bfloat16")[1]
+    shapes = jax.eval_shape(lambda: model_family.pretraining_model(mcfg).init(
+        jax.random.key(0), **model_family.dummy_inputs(mcfg)))
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(nn.meta.unbox(shapes))))
+
+
+def test_plan_modernbert_tiny_on_a_v5e_2x2_slice(tmp_path):
+    """configs/modernbert_tiny.py (2 layers, H 64, GeGLU 96, vocabulary 512; layer 0 global, layer 1
+    local with an 8-token window, run by blocks at length 32) compiles for a v5e 2x2 slice, unrolled
+    (ModernBERT has no scanned encoder), on the data mesh: two compiles, the fit and one FLOP count at
+    its own depth (the fsdp and tensor meshes: the next test, in the slow tier)."""
+    _need_libtpu()
+    (row,) = _plan_modernbert_tiny(tmp_path, "data")
     assert row["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1} and row["global_batch"] == 16 and row["layers"] == 2
     assert row["flop_count_loops"] == 0 and row["unknown_trip_counts"] == 0
     # The model's FLOPs by hand: per layer and token Wqkv 3*64*64 + Wo 64*64 + Wi 64*192 + Wo 96*64
@@ -237,13 +249,28 @@ def test_plan_modernbert_tiny_on_a_v5e_2x2_slice(tmp_path):
     assert 0 < row["mfu"] < 1 and row["hbm_gib"] <= row["hbm_capacity_gib"]
     # Data parallel: the gradient all-reduce carries every parameter once, the tied decoder's
     # gradient apart from the lookup's (vocabulary x hidden) and a few scalars (loss sums).
-    mcfg = planner.load_config("configs/modernbert_tiny.py", 32, "bfloat16")[1]
-    shapes = jax.eval_shape(lambda: model_family.pretraining_model(mcfg).init(
-        jax.random.key(0), **model_family.dummy_inputs(mcfg)))
-    params = int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(nn.meta.unbox(shapes))))
+    params = _modernbert_tiny_params()
     assert set(row["comm"]) == {"all-reduce"}
     extra = row["comm"]["all-reduce"]["elements"] - params - 512 * 64
     assert 0 <= extra <= 16, extra
+
+
+def test_plan_modernbert_tiny_on_the_fsdp_and_tensor_meshes(tmp_path):
+    """ModernBERT's parameters carry logical axis names (bert_jax/model/modernbert_axes.py), so FSDP
+    gathers them and tensor parallelism reduces activations inside the group; replicated parameters
+    (before issue 72's names) would gather none. What they shard: tests/pretrain/test_modernbert_sharding.py."""
+    _need_libtpu()
+    fsdp, tensor = _plan_modernbert_tiny(tmp_path, "fsdp,tensor")
+    assert (fsdp["mesh"], tensor["mesh"]) == ({"data": 1, "fsdp": 4, "tensor": 1}, {"data": 1, "fsdp": 1, "tensor": 4})
+    params = _modernbert_tiny_params()
+    # Every parameter split over fsdp (all but the decoder's bias: "vocab" is tensor's) gathered at
+    # least once (forward), at most three times (again for the backward, and the tied embedding for
+    # both its uses).
+    gathered = fsdp["comm"]["all-gather"]["elements"]
+    assert params - 512 <= gathered <= 3 * (params + 512 * 64), gathered
+    assert tensor["batch_comm_s"] > 0 and fsdp["batch_comm_s"] == 0
+    for row in (fsdp, tensor):
+        assert 0 < row["mfu"] < 1 and row["hbm_gib"] <= row["hbm_capacity_gib"] and row["flop_count_loops"] == 0
 
 
 def test_flop_count_depths_and_extrapolation_by_hand():
@@ -269,13 +296,10 @@ def test_flop_count_depths_and_extrapolation_by_hand():
     assert aot.counting_depths(shallow) == (2,) and aot.extrapolate([{"flops": 4.0}], (2,), shallow) == {"flops": 4.0}
 
 
-def test_modernbert_plans_the_data_mesh_and_its_masking_rate(capsys):
+def test_modernbert_plans_every_mesh_and_its_masking_rate():
     args = planner.parse_args(["--config=configs/modernbert_tiny.py", "--seq_len=32"])
-    assert args.meshes == ["data"]
-    assert planner.parse_args(["--config=configs/tiny.py"]).meshes == ["data", "fsdp", "tensor"]
-    with pytest.raises(SystemExit):
-        planner.parse_args(["--config=configs/modernbert_tiny.py", "--mesh=data,fsdp"])
-    assert "--mesh=fsdp: config.model_family='modernbert' shards data only" in capsys.readouterr().err
+    assert args.meshes == ["data", "fsdp", "tensor"] == planner.parse_args(["--config=configs/tiny.py"]).meshes
+    assert planner.parse_args(["--config=configs/modernbert_tiny.py", "--mesh=fsdp"]).meshes == ["fsdp"]
     # 30% of the row: the 308 predictions configs/modernbert_base.py sets at 1,024; BERT's 20 per 128.
     config, mcfg = planner.load_config("configs/modernbert_base.py", 1024, "bfloat16")
     assert planner.predictions_per_row(config, 1024) == config.max_predictions_per_seq == 308

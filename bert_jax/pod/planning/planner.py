@@ -23,7 +23,7 @@ from the smallest slice; per slice, the recommended mesh; per recipe, the projec
 chip-hours on every slice that can run it, at the peaks and calibrated. `--config.key=value` overrides
 the config file as `bert_jax.main` takes them (the dtype, the length and the batch come from the
 planner's own flags; BERT's layers are always scanned). `config.model_family="modernbert"` plans
-ModernBERT (unrolled, data mesh only, 30% predictions: docs/pod_planning.md, "ModernBERT").
+ModernBERT (unrolled, 30% predictions: docs/pod_planning.md, "ModernBERT"), on the same meshes as BERT.
 
 Recipes (--recipes): `paper` = BERT-Large as Devlin et al.: 900k steps at length 128 + 100k at 512,
 batch 256; `lamb` = You et al. 2019: 7,038 steps at 128 with batch 65,536 + 1,563 at 512 with
@@ -82,23 +82,6 @@ def predictions_per_row(config, seq_len: int) -> int:
     if config.get("model_family", "bert") == "modernbert":
         return max(1, math.ceil(config.masked_lm_prob * seq_len - 1e-9))
     return max(1, round(seq_len * 20 / 128))
-
-
-def meshes_for(config, meshes: list) -> list:
-    """The meshes to plan for `config`: ModernBERT's parameters carry no logical axis names
-    (`bert_jax.model.modernbert`), so only the data-parallel mesh means what it says (an FSDP or
-    tensor mesh would replicate them); `None` (no --mesh) is every mesh the model supports."""
-    if config.get("model_family", "bert") != "modernbert":
-        from bert_jax.pod.planning import aot
-
-        return list(meshes or aot.MESHES)
-    if meshes is None:
-        return ["data"]
-    other = [m for m in meshes if m != "data"]
-    if other:
-        raise ValueError(f"--mesh={other[0]}: config.model_family='modernbert' shards data only (its parameters "
-                         "have no logical axis names for fsdp or tensor sharding); use --mesh=data")
-    return list(meshes)
 
 
 def comm_seconds(collectives, mesh, net) -> tuple[float, float, dict]:
@@ -278,8 +261,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/large.py")
     p.add_argument("--topology", default="v4-16,v4-64,v4-256",
                    help="comma-separated slices: v4-N, v5p-N (N TensorCores), v5e-N, v6e-N (N chips), or v4:AxBxC")
-    p.add_argument("--mesh", default=None, help="comma-separated, of data, fsdp, tensor (default: all three; "
-                   "data for ModernBERT)")
+    p.add_argument("--mesh", default=None, help="comma-separated, of data, fsdp, tensor (default: all three)")
     p.add_argument("--seq_len", default="128", help="comma-separated lengths to plan (the recipes need 128,512)")
     p.add_argument("--batch_per_chip", type=int, default=32, help="rows per chip, halved until the step fits")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -321,10 +303,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if storage_paths.is_remote(args.config):  # imported as a Python module: a local file
         p.error(f"--config={args.config}: a config is a local Python file (copy it here first)")
     try:  # a file, or a config's name (`--config=large`) from any folder: config_overrides.resolve_config
-        config, _ = load_config(args.config, args.seq_lens[0] if args.seq_lens else 128, args.dtype, args.overrides)
-        args.meshes = meshes_for(config, args.meshes)
+        load_config(args.config, args.seq_lens[0] if args.seq_lens else 128, args.dtype, args.overrides)
     except ValueError as e:
         p.error(str(e))
+    args.meshes = list(args.meshes or aot.MESHES)
     return args
 
 
