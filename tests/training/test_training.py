@@ -256,6 +256,23 @@ def test_weight_decay_mask_excludes_layernorm_and_biases():
     assert mask["mlm"]["output_bias"] is False
 
 
+def test_weight_decay_mask_excludes_modernberts_norms_and_decoder_bias():
+    """ModernBERT's recipe decays neither its norms nor its biases (its only bias: the MLM decoder's)."""
+    from bert_jax.model import modernbert
+
+    cfg = modernbert.ModernBertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, max_position_embeddings=32, local_attention=8)
+    ids = jnp.ones((1, 8), jnp.int32)
+    params = modernbert.ModernBertForMaskedLM(cfg).init(jax.random.key(0), ids, ids)["params"]
+    flat = {"/".join(str(k.key) for k in path): kept for path, kept in
+            jax.tree_util.tree_leaves_with_path(optim.weight_decay_mask(params))}
+    assert flat["decoder_bias"] is False
+    norms = [k for k in flat if "norm" in k]
+    assert norms and not any(flat[k] for k in norms)
+    kernels = [k for k in flat if k.endswith("kernel") or k.endswith("embedding")]
+    assert kernels and all(flat[k] for k in kernels)
+
+
 def test_google_adamw_matches_a_hand_computed_step():
     p = {"w": jnp.array([1.0, -2.0]), "bias": jnp.array([0.5])}
     g = {"w": jnp.array([0.1, 0.3]), "bias": jnp.array([-0.2])}
