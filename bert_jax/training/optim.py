@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ("adamw", "google_adamw", "lamb")
-NO_DECAY_NAMES = ("bias", "scale", "output_bias", "decoder_bias")  # LayerNorm scale/bias, every bias (ModernBERT's MLM decoder's too)
+NO_DECAY_NAMES = ("bias", "scale", "output_bias", "decoder_bias")  # LayerNorm scale/bias, every bias
 # Where `modeling.Encoder` puts the layers of `nn.scan` (`scan_layers=True`): `encoder/layers/...`,
 # every leaf with a leading layer axis (`modeling.stack_layers`); unrolled, `encoder/layer_{i}/...`.
 STACKED_LAYERS_PATH = ("encoder", "layers")
