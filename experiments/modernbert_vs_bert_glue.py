@@ -187,8 +187,7 @@ def finetune(config, run_dir: str, what: str) -> dict:
     summary = loop.run(config, run_dir)
     per_seed = {str(s): score(summary["seeds"][str(s)]) for s in config.seeds}
     values = list(per_seed.values())
-    mean = sum(values) / len(values)
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
+    mean, std = mean_std(values)
     record = {"scores": per_seed, "mean": mean, "std": std, "init_checkpoint": config.init_checkpoint,
               "train_file": config.split_files.train,
               "command": command_line(config, run_dir), "wall_s": round(time.time() - started, 1),
@@ -197,6 +196,13 @@ def finetune(config, run_dir: str, what: str) -> dict:
     log(f"{what}: {' '.join(f'{v:.4f}' for v in values)}; mean {mean:.4f}"
         + (f" ± {std:.4f}" if std is not None else "") + f" ({record['wall_s']} s)")
     return record
+
+
+def mean_std(values: list) -> tuple:
+    """The mean and the sample standard deviation (ddof=1; None for one value)."""
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
+    return mean, std
 
 
 def stage(args, report: dict, progress: Callable[[], None] = lambda: None) -> dict:

@@ -197,6 +197,12 @@ def test_fine_tuning_starts_from_each_arms_saved_parameters(run):
             assert glue.encoder_digest(params, family) == saved[init]["encoder_digest"], (family, init)
 
 
+def test_mean_and_sample_std_by_hand():
+    assert glue.mean_std([0.5, 0.7]) == (pytest.approx(0.6), pytest.approx(math.sqrt(0.02)))  # (0.1² + 0.1²) / 1
+    assert glue.mean_std([0.2, 0.4, 0.9]) == (pytest.approx(0.5), pytest.approx(math.sqrt((0.09 + 0.01 + 0.16) / 2)))
+    assert glue.mean_std([0.3]) == (pytest.approx(0.3), None)
+
+
 def test_spread_of_two_records_by_hand():
     a = {"scores": {"1": 0.50, "2": 0.60, "3": 0.70}, "mean": 0.60, "std": 0.10}
     b = {"scores": {"1": 0.65, "2": 0.75, "3": 0.85}, "mean": 0.75, "std": 0.10}
