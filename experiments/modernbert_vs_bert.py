@@ -33,8 +33,13 @@ Two comparisons per length and seed, from one run of each arm:
     their band of keys).
 Held-out MLM loss is evaluated at `--evals` marks along both axes (time and FLOPs): the curves.
 
+Then (`--glue_tasks`, experiments/modernbert_vs_bert_glue.py) each arm's state at the equal-time
+mark, and the same model at step 0, are saved as pretraining workdirs and fine-tuned on GLUE tasks
+with the same settings and seeds: dev scores per seed, mean ± std.
+
 Writes W/modernbert_vs_bert.json and prints the RESULTS.md tables. --quick: a test-sized model
-(hidden 32) at length 32 for a few seconds an arm, on the data under --corpus_dir/--vocab_file.
+(hidden 32) at length 32 for a few seconds an arm, on the data under --corpus_dir/--vocab_file,
+then one epoch of fine-tuning on --glue_train_rows=32 rows at length 32, seeds 1 and 2.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import os
 import statistics
 import time
 
+from experiments import modernbert_vs_bert_glue as glue
 from experiments.pretraining_corpus import DATA, log, stage_corpus, stage_records
 
 ARMS = ("bert", "modernbert")
@@ -157,6 +163,7 @@ class Arm:
                                           self.mesh, config.eval_steps)
         special = startup_checks.special_token_ids(config.vocab_file)
         self.batches = make_train_input(config, phase, special)
+        self._casing = startup_checks.data_casing([phase])
         self._to_global = lambda b: sharding.to_global(b, self.mesh)
         self.flops_per_step = config.global_batch_size * model_family.train_flops_per_sequence(
             self.model_config, phase.max_seq_length, phase.max_predictions_per_seq)
@@ -194,6 +201,25 @@ class Arm:
                  "mlm_accuracy": float(result["masked_lm_accuracy"])}
         self.curve.append(point)
         return point
+
+    def save(self, workdir: str) -> dict:
+        """The train state as a pretraining workdir (what `bert_jax.main` with configs/tiny.py or
+        modernbert_tiny.py leaves: the model files and `checkpoints/<step>/state`), written before
+        the next step (which donates the state); not counted in the arm's seconds. A folder of an
+        earlier run is replaced (its pretraining is not this one's)."""
+        import shutil
+
+        from bert_jax.checkpoints.checkpointer import Checkpointer
+        from bert_jax.workdir import write_model_files
+
+        shutil.rmtree(workdir, ignore_errors=True)
+        write_model_files(workdir, self.model_config, self.config.vocab_file, self._casing)
+        with Checkpointer(os.path.join(workdir, "checkpoints"), save_interval_steps=1, max_to_keep=1,
+                          async_save=False, handle_sigterm=False) as ckpt:
+            ckpt.save(self.step, self.state, {"step": self.step, "saved_by": "experiments.modernbert_vs_bert"},
+                      force=True)
+        return {"workdir": workdir, "step": self.step, "encoder_digest": glue.encoder_digest(self.state.params,
+                                                                                              self.name)}
 
 
 class _Both:
@@ -240,8 +266,11 @@ def compare(args, length: int, seed: int, records: str, workdir: str) -> dict:
 
     arms = {a: Arm(a, arm_config(a, args, length, seed, records), os.path.join(workdir, a)) for a in ARMS}
     compile_s = {a: round(arm.compile(), 1) for a, arm in arms.items()}
-    for arm in arms.values():
+    saved = {a: {} for a in ARMS}  # the arms' pretraining workdirs, for fine-tuning (--glue_tasks)
+    for a, arm in arms.items():
         arm.evaluate("start")
+        if args.glue_tasks:
+            saved[a]["random"] = arm.save(os.path.join(workdir, a, glue.SAVED["random"]))
     loads = []
     # The first steps, alternately: steps 4 to 10 timed (the first ones run slow), the FLOPs budget that fits.
     for k in range(CALIBRATION_STEPS):
@@ -269,6 +298,8 @@ def compare(args, length: int, seed: int, records: str, workdir: str) -> dict:
             if m["time"] and arm.seconds >= m["time"][0]:
                 arm.evaluate(f"time{len(m['time'])}")
                 m["time"].pop(0)
+                if not m["time"] and args.glue_tasks:  # the equal-time mark: the state fine-tuned
+                    saved[arm.name]["pretrained"] = arm.save(os.path.join(workdir, arm.name, glue.SAVED["pretrained"]))
                 continue
             if arm.seconds - started >= budget:
                 return
@@ -283,7 +314,8 @@ def compare(args, length: int, seed: int, records: str, workdir: str) -> dict:
         round_index += 1
     common = min(len(arm.batch_digests) for arm in arms.values())
     same = [arms[ARMS[0]].batch_digests[k] == arms[ARMS[1]].batch_digests[k] for k in range(common)]
-    result = {"length": length, "seed": seed, "same_batches": {"compared": common, "identical": sum(same)},
+    result = {"length": length, "seed": seed, "workdir": workdir,
+              "same_batches": {"compared": common, "identical": sum(same)},
               "backend": jax.default_backend(), "compile_s": compile_s, "first_step_s": step_s,
               "equal_flops_steps": targets, "load_average_1min": {
                   "mean": round(statistics.mean(loads), 2), "min": round(min(loads), 2), "max": round(max(loads), 2)},
@@ -301,7 +333,7 @@ def compare(args, length: int, seed: int, records: str, workdir: str) -> dict:
             | ({"local_attention": mc.local_attention} if a == "modernbert" else {}),
             "steps": arm.step, "train_seconds": round(arm.seconds, 2),
             "equal_time": at_time[-1], "equal_flops": at_flops[-1], "curve": arm.curve,
-            "batch_digests": arm.batch_digests}
+            "batch_digests": arm.batch_digests, "saved": saved[a]}
     return result
 
 
@@ -354,12 +386,15 @@ def parse_args(argv=None):
     p.add_argument("--warmup_steps", type=int, default=30)
     p.add_argument("--dupe_factor", type=int, default=3)
     p.add_argument("--num_workers", type=int, default=2)
+    glue.add_flags(p)
     p.add_argument("--quick", action="store_true", help="hidden 32 at length 32 for a few seconds an arm (the test)")
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.seconds, args.chunk_seconds, args.evals = "32", "3", 1.0, 2
         args.tokens_per_batch, args.hidden, args.heads, args.warmup_steps = 256, 32, 2, 2
         args.dupe_factor, args.num_workers = 1, 1
+        args.glue_train_rows, args.glue_seeds, args.glue_epochs = 32, "1,2", 1.0
+        args.glue_batch, args.glue_max_seq_length = 8, 32
     lengths = [int(x) for x in args.lengths.split(",") if x]
     seconds = [float(x) for x in args.seconds.split(",") if x]
     if len(seconds) != len(lengths):
@@ -370,6 +405,7 @@ def parse_args(argv=None):
     args.lengths, args.seconds = lengths, dict(zip(lengths, seconds))
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.workdir = os.path.abspath(args.workdir)
+    glue.check_flags(p, args)
     return args
 
 
@@ -390,13 +426,23 @@ def main(argv=None) -> dict:
         for seed in args.seeds:
             report["runs"].append(compare(args, length, seed, records,
                                           os.path.join(args.workdir, f"len{length}_seed{seed}")))
-    report["wall_s"] = round(time.time() - started, 1)
+    report["pretraining_wall_s"] = round(time.time() - started, 1)
     path = os.path.join(args.workdir, "modernbert_vs_bert.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    if args.glue_tasks:
+        _write_json(path, report)  # the pretraining's results kept, whatever the fine-tuning does
+        report["glue"] = glue.stage(args, report, lambda: _write_json(path, report))
+    report["wall_s"] = round(time.time() - started, 1)
+    _write_json(path, report)
     print(markdown(report), flush=True)
+    if args.glue_tasks:
+        print("\n" + glue.markdown(report["glue"]), flush=True)
     log(f"wrote {path}")
     return report
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,8 @@ SLOW = (
     "tests/experiments/test_modernbert_vs_bert.py::test_same_batches",
     "tests/experiments/test_modernbert_vs_bert.py::test_equal_flops_by_hand",
     "tests/experiments/test_modernbert_vs_bert.py::test_equal_parameters",
+    "tests/experiments/test_modernbert_vs_bert.py::test_glue_records_have_each_seeds_score_and_the_same_settings_for_both_arms",
+    "tests/experiments/test_modernbert_vs_bert.py::test_fine_tuning_starts_from_each_arms_saved_parameters",
     "tests/benchmarks/test_step_benchmarks.py::test_bench_optimizer_variants_apply_the_same_update",
     "tests/benchmarks/test_step_benchmarks.py::test_bench_step_counts_what_each_step_executes",
     "tests/benchmarks/test_step_benchmarks.py::test_bench_dropout_variants_draw_the_same_masks_and_make_the_same_steps",
