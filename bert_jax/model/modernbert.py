@@ -21,7 +21,11 @@ restart at each sequence's first token, so a packed row computes what the sequen
 (unpadded attention's result, with the band mask on CPU).
 
 Numerics as BERT's: parameters float32, matmuls in `compute_dtype`, LayerNorm, softmax, RoPE and
-the logits in float32. This module must not import tensorflow.
+the logits in float32. With `mixed_matmuls` (a float32 model; `config.cpu_bf16` sets it on CPUs with
+bf16 units) every matmul, forward and both gradients, takes bfloat16 inputs and accumulates and returns
+float32 (`bert_jax.model.mixed_precision`, BERT's path): Wqkv, Wo, the MLP's Wi and Wo, the attention's
+scores and context (the full-mask path and `banded_attention`'s blocks), the heads' dense layers, the
+tied decoder and the task classifier. This module must not import tensorflow.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import numpy as np
 
 from bert_jax.model import attention as attention_lib
 from bert_jax.model import dropout as dropout_lib
+from bert_jax.model import mixed_precision
 from data_pipeline import storage
 
 Array = jax.Array
@@ -88,6 +93,9 @@ class ModernBertConfig:
     # Local layers by blocks (`banded_attention`: ~3 x local_attention / 2 keys a query) where the row is
     # longer than three blocks; False: the full attention with the band mask (every query scores every key).
     local_blocks: bool = True
+    # Every matmul with bfloat16 inputs and float32 accumulation and output (module docstring); needs
+    # dtype="float32". How a run computes, not what the model is: not in config.json.
+    mixed_matmuls: bool = False
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -105,6 +113,9 @@ class ModernBertConfig:
             raise ValueError(f"classifier_pooling={self.classifier_pooling!r}: 'cls' or 'mean'")
         if self.global_attn_every_n_layers < 1 or self.local_attention < 0:
             raise ValueError("global_attn_every_n_layers must be >= 1 and local_attention >= 0")
+        if self.mixed_matmuls and self.dtype != "float32":
+            raise ValueError(f"mixed_matmuls runs the matmuls in bfloat16 within a float32 model: it needs "
+                             f"dtype='float32', got dtype={self.dtype!r}")
 
     @property
     def head_dim(self) -> int:
@@ -130,7 +141,7 @@ class ModernBertConfig:
         if d.get("model_type") not in (None, "modernbert"):
             raise ValueError(f"model_type={d.get('model_type')!r} is not a ModernBERT config")
         known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in known and k not in ("dtype",)}
+        kwargs = {k: v for k, v in d.items() if k in known and k not in ("dtype", "mixed_matmuls")}
         rope = d.get("rope_parameters") or {}
         for kind, field in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
             params = rope.get(kind) or {}
@@ -149,7 +160,7 @@ class ModernBertConfig:
 
     def to_hf_dict(self) -> dict:
         """transformers' `config.json` for `ModernBertForMaskedLM`, read by transformers 4.48+ and 5."""
-        ours = {"dtype", "attention_impl", "local_blocks"}
+        ours = {"dtype", "attention_impl", "local_blocks", "mixed_matmuls"}
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ours}
         d.update(model_type="modernbert", architectures=["ModernBertForMaskedLM"], tie_word_embeddings=True,
                  layer_types=self.layer_types(), torch_dtype="float32",
@@ -191,9 +202,16 @@ class LayerNorm(nn.Module):
         return y.astype(cfg.compute_dtype)
 
 
+def _mixed_dot(x: Array, kernel: Array, dimension_numbers, precision=None) -> Array:
+    """`nn.Dense`'s matmul (x's last axis against the kernel's first) with bf16 inputs, float32 out."""
+    del dimension_numbers, precision  # always nn.Dense's: (((x.ndim - 1,), (0,)), ((), ()))
+    return mixed_precision.einsum(mixed_precision.dense_spec(x.ndim, 1, 1), x, kernel)
+
+
 def _dense(config: ModernBertConfig, features: int, bias: bool, std: float, name: str) -> nn.Dense:
     return nn.Dense(features, use_bias=bias, dtype=config.compute_dtype, param_dtype=jnp.float32,
-                    kernel_init=_init(config, std), name=name)
+                    kernel_init=_init(config, std), name=name,
+                    dot_general=_mixed_dot if config.mixed_matmuls else None)
 
 
 def rotary(config: ModernBertConfig, positions: Array, is_global: bool) -> tuple[Array, Array]:
@@ -232,7 +250,8 @@ def band(length: int, half_window: int) -> Array:
 
 
 def banded_attention(query: Array, key: Array, value: Array, keys_ok: Array, pack_ids: Optional[Array],
-                     half_window: int, dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
+                     half_window: int, dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None,
+                     mixed_matmuls: bool = False) -> Array:
     """Local attention computed by blocks: what the band mask computes for every real query, at ~3/`L` of its cost.
 
     The row is cut into blocks of `half_window` tokens; a query's keys within `half_window` lie in its
@@ -242,7 +261,8 @@ def banded_attention(query: Array, key: Array, value: Array, keys_ok: Array, pac
     query with no real key in reach averages its window instead of the row (no real token reads it).
 
     query, key, value: `[batch, length, heads, head_dim]`; keys_ok: `[batch, length]` real keys;
-    pack_ids: `[batch, length]` or None. Returns `[batch, length, heads, head_dim]`.
+    pack_ids: `[batch, length]` or None; mixed_matmuls: the two matmuls with bf16 inputs, float32 out.
+    Returns `[batch, length, heads, head_dim]`.
     """
     batch, length, heads, head_dim = query.shape
     w = max(half_window, 1)
@@ -264,12 +284,18 @@ def banded_attention(query: Array, key: Array, value: Array, keys_ok: Array, pac
     offsets = np.arange(w)[:, None] - (np.arange(3 * w)[None, :] - w)  # query - key, [w, 3w]
     mask = jnp.asarray(np.abs(offsets) <= half_window)[None, None]
     mask = mask & k_ok[:, :, None, :] & (q_ids[..., None] == k_ids[:, :, None, :])  # [batch, n, w, 3w]
-    logits = jnp.einsum("bnqhd,bnkhd->bnhqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(head_dim)
+    if mixed_matmuls:  # [batch, n, heads, w, 3w]
+        logits = mixed_precision.einsum("bnqhd,bnkhd->bnhqk", q, k) / np.sqrt(head_dim)
+    else:
+        logits = jnp.einsum("bnqhd,bnkhd->bnhqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(head_dim)
     logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     if dropout_rate > 0.0 and dropout_rng is not None:
         probs = dropout_lib.dropout(probs, dropout_rate, dropout_rng)
-    out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs.astype(value.dtype), v)
+    if mixed_matmuls:  # [batch, n, w, heads, head_dim]
+        out = mixed_precision.einsum("bnhqk,bnkhd->bnqhd", probs, v).astype(value.dtype)
+    else:
+        out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs.astype(value.dtype), v)
     return out.reshape(batch, padded, heads, head_dim)[:, :length]
 
 
@@ -292,12 +318,12 @@ class Attention(nn.Module):
         rng = self.make_rng("dropout") if rate > 0.0 else None
         half = cfg.local_attention // 2
         if not self.is_global and cfg.local_blocks and length > 3 * max(half, 1):
-            context = banded_attention(query, key, value, keys_ok, pack_ids, half, rate, rng)
+            context = banded_attention(query, key, value, keys_ok, pack_ids, half, rate, rng, cfg.mixed_matmuls)
         else:
             if not self.is_global:
                 mask = jnp.logical_and(mask, band(length, half))
             context = attention_lib.attention(query, key, value, mask, impl=cfg.attention_impl,
-                                              dropout_rate=rate, dropout_rng=rng)
+                                              dropout_rate=rate, dropout_rng=rng, mixed_matmuls=cfg.mixed_matmuls)
         out = _dense(cfg, cfg.hidden_size, cfg.attention_bias, out_std, "Wo")(
             context.reshape(batch, length, cfg.hidden_size))
         return nn.Dropout(cfg.attention_dropout)(out, deterministic=deterministic)
@@ -363,6 +389,9 @@ class ModernBertModel(nn.Module):
 
     def attend(self, hidden: Array) -> Array:
         """Logits over the vocabulary by the tied embedding, in float32."""
+        if self.config.mixed_matmuls:  # [..., hidden] x [vocab, hidden] -> [..., vocab]
+            rows = "abcdefg"[:hidden.ndim - 1]
+            return mixed_precision.einsum(f"{rows}h,vh->{rows}v", hidden, self.tok_embeddings.embedding)
         return self.tok_embeddings.attend(hidden.astype(jnp.float32))
 
 
@@ -460,7 +489,8 @@ class ModernBertForTask(nn.Module):
         x = nn.Dropout(cfg.classifier_dropout)(x, deterministic=deterministic)
         width = 1 if self.kind == "multiple_choice" else self.num_outputs
         logits = nn.Dense(width, dtype=jnp.float32, param_dtype=jnp.float32, name="classifier",
-                          kernel_init=_init(cfg, cfg.hidden_size ** -0.5))(x.astype(jnp.float32))
+                          kernel_init=_init(cfg, cfg.hidden_size ** -0.5),
+                          dot_general=_mixed_dot if cfg.mixed_matmuls else None)(x.astype(jnp.float32))
         if choices is not None:
             return logits.reshape(-1, choices)
         return logits
