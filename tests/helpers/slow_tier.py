@@ -64,9 +64,6 @@ SLOW = (
     "tests/model/test_fp8.py::test_a_resumed_fp8_run_repeats_the_uninterrupted_one_bit_for_bit",
     "tests/model/test_fp8.py::test_the_train_step_carries_the_scaling_state_one_amax_per_step",
     "tests/model/test_fp8.py::test_scanned_layers_stack_the_state_and_the_config_file_leaves_fp8_out",
-    # A third ModernBERT pretraining run, "off" on a planted bf16 CPU: the float32 run to the bit (the model
-    # config it builds is checked in tests/training/test_cpu_bf16.py, the mixed run beside it):
-    "tests/pretrain/test_modernbert_pretraining.py::test_on_a_bf16_cpu_off_pretrains_the_float32_parameters_to_the_bit",
     # Benchmarks and studies run for real (their arithmetic is tested on its own):
     "tests/experiments/test_pretraining_helps.py::test_quick_pipeline_and_resume",
     "tests/experiments/test_modernbert_vs_bert.py::test_report_structure",

@@ -186,7 +186,7 @@ def test_on_a_bf16_cpu_auto_pretrains_in_the_mixed_form(records, uninterrupted, 
 
 def test_on_a_bf16_cpu_off_pretrains_the_float32_parameters_to_the_bit(records, uninterrupted, tmp_path, planted_cpu):
     """`config.cpu_bf16="off"` on the same planted CPU: nothing decided, and the float32 run's parameters to
-    the bit (the slow tier; tests/training/test_cpu_bf16.py checks the same model config in the fast one)."""
+    the bit."""
     from bert_jax import layout
 
     planted_cpu(["avx512_bf16"], 1.8)
