@@ -62,7 +62,6 @@ def get_config():
     config = base.get_config()
     config.model_family = "modernbert"
     config.model = get_model_config()
-    config.cpu_bf16 = "off"  # ModernBERT has no mixed-matmul path (BERT's model.mixed_matmuls)
     config.use_nsp = False  # masked LM only
     config.masked_lm_prob = 0.3  # 30% masking
     config.dynamic_masking = True  # new masks each time a record is read

@@ -29,7 +29,7 @@ if "BERT_JAX_CACHE_DIR" not in os.environ:
 os.environ["BERT_JAX_CPU_BF16"] = "off"
 # Under BERT_JAX_CI=1 a failed `pytest.importorskip` fails (tests/helpers/ci_required.py); the tests marked
 # `slow` run only with --slow (tests/helpers/slow_tier.py).
-pytest_plugins = ["tests.helpers.ci_required", "tests.helpers.slow_tier"]
+pytest_plugins = ["tests.helpers.ci_required", "tests.helpers.slow_tier", "tests.helpers.planted_cpu"]
 # TensorFlow must not grab both cores' worth of threads or print its banner in tests.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

@@ -9,7 +9,7 @@ mask matters). Two variants from the same parameters and batch, their timed roun
 
 * `window`: `local_blocks=True`, what the model runs: each local layer's window goes to the kernel
   that takes it (`attention.local_kernel`: cuDNN's `local_window_size` on a GPU where cuDNN takes
-  a two-sided window), else to the blocks (`modernbert.banded_attention`);
+  a two-sided window), else to the blocks (`attention.banded_attention`);
 * `band`: `local_blocks=False`: the band mask ANDed into the full attention's mask (on a GPU cuDNN's
   fused kernel, with the band in its mask: every query scores every key).
 

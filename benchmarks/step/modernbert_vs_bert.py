@@ -1,6 +1,7 @@
 """ModernBERT's pretraining step against BERT's at equal parameters, at several lengths (issue 72).
 
     python -m benchmarks.step.modernbert_vs_bert [--lengths=128,512,1024 --batch=8 --hidden=256 --layers=6]
+        [--mixed_matmuls]   # each family also with bf16 matmuls, float32 out (config.cpu_bf16's path)
 
 Both models are this project's (`bert_jax.model.modernbert`, `bert_jax.model.pretraining_heads`), shaped
 to the same width, depth and heads; ModernBERT's GeGLU takes two thirds of BERT's intermediate size, so
@@ -10,6 +11,12 @@ pass with the masked-LM loss on 15% of the positions (the same positions for bot
 jitted, float32. Inputs are full rows (no padding): what is measured is the attention's cost, global on
 every BERT layer, local (a `--local_attention` window, by blocks) on two of every three ModernBERT layers.
 The variants alternate round by round (`benchmarks.common.variant_timing`), so both see the same load.
+
+`--mixed_matmuls` times each family twice, float32 and with `mixed_matmuls` (every matmul with bfloat16
+inputs and float32 accumulation and output, forward and backward: what `config.cpu_bf16="auto"` takes on
+a CPU with bf16 units, `bert_jax.model.mixed_precision`), the four alternating; each row then gives the
+best and the median step of every variant, each family's float32/mixed ratio of the medians, and the
+load average (`os.getloadavg`) before and after its rounds: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 
@@ -45,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
     p.add_argument("--band_too", action="store_true",
                    help="also time ModernBERT with local_blocks=False (the band mask over full attention)")
+    p.add_argument("--mixed_matmuls", action="store_true",
+                   help="also time each family with mixed_matmuls (bf16 matmul inputs, float32 out)")
     p.add_argument("--json", default="", help="also write the results here")
     return p.parse_args(argv)
 
@@ -96,7 +106,7 @@ def run(args) -> dict:
     modern = modernbert.ModernBertForMaskedLM(modern_cfg)
     results = {"machine": platform.processor() or platform.machine(), "jax": jax.__version__,
                "batch": args.batch, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
-               "local_attention": args.local_attention, "rows": []}
+               "local_attention": args.local_attention, "mixed_matmuls": args.mixed_matmuls, "rows": []}
     for length in lengths:
         rng = np.random.RandomState(length)
         preds = max(1, int(round(0.15 * length)))
@@ -118,27 +128,55 @@ def run(args) -> dict:
 
         bert_step, modern_step = make_step(bert_logits, bert_params), make_step(modern_logits, modern_params)
         units = {"bert": lambda: bert_step(batch), "modernbert": lambda: modern_step(batch)}
+        if args.mixed_matmuls:
+            units.update(mixed_units(bert_cfg, modern_cfg, bert_params, modern_params, batch))
         if args.band_too:
             band = modernbert.ModernBertForMaskedLM(dataclasses.replace(modern_cfg, local_blocks=False))
             band_step = make_step(lambda p, b: band.apply({"params": p}, b["input_ids"], b["input_mask"],
                                                           masked_positions=b["positions"])[1], modern_params)
             units["modernbert_band"] = lambda: band_step(batch)
+        load_before = os.getloadavg()
         times = time_alternating(units, args.rounds, args.steps)
-        row = {"length": length, "predictions": preds,
+        row = {"length": length, "predictions": preds, "load_average": [load_before, os.getloadavg()],
                "bert_params": count_params(bert_params), "modernbert_params": count_params(modern_params),
                "bert_ms": 1e3 * statistics.median(times["bert"]),
                "modernbert_ms": 1e3 * statistics.median(times["modernbert"])}
         row["speedup"] = row["bert_ms"] / row["modernbert_ms"]
         if args.band_too:
             row["modernbert_band_ms"] = 1e3 * statistics.median(times["modernbert_band"])
+        if args.mixed_matmuls:
+            for name in ("bert", "bert_mixed", "modernbert", "modernbert_mixed"):
+                row[f"{name}_min_ms"] = 1e3 * min(times[name])
+            for name in ("bert", "modernbert"):
+                row[f"{name}_mixed_ms"] = 1e3 * statistics.median(times[f"{name}_mixed"])
+                row[f"{name}_mixed_speedup"] = row[f"{name}_ms"] / row[f"{name}_mixed_ms"]
         results["rows"].append(row)
         print(f"length {length:5d}: BERT {row['bert_ms']:8.1f} ms ({row['bert_params']:,} params), ModernBERT "
               f"{row['modernbert_ms']:8.1f} ms ({row['modernbert_params']:,} params): {row['speedup']:.2f}x"
               + (f"; band mask {row['modernbert_band_ms']:8.1f} ms" if args.band_too else ""), flush=True)
+        if args.mixed_matmuls:
+            print(f"             mixed matmuls: BERT {row['bert_mixed_ms']:8.1f} ms "
+                  f"({row['bert_mixed_speedup']:.2f}x float32's), ModernBERT {row['modernbert_mixed_ms']:8.1f} ms "
+                  f"({row['modernbert_mixed_speedup']:.2f}x); "
+                  "best of each: " + ", ".join(f"{n} {row[n + '_min_ms']:.1f}" for n in (
+                      "bert", "bert_mixed", "modernbert", "modernbert_mixed"))
+                  + f" ms; load average {row['load_average'][0][0]:.1f} -> {row['load_average'][1][0]:.1f}",
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return results
+
+
+def mixed_units(bert_cfg, modern_cfg, bert_params, modern_params, batch) -> dict:
+    """The two families' steps with `mixed_matmuls`, from the float32 variants' initial parameters."""
+    bert = BertForPreTraining(bert_cfg.replace(mixed_matmuls=True))
+    modern = modernbert.ModernBertForMaskedLM(dataclasses.replace(modern_cfg, mixed_matmuls=True))
+    bert_step = make_step(lambda p, b: bert.apply({"params": p}, b["input_ids"], b["input_mask"], b["segment_ids"],
+                                                  b["positions"]).mlm_logits, bert_params)
+    modern_step = make_step(lambda p, b: modern.apply({"params": p}, b["input_ids"], b["input_mask"],
+                                                      masked_positions=b["positions"])[1], modern_params)
+    return {"bert_mixed": lambda: bert_step(batch), "modernbert_mixed": lambda: modern_step(batch)}
 
 
 def main(argv=None):

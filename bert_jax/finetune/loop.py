@@ -118,7 +118,7 @@ def _prepare(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
     task = make_task(config)
     run_setup.use_prng_impl(config)
     if modernbert:
-        bert_config, init_params, vocab_file, do_lower_case = modernbert_tasks.load(config)
+        bert_config, init_params, vocab_file, do_lower_case = modernbert_tasks.load(config, workdir)
     elif config.get("tokenizer_json"):
         raise ValueError(f"config.tokenizer_json={config.tokenizer_json}: a tokenizer.json is read for "
                          "config.model_family=modernbert; BERT fine-tuning reads a WordPiece config.vocab_file")

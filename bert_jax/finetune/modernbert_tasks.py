@@ -19,8 +19,10 @@ evaluation, seeds and checkpoints are BERT's (`bert_jax.finetune.loop`):
   `bert_jax.formats.modernbert_hf`); its config decides the architecture. Its encoder (`model`) and
   prediction head (`head`: dense, activation, norm) are loaded as transformers loads them into a task
   class; the `classifier` starts fresh, drawn as transformers draws it. `config.model`'s `dtype`,
-  `attention_impl` and `local_blocks` apply; without an init checkpoint `config.model` holds
-  `ModernBertConfig`'s fields (`bert_jax.training.run_setup.modernbert_config_from`);
+  `attention_impl` and `local_blocks` apply, and `mixed_matmuls` as `config.cpu_bf16` decides on this
+  backend (as BERT's: bf16 matmuls with float32 outputs on a CPU where they pay; the decision recorded in
+  the workdir); without an init checkpoint `config.model` holds `ModernBertConfig`'s fields
+  (`bert_jax.training.run_setup.modernbert_config_from`);
 * the vocabulary: ModernBERT's own BPE `tokenizer.json` (`config.tokenizer_json`, else the checkpoint
   folder's when it has no `vocab.txt`; `data_pipeline.tasks.tokenizer_json`: the file's `[CLS]`,
   `[SEP]` and `[PAD]` ids, SQuAD answers from character offsets), or a WordPiece `vocab.txt`
@@ -30,8 +32,8 @@ evaluation, seeds and checkpoints are BERT's (`bert_jax.finetune.loop`):
   `label2id`; `model.safetensors`; the `tokenizer.json` with a `tokenizer_config.json` naming its
   special tokens, which `transformers.AutoTokenizer` loads, or `vocab.txt` with the casing), which
   `transformers.AutoModelForSequenceClassification` (etc.) loads;
-* BERT-only options are refused by name (`check_config`: FP8, the Pallas kernels, mixed matmuls,
-  scanned layers, remat, Google's GELU, `head_init="normal"`, `cpu_bf16="on"`);
+* BERT-only options are refused by name (`check_config`: FP8, the Pallas kernels, scanned layers,
+  remat, Google's GELU, `head_init="normal"`);
 * the mesh: `init_params` boxes the parameters with their logical axis names
   (`bert_jax.model.modernbert_axes`), so `config.mesh`'s fsdp and tensor sizes split them and the
   optimizer state as they split BERT's (the state's shardings, `mode=predict`'s too).
@@ -72,8 +74,7 @@ KINDS = {"classification": "sequence", "regression": "sequence", "span": "span",
 # config.model's fields that ModernBERT takes from the run, not from the checkpoint (transformers has no key).
 RUN_FIELDS = modernbert_hf.OWN_FIELDS
 # BERT's model options with no ModernBERT meaning: refused when set (truthy).
-BERT_ONLY = ("fp8", "fused_ops", "fused_ffn", "fused_qkv", "mixed_matmuls", "separate_qkv", "scan_layers",
-             "causal_attention")
+BERT_ONLY = ("fp8", "fused_ops", "fused_ffn", "fused_qkv", "separate_qkv", "scan_layers", "causal_attention")
 # The parameters an init checkpoint gives a task model (transformers loads the same into its task classes).
 PRETRAINED_PARTS = ("model", "head")
 
@@ -107,9 +108,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     if config.get("head_init", "truncated_normal") != "truncated_normal":
         raise ValueError(f"config.head_init={config.head_init!r} draws BERT's head; ModernBERT's classifier is "
                          "drawn as transformers draws it: leave config.head_init at 'truncated_normal'")
-    if config.get("cpu_bf16", "auto") == "on":
-        raise ValueError("config.cpu_bf16='on' sets BERT's config.model.mixed_matmuls; ModernBERT runs in "
-                         "config.model.dtype: set config.cpu_bf16='off' (or 'auto', which leaves it alone)")
 
 
 def vocabulary(config: ml_collections.ConfigDict) -> str:
@@ -124,15 +122,17 @@ def vocabulary(config: ml_collections.ConfigDict) -> str:
     return tokenizer_json or vocab_file
 
 
-def load(config: ml_collections.ConfigDict) -> tuple[ModernBertConfig, Optional[dict], str, Optional[bool]]:
+def load(config: ml_collections.ConfigDict,
+         workdir: Optional[str] = None) -> tuple[ModernBertConfig, Optional[dict], str, Optional[bool]]:
     """(model config, the init checkpoint's `{"model", "head"}` parameters or None, vocabulary (a
-    tokenizer.json or a vocab.txt), casing or None) of a ModernBERT run."""
+    tokenizer.json or a vocab.txt), casing or None) of a ModernBERT run; `workdir` keeps
+    `config.cpu_bf16`'s decision for a resumed run."""
     check_config(config)
     init = config.get("init_checkpoint", "")
     vocab_file, do_lower_case = vocabulary(config), config.do_lower_case
     if not init:
         logging.warning("config.init_checkpoint is empty: the encoder starts from a random initialization")
-        return run_setup.modernbert_config_from(config), None, vocab_file, do_lower_case
+        return run_setup.modernbert_config_from(config, workdir), None, vocab_file, do_lower_case
     model = config.model.to_dict()
     ours = {k: model[k] for k in RUN_FIELDS if k in model}
     try:
@@ -142,6 +142,7 @@ def load(config: ml_collections.ConfigDict) -> tuple[ModernBertConfig, Optional[
                          f"(config.model_family=modernbert): {e}") from e
     if task is not None:
         logging.info("config.init_checkpoint is a fine-tuned %s: its classifier is not used", task["kind"])
+    mb_config = run_setup.modernbert_cpu_bf16(config, mb_config, workdir)
     if not vocab_file:  # the folder's vocab.txt, else its tokenizer.json
         vocab_file = next((p for p in (storage_paths.join(init, n) for n in (layout.VOCAB, layout.TOKENIZER_JSON))
                            if storage.isfile(p)), "")
@@ -197,6 +198,7 @@ def finetuned(workdir: str, which: str, config: ml_collections.ConfigDict) -> tu
     mb_config, params, exported = modernbert_hf.load(directory, **{k: model[k] for k in RUN_FIELDS if k in model})
     if exported is None:
         raise ValueError(f"{directory}: a ModernBERT masked LM, not a fine-tuned task model")
+    mb_config = run_setup.modernbert_cpu_bf16(config, mb_config)
     vocab_file = vocabulary(config) or next(
         (p for p in (storage_paths.join(directory, n) for n in (layout.VOCAB, layout.TOKENIZER_JSON))
          if storage.isfile(p)), "")

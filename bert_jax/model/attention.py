@@ -92,6 +92,56 @@ def band(length: int, half_window: int) -> Array:
     return jnp.asarray(np.abs(i[:, None] - i[None, :]) <= half_window)[None, None]
 
 
+def banded_attention(query: Array, key: Array, value: Array, keys_ok: Array, pack_ids: Optional[Array],
+                     half_window: int, dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None,
+                     mixed_matmuls: bool = False) -> Array:
+    """Local attention computed by blocks: what the band mask computes for every real query, at ~3/`L` of its cost.
+
+    The row is cut into blocks of `half_window` tokens; a query's keys within `half_window` lie in its
+    own block and the two beside it, so each block of queries scores only those `3 * half_window` keys
+    (masked to the band, to real keys and to its own packed sequence) instead of all `L`. A real query's
+    result equals the masked full attention's (the same keys, the same float32 softmax); a padding
+    query with no real key in reach averages its window instead of the row (no real token reads it).
+
+    query, key, value: `[batch, length, heads, head_dim]`; keys_ok: `[batch, length]` real keys;
+    pack_ids: `[batch, length]` or None; mixed_matmuls: the two matmuls with bf16 inputs, float32 out.
+    Returns `[batch, length, heads, head_dim]`.
+    """
+    batch, length, heads, head_dim = query.shape
+    w = max(half_window, 1)
+    n = -(-length // w)
+    padded = n * w
+    pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
+                                     constant_values=value)
+    ids = jnp.ones((batch, length), jnp.int32) if pack_ids is None else pack_ids.astype(jnp.int32)
+    q = pad(query).reshape(batch, n, w, heads, head_dim)
+
+    def context(x, value=0):  # [batch, n, 3w, ...]: blocks k-1, k, k+1 for every block k
+        x = jnp.pad(pad(x, value), [(0, 0), (w, w)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+        x = x.reshape(batch, n + 2, w, *x.shape[2:])
+        return jnp.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)
+
+    k, v = context(key), context(value)
+    k_ok, k_ids = context(keys_ok.astype(bool), False), context(ids, -1)
+    q_ids = pad(ids, -2).reshape(batch, n, w)
+    offsets = np.arange(w)[:, None] - (np.arange(3 * w)[None, :] - w)  # query - key, [w, 3w]
+    mask = jnp.asarray(np.abs(offsets) <= half_window)[None, None]
+    mask = mask & k_ok[:, :, None, :] & (q_ids[..., None] == k_ids[:, :, None, :])  # [batch, n, w, 3w]
+    if mixed_matmuls:  # [batch, n, heads, w, 3w]
+        logits = mixed_precision.einsum("bnqhd,bnkhd->bnhqk", q, k) / np.sqrt(head_dim)
+    else:
+        logits = jnp.einsum("bnqhd,bnkhd->bnhqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(head_dim)
+    logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        probs = dropout(probs, dropout_rate, dropout_rng)
+    if mixed_matmuls:  # [batch, n, w, heads, head_dim]
+        out = mixed_precision.einsum("bnhqk,bnkhd->bnqhd", probs, v).astype(value.dtype)
+    else:
+        out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs.astype(value.dtype), v)
+    return out.reshape(batch, padded, heads, head_dim)[:, :length]
+
+
 # ---------------------------------------------------------------------------------------------
 # The dispatch
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +235,7 @@ def local_kernel(query: Array, local_window: int, impl: str,
       above 0 without `is_causal`. The refusal is logged once per shape and the window falls back
       to the band mask, whatever XLA or cuDNN then computes with it (as on CPU), so a later jax
       that takes a two-sided window gets it with no change here;
-    * None: the caller's band mask (`band`), or ModernBERT's blocks (`modernbert.banded_attention`).
+    * None: the caller's band mask (`band`), or ModernBERT's blocks (`banded_attention`).
 
     Only `impl="dot_product"` uses the kernels.
     """

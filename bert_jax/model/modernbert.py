@@ -22,7 +22,7 @@ restart at each sequence's first token, so a packed row computes what the sequen
 
 Which attention computes a layer (`attention_impl`, `local_blocks`; `bert_jax.model.attention`):
 "einsum" everywhere, and "dot_product" off TPU and GPU: global layers the masked attention, local
-layers by blocks (`banded_attention`) where the row is longer than three blocks, else the band mask.
+layers by blocks (`attention.banded_attention`) where the row is longer than three blocks, else the band mask.
 "dot_product" on TPU: splash attention in every layer (its `LocalMask` in local layers), with the
 sequence ids (`make_sequence_ids`: padding queries attend to padding, no real token's output
 changes); on GPU: cuDNN's fused kernel on global layers, and on local layers cuDNN's own window
@@ -32,7 +32,11 @@ or the band mask as on CPU.
 Numerics as BERT's: parameters float32, matmuls in `compute_dtype`, LayerNorm, softmax, RoPE and
 the logits in float32. On a mesh the activations are constrained at block edges as BERT's; the
 parameters' logical axis names are `bert_jax.model.modernbert_axes`' (the training paths box them after
-`init`). This module must not import tensorflow.
+`init`). With `mixed_matmuls` (a float32 model; `config.cpu_bf16` sets it on CPUs with bf16 units)
+every matmul, forward and both gradients, takes bfloat16 inputs and accumulates and returns float32
+(`bert_jax.model.mixed_precision`, BERT's path): Wqkv, Wo, the MLP's Wi and Wo, the attention's scores
+and context (the full-mask path and `attention.banded_attention`'s blocks), the heads' dense layers, the tied
+decoder and the task classifier. This module must not import tensorflow.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bert_jax.model import attention as attention_lib
-from bert_jax.model import dropout as dropout_lib
+from bert_jax.model import mixed_precision
 from data_pipeline import storage
 
 Array = jax.Array
@@ -106,6 +110,9 @@ class ModernBertConfig:
     # Local layers by blocks (`banded_attention`: ~3 x local_attention / 2 keys a query) where the row is
     # longer than three blocks; False: the full attention with the band mask (every query scores every key).
     local_blocks: bool = True
+    # Every matmul with bfloat16 inputs and float32 accumulation and output (module docstring); needs
+    # dtype="float32". How a run computes, not what the model is: not in config.json.
+    mixed_matmuls: bool = False
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -123,6 +130,9 @@ class ModernBertConfig:
             raise ValueError(f"classifier_pooling={self.classifier_pooling!r}: 'cls' or 'mean'")
         if self.global_attn_every_n_layers < 1 or self.local_attention < 0:
             raise ValueError("global_attn_every_n_layers must be >= 1 and local_attention >= 0")
+        if self.mixed_matmuls and self.dtype != "float32":
+            raise ValueError(f"mixed_matmuls runs the matmuls in bfloat16 within a float32 model: it needs "
+                             f"dtype='float32', got dtype={self.dtype!r}")
 
     @property
     def head_dim(self) -> int:
@@ -148,7 +158,7 @@ class ModernBertConfig:
         if d.get("model_type") not in (None, "modernbert"):
             raise ValueError(f"model_type={d.get('model_type')!r} is not a ModernBERT config")
         known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in known and k not in ("dtype",)}
+        kwargs = {k: v for k, v in d.items() if k in known and k not in ("dtype", "mixed_matmuls")}
         rope = d.get("rope_parameters") or {}
         for kind, field in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
             params = rope.get(kind) or {}
@@ -167,7 +177,7 @@ class ModernBertConfig:
 
     def to_hf_dict(self) -> dict:
         """transformers' `config.json` for `ModernBertForMaskedLM`, read by transformers 4.48+ and 5."""
-        ours = {"dtype", "attention_impl", "local_blocks"}
+        ours = {"dtype", "attention_impl", "local_blocks", "mixed_matmuls"}
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ours}
         d.update(model_type="modernbert", architectures=["ModernBertForMaskedLM"], tie_word_embeddings=True,
                  layer_types=self.layer_types(), torch_dtype="float32",
@@ -209,9 +219,16 @@ class LayerNorm(nn.Module):
         return y.astype(cfg.compute_dtype)
 
 
+def _mixed_dot(x: Array, kernel: Array, dimension_numbers, precision=None) -> Array:
+    """`nn.Dense`'s matmul (x's last axis against the kernel's first) with bf16 inputs, float32 out."""
+    del dimension_numbers, precision  # always nn.Dense's: (((x.ndim - 1,), (0,)), ((), ()))
+    return mixed_precision.einsum(mixed_precision.dense_spec(x.ndim, 1, 1), x, kernel)
+
+
 def _dense(config: ModernBertConfig, features: int, bias: bool, std: float, name: str) -> nn.Dense:
     return nn.Dense(features, use_bias=bias, dtype=config.compute_dtype, param_dtype=jnp.float32,
-                    kernel_init=_init(config, std), name=name)
+                    kernel_init=_init(config, std), name=name,
+                    dot_general=_mixed_dot if config.mixed_matmuls else None)
 
 
 def rotary(config: ModernBertConfig, positions: Array, is_global: bool) -> tuple[Array, Array]:
@@ -243,48 +260,6 @@ def positions_of(input_mask: Array, pack_ids: Optional[Array]) -> Array:
     return index - first
 
 
-def banded_attention(query: Array, key: Array, value: Array, keys_ok: Array, pack_ids: Optional[Array],
-                     half_window: int, dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None) -> Array:
-    """Local attention computed by blocks: what the band mask computes for every real query, at ~3/`L` of its cost.
-
-    The row is cut into blocks of `half_window` tokens; a query's keys within `half_window` lie in its
-    own block and the two beside it, so each block of queries scores only those `3 * half_window` keys
-    (masked to the band, to real keys and to its own packed sequence) instead of all `L`. A real query's
-    result equals the masked full attention's (the same keys, the same float32 softmax); a padding
-    query with no real key in reach averages its window instead of the row (no real token reads it).
-
-    query, key, value: `[batch, length, heads, head_dim]`; keys_ok: `[batch, length]` real keys;
-    pack_ids: `[batch, length]` or None. Returns `[batch, length, heads, head_dim]`.
-    """
-    batch, length, heads, head_dim = query.shape
-    w = max(half_window, 1)
-    n = -(-length // w)
-    padded = n * w
-    pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
-                                     constant_values=value)
-    ids = jnp.ones((batch, length), jnp.int32) if pack_ids is None else pack_ids.astype(jnp.int32)
-    q = pad(query).reshape(batch, n, w, heads, head_dim)
-
-    def context(x, value=0):  # [batch, n, 3w, ...]: blocks k-1, k, k+1 for every block k
-        x = jnp.pad(pad(x, value), [(0, 0), (w, w)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
-        x = x.reshape(batch, n + 2, w, *x.shape[2:])
-        return jnp.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)
-
-    k, v = context(key), context(value)
-    k_ok, k_ids = context(keys_ok.astype(bool), False), context(ids, -1)
-    q_ids = pad(ids, -2).reshape(batch, n, w)
-    offsets = np.arange(w)[:, None] - (np.arange(3 * w)[None, :] - w)  # query - key, [w, 3w]
-    mask = jnp.asarray(np.abs(offsets) <= half_window)[None, None]
-    mask = mask & k_ok[:, :, None, :] & (q_ids[..., None] == k_ids[:, :, None, :])  # [batch, n, w, 3w]
-    logits = jnp.einsum("bnqhd,bnkhd->bnhqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(head_dim)
-    logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    if dropout_rate > 0.0 and dropout_rng is not None:
-        probs = dropout_lib.dropout(probs, dropout_rate, dropout_rng)
-    out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs.astype(value.dtype), v)
-    return out.reshape(batch, padded, heads, head_dim)[:, :length]
-
-
 class Attention(nn.Module):
     config: ModernBertConfig
     is_global: bool
@@ -309,11 +284,12 @@ class Attention(nn.Module):
         # else blocks where the row is long enough, else the band mask (`attention_lib.local_kernel`).
         if (window is not None and cfg.local_blocks and length > 3 * max(window, 1)
                 and attention_lib.local_kernel(query, window, cfg.attention_impl, sequence_ids) is None):
-            context = banded_attention(query, key, value, keys_ok, pack_ids, window, rate, rng)
+            context = attention_lib.banded_attention(query, key, value, keys_ok, pack_ids, window, rate, rng,
+                                                     cfg.mixed_matmuls)
         else:
             context = attention_lib.attention(query, key, value, mask, impl=cfg.attention_impl,
                                               sequence_ids=sequence_ids, local_window=window,
-                                              dropout_rate=rate, dropout_rng=rng)
+                                              dropout_rate=rate, dropout_rng=rng, mixed_matmuls=cfg.mixed_matmuls)
         context = nn.with_logical_constraint(context, attention_lib.ACT_HEADS)
         out = _dense(cfg, cfg.hidden_size, cfg.attention_bias, out_std, "Wo")(
             context.reshape(batch, length, cfg.hidden_size))  # [batch, length, hidden]
@@ -394,6 +370,9 @@ class ModernBertModel(nn.Module):
         CPU) gave wrong gradients for the tied matrix on a 2x2x2 mesh, with the right loss
         (tests/pretrain/test_modernbert_sharding.py)."""
         embedding = nn.with_logical_constraint(self.tok_embeddings.embedding, ("vocab", None))  # [vocab, hidden]
+        if self.config.mixed_matmuls:  # [..., hidden] x [vocab, hidden] -> [..., vocab]
+            rows = "abcdefg"[:hidden.ndim - 1]
+            return mixed_precision.einsum(f"{rows}h,vh->{rows}v", hidden, embedding)
         return jnp.dot(hidden.astype(jnp.float32), embedding.T)  # [..., vocab]
 
 
@@ -492,7 +471,8 @@ class ModernBertForTask(nn.Module):
         x = nn.Dropout(cfg.classifier_dropout)(x, deterministic=deterministic)
         width = 1 if self.kind == "multiple_choice" else self.num_outputs
         logits = nn.Dense(width, dtype=jnp.float32, param_dtype=jnp.float32, name="classifier",
-                          kernel_init=_init(cfg, cfg.hidden_size ** -0.5))(x.astype(jnp.float32))
+                          kernel_init=_init(cfg, cfg.hidden_size ** -0.5),
+                          dot_general=_mixed_dot if cfg.mixed_matmuls else None)(x.astype(jnp.float32))
         if choices is not None:
             return logits.reshape(-1, choices)
         return logits

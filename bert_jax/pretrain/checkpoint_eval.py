@@ -61,7 +61,7 @@ def _modernbert(config: ml_collections.ConfigDict, mesh):
     `modernbert_axes`) of a ModernBERT `config.init_checkpoint`."""
     model_config, params, where = model_family.load_modernbert(config.init_checkpoint)
     ours = {k: config.model[k] for k in modernbert_hf.OWN_FIELDS if k in config.model}
-    model_config = dataclasses.replace(model_config, **ours)
+    model_config = run_setup.modernbert_cpu_bf16(config, dataclasses.replace(model_config, **ours))
     model_family.check(config, model_config)
     logging.info("evaluating %s", where)
     shardings = sharding.logical_to_sharding(modernbert_axes.with_logical_axes(params), mesh)

@@ -70,10 +70,10 @@ def check_special_token_ids(model_config, special_ids: Optional[dict], where: st
 # What a run may set apart from its ModernBERT init checkpoint: our own fields, regularization, the
 # initialization (unused: the weights are the checkpoint's), the special-token ids and the classifier's
 # settings (no weights of the masked-LM model).
-NOT_ARCHITECTURE = ("dtype", "attention_impl", "local_blocks", "attention_dropout", "embedding_dropout",
-                    "mlp_dropout", "initializer_range", "initializer_cutoff_factor", "pad_token_id",
-                    "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id", "classifier_pooling",
-                    "classifier_dropout", "classifier_bias", "classifier_activation")
+NOT_ARCHITECTURE = ("dtype", "attention_impl", "local_blocks", "mixed_matmuls", "attention_dropout",
+                    "embedding_dropout", "mlp_dropout", "initializer_range", "initializer_cutoff_factor",
+                    "pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id",
+                    "classifier_pooling", "classifier_dropout", "classifier_bias", "classifier_activation")
 
 
 def load_modernbert(path: str) -> tuple[ModernBertConfig, dict, str]:

@@ -2,7 +2,8 @@
 
 - the model's config (`model_config_from`, by `config.model_family`): BERT's (`bert_config_from`:
   `config.model`, or an init checkpoint's with the run's own settings over it: `RUN_KEYS`,
-  `SETTING_KEYS`; `ARCHITECTURE_KEYS` are the checkpoint's) or ModernBERT's (`modernbert_config_from`);
+  `SETTING_KEYS`; `ARCHITECTURE_KEYS` are the checkpoint's) or ModernBERT's (`modernbert_config_from`,
+  `modernbert_cpu_bf16` for a checkpoint's), `model.mixed_matmuls` as `config.cpu_bf16` decides for both;
 - jax's random-bit generator (`use_prng_impl`, `config.prng_impl`);
 - a checkpoint's parameters, sharded onto the mesh (`load_params`, `init_from_checkpoint`: any
   format `bert_jax.convert` reads, or a bert_jax workdir's train state);
@@ -90,25 +91,32 @@ def model_config_from(config: ml_collections.ConfigDict, given: Optional[Iterabl
     if family not in MODEL_FAMILIES:
         raise ValueError(f"config.model_family={family!r}: one of {MODEL_FAMILIES}")
     if family == "modernbert":
-        return modernbert_config_from(config)
+        return modernbert_config_from(config, workdir)
     return bert_config_from(config, given, workdir)
 
 
-def modernbert_config_from(config: ml_collections.ConfigDict) -> ModernBertConfig:
-    """`config.model` (ModernBertConfig's fields, transformers' names) as a `ModernBertConfig`.
+def modernbert_config_from(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -> ModernBertConfig:
+    """`config.model` (ModernBertConfig's fields, transformers' names) as a `ModernBertConfig`, with
+    `mixed_matmuls` as `config.cpu_bf16` decides on this backend (as BERT's, `bert_config_from`; a
+    training run passes its `workdir`, where "auto"'s decision is recorded for its resumption).
 
-    A key ModernBERT has no field for (BERT's `fp8`, `scan_layers`, ...) is refused naming it;
-    `config.cpu_bf16="on"` is refused (ModernBERT has no mixed-matmul path: "auto" and "off" run it
-    in `config.model.dtype`)."""
+    A key ModernBERT has no field for (BERT's `fp8`, `scan_layers`, ...) is refused naming it."""
     model = config.model.to_dict()
     unknown = sorted(set(model) - {f.name for f in dataclasses.fields(ModernBertConfig)})
     if unknown:
         raise ValueError(f"config.model.{unknown[0]} (of {unknown}): not a field of ModernBertConfig "
                          f"(config.model_family='modernbert'; BERT-only options do not apply)")
-    if config.get("cpu_bf16", "auto") == "on":
-        raise ValueError("config.cpu_bf16='on' sets BERT's model.mixed_matmuls, which ModernBERT does not have "
-                         "(config.model_family='modernbert'): set config.cpu_bf16='off'")
-    return ModernBertConfig(**model)
+    return ModernBertConfig(**cpu_bf16.resolve(model, config.get("cpu_bf16", "auto"), workdir))
+
+
+def modernbert_cpu_bf16(config: ml_collections.ConfigDict, model_config: ModernBertConfig,
+                        workdir: Optional[str] = None) -> ModernBertConfig:
+    """A ModernBERT checkpoint's config (fine-tuning's init checkpoint, a fine-tuned model to predict
+    with, a checkpoint to evaluate) with `mixed_matmuls` as `config.cpu_bf16` decides on this backend from
+    `config.model.mixed_matmuls` (default False): how this run computes, whatever the checkpoint's run did."""
+    model = dict(dataclasses.asdict(model_config), mixed_matmuls=bool(config.model.get("mixed_matmuls", False)))
+    chosen = cpu_bf16.resolve(model, config.get("cpu_bf16", "auto"), workdir)["mixed_matmuls"]
+    return dataclasses.replace(model_config, mixed_matmuls=chosen)
 
 
 PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")

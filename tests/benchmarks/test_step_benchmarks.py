@@ -156,3 +156,41 @@ def test_modernbert_vs_bert_compares_equal_widths_and_feed_forward_parameters():
     batch = {"input_ids": ids, "positions": positions, "labels": labels}
     first, second = float(step(batch)), float(step(batch))
     assert second < first  # AdamW moved the parameters downhill on the same batch
+
+
+def test_modernbert_vs_bert_mixed_variants_are_each_family_with_bf16_matmuls(monkeypatch):
+    """benchmarks/step/modernbert_vs_bert.py --mixed_matmuls: the two extra variants start from the float32
+    variants' parameters, and every dot of their loss's gradient takes bf16 and returns float32 (traced,
+    not timed)."""
+    import jax.extend
+
+    from benchmarks.step import modernbert_vs_bert as bench
+
+    args = bench.parse_args(["--lengths=16", "--hidden=32", "--layers=3", "--heads=2", "--vocab=64",
+                             "--local_attention=4", "--mixed_matmuls"])
+    bert_cfg, modern_cfg = bench.models(args, 16)
+    ids = jnp.asarray(np.arange(32, dtype=np.int32).reshape(2, 16) % 64)
+    batch = {"input_ids": ids, "input_mask": jnp.ones_like(ids), "segment_ids": jnp.zeros_like(ids),
+             "positions": jnp.asarray([[1, 5], [2, 9]], jnp.int32)}
+    bert_params = bench.BertForPreTraining(bert_cfg).init(jax.random.key(0), ids, batch["input_mask"],
+                                                          batch["segment_ids"], batch["positions"])["params"]
+    modern_params = bench.modernbert.ModernBertForMaskedLM(modern_cfg).init(
+        jax.random.key(0), ids, batch["input_mask"], masked_positions=batch["positions"])["params"]
+    made = []
+    monkeypatch.setattr(bench, "make_step", lambda logits, params: made.append((logits, params)) or (lambda b: None))
+    assert sorted(bench.mixed_units(bert_cfg, modern_cfg, bert_params, modern_params, batch)) == [
+        "bert_mixed", "modernbert_mixed"]
+    assert made[0][1] is bert_params and made[1][1] is modern_params
+
+    def dots(jaxpr):
+        found = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append((tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype)))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                found += dots(sub)
+        return found
+
+    for logits, params in made:
+        found = dots(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(logits(p, batch) ** 2)))(params).jaxpr)
+        assert len(found) >= 3 * 6 * 3 and all(d == (("bfloat16", "bfloat16"), "float32") for d in found), found

@@ -200,11 +200,9 @@ def test_each_task_family_learns_and_its_export_gives_the_loops_evaluation(tmp_p
     ({"model.fused_ops": True}, "config.model.fused_ops"),
     ({"model.fp8": True}, "config.model.fp8"),
     ({"model.scan_layers": True}, "config.model.scan_layers"),
-    ({"model.mixed_matmuls": True}, "config.model.mixed_matmuls"),
     ({"model.remat_policy": "full"}, "config.model.remat_policy"),
     ({"google_gelu": "tanh"}, "config.google_gelu"),
     ({"head_init": "normal"}, "config.head_init"),
-    ({"cpu_bf16": "on"}, "config.cpu_bf16"),
     ({"model_family": "roberta"}, "config.model_family"),
 ])
 def test_bert_only_options_are_refused_by_name(tmp_path, modernbert, override, named):
@@ -235,6 +233,23 @@ def test_a_bert_checkpoint_or_a_broken_tokenizer_json_is_refused_by_name(tmp_pat
     config = tiny(glue_config.get_config(), "sst2", data, bpe_only, model_family="modernbert")
     with pytest.raises(ValueError, match=r"bpe_only/tokenizer\.json: not a HuggingFace tokenizer\.json"):
         finetune.run(config, str(tmp_path / "b"))
+
+
+def test_on_a_bf16_cpu_the_loop_fine_tunes_with_mixed_matmuls(tmp_path, modernbert, planted_cpu):
+    """`config.cpu_bf16` reaches the loop's ModernBERT (`loop._prepare`: the model `run` trains), recorded in
+    the workdir for a resumed run: "auto" takes the mixed matmuls on a planted CPU with avx512_bf16 where
+    bf16 pays, "off" leaves the float32 model; config.model.mixed_matmuls (once refused) is taken as set."""
+    from bert_jax import layout
+
+    planted_cpu(["avx512_bf16"], 1.8)
+    config = tiny(glue_config.get_config(), "sst2", sst2_files(tmp_path), modernbert["dir"], model_family="modernbert",
+                  vocab_file=modernbert["vocab"])
+    assert finetune._prepare(config, str(tmp_path / "w"))[1].mixed_matmuls is True
+    assert read_json(tmp_path / "w" / layout.CPU_BF16)["mixed_matmuls"] is True
+    config.cpu_bf16 = "off"
+    assert finetune._prepare(config, str(tmp_path / "w_off"))[1].mixed_matmuls is False
+    config.model.mixed_matmuls = True
+    assert finetune._prepare(config, str(tmp_path / "w_set"))[1].mixed_matmuls is True
 
 
 def test_without_an_init_checkpoint_config_model_holds_modernbert_fields():

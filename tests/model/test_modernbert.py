@@ -71,7 +71,7 @@ def test_attention_by_blocks_equals_the_band_masked_attention_for_every_real_que
     mask = attention.make_attention_mask(jnp.asarray(keys_ok), None if pack_ids is None else jnp.asarray(pack_ids))
     mask = mask & attention.band(length, half_window)
     want = attention.attention(q, k, v, mask, impl="einsum")
-    got = modernbert.banded_attention(q, k, v, jnp.asarray(keys_ok), None if pack_ids is None else jnp.asarray(pack_ids),
+    got = attention.banded_attention(q, k, v, jnp.asarray(keys_ok), None if pack_ids is None else jnp.asarray(pack_ids),
                                       half_window)
     real = keys_ok.astype(bool)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-6, rtol=0)

@@ -166,6 +166,36 @@ def test_main_resumed_from_step_4_ends_with_the_uninterrupted_parameters(records
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, ref)
 
 
+def test_on_a_bf16_cpu_auto_pretrains_in_the_mixed_form(records, uninterrupted, tmp_path, planted_cpu):
+    """`config.cpu_bf16` reaches the loop's ModernBERT: on a planted CPU with avx512_bf16 where bf16 pays,
+    "auto" records its decision in the workdir and trains with the mixed matmuls: its 8 steps end near the
+    float32 run's loss and parameters, not at them."""
+    from bert_jax import layout
+
+    planted_cpu(["avx512_bf16"], 1.8)
+    work = tmp_path / "auto"
+    loop.run(tiny_config(records), str(work))
+    got, want = saved_params(work, STEPS), saved_params(uninterrupted, STEPS)
+    assert json.loads((work / layout.CPU_BF16).read_text())["mixed_matmuls"] is True
+    leaves = jax.tree_util.tree_leaves
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(leaves(got), leaves(want)))
+    assert 0 < diff < 2e-3, diff
+    loss, float32_loss = losses(work)[STEPS], losses(uninterrupted)[STEPS]
+    assert loss != float32_loss and abs(loss - float32_loss) < 1e-2 * float32_loss, (loss, float32_loss)
+
+
+def test_on_a_bf16_cpu_off_pretrains_the_float32_parameters_to_the_bit(records, uninterrupted, tmp_path, planted_cpu):
+    """`config.cpu_bf16="off"` on the same planted CPU: nothing decided, and the float32 run's parameters to
+    the bit."""
+    from bert_jax import layout
+
+    planted_cpu(["avx512_bf16"], 1.8)
+    work = tmp_path / "off"
+    loop.run(tiny_config(records, cpu_bf16="off"), str(work))
+    assert not (work / layout.CPU_BF16).exists()
+    jax.tree_util.tree_map(np.testing.assert_array_equal, saved_params(work, STEPS), saved_params(uninterrupted, STEPS))
+
+
 def test_the_hf_export_reads_back_with_the_trained_logits(uninterrupted, tmp_path):
     import transformers
 
@@ -287,7 +317,6 @@ def test_modernbert_base_flops_count_by_hand():
     ("use_nsp", True, "config.use_nsp=True: ModernBERT pretrains with masked LM only"),
     ("objective", "ltr", "config.objective='ltr'"),
     ("masked_lm_prob", 1.5, r"config.masked_lm_prob=1.5 must be in \(0, 1\)"),
-    ("cpu_bf16", "on", "config.cpu_bf16='on'"),
 ])
 def test_what_modernbert_cannot_do_is_refused_before_training(records, tmp_path, key, value, match):
     from bert_jax import exit_codes

@@ -2,6 +2,7 @@
 default, one decision per run (several processes, a resumed run), and the switches that override it.
 The CPU is planted (its /proc/cpuinfo units and the probe's ratio): no test times this machine."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -9,33 +10,20 @@ import socket
 import subprocess
 import sys
 
-import jax
 import ml_collections
 import pytest
 
 from bert_jax import layout
-from bert_jax.model import mixed_precision, model_config
+from bert_jax.model import model_config
 from bert_jax.training import cpu_bf16, run_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
-def cpu(monkeypatch):
-    """Plants this CPU: `cpu(units, speedup)`; returns the list of probes run. The suite's pin of
-    "auto" to float32 (tests/conftest.py) is lifted, and the per-process decision forgotten."""
-    monkeypatch.delenv(cpu_bf16.ENV, raising=False)
-    cpu_bf16.decide.cache_clear()
-    probed = []
-
-    def plant(units, speedup=2.0):
-        monkeypatch.setattr(mixed_precision, "bf16_units", lambda: list(units))
-        monkeypatch.setattr(mixed_precision, "bf16_matmul_speedup", lambda: probed.append(1) or speedup)
-        cpu_bf16.decide.cache_clear()
-        return probed
-
-    yield plant
-    cpu_bf16.decide.cache_clear()
+def cpu(planted_cpu):
+    """Plants this CPU: `cpu(units, speedup)`; returns the list of probes run (tests/helpers/planted_cpu.py)."""
+    return planted_cpu
 
 
 def _config(setting="auto", **model) -> ml_collections.ConfigDict:
@@ -44,8 +32,8 @@ def _config(setting="auto", **model) -> ml_collections.ConfigDict:
 
 
 def test_auto_is_the_default_of_every_config_that_runs_the_model():
-    from configs import base, demo, glue, ner, own_data, pretrain_small, squad, swag
-    for module in (base, demo, glue, ner, own_data, pretrain_small, squad, swag):
+    from configs import base, demo, glue, modernbert_base, modernbert_tiny, ner, own_data, pretrain_small, squad, swag
+    for module in (base, demo, glue, modernbert_base, modernbert_tiny, ner, own_data, pretrain_small, squad, swag):
         assert module.get_config().cpu_bf16 == "auto", module.__name__
 
 
@@ -138,6 +126,59 @@ def test_a_checkpoint_run_by_a_cli_is_decided_here_whatever_it_recorded(cpu):
     assert cpu_bf16.for_checkpoint(trained.replace(mixed_matmuls=False), "on").mixed_matmuls is True
     with pytest.raises(ValueError, match="--cpu_bf16"):
         cpu_bf16.for_checkpoint(trained, "yes")
+
+
+def _modernbert(setting="auto", **model) -> ml_collections.ConfigDict:
+    from configs import modernbert_tiny
+    config = modernbert_tiny.get_config()
+    config.cpu_bf16 = setting
+    config.model.update(model)
+    return config
+
+
+def test_modernbert_pretraining_takes_the_decision_as_bert_does(cpu, tmp_path, monkeypatch):
+    """`run_setup.model_config_from` (the model `bert_jax.pretrain.loop` builds) of configs/modernbert_tiny.py:
+    "auto" takes the mixed matmuls where they pay and records it in the workdir; "off", a CPU without the
+    units, a bfloat16 model and BERT_JAX_CPU_BF16=off keep the float32 model; "on" takes them anywhere."""
+    probed = cpu(["avx512_bf16"], 1.8)
+    assert run_setup.model_config_from(_modernbert(), workdir=str(tmp_path)).mixed_matmuls is True
+    assert json.loads((tmp_path / layout.CPU_BF16).read_text())["mixed_matmuls"] is True
+    assert run_setup.model_config_from(_modernbert("off")).mixed_matmuls is False
+    assert run_setup.model_config_from(_modernbert(dtype="bfloat16")).mixed_matmuls is False
+    assert len(probed) == 1
+    cpu([], 0.5)
+    plain = run_setup.model_config_from(_modernbert())
+    assert plain == run_setup.model_config_from(_modernbert("off")) and plain.mixed_matmuls is False
+    assert run_setup.model_config_from(_modernbert("on")).mixed_matmuls is True
+    cpu(["avx512_bf16"], 1.8)
+    monkeypatch.setenv(cpu_bf16.ENV, "off")
+    assert run_setup.model_config_from(_modernbert()).mixed_matmuls is False
+    assert len(probed) == 1
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        run_setup.model_config_from(_modernbert("on", dtype="bfloat16"))
+
+
+def test_a_modernbert_checkpoint_runs_as_this_runs_decision_says(cpu, tmp_path):
+    """Fine-tuning from a transformers ModernBERT (`modernbert_tasks.load`), predicting with a fine-tuned one
+    and evaluating one (`run_setup.modernbert_cpu_bf16`): this run's decision, recorded in its workdir,
+    whatever the checkpoint's own run computed with."""
+    from bert_jax.finetune import modernbert_tasks
+    from configs import glue
+    from tests.helpers import modernbert_fixture
+
+    config = glue.get_config()
+    config.model_family = "modernbert"
+    config.init_checkpoint = modernbert_fixture.checkpoint(str(tmp_path / "hf"))
+    cpu(["amx_bf16"], 2.0)
+    assert modernbert_tasks.load(config, str(tmp_path / "w"))[0].mixed_matmuls is True
+    assert json.loads((tmp_path / "w" / layout.CPU_BF16).read_text())["mixed_matmuls"] is True
+    config.cpu_bf16 = "off"
+    trained = modernbert_tasks.load(config)[0]
+    assert trained.mixed_matmuls is False
+    recorded_mixed = dataclasses.replace(trained, mixed_matmuls=True)  # e.g. a checkpoint trained with them
+    assert run_setup.modernbert_cpu_bf16(config, recorded_mixed).mixed_matmuls is False
+    config.cpu_bf16 = "on"
+    assert run_setup.modernbert_cpu_bf16(config, trained).mixed_matmuls is True
 
 
 _HOST = """
