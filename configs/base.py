@@ -89,7 +89,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.global_batch_size = 256  # sequences per optimizer step, over all hosts
     config.grad_accum_steps = 1  # micro-batches per step (same update as the undivided batch)
     config.num_train_steps = 1_000_000  # optimizer steps (all phases together)
-    config.optimizer = "adamw"  # adamw | google_adamw (no bias correction, as TF1 BERT) | lamb
+    config.optimizer = "adamw"  # adamw | google_adamw (no bias correction, as TF1 BERT) | stableadamw | lamb
     config.learning_rate = 1e-4  # peak learning rate
     config.warmup_steps = 10_000  # linear warmup, then decay to 0
     config.lr_decay_power = 1.0  # 1 = linear decay; other values = polynomial

@@ -105,7 +105,7 @@ def get_finetune_config() -> ml_collections.ConfigDict:
     # False: warmup, then linear decay from the peak to 0 over the remaining steps. True: Google's
     # optimization.py, linear decay from step 0 over all steps, overridden during warmup.
     config.google_lr_schedule = False
-    config.optimizer = "adamw"  # adamw | google_adamw (no bias correction, as TF1 BERT) | lamb
+    config.optimizer = "adamw"  # adamw | google_adamw (no bias correction, as TF1 BERT) | stableadamw | lamb
     config.weight_decay = 0.01  # decoupled weight decay (not on LayerNorm or biases)
     config.adam_b1 = 0.9  # Adam beta1
     config.adam_b2 = 0.999  # Adam beta2

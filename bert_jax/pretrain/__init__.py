@@ -8,7 +8,7 @@
   feed             the per-host tf.data input made global, its position saved with the checkpoint
   startup_checks   what every host checks before compiling: config, mesh, data, vocab, token ids
   model_family     BERT or ModernBERT: the model, its init inputs, FLOPs, what ModernBERT refuses
-  phases           the phases of a two-phase run (length 128, then 512) over one schedule
+  phases           the phases of a run (length 128, then 512), each phase's own rate in one schedule
   divergence       the loss-spike rule and its statistic, `DivergenceError`, `config.skip_batches`
   rollback         rolling back past a loss spike; the batches skipped (`skipped_batches.json`)
   steps            the masked-LM / next-sentence / left-to-right losses, the train and eval steps,

@@ -28,7 +28,8 @@ code 78 (`bert_jax/exit_codes.py`), which a supervisor does not retry; a non-fin
 "stop" ends it with 80 (`NonFiniteLossError`), a divergence that stops it with 81.
 
 Two-phase pretraining (the paper's 90% of steps at length 128, 10% at 512) runs one optimizer
-and one learning-rate schedule over all steps; each phase has its own data and compiled step.
+and one learning-rate schedule over all steps (a phase may set its own rate in it: phases.py);
+each phase has its own data and compiled step.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from bert_jax.model import layers
 from bert_jax.model.model_config import BertConfig
 from bert_jax.pretrain import divergence, model_family, rollback, startup_checks, steps
 from bert_jax.pretrain.feed import make_eval_input, make_train_input, run_eval
-from bert_jax.pretrain.phases import resolve_phases
+from bert_jax.pretrain.phases import rate_changes, resolve_phases
 from bert_jax.training import optim, run_setup, sharding, train_state
 from bert_jax.workdir import metric_writer, write_model_files
 from data_pipeline.storage import paths as storage_paths
@@ -77,7 +78,8 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, mesh):
     schedule = optim.learning_rate_schedule(
         config.learning_rate, config.warmup_steps, config.num_train_steps,
         power=config.lr_decay_power, google_style=config.google_lr_schedule,
-        decay_steps=config.get("lr_decay_steps"), decay_shape=config.get("lr_decay_shape", "polynomial"))
+        decay_steps=config.get("lr_decay_steps"), decay_shape=config.get("lr_decay_shape", "polynomial"),
+        rate_changes=rate_changes(config))
     tx = optim.make_optimizer(config.optimizer, schedule, weight_decay=config.weight_decay,
                               b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
                               clip_norm=config.clip_norm or None)

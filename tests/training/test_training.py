@@ -458,7 +458,7 @@ def test_clipping_at_global_norm_one():
     np.testing.assert_allclose(tenth["w"], 0.1 * unit["w"], rtol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["adamw", "google_adamw", "lamb"])
+@pytest.mark.parametrize("name", ["adamw", "google_adamw", "stableadamw", "lamb"])
 def test_guarded_update_skips_non_finite_steps_and_otherwise_is_the_plain_update(name):
     tx = optim.make_optimizer(name, lambda s: 0.01, clip_norm=1.0)
     params = {"w": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "bias": jnp.array([0.1, -0.1])}
