@@ -14,6 +14,7 @@ from bert_jax.model import dropout
 from bert_jax.model.model_config import BertConfig
 from bert_jax.pretrain import steps
 from bert_jax.training import optim, train_state
+from tests.helpers.jaxpr_dots import dot_dtypes
 
 
 # configs/tiny.py with a learning rate that moves the parameters by about 1e-3 a step from the
@@ -182,15 +183,6 @@ def test_modernbert_vs_bert_mixed_variants_are_each_family_with_bf16_matmuls(mon
         "bert_mixed", "modernbert_mixed"]
     assert made[0][1] is bert_params and made[1][1] is modern_params
 
-    def dots(jaxpr):
-        found = []
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append((tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype)))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                found += dots(sub)
-        return found
-
     for logits, params in made:
-        found = dots(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(logits(p, batch) ** 2)))(params).jaxpr)
+        found = dot_dtypes(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(logits(p, batch) ** 2)))(params).jaxpr)
         assert len(found) >= 3 * 6 * 3 and all(d == (("bfloat16", "bfloat16"), "float32") for d in found), found

@@ -15,6 +15,7 @@ import pytest
 from bert_jax.finetune import heads
 from bert_jax.model import attention, mixed_precision, model_config, modeling
 from bert_jax.model.pretraining_heads import BertForPreTraining
+from tests.helpers.jaxpr_dots import dot_dtypes
 
 
 def _round(x):
@@ -51,21 +52,6 @@ def test_einsums_whose_gradient_needs_a_broadcast_are_refused():
     assert mixed_precision.dense_spec(3, 2, 1) == "abc,bcd->ad"
 
 
-def _dots(jaxpr) -> list:
-    """Every dot_general of a jaxpr, its sub-jaxprs too: (input dtypes, output dtype)."""
-    dots = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                dots.append((tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype)))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
-    return dots
-
-
 def _step_dots(cfg):
     """Every dot_general of the pretraining model's loss and gradients: (input dtypes, output dtype)."""
     batch = modeling.dummy_inputs(cfg, batch=2, length=16, predictions=3)
@@ -76,7 +62,7 @@ def _step_dots(cfg):
             "input_ids", "input_mask", "segment_ids", "masked_lm_positions")})
         return jnp.sum(out.mlm_logits ** 2) + jnp.sum(out.nsp_logits)
 
-    return _dots(jax.make_jaxpr(jax.value_and_grad(loss))(params)), loss, params
+    return dot_dtypes(jax.make_jaxpr(jax.value_and_grad(loss))(params)), loss, params
 
 
 CFG = model_config.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -165,7 +151,7 @@ def test_every_matmul_of_each_fine_tuning_head_takes_bf16_and_returns_float32(he
         model = heads.BertForTask(cfg, head, outputs)
         params = nn.meta.unbox(model.init(jax.random.key(0), *inputs)["params"])
         loss = lambda p: sum(jnp.sum(v ** 2) for v in model.apply({"params": p}, *inputs).values())  # noqa: E731
-        return _dots(jax.make_jaxpr(jax.grad(loss))(params))
+        return dot_dtypes(jax.make_jaxpr(jax.grad(loss))(params))
 
     mixed, plain = dots(CFG.replace(mixed_matmuls=True)), dots(CFG)
     assert len(mixed) == len(plain) >= 3 * 2 * 6, mixed  # the head's own: forward and both gradients

@@ -29,6 +29,7 @@ from bert_jax.model import modernbert
 from bert_jax.pretrain import model_family, steps
 from bert_jax.training import optim, train_state
 from tests.helpers import modernbert_fixture
+from tests.helpers.jaxpr_dots import dot_dtypes
 
 # Layer 0 global, 1 and 2 local with a band of 4 tokens each side: 24-token rows take `banded_attention`.
 CFG = modernbert.ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -267,17 +268,6 @@ def test_every_matmul_of_the_train_step_takes_bf16_and_returns_float32():
     assert all(dot == ("f32", "f32", "f32") for dot in plain), plain  # the float32 model is untouched
 
 
-def _jaxpr_dots(jaxpr) -> list:
-    """Every dot_general of a jaxpr, its sub-jaxprs too: (input dtypes, output dtype)."""
-    dots = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            dots.append((tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype)))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            dots += _jaxpr_dots(sub)
-    return dots
-
-
 @pytest.mark.parametrize("kind,num_outputs,shape", [("sequence", 3, (2, LENGTH)), ("span", 2, (2, LENGTH)),
                                                     ("multiple_choice", 1, (2, 2, LENGTH))])
 def test_every_matmul_of_a_task_models_gradient_takes_bf16_and_returns_float32(kind, num_outputs, shape):
@@ -288,7 +278,7 @@ def test_every_matmul_of_a_task_models_gradient_takes_bf16_and_returns_float32(k
         model = modernbert.ModernBertForTask(cfg, kind, num_outputs)
         params = nn.meta.unbox(model.init(jax.random.key(0), ids, mask)["params"])
         loss = lambda p: jnp.sum(model.apply({"params": p}, ids, mask) ** 2)  # noqa: E731
-        return _jaxpr_dots(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+        return dot_dtypes(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
 
     mixed, plain = dots(MIXED), dots(CFG)
     assert len(mixed) == len(plain) == DOTS, (len(mixed), len(plain))
