@@ -35,9 +35,7 @@ import subprocess
 import sys
 import time
 
-from experiments.pretraining_corpus import DATA, ROOT, log, stage_corpus, stage_records
-
-VOCAB = os.path.join(DATA, "vocab", "bert-base-uncased", "vocab.txt")
+from experiments.pretraining_corpus import CORPUS_DIR, ROOT, UNCASED_VOCAB, log, stage_corpus, stage_records
 
 
 def run_overrides(name: str, args, records: str, precision: str, seed: int) -> dict:
@@ -163,8 +161,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=300, help="pretrain_small's steps")
     p.add_argument("--demo_steps", type=int, default=0, help="0 = configs/demo.py's 600")
     p.add_argument("--window", type=int, default=25, help="steps per averaged training-loss point")
-    p.add_argument("--corpus_dir", default=os.path.join(DATA, "corpus"))
-    p.add_argument("--vocab_file", default=VOCAB)
+    p.add_argument("--corpus_dir", default=CORPUS_DIR)
+    p.add_argument("--vocab_file", default=UNCASED_VOCAB)
     return p.parse_args(argv)
 
 

@@ -53,7 +53,7 @@ import statistics
 import time
 
 from experiments import modernbert_vs_bert_glue as glue
-from experiments.pretraining_corpus import DATA, log, stage_corpus, stage_records
+from experiments.pretraining_corpus import CORPUS_DIR, UNCASED_VOCAB, log, stage_corpus, stage_records
 
 ARMS = ("bert", "modernbert")
 CALIBRATION_STEPS = 10  # each arm's first steps; the last 7 timed for the FLOPs budget
@@ -369,8 +369,8 @@ def markdown(report: dict) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", required=True, help="records and the report (the records are reused)")
-    p.add_argument("--corpus_dir", default=os.path.join(DATA, "corpus"))
-    p.add_argument("--vocab_file", default=os.path.join(DATA, "vocab", "bert-base-uncased", "vocab.txt"))
+    p.add_argument("--corpus_dir", default=CORPUS_DIR)
+    p.add_argument("--vocab_file", default=UNCASED_VOCAB)
     p.add_argument("--lengths", default="128,512")
     p.add_argument("--seconds", default="360,300", help="training seconds per arm, one per length")
     p.add_argument("--seeds", default="0")

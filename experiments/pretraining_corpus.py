@@ -18,6 +18,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
+CORPUS_DIR = os.path.join(DATA, "corpus")  # the real text the studies pretrain on (`stage_corpus`)
+UNCASED_VOCAB = os.path.join(DATA, "vocab", "bert-base-uncased", "vocab.txt")  # the released vocabulary
 
 TRAIN_SHARDS = 16  # training text files, each a mix of every source (stage_corpus says why)
 

@@ -46,7 +46,8 @@ import time
 # Stage 1 (corpus, vocabulary, records) lives in experiments.pretraining_corpus, stage 2 (pretraining)
 # in experiments.pretraining_run, stage 3 (fine-tuning both arms) in experiments.finetuning_arms.
 from experiments.finetuning_arms import ARMS, score, stage_finetune, stage_random_init
-from experiments.pretraining_corpus import DATA, log, stage_corpus, stage_records, stage_vocab, task_text_documents
+from experiments.pretraining_corpus import (CORPUS_DIR, DATA, UNCASED_VOCAB, log, stage_corpus, stage_records, stage_vocab,
+                                            task_text_documents)
 from experiments.pretraining_run import pretrain_overrides, pretraining_curves, stage_pretrain
 
 TASK_DIRS = {"sst2": "SST-2", "cola": "CoLA", "stsb": "STS-B", "mrpc": "MRPC", "rte": "RTE"}
@@ -143,9 +144,9 @@ def markdown(report: dict) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", required=True, help="everything the stages write (resumable)")
-    p.add_argument("--corpus_dir", default=os.path.join(DATA, "corpus"))
+    p.add_argument("--corpus_dir", default=CORPUS_DIR)
     p.add_argument("--glue_dir", default=os.path.join(DATA, "glue"))
-    p.add_argument("--vocab_file", default=os.path.join(DATA, "vocab", "bert-base-uncased", "vocab.txt"))
+    p.add_argument("--vocab_file", default=UNCASED_VOCAB)
     p.add_argument("--pretrain_steps", type=int, default=0, help="0 = configs/pretrain_small.py's")
     p.add_argument("--no_nsp", action="store_true", help="pretrain with masked LM only (no next-sentence loss)")
     p.add_argument("--task_text", default="",

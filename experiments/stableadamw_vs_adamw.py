@@ -33,7 +33,7 @@ import time
 from types import SimpleNamespace
 
 from experiments import modernbert_vs_bert
-from experiments.pretraining_corpus import DATA, log, stage_corpus, stage_records
+from experiments.pretraining_corpus import CORPUS_DIR, UNCASED_VOCAB, log, stage_corpus, stage_records
 
 LENGTH = 128
 ARMS = (("adamw", 1.0), ("stableadamw", 0.0))  # (config.optimizer, config.clip_norm)
@@ -92,8 +92,8 @@ def markdown(report: dict) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", required=True, help="records and the report (the records are reused)")
-    p.add_argument("--corpus_dir", default=os.path.join(DATA, "corpus"))
-    p.add_argument("--vocab_file", default=os.path.join(DATA, "vocab", "bert-base-uncased", "vocab.txt"))
+    p.add_argument("--corpus_dir", default=CORPUS_DIR)
+    p.add_argument("--vocab_file", default=UNCASED_VOCAB)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--rates", default="1e-3,4e-3", help="peak learning rates; 1e-3 is configs/modernbert_tiny.py's")

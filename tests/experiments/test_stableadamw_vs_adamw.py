@@ -6,9 +6,7 @@ import os
 import pytest
 
 from experiments import stableadamw_vs_adamw as exp
-
-VOCAB = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "shared", "data", "vocab",
-                     "bert-base-uncased", "vocab.txt")
+from experiments.pretraining_corpus import UNCASED_VOCAB as VOCAB
 
 
 def test_the_table_gives_each_seeds_end_difference_and_their_mean():
