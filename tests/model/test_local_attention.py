@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from bert_jax.model import attention, modernbert
+from tests.helpers.planted_splash import interpreted_splash
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH, LENGTH, HEADS, HEAD_DIM, HALF = 2, 384, 2, 64, 40  # three 128-token tiles: the window skips some
@@ -183,14 +184,7 @@ TINY = modernbert.ModernBertConfig(vocab_size=128, hidden_size=HEADS * HEAD_DIM,
 def test_modernbert_s_local_layers_reach_the_splash_kernel_with_their_window(monkeypatch):
     """With the kernel planted (`_splash_applies`), layer 0 (global) gets the full mask, layers 1 and 2 (local)
     the window of `local_attention // 2`, and the model equals the einsum model (local layers by blocks)."""
-    windows, kernel = [], attention._splash_attention
-
-    def splash(*args, **kwargs):
-        windows.append(kwargs["local_window"])
-        return kernel(*args, **kwargs, interpret=True)
-
-    monkeypatch.setattr(attention, "_splash_applies", lambda query: True)
-    monkeypatch.setattr(attention, "_splash_attention", splash)
+    calls = interpreted_splash(monkeypatch)
     length = 256
     input_mask = np.ones((2, length), np.int32)
     input_mask[1, 200:] = 0
@@ -200,8 +194,9 @@ def test_modernbert_s_local_layers_reach_the_splash_kernel_with_their_window(mon
     params = jax.jit(lambda: modernbert.ModernBertModel(TINY).init(jax.random.key(0), **inputs)["params"])()
     run = lambda cfg: jax.jit(lambda p: modernbert.ModernBertModel(cfg).apply({"params": p}, **inputs))(params)
     want = run(TINY)
-    assert windows == []  # einsum: no kernel
+    assert calls == []  # einsum: no kernel
     got = run(dataclasses.replace(TINY, attention_impl="dot_product"))
+    windows = [c["local_window"] for c in calls]
     assert windows == [None, 32, 32], windows
     real = input_mask.astype(bool)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-4, rtol=0)

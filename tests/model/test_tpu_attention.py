@@ -20,6 +20,7 @@ from bert_jax.model import attention
 from bert_jax.model.model_config import BertConfig
 from bert_jax.model.modeling import BertModel
 from bert_jax.training import sharding
+from tests.helpers.planted_splash import interpreted_splash
 
 BATCH, LENGTH, HEADS, HEAD_DIM = 4, 128, 2, 64
 
@@ -138,14 +139,7 @@ def test_dot_product_off_tpu_stays_xla_attention():
 
 def test_model_with_splash_matches_einsum(monkeypatch):
     """The sequence ids reach the kernel through the scanned encoder; packed rows with padding."""
-    calls, kernel = [], attention._splash_attention
-
-    def splash(*args, **kwargs):
-        calls.append(kwargs["causal"])
-        return kernel(*args, **kwargs, interpret=True)
-
-    monkeypatch.setattr(attention, "_splash_applies", lambda query: True)
-    monkeypatch.setattr(attention, "_splash_attention", splash)
+    calls = interpreted_splash(monkeypatch)
     config = BertConfig(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=256, max_position_embeddings=LENGTH, scan_layers=True,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -156,6 +150,6 @@ def test_model_with_splash_matches_einsum(monkeypatch):
     run = lambda cfg: jax.jit(lambda p: BertModel(cfg).apply({"params": p}, **inputs).sequence_output)
     want = run(config)(params)
     got = run(config.replace(attention_impl="dot_product"))(params)
-    assert calls and not any(calls)  # the splash path ran, without the causal mask
+    assert calls and not any(c["causal"] for c in calls)  # the splash path ran, without the causal mask
     real = np.asarray(input_mask, bool)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-4, rtol=0)
