@@ -62,9 +62,11 @@ def bf16_matmul_speedup(rows: int = 512, k: int = 768, n: int = 3072, repeats: i
     measured: a BERT-Base dense layer's `[rows, k] x [k, n]`, each form jitted and called once to
     warm up, then the best of `repeats` calls (~0.3 s in all on 2 cores). Reporting the units is not
     enough: an Intel Xeon (family 6 model 207) with `avx512_bf16` but no AMX ran this matmul 0.57x
-    as fast as float32, and PyTorch's bf16 matmul (oneDNN) 0.63x (2026-11-29, docs/performance.md)."""
-    a = jax.random.normal(jax.random.key(0), (rows, k), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
+    as fast as float32, and PyTorch's bf16 matmul (oneDNN) 0.63x (2026-11-29, docs/performance.md).
+    The operands are drawn by numpy: `jax.random.normal` would compile two programs (~0.3 s) at the
+    start of every run that decides "auto"."""
+    rng = np.random.default_rng(0)
+    a, b = (jax.device_put(rng.standard_normal(shape, np.float32)) for shape in ((rows, k), (k, n)))
     f32 = min(call_times(jax.jit(lambda a, b: a @ b), a, b, repeats))
     return f32 / min(call_times(jax.jit(lambda a, b: einsum("mk,kn->mn", a, b)), a, b, repeats))
 

@@ -4,6 +4,7 @@ einsums of the same values rounded to bfloat16 (an independent reference), by th
 dot in the training step's program, and as a whole model against the float32 one."""
 
 import functools
+import logging
 
 import flax.linen as nn
 import jax
@@ -132,6 +133,30 @@ def test_the_speedup_probe_times_the_path_the_model_takes(monkeypatch):
     assert timed == [(False, np.float32, 3), (True, np.float32, 3)]
     assert seen == [("mk,kn->mn", (16, 24), (24, 40))]
     assert speedup == pytest.approx(0.6 / 0.3)  # the best of each
+
+
+def test_the_speedup_probe_compiles_only_the_two_programs_it_times(monkeypatch):
+    """The probe runs at the start of every "auto" run: its operands come from numpy, so XLA
+    compiles the float32 matmul and the mixed one and nothing else (`jax.random.normal` compiled
+    two more programs, ~0.3 s). Odd shapes, so no earlier test's cached program hides a compile."""
+    compiled = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Finished XLA compilation of "):
+                compiled.append(message.split()[4])
+
+    handler, logger = Handler(level=logging.DEBUG), logging.getLogger("jax")
+    logger.addHandler(handler)
+    monkeypatch.setattr(mixed_precision, "call_times", lambda fn, a, b, repeats: [np.asarray(fn(a, b)).size])
+    jax.config.update("jax_log_compiles", True)
+    try:
+        mixed_precision.bf16_matmul_speedup(rows=7, k=13, n=11, repeats=1)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+    assert sorted(compiled) == ["jit(<lambda>)", "jit(<lambda>)"], compiled
 
 
 def test_bad_settings_are_refused_naming_them():
