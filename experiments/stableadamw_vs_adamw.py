@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
     started = time.time()
     corpus = os.path.join(args.workdir, "corpus")
     report = {"issue": 72, "corpus": stage_corpus(args.corpus_dir, corpus), "runs": [],
-              "settings": {k: v for k, v in vars(args).items()}}
+              "settings": dict(vars(args))}
     records = os.path.join(args.workdir, f"records_{LENGTH}")
     report["records"] = stage_records(corpus, records, args.vocab_file, dupe_factor=args.dupe_factor,
                                       seq_len=LENGTH, predictions=modernbert_vs_bert.predictions(LENGTH),
@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
         for rate in args.rates:
             for optimizer, clip_norm in ARMS:
                 report["runs"].append(run_arm(optimizer, clip_norm, rate, seed, args, records))
-    digests = {(r["seed"]): set() for r in report["runs"]}
+    digests = {r["seed"]: set() for r in report["runs"]}
     for r in report["runs"]:
         digests[r["seed"]].add(tuple(r.pop("batch_digests")))
     report["same_batches_per_seed"] = all(len(d) == 1 for d in digests.values())
